@@ -1,0 +1,153 @@
+"""Metrics as (numerator, denominator) pairs: summed over micro-batches and shards, divided once.
+
+A metric reported by jppo is a whole-mini-batch value: it must not change when only the micro-batch size,
+token-budget packing or the mesh changes. Averaging per-micro-batch means breaks that (the mean of means depends
+on the cut), so every metric travels as a :class:`Metric` pair and is divided only at the end:
+
+- a token ratio (clip fraction, approximate KL, mean value prediction) is ``(sum_t m v, sum_t m)``;
+- a loss term is ``(share, n_local / N)``: the shares sum to the whole objective and the weights sum to 1;
+- a maximum / minimum (keys ending in ``_max`` / ``_min``) is combined with ``max`` / ``min`` instead of ``+``.
+
+Across several optimizer steps (mini-batches, epochs) the finished values are averaged per step
+(:func:`mean_over_steps`), again with ``_max`` / ``_min`` keys combined by name.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jppo.losses.aggregate import NormStats, global_norm_stats, masked_sum, safe_divide
+
+Array = jax.Array
+Metrics = dict[str, "Metric"]
+
+
+@struct.dataclass
+class Metric:
+    """A metric before its final division. ``denominator`` 0 means "no data" and finishes as 0."""
+
+    numerator: Array
+    denominator: Array
+
+
+def _kind(name: str) -> str:
+    if name.endswith("_max"):
+        return "max"
+    if name.endswith("_min"):
+        return "min"
+    return "sum"
+
+
+def ratio(values: Array, mask: Array) -> Metric:
+    """Token-weighted mean of ``values`` under ``mask`` (NaN under the mask is ignored)."""
+    dtype = values.dtype if jnp.issubdtype(values.dtype, jnp.floating) else jnp.float32
+    return Metric(masked_sum(values.astype(dtype), mask), jnp.sum(mask.astype(bool), dtype=dtype))
+
+
+def loss_share(share: Array, mask: Array, norm: NormStats | None = None) -> Metric:
+    """A loss term's share, weighted so that the finished metric is the whole-mini-batch objective.
+
+    The weight of a piece is its fraction of the mini-batch's valid tokens, ``n_local / N``; the weights of all
+    pieces sum to 1. With ``norm=None`` (one call over the whole batch, or the legacy per-micro-batch mode) the
+    weight is 1 for any non-empty piece, which reports the mean of the pieces' own values.
+    """
+    if norm is None:
+        norm = global_norm_stats(mask, dtype=share.dtype)
+    local_tokens = jnp.sum(mask.astype(bool), dtype=share.dtype)
+    return Metric(share, safe_divide(local_tokens, norm.num_tokens.astype(share.dtype)))
+
+
+def maximum(values: Array, mask: Array) -> Metric:
+    """Largest value under ``mask``; report it under a key ending in ``_max``."""
+    dtype = values.dtype
+    low = jnp.finfo(dtype).min if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+    return Metric(jnp.max(jnp.where(mask.astype(bool), values, low)), jnp.sum(mask.astype(bool), dtype=jnp.float32))
+
+
+def minimum(values: Array, mask: Array) -> Metric:
+    """Smallest value under ``mask``; report it under a key ending in ``_min``."""
+    dtype = values.dtype
+    high = jnp.finfo(dtype).max if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
+    return Metric(jnp.min(jnp.where(mask.astype(bool), values, high)), jnp.sum(mask.astype(bool), dtype=jnp.float32))
+
+
+def scalar(value: Array | float) -> Metric:
+    """A value that is already whole-batch (a learning rate, a gradient norm): weight 1."""
+    value = jnp.asarray(value)
+    return Metric(value, jnp.ones((), value.dtype if jnp.issubdtype(value.dtype, jnp.floating) else jnp.float32))
+
+
+def _combine_one(name: str, a: Metric, b: Metric) -> Metric:
+    kind = _kind(name)
+    if kind == "sum":
+        return Metric(a.numerator + b.numerator, a.denominator + b.denominator)
+    pick = jnp.maximum if kind == "max" else jnp.minimum
+    # A piece without data (denominator 0) must not win the max/min with its sentinel value.
+    numerator = jnp.where(a.denominator == 0, b.numerator, jnp.where(b.denominator == 0, a.numerator, pick(a.numerator, b.numerator)))
+    return Metric(numerator, a.denominator + b.denominator)
+
+
+def combine(a: Mapping[str, Metric], b: Mapping[str, Metric]) -> Metrics:
+    """Key-wise combination of two metric dicts with the same keys (sum, or max/min by name)."""
+    if set(a) != set(b):
+        raise ValueError(f"cannot combine metrics with different keys: {sorted(set(a) ^ set(b))}")
+    return {name: _combine_one(name, a[name], b[name]) for name in a}
+
+
+def combine_all(pieces: Iterable[Mapping[str, Metric]]) -> Metrics:
+    """Combines the metrics of several pieces (micro-batches) of one mini-batch."""
+    pieces = list(pieces)
+    if not pieces:
+        return {}
+    total = dict(pieces[0])
+    for piece in pieces[1:]:
+        total = combine(total, piece)
+    return total
+
+
+def psum(metrics: Mapping[str, Metric], axis_name: str | Sequence[str]) -> Metrics:
+    """Combines metrics over mesh axes inside ``jax.shard_map`` (sum, or max/min by name)."""
+    out = {}
+    for name, metric in metrics.items():
+        kind = _kind(name)
+        denominator = jax.lax.psum(metric.denominator, axis_name)
+        if kind == "sum":
+            numerator = jax.lax.psum(metric.numerator, axis_name)
+        else:
+            dtype = metric.numerator.dtype
+            sentinel = jnp.finfo(dtype).min if kind == "max" else jnp.finfo(dtype).max
+            masked = jnp.where(metric.denominator == 0, sentinel, metric.numerator)
+            numerator = (jax.lax.pmax if kind == "max" else jax.lax.pmin)(masked, axis_name)
+        out[name] = Metric(numerator, denominator)
+    return out
+
+
+def finish(metrics: Mapping[str, Metric]) -> dict[str, Array]:
+    """Divides once: ``numerator / denominator`` for sums, the extreme itself for max/min; 0 where there is no data."""
+    out = {}
+    for name, metric in metrics.items():
+        if _kind(name) == "sum":
+            out[name] = safe_divide(metric.numerator, metric.denominator)
+        else:
+            out[name] = jnp.where(metric.denominator == 0, 0, metric.numerator)
+    return out
+
+
+def reduce(pieces: Iterable[Mapping[str, Metric]]) -> dict[str, Array]:
+    """Whole-mini-batch values from the metrics of its pieces: :func:`combine_all` then :func:`finish`."""
+    return finish(combine_all(pieces))
+
+
+def mean_over_steps(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Summarizes finished per-optimizer-step metrics: mean, or max/min for keys ending in ``_max``/``_min``."""
+    names = sorted({name for step in steps for name in step})
+    out = {}
+    for name in names:
+        values = [float(step[name]) for step in steps if name in step]
+        kind = _kind(name)
+        out[name] = max(values) if kind == "max" else min(values) if kind == "min" else sum(values) / len(values)
+    return out
