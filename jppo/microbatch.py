@@ -1,0 +1,263 @@
+"""Cutting a mini-batch into micro-batches of fixed shape, on the host, before it reaches the device.
+
+Two ways to cut, one layout. A micro-batch holds *token rows* that the model runs on and *sequence slots* that
+the losses see:
+
+- token rows ``input_ids, positions, segment_ids``: ``[K, D, R, W]`` (K micro-batches, D batch shards, R rows of
+  width W per shard). Segment ids mark which sequence a token belongs to (0 = padding), so several sequences
+  packed in one row never attend to each other, and positions restart at 0 for each sequence;
+- sequence slots ``response_mask`` and every per-token array of the batch (old log-probs, advantages, ...):
+  ``[K, D, S, L]``, one response per slot, response-aligned as in the rollout;
+- ``gather_index [K, D, S, L]``: for response token ``j`` of slot ``s``, the flat index in the shard's ``R * W``
+  token grid of the position whose next-token prediction is that token. The engine gathers per-token model
+  outputs (log-probs, entropy, values) through it, so the losses never see the packing;
+- ``row_ids [K, D, S]``: which sequence of the mini-batch sits in each slot (-1: empty), to put outputs back in
+  order.
+
+**Fixed** micro-batching (``micro_batch_size`` sequences per shard per micro-batch): one sequence per row, the
+rollout's own layout (left-padded prompt, then the response); ``W = P + L``, ``R = S = micro_batch_size``.
+
+**Token-budget** micro-batching (``max_token_len`` tokens per shard per micro-batch): the real tokens of each
+sequence (prompt without padding, response up to its last token) are packed first-fit-decreasing into rows of
+``W = max_token_len``; ``R = 1``. ``K`` is the largest number of rows any shard needs, and every shard runs that K,
+the missing micro-batches being empty (they contribute exactly 0). K and S are rounded up to powers of two so that
+a training run compiles the update a handful of times, not once per step.
+
+Rows of the mini-batch go to shards in contiguous blocks (shard d holds rows ``[d N/D, (d+1) N/D)``), the layout
+``jax.make_array_from_process_local_data`` expects when each process builds its own shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceBatch:
+    """A mini-batch of prompt + response sequences on the host (numpy).
+
+    Attributes:
+        prompt_ids: ``[N, P]`` left-padded prompts.
+        prompt_mask: ``[N, P]`` bool, real prompt tokens.
+        response_ids: ``[N, L]`` responses, padded on the right.
+        response_mask: ``[N, L]`` bool, tokens the loss counts (may have holes, e.g. tool observations).
+        response_attention: ``[N, L]`` bool, response tokens that exist (the model sees them); defaults to every
+            position up to the last valid ``response_mask`` token.
+        per_token: ``{name: [N, L]}`` response-aligned arrays carried into the losses (old log-probs, ...).
+    """
+
+    prompt_ids: np.ndarray
+    prompt_mask: np.ndarray
+    response_ids: np.ndarray
+    response_mask: np.ndarray
+    response_attention: np.ndarray | None = None
+    per_token: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n, p = self.prompt_ids.shape
+        _, length = self.response_ids.shape
+        for name, array, shape in (
+            ("prompt_mask", self.prompt_mask, (n, p)),
+            ("response_ids", self.response_ids, (n, length)),
+            ("response_mask", self.response_mask, (n, length)),
+        ):
+            if array.shape != shape:
+                raise ValueError(f"{name} has shape {array.shape}, expected {shape}")
+        if self.response_attention is None:
+            mask = self.response_mask.astype(bool)
+            last = np.where(mask.any(-1), length - np.argmax(mask[:, ::-1], axis=-1), 0)
+            object.__setattr__(self, "response_attention", np.arange(length)[None, :] < last[:, None])
+        elif self.response_attention.shape != (n, length):
+            raise ValueError(f"response_attention has shape {self.response_attention.shape}, expected {(n, length)}")
+        for name, array in self.per_token.items():
+            if array.shape != (n, length):
+                raise ValueError(f"per-token array {name!r} has shape {array.shape}, expected {(n, length)}")
+        if np.any(self.response_mask.astype(bool) & ~self.response_attention.astype(bool)):
+            raise ValueError("response_mask marks tokens that response_attention says do not exist")
+        if np.any(self.prompt_mask.sum(-1) == 0):
+            raise ValueError("every sequence needs at least one prompt token (the first response token is predicted from it)")
+
+    @property
+    def num_sequences(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def lengths(self) -> np.ndarray:
+        """Real tokens of each sequence: prompt tokens plus existing response tokens."""
+        return self.prompt_mask.sum(-1) + self.response_attention.sum(-1)
+
+    def take(self, rows: np.ndarray) -> "SequenceBatch":
+        """The sub-batch of the given rows, in that order."""
+        return SequenceBatch(
+            self.prompt_ids[rows], self.prompt_mask[rows], self.response_ids[rows], self.response_mask[rows],
+            self.response_attention[rows], {k: v[rows] for k, v in self.per_token.items()},
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatches:
+    """Fixed-shape micro-batches of one mini-batch (see the module docstring for the layout)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+    gather_index: np.ndarray
+    response_mask: np.ndarray
+    per_token: dict[str, np.ndarray]
+    row_ids: np.ndarray
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.input_ids.shape[0]
+
+    def device_arrays(self) -> dict[str, np.ndarray]:
+        """Everything the update step needs, as a flat dict of arrays (``row_ids`` stays on the host)."""
+        return {
+            "input_ids": self.input_ids,
+            "positions": self.positions,
+            "segment_ids": self.segment_ids,
+            "gather_index": self.gather_index,
+            "response_mask": self.response_mask,
+            **self.per_token,
+        }
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _shard_rows(num_sequences: int, num_shards: int) -> np.ndarray:
+    if num_sequences % num_shards:
+        raise ValueError(f"{num_sequences} sequences cannot be split evenly over {num_shards} batch shards")
+    return np.arange(num_sequences).reshape(num_shards, num_sequences // num_shards)
+
+
+def _slot_arrays(batch: SequenceBatch, row_ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Response mask and per-token arrays gathered into slots; empty slots (-1) are fully masked zeros."""
+    present = row_ids >= 0
+    safe = np.where(present, row_ids, 0)
+    mask = batch.response_mask.astype(bool)[safe] & present[..., None]
+    per_token = {k: np.where(present[..., None], v[safe], 0).astype(v.dtype) for k, v in batch.per_token.items()}
+    return mask, per_token
+
+
+def fixed_micro_batches(batch: SequenceBatch, num_shards: int, micro_batch_size: int) -> MicroBatches:
+    """``micro_batch_size`` sequences per shard per micro-batch, one sequence per row."""
+    n = batch.num_sequences
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    shards = _shard_rows(n, num_shards)
+    per_shard = shards.shape[1]
+    if micro_batch_size > per_shard:
+        raise ValueError(
+            f"micro-batch of {micro_batch_size} sequences per shard is larger than the {per_shard} sequences each of "
+            f"the {num_shards} shards holds"
+        )
+    if per_shard % micro_batch_size:
+        raise ValueError(
+            f"{per_shard} sequences per shard cannot be cut into micro-batches of {micro_batch_size}"
+        )
+    k = per_shard // micro_batch_size
+    # [D, K, m] -> [K, D, m]: micro-batch k of shard d is the k-th block of that shard's rows.
+    row_ids = shards.reshape(num_shards, k, micro_batch_size).transpose(1, 0, 2)
+    p = batch.prompt_ids.shape[1]
+    length = batch.response_ids.shape[1]
+    ids = np.concatenate([batch.prompt_ids, batch.response_ids], axis=1)
+    real = np.concatenate([batch.prompt_mask.astype(bool), batch.response_attention.astype(bool)], axis=1)
+    positions = np.maximum(np.cumsum(real, axis=1) - 1, 0)
+    segments = real.astype(np.int32)
+    width = p + length
+    slot_in_row = np.arange(micro_batch_size)[:, None] * width  # rows of a shard's micro-batch are laid out in order
+    gather = slot_in_row + (p - 1) + np.arange(length)[None, :]
+    mask, per_token = _slot_arrays(batch, row_ids)
+    return MicroBatches(
+        input_ids=np.where(real, ids, 0)[row_ids].astype(np.int32),
+        positions=positions[row_ids].astype(np.int32),
+        segment_ids=segments[row_ids],
+        gather_index=np.broadcast_to(gather, (k, num_shards, micro_batch_size, length)).astype(np.int32),
+        response_mask=mask,
+        per_token=per_token,
+        row_ids=row_ids.astype(np.int32),
+    )
+
+
+def _first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+
+
+def packed_micro_batches(batch: SequenceBatch, num_shards: int, max_token_len: int) -> MicroBatches:
+    """Sequences packed into one row of ``max_token_len`` tokens per shard per micro-batch."""
+    lengths = batch.lengths()
+    longest = int(lengths.max()) if len(lengths) else 0
+    if max_token_len < longest:
+        raise ValueError(
+            f"ppo_max_token_len={max_token_len} is smaller than the longest sequence ({longest} tokens)"
+        )
+    shards = _shard_rows(batch.num_sequences, num_shards)
+    shard_bins = [[shards[d][b] for b in _first_fit_decreasing(lengths[shards[d]], max_token_len)] for d in range(num_shards)]
+    k = next_power_of_two(max(len(bins) for bins in shard_bins))
+    s = next_power_of_two(max(len(b) for bins in shard_bins for b in bins))
+    length = batch.response_ids.shape[1]
+    input_ids = np.zeros((k, num_shards, 1, max_token_len), np.int32)
+    positions = np.zeros_like(input_ids)
+    segment_ids = np.zeros_like(input_ids)
+    gather = np.zeros((k, num_shards, s, length), np.int32)
+    row_ids = np.full((k, num_shards, s), -1, np.int32)
+    prompt_mask = batch.prompt_mask.astype(bool)
+    attention = batch.response_attention.astype(bool)
+    for d, bins in enumerate(shard_bins):
+        for b, members in enumerate(bins):
+            offset = 0
+            for slot, row in enumerate(members):
+                prompt = batch.prompt_ids[row][prompt_mask[row]]
+                response = batch.response_ids[row][attention[row]]
+                tokens = np.concatenate([prompt, response])
+                span = slice(offset, offset + len(tokens))
+                input_ids[b, d, 0, span] = tokens
+                positions[b, d, 0, span] = np.arange(len(tokens))
+                segment_ids[b, d, 0, span] = slot + 1
+                # Response token j (of those that exist) is predicted at position offset + len(prompt) + j - 1.
+                existing = np.flatnonzero(attention[row])
+                gather[b, d, slot, existing] = offset + len(prompt) - 1 + np.arange(len(existing))
+                row_ids[b, d, slot] = row
+                offset += len(tokens)
+    mask, per_token = _slot_arrays(batch, row_ids)
+    return MicroBatches(input_ids, positions, segment_ids, gather, mask, per_token, row_ids)
+
+
+def make_micro_batches(
+    batch: SequenceBatch,
+    num_shards: int,
+    *,
+    micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
+) -> MicroBatches:
+    """Fixed micro-batches when ``micro_batch_size`` is given, token-budget packing when ``max_token_len`` is."""
+    if (micro_batch_size is None) == (max_token_len is None):
+        raise ValueError("give exactly one of micro_batch_size (fixed) or max_token_len (token budget)")
+    if micro_batch_size is not None:
+        return fixed_micro_batches(batch, num_shards, micro_batch_size)
+    return packed_micro_batches(batch, num_shards, max_token_len)
+
+
+def scatter_back(values: np.ndarray, row_ids: np.ndarray, num_sequences: int) -> np.ndarray:
+    """Puts slot-shaped outputs ``[K, D, S, ...]`` back into mini-batch order ``[N, ...]``."""
+    flat_rows = row_ids.reshape(-1)
+    flat_values = values.reshape(flat_rows.shape[0], *values.shape[3:])
+    out = np.zeros((num_sequences, *values.shape[3:]), values.dtype)
+    present = flat_rows >= 0
+    out[flat_rows[present]] = flat_values[present]
+    return out
