@@ -61,18 +61,26 @@ def loss_share(share: Array, mask: Array, norm: NormStats | None = None) -> Metr
     return Metric(share, safe_divide(local_tokens, norm.num_tokens.astype(share.dtype)))
 
 
+def _sentinel(dtype: jnp.dtype, kind: str) -> Array:
+    """The value that never wins a max (``kind="max"``) or a min: the dtype's lowest / highest, float or integer."""
+    info = jnp.finfo(dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype)
+    return jnp.asarray(info.min if kind == "max" else info.max, dtype)
+
+
 def maximum(values: Array, mask: Array) -> Metric:
     """Largest value under ``mask``; report it under a key ending in ``_max``."""
-    dtype = values.dtype
-    low = jnp.finfo(dtype).min if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
-    return Metric(jnp.max(jnp.where(mask.astype(bool), values, low)), jnp.sum(mask.astype(bool), dtype=jnp.float32))
+    low = _sentinel(values.dtype, "max")
+    return Metric(
+        jnp.max(jnp.where(mask.astype(bool), values, low), initial=low), jnp.sum(mask.astype(bool), dtype=jnp.float32)
+    )
 
 
 def minimum(values: Array, mask: Array) -> Metric:
     """Smallest value under ``mask``; report it under a key ending in ``_min``."""
-    dtype = values.dtype
-    high = jnp.finfo(dtype).max if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
-    return Metric(jnp.min(jnp.where(mask.astype(bool), values, high)), jnp.sum(mask.astype(bool), dtype=jnp.float32))
+    high = _sentinel(values.dtype, "min")
+    return Metric(
+        jnp.min(jnp.where(mask.astype(bool), values, high), initial=high), jnp.sum(mask.astype(bool), dtype=jnp.float32)
+    )
 
 
 def scalar(value: Array | float) -> Metric:
@@ -118,8 +126,7 @@ def psum(metrics: Mapping[str, Metric], axis_name: str | Sequence[str]) -> Metri
         if kind == "sum":
             numerator = jax.lax.psum(metric.numerator, axis_name)
         else:
-            dtype = metric.numerator.dtype
-            sentinel = jnp.finfo(dtype).min if kind == "max" else jnp.finfo(dtype).max
+            sentinel = _sentinel(metric.numerator.dtype, kind)
             masked = jnp.where(metric.denominator == 0, sentinel, metric.numerator)
             numerator = (jax.lax.pmax if kind == "max" else jax.lax.pmin)(masked, axis_name)
         out[name] = Metric(numerator, denominator)

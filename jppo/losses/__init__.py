@@ -1,5 +1,6 @@
 """Pure, jittable loss terms. Every term returns a per-token matrix that goes through :func:`agg_loss`."""
 
+from jppo.losses.actor import actor_loss, critic_loss
 from jppo.losses.aggregate import (
     AGG_MODES,
     NormStats,
@@ -9,13 +10,49 @@ from jppo.losses.aggregate import (
     masked_sum,
     safe_divide,
 )
+from jppo.losses.entropy import entropy_from_logits, entropy_loss
+from jppo.losses.kl import KL_KINDS, check_kl_kind, kl_loss, kl_penalty, penalize_rewards
+from jppo.losses.kl_control import AdaptiveKLController, FixedKLController, KLControlState
+from jppo.losses.policy import (
+    POLICY_LOSSES,
+    PerToken,
+    PolicyLossFn,
+    PolicyLossOptions,
+    get_policy_loss,
+    policy_loss,
+    register_policy_loss,
+    select_valid,
+)
+from jppo.losses.value import clipped_value_error, value_loss
 
 __all__ = [
     "AGG_MODES",
+    "KL_KINDS",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLControlState",
     "NormStats",
+    "PerToken",
+    "PolicyLossFn",
+    "PolicyLossOptions",
+    "actor_loss",
     "agg_loss",
+    "check_kl_kind",
     "check_mode",
+    "clipped_value_error",
+    "critic_loss",
+    "entropy_from_logits",
+    "entropy_loss",
+    "get_policy_loss",
     "global_norm_stats",
+    "kl_loss",
+    "kl_penalty",
     "masked_sum",
+    "penalize_rewards",
+    "policy_loss",
+    "register_policy_loss",
     "safe_divide",
+    "select_valid",
+    "value_loss",
 ]

@@ -1,0 +1,91 @@
+"""The actor's loss for one micro-batch, and the critic's.
+
+``actor = pg - entropy_coeff * entropy + kl_loss_coef * kl``: every term is aggregated with the SAME mode and
+:class:`NormStats`, so the sum of the micro-batch shares is the whole-mini-batch objective whatever the cut. The
+critic loss is :func:`~jppo.losses.value.value_loss`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jppo import metrics as metrics_lib
+from jppo.losses.aggregate import NormStats, check_mode
+from jppo.losses.entropy import entropy_loss
+from jppo.losses.kl import check_kl_kind, kl_loss
+from jppo.losses.policy import PolicyLossOptions, get_policy_loss, policy_loss
+from jppo.losses.value import value_loss
+
+Array = jax.Array
+
+critic_loss = value_loss
+
+
+def _is_zero(coefficient: float | Array) -> bool:
+    return isinstance(coefficient, (int, float)) and coefficient == 0
+
+
+def actor_loss(
+    log_prob: Array,
+    old_log_prob: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    norm: NormStats | None,
+    mode: str,
+    policy_loss_name: str,
+    policy_options: PolicyLossOptions,
+    entropy: Array | None = None,
+    entropy_coeff: float | Array = 0.0,
+    ref_log_prob: Array | None = None,
+    kl_loss_coef: float | Array = 0.0,
+    kl_loss_type: str = "low_var_kl",
+) -> tuple[Array, dict[str, metrics_lib.Metric]]:
+    """This micro-batch's share of ``pg - entropy_coeff * entropy + kl_loss_coef * kl``, and the merged metrics.
+
+    The entropy term (metric ``actor/entropy``) is computed when ``entropy`` is given and the KL term (metric
+    ``actor/kl_loss``) when ``ref_log_prob`` is given; which terms exist is decided in Python, at trace time.
+    A coefficient that is not the number 0 without its input is an error. Names (mode, variant, KL kind) are
+    checked before anything is computed.
+
+    Args:
+        log_prob, old_log_prob, advantages, mask: as for :func:`~jppo.losses.policy.policy_loss`.
+        norm: whole-mini-batch normalizers; ``None`` only for the legacy per-micro-batch mode.
+        mode: aggregation mode shared by all terms.
+        policy_loss_name: a registered policy-loss variant.
+        policy_options: its options.
+        entropy: ``[batch, length]`` token entropy of the current policy.
+        entropy_coeff: weight of the entropy bonus.
+        ref_log_prob: ``[batch, length]`` reference-policy log-probs.
+        kl_loss_coef: weight of the KL loss.
+        kl_loss_type: KL estimator (see :mod:`jppo.losses.kl`).
+    """
+    check_mode(mode)
+    get_policy_loss(policy_loss_name)
+    if ref_log_prob is not None:
+        check_kl_kind(kl_loss_type)
+    if entropy is None and not _is_zero(entropy_coeff):
+        raise ValueError(f"entropy_coeff={entropy_coeff!r} needs the token entropy, but entropy is None")
+    if ref_log_prob is None and not _is_zero(kl_loss_coef):
+        raise ValueError(f"kl_loss_coef={kl_loss_coef!r} needs ref_log_prob, but it is None")
+    share, metrics = policy_loss(
+        policy_loss_name,
+        log_prob,
+        old_log_prob,
+        advantages,
+        mask,
+        mode=mode,
+        norm=norm,
+        **dataclasses.asdict(policy_options),
+    )
+    if entropy is not None:
+        entropy_share, entropy_metrics = entropy_loss(entropy, mask, mode=mode, norm=norm)
+        share = share - entropy_coeff * entropy_share
+        metrics.update(entropy_metrics)
+    if ref_log_prob is not None:
+        kl_share, kl_metrics = kl_loss(log_prob, ref_log_prob, mask, kind=kl_loss_type, mode=mode, norm=norm)
+        share = share + kl_loss_coef * kl_share
+        metrics.update(kl_metrics)
+    return share, metrics

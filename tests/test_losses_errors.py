@@ -1,0 +1,130 @@
+"""Bad input fails at trace time with one clear line naming the offending name/value and the valid choices."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jppo.losses import (
+    AdaptiveKLController,
+    PolicyLossOptions,
+    actor_loss,
+    agg_loss,
+    entropy_from_logits,
+    entropy_loss,
+    kl_loss,
+    kl_penalty,
+    penalize_rewards,
+    policy_loss,
+    register_policy_loss,
+    value_loss,
+)
+
+B, T = 2, 3
+X = jnp.zeros((B, T))
+MASK = jnp.ones((B, T))
+
+
+def _actor(**overrides):
+    arguments = dict(norm=None, mode="token-mean", policy_loss_name="vanilla", policy_options=PolicyLossOptions())
+    return actor_loss(X, X, X, MASK, **(arguments | overrides))
+
+
+BAD_MODE = {
+    "agg_loss": lambda: agg_loss(X, MASK, "token_mean"),
+    "policy_loss": lambda: policy_loss("vanilla", X, X, X, MASK, mode="token_mean"),
+    "value_loss": lambda: value_loss(X, X, X, MASK, cliprange_value=0.2, mode="token_mean"),
+    "entropy_loss": lambda: entropy_loss(X, MASK, mode="token_mean"),
+    "kl_loss": lambda: kl_loss(X, X, MASK, kind="k3", mode="token_mean"),
+    "actor_loss": lambda: _actor(mode="token_mean"),
+    "jitted": lambda: jax.jit(lambda x: policy_loss("gspo", x, x, x, MASK, mode="token_mean"))(X),
+}
+
+
+@pytest.mark.parametrize("call", sorted(BAD_MODE))
+def test_unknown_mode(call):
+    with pytest.raises(ValueError, match=r"'token_mean'.*seq-mean-token-sum-norm"):
+        BAD_MODE[call]()
+
+
+@pytest.mark.parametrize("call", ["policy_loss", "actor_loss"])
+def test_unknown_policy_loss(call):
+    run = {
+        "policy_loss": lambda: policy_loss("clip_cov", X, X, X, MASK, mode="token-mean"),
+        "actor_loss": lambda: _actor(policy_loss_name="clip_cov"),
+    }[call]
+    with pytest.raises(ValueError, match=r"'clip_cov'.*geo_mean.*vanilla"):
+        run()
+
+
+BAD_KL = {
+    "kl_penalty": lambda: kl_penalty(X, X, "k4"),
+    "kl_loss": lambda: kl_loss(X, X, MASK, kind="k4", mode="token-mean"),
+    "penalize_rewards": lambda: penalize_rewards(X, X, X, MASK, kl_coef=0.1, kind="k4"),
+    "actor_loss": lambda: _actor(ref_log_prob=X, kl_loss_coef=0.1, kl_loss_type="k4"),
+}
+
+
+@pytest.mark.parametrize("call", sorted(BAD_KL))
+def test_unknown_kl_kind(call):
+    with pytest.raises(ValueError, match=r"'k4'.*low_var_kl"):
+        BAD_KL[call]()
+
+
+def test_unknown_option_name():
+    with pytest.raises(ValueError, match=r"clip_ratio_hi\b.*clip_ratio_high"):
+        policy_loss("vanilla", X, X, X, MASK, mode="token-mean", clip_ratio_hi=0.28)
+
+
+@pytest.mark.parametrize(
+    "name, options, bad",
+    [
+        ("vanilla", dict(clip_ratio_c=0.9), "clip_ratio_c=0.9"),
+        ("dro", dict(), "dro_beta=None"),
+        ("dro", dict(dro_beta=-1.0), "dro_beta=-1.0"),
+        ("sapo", dict(tau_neg=0.0), "tau_neg=0.0"),
+    ],
+)
+def test_invalid_option_value(name, options, bad):
+    with pytest.raises(ValueError, match=bad):
+        policy_loss(name, X, X, X, MASK, mode="token-mean", **options)
+
+
+SHAPE_MISMATCH = {
+    "log_prob": lambda: policy_loss("vanilla", jnp.zeros((B, T + 1)), X, X, MASK, mode="token-mean"),
+    "advantages": lambda: policy_loss("vanilla", X, X, jnp.zeros((B, 1)), MASK, mode="token-mean"),
+    "returns": lambda: value_loss(X, X, jnp.zeros((B + 1, T)), MASK, cliprange_value=0.2, mode="token-mean"),
+    "ref_log_prob": lambda: kl_loss(X, jnp.zeros(T), MASK, kind="kl", mode="token-mean"),
+    "entropy": lambda: entropy_loss(jnp.zeros((B, T, 1)), MASK, mode="token-mean"),
+    "token_level_scores": lambda: penalize_rewards(jnp.zeros((B, T + 2)), X, X, MASK, kl_coef=0.1),
+    "mask": lambda: policy_loss("vanilla", X, X, X, jnp.ones(T), mode="token-mean"),
+    "logits": lambda: entropy_from_logits(jnp.zeros((B, T, 5)), jnp.ones((B, T + 1))),
+    "loss matrix": lambda: agg_loss(X, jnp.ones((B, T + 1)), "token-mean"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPE_MISMATCH))
+def test_shape_mismatch_names_the_input(name):
+    with pytest.raises(ValueError, match=name):
+        SHAPE_MISMATCH[name]()
+
+
+@pytest.mark.parametrize(
+    "overrides, bad",
+    [(dict(entropy_coeff=0.01), "entropy_coeff=0.01"), (dict(kl_loss_coef=0.1), "kl_loss_coef=0.1")],
+)
+def test_actor_coefficient_without_its_input(overrides, bad):
+    with pytest.raises(ValueError, match=bad):
+        _actor(**overrides)
+
+
+@pytest.mark.parametrize("arguments, bad", [(dict(horizon=0), "horizon=0"), (dict(target_kl=0.0), "target_kl=0.0")])
+def test_adaptive_kl_controller_rejects_bad_configuration(arguments, bad):
+    with pytest.raises(ValueError, match=bad):
+        AdaptiveKLController(**(dict(init_kl_coef=0.1, target_kl=6.0, horizon=10000) | arguments))
+
+
+def test_registering_a_name_twice_is_refused():
+    with pytest.raises(ValueError, match="'vanilla' is already registered"):
+        register_policy_loss("vanilla")(lambda *args: None)
