@@ -1,0 +1,24 @@
+"""Rollout: sampling responses from a policy with a KV cache, compiled once per prompt-shape bucket."""
+
+from jppo.rollout.processors import sample_tokens, tempered_logprob
+from jppo.rollout.sampler import (
+    RolloutBatch,
+    SamplingParams,
+    bucket_length,
+    generate,
+    make_generate_fn,
+    pad_prompts,
+    rollout,
+)
+
+__all__ = [
+    "RolloutBatch",
+    "SamplingParams",
+    "bucket_length",
+    "generate",
+    "make_generate_fn",
+    "pad_prompts",
+    "rollout",
+    "sample_tokens",
+    "tempered_logprob",
+]

@@ -1,0 +1,289 @@
+"""The generation loop: one prefill of the prompt batch, then token-by-token decoding from a KV cache.
+
+For a batch of ``B`` prompts padded to width ``P`` and ``n`` samples per prompt:
+
+1. positions are ``cumsum(mask) - 1`` and segment ids are ``mask`` (padding is segment 0, so no real token ever
+   attends to it); the cache holds ``P + max_new_tokens`` slots;
+2. the whole prompt batch is prefilled in one call (cache slots ``[0, P)``), and the logits of each row's last real
+   prompt token give the first new token;
+3. the cache and those logits are repeated ``n`` times (prompt-major rows ``[p0s0, p0s1, ..., p1s0, ...]``), so a
+   prompt is encoded once however many samples it gets;
+4. step ``t >= 1`` feeds token ``t - 1`` at cache slot ``P + t - 1`` and position ``len(prompt) + t - 1`` and samples
+   token ``t``, inside ``lax.while_loop``, which stops once every row has finished.
+
+A row finishes at its first token in ``eos_token_ids`` (kept, and counted in the mask) or after
+``max_new_tokens``; later slots hold ``pad_token_id`` with mask 0 and log-prob 0. A row whose prompt mask is all
+zero (e.g. a filler row that makes the batch divisible by the mesh) gets an empty response.
+
+Step ``t`` draws with ``fold_in(key, t)``: the same key gives the same tokens, whether or not the loop stops early.
+Nothing leaves the device inside the loop, so the program runs unchanged with rows sharded over a mesh.
+
+Compilation depends on the shapes ``(B, P)`` and on :class:`SamplingParams`, never on the prompt contents: pad
+prompts to a few bucketed widths (:func:`pad_prompts`) and one compilation serves every batch in a bucket.
+
+Deliberate differences from verl's vLLM/SGLang rollout: log-probs are always those of the unfiltered tempered
+distribution (vLLM can return them after top-k/top-p), and ``temperature <= 0`` is accepted only with
+``greedy=True`` instead of silently meaning greedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from jppo.rollout.processors import sample_tokens
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; hashable, so it is a static argument of the compiled program.
+
+    Attributes:
+        max_new_tokens: response slots per row (at least 1).
+        temperature: logits are divided by it; must be positive unless ``greedy``.
+        top_k: keep the ``k`` most likely tokens; ``0`` switches the filter off.
+        top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p``; ``1`` is off.
+        greedy: take the most likely token (the key, ``top_k`` and ``top_p`` are then unused).
+        n: samples per prompt.
+        eos_token_ids: tokens that end a response (included in it).
+        pad_token_id: fills response slots after the end.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    n: int = 1
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        # A list would make the params unhashable and so unusable as a static argument.
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        for name in ("max_new_tokens", "top_k", "n", "pad_token_id"):
+            if not isinstance(getattr(self, name), (int, np.integer)):
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} must be an integer")
+        problems = {
+            "max_new_tokens": (self.max_new_tokens, self.max_new_tokens >= 1, "an integer >= 1"),
+            "temperature": (self.temperature, self.greedy or self.temperature > 0, "> 0 (or greedy=True)"),
+            "top_k": (self.top_k, self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            "top_p": (self.top_p, 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
+            "n": (self.n, self.n >= 1, "an integer >= 1"),
+            "pad_token_id": (self.pad_token_id, self.pad_token_id >= 0, "a token id >= 0"),
+            "eos_token_ids": (self.eos_token_ids, all(t >= 0 for t in self.eos_token_ids), "token ids >= 0"),
+        }
+        for name, (value, ok, valid) in problems.items():
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={value!r} is invalid: it must be {valid}")
+
+
+@struct.dataclass
+class RolloutBatch:
+    """What a rollout produced; ``R = B * n`` rows, prompt-major (``[p0s0, p0s1, ..., p1s0, ...]``).
+
+    Attributes:
+        prompt_ids: ``[R, P]`` the prompts as given (left-padded), each repeated ``n`` times.
+        prompt_mask: ``[R, P]`` bool.
+        response_ids: ``[R, max_new_tokens]`` int32, ``pad_token_id`` after the end.
+        response_mask: ``[R, max_new_tokens]`` bool, generated tokens up to and including the first EOS.
+        logprobs: ``[R, max_new_tokens]`` float32, ``log softmax(logits / T)`` of each sampled token under the
+            unfiltered tempered distribution; 0 where the mask is 0.
+    """
+
+    prompt_ids: Array
+    prompt_mask: Array
+    response_ids: Array
+    response_mask: Array
+    logprobs: Array
+
+
+@struct.dataclass
+class _DecodeState:
+    step: Array  # index of the next token to sample
+    last_tokens: Array  # [R] the token sampled at step - 1
+    done: Array  # [R] finished before this step
+    cache: Any
+    response_ids: Array
+    response_mask: Array
+    logprobs: Array
+
+
+def bucket_length(length: int, multiple: int = 64) -> int:
+    """The smallest positive multiple of ``multiple`` that is ``>= length``: the padded prompt width."""
+    if multiple < 1:
+        raise ValueError(f"bucket multiple={multiple} is invalid: it must be an integer >= 1")
+    if length < 0:
+        raise ValueError(f"prompt length={length} is invalid: it must be >= 0")
+    return max(1, math.ceil(length / multiple)) * multiple
+
+
+def pad_prompts(
+    prompts: Sequence[Sequence[int]], pad_id: int, length: int | None = None, *, multiple: int = 64
+) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pads token lists into ``(ids [B, L] int32, mask [B, L] bool)`` on the host.
+
+    ``L`` is ``length`` if given, else ``bucket_length(longest prompt, multiple)``, so batches whose longest prompt
+    falls in the same bucket share one compiled sampler. An empty prompt gives an all-padding row (and an empty
+    response).
+    """
+    if not prompts:
+        raise ValueError("pad_prompts got no prompts: pass at least one token list")
+    longest = max(len(p) for p in prompts)
+    width = bucket_length(longest, multiple) if length is None else length
+    ids = np.full((len(prompts), width), pad_id, dtype=np.int32)
+    mask = np.zeros((len(prompts), width), dtype=bool)
+    for row, tokens in enumerate(prompts):
+        if len(tokens) > width:
+            raise ValueError(f"prompt {row} has {len(tokens)} tokens, more than the padded length {width}")
+        if len(tokens):
+            ids[row, width - len(tokens) :] = tokens
+            mask[row, width - len(tokens) :] = True
+    return ids, mask
+
+
+def _check_inputs(vocab_size: int, prompt_ids: Any, prompt_mask: Any, params: SamplingParams) -> None:
+    """Shape and id checks: they need only static information, so they run before anything is compiled."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    ids_shape, mask_shape = tuple(np.shape(prompt_ids)), tuple(np.shape(prompt_mask))
+    if len(ids_shape) != 2 or ids_shape != mask_shape:
+        raise ValueError(
+            f"prompt_ids and prompt_mask must both be [batch, prompt_len]; got prompt_ids {ids_shape} and "
+            f"prompt_mask {mask_shape}"
+        )
+    if ids_shape[0] == 0 or ids_shape[1] == 0:
+        raise ValueError(f"prompt_ids of shape {ids_shape} is empty: need at least one row and one column")
+    for name, ids in (("eos_token_ids", params.eos_token_ids), ("pad_token_id", (params.pad_token_id,))):
+        if any(t >= vocab_size for t in ids):
+            raise ValueError(f"SamplingParams.{name}={ids} has ids outside the vocabulary of size {vocab_size}")
+
+
+def _repeat_cache(cache: Any, n: int) -> Any:
+    # KVCache layout: keys/values [layers, batch, ...], segment_ids [batch, ...].
+    return cache.replace(
+        keys=jnp.repeat(cache.keys, n, axis=1),
+        values=jnp.repeat(cache.values, n, axis=1),
+        segment_ids=jnp.repeat(cache.segment_ids, n, axis=0),
+    )
+
+
+def _record(state: _DecodeState, logits: Array, key: Array, params: SamplingParams) -> _DecodeState:
+    """Samples token ``state.step`` from ``logits`` and writes it (or padding, for finished rows) to the buffers."""
+    tokens, logprobs = sample_tokens(
+        jax.random.fold_in(key, state.step),
+        logits,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        greedy=params.greedy,
+    )
+    live = ~state.done
+    tokens = jnp.where(live, tokens, params.pad_token_id)
+    is_eos = jnp.isin(tokens, jnp.asarray(params.eos_token_ids, dtype=jnp.int32)) & live
+    column = state.step
+    return state.replace(
+        step=state.step + 1,
+        last_tokens=tokens,
+        done=state.done | is_eos,
+        response_ids=state.response_ids.at[:, column].set(tokens),
+        response_mask=state.response_mask.at[:, column].set(live),
+        logprobs=state.logprobs.at[:, column].set(jnp.where(live, logprobs, 0.0)),
+    )
+
+
+def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
+    """Samples responses; a traceable function of arrays (call it under ``jax.jit``, or use :func:`generate`).
+
+    Args:
+        model: a ``CausalLM`` (``hidden_states``/``logits``/``init_cache`` with a KV cache).
+        prompt_ids: ``[B, P]`` integer, padded (left-padded by :func:`pad_prompts`; any layout works, since
+            each row continues after its last real token).
+        prompt_mask: ``[B, P]`` bool (or 0/1), 1 on real prompt tokens.
+        key: PRNG key.
+        params: static :class:`SamplingParams`.
+    """
+    _check_inputs(model.config.vocab_size, prompt_ids, prompt_mask, params)
+    batch, prompt_len = prompt_ids.shape
+    n, max_new = params.n, params.max_new_tokens
+    prompt_ids = prompt_ids.astype(jnp.int32)
+    prompt_mask = prompt_mask.astype(bool)
+
+    counts = jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32)
+    positions = jnp.where(prompt_mask, counts - 1, 0)
+    cache = model.init_cache(batch, prompt_len + max_new)
+    hidden, cache = model.hidden_states(prompt_ids, positions, prompt_mask.astype(jnp.int32), cache, 0)
+    # The first new token follows each row's last real prompt token (the last column for left-padded prompts).
+    last_real = prompt_len - 1 - jnp.argmax(prompt_mask[:, ::-1], axis=1)
+    first_logits = model.logits(jnp.take_along_axis(hidden, last_real[:, None, None], axis=1)[:, 0])
+
+    rows = batch * n
+    prompt_tokens = jnp.repeat(counts[:, -1], n)
+    state = _DecodeState(
+        step=jnp.zeros((), jnp.int32),
+        last_tokens=jnp.zeros((rows,), jnp.int32),
+        done=prompt_tokens == 0,
+        cache=_repeat_cache(cache, n),
+        response_ids=jnp.full((rows, max_new), params.pad_token_id, jnp.int32),
+        response_mask=jnp.zeros((rows, max_new), bool),
+        logprobs=jnp.zeros((rows, max_new), jnp.float32),
+    )
+    state = _record(state, jnp.repeat(first_logits, n, axis=0), key, params)
+
+    def unfinished(state: _DecodeState) -> Array:
+        return (state.step < max_new) & ~jnp.all(state.done)
+
+    def decode_step(state: _DecodeState) -> _DecodeState:
+        fed = state.step - 1
+        hidden, cache = model.hidden_states(
+            state.last_tokens[:, None],
+            (prompt_tokens + fed)[:, None],
+            jnp.ones((rows, 1), jnp.int32),
+            state.cache,
+            prompt_len + fed,
+        )
+        return _record(state.replace(cache=cache), model.logits(hidden[:, 0]), key, params)
+
+    state = jax.lax.while_loop(unfinished, decode_step, state)
+    return RolloutBatch(
+        prompt_ids=jnp.repeat(prompt_ids, n, axis=0),
+        prompt_mask=jnp.repeat(prompt_mask, n, axis=0),
+        response_ids=state.response_ids,
+        response_mask=state.response_mask,
+        logprobs=state.logprobs,
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def make_generate_fn(graphdef: nnx.GraphDef, params: SamplingParams) -> Callable[..., RolloutBatch]:
+    """A jitted ``fn(state, prompt_ids, prompt_mask, key) -> RolloutBatch`` for ``graphdef, state = nnx.split(model)``.
+
+    Calls with the same ``(graphdef, params)`` return the same function, so a training loop that splits its policy
+    every step still compiles once per prompt shape. Shape errors are raised at trace time, before compilation.
+    """
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+
+    @jax.jit
+    def generate_fn(state: nnx.State, prompt_ids: Array, prompt_mask: Array, key: Array) -> RolloutBatch:
+        return rollout(nnx.merge(graphdef, state), prompt_ids, prompt_mask, key, params)
+
+    return generate_fn
+
+
+def generate(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
+    """Samples ``params.n`` responses per prompt with ``model``; see :class:`RolloutBatch` for the layout.
+
+    Compiles once per ``(model structure, params, prompt shape)``; inputs are checked while tracing, before that.
+    """
+    graphdef, state = nnx.split(model)
+    return make_generate_fn(graphdef, params)(state, prompt_ids, prompt_mask, key)
