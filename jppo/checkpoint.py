@@ -1,0 +1,172 @@
+"""Checkpoints of a run: one orbax directory per step, committed atomically, restorable onto any mesh.
+
+Layout of a checkpoint directory ``DIRECTORY/<step>/``:
+
+- ``state/``: the arrays (any pytree: ``TrainState`` s, ``nnx.State``, optax states, raw PRNG key data), written by
+  every process for the shards it holds (orbax ``StandardSave``);
+- ``meta/``: one JSON object (data position, KL controller value, config, metrics of the step, ...);
+- ``commit_success.txt`` and ``_CHECKPOINT_METADATA``: orbax's bookkeeping.
+
+Atomicity: orbax 0.12.8 writes everything into ``DIRECTORY/<step>.orbax-checkpoint-tmp`` and, once all items are
+on disk, renames it to ``DIRECTORY/<step>`` (``AtomicRenameTemporaryPath``). A process killed mid-save leaves only
+the ``-tmp`` directory, which orbax never lists as a step; the next ``CheckpointManager`` on the directory deletes
+it. Saves are synchronous: when :meth:`CheckpointManager.save` returns, the checkpoint is committed.
+
+Restoring reads each array into the shardings of the *target*, so a checkpoint saved on one mesh restores onto
+another mesh or onto a single device; only shapes and the tree structure must match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+PyTree = Any
+
+STATE_ITEM = "state"
+META_ITEM = "meta"
+RESUME_CHOICES = ("auto", "never")
+
+
+class CheckpointManager:
+    """Saves and restores ``(state, meta)`` checkpoints under ``directory``, keeping the newest ``max_to_keep``.
+
+    In a multi-process run every process calls :meth:`save` and :meth:`restore` (each writes and reads its own
+    shards); orbax lets only the primary process write ``meta`` and rename the directory.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3):
+        if max_to_keep < 1:
+            raise ValueError(f"max_to_keep={max_to_keep} is invalid: keep at least 1 checkpoint")
+        self._manager = ocp.CheckpointManager(
+            Path(directory).absolute(),
+            item_names=(STATE_ITEM, META_ITEM),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep,
+                enable_async_checkpointing=False,
+                # Partial saves of an interrupted run are never listed as steps; deleting them only frees the disk.
+                cleanup_tmp_directories=True,
+            ),
+        )
+
+    @property
+    def directory(self) -> Path:
+        return Path(self._manager.directory)
+
+    def save(self, step: int, state: PyTree, meta: dict) -> Path:
+        """Writes checkpoint ``step`` and returns its directory once committed; prunes beyond ``max_to_keep``.
+
+        ``step`` must come after every step already in the directory: a resumed run that rewound to an older
+        checkpoint would otherwise mix two histories, and pruning could delete the step just written.
+        """
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"checkpoint meta of step {step} is not JSON-serializable: {error}") from None
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            raise ValueError(
+                f"checkpoint step {step} is not after the latest step {latest} in {self.directory}; "
+                "resume from the latest checkpoint or write to a new directory"
+            )
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}),
+            force=True,  # the trainer decides when to save; orbax's own save-interval policy stays out of it
+        )
+        return self.directory / str(step)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None`` when there is none."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def restore(self, step: int | str | os.PathLike, target: PyTree) -> tuple[PyTree, dict]:
+        """``(state, meta)`` of a checkpoint: ``step`` of this directory, or the path of any checkpoint directory.
+
+        ``target`` gives the structure, shapes, dtypes and shardings to restore into: a pytree of
+        ``jax.ShapeDtypeStruct`` with ``.sharding`` (e.g. ``jax.eval_shape`` of the initializer plus the new run's
+        shardings), or of concrete arrays laid out as wanted.
+        """
+        abstract = jax.tree_util.tree_map_with_path(_abstract_leaf, target)
+        args = ocp.args.Composite(
+            **{STATE_ITEM: ocp.args.StandardRestore(abstract), META_ITEM: ocp.args.JsonRestore()}
+        )
+        restored = self._read(step, args)
+        return restored[STATE_ITEM], restored[META_ITEM]
+
+    def restore_meta(self, step: int | str | os.PathLike) -> dict:
+        """Only the JSON ``meta`` of a checkpoint (no arrays are read)."""
+        return self._read(step, ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
+
+    def _read(self, step: int | str | os.PathLike, args: ocp.args.Composite) -> ocp.args.Composite:
+        if not isinstance(step, (str, os.PathLike)):
+            if step not in self._manager.all_steps():
+                raise KeyError(f"no checkpoint step {step} in {self.directory}; committed steps: {self.all_steps()}")
+            return self._manager.restore(int(step), args=args)
+        path = _complete_checkpoint(Path(step), "checkpoint")
+        checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+        try:
+            return checkpointer.restore(path.absolute(), args=args)
+        finally:
+            checkpointer.close()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def resolve_resume(resume: str, directory: str | os.PathLike) -> int | Path | None:
+    """What ``trainer.resume`` points at: a step of ``directory``, a checkpoint path, or ``None`` (start fresh).
+
+    - ``auto``: the newest committed step in ``directory``, or ``None`` when it holds none (or does not exist);
+    - ``never``: ``None``;
+    - any other value: the path of a checkpoint directory, which must exist and be complete.
+    """
+    if resume == "never":
+        return None
+    if resume == "auto":
+        directory = Path(directory)
+        steps = ocp.path.step.checkpoint_steps(directory) if directory.is_dir() else []
+        return max(steps, default=None)
+    if not resume:
+        raise ValueError(f"trainer.resume is empty; valid: {', '.join(RESUME_CHOICES)} or a checkpoint directory")
+    return _complete_checkpoint(Path(resume), "trainer.resume")
+
+
+def _complete_checkpoint(path: Path, name: str) -> Path:
+    """``path`` itself when it is a committed checkpoint with both items, else a one-line error naming ``name``."""
+    if not path.is_dir():
+        raise ValueError(f"{name}={str(path)!r}: no such checkpoint directory")
+    items_present = all((path / item).is_dir() for item in (STATE_ITEM, META_ITEM))
+    if not (ocp.path.step.is_path_finalized(path) and items_present):
+        raise ValueError(
+            f"{name}={str(path)!r} is not a complete checkpoint (an interrupted save, or not written by jppo): "
+            f"expected a committed directory with {STATE_ITEM}/ and {META_ITEM}/"
+        )
+    return path
+
+
+def _abstract_leaf(path: tuple, leaf: Any) -> jax.ShapeDtypeStruct:
+    """The leaf as orbax reads into it; a leaf without a sharding is an error, not the saved run's layout."""
+    if isinstance(leaf, jax.Array):  # a concrete array stands for its own shape, dtype and sharding
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    if not isinstance(leaf, jax.ShapeDtypeStruct) or leaf.sharding is None:
+        raise ValueError(
+            f"restore target leaf target{jax.tree_util.keystr(path)} = {leaf!r} has no sharding: give every leaf "
+            "as a jax.ShapeDtypeStruct with the sharding the new run wants (or as an array laid out that way)"
+        )
+    return leaf
