@@ -1,0 +1,57 @@
+"""Convert GSM8K (``question``/``answer`` rows, the answer ending in ``#### <number>``) into jppo's prompt JSONL.
+
+Usage::
+
+    python -m jppo.data.prepare_gsm8k SRC.parquet|SRC.jsonl OUT.jsonl
+
+Each output line is ``{"prompt": <question> + INSTRUCTION, "answer": <the original answer>}``: the worked solution
+is kept whole, and ``reward.kind: gsm8k`` compares the number after its last ``####`` with the response's. Get the
+source from the GSM8K release (``main`` configuration, ``train`` and ``test`` splits) on a machine with network
+access; this script itself downloads nothing. Then train with::
+
+    data: {task: files, train_files: gsm8k_train.jsonl, val_files: gsm8k_test.jsonl, apply_chat_template: true}
+    reward: {kind: gsm8k}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+from typing import Optional, Sequence
+
+from jppo.data.datasets import read_rows
+
+INSTRUCTION = ' Think step by step, then give the final answer on the last line as "#### <number>".'
+
+
+def convert(source: str, output: str) -> int:
+    """Writes the converted rows of ``source`` to ``output``; returns how many were written."""
+    rows = read_rows(source, "SRC")
+    lines = []
+    for number, row in rows:
+        missing = [key for key in ("question", "answer") if not isinstance(row.get(key), str)]
+        if missing:
+            raise KeyError(
+                f"{source} row {number} has no text under {missing}; GSM8K rows have 'question' and 'answer'"
+            )
+        if "####" not in row["answer"]:
+            raise ValueError(
+                f"{source} row {number}: answer has no '####' final-answer marker: {row['answer'][-60:]!r}"
+            )
+        lines.append(json.dumps({"prompt": row["question"].strip() + INSTRUCTION, "answer": row["answer"]}))
+    pathlib.Path(output).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return len(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m jppo.data.prepare_gsm8k", description=__doc__.splitlines()[0])
+    parser.add_argument("source", help="GSM8K split as .parquet or .jsonl")
+    parser.add_argument("output", help="jppo prompt/answer .jsonl to write")
+    args = parser.parse_args(argv)
+    count = convert(args.source, args.output)
+    print(f"wrote {count} examples to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Built-in tasks: prompt generators with their scorers, deterministic given a seed, nothing downloaded.
+
+A task has a ``name``, an ``alphabet`` (the characters of its built-in tokenizer; ``None`` when it needs a Hugging
+Face tokenizer), ``examples(split, n, seed)``, ``score(response_text, example) -> float in [0, 1]`` and
+``follows_format(response_text) -> bool`` (the shape of a well-formed answer, used by the optional format reward).
+
+Train and validation prompts of the generated tasks are disjoint by construction: a prompt belongs to the
+validation split when a CRC-32 of its text is divisible by 10, whatever the seed or the number of examples asked,
+so no validation prompt is ever trained on.
+
+- ``reverse_digits`` (the quickstart task): prompt ``"3051="``, answer ``"1503"``, reward the per-position match.
+- ``add_small``: prompt ``"17+5="``, answer ``"22"``, reward the per-digit-place match.
+- ``reasoning_gym:<dataset>``: a dataset of the optional package ``reasoning-gym``, scored by its own
+  ``score_answer`` on the text between the last ``<answer>`` and ``</answer>`` of the response.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+import zlib
+from typing import Any, Callable, Optional, Protocol
+
+SPLITS = ("train", "val")
+REASONING_GYM_PREFIX = "reasoning_gym:"
+_HELD_OUT_MODULUS = 10  # one prompt in ten is reserved for validation
+_MAX_DRAWS_PER_EXAMPLE = 100  # a split holding under ~1% of a task's prompts is an error, not an endless loop
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One prompt with its reference answer.
+
+    Attributes:
+        prompt: the prompt text (for a chat row, the content of its last user message).
+        answer: the reference answer as text (GSM8K-style ``"... #### 42"`` is kept whole; rewards extract).
+        meta: extras a scorer or a reward plug-in may use (e.g. the reasoning-gym entry, the other columns of a row).
+        messages: the chat messages to render with the tokenizer's chat template, when the source gave messages.
+    """
+
+    prompt: str
+    answer: str
+    meta: dict = dataclasses.field(default_factory=dict)
+    messages: Optional[list[dict]] = None
+
+
+class Task(Protocol):
+    name: str
+    alphabet: Optional[str]
+
+    def examples(self, split: str, n: int, seed: int) -> list[Example]: ...
+
+    def score(self, response_text: str, example: Example) -> float: ...
+
+    def follows_format(self, response_text: str) -> bool: ...
+
+
+def is_held_out(prompt: str) -> bool:
+    """Whether a generated prompt belongs to the validation split."""
+    return zlib.crc32(prompt.encode("utf-8")) % _HELD_OUT_MODULUS == 0
+
+
+def positional_match(response: str, target: str) -> float:
+    """``#{i : response[i] == target[i]} / max(len(response), len(target))``: extra or missing characters cost."""
+    longest = max(len(response), len(target))
+    if longest == 0:
+        return 1.0
+    return sum(r == t for r, t in zip(response, target)) / longest
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is invalid: valid splits are {list(SPLITS)}")
+
+
+def _generate(
+    task_name: str, split: str, n: int, seed: int, draw: Callable[[random.Random], tuple[str, str]]
+) -> list[Example]:
+    """``n`` examples of one split, drawn with replacement from a stream seeded by (task, split, seed)."""
+    _check_split(split)
+    if n < 0:
+        raise ValueError(f"number of examples n={n} is invalid: it must be >= 0")
+    rng = random.Random(f"{task_name}:{split}:{seed}")
+    want_held_out = split == "val"
+    examples: list[Example] = []
+    for _ in range(_MAX_DRAWS_PER_EXAMPLE * n):
+        if len(examples) == n:
+            break
+        prompt, answer = draw(rng)
+        if is_held_out(prompt) == want_held_out:
+            examples.append(Example(prompt=prompt, answer=answer))
+    if len(examples) < n:
+        raise ValueError(f"task {task_name!r} has too few distinct prompts for a {split} split: widen its options")
+    return examples
+
+
+def _is_digits(text: str) -> bool:
+    return bool(re.fullmatch(r"[0-9]+", text))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReverseDigits:
+    """Reverse a digit string: prompt ``"3051="``, answer ``"1503"``, then EOS.
+
+    Reward: ``positional_match(response, answer)``. A uniform random policy earns about 1/11 per position (ten
+    digits, ``=`` and EOS), so there is signal from the first step.
+    """
+
+    min_len: int = 3
+    max_len: int = 5
+    name: str = dataclasses.field(default="reverse_digits", init=False)
+    alphabet: str = dataclasses.field(default="0123456789=", init=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.min_len, int) and isinstance(self.max_len, int) and 1 <= self.min_len <= self.max_len):
+            raise ValueError(
+                f"reverse_digits options min_len={self.min_len!r}, max_len={self.max_len!r} are invalid: "
+                "they must be integers with 1 <= min_len <= max_len"
+            )
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(self.min_len, self.max_len)))
+        return digits + "=", digits[::-1]
+
+    def examples(self, split: str, n: int, seed: int) -> list[Example]:
+        return _generate(self.name, split, n, seed, self._draw)
+
+    def score(self, response_text: str, example: Example) -> float:
+        return positional_match(response_text, example.answer)
+
+    def follows_format(self, response_text: str) -> bool:
+        return _is_digits(response_text)
+
+
+@dataclasses.dataclass(frozen=True)
+class AddSmall:
+    """Add two small numbers: prompt ``"17+5="``, answer ``"22"``, then EOS.
+
+    Reward: 1 for the exact sum; otherwise the fraction of digit places (units with units, tens with tens, ...)
+    that match, over the longer of response and answer, so a right units digit already earns credit.
+    """
+
+    max_operand: int = 99
+    name: str = dataclasses.field(default="add_small", init=False)
+    alphabet: str = dataclasses.field(default="0123456789+=", init=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_operand, int) and self.max_operand >= 1):
+            raise ValueError(
+                f"add_small option max_operand={self.max_operand!r} is invalid: it must be an integer >= 1"
+            )
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
+        return f"{a}+{b}=", str(a + b)
+
+    def examples(self, split: str, n: int, seed: int) -> list[Example]:
+        return _generate(self.name, split, n, seed, self._draw)
+
+    def score(self, response_text: str, example: Example) -> float:
+        return positional_match(response_text[::-1], example.answer[::-1])
+
+    def follows_format(self, response_text: str) -> bool:
+        return _is_digits(response_text)
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_REASONING_GYM_INSTRUCTION = "\nWrite only the final answer between <answer> and </answer>."
+
+
+def extract_answer_tag(response_text: str) -> Optional[str]:
+    """The stripped text between the last ``<answer>`` and its ``</answer>``, or ``None``."""
+    matches = _ANSWER_TAG.findall(response_text)
+    return matches[-1].strip() if matches else None
+
+
+class ReasoningGymTask:
+    """A procedural dataset of ``reasoning-gym``, generated offline and scored by the dataset's own rule.
+
+    The prompt is the dataset's question followed by an instruction to answer between ``<answer>`` tags; the score
+    is ``score_answer(<text in the last answer tags, or None>, entry)``. ``options`` are the dataset's config fields
+    (e.g. ``min_terms`` for ``basic_arithmetic``); ``size`` and ``seed`` are set by jppo.
+    """
+
+    alphabet = None
+
+    def __init__(self, dataset: str, options: Optional[dict[str, Any]] = None):
+        try:
+            import reasoning_gym
+        except ImportError:
+            raise ValueError(
+                f"task {REASONING_GYM_PREFIX}{dataset} needs the optional package reasoning-gym: "
+                "pip install 'jppo[tasks]' (or pip install reasoning-gym)"
+            ) from None
+        registry = reasoning_gym.factory.DATASETS
+        if dataset not in registry:
+            raise ValueError(f"reasoning-gym has no dataset {dataset!r}; valid datasets: {sorted(registry)}")
+        options = dict(options or {})
+        config_fields = {field.name for field in dataclasses.fields(registry[dataset][1])} - {"size", "seed"}
+        unknown = sorted(set(options) - config_fields)
+        if unknown:
+            raise ValueError(
+                f"data.task_options {unknown} are not options of reasoning-gym dataset {dataset!r}; "
+                f"valid options: {sorted(config_fields)}"
+            )
+        self.name = REASONING_GYM_PREFIX + dataset
+        self._dataset = dataset
+        self._options = options
+        self._create = reasoning_gym.create_dataset
+        self._scorer = self._create(dataset, size=1, seed=0, **options).score_answer  # also validates the options
+
+    def examples(self, split: str, n: int, seed: int) -> list[Example]:
+        _check_split(split)
+        split_seed = zlib.crc32(f"{self.name}:{split}:{seed}".encode("utf-8"))
+        source = self._create(self._dataset, size=max(1, _MAX_DRAWS_PER_EXAMPLE * n), seed=split_seed, **self._options)
+        examples: list[Example] = []
+        for index in range(len(source)):
+            if len(examples) == n:
+                break
+            entry = source[index]
+            prompt = entry["question"] + _REASONING_GYM_INSTRUCTION
+            if is_held_out(prompt) == (split == "val"):
+                examples.append(Example(prompt=prompt, answer=str(entry["answer"]), meta={"entry": entry}))
+        if len(examples) < n:
+            raise ValueError(f"task {self.name!r} has too few distinct prompts for a {split} split: widen its options")
+        return examples
+
+    def score(self, response_text: str, example: Example) -> float:
+        return float(self._scorer(extract_answer_tag(response_text), example.meta["entry"]))
+
+    def follows_format(self, response_text: str) -> bool:
+        return extract_answer_tag(response_text) is not None
+
+
+BUILTIN_TASKS: dict[str, type] = {"reverse_digits": ReverseDigits, "add_small": AddSmall}
+
+
+def get_task(name: str, options: Optional[dict[str, Any]] = None) -> Task:
+    """The task called ``name`` (a built-in name or ``"reasoning_gym:<dataset>"``), built with ``options``."""
+    if name.startswith(REASONING_GYM_PREFIX):
+        return ReasoningGymTask(name[len(REASONING_GYM_PREFIX) :], options)
+    if name not in BUILTIN_TASKS:
+        raise ValueError(
+            f"data.task={name!r} is unknown; valid tasks: {sorted(BUILTIN_TASKS)}, '{REASONING_GYM_PREFIX}<dataset>'"
+        )
+    task_class = BUILTIN_TASKS[name]
+    valid = sorted(field.name for field in dataclasses.fields(task_class) if field.init)
+    unknown = sorted(set(options or {}) - set(valid))
+    if unknown:
+        raise ValueError(f"data.task_options {unknown} are not options of task {name!r}; valid options: {valid}")
+    return task_class(**(options or {}))

@@ -1,0 +1,109 @@
+"""The reward of a batch of responses: correctness from a rule, the task or a plug-in, plus an optional format term.
+
+``reward_i = score_i + format_weight * format_i`` where
+
+- ``score_i`` in [0, 1] (any finite float for a plug-in) comes from ``reward.function`` when set, else from
+  ``reward.kind``: ``task`` (the task's own scorer), ``gsm8k`` or ``boxed`` (see :mod:`jppo.rewards.rules`);
+- ``format_i`` is 1 when the response ended with EOS and has the shape of ``reward.kind``'s answers: digits only
+  for ``reverse_digits``/``add_small``, ``<answer>...</answer>`` for reasoning-gym, ``#### <number>`` for
+  ``gsm8k``, a closed ``\\boxed{}`` for ``boxed``; else 0.
+
+Unlike verl's GSM8K scorer, which gives a fixed ``format_score`` *instead of* 0 to a well-formed wrong answer, the
+format term here is added on top of correctness and is off by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from jppo.data.tasks import Example, Task
+from jppo.rewards import rules
+from jppo.rewards.plugin import RewardFunctionError, load_reward_plugin
+
+REWARD_KINDS = ("task", "gsm8k", "boxed")
+
+RewardFn = Callable[[list[str], list[Example], Sequence[bool]], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """How responses are scored (the ``reward`` section of the trainer's config)."""
+
+    function: Optional[str] = None  # "path/to/file.py:fn", see jppo.rewards.plugin
+    kind: str = "task"
+    gsm8k_flexible: bool = False  # gsm8k: the last number of the response instead of the one after "####"
+    format_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in REWARD_KINDS:
+            raise ValueError(f"reward.kind={self.kind!r} is invalid: valid kinds are {list(REWARD_KINDS)}")
+        if not math.isfinite(self.format_weight):
+            raise ValueError(f"reward.format_weight={self.format_weight!r} is invalid: it must be a finite number")
+
+
+def build_reward_fn(cfg: RewardConfig, task: Optional[Task]) -> RewardFn:
+    """``RewardFn(responses, examples, finished) -> float32 [B]``; ``task`` is ``None`` for file datasets.
+
+    Everything that can be checked without responses is checked here: the plug-in is loaded, and ``kind: task``
+    without a task is an error wherever the task would be needed (no plug-in, or a format term).
+    """
+    if cfg.kind == "task" and task is None and (cfg.function is None or cfg.format_weight != 0):
+        raise ValueError(
+            "reward.kind='task' needs a built-in or reasoning-gym data.task; with data.task='files' set reward.kind "
+            f"to one of {[k for k in REWARD_KINDS if k != 'task']} or give reward.function"
+        )
+    plugin = load_reward_plugin(cfg.function) if cfg.function is not None else None
+    score = None if plugin is not None else _kind_scorer(cfg, task)
+    follows_format = _kind_format(cfg, task) if cfg.format_weight != 0 else None
+
+    def reward_fn(responses: list[str], examples: list[Example], finished: Sequence[bool]) -> np.ndarray:
+        if not len(responses) == len(examples) == len(finished):
+            raise ValueError(
+                f"reward of {len(responses)} responses, {len(examples)} examples and {len(finished)} finished flags: "
+                "the three must have one entry per response"
+            )
+        if plugin is not None:
+            scores = plugin(responses, examples, finished)
+        else:
+            scores = _scores(score, cfg, responses, examples)
+        if follows_format is None:
+            return scores
+        formats = np.array([bool(done) and follows_format(text) for text, done in zip(responses, finished)], np.float32)
+        return (scores + np.float32(cfg.format_weight) * formats).astype(np.float32)
+
+    return reward_fn
+
+
+def _kind_scorer(cfg: RewardConfig, task: Task) -> Callable[[str, Example], float]:
+    if cfg.kind == "gsm8k":
+        return lambda text, example: rules.gsm8k_score(text, example.answer, cfg.gsm8k_flexible)
+    if cfg.kind == "boxed":
+        return lambda text, example: rules.boxed_score(text, example.answer)
+    return task.score
+
+
+def _kind_format(cfg: RewardConfig, task: Task) -> Callable[[str], bool]:
+    if cfg.kind == "gsm8k":
+        return lambda text: rules.extract_gsm8k_answer(text) is not None
+    if cfg.kind == "boxed":
+        return lambda text: rules.extract_boxed(text) is not None
+    return task.follows_format
+
+
+def _scores(
+    score: Callable[[str, Example], float], cfg: RewardConfig, responses: list[str], examples: list[Example]
+) -> np.ndarray:
+    values = np.empty(len(responses), np.float32)
+    for index, (text, example) in enumerate(zip(responses, examples)):
+        try:
+            values[index] = score(text, example)
+        except Exception as error:
+            where = example.meta.get("location", "a generated example")
+            raise RewardFunctionError(
+                f"reward.kind={cfg.kind} failed on sample {index} ({where}): {type(error).__name__}: {error}"
+            ) from error
+    return values
