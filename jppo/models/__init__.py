@@ -1,0 +1,24 @@
+"""Layer 3: the Flax NNX decoder with LM and value heads, KV cache, chunked log-probs and Hugging Face interop."""
+
+from jppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
+from jppo.models.decoder import CausalLM, KVCache, ValueModel
+from jppo.models.hf import CheckpointError, load_pretrained, load_tokenizer, save_pretrained
+from jppo.models.logprobs import token_logprobs
+from jppo.models.sharding import create_model, param_shardings, partition_specs
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "CausalLM",
+    "CheckpointError",
+    "KVCache",
+    "ModelConfig",
+    "RopeScaling",
+    "ValueModel",
+    "create_model",
+    "load_pretrained",
+    "load_tokenizer",
+    "param_shardings",
+    "partition_specs",
+    "save_pretrained",
+    "token_logprobs",
+]

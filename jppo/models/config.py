@@ -1,0 +1,296 @@
+"""The decoder's configuration and its translation to and from a Hugging Face ``config.json``.
+
+Three families share one architecture (pre-norm decoder, RMSNorm, rotary positions, grouped-query attention,
+SwiGLU MLP) and differ only in a few flags, which :class:`ModelConfig` derives from ``model_type`` unless given:
+
+========  =======================  ==========================  =============================
+family    ``attention_bias``       ``attention_out_bias``      ``qk_norm``
+========  =======================  ==========================  =============================
+llama     config (default False)   same as ``attention_bias``  False
+qwen2     True (q/k/v biases)      False                       False
+qwen3     config (default False)   same as ``attention_bias``  True (RMSNorm of q, k per head)
+========  =======================  ==========================  =============================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+DTYPES: dict[str, jnp.dtype] = {
+    "float32": jnp.dtype(jnp.float32),
+    "bfloat16": jnp.dtype(jnp.bfloat16),
+    "float16": jnp.dtype(jnp.float16),
+}
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
+
+_HF_ARCHITECTURE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+# transformers' own defaults where a config.json leaves the head size out
+_QWEN3_DEFAULT_HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 frequency scaling of RoPE (``rope_type: llama3``).
+
+    With ``w = 2 pi / f`` the wavelength of an inverse frequency ``f`` and ``L`` the original context length:
+    ``f`` is kept where ``w < L / high_freq_factor``, divided by ``factor`` where ``w > L / low_freq_factor``,
+    and in between interpolated as ``(1 - s) f / factor + s f`` with
+    ``s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                f"rope_scaling.low_freq_factor={self.low_freq_factor}"
+            )
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError(
+                "rope_scaling.original_max_position_embeddings must be > 0, "
+                f"got {self.original_max_position_embeddings}"
+            )
+
+    @classmethod
+    def from_dict(cls, scaling: Mapping[str, Any]) -> RopeScaling:
+        rope_type = scaling.get("rope_type", scaling.get("type", "llama3"))
+        if rope_type != "llama3":
+            raise ValueError(
+                f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        fields = [field.name for field in dataclasses.fields(cls)]
+        missing = [name for name in fields if name not in scaling]
+        if missing:
+            raise ValueError(f"rope_scaling (llama3) is missing {', '.join(missing)}; it needs {', '.join(fields)}")
+        return cls(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rope_type": "llama3", **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder. Frozen and hashable, so it can be static in jit.
+
+    ``head_dim`` defaults to ``hidden_size // num_heads`` and ``num_kv_heads`` to ``num_heads``. ``rope_scaling``
+    accepts the Hugging Face dict (``{"rope_type": "llama3", "factor": ..., ...}``) and is stored as a
+    :class:`RopeScaling`. ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of the weights
+    (softmax, norms and logits are float32 either way). ``remat`` recomputes each layer in the backward pass
+    instead of keeping its activations. Token ids are carried only to write them back to ``config.json``.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | Mapping[str, Any] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool | None = None
+    attention_out_bias: bool | None = None
+    qk_norm: bool | None = None
+    max_position_embeddings: int = 2048
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    model_type: str = "llama"
+    initializer_range: float = 0.02
+    remat: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(DTYPES)}")
+        if self.num_kv_heads is None:
+            self._set("num_kv_heads", self.num_heads)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; set head_dim"
+                )
+            self._set("head_dim", self.hidden_size // self.num_heads)
+        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even integer (RoPE rotates pairs), got {self.head_dim!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
+            )
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0")
+        if isinstance(self.rope_scaling, Mapping):
+            self._set("rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        if isinstance(self.eos_token_id, list):
+            self._set("eos_token_id", tuple(self.eos_token_id))
+        self._resolve_family_flags()
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # a default resolved while the frozen dataclass is being built
+
+    def _resolve_family_flags(self) -> None:
+        fixed = {
+            "llama": {"qk_norm": False},
+            "qwen2": {"attention_bias": True, "attention_out_bias": False, "qk_norm": False},
+            "qwen3": {"qk_norm": True},
+        }[self.model_type]
+        for name, value in fixed.items():
+            given = getattr(self, name)
+            if given is not None and given != value:
+                raise ValueError(f"model_type {self.model_type!r} requires {name}={value}, got {name}={given}")
+            self._set(name, value)
+        if self.attention_bias is None:
+            self._set("attention_bias", False)
+        if self.attention_out_bias is None:
+            self._set("attention_out_bias", self.attention_bias)
+        if self.model_type != "qwen2" and self.attention_out_bias != self.attention_bias:
+            raise ValueError(
+                f"model_type {self.model_type!r} has one flag for q/k/v/o biases: attention_bias="
+                f"{self.attention_bias} and attention_out_bias={self.attention_out_bias} must be equal"
+            )
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self) -> jnp.dtype:
+        return DTYPES[self.param_dtype]
+
+    @property
+    def q_size(self) -> int:
+        """Width of the flattened query projection, ``num_heads * head_dim``."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of each flattened key/value projection, ``num_kv_heads * head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+        """Reads a Hugging Face ``config.json`` dict (transformers 4.x ``rope_theta``/``rope_scaling`` or 5.x
+        ``rope_parameters``). ``overrides`` set jppo-only fields such as ``dtype``, ``param_dtype``, ``remat``.
+
+        Raises ``ValueError`` for families or features this decoder does not implement (naming them).
+        """
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        unsupported = {
+            "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
+            "mlp_bias": (bool(hf.get("mlp_bias", False)), False),
+            "use_sliding_window": (bool(hf.get("use_sliding_window", False)), False),
+            "partial_rotary_factor": (hf.get("partial_rotary_factor", 1.0), 1.0),
+        }
+        for key, (found, supported) in unsupported.items():
+            if found != supported:
+                raise ValueError(f"config.json {key}={found!r} is not supported (only {supported!r})")
+        rope_theta, rope_scaling = _read_rope(hf)
+        head_dim = hf.get("head_dim") or (_QWEN3_DEFAULT_HEAD_DIM if model_type == "qwen3" else None)
+        eos = hf.get("eos_token_id")
+        fields = dict(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=head_dim,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=None if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            model_type=model_type,
+            initializer_range=hf.get("initializer_range", 0.02),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            pad_token_id=hf.get("pad_token_id"),
+        )
+        return cls(**{**fields, **overrides})
+
+    def to_hf(self, head: str = "lm") -> dict[str, Any]:
+        """A ``config.json`` dict that transformers 4.45+ and 5.x load: ``head="lm"`` as ``*ForCausalLM``,
+        ``head="value"`` as ``*ForTokenClassification`` with one label (verl's critic layout)."""
+        suffix = {"lm": "ForCausalLM", "value": "ForTokenClassification"}
+        if head not in suffix:
+            raise ValueError(f"unknown head {head!r}; valid: {', '.join(suffix)}")
+        scaling = self.rope_scaling.to_dict() if self.rope_scaling is not None else None
+        hf: dict[str, Any] = {
+            "architectures": [_HF_ARCHITECTURE[self.model_type] + suffix[head]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            # both spellings: transformers 4.x reads rope_theta/rope_scaling, 5.x rope_parameters
+            "rope_theta": self.rope_theta,
+            "rope_scaling": scaling,
+            "rope_parameters": {"rope_theta": self.rope_theta, **(scaling or {"rope_type": "default"})},
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "dtype": self.param_dtype,
+            "use_cache": True,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.model_type == "qwen2":
+            hf["use_sliding_window"] = False
+        else:
+            hf["attention_bias"] = self.attention_bias
+        if self.model_type == "llama":
+            hf["mlp_bias"] = False
+        if head == "value":
+            hf["id2label"] = {"0": "LABEL_0"}
+            hf["label2id"] = {"LABEL_0": 0}
+        return hf
+
+
+def _read_rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, rope_scaling)`` from either config.json spelling."""
+    parameters = hf.get("rope_parameters") or {}
+    if parameters and not isinstance(parameters.get("rope_theta", 0.0), (int, float)):
+        raise ValueError("per-layer rope_parameters are not supported")
+    theta = float(parameters.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = hf.get("rope_scaling") or parameters
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    return theta, (RopeScaling.from_dict(scaling) if rope_type == "llama3" else None)

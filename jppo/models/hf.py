@@ -1,0 +1,231 @@
+"""Hugging Face checkpoints: ``config.json`` + ``*.safetensors`` in, the same out.
+
+Hugging Face stores a linear layer's weight as ``[out, in]`` and one tensor per layer; jppo stores kernels as
+``[in, out]`` and stacks the layers (``decoder.py``). :data:`HF_TENSOR_NAMES` is the only place that knows the
+correspondence: jppo parameter path -> (Hugging Face name, with ``{i}`` for the layer, transposed or not).
+Loading reads, for every device, only the slice of each tensor that device holds, and places it with its
+sharding (``jax.make_array_from_callback``): no parameter exists unsharded on one device on the way.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tokenizers
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jppo.mesh import logical_to_spec
+from jppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from jppo.models.decoder import CausalLM, ValueHead, ValueModel
+from jppo.models.safetensors_io import SafetensorsFile, write_safetensors
+from jppo.models.sharding import logical_names
+
+Array = jax.Array
+PathLike = str | pathlib.Path
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be read into (or written as) a jppo model."""
+
+
+_LAYER = "model.layers.{i}."
+# Llama, Qwen2 and Qwen3 name their tensors identically; a model uses the entries its config gives it
+# parameters for (q/k/v biases: Qwen2 or attention_bias; q_norm/k_norm: Qwen3; lm_head: untied embeddings).
+_SHARED_NAMES: dict[str, tuple[str, bool]] = {
+    "decoder.embed_tokens": ("model.embed_tokens.weight", False),
+    "decoder.norm": ("model.norm.weight", False),
+    "decoder.layers.input_norm": (_LAYER + "input_layernorm.weight", False),
+    "decoder.layers.q_proj": (_LAYER + "self_attn.q_proj.weight", True),
+    "decoder.layers.k_proj": (_LAYER + "self_attn.k_proj.weight", True),
+    "decoder.layers.v_proj": (_LAYER + "self_attn.v_proj.weight", True),
+    "decoder.layers.o_proj": (_LAYER + "self_attn.o_proj.weight", True),
+    "decoder.layers.q_bias": (_LAYER + "self_attn.q_proj.bias", False),
+    "decoder.layers.k_bias": (_LAYER + "self_attn.k_proj.bias", False),
+    "decoder.layers.v_bias": (_LAYER + "self_attn.v_proj.bias", False),
+    "decoder.layers.o_bias": (_LAYER + "self_attn.o_proj.bias", False),
+    "decoder.layers.q_norm": (_LAYER + "self_attn.q_norm.weight", False),
+    "decoder.layers.k_norm": (_LAYER + "self_attn.k_norm.weight", False),
+    "decoder.layers.post_attention_norm": (_LAYER + "post_attention_layernorm.weight", False),
+    "decoder.layers.gate_proj": (_LAYER + "mlp.gate_proj.weight", True),
+    "decoder.layers.up_proj": (_LAYER + "mlp.up_proj.weight", True),
+    "decoder.layers.down_proj": (_LAYER + "mlp.down_proj.weight", True),
+    "lm_head": ("lm_head.weight", True),
+    # transformers' *ForTokenClassification with one label: verl's critic checkpoints
+    "value_head.kernel": ("score.weight", True),
+    "value_head.bias": ("score.bias", False),
+}
+HF_TENSOR_NAMES: dict[str, dict[str, tuple[str, bool]]] = {family: _SHARED_NAMES for family in SUPPORTED_MODEL_TYPES}
+HEADS = {"lm": CausalLM, "value": ValueModel}
+
+
+def _hf_names(key: str, table: dict[str, tuple[str, bool]], config: ModelConfig) -> tuple[list[str], bool]:
+    """The Hugging Face tensor names behind jppo parameter ``key`` (one per layer when stacked)."""
+    template, transposed = table[key]
+    if key.startswith("decoder.layers."):
+        return [template.format(i=i) for i in range(config.num_layers)], transposed
+    return [template], transposed
+
+
+class _Checkpoint:
+    """The tensors of a checkpoint directory: ``model.safetensors`` or an index and its shards."""
+
+    def __init__(self, path: pathlib.Path):
+        index, single = path / "model.safetensors.index.json", path / "model.safetensors"
+        if index.exists():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif single.exists():
+            weight_map = dict.fromkeys(SafetensorsFile(single).names(), single.name)
+        else:
+            raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+        self._path = path
+        self._weight_map = weight_map
+        self._files: dict[str, SafetensorsFile] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._weight_map
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name not in self._weight_map:
+            raise CheckpointError(f"{self._path}: missing tensor {name}")
+        filename = self._weight_map[name]
+        if filename not in self._files:
+            if not (self._path / filename).exists():
+                raise CheckpointError(f"{self._path}: shard {filename} (holding {name}) does not exist")
+            self._files[filename] = SafetensorsFile(self._path / filename)
+        return self._files[filename].tensor(name)
+
+
+def _read_config(path: pathlib.Path, **overrides) -> ModelConfig:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"missing config.json in {path}")
+    try:
+        return ModelConfig.from_hf(json.loads(config_file.read_text()), **overrides)
+    except ValueError as error:
+        raise CheckpointError(f"{config_file}: {error}") from error
+
+
+def _tensor_reader(
+    checkpoint: _Checkpoint, names: list[str], transposed: bool, stacked: bool, expected: tuple[int, ...]
+) -> Callable[[tuple[slice, ...]], np.ndarray]:
+    """A function from an index of the jppo parameter (shape ``expected``) to that slice as a host array."""
+    per_layer = expected[1:] if stacked else expected
+    hf_shape = per_layer[::-1] if transposed else per_layer
+    tensors = [checkpoint.tensor(name) for name in names]
+    for name, tensor in zip(names, tensors):
+        if tuple(tensor.shape) != tuple(hf_shape):
+            raise CheckpointError(f"tensor {name}: expected shape {tuple(hf_shape)}, found {tuple(tensor.shape)}")
+
+    def piece(tensor: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
+        return np.asarray(tensor[index[::-1]]).T if transposed else np.asarray(tensor[index])
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        if not stacked:
+            return piece(tensors[0], index)
+        layers = range(len(tensors))[index[0]]
+        return np.stack([piece(tensors[i], index[1:]) for i in layers])
+
+    return read
+
+
+def _place(read: Callable, variable: nnx.Variable, mesh: Mesh | None) -> Array:
+    shape, dtype = variable.shape, variable.dtype
+    if mesh is None:
+        return jnp.asarray(read((slice(None),) * len(shape)).astype(dtype))
+    sharding = NamedSharding(mesh, logical_to_spec(logical_names(variable)))
+    return jax.make_array_from_callback(shape, sharding, lambda index: read(index).astype(dtype))
+
+
+def load_pretrained(
+    path: PathLike,
+    *,
+    dtype: str | None = None,
+    param_dtype: str | None = None,
+    head: str = "lm",
+    mesh: Mesh | None = None,
+    seed: int = 0,
+) -> CausalLM | ValueModel:
+    """A :class:`CausalLM` (``head="lm"``) or :class:`ValueModel` (``head="value"``) from a Hugging Face
+    checkpoint directory, each parameter placed straight onto its sharding over ``mesh`` when given.
+
+    ``dtype``/``param_dtype`` default to float32 (the checkpoint's own dtype is converted). For ``"value"`` the
+    decoder comes from the checkpoint and the value head too if it has ``score.weight`` (a critic checkpoint);
+    otherwise (a policy checkpoint, as verl initialises critics) the head is new, drawn from ``seed``.
+    Raises :class:`CheckpointError` naming the missing file or tensor, the mismatched shape, or the
+    unsupported ``model_type``.
+    """
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; valid: {', '.join(HEADS)}")
+    path = pathlib.Path(path)
+    overrides = {key: value for key, value in (("dtype", dtype), ("param_dtype", param_dtype)) if value is not None}
+    config = _read_config(path, **overrides)
+    checkpoint = _Checkpoint(path)
+    cls = HEADS[head]
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(seed))))
+    table = HF_TENSOR_NAMES[config.model_type]
+    new_head = head == "value" and "score.weight" not in checkpoint
+    fresh = nnx.state(ValueHead(config, rngs=nnx.Rngs(seed))) if new_head else None
+
+    def load(path_parts: tuple, variable: nnx.Variable) -> nnx.Variable:
+        key = ".".join(str(part) for part in path_parts)
+        if new_head and key.startswith("value_head."):
+            value = np.asarray(fresh[path_parts[-1]][...])
+            read = lambda index: value[index]  # noqa: E731
+        elif key == "value_head.bias" and "score.bias" not in checkpoint:  # a score layer saved without bias
+            read = lambda index: np.zeros(variable.shape)[index]  # noqa: E731
+        else:
+            names, transposed = _hf_names(key, table, config)
+            read = _tensor_reader(checkpoint, names, transposed, key.startswith("decoder.layers."), variable.shape)
+        return variable.replace(_place(read, variable, mesh))
+
+    return nnx.merge(graphdef, nnx.map_state(load, abstract))
+
+
+def save_pretrained(model: CausalLM | ValueModel, path: PathLike) -> None:
+    """Writes ``config.json`` and ``model.safetensors`` (weights in the parameter dtype) that transformers
+    loads: a :class:`CausalLM` as ``*ForCausalLM``, a :class:`ValueModel` as ``*ForTokenClassification``.
+
+    One jppo parameter at a time is gathered to the host (single-process only)."""
+    head = {CausalLM: "lm", ValueModel: "value"}.get(type(model))
+    if head is None:
+        raise CheckpointError(f"cannot save a {type(model).__name__}; expected CausalLM or ValueModel")
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    table = HF_TENSOR_NAMES[config.model_type]
+    layout, sources = [], {}
+    for path_parts, variable in nnx.to_flat_state(nnx.state(model)):
+        key = ".".join(str(part) for part in path_parts)
+        names, transposed = _hf_names(key, table, config)
+        stacked = key.startswith("decoder.layers.")
+        per_layer = variable.shape[1:] if stacked else variable.shape
+        for layer, name in enumerate(names):
+            layout.append((name, per_layer[::-1] if transposed else per_layer, np.dtype(variable.dtype)))
+            sources[name] = (variable, layer if stacked else None, transposed)
+
+    host: dict[int, np.ndarray] = {}
+
+    def fetch(name: str) -> np.ndarray:
+        variable, layer, transposed = sources[name]
+        if id(variable) not in host:  # gather one parameter (all its layers) at a time
+            host.clear()
+            host[id(variable)] = np.asarray(jax.device_get(variable[...]))
+        array = host[id(variable)] if layer is None else host[id(variable)][layer]
+        return array.T if transposed else array
+
+    (path / "config.json").write_text(json.dumps(config.to_hf(head), indent=2) + "\n")
+    write_safetensors(path / "model.safetensors", layout, fetch)
+
+
+def load_tokenizer(path: PathLike) -> tokenizers.Tokenizer:
+    """The fast tokenizer in ``path/tokenizer.json``."""
+    tokenizer_file = pathlib.Path(path) / "tokenizer.json"
+    if not tokenizer_file.exists():
+        raise CheckpointError(f"missing tokenizer.json in {path}")
+    return tokenizers.Tokenizer.from_file(str(tokenizer_file))

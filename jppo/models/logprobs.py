@@ -1,0 +1,72 @@
+"""Per-token log-probabilities (and entropies) without a ``[B, T, V]`` float32 array in forward or backward.
+
+With ``z = logits / temperature`` of the hidden state before token ``t``:
+
+    logprob_t = z[target_t] - logsumexp(z),     entropy_t = logsumexp(z) - sum_v softmax(z)_v z_v.
+
+The vocabulary projection and the logsumexp run over sequence chunks of ``chunk_size`` positions (all rows at
+once, so sharded rows stay parallel), one chunk at a time under ``jax.checkpoint``: the backward pass recomputes
+a chunk's logits instead of keeping them, so the peak holds ``[B, chunk_size, V]``, not ``[B, T, V]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jppo.models.decoder import CausalLM
+
+Array = jax.Array
+
+DEFAULT_CHUNK_SIZE = 128
+
+
+def token_logprobs(
+    model: CausalLM,
+    input_ids: Array,
+    positions: Array,
+    segment_ids: Array,
+    targets: Array,
+    *,
+    temperature: float | Array = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = False,
+) -> tuple[Array, Array | None]:
+    """``(logprobs [B, T], entropy [B, T] or None)``, float32: ``log softmax(logits / temperature)`` of
+    ``targets [B, T]`` (usually the next token) at every position, and the entropy of that distribution.
+
+    Values at padding positions are finite but meaningless (targets are clipped into the vocabulary); the
+    caller masks them.
+    """
+    if targets.shape != input_ids.shape:
+        raise ValueError(f"targets shape {tuple(targets.shape)} does not match input_ids {tuple(input_ids.shape)}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    if isinstance(temperature, (int, float)) and temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    hidden, _ = model.hidden_states(input_ids, positions, segment_ids)
+    batch, length, width = hidden.shape
+    chunk = min(chunk_size, length)
+    num_chunks = -(-length // chunk)
+    pad = num_chunks * chunk - length
+    targets = jnp.clip(targets, 0, model.config.vocab_size - 1)
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    # [num_chunks, B, chunk, ...]: each step of the map sees every row
+    hidden = hidden.reshape(batch, num_chunks, chunk, width).swapaxes(0, 1)
+    targets = targets.reshape(batch, num_chunks, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one_chunk(chunk_inputs: tuple[Array, Array]) -> tuple[Array, Array]:
+        chunk_hidden, chunk_targets = chunk_inputs
+        scaled = model.logits(chunk_hidden) / temperature
+        normalizer = jax.nn.logsumexp(scaled, axis=-1)
+        chosen = jnp.take_along_axis(scaled, chunk_targets[..., None], axis=-1)[..., 0]
+        if not with_entropy:
+            return chosen - normalizer, jnp.zeros_like(normalizer)
+        expected = jnp.sum(jax.nn.softmax(scaled, axis=-1) * scaled, axis=-1)
+        return chosen - normalizer, normalizer - expected
+
+    logprobs, entropy = jax.lax.map(one_chunk, (hidden, targets))
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(batch, num_chunks * chunk)[:, :length]  # noqa: E731
+    return unchunk(logprobs), (unchunk(entropy) if with_entropy else None)

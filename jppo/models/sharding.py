@@ -1,0 +1,99 @@
+"""Logical axis names on parameters and activations, and sharded model creation.
+
+Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds one logical name per dimension (names
+of :data:`jppo.mesh.LOGICAL_RULES`, ``None`` for replicated); ``sharding_rules`` points at the same table, so
+flax's own ``nnx.get_partition_spec`` agrees with :func:`partition_specs`. The mapping to mesh axes is made only
+by :func:`jppo.mesh.logical_to_spec`. Parameters are never sharded eagerly at construction: that is
+:func:`create_model`'s job, inside one jit with the shardings as outputs.
+
+Activation hints (:func:`constrain`) apply only while a mesh is set with ``jax.set_mesh(mesh)`` at trace time;
+without one they are no-ops and jit propagates the shardings of the inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence, TypeVar
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jppo.mesh import LOGICAL_RULES, logical_to_spec
+from jppo.models.config import ModelConfig
+
+Array = jax.Array
+Names = tuple[str | None, ...]
+ModelT = TypeVar("ModelT", bound=nnx.Module)
+
+_RULES = tuple(LOGICAL_RULES.items())
+
+
+def param(value: Array, names: Names) -> nnx.Param:
+    """A parameter carrying the logical axis ``names`` of its dimensions."""
+    if len(names) != value.ndim:
+        raise ValueError(f"logical names {names} do not match a parameter of shape {value.shape}")
+    return nnx.Param(value, out_sharding=names, sharding_rules=_RULES, eager_sharding=False)
+
+
+def logical_names(variable: nnx.Variable) -> Names:
+    """The logical names of a parameter's dimensions (all ``None`` when it carries none)."""
+    names = variable.get_metadata().get("out_sharding")
+    return tuple(names) if names else (None,) * len(variable.shape)
+
+
+def constrain(x: Array, names: Sequence[str | None]) -> Array:
+    """``with_sharding_constraint`` by logical names under the mesh set with ``jax.set_mesh``; else ``x``.
+
+    A dimension that its mesh axes do not divide is left replicated rather than padded.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = []
+    for size, axes in zip(x.shape, logical_to_spec(names)):
+        group = (axes,) if isinstance(axes, str) else (axes or ())
+        shards = int(np.prod([mesh.shape[axis] for axis in group]))
+        spec.append(axes if shards > 1 and size % shards == 0 else None)
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+
+
+def _state(model_or_state: nnx.Module | nnx.State) -> nnx.State:
+    return nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
+
+
+def partition_specs(model_or_state: nnx.Module | nnx.State) -> nnx.State:
+    """The state's structure with each variable's value replaced by its mesh ``PartitionSpec``."""
+    return jax.tree.map(
+        lambda variable: variable.replace(logical_to_spec(logical_names(variable))),
+        _state(model_or_state),
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+
+
+def param_shardings(model_or_state: nnx.Module | nnx.State, mesh: Mesh) -> nnx.State:
+    """The state's structure with each variable's value replaced by its ``NamedSharding`` on ``mesh``: usable as
+    jit ``in_shardings``/``out_shardings`` for ``nnx.state(model)``."""
+    return jax.tree.map(
+        lambda variable: variable.replace(NamedSharding(mesh, logical_to_spec(logical_names(variable)))),
+        _state(model_or_state),
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+
+
+def create_model(cls: type[ModelT], config: ModelConfig, mesh: Mesh | None = None, *, seed: int = 0) -> ModelT:
+    """``cls(config, rngs=nnx.Rngs(seed))`` initialised inside one jit whose outputs are the parameters'
+    shardings on ``mesh``: each device computes only its own shards, and random initialisation is
+    sharding-invariant, so the values equal the single-device ones. Without a mesh: on the default device.
+    The jitted initialiser is reused across seeds."""
+    graphdef, initialise = _initialiser(cls, config, mesh)
+    return nnx.merge(graphdef, initialise(jax.random.key(seed)))
+
+
+@functools.lru_cache(maxsize=8)
+def _initialiser(cls: type[ModelT], config: ModelConfig, mesh: Mesh | None) -> tuple[nnx.GraphDef, Callable]:
+    build = lambda key: cls(config, rngs=nnx.Rngs(key))  # noqa: E731
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: build(jax.random.key(0))))
+    out_shardings = None if mesh is None else param_shardings(abstract_state, mesh)
+    return graphdef, jax.jit(lambda key: nnx.state(build(key)), out_shardings=out_shardings)

@@ -1,0 +1,261 @@
+"""The decoder: KV-cache decoding, packed rows, padding, grouped-query attention, value model, config errors."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jppo.models import CausalLM, ModelConfig, ValueModel, create_model
+from jppo.models.layers import attention
+
+# qwen3 with attention_bias: every optional parameter (q/k/v/o biases, q/k norms) is present
+CONFIG = ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+    model_type="qwen3", attention_bias=True, max_position_embeddings=64,
+)
+# float32 end to end; logits are O(1) and the compared computations differ only in summation order and in
+# which exact zeros (masked slots) they add, so 1e-5 of the logits' scale is ~100 float32 ulps of headroom
+TOLERANCE = 1e-5
+
+
+def perturbed_model(config: ModelConfig, seed: int = 0) -> CausalLM:
+    """A model whose norms and biases are not 1 and 0, so that every parameter matters."""
+    model = create_model(CausalLM, config, seed=seed)
+    rng = np.random.default_rng(seed)
+    state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + 0.2 * rng.standard_normal(x.shape), x.dtype),
+                         nnx.state(model))
+    nnx.update(model, state)
+    return model
+
+
+@pytest.fixture(scope="module")
+def lm():
+    """The perturbed model, its split, and its jitted full forward and cached step (compiled once per shape)."""
+    model = perturbed_model(CONFIG)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state, ids, positions, segments):
+        return nnx.merge(graphdef, state)(ids, positions, segments)
+
+    @jax.jit
+    def cached_step(state, ids, positions, segments, cache, index):
+        model = nnx.merge(graphdef, state)
+        hidden, cache = model.hidden_states(ids, positions, segments, cache, index)
+        return model.logits(hidden), cache
+
+    return SimpleNamespace(model=model, graphdef=graphdef, state=state, forward=forward, cached_step=cached_step)
+
+
+def assert_close(actual, expected, where=None):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    if where is not None:
+        actual, expected = actual[where], expected[where]
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=TOLERANCE * np.abs(expected).max())
+
+
+def left_padded_batch(prompt_lengths, prompt_width, new_tokens, seed=0):
+    """Ids, positions (cumsum(mask) - 1) and segments (mask) of left-padded prompts followed by new tokens."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((len(prompt_lengths), prompt_width + new_tokens), np.int32)
+    for row, length in enumerate(prompt_lengths):
+        mask[row, prompt_width - length:] = 1
+    ids = np.where(mask, rng.integers(0, CONFIG.vocab_size, mask.shape), 0).astype(np.int32)
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+    return ids, positions, mask
+
+
+def test_prefill_then_decode_matches_full_forward(lm):
+    prompt_width, new_tokens, max_len = 6, 5, 13  # two cache slots are never written
+    ids, positions, segments = left_padded_batch([6, 3, 1], prompt_width, new_tokens)
+    full = lm.forward(lm.state, ids, positions, segments)
+    valid = segments.astype(bool)
+
+    cache = lm.model.init_cache(batch_size=3, max_len=max_len)
+    # the prompt in two calls (4 tokens at slot 0, 2 at slot 4), then one token per call
+    calls = [(0, 4), (4, 6)] + [(t, t + 1) for t in range(prompt_width, prompt_width + new_tokens)]
+    for begin, end in calls:
+        piece = (slice(None), slice(begin, end))
+        logits, cache = lm.cached_step(lm.state, ids[piece], positions[piece], segments[piece], cache, begin)
+        assert_close(logits, full[piece], where=valid[piece])
+        assert np.isfinite(np.asarray(logits)).all()
+    np.testing.assert_array_equal(cache.segment_ids[:, :11], segments)
+    np.testing.assert_array_equal(cache.segment_ids[:, 11:], 0)
+    assert cache.keys.shape == (CONFIG.num_layers, 3, max_len, CONFIG.num_kv_heads, CONFIG.head_dim)
+
+
+def test_packed_row_equals_each_sequence_alone(lm):
+    lengths = [4, 2, 3]  # 9 tokens + 2 padding in an 11-token row
+    rng = np.random.default_rng(1)
+    sequences = [rng.integers(0, CONFIG.vocab_size, n).astype(np.int32) for n in lengths]
+    width = 11
+    packed_ids = np.zeros((3, width), np.int32)
+    packed_positions = np.zeros((3, width), np.int32)
+    packed_segments = np.zeros((3, width), np.int32)
+    alone_ids, alone_positions, alone_segments = (np.zeros((3, width), np.int32) for _ in range(3))
+    start = 0
+    for segment, sequence in enumerate(sequences):
+        n = len(sequence)
+        packed_ids[0, start:start + n] = sequence
+        packed_positions[0, start:start + n] = np.arange(n)
+        packed_segments[0, start:start + n] = segment + 1
+        alone_ids[segment, :n] = sequence
+        alone_positions[segment] = np.arange(width)
+        alone_segments[segment, :n] = 1
+        start += n
+    packed = np.asarray(lm.forward(lm.state, packed_ids, packed_positions, packed_segments))
+    alone = np.asarray(lm.forward(lm.state, alone_ids, alone_positions, alone_segments))
+    start = 0
+    for segment, n in enumerate(lengths):
+        assert_close(packed[0, start:start + n], alone[segment, :n])
+        start += n
+    assert np.isfinite(packed).all()  # the padding tail (segment 0) included
+
+
+def test_grouped_query_attention_equals_attention_with_repeated_kv_heads(lm):
+    mha_config = dataclasses.replace(CONFIG, num_kv_heads=CONFIG.num_heads)
+    mha_graphdef = nnx.split(nnx.eval_shape(lambda: CausalLM(mha_config, rngs=nnx.Rngs(0))))[0]
+    group = CONFIG.num_heads // CONFIG.num_kv_heads
+    layers = nnx.state(lm.model).decoder.layers
+
+    def repeat_heads(value, head_axis):  # kv head k serves query heads k*group ... k*group + group - 1
+        shape = value.shape[:head_axis] + (CONFIG.num_kv_heads, CONFIG.head_dim)
+        return jnp.repeat(value.reshape(shape), group, axis=head_axis).reshape(*value.shape[:head_axis], -1)
+
+    mha_state = jax.tree.map(lambda x: x, nnx.state(lm.model))  # new Variables: lm.model's must stay as they are
+    for name in ("k_proj", "v_proj"):
+        mha_state.decoder.layers[name].set_value(repeat_heads(layers[name][...], 2))
+    for name in ("k_bias", "v_bias"):
+        mha_state.decoder.layers[name].set_value(repeat_heads(layers[name][...], 1))
+    ids, positions, segments = left_padded_batch([6, 3, 1], 6, 5, seed=2)
+    expected = jax.jit(lambda s: nnx.merge(mha_graphdef, s)(ids, positions, segments))(mha_state)
+    assert_close(lm.forward(lm.state, ids, positions, segments), expected, where=segments.astype(bool))
+
+
+def test_attention_against_a_direct_loop_including_fully_masked_queries():
+    rng = np.random.default_rng(3)
+    batch, length, heads, kv_heads, size = 2, 5, 4, 2, 8
+    q = rng.standard_normal((batch, length, heads, size)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, length, kv_heads, size)).astype(np.float32) for _ in range(2))
+    mask = rng.random((batch, length, length)) < 0.6
+    mask[0, 2] = False  # a query that sees nothing
+    out = np.asarray(attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask)))
+    expected = np.zeros_like(q)
+    for b in range(batch):
+        for t in range(length):
+            keys = np.flatnonzero(mask[b, t])
+            for h in range(heads):
+                if keys.size:
+                    scores = k[b, keys, h // 2] @ q[b, t, h] / np.sqrt(size)
+                    weights = np.exp(scores - scores.max())
+                    expected[b, t, h] = weights @ v[b, keys, h // 2] / weights.sum()
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)  # float32 softmax and 8-term dot products
+    np.testing.assert_array_equal(out[0, 2], 0.0)
+
+
+def test_padding_is_finite_in_values_and_gradients_with_and_without_remat(lm):
+    ids, positions, segments = left_padded_batch([6, 3, 0], 6, 0, seed=4)  # the last row is all padding
+    ids = np.where(segments, ids, -1)  # a padding id outside the vocabulary
+    remat_graphdef = nnx.split(nnx.eval_shape(lambda: CausalLM(dataclasses.replace(CONFIG, remat=True),
+                                                                rngs=nnx.Rngs(0))))[0]
+
+    def masked_loss(graphdef):
+        def loss(state):
+            logits = nnx.merge(graphdef, state)(ids, positions, segments)
+            return jnp.sum(jnp.where(segments[..., None].astype(bool), jax.nn.log_softmax(logits), 0.0))
+        return jax.jit(jax.value_and_grad(loss))
+
+    value, grads = masked_loss(lm.graphdef)(lm.state)
+    remat_value, remat_grads = masked_loss(remat_graphdef)(lm.state)
+    assert np.isfinite(value)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    np.testing.assert_allclose(remat_value, value, rtol=1e-6)  # float32, same ops recomputed
+    for got, want in zip(jax.tree.leaves(remat_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    logits = np.asarray(lm.forward(lm.state, ids, positions, segments))
+    assert np.isfinite(logits).all()
+
+
+def test_value_model_from_policy_copies_the_decoder_and_adds_a_scalar_head(lm):
+    critic = ValueModel.from_policy(lm.model, rngs=nnx.Rngs(7))
+    ids, positions, segments = left_padded_batch([6, 3, 1], 6, 0, seed=5)
+
+    @nnx.jit
+    def run(policy, critic):
+        return (policy.hidden_states(ids, positions, segments)[0], critic.hidden_states(ids, positions, segments)[0],
+                critic(ids, positions, segments))
+
+    policy_hidden, critic_hidden, values = run(lm.model, critic)
+    np.testing.assert_array_equal(critic_hidden, policy_hidden)
+    assert values.shape == (3, 6) and values.dtype == jnp.float32
+    assert np.isfinite(np.asarray(values)).all() and np.std(np.asarray(values)) > 0
+    # own buffers: a donated policy buffer must not take the critic's weights with it
+    policy_embedding, critic_embedding = lm.model.decoder.embed_tokens[...], critic.decoder.embed_tokens[...]
+    assert policy_embedding.unsafe_buffer_pointer() != critic_embedding.unsafe_buffer_pointer()
+
+
+def test_bfloat16_compute_keeps_float32_logits_close_to_float32_compute(lm):
+    bf16_config = dataclasses.replace(CONFIG, dtype="bfloat16")
+    bf16_graphdef = nnx.split(nnx.eval_shape(lambda: CausalLM(bf16_config, rngs=nnx.Rngs(0))))[0]
+    ids, positions, segments = left_padded_batch([6, 3, 1], 6, 5)
+
+    @jax.jit
+    def run(state):
+        model = nnx.merge(bf16_graphdef, state)
+        hidden, cache = model.hidden_states(ids, positions, segments, model.init_cache(3, 11), 0)
+        return hidden, cache, model.logits(hidden)
+
+    hidden, cache, logits = run(lm.state)
+    assert hidden.dtype == cache.keys.dtype == jnp.bfloat16 and logits.dtype == jnp.float32
+    expected = np.asarray(lm.forward(lm.state, ids, positions, segments))
+    valid = segments.astype(bool)
+    # bfloat16 keeps 8 mantissa bits (relative step 2^-8 = 0.4%); two layers of rounding stay within 5%
+    error = np.abs(np.asarray(logits) - expected)[valid].max() / np.abs(expected[valid]).max()
+    assert error < 0.05, error
+
+
+def test_model_input_errors(lm):
+    ids = jnp.zeros((2, 4), jnp.int32)
+    with pytest.raises(ValueError, match="positions shape"):
+        lm.model.hidden_states(ids, jnp.zeros((2, 3), jnp.int32), jnp.ones((2, 4), jnp.int32))
+    with pytest.raises(ValueError, match="cache_index was given without a cache"):
+        lm.model.hidden_states(ids, None, None, None, 2)
+    with pytest.raises(ValueError, match="cache_index=3 .* max_len=6"):
+        lm.model.hidden_states(ids, None, None, lm.model.init_cache(2, 6), 3)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(num_heads=4, num_kv_heads=3), "num_heads=4 is not divisible by num_kv_heads=3"),
+        (dict(model_type="gpt2"), "unsupported model_type 'gpt2'; supported: llama, qwen2, qwen3"),
+        (dict(dtype="float8"), "dtype='float8' is not one of float32, bfloat16, float16"),
+        (dict(hidden_size=30, head_dim=None), "hidden_size=30 is not divisible by num_heads=4"),
+        (dict(head_dim=7), "head_dim must be a positive even integer"),
+        (dict(num_layers=0), "num_layers must be a positive integer"),
+        (dict(model_type="qwen2", attention_bias=False), "requires attention_bias=True"),
+        (dict(model_type="llama", qk_norm=True), "requires qk_norm=False"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "unsupported rope_scaling type 'yarn'"),
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "missing low_freq_factor"),
+    ],
+)
+def test_bad_config_is_a_clear_error(changes, message):
+    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**{**fields, **changes})
+
+
+def test_config_family_flags_and_defaults():
+    qwen2 = ModelConfig(vocab_size=8, hidden_size=16, intermediate_size=8, num_layers=1, num_heads=2,
+                        model_type="qwen2")
+    assert (qwen2.attention_bias, qwen2.attention_out_bias, qwen2.qk_norm) == (True, False, False)
+    assert (qwen2.num_kv_heads, qwen2.head_dim) == (2, 8)
+    scaled = dataclasses.replace(qwen2, model_type="llama", attention_bias=None, attention_out_bias=None,
+                                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    assert scaled.rope_scaling.factor == 8.0 and (scaled.attention_bias, scaled.attention_out_bias) == (False, False)
+    hash(scaled)  # static in jit
