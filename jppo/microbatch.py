@@ -261,3 +261,33 @@ def scatter_back(values: np.ndarray, row_ids: np.ndarray, num_sequences: int) ->
     present = flat_rows >= 0
     out[flat_rows[present]] = flat_values[present]
     return out
+
+
+def _pad_axis(array: np.ndarray, axis: int, size: int, value) -> np.ndarray:
+    if array.shape[axis] == size:
+        return array
+    widths = [(0, 0)] * array.ndim
+    widths[axis] = (0, size - array.shape[axis])
+    return np.pad(array, widths, constant_values=value)
+
+
+def stack_micro_batches(steps: list[MicroBatches]) -> MicroBatches:
+    """Several mini-batches' micro-batches as one ``[M, K, D, ...]`` layout, so all M optimizer steps run in one
+    compiled call. K and S are padded to the largest among the steps with empty micro-batches and empty slots
+    (fully masked: they contribute exactly 0); token rows must already agree in ``R`` and ``W``."""
+    k = max(m.input_ids.shape[0] for m in steps)
+    s = max(m.row_ids.shape[2] for m in steps)
+
+    def pad(array: np.ndarray, slot_axis: int | None, value) -> np.ndarray:
+        array = _pad_axis(array, 0, k, value)
+        return array if slot_axis is None else _pad_axis(array, slot_axis, s, value)
+
+    return MicroBatches(
+        input_ids=np.stack([pad(m.input_ids, None, 0) for m in steps]),
+        positions=np.stack([pad(m.positions, None, 0) for m in steps]),
+        segment_ids=np.stack([pad(m.segment_ids, None, 0) for m in steps]),
+        gather_index=np.stack([pad(m.gather_index, 2, 0) for m in steps]),
+        response_mask=np.stack([pad(m.response_mask, 2, False) for m in steps]),
+        per_token={name: np.stack([pad(m.per_token[name], 2, 0) for m in steps]) for name in steps[0].per_token},
+        row_ids=np.stack([pad(m.row_ids, 2, -1) for m in steps]),
+    )

@@ -186,19 +186,31 @@ def test_add_small_examples_are_sums():
 
 
 @pytest.mark.parametrize(
-    "response, expected",
-    [("1503", 1.0), ("1509", 0.75), ("15030", 0.8), ("15", 0.5), ("", 0.0), ("3051", 0.0), ("x5", 0.25)],
+    "response, finished, expected",
+    [
+        ("1503", True, 1.0),
+        ("1503", False, 1.0),  # cut at the length limit: stopping is not scored
+        ("1509", True, 0.75),  # one wrong digit
+        ("15030", True, 1.0),  # what follows the answer is ignored
+        ("15", True, 0.5),  # an early stop loses the missing digits
+        ("", True, 0.0),
+        ("3051", True, 0.0),
+        ("x5", False, 0.25),
+    ],
 )
-def test_reverse_digits_score(response, expected):
+def test_reverse_digits_score(response, finished, expected):
     example = Example(prompt="3051=", answer="1503")
-    assert get_task("reverse_digits").score(response, example) == pytest.approx(expected, abs=1e-12)
+    task = get_task("reverse_digits")
+    assert task.score(response, example, finished) == pytest.approx(expected, abs=1e-12)
+    credit = task.credit(response, example, finished)
+    assert len(credit) == len(response) + finished and sum(credit) == pytest.approx(expected, abs=1e-12)
 
 
 @pytest.mark.parametrize(
     "response, expected",
-    [("102", 1.0), ("112", 2 / 3), ("92", 1 / 3), ("2", 1 / 3), ("1020", 0.0), ("", 0.0)],
+    [("102", 1.0), ("112", 2 / 3), ("92", 0.0), ("1020", 1.0), ("", 0.0)],
 )
-def test_add_small_score_matches_digit_places(response, expected):
+def test_add_small_score_matches_the_sum_left_to_right(response, expected):
     example = Example(prompt="68+34=", answer="102")
     assert get_task("add_small").score(response, example) == pytest.approx(expected, abs=1e-12)
 

@@ -128,3 +128,9 @@ def test_adaptive_kl_controller_rejects_bad_configuration(arguments, bad):
 def test_registering_a_name_twice_is_refused():
     with pytest.raises(ValueError, match="'vanilla' is already registered"):
         register_policy_loss("vanilla")(lambda *args: None)
+
+
+def test_token_sum_norm_needs_the_configured_constant():
+    mask = jnp.ones((2, 3))
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm' needs norm"):
+        agg_loss(jnp.ones((2, 3)), mask, "seq-mean-token-sum-norm")

@@ -10,6 +10,7 @@ from jppo.microbatch import (
     next_power_of_two,
     packed_micro_batches,
     scatter_back,
+    stack_micro_batches,
 )
 
 
@@ -153,3 +154,21 @@ def test_default_attention_runs_to_the_last_loss_token():
     mask = np.array([[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
     batch = SequenceBatch(np.ones((3, 2), int), np.ones((3, 2), bool), np.ones((3, 4), int), mask)
     np.testing.assert_array_equal(batch.response_attention, [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+
+
+def test_stacked_steps_pad_to_a_common_shape_with_empty_micro_batches_and_slots():
+    batch = random_batch(11, n=16)
+    short = np.argsort(batch.lengths(), kind="stable")
+    # the same budget, so rows agree; the short half packs into fewer micro-batches than the long half
+    steps = [packed_micro_batches(batch.take(short[:8]), 2, 13), packed_micro_batches(batch.take(short[8:]), 2, 13)]
+    assert steps[0].input_ids.shape[0] != steps[1].input_ids.shape[0] or steps[0].row_ids.shape[2] != steps[1].row_ids.shape[2]
+    stacked = stack_micro_batches(steps)
+    k = max(s.input_ids.shape[0] for s in steps)
+    slots = max(s.row_ids.shape[2] for s in steps)
+    assert stacked.input_ids.shape[:2] == (2, k) and stacked.row_ids.shape == (2, k, 2, slots)
+    for i, step in enumerate(steps):
+        kk, _, ss = step.row_ids.shape
+        np.testing.assert_array_equal(stacked.row_ids[i, :kk, :, :ss], step.row_ids)
+        assert (stacked.row_ids[i, kk:] == -1).all() and (stacked.row_ids[i, :, :, ss:] == -1).all()
+        assert not stacked.response_mask[i, kk:].any() and not stacked.response_mask[i, :, :, ss:].any()
+        assert not stacked.segment_ids[i, kk:].any()

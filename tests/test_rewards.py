@@ -126,6 +126,7 @@ def test_task_reward_with_format_term():
     # exact + format; exact but cut off (no EOS): no format; 3/4 right but not digits-only; empty: nothing.
     np.testing.assert_array_equal(rewards, np.array([1.5, 1.0, 0.75, 0.0], np.float32))
     plain = build_reward_fn(RewardConfig(), task)(["1503", "15"], examples[:2], [True, True])
+    # "15" + EOS: two of the four digits in place
     np.testing.assert_array_equal(plain, np.array([1.0, 0.5], np.float32))
 
 
@@ -282,4 +283,4 @@ def test_plugin_load_errors(plugin_file, tmp_path):
     broken.write_text("import no_such_module_anywhere\n")
     with pytest.raises(ValueError, match=r"broken.py' raised ModuleNotFoundError: No module named 'no_such_module_any"):
         build_reward_fn(RewardConfig(function=f"{broken}:fn"), None)
-    assert not any("broken" in name for name in sys.modules)
+    assert not any(name.startswith("jppo_reward_plugin_broken") for name in sys.modules)

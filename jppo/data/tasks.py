@@ -51,7 +51,7 @@ class Task(Protocol):
 
     def examples(self, split: str, n: int, seed: int) -> list[Example]: ...
 
-    def score(self, response_text: str, example: Example) -> float: ...
+    def score(self, response_text: str, example: Example, finished: bool = True) -> float: ...
 
     def follows_format(self, response_text: str) -> bool: ...
 
@@ -61,12 +61,24 @@ def is_held_out(prompt: str) -> bool:
     return zlib.crc32(prompt.encode("utf-8")) % _HELD_OUT_MODULUS == 0
 
 
-def positional_match(response: str, target: str) -> float:
-    """``#{i : response[i] == target[i]} / max(len(response), len(target))``: extra or missing characters cost."""
-    longest = max(len(response), len(target))
-    if longest == 0:
-        return 1.0
-    return sum(r == t for r, t in zip(response, target)) / longest
+def positional_credit(response: str, answer: str, finished: bool = True) -> list[float]:
+    """Credit of each produced token for spelling ``answer``: character i of the response earns
+    ``1 / len(answer)`` when it equals ``answer[i]``; what follows the answer (and the EOS) earns nothing.
+
+    So a response earns exactly 1 when it starts with the answer, and every credit is decided by the token at
+    that position alone, which lets ``reward.token_level`` pay each token as it is produced. Stopping is not
+    scored: an untrained policy's EOS mostly cuts answers short, so a reward for stopping at the right place
+    is learnt only long after the digits (measured: the default config then stalls near 0.3). Returns one
+    credit per character of ``response``, plus one (0) for the EOS when ``finished``.
+    """
+    unit = 1.0 / max(len(answer), 1)
+    credit = [unit if i < len(answer) and c == answer[i] else 0.0 for i, c in enumerate(response)]
+    return credit + [0.0] if finished else credit
+
+
+def positional_match(response: str, answer: str, finished: bool = True) -> float:
+    """Fraction of the answer's characters that the response has in place (1 when it starts with the answer)."""
+    return sum(positional_credit(response, answer, finished))
 
 
 def _check_split(split: str) -> None:
@@ -99,12 +111,34 @@ def _is_digits(text: str) -> bool:
     return bool(re.fullmatch(r"[0-9]+", text))
 
 
+class _DigitAnswerTask:
+    """A generated task whose answer is a digit string, scored by :func:`positional_match`."""
+
+    name: str
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def examples(self, split: str, n: int, seed: int) -> list[Example]:
+        return _generate(self.name, split, n, seed, self._draw)
+
+    def score(self, response_text: str, example: Example, finished: bool = True) -> float:
+        return positional_match(response_text, example.answer, finished)
+
+    def credit(self, response_text: str, example: Example, finished: bool = True) -> list[float]:
+        """Per-token credit summing to :meth:`score` (for ``reward.token_level``)."""
+        return positional_credit(response_text, example.answer, finished)
+
+    def follows_format(self, response_text: str) -> bool:
+        return _is_digits(response_text)
+
+
 @dataclasses.dataclass(frozen=True)
-class ReverseDigits:
+class ReverseDigits(_DigitAnswerTask):
     """Reverse a digit string: prompt ``"3051="``, answer ``"1503"``, then EOS.
 
-    Reward: ``positional_match(response, answer)``. A uniform random policy earns about 1/11 per position (ten
-    digits, ``=`` and EOS), so there is signal from the first step.
+    Reward: :func:`positional_match`, the fraction of the answer's digits the response has in place. A uniform
+    random policy earns about 1/14 per position, so there is signal from the first step.
     """
 
     min_len: int = 3
@@ -123,22 +157,14 @@ class ReverseDigits:
         digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(self.min_len, self.max_len)))
         return digits + "=", digits[::-1]
 
-    def examples(self, split: str, n: int, seed: int) -> list[Example]:
-        return _generate(self.name, split, n, seed, self._draw)
-
-    def score(self, response_text: str, example: Example) -> float:
-        return positional_match(response_text, example.answer)
-
-    def follows_format(self, response_text: str) -> bool:
-        return _is_digits(response_text)
 
 
 @dataclasses.dataclass(frozen=True)
-class AddSmall:
+class AddSmall(_DigitAnswerTask):
     """Add two small numbers: prompt ``"17+5="``, answer ``"22"``, then EOS.
 
-    Reward: 1 for the exact sum; otherwise the fraction of digit places (units with units, tens with tens, ...)
-    that match, over the longer of response and answer, so a right units digit already earns credit.
+    Reward: :func:`positional_match` against the sum's digits, left to right (1 when the response starts with
+    the sum).
     """
 
     max_operand: int = 99
@@ -155,14 +181,6 @@ class AddSmall:
         a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
         return f"{a}+{b}=", str(a + b)
 
-    def examples(self, split: str, n: int, seed: int) -> list[Example]:
-        return _generate(self.name, split, n, seed, self._draw)
-
-    def score(self, response_text: str, example: Example) -> float:
-        return positional_match(response_text[::-1], example.answer[::-1])
-
-    def follows_format(self, response_text: str) -> bool:
-        return _is_digits(response_text)
 
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -226,7 +244,8 @@ class ReasoningGymTask:
             raise ValueError(f"task {self.name!r} has too few distinct prompts for a {split} split: widen its options")
         return examples
 
-    def score(self, response_text: str, example: Example) -> float:
+    def score(self, response_text: str, example: Example, finished: bool = True) -> float:
+        del finished  # the answer tags decide
         return float(self._scorer(extract_answer_tag(response_text), example.meta["entry"]))
 
     def follows_format(self, response_text: str) -> bool:

@@ -9,6 +9,7 @@ from jppo.losses.aggregate import (
     global_norm_stats,
     masked_sum,
     safe_divide,
+    select_valid,
 )
 from jppo.losses.entropy import entropy_from_logits, entropy_loss
 from jppo.losses.kl import KL_KINDS, check_kl_kind, kl_loss, kl_penalty, penalize_rewards
@@ -21,7 +22,6 @@ from jppo.losses.policy import (
     get_policy_loss,
     policy_loss,
     register_policy_loss,
-    select_valid,
 )
 from jppo.losses.value import clipped_value_error, value_loss
 

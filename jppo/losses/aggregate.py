@@ -116,6 +116,22 @@ def masked_sum(values: Array, mask: Array, axis: int | tuple[int, ...] | None = 
     return jnp.sum(jnp.where(mask.astype(bool), values, 0), axis=axis)
 
 
+def select_valid(mask: Array, **arrays: Array) -> tuple[Array, ...]:
+    """Checks that every array has the mask's ``[batch, length]`` shape and zeroes it where the mask is 0.
+
+    Inputs at padded positions may be NaN or Inf; zeroing them before any arithmetic keeps them out of both the
+    loss and its gradient (a ``where`` on the output alone would still produce ``0 * NaN`` in the backward pass).
+    Returns the arrays in the order given.
+    """
+    if mask.ndim != 2:
+        raise ValueError(f"mask must be [batch, length]; got shape {tuple(mask.shape)}")
+    for name, array in arrays.items():
+        if array.shape != mask.shape:
+            raise ValueError(f"{name} must have the mask's shape {tuple(mask.shape)}; got {tuple(array.shape)}")
+    valid = mask.astype(bool)
+    return tuple(jnp.where(valid, array, 0) for array in arrays.values())
+
+
 def agg_loss(loss_mat: Array, mask: Array, mode: str, norm: NormStats | None = None) -> Array:
     """This call's share of the whole-mini-batch loss (see the module docstring for the formulas).
 
@@ -124,7 +140,7 @@ def agg_loss(loss_mat: Array, mask: Array, mode: str, norm: NormStats | None = N
         mask: ``[batch, length]`` response mask.
         mode: one of :data:`AGG_MODES`.
         norm: whole-mini-batch normalizers. ``None`` uses this call's own mask (correct only when the call sees
-            the whole mini-batch; the legacy per-micro-batch mode uses it on purpose).
+            the whole mini-batch); not allowed for ``seq-mean-token-sum-norm``, whose C comes only from ``norm``.
 
     Returns:
         A scalar of ``loss_mat``'s dtype. Rows without valid tokens contribute exactly 0.
@@ -132,6 +148,9 @@ def agg_loss(loss_mat: Array, mask: Array, mode: str, norm: NormStats | None = N
     check_mode(mode)
     _check_shapes(loss_mat, mask)
     if norm is None:
+        if mode == "seq-mean-token-sum-norm":
+            # C is a configured constant; no mask can supply it (a padded width would make it split-dependent)
+            raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' needs norm=NormStats(..., loss_scale_factor=C)")
         norm = global_norm_stats(mask, dtype=loss_mat.dtype)
     dtype = loss_mat.dtype
     num_tokens = norm.num_tokens.astype(dtype)

@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jppo import metrics as metrics_lib
-from jppo.losses.aggregate import NormStats, agg_loss, check_mode
-from jppo.losses.policy import select_valid
+from jppo.losses.aggregate import NormStats, agg_loss, check_mode, select_valid
 
 Array = jax.Array
 

@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from jppo import metrics as metrics_lib
-from jppo.losses.aggregate import NormStats, agg_loss, check_mode, masked_sum, safe_divide
+from jppo.losses.aggregate import NormStats, agg_loss, check_mode, masked_sum, safe_divide, select_valid
 
 Array = jax.Array
 
@@ -144,22 +144,6 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(sorted(POLICY_LOSSES))}")
     return POLICY_LOSSES[name]
-
-
-def select_valid(mask: Array, **arrays: Array) -> tuple[Array, ...]:
-    """Checks that every array has the mask's ``[batch, length]`` shape and zeroes it where the mask is 0.
-
-    Inputs at padded positions may be NaN or Inf; zeroing them before any arithmetic keeps them out of both the
-    loss and its gradient (a ``where`` on the output alone would still produce ``0 * NaN`` in the backward pass).
-    Returns the arrays in the order given.
-    """
-    if mask.ndim != 2:
-        raise ValueError(f"mask must be [batch, length]; got shape {tuple(mask.shape)}")
-    for name, array in arrays.items():
-        if array.shape != mask.shape:
-            raise ValueError(f"{name} must have the mask's shape {tuple(mask.shape)}; got {tuple(array.shape)}")
-    valid = mask.astype(bool)
-    return tuple(jnp.where(valid, array, 0) for array in arrays.values())
 
 
 def _row_mean(values: Array, mask: Array) -> Array:

@@ -24,6 +24,7 @@ DTYPES: dict[str, jnp.dtype] = {
     "float32": jnp.dtype(jnp.float32),
     "bfloat16": jnp.dtype(jnp.bfloat16),
     "float16": jnp.dtype(jnp.float16),
+    "float64": jnp.dtype(jnp.float64),  # exactness tests (needs jax_enable_x64)
 }
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 

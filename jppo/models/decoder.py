@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from jppo.models.config import ModelConfig
-from jppo.models.layers import apply_rope, attention, attention_mask, rms_norm, rope_tables, swiglu
+from jppo.models.layers import apply_rope, attention, attention_mask, rms_norm, rope_tables, swiglu, wide
 from jppo.models.sharding import constrain, param, param_shardings
 
 Array = jax.Array
@@ -253,10 +253,10 @@ class CausalLM(nnx.Module):
         dtype = self.config.compute_dtype
         if self.lm_head is None:
             embedding = self.decoder.embed_tokens[...].astype(dtype)
-            logits = jnp.einsum("...d,vd->...v", hidden, embedding, preferred_element_type=jnp.float32)
+            logits = jnp.einsum("...d,vd->...v", hidden, embedding, preferred_element_type=wide(dtype))
         else:
             kernel = self.lm_head[...].astype(dtype)
-            logits = jnp.einsum("...d,dv->...v", hidden, kernel, preferred_element_type=jnp.float32)
+            logits = jnp.einsum("...d,dv->...v", hidden, kernel, preferred_element_type=wide(dtype))
         return constrain(logits, ("batch", "length", "vocab")) if logits.ndim == 3 else logits
 
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
@@ -275,8 +275,8 @@ class ValueHead(nnx.Module):
 
     def __call__(self, hidden: Array) -> Array:
         kernel = self.kernel[...].astype(self.config.compute_dtype)
-        values = jnp.einsum("...d,do->...o", hidden, kernel, preferred_element_type=jnp.float32)
-        return (values + self.bias[...].astype(jnp.float32))[..., 0]
+        values = jnp.einsum("...d,do->...o", hidden, kernel, preferred_element_type=wide(kernel.dtype))
+        return (values + self.bias[...].astype(values.dtype))[..., 0]
 
 
 class ValueModel(nnx.Module):

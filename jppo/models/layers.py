@@ -16,11 +16,17 @@ from jppo.models.config import ModelConfig, RopeScaling
 Array = jax.Array
 
 
+def wide(dtype) -> jnp.dtype:
+    """The precision of norms, softmax, RoPE and logits for a compute dtype: float32, or float64 for a float64
+    model (exactness tests run the whole model in float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def rms_norm(x: Array, scale: Array, eps: float) -> Array:
     """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis, computed in float32, returned in ``x.dtype``."""
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(wide(x.dtype))
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+    return (normed * scale.astype(x32.dtype)).astype(x.dtype)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -41,14 +47,14 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling |
 def rope_tables(positions: Array, config: ModelConfig) -> tuple[Array, Array]:
     """``cos`` and ``sin`` of the angles ``p f_i``: float32 ``[B, T, E/2]`` for integer ``positions [B, T]``."""
     freqs = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(freqs)
+    angles = positions.astype(wide(config.compute_dtype))[..., None] * jnp.asarray(freqs)
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     """Rotates the pairs ``(x_i, x_{i + E/2})`` of ``x [B, T, heads, E]`` by the angles of ``cos``/``sin``:
     ``(a, b) -> (a cos - b sin, b cos + a sin)`` (the "rotate half" layout of Llama/Qwen checkpoints)."""
-    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    first, second = jnp.split(x.astype(wide(x.dtype)), 2, axis=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return rotated.astype(x.dtype)
@@ -76,10 +82,11 @@ def attention(query: Array, key: Array, value: Array, mask: Array) -> Array:
     batch, length, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[2]
     grouped = query.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, key, preferred_element_type=jnp.float32)
+    precision = wide(query.dtype)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, key, preferred_element_type=precision)
     scores = scores * (head_dim**-0.5)
     visible = mask[:, None, None, :, :]
-    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(visible, scores, jnp.finfo(precision).min)
     probs = jnp.where(visible, jax.nn.softmax(scores, axis=-1), 0.0)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(value.dtype), value)
     return out.reshape(batch, length, num_heads, head_dim)

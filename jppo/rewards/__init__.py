@@ -1,16 +1,18 @@
 """Rewards for the trainer: rule-based answer checks, task scorers, user plug-ins, and the batch reward function."""
 
 from jppo.rewards.plugin import RewardFunctionError, RewardPlugin, load_reward_plugin
-from jppo.rewards.reward_fn import REWARD_KINDS, RewardConfig, RewardFn, build_reward_fn
+from jppo.rewards.reward_fn import REWARD_KINDS, CreditFn, RewardConfig, RewardFn, build_credit_fn, build_reward_fn
 from jppo.rewards.rules import boxed_score, extract_boxed, extract_gsm8k_answer, gsm8k_score, math_equal
 
 __all__ = [
     "REWARD_KINDS",
+    "CreditFn",
     "RewardConfig",
     "RewardFn",
     "RewardFunctionError",
     "RewardPlugin",
     "boxed_score",
+    "build_credit_fn",
     "build_reward_fn",
     "extract_boxed",
     "extract_gsm8k_answer",

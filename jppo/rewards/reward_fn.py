@@ -24,7 +24,7 @@ from jppo.data.tasks import Example, Task
 from jppo.rewards import rules
 from jppo.rewards.plugin import RewardFunctionError, load_reward_plugin
 
-REWARD_KINDS = ("task", "gsm8k", "boxed")
+REWARD_KINDS = ("task", "gsm8k", "boxed", "none")
 
 RewardFn = Callable[[list[str], list[Example], Sequence[bool]], np.ndarray]
 
@@ -37,6 +37,14 @@ class RewardConfig:
     kind: str = "task"
     gsm8k_flexible: bool = False  # gsm8k: the last number of the response instead of the one after "####"
     format_weight: float = 0.0
+    # Spread a built-in task's per-position credit over the response tokens (a dense reward that sums to the
+    # score) instead of putting the whole score on the last token. Needs a task with a ``credit`` method.
+    token_level: bool = False
+    # A reward model: a value-head checkpoint (a directory transformers can load as *ForTokenClassification /
+    # *ForSequenceClassification with one label, or a jppo critic export) whose output at the last token of the
+    # prompt + response is added to the rule score (reward.kind: none for the model's score alone). It must share
+    # the policy's tokenizer.
+    model_path: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.kind not in REWARD_KINDS:
@@ -69,7 +77,7 @@ def build_reward_fn(cfg: RewardConfig, task: Optional[Task]) -> RewardFn:
         if plugin is not None:
             scores = plugin(responses, examples, finished)
         else:
-            scores = _scores(score, cfg, responses, examples)
+            scores = _scores(score, cfg, responses, examples, finished)
         if follows_format is None:
             return scores
         formats = np.array([bool(done) and follows_format(text) for text, done in zip(responses, finished)], np.float32)
@@ -78,15 +86,40 @@ def build_reward_fn(cfg: RewardConfig, task: Optional[Task]) -> RewardFn:
     return reward_fn
 
 
-def _kind_scorer(cfg: RewardConfig, task: Task) -> Callable[[str, Example], float]:
+CreditFn = Callable[[list[str], list[Example], Sequence[bool]], list[list[float]]]
+
+
+def build_credit_fn(cfg: RewardConfig, task: Optional[Task]) -> Optional[CreditFn]:
+    """With ``reward.token_level``: ``fn(responses, examples, finished) -> credits``, one per character of each
+    response plus one for its EOS when finished, summing to the task's score; ``None`` otherwise."""
+    if not cfg.token_level:
+        return None
+    if task is None or not hasattr(task, "credit") or cfg.function is not None or cfg.kind != "task":
+        raise ValueError(
+            "reward.token_level=true needs reward.kind='task', no reward.function, and a data.task with per-position "
+            f"credit (built-in tasks: {', '.join(sorted(_CREDIT_TASKS))})"
+        )
+    return lambda responses, examples, finished: [
+        task.credit(text, example, bool(done)) for text, example, done in zip(responses, examples, finished)
+    ]
+
+
+_CREDIT_TASKS = ("reverse_digits", "add_small")
+
+
+def _kind_scorer(cfg: RewardConfig, task: Task) -> Callable[[str, Example, bool], float]:
+    if cfg.kind == "none":
+        return lambda text, example, finished: 0.0
     if cfg.kind == "gsm8k":
-        return lambda text, example: rules.gsm8k_score(text, example.answer, cfg.gsm8k_flexible)
+        return lambda text, example, finished: rules.gsm8k_score(text, example.answer, cfg.gsm8k_flexible)
     if cfg.kind == "boxed":
-        return lambda text, example: rules.boxed_score(text, example.answer)
+        return lambda text, example, finished: rules.boxed_score(text, example.answer)
     return task.score
 
 
 def _kind_format(cfg: RewardConfig, task: Task) -> Callable[[str], bool]:
+    if cfg.kind == "none":
+        raise ValueError("reward.format_weight needs a reward.kind with a format (task, gsm8k, boxed), not 'none'")
     if cfg.kind == "gsm8k":
         return lambda text: rules.extract_gsm8k_answer(text) is not None
     if cfg.kind == "boxed":
@@ -95,12 +128,16 @@ def _kind_format(cfg: RewardConfig, task: Task) -> Callable[[str], bool]:
 
 
 def _scores(
-    score: Callable[[str, Example], float], cfg: RewardConfig, responses: list[str], examples: list[Example]
+    score: Callable[[str, Example, bool], float],
+    cfg: RewardConfig,
+    responses: list[str],
+    examples: list[Example],
+    finished: Sequence[bool],
 ) -> np.ndarray:
     values = np.empty(len(responses), np.float32)
-    for index, (text, example) in enumerate(zip(responses, examples)):
+    for index, (text, example, done) in enumerate(zip(responses, examples, finished)):
         try:
-            values[index] = score(text, example)
+            values[index] = score(text, example, bool(done))
         except Exception as error:
             where = example.meta.get("location", "a generated example")
             raise RewardFunctionError(

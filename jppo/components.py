@@ -1,0 +1,161 @@
+"""The parts a training run is made of, built from its configuration: vocabulary, data, rewards, models, sampler.
+
+Everything that can fail on user input (a missing file, a bad task option, a checkpoint without a tensor) fails
+here, before anything is compiled, with a one-line message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jppo.config import TrainConfig
+from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
+from jppo.engine import forward_batch, reward_model_fn
+from jppo.mesh import BATCH_AXES, batch_shards
+from jppo.microbatch import SequenceBatch
+from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pretrained
+from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
+from jppo.rollout import SamplingParams, make_generate_fn, pad_prompts
+
+
+@dataclasses.dataclass
+class RunInputs:
+    """What a run reads from outside: vocabulary, prompts and the reward function."""
+
+    tokenizer: Tokenizer
+    train_data: PromptDataset
+    val_data: Optional[PromptDataset]
+    reward_fn: RewardFn
+    credit_fn: Optional[CreditFn] = None
+
+
+def tokenizer_spec(cfg: TrainConfig) -> str:
+    return cfg.model.tokenizer or cfg.model.path or f"builtin:{cfg.data.task}"
+
+
+def load_inputs(cfg: TrainConfig) -> RunInputs:
+    tokenizer = load_tokenizer(tokenizer_spec(cfg))
+    train = load_dataset(cfg.data, tokenizer, "train")
+    has_val = cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
+    val = load_dataset(cfg.data, tokenizer, "val") if has_val and (cfg.data.task != "files" or cfg.data.val_files) else None
+    task = task_of(cfg.data)
+    return RunInputs(tokenizer, train, val, build_reward_fn(cfg.reward, task), build_credit_fn(cfg.reward, task))
+
+
+def random_model_config(cfg: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """The architecture of a randomly initialised policy (no ``model.path``): the vocabulary is the tokenizer's."""
+    m = cfg.model
+    return ModelConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, rope_theta=m.rope_theta,
+        tie_word_embeddings=m.tie_word_embeddings, max_position_embeddings=m.max_position_embeddings,
+        dtype=m.dtype, param_dtype=m.param_dtype, model_type=m.model_type, remat=m.remat,
+        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+    )
+
+
+def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh) -> CausalLM:
+    if cfg.model.path:
+        return load_pretrained(cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, mesh=mesh)
+    return create_model(CausalLM, random_model_config(cfg, tokenizer), mesh, seed=cfg.trainer.seed)
+
+
+def build_critic(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> ValueModel:
+    """The critic starts from the policy's backbone with a new value head (or from ``critic.model_path``)."""
+    path = cfg.critic.model_path or cfg.model.path
+    if path:
+        return load_pretrained(
+            path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, head="value", mesh=mesh,
+            seed=cfg.trainer.seed + 1,
+        )
+    return ValueModel.from_policy(policy, rngs=nnx.Rngs(cfg.trainer.seed + 1))
+
+
+def build_reference(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> nnx.State:
+    """Parameters of the reference policy: ``ref.model_path``, or a copy of the policy's initial weights."""
+    if cfg.ref.model_path:
+        model = load_pretrained(cfg.ref.model_path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, mesh=mesh)
+        return nnx.state(model, nnx.Param)
+    return jax.tree.map(jnp.copy, nnx.state(policy, nnx.Param))
+
+
+class Sampler:
+    """Samples ``rollout.n`` responses per prompt with the policy's current parameters, rows sharded over the batch
+    axes. Prompts are left-padded to a multiple of ``rollout.prompt_bucket`` tokens and the batch is filled up to a
+    multiple of the batch shards with empty rows (dropped again), so the sampler compiles once per bucket."""
+
+    def __init__(self, graphdef: nnx.GraphDef, tokenizer: Tokenizer, mesh: Mesh, params: SamplingParams, bucket: int):
+        self._fn = make_generate_fn(graphdef, params)
+        self._mesh = mesh
+        self._pad = tokenizer.pad_id
+        self._bucket = bucket
+        self.params = params
+
+    def __call__(self, state: nnx.State, prompts: list[list[int]], key: jax.Array) -> SequenceBatch:
+        shards = batch_shards(self._mesh)
+        filler = (-len(prompts)) % shards
+        ids, mask = pad_prompts(list(prompts) + [[]] * filler, self._pad, multiple=self._bucket)
+        rows = NamedSharding(self._mesh, PartitionSpec(BATCH_AXES, None))
+        with jax.set_mesh(self._mesh):
+            out = self._fn(state, jax.device_put(ids, rows), jax.device_put(mask, rows), key)
+        out = jax.device_get(out)
+        keep = len(prompts) * self.params.n  # filler prompts come last, and rows are prompt-major
+        return SequenceBatch(
+            prompt_ids=np.asarray(out.prompt_ids[:keep]),
+            prompt_mask=np.asarray(out.prompt_mask[:keep]),
+            response_ids=np.asarray(out.response_ids[:keep]),
+            response_mask=np.asarray(out.response_mask[:keep]),
+            per_token={"rollout_log_prob": np.asarray(out.logprobs[:keep], np.float32)},
+        )
+
+
+def sampling_params(cfg: TrainConfig, tokenizer: Tokenizer, *, validation: bool = False) -> SamplingParams:
+    eos = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
+    if validation:
+        greedy = cfg.rollout.val_temperature <= 0
+        return SamplingParams(
+            max_new_tokens=cfg.rollout.max_response_length, temperature=1.0 if greedy else cfg.rollout.val_temperature,
+            greedy=greedy, n=cfg.rollout.val_n, eos_token_ids=eos, pad_token_id=tokenizer.pad_id,
+        )
+    return SamplingParams(
+        max_new_tokens=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+        top_p=cfg.rollout.top_p, n=cfg.rollout.n, eos_token_ids=eos, pad_token_id=tokenizer.pad_id,
+    )
+
+
+class RewardModel:
+    """A value-head checkpoint scoring each sequence by its output at the last response token."""
+
+    def __init__(self, cfg: TrainConfig, mesh: Mesh):
+        model = load_pretrained(cfg.reward.model_path, dtype=cfg.model.dtype, head="value", mesh=mesh)
+        self._graphdef, self._params = nnx.split(model, nnx.Param)
+        self._fn = reward_model_fn(self._graphdef)
+        self._mesh = mesh
+        update = cfg.critic if cfg.use_critic else cfg.actor
+        self._sizes = (
+            {"max_token_len": update.ppo_max_token_len} if update.use_dynamic_bsz
+            else {"micro_batch_size": cfg.rollout.log_prob_micro_batch_size or update.ppo_micro_batch_size}
+        )
+
+    def __call__(self, batch: SequenceBatch) -> np.ndarray:
+        after_token = forward_batch(self._fn, self._params, batch, self._mesh, **self._sizes)
+        attention = batch.response_attention.astype(bool)
+        last = attention.shape[1] - 1 - np.argmax(attention[:, ::-1], axis=1)
+        return np.where(attention.any(axis=1), after_token[np.arange(len(last)), last], 0.0).astype(np.float32)
+
+
+def decode_responses(batch: SequenceBatch, tokenizer: Tokenizer) -> tuple[list[str], list[bool]]:
+    """Response texts (special tokens dropped) and whether each ended with EOS rather than the length limit."""
+    texts, finished = [], []
+    for ids, mask in zip(batch.response_ids, batch.response_mask.astype(bool)):
+        tokens = ids[mask].tolist()
+        finished.append(bool(tokens) and tokens[-1] == tokenizer.eos_id)
+        texts.append(tokenizer.decode(tokens))
+    return texts, finished

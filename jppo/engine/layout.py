@@ -1,0 +1,51 @@
+"""Micro-batch arrays on the mesh, and the gather from token rows to sequence slots.
+
+Every array of a :class:`jppo.microbatch.MicroBatches` is ``[K, D, ...]`` (or ``[M, K, D, ...]`` for M optimizer
+steps): K micro-batches (scanned over inside one compiled step) and D batch shards (sharded over the batch axes
+``data`` x ``fsdp``). Slicing micro-batch k therefore takes the k-th block of every shard's own rows: nothing
+moves between devices.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jppo.mesh import BATCH_AXES
+
+
+def micro_batch_sharding(mesh: Mesh, ndim: int, scanned: int = 1) -> NamedSharding:
+    """``[*scanned, D, ...]``: the scanned leading axes (steps M, micro-batches K) replicated, D over the batch axes."""
+    return NamedSharding(mesh, PartitionSpec(*([None] * scanned), BATCH_AXES, *([None] * (ndim - scanned - 1))))
+
+
+def place(arrays: Mapping[str, np.ndarray], mesh: Mesh, scanned: int = 1) -> dict[str, jax.Array]:
+    """Puts host micro-batch arrays (``scanned`` leading axes, then D) on the mesh."""
+    return {
+        name: jax.device_put(array, micro_batch_sharding(mesh, array.ndim, scanned)) for name, array in arrays.items()
+    }
+
+
+def flatten_shards(x: jax.Array) -> jax.Array:
+    """``[D, R, ...] -> [D * R, ...]``: the model sees one batch of rows."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def next_token_targets(input_ids: jax.Array) -> jax.Array:
+    """Target of position t is the token at t + 1 (0 for the last position, which no slot gathers)."""
+    return jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1)))
+
+
+def gather_slots(per_token: jax.Array, gather_index: jax.Array) -> jax.Array:
+    """Per-token model outputs of token rows ``[D * R, W]`` -> response-aligned slots ``[D * S, L]``.
+
+    The gather runs along each shard's own rows (batched over D), so it stays on the device that holds them.
+    """
+    d, s, length = gather_index.shape
+    rows = per_token.reshape(d, -1)
+    picked = jnp.take_along_axis(rows, gather_index.reshape(d, s * length), axis=1)
+    return picked.reshape(d * s, length)

@@ -1,0 +1,90 @@
+"""The optimizer of an update step: ``MultiSteps`` accumulation around clipping, a non-finite guard and AdamW.
+
+``optax.MultiSteps(inner, every_k_schedule=K, use_grad_mean=False)`` receives the gradient of each micro-batch's
+*share* of the mini-batch loss. The shares sum to the whole loss, so their gradients are summed (the optax default,
+``use_grad_mean=True``, would divide the step by K). Only on the K-th micro-step does ``inner`` run for real, on
+the accumulated gradient, which is therefore what the gradient-norm metric, clipping, the non-finite check and the
+learning-rate schedule all see:
+
+    inner = chain(record_grad_norm, apply_if_finite(chain(clip_by_global_norm, adamw(schedule))))
+
+A mini-batch whose accumulated gradient holds NaN or Inf is skipped by ``apply_if_finite``: zero updates, the
+AdamW state kept as it was, the skip counted in its state.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jppo.engine.config import OptimConfig
+
+# apply_if_finite gives up and applies a non-finite update after this many in a row; jppo never does.
+_NEVER_GIVE_UP = 2**31 - 1
+
+
+class GradNormState(NamedTuple):
+    grad_norm: jax.Array
+
+
+def record_grad_norm() -> optax.GradientTransformation:
+    """Passes updates through unchanged and keeps their global norm in its state (read for the metric)."""
+
+    def init(params):
+        # at least float32; float64 for float64 parameters (exactness tests)
+        dtype = jnp.result_type(jnp.float32, *jax.tree.leaves(params))
+        return GradNormState(jnp.zeros((), dtype))
+
+    def update(updates, state, params=None):
+        del params
+        return updates, GradNormState(optax.global_norm(updates).astype(state.grad_norm.dtype))
+
+    return optax.GradientTransformation(init, update)
+
+
+def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then constant or cosine decay to ``min_lr_ratio * lr``."""
+    if cfg.lr_schedule == "constant":
+        after = optax.constant_schedule(cfg.lr)
+    elif cfg.lr_schedule == "cosine":
+        after = optax.cosine_decay_schedule(cfg.lr, max(cfg.decay_steps, 1), alpha=cfg.min_lr_ratio)
+    else:
+        raise ValueError(f"unknown optim.lr_schedule {cfg.lr_schedule!r}; valid: constant, cosine")
+    if cfg.warmup_steps <= 0:
+        return after
+    warmup = optax.linear_schedule(cfg.lr / cfg.warmup_steps, cfg.lr, cfg.warmup_steps - 1)
+    return optax.join_schedules([warmup, after], [cfg.warmup_steps])
+
+
+def inner_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """What runs once per mini-batch on the accumulated gradient."""
+    schedule = learning_rate_schedule(cfg)
+    if cfg.name == "adamw":
+        base = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    elif cfg.name == "sgd":
+        base = optax.sgd(schedule)
+    else:
+        raise ValueError(f"unknown optim.name {cfg.name!r}; valid: adamw, sgd")
+    guarded = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), base) if cfg.grad_clip > 0 else base
+    return optax.chain(record_grad_norm(), optax.apply_if_finite(guarded, _NEVER_GIVE_UP))
+
+
+def accumulating_optimizer(cfg: OptimConfig, num_micro_batches: int, accumulator_dtype=jnp.float32) -> optax.MultiSteps:
+    """``MultiSteps`` over ``num_micro_batches`` summed micro-batch gradients.
+
+    The state layout does not depend on ``num_micro_batches``, so one state serves every K a run uses (token-budget
+    micro-batching may change K between steps).
+    """
+    return optax.MultiSteps(
+        inner_optimizer(cfg), every_k_schedule=num_micro_batches, use_grad_mean=False,
+        accumulator_dtype=accumulator_dtype,
+    )
+
+
+def step_report(opt_state: optax.MultiStepsState) -> dict[str, jax.Array]:
+    """Gradient norm of the last applied mini-batch and whether its update was skipped as non-finite."""
+    norm_state, finite_state = opt_state.inner_opt_state
+    return {"grad_norm": norm_state.grad_norm, "skipped": jnp.logical_not(finite_state.last_finite)}

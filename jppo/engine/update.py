@@ -1,0 +1,299 @@
+"""One optimizer step of the actor or the critic, as one jitted pure function of (state, micro-batches).
+
+Inside the step:
+
+1. the whole mini-batch's :class:`~jppo.losses.NormStats` are computed ONCE, by ``psum`` of shard-local counts over
+   the batch axes in a ``shard_map`` region (:func:`mini_batch_norm_stats`), before any micro-batch is touched;
+2. ``lax.scan`` runs the K micro-batches: each differentiates its share of the whole loss (every term through
+   ``agg_loss`` with those same NormStats) and feeds the gradient to ``optax.MultiSteps(use_grad_mean=False)``,
+   which sums them and applies the optimizer once, on the whole mini-batch gradient;
+3. metrics are :class:`~jppo.metrics.Metric` pairs summed over the scan (and, being sums over global arrays,
+   over shards), divided once at the end.
+
+Micro-batches without a single response token (padding to a common K) skip the forward and backward pass: their
+share and gradient are exactly zero anyway.
+
+``normalization="per_micro_batch"`` replaces the global NormStats by each micro-batch's own counts (N and S of
+the micro-batch across shards; C stays the configured constant): the legacy, split-dependent behaviour, kept on
+purpose to compare with old curves. Its loss metrics are then means of micro-batch values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jppo import metrics as M
+from jppo.engine.config import ActorConfig, CriticConfig, UpdateConfig, NORMALIZATIONS
+from jppo.engine.layout import flatten_shards, gather_slots, next_token_targets
+from jppo.engine.optim import accumulating_optimizer, learning_rate_schedule, step_report
+from jppo.losses import NormStats, actor_loss, global_norm_stats, value_loss
+from jppo.losses.policy import PolicyLossOptions
+from jppo.mesh import BATCH_AXES
+from jppo.models.logprobs import token_logprobs
+
+log = logging.getLogger(__name__)
+
+Batch = dict[str, jax.Array]
+LossFn = Callable[[nnx.Module, Batch, "NormStats | None"], tuple[jax.Array, dict[str, M.Metric]]]
+
+
+@struct.dataclass
+class TrainState:
+    """Parameters and optimizer state of one model; ``step`` counts applied (not skipped) optimizer steps."""
+
+    params: nnx.State
+    opt_state: optax.MultiStepsState
+    step: jax.Array
+
+
+def init_train_state(params: nnx.State, cfg: UpdateConfig, mesh: Mesh) -> TrainState:
+    """Optimizer state laid out like the parameters; its scalars (step counters) replicated over ``mesh``."""
+    tx = accumulating_optimizer(cfg.optim, 1, _accumulator_dtype(params))
+    state = TrainState(params=params, opt_state=jax.jit(tx.init)(params), step=jnp.zeros((), jnp.int32))
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def on_mesh(x: jax.Array) -> jax.Array:
+        # jit propagates the parameters' shardings to moments and accumulators; leaves computed from nothing
+        # (counters) land on one device and would pin the update to it.
+        sharding = x.sharding
+        if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+            return x
+        return jax.device_put(x, replicated)
+
+    return jax.tree.map(on_mesh, state)
+
+
+def _accumulator_dtype(params: nnx.State) -> jnp.dtype:
+    # Accumulate in float32 (bf16 gradients would lose the small micro-batch contributions), float64 when the
+    # parameters are float64 (exactness tests).
+    widest = max((jnp.dtype(x.dtype) for x in jax.tree.leaves(params)), key=lambda d: d.itemsize)
+    return jnp.float64 if widest == jnp.float64 else jnp.float32
+
+
+def mini_batch_norm_stats(response_mask: jax.Array, loss_scale_factor: float, mesh: Mesh) -> NormStats:
+    """Whole-mini-batch N and S: each shard counts its own ``[K, 1, S, L]`` block, ``psum`` over the batch axes."""
+
+    def local_then_psum(mask):
+        return global_norm_stats(mask.reshape(-1, mask.shape[-1]), loss_scale_factor, axis_name=BATCH_AXES)
+
+    return jax.shard_map(
+        local_then_psum, mesh=mesh, in_specs=PartitionSpec(None, BATCH_AXES), out_specs=PartitionSpec()
+    )(response_mask)
+
+
+def slot_inputs(batch: Batch, names: tuple[str, ...]) -> dict[str, jax.Array]:
+    """Response-aligned ``[D, S, L]`` arrays of a micro-batch as ``[D * S, L]``."""
+    return {name: flatten_shards(batch[name]) for name in names}
+
+
+def policy_outputs(
+    model: nnx.Module, batch: Batch, *, temperature: float, chunk_size: int, with_entropy: bool
+) -> tuple[jax.Array, jax.Array | None]:
+    """Log-probs (and entropy) of the response tokens of one micro-batch, in slots ``[D * S, L]``."""
+    input_ids = flatten_shards(batch["input_ids"])
+    logprobs, entropy = token_logprobs(
+        model, input_ids, flatten_shards(batch["positions"]), flatten_shards(batch["segment_ids"]),
+        next_token_targets(input_ids), temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+    )
+    logprobs = gather_slots(logprobs, batch["gather_index"])
+    return logprobs, None if entropy is None else gather_slots(entropy, batch["gather_index"])
+
+
+def value_outputs(model: nnx.Module, batch: Batch) -> jax.Array:
+    """Value predictions for the states before each response token, in slots ``[D * S, L]``."""
+    values = model(
+        flatten_shards(batch["input_ids"]), flatten_shards(batch["positions"]), flatten_shards(batch["segment_ids"])
+    )
+    return gather_slots(values, batch["gather_index"])
+
+
+def policy_options(cfg: ActorConfig) -> PolicyLossOptions:
+    return PolicyLossOptions.create(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(PolicyLossOptions)})
+
+
+def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
+    """The actor's micro-batch loss: policy loss, entropy bonus and KL loss, all with the same NormStats.
+
+    ``temperature`` is the rollout's: log-probs are those of ``logits / temperature``, as sampled."""
+    options = policy_options(cfg)
+    with_entropy = cfg.entropy_coeff != 0
+
+    def loss(model, batch, norm):
+        logprobs, entropy = policy_outputs(
+            model, batch, temperature=temperature, chunk_size=cfg.logprob_chunk_size, with_entropy=with_entropy
+        )
+        data = slot_inputs(batch, ("response_mask", "old_log_prob", "advantages") + (("ref_log_prob",) if cfg.use_kl_loss else ()))
+        return actor_loss(
+            logprobs, data["old_log_prob"], data["advantages"], data["response_mask"], norm=norm,
+            mode=cfg.loss_agg_mode, policy_loss_name=cfg.policy_loss, policy_options=options, entropy=entropy,
+            entropy_coeff=cfg.entropy_coeff, ref_log_prob=data.get("ref_log_prob"),
+            kl_loss_coef=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, kl_loss_type=cfg.kl_loss_type,
+        )
+
+    return loss
+
+
+def critic_loss_fn(cfg: CriticConfig) -> LossFn:
+    """The critic's micro-batch loss: the clipped value loss."""
+
+    def loss(model, batch, norm):
+        vpreds = value_outputs(model, batch)
+        data = slot_inputs(batch, ("response_mask", "values", "returns"))
+        return value_loss(
+            vpreds, data["values"], data["returns"], data["response_mask"], cliprange_value=cfg.cliprange_value,
+            mode=cfg.loss_agg_mode, norm=norm,
+        )
+
+    return loss
+
+
+def micro_batch_gradient(
+    graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh
+) -> Callable[[nnx.State, Batch, float], Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, M.Metric]]]]:
+    """``prepare(params, micro_batches, C) -> differentiate``, where ``differentiate(params, micro)`` is the gradient
+    of one micro-batch's share of the mini-batch loss, with its metric pairs.
+
+    ``prepare`` computes the whole mini-batch's NormStats once (psum over the batch axes), before any
+    micro-batch is touched; every ``differentiate`` call then normalizes by them. A micro-batch without a single
+    response token skips the model: its share and gradient are exactly zero anyway. In the legacy mode each
+    micro-batch is normalized by its own counts instead (N and S of the micro-batch over all shards, C as
+    configured). The update step and ``jppo.audit`` both differentiate through this one function.
+    """
+    if cfg.normalization not in NORMALIZATIONS:
+        raise ValueError(f"unknown normalization {cfg.normalization!r}; valid: {', '.join(NORMALIZATIONS)}")
+    legacy = cfg.normalization == "per_micro_batch"
+
+    def prepare(params: nnx.State, batch: Batch, loss_scale_factor: float):
+        whole = None if legacy else mini_batch_norm_stats(batch["response_mask"], loss_scale_factor, mesh)
+
+        def share_and_metrics(params, micro):
+            norm = global_norm_stats(flatten_shards(micro["response_mask"]), loss_scale_factor) if legacy else whole
+            return loss(nnx.merge(graphdef, params), micro, norm)
+
+        grad_fn = jax.value_and_grad(share_and_metrics, has_aux=True)
+
+        def compute(params, micro):
+            (_, metrics), grads = grad_fn(params, micro)
+            return grads, metrics
+
+        first = jax.tree.map(lambda x: x[0], batch)
+        shapes = jax.eval_shape(compute, params, first)
+
+        def differentiate(params, micro):
+            return jax.lax.cond(
+                jnp.any(micro["response_mask"]), compute, lambda p, m: _zeros(shapes), params, micro
+            )
+
+        return differentiate
+
+    return prepare
+
+
+def _zeros(tree):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+
+
+def summed_gradient(
+    graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh
+) -> Callable[[nnx.State, Batch, float], tuple[nnx.State, dict[str, jax.Array]]]:
+    """``(params, micro_batches, C) -> (whole mini-batch gradient, finished metrics)``: the micro-batch gradients
+    of :func:`micro_batch_gradient` summed over a scan, without an optimizer (what ``jppo.audit`` compares)."""
+    prepare = micro_batch_gradient(graphdef, loss, cfg, mesh)
+
+    def gradient(params: nnx.State, batch: Batch, loss_scale_factor: float):
+        differentiate = prepare(params, batch, loss_scale_factor)
+        shapes = jax.eval_shape(differentiate, params, jax.tree.map(lambda x: x[0], batch))
+
+        def add(total, micro):
+            grads, metrics = differentiate(params, micro)
+            return (jax.tree.map(jnp.add, total[0], grads), M.combine(total[1], metrics)), None
+
+        (grads, metrics), _ = jax.lax.scan(add, _zeros(shapes), batch)
+        return grads, M.finish(metrics)
+
+    return gradient
+
+
+def make_update_step(
+    graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh, prefix: str
+) -> Callable[[TrainState, Batch, float], tuple[TrainState, dict[str, jax.Array]]]:
+    """A pure ``(state, micro_batches, loss_scale_factor) -> (state, metrics)`` for one mini-batch.
+
+    ``micro_batches`` holds ``[K, D, ...]`` arrays (see :mod:`jppo.microbatch`); K is read from their shape. Each
+    micro-batch's gradient goes to ``optax.MultiSteps(every_k_schedule=K, use_grad_mean=False)``, which sums them
+    and applies the optimizer once, on the K-th.
+    """
+    prepare = micro_batch_gradient(graphdef, loss, cfg, mesh)
+    schedule = learning_rate_schedule(cfg.optim)
+
+    def step(state: TrainState, batch: Batch, loss_scale_factor: float):
+        k = batch["response_mask"].shape[0]
+        tx = accumulating_optimizer(cfg.optim, k, _accumulator_dtype(state.params))
+        differentiate = prepare(state.params, batch, loss_scale_factor)
+        metrics_shape = jax.eval_shape(differentiate, state.params, jax.tree.map(lambda x: x[0], batch))[1]
+
+        def micro_step(carry, micro):
+            params, opt_state, total = carry
+            grads, metrics = differentiate(params, micro)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state, M.combine(total, metrics)), None
+
+        (params, opt_state, total), _ = jax.lax.scan(
+            micro_step, (state.params, state.opt_state, _zeros(metrics_shape)), batch
+        )
+        # After the K-th micro-step the accumulator is spent. MultiSteps clears it by multiplying by 0, which keeps
+        # NaN: one non-finite mini-batch would then poison (and skip) every later one. Clear it for real.
+        opt_state = opt_state._replace(acc_grads=jax.tree.map(jnp.zeros_like, opt_state.acc_grads))
+        report = step_report(opt_state)
+        applied = jnp.logical_not(report["skipped"])
+        values = M.finish(total)
+        values[f"{prefix}/grad_norm"] = report["grad_norm"]
+        values[f"{prefix}/lr"] = jnp.asarray(schedule(state.step), jnp.float32)
+        values[f"{prefix}/skipped_updates"] = report["skipped"].astype(jnp.float32)
+        new_state = TrainState(params=params, opt_state=opt_state, step=state.step + applied.astype(jnp.int32))
+        return new_state, values
+
+    return step
+
+
+class UpdateStep:
+    """The jitted update: ``(state, steps, C) -> (state, metrics)`` for M optimizer steps in one call.
+
+    ``steps`` holds ``[M, K, D, ...]`` arrays (:func:`jppo.microbatch.stack_micro_batches`); ``lax.scan`` runs the
+    M mini-batches one after another, so a whole ``ppo_epochs`` x mini-batches update is one dispatch, and the
+    compiled program does not depend on M beyond its loop count. State buffers are donated and come back laid out
+    exactly as they went in; metrics come back per step, ``[M]``.
+    """
+
+    def __init__(self, graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh, prefix: str):
+        if cfg.normalization == "per_micro_batch":
+            log.warning(
+                "%s.normalization=per_micro_batch: each micro-batch is normalized by its own token counts; gradients "
+                "then depend on the micro-batch split (legacy behaviour, for comparison with old curves only)",
+                prefix,
+            )
+        one_step = make_update_step(graphdef, loss, cfg, mesh, prefix)
+
+        def steps(state: TrainState, batches: Batch, loss_scale_factor: float):
+            return jax.lax.scan(lambda carry, batch: one_step(carry, batch, loss_scale_factor), state, batches)
+
+        self._steps = steps
+        self._mesh = mesh
+        self._jitted: Any = None
+
+    def __call__(self, state: TrainState, steps: Batch, loss_scale_factor: float) -> tuple[TrainState, dict[str, jax.Array]]:
+        if self._jitted is None:
+            state_shardings = jax.tree.map(lambda x: x.sharding, state)
+            self._jitted = jax.jit(
+                self._steps, donate_argnums=(0,), out_shardings=(state_shardings, None), static_argnums=(2,)
+            )
+        with jax.set_mesh(self._mesh):
+            return self._jitted(state, steps, float(loss_scale_factor))

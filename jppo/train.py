@@ -1,0 +1,349 @@
+"""``python -m jppo.train --config configs/quickstart.yaml [key.sub=value ...]``: the PPO / GRPO training loop.
+
+One training step, top to bottom (:meth:`Trainer.step`):
+
+1. take ``data.train_batch_size`` prompts at the saved data position;
+2. sample ``rollout.n`` responses per prompt with the KV-cache sampler;
+3. score them (task scorer, rule or plug-in) and put each score on the response's last token (or, with
+   ``reward.token_level``, spread a built-in task's per-position credit over the tokens);
+4. recompute old log-probs (and reference log-probs, values) over the whole batch in micro-batches;
+5. optionally subtract ``kl_coef * KL(old || ref)`` from the rewards (fixed or adaptive controller);
+6. compute advantages over the whole batch (``algorithm.adv_estimator``);
+7. ``ppo_epochs`` x mini-batches of critic, then actor, updates through the engine;
+8. log metrics; validate every ``trainer.val_every`` steps; checkpoint every ``trainer.save_every`` steps.
+
+Restarting the same command resumes from the newest complete checkpoint (``trainer.resume: auto``): parameters,
+optimizer states, data position, KL controller and step are restored, and every random draw is a function of
+(seed, step), so the resumed run continues exactly as an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import pathlib
+import sys
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jppo import components
+from jppo.checkpoint import CheckpointManager, resolve_resume
+from jppo.config import ConfigError, TrainConfig, check_mesh, engine_update_config, load_config, save_config, to_dict
+from jppo.engine import (
+    TrainState,
+    UpdateStep,
+    actor_loss_fn,
+    critic_loss_fn,
+    forward_batch,
+    init_train_state,
+    log_prob_fn,
+    run_updates,
+    value_fn,
+)
+from jppo.experience import compute_advantages, kl_in_reward, last_token_scores, token_credit_rewards, with_per_token
+from jppo.losses import AdaptiveKLController, FixedKLController, KLControlState
+from jppo.mesh import make_mesh
+from jppo.microbatch import SequenceBatch
+from jppo.models import CheckpointError, save_pretrained
+from jppo.runlog import RunLogger
+
+log = logging.getLogger("jppo.train")
+
+
+class PhaseTimer:
+    """Wall time per phase of a step (``timing/<phase>`` metrics). Phases end with a device sync."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+def kl_controller(cfg: TrainConfig):
+    ctrl = cfg.algorithm.kl_ctrl
+    if ctrl.type == "adaptive":
+        return AdaptiveKLController(init_kl_coef=ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
+    return FixedKLController(kl_coef=ctrl.kl_coef)
+
+
+class Trainer:
+    """Holds the run's models and states; :meth:`step` is one training step (see the module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: components.RunInputs):
+        self.cfg = cfg
+        self.inputs = inputs
+        self.mesh = make_mesh(*mesh_shape)
+        self.out = pathlib.Path(cfg.trainer.output_dir)
+        self.actor_cfg = engine_update_config(cfg, "actor")
+        self.critic_cfg = engine_update_config(cfg, "critic")
+        tokenizer = inputs.tokenizer
+
+        policy = components.build_policy(cfg, tokenizer, self.mesh)
+        self.graphdef, params = nnx.split(policy, nnx.Param)
+        self.ref_params = components.build_reference(cfg, policy, self.mesh) if cfg.use_reference else None
+        self.critic_graphdef = None
+        self.critic: Optional[TrainState] = None
+        if cfg.use_critic:
+            critic_model = components.build_critic(cfg, policy, self.mesh)
+            self.critic_graphdef, critic_params = nnx.split(critic_model, nnx.Param)
+            self.critic = init_train_state(critic_params, self.critic_cfg, self.mesh)
+            self.critic_step = UpdateStep(self.critic_graphdef, critic_loss_fn(self.critic_cfg), self.critic_cfg, self.mesh, "critic")
+            self.values_of = value_fn(self.critic_graphdef)
+        self.actor = init_train_state(params, self.actor_cfg, self.mesh)
+        self.actor_step = UpdateStep(
+            self.graphdef, actor_loss_fn(self.actor_cfg, cfg.rollout.temperature), self.actor_cfg, self.mesh, "actor"
+        )
+        self.log_probs_of = log_prob_fn(
+            self.graphdef, temperature=cfg.rollout.temperature, chunk_size=self.actor_cfg.logprob_chunk_size
+        )
+        self.sampler = components.Sampler(
+            self.graphdef, tokenizer, self.mesh, components.sampling_params(cfg, tokenizer), cfg.rollout.prompt_bucket
+        )
+        self.val_sampler = components.Sampler(
+            self.graphdef, tokenizer, self.mesh, components.sampling_params(cfg, tokenizer, validation=True),
+            cfg.rollout.prompt_bucket,
+        )
+        self.reward_model = components.RewardModel(cfg, self.mesh) if cfg.reward.model_path else None
+        self.kl_ctrl = kl_controller(cfg)
+        self.kl_state: KLControlState = self.kl_ctrl.init()
+        self.data_position = 0
+        self.step_done = 0
+        self.key = jax.random.key(cfg.trainer.seed)
+
+    # ----------------------------------------------------------------- checkpoints
+    def _checkpointed(self) -> dict:
+        state = {"actor": self.actor}
+        if self.critic is not None:
+            state["critic"] = self.critic
+        return state
+
+    def save(self, manager: CheckpointManager) -> None:
+        meta = {
+            "step": self.step_done,
+            "data_position": self.data_position,
+            "kl_coef": float(self.kl_state.coef),
+            "config": to_dict(self.cfg),
+        }
+        manager.save(self.step_done, self._checkpointed(), meta)
+
+    def restore(self, manager: CheckpointManager, which) -> None:
+        """Restores into the current states' shapes and shardings (so a checkpoint from another mesh fits)."""
+        state, meta = manager.restore(which, self._checkpointed())
+        self.actor = state["actor"]
+        if self.critic is not None:
+            self.critic = state["critic"]
+        self.step_done = int(meta["step"])
+        self.data_position = int(meta["data_position"])
+        self.kl_state = KLControlState(coef=jnp.asarray(meta["kl_coef"], jnp.float32))
+
+    # ----------------------------------------------------------------- one step
+    def forward_sizes(self, section: str) -> dict:
+        update = self.actor_cfg if section == "actor" else self.critic_cfg
+        if update.use_dynamic_bsz:
+            return {"max_token_len": update.ppo_max_token_len}
+        return {"micro_batch_size": self.cfg.rollout.log_prob_micro_batch_size or update.ppo_micro_batch_size}
+
+    def step(self) -> dict[str, float]:
+        cfg, tokenizer = self.cfg, self.inputs.tokenizer
+        step = self.step_done + 1
+        timer = PhaseTimer()
+        started = time.perf_counter()
+
+        examples, prompts, self.data_position = self.inputs.train_data.batch_at(
+            self.data_position, cfg.data.train_batch_size, cfg.trainer.seed
+        )
+        with timer("rollout"):
+            batch = self.sampler(self.actor.params, prompts, jax.random.fold_in(self.key, step))
+        with timer("reward"):
+            texts, finished = components.decode_responses(batch, tokenizer)
+            repeated = [example for example in examples for _ in range(cfg.rollout.n)]
+            scores = np.asarray(self.inputs.reward_fn(texts, repeated, finished), np.float32)
+            if self.reward_model is not None:
+                scores = scores + self.reward_model(batch)
+        mask = batch.response_mask
+        with timer("old_log_prob"):
+            old_log_prob = forward_batch(self.log_probs_of, self.actor.params, batch, self.mesh, **self.forward_sizes("actor"))
+        extra = {}
+        if self.ref_params is not None:
+            with timer("ref_log_prob"):
+                extra["ref_log_prob"] = forward_batch(
+                    self.log_probs_of, self.ref_params, batch, self.mesh, **self.forward_sizes("actor")
+                )
+        values = None
+        if self.critic is not None:
+            with timer("values"):
+                values = forward_batch(self.values_of, self.critic.params, batch, self.mesh, **self.forward_sizes("critic"))
+        metrics: dict[str, float] = {}
+        with timer("advantages"):
+            if self.inputs.credit_fn is not None:
+                rewards = token_credit_rewards(
+                    batch.response_ids, mask, self.inputs.credit_fn(texts, repeated, finished), finished, scores,
+                    tokenizer.decode,
+                )
+            else:
+                rewards = last_token_scores(scores, mask)
+            if cfg.algorithm.use_kl_in_reward:
+                rewards, current_kl = kl_in_reward(
+                    rewards, old_log_prob, extra["ref_log_prob"], mask, kl_coef=float(self.kl_state.coef),
+                    kind=cfg.algorithm.kl_penalty,
+                )
+                metrics["algorithm/kl_in_reward"] = current_kl
+                metrics["algorithm/kl_coef"] = float(self.kl_state.coef)
+                self.kl_state = self.kl_ctrl.update(self.kl_state, current_kl, len(scores))
+            advantages, returns = compute_advantages(
+                cfg.algorithm.adv_estimator, token_level_rewards=rewards, response_mask=mask, values=values,
+                group_ids=np.repeat(np.arange(len(prompts)), cfg.rollout.n), gamma=cfg.algorithm.gamma,
+                lam=cfg.algorithm.lam, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+            )
+        per_token = dict(old_log_prob=old_log_prob, advantages=advantages, returns=returns, **extra)
+        if values is not None:
+            per_token["values"] = values
+        batch = with_per_token(batch, **per_token)
+
+        update_rng = np.random.default_rng([cfg.trainer.seed, step])
+        if self.critic is not None:
+            with timer("update_critic"):
+                self.critic, critic_metrics = run_updates(
+                    self.critic_step, self.critic, batch, self.critic_cfg, self.mesh, update_rng,
+                    self.critic_cfg.loss_scale_factor,
+                )
+            metrics.update(critic_metrics)
+        if step > cfg.trainer.critic_warmup:
+            with timer("update_actor"):
+                self.actor, actor_metrics = run_updates(
+                    self.actor_step, self.actor, batch, self.actor_cfg, self.mesh, update_rng,
+                    self.actor_cfg.loss_scale_factor,
+                )
+            metrics.update(actor_metrics)
+
+        metrics.update(batch_metrics(batch, scores, advantages, returns, values, cfg.rollout.max_response_length))
+        total = time.perf_counter() - started
+        metrics.update({f"timing/{phase}": seconds for phase, seconds in timer.seconds.items()})
+        metrics["timing/step"] = total
+        tokens = int(batch.prompt_mask.sum() + batch.response_attention.sum())
+        metrics["perf/tokens_per_s"] = tokens / total
+        self.step_done = step
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Rewards of ``rollout.val_n`` samples per held-out prompt (greedy when ``rollout.val_temperature`` is 0)."""
+        cfg, data = self.cfg, self.inputs.val_data
+        scores, n = [], cfg.rollout.val_n
+        for index, (examples, prompts) in enumerate(data.batches(cfg.data.val_batch_size)):
+            batch = self.val_sampler(self.actor.params, prompts, jax.random.fold_in(jax.random.key(cfg.trainer.seed + 7), index))
+            texts, finished = components.decode_responses(batch, self.inputs.tokenizer)
+            repeated = [example for example in examples for _ in range(n)]
+            batch_scores = np.asarray(self.inputs.reward_fn(texts, repeated, finished), np.float32)
+            if self.reward_model is not None:
+                batch_scores = batch_scores + self.reward_model(batch)
+            scores.append(batch_scores)
+        per_prompt = np.concatenate(scores).reshape(-1, n)
+        solved = per_prompt >= 1.0 - 1e-6
+        out = {"val/reward/mean": float(per_prompt.mean()), "val/accuracy": float(solved.mean())}
+        if n > 1:
+            out[f"val/pass@{n}"] = float(solved.any(axis=1).mean())
+        return out
+
+    def export(self, path: pathlib.Path) -> None:
+        save_pretrained(nnx.merge(self.graphdef, self.actor.params), path)
+
+
+def batch_metrics(batch: SequenceBatch, scores, advantages, returns, values, max_length: int) -> dict[str, float]:
+    """Whole-batch statistics of the rollout (token means over the response mask)."""
+    mask = batch.response_mask.astype(bool)
+    lengths = batch.response_attention.sum(axis=1)
+    tokens = max(int(mask.sum()), 1)
+    out = {
+        "reward/mean": float(scores.mean()),
+        "reward/max": float(scores.max()),
+        "reward/min": float(scores.min()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float((lengths >= max_length).mean()),
+        "advantages/mean": float(np.where(mask, advantages, 0).sum() / tokens),
+        "returns/mean": float(np.where(mask, returns, 0).sum() / tokens),
+        # agreement of the sampler's and the trainer's log-probs of the same tokens (should be ~0)
+        "rollout/logprob_abs_diff": float(
+            np.where(mask, np.abs(batch.per_token["rollout_log_prob"] - batch.per_token["old_log_prob"]), 0).sum() / tokens
+        ),
+    }
+    if values is not None:
+        out["values/mean"] = float(np.where(mask, values, 0).sum() / tokens)
+    return out
+
+
+def run(cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: components.RunInputs) -> dict[str, float]:
+    """Trains to ``trainer.total_steps``, resuming when a checkpoint exists; returns the last step's metrics."""
+    out = pathlib.Path(cfg.trainer.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    trainer = Trainer(cfg, mesh_shape, inputs)
+    manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep)
+    resume = resolve_resume(cfg.trainer.resume, manager.directory)
+    if resume is not None:
+        trainer.restore(manager, resume)
+        log.info("resumed from %s at step %d", resume, trainer.step_done)
+    last: dict[str, float] = {}
+    with RunLogger(
+        out, total_steps=cfg.trainer.total_steps, tensorboard=cfg.trainer.tensorboard,
+        progress_bar=cfg.trainer.progress_bar, start_step=trainer.step_done + 1,
+    ) as logger:
+        if cfg.trainer.val_before_train and inputs.val_data is not None and trainer.step_done == 0:
+            logger.log(0, trainer.validate())
+        while trainer.step_done < cfg.trainer.total_steps:
+            last = trainer.step()
+            step = trainer.step_done
+            if inputs.val_data is not None and cfg.trainer.val_every and step % cfg.trainer.val_every == 0:
+                last.update(trainer.validate())
+            logger.log(step, last)
+            if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or step == cfg.trainer.total_steps:
+                if manager.latest_step() != step:
+                    trainer.save(manager)
+    manager.close()
+    if cfg.trainer.export_hf:
+        trainer.export(out / "hf")
+    if cfg.trainer.plots:
+        from jppo.plot import plot_run
+
+        plot_run(out)
+    return last
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m jppo.train", description="Train a language model with PPO / GRPO / RLOO / REINFORCE++."
+    )
+    parser.add_argument("--config", help="YAML config (default: the embedded quickstart defaults)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. trainer.total_steps=10")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        mesh_shape = check_mesh(cfg, jax.device_count())
+        inputs = components.load_inputs(cfg)
+    except (ConfigError, CheckpointError, ValueError, KeyError, FileNotFoundError) as error:
+        print(f"jppo.train: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    final = run(cfg, mesh_shape, inputs)
+    summary = ", ".join(f"{k}={final[k]:.4g}" for k in ("reward/mean", "actor/pg_loss", "critic/vf_loss") if k in final)
+    print(f"jppo.train: done: step {cfg.trainer.total_steps}, {summary}, output in {cfg.trainer.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The update engine keeps the contract: one optimizer step does not depend on how its mini-batch was cut.
+
+Every case compares the engine (micro-batches scanned inside one jitted step, MultiSteps summing their
+gradients, NormStats psum-ed over the batch axes) with a from-scratch whole-batch reference that never touches
+the engine (``engine_cases.reference_step``). Runs in float64, so the only differences are summation order:
+rtol 1e-9 on parameters after SGD (linear in the gradient) and on metrics. AdamW's first step is
+``lr * g / (|g| + eps)``, which amplifies rounding of near-zero gradient entries; there we compare at atol
+1e-9 * lr-scale instead of relative.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from engine_cases import VOCAB, ragged_batch, reference_step, tiny_config
+from jppo.engine import (
+    ActorConfig,
+    CriticConfig,
+    OptimConfig,
+    UpdateStep,
+    actor_loss_fn,
+    check_batch_sizes,
+    critic_loss_fn,
+    init_train_state,
+    mini_batch_norm_stats,
+    run_updates,
+)
+from jppo.engine.layout import place
+from jppo.losses import AGG_MODES, global_norm_stats
+from jppo.mesh import batch_shards, make_mesh
+from jppo.microbatch import make_micro_batches
+from jppo.models.decoder import CausalLM, ValueModel
+from jppo.models.sharding import create_model
+
+N = 16
+C = 6.0  # loss_scale_factor: the response width
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def mesh_of(shape):
+    return make_mesh(*shape, devices=jax.devices()[: int(np.prod(shape))])
+
+
+def engine_step(model_cls, cfg, mesh, batch, seed=0):
+    """Params, metrics and state after ``run_updates`` with one mini-batch (the whole batch) and one epoch."""
+    model = create_model(model_cls, tiny_config(), mesh, seed=seed)
+    graphdef, params = nnx.split(model, nnx.Param)
+    loss = actor_loss_fn(cfg) if isinstance(cfg, ActorConfig) else critic_loss_fn(cfg)
+    prefix = "actor" if isinstance(cfg, ActorConfig) else "critic"
+    state = init_train_state(params, cfg, mesh)
+    step = UpdateStep(graphdef, loss, cfg, mesh, prefix)
+    state, metrics = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0), C)
+    return state, metrics
+
+
+def reference(model_cls, cfg, batch, seed=0):
+    model = create_model(model_cls, tiny_config(), None, seed=seed)
+    return reference_step(model, batch, cfg, C)
+
+
+ADAMW_CLIPPED = OptimConfig(name="adamw", lr=1e-3, grad_clip=1e-3, weight_decay=0.01)
+SGD = OptimConfig(name="sgd", lr=0.5, grad_clip=0.0)
+
+
+def actor_cfg(optim=SGD, **kw):
+    base = dict(
+        ppo_mini_batch_size=N, shuffle=False, optim=optim, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
+        clip_ratio_c=1.5, loss_agg_mode="token-mean",
+    )
+    base.update(kw)
+    return ActorConfig(**base)
+
+
+def critic_cfg(optim=SGD, **kw):
+    base = dict(ppo_mini_batch_size=N, shuffle=False, optim=optim, cliprange_value=0.3, loss_agg_mode="token-mean")
+    base.update(kw)
+    return CriticConfig(**base)
+
+
+CUTS = {
+    "K1": dict(ppo_micro_batch_size=16),
+    "K2": dict(ppo_micro_batch_size=8),
+    "K4": dict(ppo_micro_batch_size=4),
+    "token-budget": dict(use_dynamic_bsz=True, ppo_max_token_len=18),
+}
+
+
+def per_shard(cut: dict, shards: int) -> dict:
+    """The same number of micro-batches K on any mesh: rows per micro-batch per shard shrink with the shards."""
+    if "ppo_micro_batch_size" in cut:
+        return dict(ppo_micro_batch_size=max(1, cut["ppo_micro_batch_size"] // shards))
+    return cut
+
+
+def assert_params_close(actual, expected, *, rtol=1e-9, atol=0.0):
+    chex.assert_trees_all_close(jax.device_get(actual), jax.device_get(expected), rtol=rtol, atol=atol)
+
+
+# (mesh, cut) pairs: every cut on one device, and each multi-device mesh with a fixed and a token-budget cut,
+# so that compile time stays within CI's budget while every mesh and every cut is covered.
+CASES = [
+    ((1, 1, 1), "K1"), ((1, 1, 1), "K2"), ((1, 1, 1), "K4"), ((1, 1, 1), "token-budget"),
+    ((8, 1, 1), "K2"), ((8, 1, 1), "token-budget"),
+    ((4, 2, 1), "K4"), ((4, 2, 1), "token-budget"),
+    ((2, 2, 2), "K2"), ((2, 2, 2), "token-budget"),
+]
+
+
+@pytest.mark.parametrize("mesh_shape,cut", CASES, ids=[f"{m}-{c}" for m, c in CASES])
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_sgd_step_equals_whole_batch_reference(role, mesh_shape, cut):
+    mesh = mesh_of(mesh_shape)
+    batch = ragged_batch(0)
+    make = actor_cfg if role == "actor" else critic_cfg
+    cfg = make(**per_shard(CUTS[cut], batch_shards(mesh)))
+    model_cls = CausalLM if role == "actor" else ValueModel
+    state, metrics = engine_step(model_cls, cfg, mesh, batch)
+    params, grads, loss, ref_metrics = reference(model_cls, cfg, batch)
+    assert_params_close(state.params, params)
+    grad_norm = float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads))))
+    np.testing.assert_allclose(metrics[f"{role}/grad_norm"], grad_norm, rtol=1e-9)
+    from jppo.metrics import finish
+
+    for name, value in finish(ref_metrics).items():
+        np.testing.assert_allclose(metrics[name], float(value), rtol=1e-9, atol=1e-12, err_msg=name)
+    assert metrics[f"{role}/skipped_updates"] == 0.0
+    assert int(state.step) == 1
+
+
+@pytest.mark.parametrize("mesh_shape,cut", [((1, 1, 1), "K4"), ((4, 2, 1), "token-budget")])
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_adamw_step_with_active_clipping_equals_reference(role, mesh_shape, cut):
+    mesh = mesh_of(mesh_shape)
+    batch = ragged_batch(1)
+    make = actor_cfg if role == "actor" else critic_cfg
+    cfg = make(optim=ADAMW_CLIPPED, **per_shard(CUTS[cut], batch_shards(mesh)))
+    model_cls = CausalLM if role == "actor" else ValueModel
+    state, metrics = engine_step(model_cls, cfg, mesh, batch)
+    params, grads, _, _ = reference(model_cls, cfg, batch)
+    grad_norm = float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads))))
+    assert grad_norm > ADAMW_CLIPPED.grad_clip  # clipping is active
+    # Adam's first step is ~lr * sign(g): compare at a fraction of lr (see module docstring)
+    assert_params_close(state.params, params, rtol=0, atol=1e-9 * ADAMW_CLIPPED.lr * 1e3)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_every_loss_mode_is_split_invariant(mode):
+    mesh = mesh_of((2, 1, 1))
+    batch = ragged_batch(2)
+    results = []
+    for cut in ("K1", "token-budget"):
+        cfg = actor_cfg(loss_agg_mode=mode, **per_shard(CUTS[cut], 2))
+        results.append(engine_step(CausalLM, cfg, mesh, batch))
+    params, _, _, _ = reference(CausalLM, actor_cfg(loss_agg_mode=mode), batch)
+    for state, metrics in results:
+        assert_params_close(state.params, params)
+    for name in results[0][1]:
+        np.testing.assert_allclose(results[0][1][name], results[1][1][name], rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_legacy_per_micro_batch_normalization_inflates_by_k():
+    """Pinned on purpose: K equal micro-batches normalized by their own counts give K times the global step.
+
+    This is the bug jppo exists to prevent; the legacy mode reproduces it for comparisons with old curves."""
+    mesh = mesh_of((1, 1, 1))
+    batch = ragged_batch(3, equal=True)
+    k = 4
+    base = dict(ppo_micro_batch_size=N // k, entropy_coeff=0.0, use_kl_loss=False)
+    start = create_model(CausalLM, tiny_config(), None, seed=0)
+    start_params = jax.device_get(nnx.state(start, nnx.Param))
+    global_state, _ = engine_step(CausalLM, actor_cfg(**base), mesh, batch)
+    legacy_state, _ = engine_step(CausalLM, actor_cfg(normalization="per_micro_batch", **base), mesh, batch)
+    global_delta = jax.tree.map(lambda a, b: a - b, jax.device_get(global_state.params), start_params)
+    legacy_delta = jax.tree.map(lambda a, b: a - b, jax.device_get(legacy_state.params), start_params)
+    chex.assert_trees_all_close(legacy_delta, jax.tree.map(lambda d: k * d, global_delta), rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("poisoned_row", ["first", "last"])
+def test_non_finite_micro_batch_skips_the_whole_update(poisoned_row):
+    """A NaN on a valid token of one micro-batch skips the mini-batch: parameters and AdamW state untouched, the
+    skip counted; and the next clean mini-batch is applied normally (nothing of the NaN is left behind)."""
+    mesh = mesh_of((2, 1, 1))
+    batch = ragged_batch(4)
+    poisoned = dict(batch.per_token)
+    advantages = poisoned["advantages"].copy()
+    rows = np.flatnonzero(batch.response_mask.any(-1))
+    row = int(rows[0] if poisoned_row == "first" else rows[-1])  # in the first / last micro-batch of its shard
+    advantages[row, np.flatnonzero(batch.response_mask[row])[0]] = np.nan
+    poisoned["advantages"] = advantages
+    bad = dataclasses.replace(batch, per_token=poisoned)
+    cfg = actor_cfg(optim=ADAMW_CLIPPED, ppo_micro_batch_size=2, ppo_mini_batch_size=N)
+    model = create_model(CausalLM, tiny_config(), mesh, seed=0)
+    graphdef, params = nnx.split(model, nnx.Param)
+    state = init_train_state(params, cfg, mesh)
+    before = jax.device_get(state)
+    step = UpdateStep(graphdef, actor_loss_fn(cfg), cfg, mesh, "actor")
+    state, metrics = run_updates(step, state, bad, cfg, mesh, np.random.default_rng(0), C)
+    assert metrics["actor/skipped_updates"] == 1.0
+    after = jax.device_get(state)
+    chex.assert_trees_all_equal(after.params, before.params)
+    chex.assert_trees_all_equal(after.opt_state.inner_opt_state[1].inner_state, before.opt_state.inner_opt_state[1].inner_state)
+    assert int(after.step) == 0
+    state, metrics = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0), C)
+    assert metrics["actor/skipped_updates"] == 0.0 and int(state.step) == 1
+    assert np.isfinite(metrics["actor/grad_norm"])
+    assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(state.params))
+
+
+def test_norm_stats_psum_in_shard_map_equals_global_sums():
+    """The shard_map + psum form and the GSPMD form (sums over the global array) give the same N and S."""
+    mesh = mesh_of((4, 2, 1))
+    batch = ragged_batch(5)
+    micro = make_micro_batches(batch, batch_shards(mesh), max_token_len=18)
+    mask = place({"m": micro.response_mask}, mesh)["m"]
+    with jax.set_mesh(mesh):
+        by_psum = jax.jit(lambda m: mini_batch_norm_stats(m, C, mesh))(mask)
+        by_gspmd = jax.jit(lambda m: global_norm_stats(m.reshape(-1, m.shape[-1]), C))(mask)
+    whole = global_norm_stats(jnp.asarray(batch.response_mask), C)
+    for stats in (by_psum, by_gspmd):
+        assert float(stats.num_tokens) == float(whole.num_tokens) == batch.response_mask.sum()
+        assert float(stats.num_seqs) == float(whole.num_seqs) == (batch.response_mask.any(-1)).sum()
+
+
+@pytest.mark.parametrize(
+    "cfg,shards,message",
+    [
+        (ActorConfig(ppo_mini_batch_size=5), 1, "actor.ppo_mini_batch_size=5 sequences does not divide"),
+        (ActorConfig(ppo_mini_batch_size=8), 16, "does not split over 16 batch shards"),
+        (ActorConfig(ppo_mini_batch_size=16, ppo_micro_batch_size=3), 2, "ppo_micro_batch_size=3 does not divide"),
+        (ActorConfig(ppo_mini_batch_size=16, ppo_micro_batch_size=16), 2, "must be between 1 and the 8"),
+    ],
+)
+def test_batch_sizes_that_do_not_divide_are_rejected(cfg, shards, message):
+    with pytest.raises(ValueError, match=message):
+        check_batch_sizes(cfg, 32, shards, "actor")
+
+
+def test_mesh_and_token_budget_errors():
+    with pytest.raises(ValueError, match="mesh data=3 x fsdp=1 x tensor=1 = 3 devices, but 8 are available"):
+        make_mesh(3, 1, 1)
+    with pytest.raises(ValueError, match="ppo_max_token_len=4 is smaller than the longest sequence"):
+        make_micro_batches(ragged_batch(0), 2, max_token_len=4)
