@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jppo.config import TrainConfig
 from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
 from jppo.engine import forward_batch, reward_model_fn
-from jppo.mesh import BATCH_AXES, batch_shards
+from jppo.hostlocal import local_rows, to_global, to_local
+from jppo.mesh import batch_shards
 from jppo.microbatch import SequenceBatch
 from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pretrained
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
@@ -89,7 +90,8 @@ def build_reference(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> nnx.State
 class Sampler:
     """Samples ``rollout.n`` responses per prompt with the policy's current parameters, rows sharded over the batch
     axes. Prompts are left-padded to a multiple of ``rollout.prompt_bucket`` tokens and the batch is filled up to a
-    multiple of the batch shards with empty rows (dropped again), so the sampler compiles once per bucket."""
+    multiple of the batch shards with empty rows (dropped again), so the sampler compiles once per bucket. Every
+    process passes the same prompt list and gets back the rows of its own shards."""
 
     def __init__(self, graphdef: nnx.GraphDef, tokenizer: Tokenizer, mesh: Mesh, params: SamplingParams, bucket: int):
         self._fn = make_generate_fn(graphdef, params)
@@ -98,22 +100,27 @@ class Sampler:
         self._bucket = bucket
         self.params = params
 
-    def __call__(self, state: nnx.State, prompts: list[list[int]], key: jax.Array) -> SequenceBatch:
-        shards = batch_shards(self._mesh)
-        filler = (-len(prompts)) % shards
+    def __call__(self, state: nnx.State, prompts: list[list[int]], key: jax.Array) -> tuple[SequenceBatch, np.ndarray]:
+        """``(batch, prompt_index)``: this process's sequences and, per row, the index of its prompt in ``prompts``."""
+        filler = (-len(prompts)) % batch_shards(self._mesh)
         ids, mask = pad_prompts(list(prompts) + [[]] * filler, self._pad, multiple=self._bucket)
-        rows = NamedSharding(self._mesh, PartitionSpec(BATCH_AXES, None))
+        mine = local_rows(self._mesh, len(ids))
         with jax.set_mesh(self._mesh):
-            out = self._fn(state, jax.device_put(ids, rows), jax.device_put(mask, rows), key)
-        out = jax.device_get(out)
-        keep = len(prompts) * self.params.n  # filler prompts come last, and rows are prompt-major
-        return SequenceBatch(
-            prompt_ids=np.asarray(out.prompt_ids[:keep]),
-            prompt_mask=np.asarray(out.prompt_mask[:keep]),
-            response_ids=np.asarray(out.response_ids[:keep]),
-            response_mask=np.asarray(out.response_mask[:keep]),
-            per_token={"rollout_log_prob": np.asarray(out.logprobs[:keep], np.float32)},
+            out = self._fn(state, to_global(ids[mine.start : mine.stop], self._mesh),
+                           to_global(mask[mine.start : mine.stop], self._mesh), key)
+        prompt_index = np.repeat(np.arange(mine.start, mine.stop), self.params.n)
+        keep = prompt_index < len(prompts)  # filler prompts come last
+        rows = range(mine.start * self.params.n, mine.stop * self.params.n)
+        local = {
+            name: to_local(getattr(out, name), rows=rows)[keep]
+            for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs")
+        }
+        batch = SequenceBatch(
+            prompt_ids=local["prompt_ids"], prompt_mask=local["prompt_mask"], response_ids=local["response_ids"],
+            response_mask=local["response_mask"],
+            per_token={"rollout_log_prob": np.asarray(local["logprobs"], np.float32)},
         )
+        return batch, prompt_index[keep]
 
 
 def sampling_params(cfg: TrainConfig, tokenizer: Tokenizer, *, validation: bool = False) -> SamplingParams:

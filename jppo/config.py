@@ -298,7 +298,7 @@ def _check_batch_sizes(cfg: TrainConfig) -> None:
             )
 
 
-def check_mesh(cfg: TrainConfig, num_devices: int) -> tuple[int, int, int]:
+def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tuple[int, int, int]:
     """The mesh shape for ``num_devices``, and every batch size checked against the batch shards it implies."""
     from jppo.engine.driver import check_batch_sizes
     from jppo.mesh import resolve_shape
@@ -313,6 +313,11 @@ def check_mesh(cfg: TrainConfig, num_devices: int) -> tuple[int, int, int]:
         raise ConfigError(
             f"data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n} = {sequences} sequences "
             f"do not split over {shards} batch shards (mesh.data x mesh.fsdp)"
+        )
+    if num_processes > 1 and cfg.data.train_batch_size % shards:
+        raise ConfigError(
+            f"data.train_batch_size={cfg.data.train_batch_size} prompts do not split over {shards} batch shards: with "
+            f"{num_processes} processes every process must hold whole prompts"
         )
     for section in ("actor", "critic"):
         if section == "critic" and not cfg.use_critic:

@@ -12,9 +12,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jppo.advantages import get_estimator
+from jppo.hostlocal import local_rows, local_shards, replicated_value, to_global, to_local
 from jppo.losses import penalize_rewards
+from jppo.mesh import batch_shards
 from jppo.microbatch import SequenceBatch
 
 
@@ -68,10 +71,22 @@ def _kl_in_reward(scores, old_log_prob, ref_log_prob, mask, kl_coef, kind):
     return rewards, current_kl
 
 
-def kl_in_reward(scores, old_log_prob, ref_log_prob, mask, *, kl_coef: float, kind: str) -> tuple[np.ndarray, float]:
-    """``scores - kl_coef * KL(old || ref)`` per token, and the batch's mean per-sequence KL (the controller's input)."""
-    rewards, current_kl = _kl_in_reward(scores, old_log_prob, ref_log_prob, mask, jnp.float32(kl_coef), kind)
-    return np.asarray(rewards), float(current_kl)
+def kl_in_reward(
+    scores, old_log_prob, ref_log_prob, mask, *, kl_coef: float, kind: str, mesh: Mesh | None = None
+) -> tuple[np.ndarray, float]:
+    """``scores - kl_coef * KL(old || ref)`` per token, and the whole batch's mean per-sequence KL (the controller's
+    input). With a ``mesh`` the arrays are this process's rows of the batch."""
+    arrays, back = _on_mesh([scores, old_log_prob, ref_log_prob, mask], mesh)
+    rewards, current_kl = _kl_in_reward(*arrays, jnp.float32(kl_coef), kind)
+    return back(rewards), float(replicated_value(current_kl))
+
+
+def _on_mesh(arrays: list[np.ndarray], mesh: Mesh | None):
+    """The global row-sharded arrays of this process's rows, and the function taking results back to its rows."""
+    if mesh is None:
+        return [jnp.asarray(a) for a in arrays], np.asarray
+    rows = local_rows(mesh, len(arrays[0]) * batch_shards(mesh) // len(local_shards(mesh)))
+    return [to_global(np.asarray(a), mesh) for a in arrays], lambda x: to_local(x, rows=rows)
 
 
 @functools.partial(jax.jit, static_argnames=("name", "options"))
@@ -90,8 +105,14 @@ def compute_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
+    mesh: Mesh | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Runs the registered estimator ``name`` with the inputs and options it takes (one compilation per shape)."""
+    """Runs the registered estimator ``name`` with the inputs and options it takes (one compilation per shape).
+
+    With a ``mesh`` the inputs are this process's rows: the estimator runs on the global row-sharded batch, so
+    its batch-wide statistics (whitening, group baselines) are those of the whole batch, and each process gets
+    its own rows back. Groups must not straddle processes (rows of a prompt are adjacent, and processes hold
+    whole prompts)."""
     estimator = get_estimator(name)
     available = {
         "token_level_rewards": token_level_rewards,
@@ -100,10 +121,11 @@ def compute_advantages(
         "index": group_ids,
     }
     option_values = {"gamma": gamma, "lam": lam, "norm_by_std": norm_adv_by_std_in_grpo}
-    inputs = {k: jnp.asarray(v) for k, v in available.items() if k in estimator.parameters and v is not None}
+    names = [k for k, v in available.items() if k in estimator.parameters and v is not None]
+    arrays, back = _on_mesh([available[k] for k in names], mesh)
     options = tuple(sorted((k, v) for k, v in option_values.items() if k in estimator.parameters))
-    advantages, returns = _advantages(name, options, inputs)
-    return np.asarray(advantages), np.asarray(returns)
+    advantages, returns = _advantages(name, options, dict(zip(names, arrays)))
+    return back(advantages), back(returns)
 
 
 def with_per_token(batch: SequenceBatch, **arrays: np.ndarray) -> SequenceBatch:

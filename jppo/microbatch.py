@@ -271,23 +271,39 @@ def _pad_axis(array: np.ndarray, axis: int, size: int, value) -> np.ndarray:
     return np.pad(array, widths, constant_values=value)
 
 
-def stack_micro_batches(steps: list[MicroBatches]) -> MicroBatches:
-    """Several mini-batches' micro-batches as one ``[M, K, D, ...]`` layout, so all M optimizer steps run in one
-    compiled call. K and S are padded to the largest among the steps with empty micro-batches and empty slots
-    (fully masked: they contribute exactly 0); token rows must already agree in ``R`` and ``W``."""
-    k = max(m.input_ids.shape[0] for m in steps)
-    s = max(m.row_ids.shape[2] for m in steps)
+def pad_micro_batches(micro: MicroBatches, num_micro_batches: int, num_slots: int) -> MicroBatches:
+    """``micro`` with K and S padded to the given sizes by empty micro-batches and empty slots (fully masked:
+    they contribute exactly 0). Processes pad to the same sizes so that their parts form one global array."""
+    k, s = num_micro_batches, num_slots
 
     def pad(array: np.ndarray, slot_axis: int | None, value) -> np.ndarray:
         array = _pad_axis(array, 0, k, value)
         return array if slot_axis is None else _pad_axis(array, slot_axis, s, value)
 
     return MicroBatches(
-        input_ids=np.stack([pad(m.input_ids, None, 0) for m in steps]),
-        positions=np.stack([pad(m.positions, None, 0) for m in steps]),
-        segment_ids=np.stack([pad(m.segment_ids, None, 0) for m in steps]),
-        gather_index=np.stack([pad(m.gather_index, 2, 0) for m in steps]),
-        response_mask=np.stack([pad(m.response_mask, 2, False) for m in steps]),
-        per_token={name: np.stack([pad(m.per_token[name], 2, 0) for m in steps]) for name in steps[0].per_token},
-        row_ids=np.stack([pad(m.row_ids, 2, -1) for m in steps]),
+        input_ids=pad(micro.input_ids, None, 0),
+        positions=pad(micro.positions, None, 0),
+        segment_ids=pad(micro.segment_ids, None, 0),
+        gather_index=pad(micro.gather_index, 2, 0),
+        response_mask=pad(micro.response_mask, 2, False),
+        per_token={name: pad(array, 2, 0) for name, array in micro.per_token.items()},
+        row_ids=pad(micro.row_ids, 2, -1),
+    )
+
+
+def stack_micro_batches(steps: list[MicroBatches], num_micro_batches: int = 0, num_slots: int = 0) -> MicroBatches:
+    """Several mini-batches' micro-batches as one ``[M, K, D, ...]`` layout, so all M optimizer steps run in one
+    compiled call. K and S are padded to the largest among the steps (or the given sizes, if larger) with empty
+    micro-batches and empty slots; token rows must already agree in ``R`` and ``W``."""
+    k = max([num_micro_batches] + [m.input_ids.shape[0] for m in steps])
+    s = max([num_slots] + [m.row_ids.shape[2] for m in steps])
+    padded = [pad_micro_batches(m, k, s) for m in steps]
+    return MicroBatches(
+        input_ids=np.stack([m.input_ids for m in padded]),
+        positions=np.stack([m.positions for m in padded]),
+        segment_ids=np.stack([m.segment_ids for m in padded]),
+        gather_index=np.stack([m.gather_index for m in padded]),
+        response_mask=np.stack([m.response_mask for m in padded]),
+        per_token={name: np.stack([m.per_token[name] for m in padded]) for name in steps[0].per_token},
+        row_ids=np.stack([m.row_ids for m in padded]),
     )

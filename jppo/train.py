@@ -32,9 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
-from jppo import components
+from jppo import components, distributed
 from jppo.checkpoint import CheckpointManager, resolve_resume
+from jppo.distributed import DistributedError
 from jppo.config import ConfigError, TrainConfig, check_mesh, engine_update_config, load_config, save_config, to_dict
 from jppo.engine import (
     TrainState,
@@ -52,6 +54,7 @@ from jppo.losses import AdaptiveKLController, FixedKLController, KLControlState
 from jppo.mesh import make_mesh
 from jppo.microbatch import SequenceBatch
 from jppo.models import CheckpointError, save_pretrained
+from jppo.hostlocal import max_over_processes, sum_over_processes
 from jppo.runlog import RunLogger
 
 log = logging.getLogger("jppo.train")
@@ -164,11 +167,12 @@ class Trainer:
             self.data_position, cfg.data.train_batch_size, cfg.trainer.seed
         )
         with timer("rollout"):
-            batch = self.sampler(self.actor.params, prompts, jax.random.fold_in(self.key, step))
+            # this process's rows; prompt_index says which prompt each row answers
+            batch, prompt_index = self.sampler(self.actor.params, prompts, jax.random.fold_in(self.key, step))
         with timer("reward"):
             texts, finished = components.decode_responses(batch, tokenizer)
-            repeated = [example for example in examples for _ in range(cfg.rollout.n)]
-            scores = np.asarray(self.inputs.reward_fn(texts, repeated, finished), np.float32)
+            row_examples = [examples[i] for i in prompt_index]
+            scores = np.asarray(self.inputs.reward_fn(texts, row_examples, finished), np.float32)
             if self.reward_model is not None:
                 scores = scores + self.reward_model(batch)
         mask = batch.response_mask
@@ -188,7 +192,7 @@ class Trainer:
         with timer("advantages"):
             if self.inputs.credit_fn is not None:
                 rewards = token_credit_rewards(
-                    batch.response_ids, mask, self.inputs.credit_fn(texts, repeated, finished), finished, scores,
+                    batch.response_ids, mask, self.inputs.credit_fn(texts, row_examples, finished), finished, scores,
                     tokenizer.decode,
                 )
             else:
@@ -196,15 +200,15 @@ class Trainer:
             if cfg.algorithm.use_kl_in_reward:
                 rewards, current_kl = kl_in_reward(
                     rewards, old_log_prob, extra["ref_log_prob"], mask, kl_coef=float(self.kl_state.coef),
-                    kind=cfg.algorithm.kl_penalty,
+                    kind=cfg.algorithm.kl_penalty, mesh=self.mesh,
                 )
                 metrics["algorithm/kl_in_reward"] = current_kl
                 metrics["algorithm/kl_coef"] = float(self.kl_state.coef)
-                self.kl_state = self.kl_ctrl.update(self.kl_state, current_kl, len(scores))
+                self.kl_state = self.kl_ctrl.update(self.kl_state, current_kl, len(prompts) * cfg.rollout.n)
             advantages, returns = compute_advantages(
                 cfg.algorithm.adv_estimator, token_level_rewards=rewards, response_mask=mask, values=values,
-                group_ids=np.repeat(np.arange(len(prompts)), cfg.rollout.n), gamma=cfg.algorithm.gamma,
-                lam=cfg.algorithm.lam, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+                group_ids=prompt_index, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, mesh=self.mesh,
             )
         per_token = dict(old_log_prob=old_log_prob, advantages=advantages, returns=returns, **extra)
         if values is not None:
@@ -231,63 +235,82 @@ class Trainer:
         total = time.perf_counter() - started
         metrics.update({f"timing/{phase}": seconds for phase, seconds in timer.seconds.items()})
         metrics["timing/step"] = total
-        tokens = int(batch.prompt_mask.sum() + batch.response_attention.sum())
-        metrics["perf/tokens_per_s"] = tokens / total
+        metrics["perf/tokens_per_s"] = metrics.pop("_tokens") / total
         self.step_done = step
         return metrics
 
     def validate(self) -> dict[str, float]:
-        """Rewards of ``rollout.val_n`` samples per held-out prompt (greedy when ``rollout.val_temperature`` is 0)."""
-        cfg, data = self.cfg, self.inputs.val_data
-        scores, n = [], cfg.rollout.val_n
+        """Rewards of ``rollout.val_n`` samples per held-out prompt (greedy when ``rollout.val_temperature`` is 0).
+        Each process scores its rows; the sums are combined over processes."""
+        cfg, data, n = self.cfg, self.inputs.val_data, self.cfg.rollout.val_n
+        totals = np.zeros(3)  # reward sum, solved samples, prompts solved by at least one sample
         for index, (examples, prompts) in enumerate(data.batches(cfg.data.val_batch_size)):
-            batch = self.val_sampler(self.actor.params, prompts, jax.random.fold_in(jax.random.key(cfg.trainer.seed + 7), index))
+            key = jax.random.fold_in(jax.random.key(cfg.trainer.seed + 7), index)
+            batch, prompt_index = self.val_sampler(self.actor.params, prompts, key)
             texts, finished = components.decode_responses(batch, self.inputs.tokenizer)
-            repeated = [example for example in examples for _ in range(n)]
-            batch_scores = np.asarray(self.inputs.reward_fn(texts, repeated, finished), np.float32)
+            scores = np.asarray(self.inputs.reward_fn(texts, [examples[i] for i in prompt_index], finished), np.float32)
             if self.reward_model is not None:
-                batch_scores = batch_scores + self.reward_model(batch)
-            scores.append(batch_scores)
-        per_prompt = np.concatenate(scores).reshape(-1, n)
-        solved = per_prompt >= 1.0 - 1e-6
-        out = {"val/reward/mean": float(per_prompt.mean()), "val/accuracy": float(solved.mean())}
+                scores = scores + self.reward_model(batch)
+            solved = (scores >= 1.0 - 1e-6).reshape(-1, n)  # rows of one prompt are adjacent and on one process
+            totals += [scores.sum(), solved.sum(), solved.any(axis=1).sum()]
+        reward_sum, solved_samples, solved_prompts = sum_over_processes(totals)
+        prompts = len(data)
+        out = {"val/reward/mean": reward_sum / (prompts * n), "val/accuracy": solved_samples / (prompts * n)}
         if n > 1:
-            out[f"val/pass@{n}"] = float(solved.any(axis=1).mean())
-        return out
+            out[f"val/pass@{n}"] = solved_prompts / prompts
+        return {k: float(v) for k, v in out.items()}
 
     def export(self, path: pathlib.Path) -> None:
-        save_pretrained(nnx.merge(self.graphdef, self.actor.params), path)
+        """The policy as a Hugging Face directory (parameters gathered tensor by tensor; the main process writes)."""
+        params = jax.tree.map(gather_to_host, self.actor.params)
+        if jax.process_index() == 0:
+            save_pretrained(nnx.merge(self.graphdef, params), path)
+
+
+def gather_to_host(array: jax.Array) -> np.ndarray:
+    if array.is_fully_addressable:
+        return np.asarray(jax.device_get(array))
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
 def batch_metrics(batch: SequenceBatch, scores, advantages, returns, values, max_length: int) -> dict[str, float]:
-    """Whole-batch statistics of the rollout (token means over the response mask)."""
+    """Whole-batch statistics of the rollout (token means over the response mask), combined over processes."""
     mask = batch.response_mask.astype(bool)
     lengths = batch.response_attention.sum(axis=1)
-    tokens = max(int(mask.sum()), 1)
+    token_sum = lambda x: np.where(mask, x, 0).sum()  # noqa: E731
+    logprob_gap = np.abs(batch.per_token["rollout_log_prob"] - batch.per_token["old_log_prob"])
+    sums = sum_over_processes(np.array([
+        len(scores), mask.sum(), scores.sum(), lengths.sum(), (lengths >= max_length).sum(), token_sum(advantages),
+        token_sum(returns), token_sum(logprob_gap), 0.0 if values is None else token_sum(values),
+        batch.prompt_mask.sum() + batch.response_attention.sum(),
+    ], np.float64))
+    rows, tokens = sums[0], max(sums[1], 1)
+    reward_max, reward_min_negated, length_max = max_over_processes([scores.max(), -scores.min(), lengths.max()])
     out = {
-        "reward/mean": float(scores.mean()),
-        "reward/max": float(scores.max()),
-        "reward/min": float(scores.min()),
-        "response_length/mean": float(lengths.mean()),
-        "response_length/max": float(lengths.max()),
-        "response_length/clip_ratio": float((lengths >= max_length).mean()),
-        "advantages/mean": float(np.where(mask, advantages, 0).sum() / tokens),
-        "returns/mean": float(np.where(mask, returns, 0).sum() / tokens),
+        "reward/mean": sums[2] / rows,
+        "reward/max": reward_max,
+        "reward/min": -reward_min_negated,
+        "response_length/mean": sums[3] / rows,
+        "response_length/max": length_max,
+        "response_length/clip_ratio": sums[4] / rows,
+        "advantages/mean": sums[5] / tokens,
+        "returns/mean": sums[6] / tokens,
         # agreement of the sampler's and the trainer's log-probs of the same tokens (should be ~0)
-        "rollout/logprob_abs_diff": float(
-            np.where(mask, np.abs(batch.per_token["rollout_log_prob"] - batch.per_token["old_log_prob"]), 0).sum() / tokens
-        ),
+        "rollout/logprob_abs_diff": sums[7] / tokens,
+        "_tokens": sums[9],
     }
     if values is not None:
-        out["values/mean"] = float(np.where(mask, values, 0).sum() / tokens)
-    return out
+        out["values/mean"] = sums[8] / tokens
+    return {k: float(v) for k, v in out.items()}
 
 
 def run(cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: components.RunInputs) -> dict[str, float]:
     """Trains to ``trainer.total_steps``, resuming when a checkpoint exists; returns the last step's metrics."""
     out = pathlib.Path(cfg.trainer.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
+    main = distributed.is_main_process()
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
     trainer = Trainer(cfg, mesh_shape, inputs)
     manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep)
     resume = resolve_resume(cfg.trainer.resume, manager.directory)
@@ -297,7 +320,7 @@ def run(cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: components.R
     last: dict[str, float] = {}
     with RunLogger(
         out, total_steps=cfg.trainer.total_steps, tensorboard=cfg.trainer.tensorboard,
-        progress_bar=cfg.trainer.progress_bar, start_step=trainer.step_done + 1,
+        progress_bar=cfg.trainer.progress_bar, start_step=trainer.step_done + 1, is_main_process=main,
     ) as logger:
         if cfg.trainer.val_before_train and inputs.val_data is not None and trainer.step_done == 0:
             logger.log(0, trainer.validate())
@@ -313,7 +336,7 @@ def run(cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: components.R
     manager.close()
     if cfg.trainer.export_hf:
         trainer.export(out / "hf")
-    if cfg.trainer.plots:
+    if cfg.trainer.plots and main:
         from jppo.plot import plot_run
 
         plot_run(out)
@@ -326,6 +349,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     )
     parser.add_argument("--config", help="YAML config (default: the embedded quickstart defaults)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. trainer.total_steps=10")
+    distributed.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -334,12 +358,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        mesh_shape = check_mesh(cfg, jax.device_count())
+        distributed.initialize(args)
+        mesh_shape = check_mesh(cfg, jax.device_count(), jax.process_count())
         inputs = components.load_inputs(cfg)
-    except (ConfigError, CheckpointError, ValueError, KeyError, FileNotFoundError) as error:
+    except (ConfigError, CheckpointError, DistributedError, ValueError, KeyError, FileNotFoundError) as error:
         print(f"jppo.train: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     final = run(cfg, mesh_shape, inputs)
+    if not distributed.is_main_process():
+        return 0
     summary = ", ".join(f"{k}={final[k]:.4g}" for k in ("reward/mean", "actor/pg_loss", "critic/vf_loss") if k in final)
     print(f"jppo.train: done: step {cfg.trainer.total_steps}, {summary}, output in {cfg.trainer.output_dir}")
     return 0

@@ -7,7 +7,6 @@ the optimizer steps, so the host neither dispatches nor waits between mini-batch
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -15,6 +14,7 @@ from jppo import metrics as M
 from jppo.engine.config import UpdateConfig
 from jppo.engine.layout import place
 from jppo.engine.update import TrainState, UpdateStep
+from jppo.hostlocal import local_shards, max_over_processes, replicated_value
 from jppo.mesh import batch_shards
 from jppo.microbatch import SequenceBatch, make_micro_batches, stack_micro_batches
 
@@ -43,12 +43,22 @@ def check_batch_sizes(cfg: UpdateConfig, num_sequences: int, num_shards: int, se
             )
 
 
-def mini_batches(num_sequences: int, cfg: UpdateConfig, rng: np.random.Generator) -> list[np.ndarray]:
-    """Row indices of every mini-batch of every epoch, in the order the optimizer sees them."""
+def mini_batches(num_sequences: int, num_shards: int, cfg: UpdateConfig, rng: np.random.Generator) -> list[np.ndarray]:
+    """Row indices of every mini-batch of every epoch, in the order the optimizer sees them.
+
+    Rows never leave their batch shard (shard d holds rows ``[d N/D, (d+1) N/D)``): each epoch shuffles every
+    shard's rows on its own, and mini-batch m takes the m-th block of each shard. The same mini-batches therefore
+    come out whether one process holds the whole batch or every process only its own shards, and no row crosses
+    devices between the rollout and the update.
+    """
+    per_shard = num_sequences // num_shards
+    per_step = cfg.ppo_mini_batch_size // num_shards
+    shards = np.arange(num_sequences).reshape(num_shards, per_shard)
     out = []
     for _ in range(cfg.ppo_epochs):
-        order = rng.permutation(num_sequences) if cfg.shuffle else np.arange(num_sequences)
-        out.extend(np.split(order, num_sequences // cfg.ppo_mini_batch_size))
+        order = np.stack([rng.permutation(per_shard) if cfg.shuffle else np.arange(per_shard) for _ in shards])
+        shuffled = np.take_along_axis(shards, order, axis=1)
+        out.extend(shuffled[:, m * per_step : (m + 1) * per_step].reshape(-1) for m in range(per_shard // per_step))
     return out
 
 
@@ -67,13 +77,21 @@ def run_updates(
     rng: np.random.Generator,
     loss_scale_factor: float,
 ) -> tuple[TrainState, dict[str, float]]:
-    """``ppo_epochs`` passes of mini-batch updates over ``batch`` in one call; metrics averaged over optimizer steps."""
-    shards = batch_shards(mesh)
-    steps = stack_micro_batches(
-        [micro_batches_for(batch.take(rows), cfg, shards) for rows in mini_batches(batch.num_sequences, cfg, rng)]
-    )
+    """``ppo_epochs`` passes of mini-batch updates in one call; metrics averaged over optimizer steps.
+
+    ``batch`` holds this process's rows (all rows with one process). Every process draws the same global
+    mini-batches and cuts its own rows of each; the micro-batch counts are agreed across processes.
+    """
+    shards, owned = batch_shards(mesh), local_shards(mesh)
+    num_global = batch.num_sequences * shards // len(owned)
+    offset = owned.start * (num_global // shards)
+    micro = []
+    for rows in mini_batches(num_global, shards, cfg, rng):
+        mine = rows[(rows >= offset) & (rows < offset + batch.num_sequences)] - offset
+        micro.append(micro_batches_for(batch.take(mine), cfg, len(owned)))
+    k, s = max_over_processes([max(m.input_ids.shape[0] for m in micro), max(m.row_ids.shape[2] for m in micro)])
+    steps = stack_micro_batches(micro, int(k), int(s))
     state, per_step = step(state, place(steps.device_arrays(), mesh, scanned=2), loss_scale_factor)
-    per_step = jax.device_get(per_step)
-    count = steps.input_ids.shape[0]
-    host = [{name: float(values[i]) for name, values in per_step.items()} for i in range(count)]
+    per_step = {name: replicated_value(values) for name, values in per_step.items()}
+    host = [{name: float(values[i]) for name, values in per_step.items()} for i in range(len(micro))]
     return state, M.mean_over_steps(host)

@@ -16,8 +16,8 @@ from jax.sharding import Mesh
 
 from jppo.engine.layout import place
 from jppo.engine.update import Batch, policy_outputs, value_outputs
-from jppo.microbatch import SequenceBatch, make_micro_batches, scatter_back
-from jppo.mesh import batch_shards
+from jppo.hostlocal import local_shards, max_over_processes, to_local
+from jppo.microbatch import SequenceBatch, make_micro_batches, pad_micro_batches, scatter_back
 
 
 def _per_micro_batch(fn: Callable[[nnx.Module, Batch], jax.Array], graphdef: nnx.GraphDef):
@@ -68,13 +68,15 @@ def forward_batch(
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
 ) -> np.ndarray:
-    """Runs a forward pass from :func:`log_prob_fn` / :func:`value_fn` over ``batch``; returns ``[N, L]`` float32."""
-    micro = make_micro_batches(
-        batch, batch_shards(mesh), micro_batch_size=micro_batch_size, max_token_len=max_token_len
-    )
+    """Runs a forward pass from :func:`log_prob_fn` / :func:`value_fn` over ``batch`` (this process's rows);
+    returns ``[N_local, L]`` float32, 0 outside the response mask."""
+    owned = local_shards(mesh)
+    micro = make_micro_batches(batch, len(owned), micro_batch_size=micro_batch_size, max_token_len=max_token_len)
+    k, s = max_over_processes([micro.input_ids.shape[0], micro.row_ids.shape[2]])
+    micro = pad_micro_batches(micro, int(k), int(s))
     arrays = micro.device_arrays()
     inputs = {k: arrays[k] for k in ("input_ids", "positions", "segment_ids", "gather_index")}
     with jax.set_mesh(mesh):
         slots = fn(params, place(inputs, mesh))
-    out = scatter_back(np.asarray(jax.device_get(slots)), micro.row_ids, batch.num_sequences)
+    out = scatter_back(to_local(slots, axis=1, rows=owned), micro.row_ids, batch.num_sequences)
     return np.where(batch.response_mask.astype(bool), out, 0.0).astype(np.float32)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jppo.hostlocal import to_global
 from jppo.mesh import BATCH_AXES
 
 
@@ -24,10 +25,8 @@ def micro_batch_sharding(mesh: Mesh, ndim: int, scanned: int = 1) -> NamedShardi
 
 
 def place(arrays: Mapping[str, np.ndarray], mesh: Mesh, scanned: int = 1) -> dict[str, jax.Array]:
-    """Puts host micro-batch arrays (``scanned`` leading axes, then D) on the mesh."""
-    return {
-        name: jax.device_put(array, micro_batch_sharding(mesh, array.ndim, scanned)) for name, array in arrays.items()
-    }
+    """Global arrays from this process's micro-batch arrays (``scanned`` leading axes, then its D_local shards)."""
+    return {name: to_global(array, mesh, scanned) for name, array in arrays.items()}
 
 
 def flatten_shards(x: jax.Array) -> jax.Array:

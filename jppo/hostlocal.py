@@ -1,0 +1,88 @@
+"""Process-local rows of the batch, and the global arrays built from them.
+
+With several processes (one per host, ``jax.distributed``), each process holds only the rows of its own batch
+shards: it samples, scores and micro-batches those rows, and the global arrays that jitted programs consume are
+assembled with ``jax.make_array_from_process_local_data``. Batch shard d (position d along the flattened
+``data`` x ``fsdp`` mesh axes) holds global rows ``[d N/D, (d+1) N/D)``; a process's shards are contiguous, so
+its rows are one contiguous range. With one process every function here is the identity on whole arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jppo.mesh import BATCH_AXES, batch_shards
+
+
+@functools.lru_cache(maxsize=16)
+def local_shards(mesh: Mesh) -> range:
+    """The batch shards whose devices belong to this process (a contiguous range of shard indices)."""
+    shards = batch_shards(mesh)
+    index_map = NamedSharding(mesh, PartitionSpec(BATCH_AXES)).addressable_devices_indices_map((shards,))
+    owned = sorted({index[0].start or 0 for index in index_map.values()})
+    if owned != list(range(owned[0], owned[0] + len(owned))):
+        raise ValueError(
+            f"process {jax.process_index()} owns batch shards {owned}, not a contiguous range: order the mesh "
+            "devices so that each host's devices are adjacent along the data/fsdp axes"
+        )
+    return range(owned[0], owned[0] + len(owned))
+
+
+def local_rows(mesh: Mesh, num_rows: int) -> range:
+    """The global rows (of a batch of ``num_rows`` split evenly over the batch shards) held by this process."""
+    shards = batch_shards(mesh)
+    if num_rows % shards:
+        raise ValueError(f"{num_rows} rows cannot be split evenly over {shards} batch shards")
+    owned, per_shard = local_shards(mesh), num_rows // shards
+    return range(owned.start * per_shard, owned.stop * per_shard)
+
+
+def to_global(local: np.ndarray, mesh: Mesh, scanned: int = 0) -> jax.Array:
+    """The global array whose batch-shard axis (axis ``scanned``, after ``scanned`` replicated leading axes) is
+    sharded over the batch axes, from this process's part of it."""
+    spec = PartitionSpec(*([None] * scanned), BATCH_AXES, *([None] * (local.ndim - scanned - 1)))
+    sharding = NamedSharding(mesh, spec)
+    shape = list(local.shape)
+    shape[scanned] = shape[scanned] * batch_shards(mesh) // len(local_shards(mesh))
+    return jax.make_array_from_process_local_data(sharding, local, tuple(shape))
+
+
+def to_local(array: jax.Array, axis: int = 0, rows: range | None = None) -> np.ndarray:
+    """This process's part of a global array sharded along ``axis`` (replicas of the same slice counted once), in
+    global order; the whole array when it is fully addressable. ``rows``: the global indices along ``axis`` this
+    process owns, taken from the array when a program left it replicated instead of sharded."""
+    if array.is_fully_addressable:
+        local = np.asarray(jax.device_get(array))
+    else:
+        pieces = {}
+        for shard in array.addressable_shards:
+            start = shard.index[axis].start or 0
+            pieces.setdefault(start, np.asarray(shard.data))
+        local = np.concatenate([pieces[start] for start in sorted(pieces)], axis=axis)
+    if rows is not None and local.shape[axis] == array.shape[axis] != len(rows):
+        local = np.take(local, np.arange(rows.start, rows.stop), axis=axis)
+    return local
+
+
+def replicated_value(array: jax.Array) -> np.ndarray:
+    """The value of a replicated (e.g. fully reduced) global array, read from a local replica."""
+    return np.asarray(array.addressable_data(0)) if not array.is_fully_addressable else np.asarray(array)
+
+
+def max_over_processes(values) -> np.ndarray:
+    """Element-wise maximum of ``values`` over all processes (every process passes the same shape)."""
+    if jax.process_count() == 1:
+        return np.asarray(values)
+    return np.max(multihost_utils.process_allgather(np.asarray(values)), axis=0)
+
+
+def sum_over_processes(values) -> np.ndarray:
+    """Element-wise sum of ``values`` over all processes."""
+    if jax.process_count() == 1:
+        return np.asarray(values)
+    return np.sum(multihost_utils.process_allgather(np.asarray(values)), axis=0)

@@ -1,0 +1,147 @@
+"""Multi-process runs (2 CPU processes of 4 devices on localhost) give the same steps as one process of 8 devices,
+their checkpoints resume in one process, the TPU scripts print the right gcloud commands, and bad start-up
+arguments fail fast with one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs" / "quickstart.yaml")
+SMALL = [
+    "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
+    "actor.ppo_micro_batch_size=1", "critic.ppo_micro_batch_size=1", "trainer.plots=false",
+    "trainer.tensorboard=false", "trainer.progress_bar=false", "trainer.val_every=2", "data.num_val_examples=16",
+    "data.val_batch_size=16",
+]
+
+
+def env(devices: int) -> dict:
+    out = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    out["PYTHONPATH"] = str(ROOT) + os.pathsep + out.get("PYTHONPATH", "")
+    return out
+
+
+def train(*args: str, devices: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jppo.train", "--config", CONFIG, *SMALL, *args], cwd=ROOT,
+                            env=env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 600) -> str:
+    out, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, out[-3000:]
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def metrics(run_dir: pathlib.Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in rows]
+
+
+def test_two_processes_match_one_and_their_checkpoint_resumes_in_one(tmp_path):
+    port = free_port()
+    two = [
+        train(f"trainer.output_dir={tmp_path / 'two'}", "trainer.total_steps=2", "trainer.export_hf=true",
+              "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i), devices=4)
+        for i in (1, 0)
+    ]
+    one = train(f"trainer.output_dir={tmp_path / 'one'}", "trainer.total_steps=3", devices=8)
+    for process in two:
+        finish(process)
+    finish(one)
+    single, double = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [row["step"] for row in double] == [1, 2] and "val/reward/mean" in double[1]
+    for a, b in zip(single[:2], double):
+        for name, value in a.items():
+            # float32: the same sums over 8 devices split 4 + 4 agree to rounding
+            assert b[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    assert (tmp_path / "two" / "hf" / "model.safetensors").is_file()
+    # the 2-process checkpoint of step 2 continues in a single 8-device process exactly like the single run
+    finish(train(f"trainer.output_dir={tmp_path / 'two'}", "trainer.total_steps=3", devices=8))
+    resumed = metrics(tmp_path / "two")
+    assert [row["step"] for row in resumed] == [1, 2, 3]
+    for name, value in single[2].items():
+        assert resumed[2][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--num-processes", "2", "--process-id", "5"], "--process-id=5 must be in [0, 2)"),
+        (["--process-id", "1", "--num-processes", "2", "--init-timeout", "3"], "could not reach the coordinator"),
+        (["--process-id", "0", "--num-processes", "2", "--init-timeout", "3"], "processes [1] of --num-processes=2 never arrived"),
+    ],
+)
+def test_bad_start_up_fails_fast_with_one_line(args, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "jppo.train", "--config", CONFIG, "--coordinator", f"localhost:{free_port()}", *args],
+        cwd=ROOT, env=env(4), capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "tpu_scripts" / name), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_tpu_scripts_dry_run_print_the_gcloud_commands():
+    created = script("create.sh", "--name", "jppo-pod", "--zone", "us-central2-b", "--accelerator-type", "v4-32",
+                     "--dry-run")
+    assert created.returncode == 0
+    assert "gcloud compute tpus tpu-vm create jppo-pod --zone us-central2-b --accelerator-type v4-32" in created.stdout
+    queued = script("create.sh", "--name", "q", "--zone", "z", "--accelerator-type", "v5litepod-16", "--queued",
+                    "--spot", "--dry-run")
+    assert "gcloud compute tpus queued-resources create q --node-id q --zone z --accelerator-type v5litepod-16" in queued.stdout
+    assert "--spot" in queued.stdout
+    setup = script("setup.sh", "--name", "jppo-pod", "--zone", "z", "--repo", "https://example.org/jppo.git",
+                   "--dry-run")
+    assert "gcloud compute tpus tpu-vm ssh jppo-pod --zone z --worker=all --command" in setup.stdout
+    assert "jax\\[tpu\\]" in setup.stdout or "jax[tpu]" in setup.stdout
+    launch = script("launch.sh", "--name", "jppo-pod", "--zone", "z", "--config", "configs/quickstart.yaml",
+                    "--collect", "/tmp/logs", "--dry-run", "--", "trainer.total_steps=5")
+    assert "--worker=all" in launch.stdout and "jppo.train" in launch.stdout
+    assert "--distributed\\ auto\\ trainer.total_steps=5" in launch.stdout
+    assert "gcloud compute tpus tpu-vm scp" in launch.stdout
+    deleted = script("delete.sh", "--name", "jppo-pod", "--zone", "z", "--dry-run")
+    assert "gcloud compute tpus tpu-vm delete jppo-pod --zone z --quiet" in deleted.stdout
+
+
+@pytest.mark.parametrize(
+    "name,args,message",
+    [
+        ("create.sh", ["--zone", "z", "--accelerator-type", "v4-8"], "missing --name"),
+        ("create.sh", ["--name", "n", "--zone", "z", "--accelerator-type", "v4-8", "--bogus"], "unknown argument --bogus"),
+        ("setup.sh", ["--name", "n", "--zone", "z"], "give exactly one of --repo URL or --copy DIR"),
+        ("launch.sh", ["--name", "n", "--zone", "z"], "missing --config"),
+        ("create.sh", ["--name", "n", "--zone", "z", "--accelerator-type", "v4-8"], "gcloud is not installed"),
+    ],
+)
+def test_tpu_scripts_reject_bad_arguments(tmp_path, name, args, message):
+    # A PATH with only the two tools the scripts need besides bash: gcloud is surely absent, so nothing real runs.
+    for tool in ("basename", "dirname"):
+        (tmp_path / tool).symlink_to(shutil.which(tool))
+    result = subprocess.run([shutil.which("bash"), str(ROOT / "tpu_scripts" / name), *args], capture_output=True,
+                            text=True, timeout=60, env={"PATH": str(tmp_path)})
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_tpu_scripts_have_help():
+    for name in ("create.sh", "setup.sh", "launch.sh", "delete.sh"):
+        result = script(name, "--help")
+        assert result.returncode == 0 and "usage:" in result.stdout and "--dry-run" in result.stdout

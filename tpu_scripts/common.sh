@@ -1,0 +1,42 @@
+# Shared helpers of the TPU scripts: argument parsing, --dry-run, and one place that runs gcloud.
+# Sourced, not executed.
+
+set -euo pipefail
+
+DRY_RUN=0
+
+die() {
+  echo "$(basename "$0"): error: $*" >&2
+  exit 2
+}
+
+# run CMD...: print the command; execute it unless --dry-run.
+run() {
+  printf '+'
+  printf ' %q' "$@"
+  printf '\n'
+  if [[ "$DRY_RUN" == 0 ]]; then
+    "$@"
+  fi
+}
+
+require_gcloud() {
+  if [[ "$DRY_RUN" == 0 ]] && ! command -v gcloud >/dev/null 2>&1; then
+    die "gcloud is not installed or not on PATH (install the Google Cloud CLI, or use --dry-run to see the commands)"
+  fi
+}
+
+# need NAME VALUE: fail with a clear message when a required option is missing.
+need() {
+  if [[ -z "$2" ]]; then
+    die "missing --$1 (see --help)"
+  fi
+}
+
+# ssh_all NAME ZONE PROJECT COMMAND: run COMMAND on every worker of the TPU VM.
+ssh_all() {
+  local name=$1 zone=$2 project=$3 command=$4
+  local extra=()
+  [[ -n "$project" ]] && extra+=(--project "$project")
+  run gcloud compute tpus tpu-vm ssh "$name" --zone "$zone" "${extra[@]}" --worker=all --command "$command"
+}

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Stop the training processes and delete a TPU VM (or its queued resource).
+source "$(dirname "$0")/common.sh"
+
+usage() {
+  cat <<USAGE
+usage: $(basename "$0") --name NAME --zone ZONE [--queued] [--stop-only] [options]
+
+  --name NAME        TPU name
+  --zone ZONE        its zone
+  --queued           it was created as a queued resource (deletes that too)
+  --stop-only        only kill the jppo processes on every worker; keep the VM
+  --project PROJECT  Google Cloud project (default: gcloud's)
+  --dry-run          print the commands without running them
+  -h, --help         this help
+USAGE
+}
+
+NAME="" ZONE="" QUEUED=0 STOP_ONLY=0 PROJECT=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --name) NAME=${2:-}; shift 2 ;;
+    --zone) ZONE=${2:-}; shift 2 ;;
+    --queued) QUEUED=1; shift ;;
+    --stop-only) STOP_ONLY=1; shift ;;
+    --project) PROJECT=${2:-}; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument $1 (see --help)" ;;
+  esac
+done
+need name "$NAME"; need zone "$ZONE"
+require_gcloud
+ssh_all "$NAME" "$ZONE" "$PROJECT" "pkill -f 'jppo.train' || true"
+[[ "$STOP_ONLY" == 1 ]] && exit 0
+extra=(--quiet)
+[[ -n "$PROJECT" ]] && extra+=(--project "$PROJECT")
+if [[ "$QUEUED" == 1 ]]; then
+  run gcloud compute tpus queued-resources delete "$NAME" --zone "$ZONE" --force "${extra[@]}"
+else
+  run gcloud compute tpus tpu-vm delete "$NAME" --zone "$ZONE" "${extra[@]}"
+fi

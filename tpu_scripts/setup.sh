@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Set up every worker of a TPU VM: install jppo with jax[tpu], from a git URL or a local copy.
+source "$(dirname "$0")/common.sh"
+
+usage() {
+  cat <<USAGE
+usage: $(basename "$0") --name NAME --zone ZONE (--repo URL [--ref REF] | --copy DIR) [options]
+
+Installs jppo on every worker of the TPU VM NAME.
+
+  --name NAME        TPU name
+  --zone ZONE        its zone
+  --repo URL         git URL to clone on each worker
+  --ref REF          branch, tag or commit to check out (default: main)
+  --copy DIR         instead of cloning: copy this local checkout to every worker (gcloud scp)
+  --dir PATH         where the code goes on the workers (default: ~/jppo)
+  --gcs-data URI     optional gs:// prefix copied to --data-dir on every worker (data, checkpoints)
+  --data-dir PATH    destination of --gcs-data (default: ~/data)
+  --project PROJECT  Google Cloud project (default: gcloud's)
+  --dry-run          print the commands without running them
+  -h, --help         this help
+USAGE
+}
+
+NAME="" ZONE="" REPO="" REF="main" COPY="" DIR='~/jppo' GCS="" DATA='~/data' PROJECT=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --name) NAME=${2:-}; shift 2 ;;
+    --zone) ZONE=${2:-}; shift 2 ;;
+    --repo) REPO=${2:-}; shift 2 ;;
+    --ref) REF=${2:-}; shift 2 ;;
+    --copy) COPY=${2:-}; shift 2 ;;
+    --dir) DIR=${2:-}; shift 2 ;;
+    --gcs-data) GCS=${2:-}; shift 2 ;;
+    --data-dir) DATA=${2:-}; shift 2 ;;
+    --project) PROJECT=${2:-}; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument $1 (see --help)" ;;
+  esac
+done
+need name "$NAME"; need zone "$ZONE"
+if [[ -z "$REPO" && -z "$COPY" ]] || [[ -n "$REPO" && -n "$COPY" ]]; then
+  die "give exactly one of --repo URL or --copy DIR"
+fi
+[[ -n "$COPY" && ! -f "$COPY/pyproject.toml" ]] && die "--copy $COPY is not a jppo checkout (no pyproject.toml)"
+require_gcloud
+extra=()
+[[ -n "$PROJECT" ]] && extra+=(--project "$PROJECT")
+if [[ -n "$COPY" ]]; then
+  run gcloud compute tpus tpu-vm scp --recurse "$COPY" "$NAME:$DIR" --zone "$ZONE" "${extra[@]}" --worker=all
+  fetch="true"
+else
+  fetch="(test -d $DIR/.git || git clone $REPO $DIR) && git -C $DIR fetch --all && git -C $DIR checkout $REF"
+fi
+ssh_all "$NAME" "$ZONE" "$PROJECT" \
+  "set -e; $fetch; python3 -m pip install --upgrade pip; python3 -m pip install -e $DIR 'jax[tpu]>=0.10.2,<0.11'"
+if [[ -n "$GCS" ]]; then
+  ssh_all "$NAME" "$ZONE" "$PROJECT" "mkdir -p $DATA && gcloud storage cp -r $GCS $DATA/"
+fi
