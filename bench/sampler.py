@@ -1,6 +1,6 @@
 """Greedy decoding throughput: jppo's KV-cache sampler vs full recomputation vs ``transformers`` ``generate``.
 
-    python -m bench.sampler [--quick]
+    python -m bench.sampler [--quick] [--repeats N] [--torch-threads N]
 
 One tiny random Qwen2-shaped model is built with ``transformers`` (fixed torch seed), saved, and loaded into jppo
 with ``jppo.models.load_pretrained``, so all three decode the same weights. The three methods:
@@ -11,8 +11,9 @@ with ``jppo.models.load_pretrained``, so all three decode the same weights. The 
   without a cache, compiled once;
 - **transformers**: ``Qwen2ForCausalLM.generate(do_sample=False)`` on CPU torch, left-padded batch.
 
-Each is warmed up (compilation), then timed over several repeats; the table reports medians. Tokens/s counts
-``batch * max_new_tokens`` (no EOS, so every row runs to the end). The script also reports whether the three
+Each is warmed up (compilation), then timed over several interleaved repeats; the table reports medians, torch
+running with as many threads as XLA's CPU pool. Tokens/s counts ``batch * max_new_tokens`` (no EOS, so every row
+runs to the end). The script also reports whether the three
 produce the same greedy tokens (float32 everywhere; a random model's near-ties may flip an argmax late in a
 long greedy run, which is then reported rather than hidden).
 """
@@ -20,9 +21,7 @@ long greedy run, which is then reported rather than hidden).
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from typing import Callable
 
 import jax
@@ -32,11 +31,14 @@ import torch
 import transformers
 from flax import nnx
 
+from bench.environment import match_torch_threads
+from bench.report import section
+from bench.timing import time_side_by_side
 from jppo.models import CausalLM, load_pretrained
 from jppo.rollout import SamplingParams, make_generate_fn, pad_prompts
 
-FULL = dict(batch=8, max_prompt=48, max_new_tokens=64, repeats=5, hidden=128, layers=4, vocab=2048)
-QUICK = dict(batch=4, max_prompt=16, max_new_tokens=16, repeats=3, hidden=64, layers=2, vocab=512)
+FULL = dict(batch=8, max_prompt=48, max_new_tokens=64, hidden=128, layers=4, vocab=2048)
+QUICK = dict(batch=4, max_prompt=16, max_new_tokens=16, hidden=64, layers=2, vocab=512)
 
 
 def build_checkpoint(path: str, hidden: int, layers: int, vocab: int) -> transformers.Qwen2ForCausalLM:
@@ -85,30 +87,12 @@ def full_recompute_fn(model: CausalLM, max_new_tokens: int) -> Callable:
     return decode
 
 
-def median_seconds(run: Callable[[], object], repeats: int) -> tuple[float, object]:
-    """Median wall time of ``run()`` after one untimed warm-up call; returns it and the last result."""
-    result = run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes and few repeats (a smoke run)")
-    parser.add_argument(
-        "--torch-threads",
-        type=int,
-        default=torch.get_num_threads(),
-        help="torch intra-op threads (default: torch's choice; on a busy machine 1 avoids threads spinning)",
-    )
-    args = parser.parse_args()
-    torch.set_num_threads(args.torch_threads)
-    sizes = QUICK if args.quick else FULL
-    batch, max_new, repeats = sizes["batch"], sizes["max_new_tokens"], sizes["repeats"]
+def measure(quick: bool, repeats: int, torch_threads: int | None = None) -> dict:
+    """Tokens/s of the three decoders on the same model and prompts, their agreement and the two speed-ups."""
+    sizes = QUICK if quick else FULL
+    threads = match_torch_threads() if torch_threads is None else torch_threads
+    torch.set_num_threads(threads)
+    batch, max_new = sizes["batch"], sizes["max_new_tokens"]
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(sizes["max_prompt"] // 2, sizes["max_prompt"] + 1, size=batch)
@@ -120,44 +104,64 @@ def main() -> None:
         model = load_pretrained(path)
     graphdef, state = nnx.split(model)
     ids, mask = jnp.asarray(prompt_ids), jnp.asarray(prompt_mask)
-
     sampler = make_generate_fn(graphdef, SamplingParams(max_new_tokens=max_new, greedy=True))
-    key = jax.random.key(0)
-    kv_time, kv_out = median_seconds(
-        lambda: jax.block_until_ready(sampler(state, ids, mask, key).response_ids), repeats
-    )
     recompute = full_recompute_fn(model, max_new)
-    full_time, full_out = median_seconds(lambda: jax.block_until_ready(recompute(state, ids, mask)), repeats)
-
+    key = jax.random.key(0)
     torch_ids, torch_mask = torch.from_numpy(prompt_ids).long(), torch.from_numpy(prompt_mask).long()
+    outputs = {}
+
+    def kv_sampler():
+        outputs["kv_sampler"] = np.asarray(sampler(state, ids, mask, key).response_ids)
+
+    def full_recompute():
+        outputs["recompute"] = np.asarray(recompute(state, ids, mask))
 
     def hf_generate():
         with torch.no_grad():
-            return hf_model.generate(
+            generated = hf_model.generate(
                 torch_ids, attention_mask=torch_mask, max_new_tokens=max_new, do_sample=False, pad_token_id=0
             )
+        outputs["transformers"] = generated[:, prompt_ids.shape[1] :].numpy()
 
-    hf_time, hf_out = median_seconds(hf_generate, repeats)
-    hf_tokens = hf_out[:, prompt_ids.shape[1] :].numpy()
-
-    kv_tokens = np.asarray(kv_out)
-    tokens = batch * max_new
-    rows = [
-        ("jppo KV-cache sampler", kv_time, kv_tokens),
-        ("jppo full recomputation", full_time, np.asarray(full_out)),
-        (f"transformers {transformers.__version__} generate (torch {torch.__version__})", hf_time, hf_tokens),
-    ]
-    print(
-        f"\nGreedy decoding, {batch} prompts of {lengths.min()}-{lengths.max()} tokens (padded to "
-        f"{prompt_ids.shape[1]}), {max_new} new tokens; Qwen2-shaped: hidden {sizes['hidden']}, "
-        f"{sizes['layers']} layers, vocab {sizes['vocab']}; jax on {jax.devices()[0].platform}, "
-        f"torch with {torch.get_num_threads()} threads; median of {repeats} after a warm-up.\n"
+    timings = time_side_by_side(
+        {"kv_sampler": kv_sampler, "recompute": full_recompute, "transformers": hf_generate}, repeats
     )
-    print("| method | median s | tokens/s | KV sampler speed-up | same tokens as KV sampler |")
-    print("|---|---:|---:|---:|---:|")
-    for name, seconds, generated in rows:
-        same = (generated == kv_tokens).mean()
-        print(f"| {name} | {seconds:.4f} | {tokens / seconds:,.0f} | {seconds / kv_time:.2f}x | {same:.1%} |")
+    tokens = batch * max_new
+    methods = {
+        name: timing.to_dict() | {
+            "tokens_per_s": tokens / timing.median_s,
+            "same_tokens_as_kv_sampler": float((outputs[name] == outputs["kv_sampler"]).mean()),
+        }
+        for name, timing in timings.items()
+    }
+    speed = {name: method["tokens_per_s"] for name, method in methods.items()}
+    return {
+        "model": {
+            "model_type": "qwen2", "hidden_size": sizes["hidden"], "num_layers": sizes["layers"],
+            "vocab_size": sizes["vocab"],
+        },
+        "prompts": {
+            "batch": batch, "min_length": int(lengths.min()), "max_length": int(lengths.max()),
+            "padded_to": int(prompt_ids.shape[1]),
+        },
+        "new_tokens": max_new,
+        "torch_threads": threads,
+        "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
+        "methods": methods,
+        "sampler_vs_recompute": speed["kv_sampler"] / speed["recompute"],
+        "sampler_vs_transformers": speed["kv_sampler"] / speed["transformers"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--torch-threads", type=int, default=None, help="torch intra-op threads (default: the cores XLA uses)"
+    )
+    args = parser.parse_args()
+    print(section("sampler", measure(args.quick, args.repeats, args.torch_threads)))
 
 
 if __name__ == "__main__":

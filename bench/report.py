@@ -1,0 +1,216 @@
+"""``results.md``: the results of :mod:`bench.run` as Markdown tables, with the machine and versions on top.
+
+Each benchmark module's ``main`` prints its own section through :func:`section`, so a table looks the same
+whether it comes from one benchmark or from the whole suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import pathlib
+from typing import Callable
+
+MIB = 2**20
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{value:,.{digits}f}"
+
+
+def _header(results: dict) -> list[str]:
+    env = results["environment"]
+    v = env["versions"]
+    written = datetime.datetime.now().astimezone()
+    return [
+        f"# jppo benchmarks ({results['mode']} mode)",
+        "",
+        f"- machine: {env['cpu']}, {env['cpu_cores']} cores; JAX backend `{env['backend']}` "
+        f"({env['device_count']} x {env['device_kind']})",
+        f"- load average (1 min): {env['load_average_1m']:.2f} at start, "
+        f"{_num(env.get('load_average_1m_end'), 2)} at end",
+        f"- versions: python {env['python']}, jax {v['jax']} (jaxlib {v['jaxlib']}), flax {v['flax']}, "
+        f"optax {v['optax']}, torch {v['torch']}, transformers {v['transformers']}, numpy {v['numpy']}",
+        f"- torch threads: {env['torch_threads']} (= the cores XLA's CPU pool uses), "
+        f"OMP_WAIT_POLICY={env['omp_wait_policy']}",
+        f"- written {written:%Y-%m-%d %H:%M %Z}; the whole run took {results['wall_s']:.0f} s",
+        "",
+    ]
+
+
+def _headline_table(results: dict) -> list[str]:
+    lines = ["## Headline ratios", "", "| key | value | meaning |", "|---|---:|---|"]
+    for key, meaning in results["ratio_meanings"].items():
+        if key in results:
+            lines.append(f"| `{key}` | {_num(results[key])} | {meaning} |")
+    return lines + [""]
+
+
+def _accumulation(result: dict) -> list[str]:
+    batch, model = result["batch"], result["model"]
+    lines = [
+        "## Accumulation and normalization",
+        "",
+        f"Actor update (one optimizer step) of {batch['rows']} sequences x {batch['prompt']}+{batch['response']} "
+        f"tokens ({result['response_tokens']} response tokens), {model['num_layers']} layers d{model['hidden_size']}, "
+        f"vocab {model['vocab_size']}; the same mini-batch cut into K micro-batches.",
+        "",
+        "| step | compile s | median ms | min ms | max ms | us / response token | vs K=1 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = result["steps"]["K=1"]["median_s"]
+    for name, step in result["steps"].items():
+        lines.append(
+            f"| {name} | {step['compile_s']:.2f} | {1e3 * step['median_s']:.1f} | {1e3 * step['min_s']:.1f} | "
+            f"{1e3 * step['max_s']:.1f} | {step['us_per_token']:.2f} | {step['median_s'] / base:.3f} |"
+        )
+    return lines + [""]
+
+
+def _tokens_per_s(tokens: int, step: dict) -> str:
+    """Median tokens/s, with the fastest and the slowest repeat."""
+    return f"{tokens / step['median_s']:,.0f} ({tokens / step['min_s']:,.0f} - {tokens / step['max_s']:,.0f})"
+
+
+def _update_vs_torch(results: dict) -> list[str]:
+    first = next(iter(results.values()))
+    lines = [
+        "## Update step vs PyTorch eager",
+        "",
+        "Forward + backward + clipping + AdamW of a PPO actor step, same Qwen2-shaped model, weights, batch and loss, "
+        f"float32; jppo on {first['jax_device']}, torch on {first['torch_device']} with {first['torch_threads']} "
+        "threads. Tokens/s: median (fastest - slowest repeat).",
+        "",
+        "| size | model | tokens / step | jppo tokens/s | torch tokens/s | jppo / torch | first pg_loss jppo / torch |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for size, result in results.items():
+        m, tokens, losses = result["model"], result["batch"]["tokens"], result["first_pg_loss"]
+        shape = (
+            f"{m['num_layers']}L d{m['hidden_size']} ff{m['intermediate_size']} "
+            f"h{m['num_heads']}/kv{m['num_kv_heads']} V{m['vocab_size']}, T{result['batch']['length']}"
+        )
+        lines.append(
+            f"| {size} | {shape} | {tokens:,} | {_tokens_per_s(tokens, result['steps']['jppo'])} | "
+            f"{_tokens_per_s(tokens, result['steps']['torch'])} | {result['ratio']:.2f} | "
+            f"{losses['jppo']:.6f} / {losses['torch']:.6f} |"
+        )
+    return lines + [""]
+
+
+def _sampler(result: dict) -> list[str]:
+    prompts, model = result["prompts"], result["model"]
+    lines = [
+        "## Rollout (greedy decoding)",
+        "",
+        f"{prompts['batch']} prompts of {prompts['min_length']}-{prompts['max_length']} tokens (padded to "
+        f"{prompts['padded_to']}), {result['new_tokens']} new tokens, Qwen2-shaped {model['num_layers']} layers "
+        f"d{model['hidden_size']} V{model['vocab_size']}; transformers {result['versions']['transformers']} on CPU "
+        f"torch with {result['torch_threads']} threads.",
+        "",
+        "| method | median s | min s | max s | tokens/s | KV sampler speed-up | same tokens as KV sampler |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    kv = result["methods"]["kv_sampler"]["median_s"]
+    for name, method in result["methods"].items():
+        lines.append(
+            f"| {name} | {method['median_s']:.4f} | {method['min_s']:.4f} | {method['max_s']:.4f} | "
+            f"{method['tokens_per_s']:,.0f} | {method['median_s'] / kv:.2f}x | "
+            f"{method['same_tokens_as_kv_sampler']:.1%} |"
+        )
+    return lines + [""]
+
+
+def _end_to_end(result: dict) -> list[str]:
+    per_step = result["seconds_per_step"]
+    lines = [
+        "## End to end (configs/quickstart.yaml)",
+        "",
+        f"{result['steps']} steps ({result['mode']} mode) in {result['run_wall_s']:.1f} s; first step (compiles) "
+        f"{result['first_step_s']:.2f} s; later steps, medians:",
+        "",
+        "| phase | s / step | share of timed step |",
+        "|---|---:|---:|",
+    ]
+    for phase, seconds in result["phases_s"].items():
+        untimed = phase in ("logging", "other") or not per_step
+        lines.append(f"| {phase} | {_num(seconds, 4)} | {'' if untimed else f'{seconds / per_step:.1%}'} |")
+    lines.append(f"| **step (timed phases)** | **{_num(per_step, 4)}** | |")
+    target = result["time_to_target"]
+    if target["reached"]:
+        outcome = (
+            f"first at step {target['step']}, {target['wall_s']:.1f} s wall clock from the start of the run "
+            f"({target['train_step_s']:.1f} s of it in training steps)"
+        )
+    else:
+        outcome = f"not reached in {target['steps_run']} steps (best {target['best_reward']:.3f})"
+    return lines + ["", f"Time to target: reward/mean >= {target['target_reward']} {outcome}.", ""]
+
+
+def _memory(result: dict) -> list[str]:
+    model, batch = result["model"], result["batch"]
+    lines = [
+        "## Memory (one actor update step)",
+        "",
+        f"{model['layers']} layers d{model['hidden']}, vocabulary {model['vocab']:,}, {batch['rows']} rows x T = "
+        f"{batch['length']}; one [B, T, V] float32 logits array is {result['full_logits_array_bytes'] / MIB:.0f} MiB. "
+        "Each variant in a fresh process.",
+        "",
+        "| variant | log-prob chunk | peak RSS MiB | RSS increase during the step MiB | XLA temp MiB |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, v in result["variants"].items():
+        lines.append(
+            f"| {name} | {v['logprob_chunk_size']} | {v['peak_rss_bytes'] / MIB:,.0f} | "
+            f"{v['step_rss_increase_bytes'] / MIB:,.0f} | {v['xla_temp_bytes'] / MIB:,.0f} |"
+        )
+    return lines + [""]
+
+
+def _accelerator(result: dict) -> list[str]:
+    update, decode, peak = result["update"], result["decode"], result["device_peak_bytes"]
+    batch = update["batch"]
+    return [
+        f"## Accelerator ({result['device_kind']})",
+        "",
+        f"- update step, {update['parameters']:,} parameters, bf16 compute (float32 master weights), "
+        f"{batch['rows']} x {batch['length']} tokens: {update['step']['median_s']:.3f} s, "
+        f"{update['tokens_per_s']:,.0f} tokens/s, {update['achieved_flops_per_s'] / 1e12:.3g} model TFLOP/s, "
+        f"MFU {_num(update['mfu'])}",
+        f"- decode, batch {decode['batch']}: {decode['decode_step_s'] * 1e3:.2f} ms per step, "
+        f"{decode['tokens_per_s']:,.0f} tokens/s; roofline {_num(decode['roofline_tokens_per_s'], 0)} tokens/s "
+        f"({decode['parameter_bytes'] / MIB:,.1f} MiB of weights read per step); "
+        f"fraction of roofline {_num(decode['fraction_of_roofline'])}",
+        f"- device peak memory: {'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'}",
+        "",
+    ]
+
+
+SECTIONS: dict[str, Callable[[dict], list[str]]] = {
+    "accumulation": _accumulation,
+    "update_vs_torch": _update_vs_torch,
+    "sampler": _sampler,
+    "end_to_end": _end_to_end,
+    "memory": _memory,
+    "accelerator": _accelerator,
+}
+
+
+def section(name: str, result: dict) -> str:
+    """One benchmark's result (what its ``measure`` returned) as a Markdown section."""
+    if name not in SECTIONS:
+        raise KeyError(f"no report section for benchmark {name!r}; known: {', '.join(SECTIONS)}")
+    return "\n".join(SECTIONS[name](result))
+
+
+def render(results: dict) -> str:
+    """The whole ``results.md``: machine and versions, the headline ratios, then each benchmark's section."""
+    parts = ["\n".join(_header(results) + _headline_table(results))]
+    parts += [section(name, results["benchmarks"][name]) for name in SECTIONS if name in results["benchmarks"]]
+    return "\n".join(parts)
+
+
+def write_markdown(results: dict, path: pathlib.Path) -> None:
+    path.write_text(render(results))

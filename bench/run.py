@@ -1,0 +1,196 @@
+"""Runs every benchmark and writes ``results.json`` and ``results.md`` into the output directory.
+
+    python -m bench.run [--quick] [--out DIR] [--repeats N] [--only NAME,...]
+                        [--accelerator auto|full|stand-in|off] [--peak-tflops X] [--bandwidth-gbs Y]
+                        [--e2e-set key.sub=value ...]
+
+Benchmarks (each a ratio of candidates measured side by side in this one run; see each module's docstring):
+``memory`` (chunked log-probs vs full logits, in child processes), ``accumulation`` (K = 1..8 micro-batches,
+global vs legacy normalization), ``update_vs_torch`` (jppo vs PyTorch eager, tiny and small), ``sampler`` (KV
+cache vs recomputation vs transformers), ``end_to_end`` (the quickstart config), and ``accelerator`` (MFU, decode
+roofline, device memory), which runs by default only when JAX's backend is a GPU or TPU.
+
+``--quick`` is CI's smoke mode: tiny sizes, two repeats, the quickstart for a few steps, and XLA's backend
+optimisation level 0 (compiles in about half the time; the programs are the same, only slower): its numbers mean
+nothing. The persistent compilation cache is switched off so compile times are real. Headline ratios are
+top-level keys of ``results.json`` (their meanings under ``ratio_meanings``); everything measured is under
+``benchmarks``. ``--peak-tflops`` / ``--bandwidth-gbs`` override the accelerator's peaks (needed where
+:data:`bench.accelerator.DEVICE_PEAKS` does not know the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from typing import Callable
+
+import jax
+
+from bench import accelerator, accumulation, end_to_end, memory, sampler, update_vs_torch
+from bench.environment import describe, match_torch_threads
+from bench.report import write_markdown
+
+# Smoke mode compiles with LLVM optimisation off: about half the compile time, the same programs.
+QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0"
+ORDER = ("memory", "accumulation", "update_vs_torch", "sampler", "end_to_end", "accelerator")
+RATIO_MEANINGS = {
+    "accumulation_overhead_k8": "actor update time per token with K=8 micro-batches / with K=1 (goal <= 1.10)",
+    "accumulation_compile_ratio_k8": "compile time of the update with K=8 / with K=1 (goal: about 1)",
+    "normalization_overhead": "global-normalized update time / legacy per-micro-batch one, K=8 (goal <= 1.02)",
+    "update_vs_torch_tiny": "jppo actor update tokens/s / PyTorch eager tokens/s, tiny size (full mode: 2 layers "
+    "d128); > 1: jppo faster",
+    "update_vs_torch_small": "jppo actor update tokens/s / PyTorch eager tokens/s, small size (full mode: 4 layers "
+    "d512, T=256); > 1: jppo faster",
+    "sampler_vs_recompute": "KV-cache sampler tokens/s / full-recomputation decoding tokens/s (> 1: sampler faster)",
+    "sampler_vs_transformers": "KV-cache sampler tokens/s / transformers generate tokens/s (> 1: jppo faster)",
+    "memory_chunked_vs_full_rss": "peak RSS of the update, chunked log-probs / full logits (< 1: chunking saves)",
+    "memory_chunked_vs_full_xla_temp": "XLA temporary bytes, chunked / full logits (< 1: chunking saves)",
+    "e2e_seconds_per_step": "median seconds per quickstart training step after the first (not a ratio)",
+    "time_to_target_s": "wall seconds until the quickstart's reward/mean first reaches 0.9 (null: not reached)",
+    "accelerator_mfu": "model FLOPs utilisation of the ~0.5B bf16 update step (accelerator mode)",
+    "accelerator_decode_vs_roofline": "decode tokens/s / memory-bandwidth roofline (accelerator mode)",
+}
+
+
+def _headlines(name: str, result: dict) -> dict:
+    """The top-level keys a benchmark's result contributes to ``results.json``."""
+    if name == "accumulation":
+        return {
+            "accumulation_overhead_k8": result["accumulation_overhead_k8"],
+            "accumulation_compile_ratio_k8": result["compile_ratio_k8"],
+            "normalization_overhead": result["normalization_overhead"],
+        }
+    if name == "update_vs_torch":
+        return {f"update_vs_torch_{size}": result[size]["ratio"] for size in ("tiny", "small")}
+    if name == "sampler":
+        return {key: result[key] for key in ("sampler_vs_recompute", "sampler_vs_transformers")}
+    if name == "memory":
+        return {
+            "memory_chunked_vs_full_rss": result["peak_rss_ratio"],
+            "memory_chunked_vs_full_xla_temp": result["xla_temp_ratio"],
+        }
+    if name == "end_to_end":
+        return {
+            "e2e_seconds_per_step": result["seconds_per_step"],
+            "time_to_target_s": result["time_to_target"].get("wall_s"),
+        }
+    if name == "accelerator":
+        return {
+            "accelerator_mfu": result["update"]["mfu"],
+            "accelerator_decode_vs_roofline": result["decode"]["fraction_of_roofline"],
+        }
+    raise KeyError(f"unknown benchmark {name!r}; valid: {', '.join(ORDER)}")
+
+
+def finite_or_null(tree):
+    """``results`` with NaN and infinities as ``None`` (JSON has no such numbers)."""
+    if isinstance(tree, dict):
+        return {key: finite_or_null(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [finite_or_null(value) for value in tree]
+    if isinstance(tree, float) and not math.isfinite(tree):
+        return None
+    return tree
+
+
+def benchmarks(args: argparse.Namespace, out: pathlib.Path, names: list[str]) -> dict[str, Callable[[], dict]]:
+    """A function per selected benchmark, in the order to call them. In quick mode the memory children (which
+    measure only memory) are started first and run while the rest runs; they are waited for last."""
+    repeats = args.repeats or (2 if args.quick else 5)
+    stand_in = args.accelerator == "stand-in"
+    peaks = (
+        args.peak_tflops * 1e12 if args.peak_tflops else None, args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else None
+    )
+    memory_first = args.quick and "memory" in names
+    finish_memory = memory.launch(args.quick) if memory_first else None
+    runners = {
+        "memory": finish_memory or (lambda: memory.measure(args.quick)),
+        "accumulation": lambda: accumulation.measure(args.quick, repeats),
+        "update_vs_torch": lambda: {
+            size: update_vs_torch.measure(size, args.quick, repeats) for size in ("tiny", "small")
+        },
+        "sampler": lambda: sampler.measure(args.quick, repeats),
+        "end_to_end": lambda: end_to_end.measure(args.quick, out / "quickstart_run", extra_overrides=args.e2e_set),
+        "accelerator": lambda: accelerator.measure(accelerator.STAND_IN_SIZE if stand_in else accelerator.FULL, *peaks),
+    }
+    order = ([name for name in names if name != "memory"] + ["memory"]) if memory_first else names
+    return {name: runners[name] for name in order}
+
+
+def selected(args: argparse.Namespace) -> list[str]:
+    names = ORDER if args.only is None else [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ORDER]
+    if unknown:
+        raise SystemExit(f"bench.run: error: unknown benchmark(s) {', '.join(unknown)}; valid: {', '.join(ORDER)}")
+    on_accelerator = jax.default_backend() in ("gpu", "tpu")
+    wanted = args.accelerator in ("full", "stand-in") or (args.accelerator == "auto" and on_accelerator)
+    return [name for name in names if name != "accelerator" or wanted]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes, 2 repeats: CI's smoke mode (< 3 min on 2 cores)"
+    )
+    parser.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
+    parser.add_argument("--repeats", type=int, help="timed repeats after the warm-up (default: 5, quick: 2)")
+    parser.add_argument("--only", help=f"comma-separated subset of: {', '.join(ORDER)}")
+    parser.add_argument(
+        "--accelerator", choices=("auto", "full", "stand-in", "off"), default="auto",
+        help="accelerator benchmarks: auto = the ~0.5B model when the backend is gpu/tpu; stand-in = a tiny model "
+        "on any backend (exercises the code on CPU)",
+    )
+    parser.add_argument(
+        "--e2e-set", action="append", default=[], metavar="KEY=VALUE",
+        help="config override for the end-to-end run (repeatable), e.g. trainer.total_steps=300",
+    )
+    parser.add_argument("--peak-tflops", type=float, help="accelerator dense bf16 peak (default: from the table)")
+    parser.add_argument("--bandwidth-gbs", type=float, help="accelerator memory bandwidth, GB/s (default: the table)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        raise SystemExit(f"bench.run: error: --repeats={args.repeats} must be >= 1")
+    if args.quick:
+        # before the backend starts (XLA reads its flags once); child processes inherit it
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_XLA_FLAGS}".strip()
+    names = selected(args)
+    jax.config.update("jax_enable_compilation_cache", False)  # compile times are part of what is measured
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    environment = describe() | {
+        "torch_threads": match_torch_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")
+    }
+    results: dict = {
+        "mode": "quick" if args.quick else "full", "environment": environment, "ratio_meanings": RATIO_MEANINGS
+    }
+    details: dict = {}
+    wall: dict[str, float] = {}
+    for name, run in benchmarks(args, out, names).items():
+        print(f"bench.run: {name} ...", file=sys.stderr, flush=True)
+        begin = time.perf_counter()
+        details[name] = run()
+        wall[name] = time.perf_counter() - begin
+        results |= _headlines(name, details[name])
+        print(f"bench.run: {name} done in {wall[name]:.1f} s", file=sys.stderr, flush=True)
+    results["benchmarks"] = details
+    results["benchmark_wall_s"] = wall
+    results["wall_s"] = time.perf_counter() - started
+    results["environment"]["load_average_1m_end"] = os.getloadavg()[0]
+    results = finite_or_null(results)
+    (out / "results.json").write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+    write_markdown(results, out / "results.md")
+    print(f"bench.run: wrote {out / 'results.json'} and {out / 'results.md'} in {results['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

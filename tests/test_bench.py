@@ -1,0 +1,149 @@
+"""The benchmark suite: CI's smoke run of ``python -m bench.run --quick`` (keys and finite values, never times),
+the PyTorch peer model against jppo's decoder, and the pure helpers (FLOP count, peak table, timing order,
+end-to-end bookkeeping)."""
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from bench import accelerator, end_to_end, run as bench_run
+from bench.timing import time_side_by_side
+from bench.torch_decoder import TorchCausalLM
+from jppo.models import CausalLM, ModelConfig, create_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+REQUIRED = (
+    "accumulation_overhead_k8", "normalization_overhead", "update_vs_torch_tiny", "update_vs_torch_small",
+    "sampler_vs_recompute", "sampler_vs_transformers",
+)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One quick run of the whole suite, accelerator code on its CPU stand-in with made-up peaks (so MFU and the
+    roofline fraction are computed), in a fresh process: the suite's own JAX set-up, not this session's 8 devices."""
+    out = tmp_path_factory.mktemp("bench")
+    command = [
+        sys.executable, "-m", "bench.run", "--quick", "--out", str(out), "--accelerator", "stand-in",
+        "--peak-tflops", "1", "--bandwidth-gbs", "100",
+    ]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
+
+def test_quick_run_reports_every_headline_ratio_finite(quick_run):
+    results, _ = quick_run
+    for key in REQUIRED + ("memory_chunked_vs_full_rss", "memory_chunked_vs_full_xla_temp", "e2e_seconds_per_step",
+                           "accelerator_mfu", "accelerator_decode_vs_roofline"):
+        assert isinstance(results[key], float) and math.isfinite(results[key]) and results[key] > 0, key
+        assert key in results["ratio_meanings"]
+    assert "time_to_target_s" in results  # null in quick mode: three steps never reach the target
+    assert results["mode"] == "quick"
+    assert set(results["benchmarks"]) == set(bench_run.ORDER)
+
+
+def test_quick_run_details_are_consistent(quick_run):
+    results, _ = quick_run
+    details = results["benchmarks"]
+    for size in ("tiny", "small"):
+        losses = details["update_vs_torch"][size]["first_pg_loss"]
+        # same weights, batch and loss in float32; only summation order differs
+        np.testing.assert_allclose(losses["jppo"], losses["torch"], rtol=1e-4, atol=1e-6)
+    memory = details["memory"]["variants"]
+    # XLA's buffer assignment is deterministic: the [B, T, V] logits only exist in the unchunked program
+    assert memory["chunked"]["xla_temp_bytes"] < memory["full_logits"]["xla_temp_bytes"]
+    phases = details["end_to_end"]["phases_s"]
+    for phase in ("rollout", "old_log_prob", "values", "advantages", "update_critic", "update_actor", "logging"):
+        assert math.isfinite(phases[phase]) and phases[phase] >= 0, phase
+    assert details["end_to_end"]["time_to_target"]["steps_run"] == end_to_end.QUICK_STEPS
+    assert set(details["accumulation"]["steps"]) == {"K=1", "K=8", "K=8 legacy"}
+
+
+def test_quick_run_markdown_names_machine_versions_and_sections(quick_run):
+    results, markdown = quick_run
+    versions = results["environment"]["versions"]
+    for text in (f"jax {versions['jax']}", f"torch {versions['torch']}", f"transformers {versions['transformers']}",
+                 results["environment"]["cpu"], "## Headline ratios", "## Accumulation", "## Update step vs PyTorch",
+                 "## Rollout", "## End to end", "## Memory", "## Accelerator"):
+        assert text in markdown, text
+
+
+@pytest.mark.parametrize(
+    "family, tied", [("qwen2", False), ("qwen3", True)], ids=["qwen2-untied", "qwen3-tied-qk-norm"]
+)
+def test_torch_peer_computes_jppo_logits(family, tied):
+    cfg = ModelConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+        model_type=family, tie_word_embeddings=tied, initializer_range=0.2,
+    )
+    model = create_model(CausalLM, cfg, seed=3)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 11))
+    expected = np.asarray(model(jnp.asarray(ids, jnp.int32)))
+    peer = TorchCausalLM.from_jppo(cfg, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    with torch.no_grad():
+        got = peer(torch.as_tensor(ids)).numpy()
+    # float32 through 2 layers: the implementations differ only in summation order (logits are O(1))
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_training_flops_count_by_hand():
+    cfg = ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=6, num_layers=2, num_heads=2, num_kv_heads=1)
+    # head size 2: q 4x4, k and v 4x2 each, o 4x4, MLP 3 x 4x6 -> 16 + 16 + 16 + 72 = 120 per layer; head 10x4
+    assert accelerator.matmul_parameters(cfg) == 2 * 120 + 40
+    # 6 N + 12 L (H E) T at T = 8: 6 * 280 + 12 * 2 * 4 * 8
+    assert accelerator.training_flops_per_token(cfg, 8) == 1680 + 768
+
+
+@pytest.mark.parametrize(
+    "kind, flops",
+    [("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 80GB HBM3", 989e12), ("TPU v5 lite", 197e12), ("TPU v5", 459e12),
+     ("cpu", None)],
+)
+def test_device_peaks_pick_the_most_specific_entry(kind, flops):
+    assert accelerator.device_peaks(kind)[0] == flops
+
+
+def test_side_by_side_warms_up_then_interleaves():
+    calls = []
+    timings = time_side_by_side({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3)
+    assert calls == ["a", "b"] + ["a", "b"] * 3
+    assert all(t.repeats == 3 and t.min_s <= t.median_s <= t.max_s for t in timings.values())
+    with pytest.raises(ValueError, match="repeats"):
+        time_side_by_side({"a": lambda: None}, repeats=0)
+
+
+def test_end_to_end_bookkeeping():
+    records = [
+        {"step": 1, "timing/step": 5.0, "timing/rollout": 3.0, "timing/update_actor": 2.0, "reward/mean": 0.2},
+        {"step": 2, "timing/step": 1.0, "timing/rollout": 0.4, "timing/update_actor": 0.6, "reward/mean": 0.95},
+        {"step": 3, "timing/step": 3.0, "timing/rollout": 0.6, "timing/update_actor": 2.4, "reward/mean": None},
+    ]
+    # (step, clock before log, clock after log) with the run started at clock 10
+    marks = [(1, 16.0, 16.5), (2, 18.0, 18.1), (3, 21.5, 21.7)]
+    result = end_to_end.summarize(records, marks, 10.0, 12.0, True, "cfg.yaml", [])
+    assert result["first_step_s"] == 5.0
+    assert result["seconds_per_step"] == 2.0  # median of steps 2 and 3
+    assert result["phases_s"]["rollout"] == pytest.approx(0.5)
+    assert result["phases_s"]["logging"] == pytest.approx(0.15)
+    # other: step 2: 18.1 - 16.5 - 1.0 - 0.1 = 0.5; step 3: 21.7 - 18.1 - 3.0 - 0.2 = 0.4
+    assert result["phases_s"]["other"] == pytest.approx(0.45)
+    assert list(result["phases_s"]) == ["rollout", "update_actor", "logging", "other"]
+    target = result["time_to_target"]
+    assert target["reached"] and target["step"] == 2
+    assert target["wall_s"] == pytest.approx(8.1) and target["train_step_s"] == pytest.approx(6.0)
+
+
+def test_run_rejects_an_unknown_benchmark_naming_the_valid_ones():
+    with pytest.raises(SystemExit, match="nope.*valid: memory, accumulation"):
+        bench_run.selected(bench_run.parse_args(["--only", "memory,nope"]))
