@@ -137,6 +137,15 @@ def sampling_params(cfg: TrainConfig, tokenizer: Tokenizer, *, validation: bool 
     )
 
 
+def forward_micro_batching(cfg: TrainConfig, section: str) -> dict:
+    """How forward passes (log-probs, values, reward scores) cut the rollout batch: like ``section``'s updates,
+    or ``rollout.log_prob_micro_batch_size`` sequences per shard when set."""
+    update = getattr(cfg, section)
+    if update.use_dynamic_bsz:
+        return {"max_token_len": update.ppo_max_token_len}
+    return {"micro_batch_size": cfg.rollout.log_prob_micro_batch_size or update.ppo_micro_batch_size}
+
+
 class RewardModel:
     """A value-head checkpoint scoring each sequence by its output at the last response token."""
 
@@ -145,11 +154,7 @@ class RewardModel:
         self._graphdef, self._params = nnx.split(model, nnx.Param)
         self._fn = reward_model_fn(self._graphdef)
         self._mesh = mesh
-        update = cfg.critic if cfg.use_critic else cfg.actor
-        self._sizes = (
-            {"max_token_len": update.ppo_max_token_len} if update.use_dynamic_bsz
-            else {"micro_batch_size": cfg.rollout.log_prob_micro_batch_size or update.ppo_micro_batch_size}
-        )
+        self._sizes = forward_micro_batching(cfg, "critic" if cfg.use_critic else "actor")
 
     def __call__(self, batch: SequenceBatch) -> np.ndarray:
         after_token = forward_batch(self._fn, self._params, batch, self._mesh, **self._sizes)

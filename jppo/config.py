@@ -319,6 +319,11 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
             f"data.train_batch_size={cfg.data.train_batch_size} prompts do not split over {shards} batch shards: with "
             f"{num_processes} processes every process must hold whole prompts"
         )
+    forward = cfg.rollout.log_prob_micro_batch_size
+    if forward is not None and (forward < 1 or (sequences // shards) % forward):
+        raise ConfigError(
+            f"rollout.log_prob_micro_batch_size={forward} must divide the {sequences // shards} sequences per batch shard"
+        )
     for section in ("actor", "critic"):
         if section == "critic" and not cfg.use_critic:
             continue

@@ -61,7 +61,8 @@ log = logging.getLogger("jppo.train")
 
 
 class PhaseTimer:
-    """Wall time per phase of a step (``timing/<phase>`` metrics). Phases end with a device sync."""
+    """Wall time per phase of a step (``timing/<phase>`` metrics). Every phase ends with its results on the host,
+    so asynchronous dispatch does not move time from one phase into the next."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
@@ -87,7 +88,6 @@ class Trainer:
         self.cfg = cfg
         self.inputs = inputs
         self.mesh = make_mesh(*mesh_shape)
-        self.out = pathlib.Path(cfg.trainer.output_dir)
         self.actor_cfg = engine_update_config(cfg, "actor")
         self.critic_cfg = engine_update_config(cfg, "critic")
         tokenizer = inputs.tokenizer
@@ -95,14 +95,12 @@ class Trainer:
         policy = components.build_policy(cfg, tokenizer, self.mesh)
         self.graphdef, params = nnx.split(policy, nnx.Param)
         self.ref_params = components.build_reference(cfg, policy, self.mesh) if cfg.use_reference else None
-        self.critic_graphdef = None
         self.critic: Optional[TrainState] = None
         if cfg.use_critic:
-            critic_model = components.build_critic(cfg, policy, self.mesh)
-            self.critic_graphdef, critic_params = nnx.split(critic_model, nnx.Param)
+            critic_graphdef, critic_params = nnx.split(components.build_critic(cfg, policy, self.mesh), nnx.Param)
             self.critic = init_train_state(critic_params, self.critic_cfg, self.mesh)
-            self.critic_step = UpdateStep(self.critic_graphdef, critic_loss_fn(self.critic_cfg), self.critic_cfg, self.mesh, "critic")
-            self.values_of = value_fn(self.critic_graphdef)
+            self.critic_step = UpdateStep(critic_graphdef, critic_loss_fn(self.critic_cfg), self.critic_cfg, self.mesh, "critic")
+            self.values_of = value_fn(critic_graphdef)
         self.actor = init_train_state(params, self.actor_cfg, self.mesh)
         self.actor_step = UpdateStep(
             self.graphdef, actor_loss_fn(self.actor_cfg, cfg.rollout.temperature), self.actor_cfg, self.mesh, "actor"
@@ -152,10 +150,7 @@ class Trainer:
 
     # ----------------------------------------------------------------- one step
     def forward_sizes(self, section: str) -> dict:
-        update = self.actor_cfg if section == "actor" else self.critic_cfg
-        if update.use_dynamic_bsz:
-            return {"max_token_len": update.ppo_max_token_len}
-        return {"micro_batch_size": self.cfg.rollout.log_prob_micro_batch_size or update.ppo_micro_batch_size}
+        return components.forward_micro_batching(self.cfg, section)
 
     def step(self) -> dict[str, float]:
         cfg, tokenizer = self.cfg, self.inputs.tokenizer

@@ -88,3 +88,9 @@ def test_accelerator_configs_load_once_their_paths_exist(tmp_path, name):
     assert cfg.model.dtype == "bfloat16" and cfg.reward.kind == "gsm8k"
     with pytest.raises(ConfigError, match="data.train_files='/path/to/gsm8k/train.jsonl': no such file"):
         load_config(ROOT / "configs" / name)
+
+
+def test_forward_micro_batch_size_must_divide_the_rows_per_shard():
+    with pytest.raises(ConfigError, match="rollout.log_prob_micro_batch_size=3 must divide the 8 sequences"):
+        check_mesh(load_config(None, ["data.train_batch_size=64", "actor.ppo_mini_batch_size=32",
+                                      "critic.ppo_mini_batch_size=32", "rollout.log_prob_micro_batch_size=3"]), 8)
