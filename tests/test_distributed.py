@@ -113,6 +113,10 @@ def test_tpu_scripts_dry_run_print_the_gcloud_commands():
                    "--dry-run")
     assert "gcloud compute tpus tpu-vm ssh jppo-pod --zone z --worker=all --command" in setup.stdout
     assert "jax\\[tpu\\]" in setup.stdout or "jax[tpu]" in setup.stdout
+    with_data = script("setup.sh", "--name", "p", "--zone", "z", "--repo", "https://example.org/jppo.git",
+                       "--gcs-data", "gs://bucket/data/", "--dry-run")
+    # the prefix's contents land in the data directory itself, not in a nested data/data
+    assert "gcloud\\ storage\\ rsync\\ --recursive\\ gs://bucket/data\\ ~/data" in with_data.stdout
     launch = script("launch.sh", "--name", "jppo-pod", "--zone", "z", "--config", "configs/quickstart.yaml",
                     "--collect", "/tmp/logs", "--dry-run", "--", "trainer.total_steps=5")
     assert "--worker=all" in launch.stdout and "jppo.train" in launch.stdout

@@ -14,7 +14,7 @@ Installs jppo on every worker of the TPU VM NAME.
   --ref REF          branch, tag or commit to check out (default: main)
   --copy DIR         instead of cloning: copy this local checkout to every worker (gcloud scp)
   --dir PATH         where the code goes on the workers (default: ~/jppo)
-  --gcs-data URI     optional gs:// prefix copied to --data-dir on every worker (data, checkpoints)
+  --gcs-data URI     optional gs:// prefix whose contents are copied into --data-dir on every worker
   --data-dir PATH    destination of --gcs-data (default: ~/data)
   --project PROJECT  Google Cloud project (default: gcloud's)
   --dry-run          print the commands without running them
@@ -56,5 +56,5 @@ fi
 ssh_all "$NAME" "$ZONE" "$PROJECT" \
   "set -e; $fetch; python3 -m pip install --upgrade pip; python3 -m pip install -e $DIR 'jax[tpu]>=0.10.2,<0.11'"
 if [[ -n "$GCS" ]]; then
-  ssh_all "$NAME" "$ZONE" "$PROJECT" "mkdir -p $DATA && gcloud storage cp -r $GCS $DATA/"
+  ssh_all "$NAME" "$ZONE" "$PROJECT" "mkdir -p $DATA && gcloud storage rsync --recursive ${GCS%/} $DATA"
 fi
