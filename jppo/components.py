@@ -123,8 +123,17 @@ class Sampler:
         return batch, prompt_index[keep]
 
 
-def sampling_params(cfg: TrainConfig, tokenizer: Tokenizer, *, validation: bool = False) -> SamplingParams:
+def sampling_params(
+    cfg: TrainConfig, tokenizer: Tokenizer, *, validation: bool = False, greedy_baseline: bool = False
+) -> SamplingParams:
+    """How the trainer samples: training rollouts (``rollout.*``), validation (``rollout.val_*``) or the one
+    greedy response per prompt whose reward is ReMax's baseline."""
     eos = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
+    if greedy_baseline:
+        return SamplingParams(
+            max_new_tokens=cfg.rollout.max_response_length, greedy=True, n=1, eos_token_ids=eos,
+            pad_token_id=tokenizer.pad_id,
+        )
     if validation:
         greedy = cfg.rollout.val_temperature <= 0
         return SamplingParams(

@@ -264,8 +264,6 @@ def validate(cfg: TrainConfig) -> None:
             f"rollout.n={cfg.rollout.n}: algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} compares the "
             "responses of one prompt, so it needs rollout.n >= 2"
         )
-    if estimator.needs_reward_baselines:
-        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} needs greedy reward baselines, which the trainer does not produce yet")
     _positive("rollout.n", cfg.rollout.n)
     _positive("rollout.max_response_length", cfg.rollout.max_response_length)
     _positive("rollout.temperature", cfg.rollout.temperature)

@@ -102,6 +102,7 @@ def compute_advantages(
     response_mask: np.ndarray,
     values: np.ndarray | None = None,
     group_ids: np.ndarray | None = None,
+    reward_baselines: np.ndarray | None = None,
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
@@ -119,6 +120,7 @@ def compute_advantages(
         "mask": response_mask,
         "values": values,
         "index": group_ids,
+        "reward_baselines": reward_baselines,
     }
     option_values = {"gamma": gamma, "lam": lam, "norm_by_std": norm_adv_by_std_in_grpo}
     names = [k for k, v in available.items() if k in estimator.parameters and v is not None]

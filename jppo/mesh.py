@@ -6,12 +6,13 @@ axes that split rows of a batch and so the axes every global count is summed ove
 
 Parameters and activations are annotated with *logical* axis names; :data:`LOGICAL_RULES` maps each logical
 name to mesh axes. It is the only place that decides how anything is laid out: change it here and the model,
-the engine and checkpoints follow.
+the engine and checkpoints follow. On a given mesh, :func:`fitted_spec` leaves a dimension the mesh does not
+divide replicated.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -43,6 +44,18 @@ def logical_to_spec(names: Sequence[str | None]) -> PartitionSpec:
             raise KeyError(f"logical axis {name!r} has no rule; known: {', '.join(sorted(LOGICAL_RULES))}")
         axes.append(None if name is None else LOGICAL_RULES[name])
     return PartitionSpec(*axes)
+
+
+def fitted_spec(shape: Sequence[int], names: Sequence[str | None], mesh_shape: Mapping[str, int]) -> PartitionSpec:
+    """:func:`logical_to_spec` for an array of ``shape`` on a mesh of ``mesh_shape`` (axis name -> size), except
+    that a dimension its mesh axes do not divide stays replicated: jit shardings must divide evenly, and a small
+    model (a 14-token vocabulary, 2 key-value heads) must still run on any mesh, only less sharded."""
+    spec = []
+    for size, axes in zip(shape, logical_to_spec(names)):
+        group = (axes,) if isinstance(axes, str) else (axes or ())
+        shards = int(np.prod([mesh_shape[axis] for axis in group]))
+        spec.append(axes if size % shards == 0 else None)
+    return PartitionSpec(*spec)
 
 
 def resolve_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:

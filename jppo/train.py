@@ -5,7 +5,8 @@ One training step, top to bottom (:meth:`Trainer.step`):
 1. take ``data.train_batch_size`` prompts at the saved data position;
 2. sample ``rollout.n`` responses per prompt with the KV-cache sampler;
 3. score them (task scorer, rule or plug-in) and put each score on the response's last token (or, with
-   ``reward.token_level``, spread a built-in task's per-position credit over the tokens);
+   ``reward.token_level``, spread a built-in task's per-position credit over the tokens); for ReMax, also decode
+   one greedy response per prompt, whose reward is the prompt's baseline;
 4. recompute old log-probs (and reference log-probs, values) over the whole batch in micro-batches;
 5. optionally subtract ``kl_coef * KL(old || ref)`` from the rewards (fixed or adaptive controller);
 6. compute advantages over the whole batch (``algorithm.adv_estimator``);
@@ -49,6 +50,7 @@ from jppo.engine import (
     run_updates,
     value_fn,
 )
+from jppo.advantages import get_estimator
 from jppo.experience import compute_advantages, kl_in_reward, last_token_scores, token_credit_rewards, with_per_token
 from jppo.losses import AdaptiveKLController, FixedKLController, KLControlState
 from jppo.mesh import make_mesh
@@ -115,6 +117,13 @@ class Trainer:
             self.graphdef, tokenizer, self.mesh, components.sampling_params(cfg, tokenizer, validation=True),
             cfg.rollout.prompt_bucket,
         )
+        self.baseline_sampler = None
+        if get_estimator(cfg.algorithm.adv_estimator).needs_reward_baselines:
+            # ReMax: the baseline of a prompt is the reward of the policy's greedy response to it
+            self.baseline_sampler = components.Sampler(
+                self.graphdef, tokenizer, self.mesh, components.sampling_params(cfg, tokenizer, greedy_baseline=True),
+                cfg.rollout.prompt_bucket,
+            )
         self.reward_model = components.RewardModel(cfg, self.mesh) if cfg.reward.model_path else None
         self.kl_ctrl = kl_controller(cfg)
         self.kl_state: KLControlState = self.kl_ctrl.init()
@@ -165,11 +174,12 @@ class Trainer:
             # this process's rows; prompt_index says which prompt each row answers
             batch, prompt_index = self.sampler(self.actor.params, prompts, jax.random.fold_in(self.key, step))
         with timer("reward"):
-            texts, finished = components.decode_responses(batch, tokenizer)
             row_examples = [examples[i] for i in prompt_index]
-            scores = np.asarray(self.inputs.reward_fn(texts, row_examples, finished), np.float32)
-            if self.reward_model is not None:
-                scores = scores + self.reward_model(batch)
+            texts, finished, scores = self.score(batch, row_examples)
+        reward_baselines = None
+        if self.baseline_sampler is not None:
+            with timer("reward_baseline"):
+                reward_baselines = self.greedy_baselines(examples, prompts, prompt_index, step)
         mask = batch.response_mask
         with timer("old_log_prob"):
             old_log_prob = forward_batch(self.log_probs_of, self.actor.params, batch, self.mesh, **self.forward_sizes("actor"))
@@ -202,7 +212,7 @@ class Trainer:
                 self.kl_state = self.kl_ctrl.update(self.kl_state, current_kl, len(prompts) * cfg.rollout.n)
             advantages, returns = compute_advantages(
                 cfg.algorithm.adv_estimator, token_level_rewards=rewards, response_mask=mask, values=values,
-                group_ids=prompt_index, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                group_ids=prompt_index, reward_baselines=reward_baselines, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
                 norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, mesh=self.mesh,
             )
         per_token = dict(old_log_prob=old_log_prob, advantages=advantages, returns=returns, **extra)
@@ -234,6 +244,24 @@ class Trainer:
         self.step_done = step
         return metrics
 
+    def score(self, batch: SequenceBatch, row_examples: list) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """Decoded responses, whether each ended, and each row's reward (rule/plug-in reward plus the reward
+        model's score when there is one)."""
+        texts, finished = components.decode_responses(batch, self.inputs.tokenizer)
+        scores = np.asarray(self.inputs.reward_fn(texts, row_examples, finished), np.float32)
+        if self.reward_model is not None:
+            scores = scores + self.reward_model(batch)
+        return texts, finished, scores
+
+    def greedy_baselines(self, examples: list, prompts: list, prompt_index: np.ndarray, step: int) -> np.ndarray:
+        """ReMax baselines: for every row, the reward of the current policy's greedy response to its prompt."""
+        greedy, greedy_index = self.baseline_sampler(
+            self.actor.params, prompts, jax.random.fold_in(self.key, step)  # greedy: the key is unused
+        )
+        _, _, greedy_scores = self.score(greedy, [examples[i] for i in greedy_index])
+        by_prompt = dict(zip(greedy_index.tolist(), greedy_scores.tolist()))
+        return np.asarray([by_prompt[i] for i in prompt_index.tolist()], np.float32)
+
     def validate(self) -> dict[str, float]:
         """Rewards of ``rollout.val_n`` samples per held-out prompt (greedy when ``rollout.val_temperature`` is 0).
         Each process scores its rows; the sums are combined over processes."""
@@ -242,10 +270,7 @@ class Trainer:
         for index, (examples, prompts) in enumerate(data.batches(cfg.data.val_batch_size)):
             key = jax.random.fold_in(jax.random.key(cfg.trainer.seed + 7), index)
             batch, prompt_index = self.val_sampler(self.actor.params, prompts, key)
-            texts, finished = components.decode_responses(batch, self.inputs.tokenizer)
-            scores = np.asarray(self.inputs.reward_fn(texts, [examples[i] for i in prompt_index], finished), np.float32)
-            if self.reward_model is not None:
-                scores = scores + self.reward_model(batch)
+            _, _, scores = self.score(batch, [examples[i] for i in prompt_index])
             solved = (scores >= 1.0 - 1e-6).reshape(-1, n)  # rows of one prompt are adjacent and on one process
             totals += [scores.sum(), solved.sum(), solved.any(axis=1).sum()]
         reward_sum, solved_samples, solved_prompts = sum_over_processes(totals)

@@ -42,7 +42,6 @@ def test_resolved_config_round_trips(tmp_path):
         (["algorithm.kl_penalty=k5"], "algorithm.kl_penalty='k5'"),
         (["actor.policy_loss=dro"], "actor.dro_beta=None"),
         (["algorithm.adv_estimator=grpo"], "rollout.n=1"),
-        (["algorithm.adv_estimator=remax"], "needs greedy reward baselines"),
         (["critic.enable=false"], "critic.enable=False"),
         (["rollout.top_p=0"], "rollout.top_p=0"),
         (["trainer.resume=/no/such/dir"], "trainer.resume='/no/such/dir'"),

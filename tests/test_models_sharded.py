@@ -1,5 +1,6 @@
 """The decoder on meshes of the 8 simulated CPU devices: same numbers as one device, parameters really sharded."""
 
+import dataclasses
 import functools
 
 import jax
@@ -117,6 +118,25 @@ def test_checkpoint_loads_onto_its_shardings_and_critic_head_follows(single_devi
     critic = ValueModel.from_policy(loaded, rngs=nnx.Rngs(0))
     assert critic.value_head.kernel[...].sharding == NamedSharding(mesh, PartitionSpec("fsdp", None))
     assert critic.decoder.layers.q_proj[...].sharding == loaded.decoder.layers.q_proj[...].sharding
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8), (2, 1, 4)], ids=lambda s: "x".join(map(str, s)))
+def test_dimensions_the_mesh_does_not_divide_stay_replicated(shape):
+    # a 14-token vocabulary does not split over 4 or 8 tensor shards: the model must still run there
+    config = dataclasses.replace(CONFIG, vocab_size=14)
+    ids, positions, mask = batch()
+    ids = ids % config.vocab_size
+    reference = create_model(CausalLM, config, seed=0)
+    expected = forward(*nnx.split(reference), ids, positions, mask)
+    mesh = make_mesh(*shape)
+    model = create_model(CausalLM, config, mesh, seed=0)
+    assert model.decoder.embed_tokens[...].sharding.spec == PartitionSpec(None, "fsdp")
+    assert model.lm_head[...].sharding.spec == PartitionSpec("fsdp", None)
+    assert model.decoder.layers.q_proj[...].sharding.spec == PartitionSpec(None, "fsdp", "tensor")  # 64 divides
+    rows = NamedSharding(mesh, batch_spec(2))
+    with jax.set_mesh(mesh):
+        logits = forward(*nnx.split(model), *[jax.device_put(x, rows) for x in (ids, positions, mask)])
+    assert_close(logits, expected)
 
 
 def test_partition_specs_follow_the_rule_table_and_agree_with_flax():

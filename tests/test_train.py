@@ -15,7 +15,8 @@ import pytest
 
 from jppo import components
 from jppo.config import check_mesh, load_config
-from jppo.train import run
+from jppo.data import task_of
+from jppo.train import Trainer, run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -60,6 +61,36 @@ def test_grpo_config_trains_without_a_critic(tmp_path):
     rows = train(tmp_path, "trainer.total_steps=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
                  config=GRPO)
     assert all(math.isfinite(row["actor/pg_loss"]) for row in rows)
+    assert not any(key.startswith("critic/") for key in rows[0])
+
+
+def test_remax_baseline_is_the_reward_of_the_greedy_response(tmp_path):
+    # a plug-in reward that tells prompts and responses apart even for an untrained policy
+    plugin = tmp_path / "reward.py"
+    plugin.write_text(
+        "def reward(responses, examples, finished):\n"
+        "    return [int(e.answer) % 97 + sum(map(ord, r)) % 10 / 10 for r, e in zip(responses, examples)]\n"
+    )
+    overrides = ["algorithm.adv_estimator=remax", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
+                 f"reward.function={plugin}:reward"]
+    cfg = load_config(GRPO, [*SMALL, f"trainer.output_dir={tmp_path / 'run'}", *overrides])
+    trainer = Trainer(cfg, check_mesh(cfg, jax.device_count()), components.load_inputs(cfg))
+    examples, prompts, _ = trainer.inputs.train_data.batch_at(0, 4, cfg.trainer.seed)
+    _, prompt_index = trainer.sampler(trainer.actor.params, prompts, jax.random.key(0))
+    baselines = trainer.greedy_baselines(examples, prompts, prompt_index, step=1)
+    # the expectation, built another way: validation decodes greedily, one response per prompt, by default
+    assert cfg.rollout.val_temperature == 0 and cfg.rollout.val_n == 1
+    greedy, greedy_index = trainer.val_sampler(trainer.actor.params, prompts, jax.random.key(1))
+    greedy_texts, _ = components.decode_responses(greedy, trainer.inputs.tokenizer)
+    reward_of_prompt = {
+        int(p): int(examples[p].answer) % 97 + sum(map(ord, text)) % 10 / 10 for p, text in zip(greedy_index, greedy_texts)
+    }
+    assert len(set(reward_of_prompt.values())) > 1  # else the comparison below could not tell prompts apart
+    assert len(baselines) == len(prompt_index) == 4 * cfg.rollout.n
+    np.testing.assert_allclose(baselines, [reward_of_prompt[int(p)] for p in prompt_index], rtol=1e-6)  # float32
+
+    rows = train(tmp_path / "run", "trainer.total_steps=2", *overrides, config=GRPO)
+    assert all(math.isfinite(row["actor/pg_loss"]) and row["timing/reward_baseline"] > 0 for row in rows)
     assert not any(key.startswith("critic/") for key in rows[0])
 
 

@@ -20,11 +20,10 @@ import tokenizers
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jppo.mesh import logical_to_spec
 from jppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from jppo.models.decoder import CausalLM, ValueHead, ValueModel
 from jppo.models.safetensors_io import SafetensorsFile, write_safetensors
-from jppo.models.sharding import logical_names
+from jppo.models.sharding import variable_spec
 
 Array = jax.Array
 PathLike = str | pathlib.Path
@@ -138,7 +137,7 @@ def _place(read: Callable, variable: nnx.Variable, mesh: Mesh | None) -> Array:
     shape, dtype = variable.shape, variable.dtype
     if mesh is None:
         return jnp.asarray(read((slice(None),) * len(shape)).astype(dtype))
-    sharding = NamedSharding(mesh, logical_to_spec(logical_names(variable)))
+    sharding = NamedSharding(mesh, variable_spec(variable, mesh))
     return jax.make_array_from_callback(shape, sharding, lambda index: read(index).astype(dtype))
 
 

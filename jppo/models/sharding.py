@@ -16,11 +16,10 @@ import functools
 from typing import Callable, Sequence, TypeVar
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jppo.mesh import LOGICAL_RULES, logical_to_spec
+from jppo.mesh import LOGICAL_RULES, fitted_spec, logical_to_spec
 from jppo.models.config import ModelConfig
 
 Array = jax.Array
@@ -45,18 +44,17 @@ def logical_names(variable: nnx.Variable) -> Names:
 
 def constrain(x: Array, names: Sequence[str | None]) -> Array:
     """``with_sharding_constraint`` by logical names under the mesh set with ``jax.set_mesh``; else ``x``.
-
-    A dimension that its mesh axes do not divide is left replicated rather than padded.
-    """
+    A dimension that its mesh axes do not divide is left replicated rather than padded."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    spec = []
-    for size, axes in zip(x.shape, logical_to_spec(names)):
-        group = (axes,) if isinstance(axes, str) else (axes or ())
-        shards = int(np.prod([mesh.shape[axis] for axis in group]))
-        spec.append(axes if shards > 1 and size % shards == 0 else None)
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+    return jax.lax.with_sharding_constraint(x, fitted_spec(x.shape, names, dict(mesh.shape)))
+
+
+def variable_spec(variable: nnx.Variable, mesh: Mesh) -> PartitionSpec:
+    """The ``PartitionSpec`` of a parameter on ``mesh``: its logical names through the rule table, with the
+    dimensions the mesh does not divide left replicated."""
+    return fitted_spec(variable.shape, logical_names(variable), dict(mesh.shape))
 
 
 def _state(model_or_state: nnx.Module | nnx.State) -> nnx.State:
@@ -74,9 +72,10 @@ def partition_specs(model_or_state: nnx.Module | nnx.State) -> nnx.State:
 
 def param_shardings(model_or_state: nnx.Module | nnx.State, mesh: Mesh) -> nnx.State:
     """The state's structure with each variable's value replaced by its ``NamedSharding`` on ``mesh``: usable as
-    jit ``in_shardings``/``out_shardings`` for ``nnx.state(model)``."""
+    jit ``in_shardings``/``out_shardings`` for ``nnx.state(model)``. Dimensions the mesh does not divide stay
+    replicated (:func:`jppo.mesh.fitted_spec`)."""
     return jax.tree.map(
-        lambda variable: variable.replace(NamedSharding(mesh, logical_to_spec(logical_names(variable)))),
+        lambda variable: variable.replace(NamedSharding(mesh, variable_spec(variable, mesh))),
         _state(model_or_state),
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
