@@ -36,6 +36,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jppo import components, distributed
+from jppo.advantages import get_estimator
 from jppo.checkpoint import CheckpointManager, resolve_resume
 from jppo.distributed import DistributedError
 from jppo.config import ConfigError, TrainConfig, check_mesh, engine_update_config, load_config, save_config, to_dict
@@ -50,7 +51,6 @@ from jppo.engine import (
     run_updates,
     value_fn,
 )
-from jppo.advantages import get_estimator
 from jppo.experience import compute_advantages, kl_in_reward, last_token_scores, token_credit_rewards, with_per_token
 from jppo.losses import AdaptiveKLController, FixedKLController, KLControlState
 from jppo.mesh import make_mesh
