@@ -48,18 +48,22 @@ def _headline_table(results: dict) -> list[str]:
     return lines + [""]
 
 
+def _table_section(title: str, intro: str, columns: list[str], text_columns: int = 1) -> list[str]:
+    """A section's heading, its introductory sentence and the header of its table (the first ``text_columns``
+    columns left-aligned, numbers right-aligned)."""
+    align = ["---"] * text_columns + ["---:"] * (len(columns) - text_columns)
+    return [f"## {title}", "", intro, "", f"| {' | '.join(columns)} |", f"|{'|'.join(align)}|"]
+
+
 def _accumulation(result: dict) -> list[str]:
     batch, model = result["batch"], result["model"]
-    lines = [
-        "## Accumulation and normalization",
-        "",
+    lines = _table_section(
+        "Accumulation and normalization",
         f"Actor update (one optimizer step) of {batch['rows']} sequences x {batch['prompt']}+{batch['response']} "
         f"tokens ({result['response_tokens']} response tokens), {model['num_layers']} layers d{model['hidden_size']}, "
         f"vocab {model['vocab_size']}; the same mini-batch cut into K micro-batches.",
-        "",
-        "| step | compile s | median ms | min ms | max ms | us / response token | vs K=1 |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+        ["step", "compile s", "median ms", "min ms", "max ms", "us / response token", "vs K=1"],
+    )
     base = result["steps"]["K=1"]["median_s"]
     for name, step in result["steps"].items():
         lines.append(
@@ -76,16 +80,15 @@ def _tokens_per_s(tokens: int, step: dict) -> str:
 
 def _update_vs_torch(results: dict) -> list[str]:
     first = next(iter(results.values()))
-    lines = [
-        "## Update step vs PyTorch eager",
-        "",
+    lines = _table_section(
+        "Update step vs PyTorch eager",
         "Forward + backward + clipping + AdamW of a PPO actor step, same Qwen2-shaped model, weights, batch and loss, "
         f"float32; jppo on {first['jax_device']}, torch on {first['torch_device']} with {first['torch_threads']} "
         "threads. Tokens/s: median (fastest - slowest repeat).",
-        "",
-        "| size | model | tokens / step | jppo tokens/s | torch tokens/s | jppo / torch | first pg_loss jppo / torch |",
-        "|---|---|---:|---:|---:|---:|---|",
-    ]
+        ["size", "model", "tokens / step", "jppo tokens/s", "torch tokens/s", "jppo / torch",
+         "first pg_loss jppo / torch"],
+        text_columns=2,
+    )
     for size, result in results.items():
         m, tokens, losses = result["model"], result["batch"]["tokens"], result["first_pg_loss"]
         shape = (
@@ -102,17 +105,14 @@ def _update_vs_torch(results: dict) -> list[str]:
 
 def _sampler(result: dict) -> list[str]:
     prompts, model = result["prompts"], result["model"]
-    lines = [
-        "## Rollout (greedy decoding)",
-        "",
+    lines = _table_section(
+        "Rollout (greedy decoding)",
         f"{prompts['batch']} prompts of {prompts['min_length']}-{prompts['max_length']} tokens (padded to "
         f"{prompts['padded_to']}), {result['new_tokens']} new tokens, Qwen2-shaped {model['num_layers']} layers "
         f"d{model['hidden_size']} V{model['vocab_size']}; transformers {result['versions']['transformers']} on CPU "
         f"torch with {result['torch_threads']} threads.",
-        "",
-        "| method | median s | min s | max s | tokens/s | KV sampler speed-up | same tokens as KV sampler |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
+        ["method", "median s", "min s", "max s", "tokens/s", "KV sampler speed-up", "same tokens as KV sampler"],
+    )
     kv = result["methods"]["kv_sampler"]["median_s"]
     for name, method in result["methods"].items():
         lines.append(
@@ -125,15 +125,12 @@ def _sampler(result: dict) -> list[str]:
 
 def _end_to_end(result: dict) -> list[str]:
     per_step = result["seconds_per_step"]
-    lines = [
-        "## End to end (configs/quickstart.yaml)",
-        "",
+    lines = _table_section(
+        "End to end (configs/quickstart.yaml)",
         f"{result['steps']} steps ({result['mode']} mode) in {result['run_wall_s']:.1f} s; first step (compiles) "
         f"{result['first_step_s']:.2f} s; later steps, medians:",
-        "",
-        "| phase | s / step | share of timed step |",
-        "|---|---:|---:|",
-    ]
+        ["phase", "s / step", "share of timed step"],
+    )
     for phase, seconds in result["phases_s"].items():
         untimed = phase in ("logging", "other") or not per_step
         lines.append(f"| {phase} | {_num(seconds, 4)} | {'' if untimed else f'{seconds / per_step:.1%}'} |")
@@ -151,16 +148,13 @@ def _end_to_end(result: dict) -> list[str]:
 
 def _memory(result: dict) -> list[str]:
     model, batch = result["model"], result["batch"]
-    lines = [
-        "## Memory (one actor update step)",
-        "",
+    lines = _table_section(
+        "Memory (one actor update step)",
         f"{model['layers']} layers d{model['hidden']}, vocabulary {model['vocab']:,}, {batch['rows']} rows x T = "
         f"{batch['length']}; one [B, T, V] float32 logits array is {result['full_logits_array_bytes'] / MIB:.0f} MiB. "
         "Each variant in a fresh process.",
-        "",
-        "| variant | log-prob chunk | peak RSS MiB | RSS increase during the step MiB | XLA temp MiB |",
-        "|---|---:|---:|---:|---:|",
-    ]
+        ["variant", "log-prob chunk", "peak RSS MiB", "RSS increase during the step MiB", "XLA temp MiB"],
+    )
     for name, v in result["variants"].items():
         lines.append(
             f"| {name} | {v['logprob_chunk_size']} | {v['peak_rss_bytes'] / MIB:,.0f} | "

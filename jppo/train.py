@@ -158,9 +158,6 @@ class Trainer:
         self.kl_state = KLControlState(coef=jnp.asarray(meta["kl_coef"], jnp.float32))
 
     # ----------------------------------------------------------------- one step
-    def forward_sizes(self, section: str) -> dict:
-        return components.forward_micro_batching(self.cfg, section)
-
     def step(self) -> dict[str, float]:
         cfg, tokenizer = self.cfg, self.inputs.tokenizer
         step = self.step_done + 1
@@ -181,18 +178,18 @@ class Trainer:
             with timer("reward_baseline"):
                 reward_baselines = self.greedy_baselines(examples, prompts, prompt_index, step)
         mask = batch.response_mask
+        actor_cut = components.forward_micro_batching(cfg, "actor")
         with timer("old_log_prob"):
-            old_log_prob = forward_batch(self.log_probs_of, self.actor.params, batch, self.mesh, **self.forward_sizes("actor"))
+            old_log_prob = forward_batch(self.log_probs_of, self.actor.params, batch, self.mesh, **actor_cut)
         extra = {}
         if self.ref_params is not None:
             with timer("ref_log_prob"):
-                extra["ref_log_prob"] = forward_batch(
-                    self.log_probs_of, self.ref_params, batch, self.mesh, **self.forward_sizes("actor")
-                )
+                extra["ref_log_prob"] = forward_batch(self.log_probs_of, self.ref_params, batch, self.mesh, **actor_cut)
         values = None
         if self.critic is not None:
             with timer("values"):
-                values = forward_batch(self.values_of, self.critic.params, batch, self.mesh, **self.forward_sizes("critic"))
+                critic_cut = components.forward_micro_batching(cfg, "critic")
+                values = forward_batch(self.values_of, self.critic.params, batch, self.mesh, **critic_cut)
         metrics: dict[str, float] = {}
         with timer("advantages"):
             if self.inputs.credit_fn is not None:
@@ -212,8 +209,8 @@ class Trainer:
                 self.kl_state = self.kl_ctrl.update(self.kl_state, current_kl, len(prompts) * cfg.rollout.n)
             advantages, returns = compute_advantages(
                 cfg.algorithm.adv_estimator, token_level_rewards=rewards, response_mask=mask, values=values,
-                group_ids=prompt_index, reward_baselines=reward_baselines, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
-                norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, mesh=self.mesh,
+                group_ids=prompt_index, reward_baselines=reward_baselines, gamma=cfg.algorithm.gamma,
+                lam=cfg.algorithm.lam, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, mesh=self.mesh,
             )
         per_token = dict(old_log_prob=old_log_prob, advantages=advantages, returns=returns, **extra)
         if values is not None:
