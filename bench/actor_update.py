@@ -90,5 +90,5 @@ class ActorUpdate:
         return jax.tree.map(np.asarray, nnx.to_pure_dict(jax.device_get(self.state.params)))
 
     def __call__(self) -> dict[str, float]:
-        self.state, metrics = self._step(self.state, self._arrays, self._loss_scale_factor)
+        self.state, metrics, _ = self._step(self.state, self._arrays, self._loss_scale_factor)
         return {name: float(values[0]) for name, values in jax.device_get(metrics).items()}

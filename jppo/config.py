@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.data import BUILTIN_TASKS, DataConfig
 from jppo.engine.config import ActorConfig, CriticConfig, NORMALIZATIONS
-from jppo.losses import AGG_MODES, KL_KINDS, POLICY_LOSSES
+from jppo.losses import AGG_MODES, KL_KINDS, POLICY_LOSSES, required_agg_mode
 from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES
 from jppo.rewards import RewardConfig
 
@@ -250,6 +250,13 @@ def validate(cfg: TrainConfig) -> None:
             _positive(f"{section}.{key}", getattr(update, key))
         _positive(f"{section}.optim.lr", update.optim.lr, allow_zero=True)
     _choice("actor.policy_loss", cfg.actor.policy_loss, sorted(POLICY_LOSSES))
+    # Sequence-level losses (gspo, geo_mean) are means over sequences: the registry records the mode they need.
+    needed = required_agg_mode(cfg.actor.policy_loss)
+    if needed is not None and cfg.actor.loss_agg_mode != needed:
+        raise ConfigError(
+            f"actor.loss_agg_mode={cfg.actor.loss_agg_mode!r}: actor.policy_loss={cfg.actor.policy_loss!r} needs "
+            f"actor.loss_agg_mode={needed!r}"
+        )
     _choice("actor.kl_loss_type", cfg.actor.kl_loss_type, KL_KINDS)
     _choice("algorithm.adv_estimator", cfg.algorithm.adv_estimator, sorted(ADVANTAGE_ESTIMATORS))
     _choice("algorithm.kl_penalty", cfg.algorithm.kl_penalty, KL_KINDS)

@@ -10,8 +10,10 @@ its rows are one contiguous range. With one process every function here is the i
 from __future__ import annotations
 
 import functools
+from typing import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -67,6 +69,36 @@ def to_local(array: jax.Array, axis: int = 0, rows: range | None = None) -> np.n
     if rows is not None and local.shape[axis] == array.shape[axis] != len(rows):
         local = np.take(local, np.arange(rows.start, rows.stop), axis=axis)
     return local
+
+
+def take_rows(
+    arrays: Mapping[str, np.ndarray], order: np.ndarray, mesh: Mesh, through_devices: bool | None = None
+) -> dict[str, np.ndarray]:
+    """This process's rows of ``{name: whole[order]}``, where ``whole`` is the global batch of which each array
+    holds this process's rows, and the result is split over the batch shards like any batch (shard d holds rows
+    ``[d R/D, (d+1) R/D)`` of the ``R = len(order)`` rows).
+
+    With one process every row is already on the host: a numpy take. With several (``through_devices``, the
+    default then), the rows travel inside one jitted gather over global arrays, which XLA turns into collectives
+    between the devices; each host receives only the rows of its own shards.
+    """
+    if through_devices is None:
+        through_devices = jax.process_count() > 1
+    if not through_devices:
+        return {name: np.take(array, order, axis=0) for name, array in arrays.items()}
+    shards = batch_shards(mesh)
+    if len(order) % shards:
+        raise ValueError(f"{len(order)} rows cannot be split evenly over {shards} batch shards")
+    whole = {name: to_global(array, mesh) for name, array in arrays.items()}
+    index = jax.make_array_from_process_local_data(NamedSharding(mesh, PartitionSpec()), np.asarray(order, np.int32))
+    moved = _row_gather(mesh)(whole, index)
+    return {name: to_local(array) for name, array in moved.items()}
+
+
+@functools.lru_cache(maxsize=16)
+def _row_gather(mesh: Mesh):
+    rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    return jax.jit(lambda arrays, index: jax.tree.map(lambda a: jnp.take(a, index, axis=0), arrays), out_shardings=rows)
 
 
 def replicated_value(array: jax.Array) -> np.ndarray:

@@ -86,10 +86,13 @@ def kl_controller(cfg: TrainConfig):
 class Trainer:
     """Holds the run's models and states; :meth:`step` is one training step (see the module docstring)."""
 
-    def __init__(self, cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: components.RunInputs):
+    def __init__(
+        self, cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: components.RunInputs,
+        devices: Optional[Sequence[jax.Device]] = None,
+    ):
         self.cfg = cfg
         self.inputs = inputs
-        self.mesh = make_mesh(*mesh_shape)
+        self.mesh = make_mesh(*mesh_shape, devices=devices)
         self.actor_cfg = engine_update_config(cfg, "actor")
         self.critic_cfg = engine_update_config(cfg, "critic")
         tokenizer = inputs.tokenizer
@@ -220,14 +223,14 @@ class Trainer:
         update_rng = np.random.default_rng([cfg.trainer.seed, step])
         if self.critic is not None:
             with timer("update_critic"):
-                self.critic, critic_metrics = run_updates(
+                self.critic, critic_metrics, _ = run_updates(
                     self.critic_step, self.critic, batch, self.critic_cfg, self.mesh, update_rng,
                     self.critic_cfg.loss_scale_factor,
                 )
             metrics.update(critic_metrics)
         if step > cfg.trainer.critic_warmup:
             with timer("update_actor"):
-                self.actor, actor_metrics = run_updates(
+                self.actor, actor_metrics, _ = run_updates(
                     self.actor_step, self.actor, batch, self.actor_cfg, self.mesh, update_rng,
                     self.actor_cfg.loss_scale_factor,
                 )
@@ -321,14 +324,18 @@ def batch_metrics(batch: SequenceBatch, scores, advantages, returns, values, max
     return {k: float(v) for k, v in out.items()}
 
 
-def run(cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: components.RunInputs) -> dict[str, float]:
-    """Trains to ``trainer.total_steps``, resuming when a checkpoint exists; returns the last step's metrics."""
+def run(
+    cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: components.RunInputs,
+    devices: Optional[Sequence[jax.Device]] = None,
+) -> dict[str, float]:
+    """Trains to ``trainer.total_steps`` on ``devices`` (default: all), resuming when a checkpoint exists; returns
+    the last step's metrics."""
     out = pathlib.Path(cfg.trainer.output_dir)
     main = distributed.is_main_process()
     if main:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
-    trainer = Trainer(cfg, mesh_shape, inputs)
+    trainer = Trainer(cfg, mesh_shape, inputs, devices)
     manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep)
     resume = resolve_resume(cfg.trainer.resume, manager.directory)
     if resume is not None:

@@ -26,6 +26,13 @@ def test_overrides_and_derived_values():
     assert load_config(None, ["actor.use_kl_loss=true"]).use_reference
 
 
+@pytest.mark.parametrize("name", ["gspo", "geo_mean"])
+def test_sequence_level_policy_losses_load_with_their_mode(name):
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml",
+                      [f"actor.policy_loss={name}", "actor.loss_agg_mode=seq-mean-token-mean"])
+    assert cfg.actor.policy_loss == name and cfg.actor.loss_agg_mode == "seq-mean-token-mean"
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["trainer.seed=7"])
     save_config(cfg, tmp_path / "config.yaml")
@@ -41,6 +48,11 @@ def test_resolved_config_round_trips(tmp_path):
         (["critic.normalization=local"], "critic.normalization='local'"),
         (["algorithm.kl_penalty=k5"], "algorithm.kl_penalty='k5'"),
         (["actor.policy_loss=dro"], "actor.dro_beta=None"),
+        (["actor.policy_loss=gspo", "actor.loss_agg_mode=token-mean"],
+         "actor.loss_agg_mode='token-mean': actor.policy_loss='gspo' needs actor.loss_agg_mode='seq-mean-token-mean'"),
+        (["actor.policy_loss=geo_mean", "actor.loss_agg_mode=seq-mean-token-sum"],
+         "actor.loss_agg_mode='seq-mean-token-sum': actor.policy_loss='geo_mean' needs "
+         "actor.loss_agg_mode='seq-mean-token-mean'"),
         (["algorithm.adv_estimator=grpo"], "rollout.n=1"),
         (["critic.enable=false"], "critic.enable=False"),
         (["rollout.top_p=0"], "rollout.top_p=0"),

@@ -1,4 +1,4 @@
-"""Multi-process runs (2 CPU processes of 4 devices on localhost) give the same steps as one process of 8 devices,
+"""Multi-process runs (2 CPU processes of 2 devices on localhost) give the same steps as one process of 1 device,
 their checkpoints resume in one process, the TPU scripts print the right gcloud commands, and bad start-up
 arguments fail fast with one line."""
 
@@ -30,8 +30,8 @@ def env(devices: int) -> dict:
     return out
 
 
-def train(*args: str, devices: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "jppo.train", "--config", CONFIG, *SMALL, *args], cwd=ROOT,
+def train(*args: str, devices: int, config: str = CONFIG) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jppo.train", "--config", config, *SMALL, *args], cwd=ROOT,
                             env=env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -52,30 +52,36 @@ def metrics(run_dir: pathlib.Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in rows]
 
 
-def test_two_processes_match_one_and_their_checkpoint_resumes_in_one(tmp_path):
+@pytest.mark.parametrize("config", ["quickstart", "quickstart_grpo"])
+def test_two_processes_of_two_devices_match_one_device_and_resume_on_it(tmp_path, config):
+    """The whole-run contract across hosts: 2 processes x 2 devices (4 batch shards, rows moving between hosts to
+    form each mini-batch) train the same two steps as 1 process on 1 device, and the 2-process checkpoint continues
+    on the single device exactly like the single-device run."""
+    path = str(ROOT / "configs" / f"{config}.yaml")
     port = free_port()
     two = [
         train(f"trainer.output_dir={tmp_path / 'two'}", "trainer.total_steps=2", "trainer.export_hf=true",
-              "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i), devices=4)
+              "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i), devices=2,
+              config=path)
         for i in (1, 0)
     ]
-    one = train(f"trainer.output_dir={tmp_path / 'one'}", "trainer.total_steps=3", devices=8)
+    one = train(f"trainer.output_dir={tmp_path / 'one'}", "trainer.total_steps=3", devices=1, config=path)
     for process in two:
         finish(process)
     finish(one)
     single, double = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert [row["step"] for row in double] == [1, 2] and "val/reward/mean" in double[1]
     for a, b in zip(single[:2], double):
+        assert set(a) == set(b)
         for name, value in a.items():
-            # float32: the same sums over 8 devices split 4 + 4 agree to rounding
-            assert b[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+            # float32, four Adam updates per step: the same sums over 1 device and 2 x 2 agree to ~1e-5
+            assert b[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
     assert (tmp_path / "two" / "hf" / "model.safetensors").is_file()
-    # the 2-process checkpoint of step 2 continues in a single 8-device process exactly like the single run
-    finish(train(f"trainer.output_dir={tmp_path / 'two'}", "trainer.total_steps=3", devices=8))
+    finish(train(f"trainer.output_dir={tmp_path / 'two'}", "trainer.total_steps=3", devices=1, config=path))
     resumed = metrics(tmp_path / "two")
     assert [row["step"] for row in resumed] == [1, 2, 3]
     for name, value in single[2].items():
-        assert resumed[2][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+        assert resumed[2][name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
 
 
 @pytest.mark.parametrize(

@@ -54,15 +54,16 @@ def mesh_of(shape):
 
 
 def engine_step(model_cls, cfg, mesh, batch, seed=0):
-    """Params, metrics and state after ``run_updates`` with one mini-batch (the whole batch) and one epoch."""
+    """State, metrics and the accumulated gradient (as the optimizer received it) after ``run_updates`` with one
+    mini-batch (the whole batch) and one epoch."""
     model = create_model(model_cls, tiny_config(), mesh, seed=seed)
     graphdef, params = nnx.split(model, nnx.Param)
     loss = actor_loss_fn(cfg) if isinstance(cfg, ActorConfig) else critic_loss_fn(cfg)
     prefix = "actor" if isinstance(cfg, ActorConfig) else "critic"
-    state = init_train_state(params, cfg, mesh)
-    step = UpdateStep(graphdef, loss, cfg, mesh, prefix)
-    state, metrics = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0), C)
-    return state, metrics
+    state = init_train_state(params, cfg, mesh, keep_gradient=True)
+    step = UpdateStep(graphdef, loss, cfg, mesh, prefix, keep_gradient=True)
+    state, metrics, gradients = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0), C)
+    return state, metrics, jax.tree.map(lambda g: g[0], jax.device_get(gradients))
 
 
 def reference(model_cls, cfg, batch, seed=0):
@@ -126,8 +127,9 @@ def test_sgd_step_equals_whole_batch_reference(role, mesh_shape, cut):
     make = actor_cfg if role == "actor" else critic_cfg
     cfg = make(**per_shard(CUTS[cut], batch_shards(mesh)))
     model_cls = CausalLM if role == "actor" else ValueModel
-    state, metrics = engine_step(model_cls, cfg, mesh, batch)
+    state, metrics, gradient = engine_step(model_cls, cfg, mesh, batch)
     params, grads, loss, ref_metrics = reference(model_cls, cfg, batch)
+    assert_params_close(gradient, grads)
     assert_params_close(state.params, params)
     grad_norm = float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads))))
     np.testing.assert_allclose(metrics[f"{role}/grad_norm"], grad_norm, rtol=1e-9)
@@ -147,10 +149,13 @@ def test_adamw_step_with_active_clipping_equals_reference(role, mesh_shape, cut)
     make = actor_cfg if role == "actor" else critic_cfg
     cfg = make(optim=ADAMW_CLIPPED, **per_shard(CUTS[cut], batch_shards(mesh)))
     model_cls = CausalLM if role == "actor" else ValueModel
-    state, metrics = engine_step(model_cls, cfg, mesh, batch)
+    state, metrics, gradient = engine_step(model_cls, cfg, mesh, batch)
     params, grads, _, _ = reference(model_cls, cfg, batch)
     grad_norm = float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads))))
     assert grad_norm > ADAMW_CLIPPED.grad_clip  # clipping is active
+    # clipping and Adam's first step are blind to a gradient scaled by K: check the gradient the optimizer received
+    assert_params_close(gradient, grads)
+    np.testing.assert_allclose(metrics[f"{role}/grad_norm"], grad_norm, rtol=1e-9)
     # Adam's first step is ~lr * sign(g): compare at a fraction of lr (see module docstring)
     assert_params_close(state.params, params, rtol=0, atol=1e-9 * ADAMW_CLIPPED.lr * 1e3)
 
@@ -163,28 +168,58 @@ def test_every_loss_mode_is_split_invariant(mode):
     for cut in ("K1", "token-budget"):
         cfg = actor_cfg(loss_agg_mode=mode, **per_shard(CUTS[cut], 2))
         results.append(engine_step(CausalLM, cfg, mesh, batch))
-    params, _, _, _ = reference(CausalLM, actor_cfg(loss_agg_mode=mode), batch)
-    for state, metrics in results:
+    params, grads, _, _ = reference(CausalLM, actor_cfg(loss_agg_mode=mode), batch)
+    for state, metrics, gradient in results:
+        assert_params_close(gradient, grads)
         assert_params_close(state.params, params)
     for name in results[0][1]:
         np.testing.assert_allclose(results[0][1][name], results[1][1][name], rtol=1e-9, atol=1e-12, err_msg=name)
 
 
-def test_legacy_per_micro_batch_normalization_inflates_by_k():
-    """Pinned on purpose: K equal micro-batches normalized by their own counts give K times the global step.
+def micro_batch_rows(n: int, shards: int, micro: int) -> list[np.ndarray]:
+    """Rows of micro-batch k over all shards, for one unshuffled mini-batch of ``n`` rows: shard d holds rows
+    ``[d n / D, (d + 1) n / D)`` and its k-th micro-batch the k-th block of ``micro`` of them."""
+    per_shard = n // shards
+    return [
+        np.concatenate([d * per_shard + k * micro + np.arange(micro) for d in range(shards)])
+        for k in range(per_shard // micro)
+    ]
 
-    This is the bug jppo exists to prevent; the legacy mode reproduces it for comparisons with old curves."""
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (2, 1, 1)])
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_legacy_mode_reproduces_verl_per_role(role, mesh_shape):
+    """``normalization: per_micro_batch``: every micro-batch normalized by its own counts; the critic sums them (verl
+    before PR #6957), the actor averages them (verl's older data-parallel actor). The reference differentiates the
+    whole-batch reference loss of each micro-batch's rows on its own, outside the engine, on a ragged batch."""
+    mesh = mesh_of(mesh_shape)
+    shards = batch_shards(mesh)
+    batch = ragged_batch(3)
+    micro = 2
+    make, model_cls = (actor_cfg, CausalLM) if role == "actor" else (critic_cfg, ValueModel)
+    extra = dict(entropy_coeff=0.0, use_kl_loss=False) if role == "actor" else {}
+    cfg = make(normalization="per_micro_batch", ppo_micro_batch_size=micro, **extra)
+    _, _, gradient = engine_step(model_cls, cfg, mesh, batch)
+    pieces = [reference(model_cls, cfg, batch.take(rows))[1] for rows in micro_batch_rows(N, shards, micro)]
+    summed = jax.tree.map(lambda *g: sum(g), *pieces)
+    expected = jax.tree.map(lambda g: g / len(pieces), summed) if role == "actor" else summed
+    assert_params_close(gradient, expected)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_legacy_mode_with_equal_micro_batches_inflates_the_critic_by_k_and_not_the_actor(role):
+    """Pinned on purpose: K equal micro-batches normalized by their own counts give K times the global gradient when
+    summed (verl's critic before PR #6957, the bug jppo exists to prevent) and the global gradient when averaged."""
     mesh = mesh_of((1, 1, 1))
     batch = ragged_batch(3, equal=True)
     k = 4
-    base = dict(ppo_micro_batch_size=N // k, entropy_coeff=0.0, use_kl_loss=False)
-    start = create_model(CausalLM, tiny_config(), None, seed=0)
-    start_params = jax.device_get(nnx.state(start, nnx.Param))
-    global_state, _ = engine_step(CausalLM, actor_cfg(**base), mesh, batch)
-    legacy_state, _ = engine_step(CausalLM, actor_cfg(normalization="per_micro_batch", **base), mesh, batch)
-    global_delta = jax.tree.map(lambda a, b: a - b, jax.device_get(global_state.params), start_params)
-    legacy_delta = jax.tree.map(lambda a, b: a - b, jax.device_get(legacy_state.params), start_params)
-    chex.assert_trees_all_close(legacy_delta, jax.tree.map(lambda d: k * d, global_delta), rtol=1e-9, atol=1e-15)
+    make, model_cls = (actor_cfg, CausalLM) if role == "actor" else (critic_cfg, ValueModel)
+    extra = dict(entropy_coeff=0.0, use_kl_loss=False) if role == "actor" else {}
+    _, _, global_gradient = engine_step(model_cls, make(ppo_micro_batch_size=N // k, **extra), mesh, batch)
+    legacy_cfg = make(normalization="per_micro_batch", ppo_micro_batch_size=N // k, **extra)
+    _, _, legacy_gradient = engine_step(model_cls, legacy_cfg, mesh, batch)
+    factor = 1 if role == "actor" else k
+    assert_params_close(legacy_gradient, jax.tree.map(lambda g: factor * g, global_gradient))
 
 
 @pytest.mark.parametrize("poisoned_row", ["first", "last"])
@@ -206,13 +241,13 @@ def test_non_finite_micro_batch_skips_the_whole_update(poisoned_row):
     state = init_train_state(params, cfg, mesh)
     before = jax.device_get(state)
     step = UpdateStep(graphdef, actor_loss_fn(cfg), cfg, mesh, "actor")
-    state, metrics = run_updates(step, state, bad, cfg, mesh, np.random.default_rng(0), C)
+    state, metrics, _ = run_updates(step, state, bad, cfg, mesh, np.random.default_rng(0), C)
     assert metrics["actor/skipped_updates"] == 1.0
     after = jax.device_get(state)
     chex.assert_trees_all_equal(after.params, before.params)
     chex.assert_trees_all_equal(after.opt_state.inner_opt_state[1].inner_state, before.opt_state.inner_opt_state[1].inner_state)
     assert int(after.step) == 0
-    state, metrics = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0), C)
+    state, metrics, _ = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0), C)
     assert metrics["actor/skipped_updates"] == 0.0 and int(state.step) == 1
     assert np.isfinite(metrics["actor/grad_norm"])
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(state.params))

@@ -58,6 +58,22 @@ def test_unknown_policy_loss(call):
         run()
 
 
+@pytest.mark.parametrize("name, mode", [("gspo", "token-mean"), ("geo_mean", "seq-mean-token-sum")])
+def test_sequence_level_loss_needs_its_mode(name, mode):
+    def share(log_prob, agg_mode):
+        options = PolicyLossOptions()
+        return actor_loss(log_prob, X, X, MASK, norm=None, mode=agg_mode, policy_loss_name=name,
+                          policy_options=options)[0]
+
+    message = rf"^policy loss '{name}' needs mode='seq-mean-token-mean' .*got mode='{mode}'"
+    with pytest.raises(ValueError, match=message) as error:
+        share(X, mode)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match=message):  # raised in Python at trace time, so under jit too
+        jax.jit(share, static_argnums=1)(X, mode)
+    assert jnp.isfinite(share(X, "seq-mean-token-mean"))
+
+
 BAD_KL = {
     "kl_penalty": lambda: kl_penalty(X, X, "k4"),
     "kl_loss": lambda: kl_loss(X, X, MASK, kind="k4", mode="token-mean"),

@@ -151,6 +151,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
         (["data.task=files", "data.train_files=/nonexistent/train.jsonl"], "data.train_files='/nonexistent/train.jsonl'"),
         (["model.path=/nonexistent/ckpt"], "model.path='/nonexistent/ckpt'"),
         (["mesh.data=3"], "mesh data=3"),
+        (["actor.policy_loss=gspo"], "actor.policy_loss='gspo' needs actor.loss_agg_mode='seq-mean-token-mean'"),
     ],
 )
 def test_config_errors_are_one_line_with_exit_status_2(tmp_path, overrides, message):

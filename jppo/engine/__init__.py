@@ -6,7 +6,7 @@ micro-batch gradients are summed by ``optax.MultiSteps(use_grad_mean=False)``, a
 """
 
 from jppo.engine.config import ActorConfig, CriticConfig, OptimConfig, UpdateConfig
-from jppo.engine.driver import check_batch_sizes, mini_batches, run_updates
+from jppo.engine.driver import Updated, check_batch_sizes, cut_steps, mini_batches, run_updates
 from jppo.engine.forward import forward_batch, log_prob_fn, reward_model_fn, value_fn
 from jppo.engine.update import (
     TrainState,
@@ -25,9 +25,11 @@ __all__ = [
     "TrainState",
     "UpdateConfig",
     "UpdateStep",
+    "Updated",
     "actor_loss_fn",
     "check_batch_sizes",
     "critic_loss_fn",
+    "cut_steps",
     "forward_batch",
     "init_train_state",
     "log_prob_fn",

@@ -3,9 +3,15 @@
 Host-side orchestration only; everything per token runs inside the jitted :class:`~jppo.engine.update.UpdateStep`.
 All mini-batches of all epochs are cut on the host first, stacked, and run by ONE compiled call that scans over
 the optimizer steps, so the host neither dispatches nor waits between mini-batches.
+
+Which rows share an optimizer step is decided over the global rows, from the seed and the step alone, so a run
+does not depend on the mesh or the number of processes; the rows of each step are then dealt to the batch shards
+in equal blocks, moving rows between shards (and hosts) where needed.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import numpy as np
 from jax.sharding import Mesh
@@ -14,9 +20,18 @@ from jppo import metrics as M
 from jppo.engine.config import UpdateConfig
 from jppo.engine.layout import place
 from jppo.engine.update import TrainState, UpdateStep
-from jppo.hostlocal import local_shards, max_over_processes, replicated_value
+from jppo.hostlocal import local_shards, max_over_processes, replicated_value, take_rows
 from jppo.mesh import batch_shards
-from jppo.microbatch import SequenceBatch, make_micro_batches, stack_micro_batches
+from jppo.microbatch import MicroBatches, SequenceBatch, make_micro_batches, stack_micro_batches
+
+
+class Updated(NamedTuple):
+    """What :func:`run_updates` returns: the new state, the metrics averaged over its optimizer steps, and the
+    accumulated gradient of each step (``[M, ...]``, only from an ``UpdateStep(..., keep_gradient=True)``)."""
+
+    state: TrainState
+    metrics: dict[str, float]
+    gradients: Any
 
 
 def check_batch_sizes(cfg: UpdateConfig, num_sequences: int, num_shards: int, section: str) -> None:
@@ -43,29 +58,64 @@ def check_batch_sizes(cfg: UpdateConfig, num_sequences: int, num_shards: int, se
             )
 
 
-def mini_batches(num_sequences: int, num_shards: int, cfg: UpdateConfig, rng: np.random.Generator) -> list[np.ndarray]:
-    """Row indices of every mini-batch of every epoch, in the order the optimizer sees them.
+def mini_batches(num_sequences: int, cfg: UpdateConfig, rng: np.random.Generator) -> list[np.ndarray]:
+    """Global row indices of every mini-batch of every epoch, in the order the optimizer sees them.
 
-    Rows never leave their batch shard (shard d holds rows ``[d N/D, (d+1) N/D)``): each epoch shuffles every
-    shard's rows on its own, and mini-batch m takes the m-th block of each shard. The same mini-batches therefore
-    come out whether one process holds the whole batch or every process only its own shards, and no row crosses
-    devices between the rollout and the update.
+    One permutation of all ``num_sequences`` rows per epoch (the identity without ``shuffle``), cut into
+    consecutive blocks of ``ppo_mini_batch_size``. Nothing here knows the mesh or the processes: for a given ``rng``
+    the mini-batches are the same on one device, on eight, or on several hosts (the whole-run contract).
     """
-    per_shard = num_sequences // num_shards
-    per_step = cfg.ppo_mini_batch_size // num_shards
-    shards = np.arange(num_sequences).reshape(num_shards, per_shard)
+    mini = cfg.ppo_mini_batch_size
     out = []
     for _ in range(cfg.ppo_epochs):
-        order = np.stack([rng.permutation(per_shard) if cfg.shuffle else np.arange(per_shard) for _ in shards])
-        shuffled = np.take_along_axis(shards, order, axis=1)
-        out.extend(shuffled[:, m * per_step : (m + 1) * per_step].reshape(-1) for m in range(per_shard // per_step))
+        order = rng.permutation(num_sequences) if cfg.shuffle else np.arange(num_sequences)
+        out.extend(order[m * mini : (m + 1) * mini] for m in range(num_sequences // mini))
     return out
+
+
+def shard_layout(steps: list[np.ndarray], num_shards: int) -> np.ndarray:
+    """Where each row of each optimizer step goes: ``[D, M, B / D]`` global row indices, batch shard first.
+
+    Every step's ``B`` rows are split into ``D`` consecutive blocks of ``B / D``, block d to shard d: every shard
+    holds the same number of rows of every step, and no shard pads. Flattened, it is the row order of a global
+    array whose shard d (a contiguous block, as :mod:`jppo.hostlocal` lays rows out) holds shard d's rows of every
+    step, step after step.
+    """
+    stacked = np.stack(steps)  # [M, B]
+    return stacked.reshape(len(steps), num_shards, -1).transpose(1, 0, 2)
+
+
+def regroup(batch: SequenceBatch, order: np.ndarray, mesh: Mesh) -> SequenceBatch:
+    """This process's rows of the global batch taken in ``order`` (see :func:`jppo.hostlocal.take_rows`)."""
+    fields = {
+        "prompt_ids": batch.prompt_ids, "prompt_mask": batch.prompt_mask, "response_ids": batch.response_ids,
+        "response_mask": batch.response_mask, "response_attention": batch.response_attention,
+    }
+    moved = take_rows({**fields, **{f"per_token/{k}": v for k, v in batch.per_token.items()}}, order, mesh)
+    per_token = {name.removeprefix("per_token/"): v for name, v in moved.items() if name.startswith("per_token/")}
+    return SequenceBatch(**{name: moved[name] for name in fields}, per_token=per_token)
 
 
 def micro_batches_for(batch: SequenceBatch, cfg: UpdateConfig, num_shards: int):
     if cfg.use_dynamic_bsz:
         return make_micro_batches(batch, num_shards, max_token_len=cfg.ppo_max_token_len)
     return make_micro_batches(batch, num_shards, micro_batch_size=cfg.ppo_micro_batch_size)
+
+
+def cut_steps(batch: SequenceBatch, cfg: UpdateConfig, mesh: Mesh, rng: np.random.Generator) -> list[MicroBatches]:
+    """This process's micro-batches of every optimizer step of ``ppo_epochs`` passes, in order.
+
+    ``batch`` holds this process's rows (all rows with one process). The mini-batches are drawn over the global
+    rows (:func:`mini_batches`), their rows moved to balanced shards (:func:`shard_layout`, :func:`regroup`), and
+    each process cuts its own shards of each into micro-batches.
+    """
+    shards, owned = batch_shards(mesh), local_shards(mesh)
+    num_global = batch.num_sequences * shards // len(owned)
+    steps = mini_batches(num_global, cfg, rng)
+    layout = shard_layout(steps, shards)  # [D, M, B / D]
+    mine = regroup(batch, layout.reshape(-1), mesh)  # this process's shards' rows, [D_local * M * B / D]
+    local = np.arange(len(owned) * layout.shape[1] * layout.shape[2]).reshape(len(owned), *layout.shape[1:])
+    return [micro_batches_for(mine.take(local[:, i].reshape(-1)), cfg, len(owned)) for i in range(len(steps))]
 
 
 def run_updates(
@@ -76,22 +126,13 @@ def run_updates(
     mesh: Mesh,
     rng: np.random.Generator,
     loss_scale_factor: float,
-) -> tuple[TrainState, dict[str, float]]:
-    """``ppo_epochs`` passes of mini-batch updates in one call; metrics averaged over optimizer steps.
-
-    ``batch`` holds this process's rows (all rows with one process). Every process draws the same global
-    mini-batches and cuts its own rows of each; the micro-batch counts are agreed across processes.
-    """
-    shards, owned = batch_shards(mesh), local_shards(mesh)
-    num_global = batch.num_sequences * shards // len(owned)
-    offset = owned.start * (num_global // shards)
-    micro = []
-    for rows in mini_batches(num_global, shards, cfg, rng):
-        mine = rows[(rows >= offset) & (rows < offset + batch.num_sequences)] - offset
-        micro.append(micro_batches_for(batch.take(mine), cfg, len(owned)))
+) -> Updated:
+    """``ppo_epochs`` passes of mini-batch updates (:func:`cut_steps`) in one compiled call; metrics averaged over
+    optimizer steps. The micro-batch counts are agreed across processes, so their parts form one global array."""
+    micro = cut_steps(batch, cfg, mesh, rng)
     k, s = max_over_processes([max(m.input_ids.shape[0] for m in micro), max(m.row_ids.shape[2] for m in micro)])
-    steps = stack_micro_batches(micro, int(k), int(s))
-    state, per_step = step(state, place(steps.device_arrays(), mesh, scanned=2), loss_scale_factor)
+    stacked = stack_micro_batches(micro, int(k), int(s))
+    state, per_step, gradients = step(state, place(stacked.device_arrays(), mesh, scanned=2), loss_scale_factor)
     per_step = {name: replicated_value(values) for name, values in per_step.items()}
     host = [{name: float(values[i]) for name, values in per_step.items()} for i in range(len(micro))]
-    return state, M.mean_over_steps(host)
+    return Updated(state, M.mean_over_steps(host), gradients)

@@ -6,15 +6,19 @@
 the accumulated gradient, which is therefore what the gradient-norm metric, clipping, the non-finite check and the
 learning-rate schedule all see:
 
-    inner = chain(record_grad_norm, apply_if_finite(chain(clip_by_global_norm, adamw(schedule))))
+    inner = chain(record_gradient, apply_if_finite(chain(clip_by_global_norm, adamw(schedule))))
 
 A mini-batch whose accumulated gradient holds NaN or Inf is skipped by ``apply_if_finite``: zero updates, the
 AdamW state kept as it was, the skip counted in its state.
+
+``record_gradient`` keeps the norm of the accumulated gradient in its state (the ``grad_norm`` metric) and, when
+asked (``jppo.audit`` and the tests), the accumulated gradient itself: the audit compares exactly what the
+optimizer received, through the same compiled step that training runs.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,21 +30,24 @@ from jppo.engine.config import OptimConfig
 _NEVER_GIVE_UP = 2**31 - 1
 
 
-class GradNormState(NamedTuple):
+class GradientRecord(NamedTuple):
     grad_norm: jax.Array
+    gradient: Any  # the whole gradient when kept, else None (no memory spent in training)
 
 
-def record_grad_norm() -> optax.GradientTransformation:
-    """Passes updates through unchanged and keeps their global norm in its state (read for the metric)."""
+def record_gradient(keep: bool = False) -> optax.GradientTransformation:
+    """Passes updates through unchanged and keeps their global norm (and, with ``keep``, the updates themselves)
+    in its state."""
 
     def init(params):
         # at least float32; float64 for float64 parameters (exactness tests)
         dtype = jnp.result_type(jnp.float32, *jax.tree.leaves(params))
-        return GradNormState(jnp.zeros((), dtype))
+        return GradientRecord(jnp.zeros((), dtype), jax.tree.map(jnp.zeros_like, params) if keep else None)
 
     def update(updates, state, params=None):
         del params
-        return updates, GradNormState(optax.global_norm(updates).astype(state.grad_norm.dtype))
+        norm = optax.global_norm(updates).astype(state.grad_norm.dtype)
+        return updates, GradientRecord(norm, updates if keep else None)
 
     return optax.GradientTransformation(init, update)
 
@@ -59,8 +66,8 @@ def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
     return optax.join_schedules([warmup, after], [cfg.warmup_steps])
 
 
-def inner_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    """What runs once per mini-batch on the accumulated gradient."""
+def inner_optimizer(cfg: OptimConfig, keep_gradient: bool = False) -> optax.GradientTransformation:
+    """What runs once per mini-batch on the accumulated gradient (kept in the state with ``keep_gradient``)."""
     schedule = learning_rate_schedule(cfg)
     if cfg.name == "adamw":
         base = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)
@@ -69,22 +76,27 @@ def inner_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     else:
         raise ValueError(f"unknown optim.name {cfg.name!r}; valid: adamw, sgd")
     guarded = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), base) if cfg.grad_clip > 0 else base
-    return optax.chain(record_grad_norm(), optax.apply_if_finite(guarded, _NEVER_GIVE_UP))
+    return optax.chain(record_gradient(keep_gradient), optax.apply_if_finite(guarded, _NEVER_GIVE_UP))
 
 
-def accumulating_optimizer(cfg: OptimConfig, num_micro_batches: int, accumulator_dtype=jnp.float32) -> optax.MultiSteps:
+def accumulating_optimizer(
+    cfg: OptimConfig, num_micro_batches: int, accumulator_dtype=jnp.float32, keep_gradient: bool = False
+) -> optax.MultiSteps:
     """``MultiSteps`` over ``num_micro_batches`` summed micro-batch gradients.
 
     The state layout does not depend on ``num_micro_batches``, so one state serves every K a run uses (token-budget
     micro-batching may change K between steps).
     """
     return optax.MultiSteps(
-        inner_optimizer(cfg), every_k_schedule=num_micro_batches, use_grad_mean=False,
+        inner_optimizer(cfg, keep_gradient), every_k_schedule=num_micro_batches, use_grad_mean=False,
         accumulator_dtype=accumulator_dtype,
     )
 
 
-def step_report(opt_state: optax.MultiStepsState) -> dict[str, jax.Array]:
-    """Gradient norm of the last applied mini-batch and whether its update was skipped as non-finite."""
-    norm_state, finite_state = opt_state.inner_opt_state
-    return {"grad_norm": norm_state.grad_norm, "skipped": jnp.logical_not(finite_state.last_finite)}
+def step_report(opt_state: optax.MultiStepsState) -> dict[str, Any]:
+    """Of the last mini-batch: the norm of its accumulated gradient, whether its update was skipped as
+    non-finite, and the accumulated gradient itself (None unless the optimizer keeps it)."""
+    record, finite_state = opt_state.inner_opt_state
+    return {
+        "grad_norm": record.grad_norm, "skipped": jnp.logical_not(finite_state.last_finite), "gradient": record.gradient,
+    }

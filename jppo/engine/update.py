@@ -13,9 +13,12 @@ Inside the step:
 Micro-batches without a single response token (padding to a common K) skip the forward and backward pass: their
 share and gradient are exactly zero anyway.
 
-``normalization="per_micro_batch"`` replaces the global NormStats by each micro-batch's own counts (N and S of
-the micro-batch across shards; C stays the configured constant): the legacy, split-dependent behaviour, kept on
-purpose to compare with old curves. Its loss metrics are then means of micro-batch values.
+``normalization="per_micro_batch"`` reproduces, on purpose and per role, what verl computed before it normalized
+globally (see :func:`legacy_share_divisor`): each micro-batch is normalized by its own counts (N and S of micro-batch
+k over all shards; C stays the configured constant). The critic sums these shares, as verl's critic did before its
+PR #6957 (K equal micro-batches give K times the global gradient); the actor divides each by the number of
+micro-batches, as verl's older data-parallel actor did (a mean of micro-batch means: split-dependent, not inflated).
+Its loss metrics are then means of micro-batch values.
 """
 
 from __future__ import annotations
@@ -54,9 +57,10 @@ class TrainState:
     step: jax.Array
 
 
-def init_train_state(params: nnx.State, cfg: UpdateConfig, mesh: Mesh) -> TrainState:
-    """Optimizer state laid out like the parameters; its scalars (step counters) replicated over ``mesh``."""
-    tx = accumulating_optimizer(cfg.optim, 1, _accumulator_dtype(params))
+def init_train_state(params: nnx.State, cfg: UpdateConfig, mesh: Mesh, keep_gradient: bool = False) -> TrainState:
+    """Optimizer state laid out like the parameters; its scalars (step counters) replicated over ``mesh``.
+    ``keep_gradient``: the state has room for the last accumulated gradient (for an update step that returns it)."""
+    tx = accumulating_optimizer(cfg.optim, 1, _accumulator_dtype(params), keep_gradient)
     state = TrainState(params=params, opt_state=jax.jit(tx.init)(params), step=jnp.zeros((), jnp.int32))
     replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -155,6 +159,21 @@ def critic_loss_fn(cfg: CriticConfig) -> LossFn:
     return loss
 
 
+def legacy_share_divisor(cfg: UpdateConfig, batch: Batch) -> jax.Array:
+    """What each micro-batch's self-normalized loss is divided by in the legacy mode, per role.
+
+    verl's older data-parallel actor divided every micro-batch loss by the number of micro-batches of the
+    mini-batch (gradient accumulation as a mean of micro-batch means); its critic, before PR #6957, did not (the
+    micro-batch losses were summed: K-fold). The number of micro-batches counts those holding any sequence:
+    empty micro-batches that only pad K to a common size are not counted.
+    """
+    if not isinstance(cfg, ActorConfig):
+        return jnp.ones((), jnp.float32)
+    segments = batch["segment_ids"]
+    holds_tokens = jnp.any(segments.reshape(segments.shape[0], -1) > 0, axis=1)
+    return jnp.maximum(jnp.sum(holds_tokens), 1).astype(jnp.float32)
+
+
 def micro_batch_gradient(
     graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh
 ) -> Callable[[nnx.State, Batch, float], Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, M.Metric]]]]:
@@ -165,7 +184,7 @@ def micro_batch_gradient(
     micro-batch is touched; every ``differentiate`` call then normalizes by them. A micro-batch without a single
     response token skips the model: its share and gradient are exactly zero anyway. In the legacy mode each
     micro-batch is normalized by its own counts instead (N and S of the micro-batch over all shards, C as
-    configured). The update step and ``jppo.audit`` both differentiate through this one function.
+    configured), divided by :func:`legacy_share_divisor`.
     """
     if cfg.normalization not in NORMALIZATIONS:
         raise ValueError(f"unknown normalization {cfg.normalization!r}; valid: {', '.join(NORMALIZATIONS)}")
@@ -173,10 +192,14 @@ def micro_batch_gradient(
 
     def prepare(params: nnx.State, batch: Batch, loss_scale_factor: float):
         whole = None if legacy else mini_batch_norm_stats(batch["response_mask"], loss_scale_factor, mesh)
+        divisor = legacy_share_divisor(cfg, batch) if legacy else None
 
         def share_and_metrics(params, micro):
-            norm = global_norm_stats(flatten_shards(micro["response_mask"]), loss_scale_factor) if legacy else whole
-            return loss(nnx.merge(graphdef, params), micro, norm)
+            if not legacy:
+                return loss(nnx.merge(graphdef, params), micro, whole)
+            own = global_norm_stats(flatten_shards(micro["response_mask"]), loss_scale_factor)
+            share, metrics = loss(nnx.merge(graphdef, params), micro, own)
+            return share / divisor.astype(share.dtype), metrics
 
         grad_fn = jax.value_and_grad(share_and_metrics, has_aux=True)
 
@@ -201,42 +224,23 @@ def _zeros(tree):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
 
 
-def summed_gradient(
-    graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh
-) -> Callable[[nnx.State, Batch, float], tuple[nnx.State, dict[str, jax.Array]]]:
-    """``(params, micro_batches, C) -> (whole mini-batch gradient, finished metrics)``: the micro-batch gradients
-    of :func:`micro_batch_gradient` summed over a scan, without an optimizer (what ``jppo.audit`` compares)."""
-    prepare = micro_batch_gradient(graphdef, loss, cfg, mesh)
-
-    def gradient(params: nnx.State, batch: Batch, loss_scale_factor: float):
-        differentiate = prepare(params, batch, loss_scale_factor)
-        shapes = jax.eval_shape(differentiate, params, jax.tree.map(lambda x: x[0], batch))
-
-        def add(total, micro):
-            grads, metrics = differentiate(params, micro)
-            return (jax.tree.map(jnp.add, total[0], grads), M.combine(total[1], metrics)), None
-
-        (grads, metrics), _ = jax.lax.scan(add, _zeros(shapes), batch)
-        return grads, M.finish(metrics)
-
-    return gradient
-
-
 def make_update_step(
-    graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh, prefix: str
-) -> Callable[[TrainState, Batch, float], tuple[TrainState, dict[str, jax.Array]]]:
-    """A pure ``(state, micro_batches, loss_scale_factor) -> (state, metrics)`` for one mini-batch.
+    graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh, prefix: str, keep_gradient: bool = False
+) -> Callable[[TrainState, Batch, float], tuple[TrainState, dict[str, jax.Array], Any]]:
+    """A pure ``(state, micro_batches, loss_scale_factor) -> (state, metrics, gradient)`` for one mini-batch.
 
     ``micro_batches`` holds ``[K, D, ...]`` arrays (see :mod:`jppo.microbatch`); K is read from their shape. Each
     micro-batch's gradient goes to ``optax.MultiSteps(every_k_schedule=K, use_grad_mean=False)``, which sums them
-    and applies the optimizer once, on the K-th.
+    and applies the optimizer once, on the K-th. ``gradient`` is the accumulated gradient the optimizer received,
+    as recorded by the optimizer itself (``keep_gradient``, with a state from ``init_train_state(...,
+    keep_gradient=True)``), else None.
     """
     prepare = micro_batch_gradient(graphdef, loss, cfg, mesh)
     schedule = learning_rate_schedule(cfg.optim)
 
     def step(state: TrainState, batch: Batch, loss_scale_factor: float):
         k = batch["response_mask"].shape[0]
-        tx = accumulating_optimizer(cfg.optim, k, _accumulator_dtype(state.params))
+        tx = accumulating_optimizer(cfg.optim, k, _accumulator_dtype(state.params), keep_gradient)
         differentiate = prepare(state.params, batch, loss_scale_factor)
         metrics_shape = jax.eval_shape(differentiate, state.params, jax.tree.map(lambda x: x[0], batch))[1]
 
@@ -259,41 +263,55 @@ def make_update_step(
         values[f"{prefix}/lr"] = jnp.asarray(schedule(state.step), jnp.float32)
         values[f"{prefix}/skipped_updates"] = report["skipped"].astype(jnp.float32)
         new_state = TrainState(params=params, opt_state=opt_state, step=state.step + applied.astype(jnp.int32))
-        return new_state, values
+        return new_state, values, report["gradient"]
 
     return step
 
 
 class UpdateStep:
-    """The jitted update: ``(state, steps, C) -> (state, metrics)`` for M optimizer steps in one call.
+    """The jitted update: ``(state, steps, C) -> (state, metrics, gradients)`` for M optimizer steps in one call.
 
     ``steps`` holds ``[M, K, D, ...]`` arrays (:func:`jppo.microbatch.stack_micro_batches`); ``lax.scan`` runs the
     M mini-batches one after another, so a whole ``ppo_epochs`` x mini-batches update is one dispatch, and the
     compiled program does not depend on M beyond its loop count. State buffers are donated and come back laid out
-    exactly as they went in; metrics come back per step, ``[M]``.
+    exactly as they went in; metrics come back per step, ``[M]``. ``gradients``: with ``keep_gradient`` (and a
+    state made with ``init_train_state(..., keep_gradient=True)``) the accumulated gradient of each optimizer step,
+    stacked ``[M, ...]`` (what ``jppo.audit`` and the tests compare); otherwise None.
     """
 
-    def __init__(self, graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh, prefix: str):
+    def __init__(
+        self, graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh, prefix: str,
+        keep_gradient: bool = False,
+    ):
         if cfg.normalization == "per_micro_batch":
+            how = ("each micro-batch loss is divided by the number of micro-batches (verl's older actor: a mean of "
+                   "micro-batch means)" if isinstance(cfg, ActorConfig) else
+                   "the micro-batch losses are summed (verl's critic before PR #6957: K micro-batches give up to K "
+                   "times the gradient)")
             log.warning(
-                "%s.normalization=per_micro_batch: each micro-batch is normalized by its own token counts; gradients "
-                "then depend on the micro-batch split (legacy behaviour, for comparison with old curves only)",
-                prefix,
+                "%s.normalization=per_micro_batch: each micro-batch is normalized by its own token counts and %s; "
+                "gradients then depend on the micro-batch split (legacy behaviour, for comparison with old curves only)",
+                prefix, how,
             )
-        one_step = make_update_step(graphdef, loss, cfg, mesh, prefix)
+        one_step = make_update_step(graphdef, loss, cfg, mesh, prefix, keep_gradient)
 
         def steps(state: TrainState, batches: Batch, loss_scale_factor: float):
-            return jax.lax.scan(lambda carry, batch: one_step(carry, batch, loss_scale_factor), state, batches)
+            def body(carry, batch):
+                carry, metrics, gradient = one_step(carry, batch, loss_scale_factor)
+                return carry, (metrics, gradient)
+
+            state, (metrics, gradients) = jax.lax.scan(body, state, batches)
+            return state, metrics, gradients
 
         self._steps = steps
         self._mesh = mesh
         self._jitted: Any = None
 
-    def __call__(self, state: TrainState, steps: Batch, loss_scale_factor: float) -> tuple[TrainState, dict[str, jax.Array]]:
+    def __call__(self, state: TrainState, steps: Batch, loss_scale_factor: float) -> tuple[TrainState, dict[str, jax.Array], Any]:
         if self._jitted is None:
             state_shardings = jax.tree.map(lambda x: x.sharding, state)
             self._jitted = jax.jit(
-                self._steps, donate_argnums=(0,), out_shardings=(state_shardings, None), static_argnums=(2,)
+                self._steps, donate_argnums=(0,), out_shardings=(state_shardings, None, None), static_argnums=(2,)
             )
         with jax.set_mesh(self._mesh):
             return self._jitted(state, steps, float(loss_scale_factor))

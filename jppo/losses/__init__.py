@@ -16,12 +16,15 @@ from jppo.losses.kl import KL_KINDS, check_kl_kind, kl_loss, kl_penalty, penaliz
 from jppo.losses.kl_control import AdaptiveKLController, FixedKLController, KLControlState
 from jppo.losses.policy import (
     POLICY_LOSSES,
+    REQUIRED_AGG_MODES,
     PerToken,
     PolicyLossFn,
     PolicyLossOptions,
+    check_policy_loss_mode,
     get_policy_loss,
     policy_loss,
     register_policy_loss,
+    required_agg_mode,
 )
 from jppo.losses.value import clipped_value_error, value_loss
 
@@ -29,6 +32,7 @@ __all__ = [
     "AGG_MODES",
     "KL_KINDS",
     "POLICY_LOSSES",
+    "REQUIRED_AGG_MODES",
     "AdaptiveKLController",
     "FixedKLController",
     "KLControlState",
@@ -40,6 +44,7 @@ __all__ = [
     "agg_loss",
     "check_kl_kind",
     "check_mode",
+    "check_policy_loss_mode",
     "clipped_value_error",
     "critic_loss",
     "entropy_from_logits",
@@ -52,6 +57,7 @@ __all__ = [
     "penalize_rewards",
     "policy_loss",
     "register_policy_loss",
+    "required_agg_mode",
     "safe_divide",
     "select_valid",
     "value_loss",

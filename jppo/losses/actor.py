@@ -15,7 +15,7 @@ from jppo import metrics as metrics_lib
 from jppo.losses.aggregate import NormStats, check_mode
 from jppo.losses.entropy import entropy_loss
 from jppo.losses.kl import check_kl_kind, kl_loss
-from jppo.losses.policy import PolicyLossOptions, get_policy_loss, policy_loss
+from jppo.losses.policy import PolicyLossOptions, check_policy_loss_mode, policy_loss
 from jppo.losses.value import value_loss
 
 Array = jax.Array
@@ -47,7 +47,8 @@ def actor_loss(
 
     The entropy term (metric ``actor/entropy``) is computed when ``entropy`` is given and the KL term (metric
     ``actor/kl_loss``) when ``ref_log_prob`` is given; which terms exist is decided in Python, at trace time.
-    A coefficient that is not the number 0 without its input is an error. Names (mode, variant, KL kind) are
+    A coefficient that is not the number 0 without its input is an error. Names (mode, variant, KL kind) and the
+    variant's required mode (the sequence-level ``gspo`` and ``geo_mean`` need ``seq-mean-token-mean``) are
     checked before anything is computed.
 
     Args:
@@ -63,7 +64,7 @@ def actor_loss(
         kl_loss_type: KL estimator (see :mod:`jppo.losses.kl`).
     """
     check_mode(mode)
-    get_policy_loss(policy_loss_name)
+    check_policy_loss_mode(policy_loss_name, mode)
     if ref_log_prob is not None:
         check_kl_kind(kl_loss_type)
     if entropy is None and not _is_zero(entropy_coeff):

@@ -33,7 +33,10 @@ Variants (``l`` is the per-token loss):
 
 Sequence-level variants (``gspo``, ``geo_mean``) take each row of the ``[batch, length]`` inputs as ONE sequence:
 call them on padded rows, never on rows that pack several sequences. Rows are never split across micro-batches, so
-their per-row statistics are the same whatever the cut.
+their per-row statistics are the same whatever the cut. Their objectives are means over sequences, i.e. defined
+under ``seq-mean-token-mean`` (verl forces it for GSPO; GMPO's ``torch.mean`` over rows is it): each registers that
+mode (:data:`REQUIRED_AGG_MODES`), and the actor objective and the config refuse any other. :func:`policy_loss`
+itself still aggregates them under any mode, as a term whose split invariance holds for every mode.
 
 Metrics (token-weighted over the whole mini-batch, whatever the cut): ``actor/pg_clipfrac`` (fraction of tokens
 where the clipped branch is active / untrusted for DPPO), ``actor/pg_clipfrac_lower`` (dual-clip active for
@@ -125,15 +128,22 @@ class PerToken(NamedTuple):
 
 PolicyLossFn = Callable[[Array, Array, Array, Array, PolicyLossOptions], PerToken]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+# The aggregation mode a variant's objective is defined under; a variant absent here fits every mode.
+REQUIRED_AGG_MODES: dict[str, str] = {}
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator adding a per-token policy loss to :data:`POLICY_LOSSES` under ``name``."""
+def register_policy_loss(name: str, *, agg_mode: str | None = None) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator adding a per-token policy loss to :data:`POLICY_LOSSES` under ``name``; ``agg_mode`` records the
+    one aggregation mode its objective is defined under (``None``: any mode)."""
+    if agg_mode is not None:
+        check_mode(agg_mode)
 
     def register(loss_fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
         POLICY_LOSSES[name] = loss_fn
+        if agg_mode is not None:
+            REQUIRED_AGG_MODES[name] = agg_mode
         return loss_fn
 
     return register
@@ -144,6 +154,21 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(sorted(POLICY_LOSSES))}")
     return POLICY_LOSSES[name]
+
+
+def required_agg_mode(name: str) -> str | None:
+    """The aggregation mode the registered variant ``name`` needs, or ``None`` if it fits every mode."""
+    get_policy_loss(name)
+    return REQUIRED_AGG_MODES.get(name)
+
+
+def check_policy_loss_mode(name: str, mode: str) -> None:
+    """``ValueError`` in one line when variant ``name`` is defined under another aggregation mode than ``mode``."""
+    required = required_agg_mode(name)
+    if required is not None and mode != required:
+        raise ValueError(
+            f"policy loss {name!r} needs mode={required!r} (its objective is defined under it), got mode={mode!r}"
+        )
 
 
 def _row_mean(values: Array, mask: Array) -> Array:
@@ -178,7 +203,7 @@ def vanilla(
     return PerToken(loss, clipped > unclipped, negative & (pessimistic > dual_bound), -log_ratio)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", agg_mode="seq-mean-token-mean")
 def gspo(log_prob: Array, old_log_prob: Array, advantages: Array, mask: Array, options: PolicyLossOptions) -> PerToken:
     """GSPO: the clipped surrogate on the sequence-level ratio, carried per token (see the module docstring)."""
     log_ratio = log_prob - old_log_prob
@@ -191,7 +216,7 @@ def gspo(log_prob: Array, old_log_prob: Array, advantages: Array, mask: Array, o
     return PerToken(loss, clipped > unclipped, jnp.zeros_like(mask, dtype=bool), -log_ratio)
 
 
-@register_policy_loss("geo_mean")
+@register_policy_loss("geo_mean", agg_mode="seq-mean-token-mean")
 def geo_mean(
     log_prob: Array, old_log_prob: Array, advantages: Array, mask: Array, options: PolicyLossOptions
 ) -> PerToken:

@@ -4,6 +4,11 @@ With ``z = logits / temperature`` of the hidden state before token ``t``:
 
     logprob_t = z[target_t] - logsumexp(z),     entropy_t = logsumexp(z) - sum_v softmax(z)_v z_v.
 
+The entropy is :func:`~jppo.losses.entropy.entropy_from_logits`, the one implementation the losses use: it is
+finite in value and gradient when some ``z_v = -inf`` (a masked vocabulary entry, where the naive
+``softmax(z)_v z_v`` is ``0 * -inf = NaN``). Such entries also leave ``logsumexp`` finite; only a target at
+``-inf`` gets ``logprob = -inf``.
+
 The vocabulary projection and the logsumexp run over sequence chunks of ``chunk_size`` positions (all rows at
 once, so sharded rows stay parallel), one chunk at a time under ``jax.checkpoint``: the backward pass recomputes
 a chunk's logits instead of keeping them, so the peak holds ``[B, chunk_size, V]``, not ``[B, T, V]``.
@@ -14,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jppo.losses.entropy import entropy_from_logits
 from jppo.models.decoder import CausalLM
 
 Array = jax.Array
@@ -64,8 +70,8 @@ def token_logprobs(
         chosen = jnp.take_along_axis(scaled, chunk_targets[..., None], axis=-1)[..., 0]
         if not with_entropy:
             return chosen - normalizer, jnp.zeros_like(normalizer)
-        expected = jnp.sum(jax.nn.softmax(scaled, axis=-1) * scaled, axis=-1)
-        return chosen - normalizer, normalizer - expected
+        # Inside the checkpointed chunk, so its [B, chunk, V] temporaries are recomputed, never kept for backward.
+        return chosen - normalizer, entropy_from_logits(scaled)
 
     logprobs, entropy = jax.lax.map(one_chunk, (hidden, targets))
     unchunk = lambda x: x.swapaxes(0, 1).reshape(batch, num_chunks * chunk)[:, :length]  # noqa: E731

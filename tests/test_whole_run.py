@@ -1,0 +1,107 @@
+"""A run does not depend on the hardware: two training steps of each quickstart config give the same metrics,
+step after step, on any mesh and with any micro-batching (``CONTRACT.md`` section 8).
+
+Every variant trains the shipped config (more than one mini-batch per step, two epochs: which rows share an
+optimizer step matters) and is compared with one device and the shipped micro-batch size. The 2-process version
+of the same comparison is in ``test_distributed.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from jppo import components
+from jppo.config import check_mesh, load_config
+from jppo.train import Trainer, run
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = {"ppo": ROOT / "configs" / "quickstart.yaml", "grpo": ROOT / "configs" / "quickstart_grpo.yaml"}
+QUIET = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.plots=false", "trainer.tensorboard=false",
+         "trainer.progress_bar=false", "trainer.save_every=0"]
+ROLES = ("actor", "critic")
+
+# name -> (devices, overrides)
+VARIANTS = {
+    "mesh4x1x1": (4, ["mesh.data=4"]),
+    "mesh2x2x1": (4, ["mesh.data=2", "mesh.fsdp=2"]),
+    "mesh1x2x2": (4, ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]),
+    "micro1": (1, [f"{role}.ppo_micro_batch_size=1" for role in ROLES]),
+    "dynamic-mesh2x2x1": (4, ["mesh.data=2", "mesh.fsdp=2"]
+                          + [f"{role}.{key}" for role in ROLES for key in ("use_dynamic_bsz=true", "ppo_max_token_len=16")]),
+}
+
+
+def train(config: str, out: pathlib.Path, devices: int, overrides: list[str]) -> list[dict]:
+    cfg = load_config(CONFIGS[config], [*QUIET, f"trainer.output_dir={out}", "mesh.data=1", *overrides])
+    run(cfg, check_mesh(cfg, devices), components.load_inputs(cfg), devices=jax.devices()[:devices])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in rows]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One device, the shipped micro-batching; computed once per config."""
+    cache = {}
+
+    def get(config: str) -> list[dict]:
+        if config not in cache:
+            cache[config] = train(config, tmp_path_factory.mktemp(f"reference-{config}"), 1, [])
+        return cache[config]
+
+    return get
+
+
+def assert_same_run(actual: list[dict], expected: list[dict]) -> None:
+    assert [row["step"] for row in actual] == [row["step"] for row in expected] == [1, 2]
+    for step, (a, b) in enumerate(zip(actual, expected), start=1):
+        assert set(a) == set(b), set(a) ^ set(b)
+        for name, value in b.items():
+            # float32, two steps of four Adam updates each: the same sums in another order agree to ~1e-5
+            np.testing.assert_allclose(a[name], value, rtol=1e-4, atol=1e-6, err_msg=f"step {step}: {name}")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_two_steps_do_not_depend_on_the_mesh_or_the_micro_batching(tmp_path, reference, config, variant):
+    devices, overrides = VARIANTS[variant]
+    if config == "grpo":
+        overrides = [o for o in overrides if not o.startswith("critic.")]
+    expected = reference(config)
+    # every config has several optimizer steps per training step, so a mesh-dependent mini-batch split would show
+    cfg = load_config(CONFIGS[config], [])
+    assert cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size * cfg.actor.ppo_epochs > 1
+    assert_same_run(train(config, tmp_path, devices, overrides), expected)
+
+
+def counted(traces: collections.Counter, name: str, fn):
+    def wrapper(*args, **kwargs):
+        traces[name] += 1  # runs only while jit traces
+        return fn(*args, **kwargs)
+
+    return chex.assert_max_traces(wrapper, n=1)
+
+
+def test_a_short_run_compiles_the_update_steps_and_the_sampler_once(tmp_path, monkeypatch):
+    """Three training steps trace each compiled program once: a recompilation per step would fail here."""
+    import jppo.rollout.sampler as sampler_module
+
+    traces = collections.Counter()
+    monkeypatch.setattr(sampler_module, "rollout", counted(traces, "rollout", sampler_module.rollout))
+    # a temperature no other test uses: the sampler's jitted function is cached per sampling parameters
+    cfg = load_config(CONFIGS["ppo"], [*QUIET, "trainer.total_steps=3", f"trainer.output_dir={tmp_path}",
+                                       "mesh.data=2", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
+                                       "critic.ppo_mini_batch_size=8", "rollout.temperature=0.9"])
+    trainer = Trainer(cfg, check_mesh(cfg, 2), components.load_inputs(cfg), devices=jax.devices()[:2])
+    for name, update in (("actor", trainer.actor_step), ("critic", trainer.critic_step)):
+        update._steps = counted(traces, name, update._steps)
+    for _ in range(3):
+        metrics = trainer.step()
+    assert trainer.step_done == 3 and np.isfinite(metrics["actor/pg_loss"])
+    assert traces == {"rollout": 1, "actor": 1, "critic": 1}
