@@ -178,7 +178,7 @@ def audit(cfg: TrainConfig, inputs: components.RunInputs, quick: bool = False, o
     longest = int(batch.lengths().max())
     reference_mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     worst = Worst()
-    steps = {role: rows // getattr(cfg, role).ppo_mini_batch_size // cfg.rollout.n * getattr(cfg, role).ppo_epochs
+    steps = {role: cfg.data.train_batch_size // getattr(cfg, role).ppo_mini_batch_size * getattr(cfg, role).ppo_epochs
              for role in ("actor", "critic")}
     print(f"jppo.audit: one training step of {rows} sequences ({steps['actor']} actor optimizer steps"
           + (f", {steps['critic']} critic" if cfg.use_critic else "") + f"), {int(batch.response_mask.sum())} loss "

@@ -147,3 +147,14 @@ def test_end_to_end_bookkeeping():
 def test_run_rejects_an_unknown_benchmark_naming_the_valid_ones():
     with pytest.raises(SystemExit, match="nope.*valid: memory, accumulation"):
         bench_run.selected(bench_run.parse_args(["--only", "memory,nope"]))
+
+
+def test_row_movement_benchmark_smoke():
+    """``python -m bench.row_movement --quick`` runs and prints its ratios (their values are not checked: times)."""
+    done = subprocess.run([sys.executable, "-m", "bench.row_movement", "--quick", "--repeats", "1", "--devices", "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ratios = dict(line.split(" = ") for line in done.stdout.splitlines() if " = " in line)
+    assert set(ratios) == {"global_vs_per_shard_cut", "per_shard_cut_vs_update", "global_cut_vs_update",
+                           "device_row_move_vs_update"}
+    assert all(math.isfinite(float(value)) and float(value) > 0 for value in ratios.values())

@@ -94,7 +94,9 @@ def _entropy(mode):
 
 
 def _kl(kind, mode):
-    return "log_prob", lambda x, norm: kl_loss(x["log_prob"], x["ref_log_prob"], x["mask"], kind=kind, mode=mode, norm=norm)
+    return "log_prob", lambda x, norm: kl_loss(
+        x["log_prob"], x["ref_log_prob"], x["mask"], kind=kind, mode=mode, norm=norm
+    )
 
 
 def _actor(mode):
@@ -110,19 +112,22 @@ def _cycle(i: int) -> str:
     return AGG_MODES[i % len(AGG_MODES)]
 
 
-# (name, builder): every mode for agg/value/entropy/actor; every policy variant and KL kind with a mode cycled
-# over AGG_MODES (gspo and geo_mean with the mode they require).
+# (name, builder): every mode for agg/value/entropy, one for the (slow to compile) actor; every policy variant and
+# some KL kinds with a mode cycled over AGG_MODES (gspo and geo_mean with the mode they require).
+ACTOR_MODES = ("seq-mean-token-mean",)
+KL_KINDS_TESTED = ("kl", "k2+", "mse", "low_var_kl", "k3+")
+assert set(KL_KINDS_TESTED) <= set(KL_KINDS)
 CASES = (
     [(f"agg_{mode}", lambda m=mode: _agg(m)) for mode in AGG_MODES]
     + [(f"value_{mode}", lambda m=mode: _value(m)) for mode in AGG_MODES]
     + [(f"entropy_{mode}", lambda m=mode: _entropy(m)) for mode in AGG_MODES]
-    + [(f"actor_{mode}", lambda m=mode: _actor(m)) for mode in AGG_MODES]
+    + [(f"actor_{mode}", lambda m=mode: _actor(m)) for mode in ACTOR_MODES]
     + [
         (f"policy_{name}_{REQUIRED_AGG_MODES.get(name, _cycle(i))}",
          lambda n=name, m=REQUIRED_AGG_MODES.get(name, _cycle(i)): _policy(n, m))
         for i, name in enumerate(sorted(POLICY_LOSSES))
     ]
-    + [(f"kl_{kind}_{_cycle(i)}", lambda k=kind, m=_cycle(i): _kl(k, m)) for i, kind in enumerate(KL_KINDS)]
+    + [(f"kl_{kind}_{_cycle(i)}", lambda k=kind, m=_cycle(i): _kl(k, m)) for i, kind in enumerate(KL_KINDS_TESTED)]
 )
 
 

@@ -1,5 +1,5 @@
 """The trainer end to end on the quickstart configs (8 simulated CPU devices): it runs, writes what it promises,
-resumes exactly, and its first step does not depend on the micro-batch size, dynamic batching or the mesh."""
+and resumes exactly, also on another mesh (whole runs on other meshes and cuts: ``test_whole_run.py``)."""
 
 from __future__ import annotations
 
@@ -105,32 +105,15 @@ def test_resume_continues_exactly(tmp_path):
         assert deterministic(a) == deterministic(b)
 
 
-def test_resume_on_a_different_mesh(tmp_path):
-    train(tmp_path, "trainer.total_steps=1", "mesh.data=8")
-    rows = train(tmp_path, "trainer.total_steps=2", "mesh.data=2", "mesh.fsdp=4")
+def test_resume_on_a_different_mesh_continues_as_the_run_would_have(tmp_path):
+    straight = train(tmp_path / "straight", "trainer.total_steps=2", "mesh.data=8")
+    train(tmp_path / "moved", "trainer.total_steps=1", "mesh.data=8")
+    rows = train(tmp_path / "moved", "trainer.total_steps=2", "mesh.data=2", "mesh.fsdp=4")
     assert [row["step"] for row in rows] == [1, 2]
-    assert math.isfinite(rows[1]["actor/pg_loss"]) and rows[1]["actor/skipped_updates"] == 0
-
-
-@pytest.mark.parametrize(
-    "variant",
-    [
-        ["actor.ppo_micro_batch_size=4", "critic.ppo_micro_batch_size=4"],
-        ["actor.use_dynamic_bsz=true", "critic.use_dynamic_bsz=true", "actor.ppo_max_token_len=24",
-         "critic.ppo_max_token_len=24"],
-        ["mesh.data=2", "mesh.fsdp=4"],
-    ],
-    ids=["micro4", "dynamic", "mesh2x4"],
-)
-def test_first_step_metrics_do_not_depend_on_the_cut(tmp_path, variant):
-    # 32 prompts in one mini-batch: 4 sequences per shard on 8 batch shards, so micro-batch 1 means K = 4
-    whole = ["trainer.total_steps=1", "data.train_batch_size=32", "actor.ppo_mini_batch_size=32",
-             "critic.ppo_mini_batch_size=32"]
-    base = train(tmp_path / "base", *whole, "mesh.data=8")[0]
-    other = train(tmp_path / "other", *whole, *variant)[0]
-    for name, value in deterministic(base).items():
-        # float32 model: the same sums in a different order agree to ~1e-6 relative
-        np.testing.assert_allclose(other[name], value, rtol=2e-5, atol=1e-6, err_msg=name)
+    assert rows[1]["actor/skipped_updates"] == 0
+    for name, value in deterministic(straight[1]).items():
+        # float32: the same step's sums over 8 data shards and over 2 x 4 agree to rounding
+        np.testing.assert_allclose(rows[1][name], value, rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
