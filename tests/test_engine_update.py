@@ -16,6 +16,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -53,10 +54,10 @@ def mesh_of(shape):
     return make_mesh(*shape, devices=jax.devices()[: int(np.prod(shape))])
 
 
-def engine_step(model_cls, cfg, mesh, batch, seed=0):
+def engine_step(model_cls, cfg, mesh, batch, seed=0, dtype="float64"):
     """State, metrics and the accumulated gradient (as the optimizer received it) after ``run_updates`` with one
     mini-batch (the whole batch) and one epoch."""
-    model = create_model(model_cls, tiny_config(), mesh, seed=seed)
+    model = create_model(model_cls, tiny_config(dtype), mesh, seed=seed)
     graphdef, params = nnx.split(model, nnx.Param)
     loss = actor_loss_fn(cfg) if isinstance(cfg, ActorConfig) else critic_loss_fn(cfg)
     prefix = "actor" if isinstance(cfg, ActorConfig) else "critic"
@@ -287,3 +288,33 @@ def test_mesh_and_token_budget_errors():
         make_mesh(3, 1, 1)
     with pytest.raises(ValueError, match="ppo_max_token_len=4 is smaller than the longest sequence"):
         make_micro_batches(ragged_batch(0), 2, max_token_len=4)
+
+
+def test_the_inner_optimizer_runs_once_per_mini_batch(monkeypatch):
+    """Clipping, the non-finite check and AdamW run on the accumulated gradient only: once per optimizer step, not
+    on every micro-step (counted at run time inside the compiled step), and they receive it in float32."""
+    import jppo.engine.optim as optim
+
+    runs = []
+    real = optim.inner_optimizer
+
+    def counted_inner(cfg, keep_gradient=False):
+        inner = real(cfg, keep_gradient)
+
+        def update(updates, state, params=None):
+            dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(updates)}
+            jax.debug.callback(lambda: runs.append(dtypes))
+            return inner.update(updates, state, params)
+
+        return optax.GradientTransformation(inner.init, update)
+
+    monkeypatch.setattr(optim, "inner_optimizer", counted_inner)
+    mesh = mesh_of((2, 1, 1))
+    cfg = actor_cfg(optim=ADAMW_CLIPPED, ppo_micro_batch_size=2, ppo_mini_batch_size=N // 2, ppo_epochs=2)
+    state, metrics, _ = engine_step(CausalLM, cfg, mesh, ragged_batch(6), dtype="bfloat16")
+    jax.effects_barrier()
+    # 2 mini-batches x 2 epochs = 4 optimizer steps of K = 2 micro-batches each (8 rows over 2 shards, 2 per micro)
+    assert len(runs) == 4 and int(state.step) == 4
+    # bfloat16 parameters and gradients; the summed gradient reaches the optimizer in the float32 accumulator's dtype
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert all(dtypes == {"float32"} for dtypes in runs)

@@ -5,8 +5,9 @@ Inside the step:
 1. the whole mini-batch's :class:`~jppo.losses.NormStats` are computed ONCE, by ``psum`` of shard-local counts over
    the batch axes in a ``shard_map`` region (:func:`mini_batch_norm_stats`), before any micro-batch is touched;
 2. ``lax.scan`` runs the K micro-batches: each differentiates its share of the whole loss (every term through
-   ``agg_loss`` with those same NormStats) and feeds the gradient to ``optax.MultiSteps(use_grad_mean=False)``,
-   which sums them and applies the optimizer once, on the whole mini-batch gradient;
+   ``agg_loss`` with those same NormStats) and adds the gradient to the accumulator of
+   ``optax.MultiSteps(use_grad_mean=False)``; the K-th goes through ``MultiSteps.update``, which runs the optimizer
+   once, on the whole mini-batch gradient (the first K - 1 skip the optimizer's work entirely);
 3. metrics are :class:`~jppo.metrics.Metric` pairs summed over the scan (and, being sums over global arrays,
    over shards), divided once at the end.
 
@@ -59,9 +60,14 @@ class TrainState:
 
 def init_train_state(params: nnx.State, cfg: UpdateConfig, mesh: Mesh, keep_gradient: bool = False) -> TrainState:
     """Optimizer state laid out like the parameters; its scalars (step counters) replicated over ``mesh``.
-    ``keep_gradient``: the state has room for the last accumulated gradient (for an update step that returns it)."""
-    tx = accumulating_optimizer(cfg.optim, 1, _accumulator_dtype(params), keep_gradient)
-    state = TrainState(params=params, opt_state=jax.jit(tx.init)(params), step=jnp.zeros((), jnp.int32))
+    ``keep_gradient``: the state has room for the last accumulated gradient (for an update step that returns it).
+
+    The optimizer works in the accumulator's dtype (float32 at least): it receives the summed gradient in it, and
+    its moments are kept in it, also for bfloat16 parameters (whose updates are rounded only when applied)."""
+    dtype = _accumulator_dtype(params)
+    tx = accumulating_optimizer(cfg.optim, 1, dtype, keep_gradient)
+    opt_state = jax.jit(lambda p: tx.init(jax.tree.map(lambda x: x.astype(dtype), p)))(params)
+    state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def on_mesh(x: jax.Array) -> jax.Array:
@@ -247,8 +253,22 @@ def make_update_step(
         def micro_step(carry, micro):
             params, opt_state, total = carry
             grads, metrics = differentiate(params, micro)
+            # in the accumulator's dtype (float32 at least), so the summed gradient reaches the optimizer unrounded
+            grads = jax.tree.map(lambda g, acc: g.astype(acc.dtype), grads, opt_state.acc_grads)
+            params, opt_state = jax.lax.cond(
+                opt_state.mini_step == k - 1, apply_accumulated, accumulate, params, opt_state, grads
+            )
+            return (params, opt_state, M.combine(total, metrics)), None
+
+        def accumulate(params, opt_state, grads):
+            # Micro-steps 1 .. K-1 only add to MultiSteps' accumulator. MultiSteps.update would also run the whole
+            # inner optimizer on every one of them and keep its result only on the K-th.
+            acc_grads = jax.tree.map(jnp.add, opt_state.acc_grads, grads)
+            return params, opt_state._replace(acc_grads=acc_grads, mini_step=opt_state.mini_step + 1)
+
+        def apply_accumulated(params, opt_state, grads):
             updates, opt_state = tx.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state, M.combine(total, metrics)), None
+            return optax.apply_updates(params, updates), opt_state
 
         (params, opt_state, total), _ = jax.lax.scan(
             micro_step, (state.params, state.opt_state, _zeros(metrics_shape)), batch
