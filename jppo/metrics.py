@@ -6,7 +6,9 @@ on the cut), so every metric travels as a :class:`Metric` pair and is divided on
 
 - a token ratio (clip fraction, approximate KL, mean value prediction) is ``(sum_t m v, sum_t m)``;
 - a loss term is ``(share, n_local / N)``: the shares sum to the whole objective and the weights sum to 1;
-- a maximum / minimum (keys ending in ``_max`` / ``_min``) is combined with ``max`` / ``min`` instead of ``+``.
+- a maximum / minimum (keys ending in ``_max`` / ``_min``) is combined with ``max`` / ``min`` instead of ``+``;
+- an explained variance (keys ending in ``_explained_var``) carries the sums of its moments, added like a ratio's,
+  and is formed once from the whole mini-batch's moments.
 
 Across several optimizer steps (mini-batches, epochs) the finished values are averaged per step
 (:func:`mean_over_steps`), again with ``_max`` / ``_min`` keys combined by name.
@@ -39,7 +41,14 @@ def _kind(name: str) -> str:
         return "max"
     if name.endswith("_min"):
         return "min"
+    if name.endswith("_explained_var"):
+        return "explained_var"
     return "sum"
+
+
+def _adds(kind: str) -> bool:
+    """Pieces of a sum or of an explained variance combine by adding numerators and denominators."""
+    return kind in ("sum", "explained_var")
 
 
 def ratio(values: Array, mask: Array) -> Metric:
@@ -83,6 +92,29 @@ def minimum(values: Array, mask: Array) -> Metric:
     )
 
 
+def explained_variance(targets: Array, predictions: Array, mask: Array) -> Metric:
+    """``1 - Var(t - p) / Var(t)`` over the valid tokens of the whole mini-batch; report it under a key ending in
+    ``_explained_var``.
+
+    A variance is not a sum over pieces, but the moments it is made of are: the numerator carries
+    ``[sum d, sum d^2, sum t, sum t^2]`` (``d = t - p``) and the denominator the token count, both summed over
+    micro-batches and shards; :func:`finish` forms ``Var = E[x^2] - E[x]^2`` once, from the whole mini-batch's
+    moments (0 when the targets do not vary). Inputs may be NaN where ``mask`` is 0.
+    """
+    valid = mask.astype(bool)
+    dtype = jnp.promote_types(targets.dtype, jnp.float32)
+    t = jnp.where(valid, targets, 0).astype(dtype)
+    d = jnp.where(valid, targets - predictions, 0).astype(dtype)
+    moments = jnp.stack([jnp.sum(d), jnp.sum(d * d), jnp.sum(t), jnp.sum(t * t)])
+    return Metric(moments, jnp.sum(valid, dtype=dtype))
+
+
+def _finish_explained_variance(metric: Metric) -> Array:
+    mean_d, mean_d2, mean_t, mean_t2 = safe_divide(metric.numerator, metric.denominator)
+    var_t = jnp.maximum(mean_t2 - mean_t * mean_t, 0)
+    return jnp.where(var_t > 0, 1 - jnp.maximum(mean_d2 - mean_d * mean_d, 0) / jnp.where(var_t > 0, var_t, 1), 0)
+
+
 def scalar(value: Array | float) -> Metric:
     """A value that is already whole-batch (a learning rate, a gradient norm): weight 1."""
     value = jnp.asarray(value)
@@ -91,7 +123,7 @@ def scalar(value: Array | float) -> Metric:
 
 def _combine_one(name: str, a: Metric, b: Metric) -> Metric:
     kind = _kind(name)
-    if kind == "sum":
+    if _adds(kind):
         return Metric(a.numerator + b.numerator, a.denominator + b.denominator)
     pick = jnp.maximum if kind == "max" else jnp.minimum
     # A piece without data (denominator 0) must not win the max/min with its sentinel value.
@@ -123,7 +155,7 @@ def psum(metrics: Mapping[str, Metric], axis_name: str | Sequence[str]) -> Metri
     for name, metric in metrics.items():
         kind = _kind(name)
         denominator = jax.lax.psum(metric.denominator, axis_name)
-        if kind == "sum":
+        if _adds(kind):
             numerator = jax.lax.psum(metric.numerator, axis_name)
         else:
             sentinel = _sentinel(metric.numerator.dtype, kind)
@@ -134,11 +166,15 @@ def psum(metrics: Mapping[str, Metric], axis_name: str | Sequence[str]) -> Metri
 
 
 def finish(metrics: Mapping[str, Metric]) -> dict[str, Array]:
-    """Divides once: ``numerator / denominator`` for sums, the extreme itself for max/min; 0 where there is no data."""
+    """Divides once: ``numerator / denominator`` for sums, the extreme itself for max/min, the explained variance
+    from its moments; 0 where there is no data."""
     out = {}
     for name, metric in metrics.items():
-        if _kind(name) == "sum":
+        kind = _kind(name)
+        if kind == "sum":
             out[name] = safe_divide(metric.numerator, metric.denominator)
+        elif kind == "explained_var":
+            out[name] = _finish_explained_variance(metric)
         else:
             out[name] = jnp.where(metric.denominator == 0, 0, metric.numerator)
     return out

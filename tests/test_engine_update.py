@@ -318,3 +318,40 @@ def test_the_inner_optimizer_runs_once_per_mini_batch(monkeypatch):
     # bfloat16 parameters and gradients; the summed gradient reaches the optimizer in the float32 accumulator's dtype
     assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
     assert all(dtypes == {"float32"} for dtypes in runs)
+
+
+def test_entropy_is_reported_without_a_bonus_and_adds_no_gradient():
+    """``actor/entropy`` is logged with ``entropy_coeff: 0`` (the whole mini-batch's token entropy, as with a bonus),
+    and the gradient is that of the loss without the entropy term."""
+    mesh = mesh_of((2, 1, 1))
+    batch = ragged_batch(7)
+    cfg = actor_cfg(entropy_coeff=0.0, ppo_micro_batch_size=2)
+    _, metrics, gradient = engine_step(CausalLM, cfg, mesh, batch)
+    _, grads, _, _ = reference(CausalLM, actor_cfg(entropy_coeff=0.0), batch)
+    assert_params_close(gradient, grads)
+    _, _, _, with_bonus = reference(CausalLM, actor_cfg(entropy_coeff=0.01), batch)
+    from jppo.metrics import finish
+
+    np.testing.assert_allclose(metrics["actor/entropy"], float(finish(with_bonus)["actor/entropy"]), rtol=1e-9)
+
+
+def test_a_skipped_mini_batch_is_left_out_of_the_means_and_counted():
+    """One non-finite mini-batch of two: its update is skipped and counted, and the step's metrics are those of the
+    applied mini-batch alone, not NaN."""
+    mesh = mesh_of((2, 1, 1))
+    batch = ragged_batch(8)
+    advantages = batch.per_token["advantages"].copy()
+    # unshuffled mini-batches of 8 rows: rows 0-7, then 8-15; a NaN on a valid token of row 12 spoils the second
+    row = 12
+    advantages[row, np.flatnonzero(batch.response_mask[row])[0]] = np.nan
+    bad = dataclasses.replace(batch, per_token={**batch.per_token, "advantages": advantages})
+    cfg = actor_cfg(optim=ADAMW_CLIPPED, ppo_micro_batch_size=2, ppo_mini_batch_size=N // 2)
+    state, metrics, _ = engine_step(CausalLM, cfg, mesh, bad)
+    assert metrics["actor/skipped_updates"] == 1.0 and int(state.step) == 1
+    assert all(np.isfinite(value) for value in metrics.values()), metrics
+    # the same as a run over the clean first mini-batch alone (rows 0-7)
+    first = batch.take(np.arange(N // 2))
+    _, alone, _ = engine_step(CausalLM, actor_cfg(optim=ADAMW_CLIPPED, ppo_micro_batch_size=2,
+                                                  ppo_mini_batch_size=N // 2), mesh, first)
+    for name in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
+        np.testing.assert_allclose(metrics[name], alone[name], rtol=1e-9, err_msg=name)

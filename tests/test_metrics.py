@@ -139,3 +139,33 @@ def test_mean_over_steps_by_name():
         "response_length_min": 1.0,
     }
     assert metrics_lib.mean_over_steps([]) == {}
+
+
+@pytest.mark.parametrize("cut", [(8,), (3, 0, 5), (1, 1, 1, 1, 4)])
+def test_explained_variance_of_the_pieces_is_the_whole_batch_one(cut):
+    """Formed once from the summed moments, it equals ``1 - Var(t - p) / Var(t)`` over the whole batch's valid
+    tokens (numpy, float64), whatever the cut; NaN under the mask stays out. float32 moments of O(1) values: the
+    difference of second moments loses a few digits, hence rtol 1e-5."""
+    rng = np.random.default_rng(3)
+    targets = rng.normal(size=(8, 5)).astype(np.float32)
+    predictions = (targets + rng.normal(scale=0.5, size=(8, 5))).astype(np.float32)
+    mask = rng.random((8, 5)) > 0.3
+    mask[2] = False
+    targets[~mask], predictions[~mask] = np.nan, np.inf
+    bounds = np.cumsum((0,) + cut)
+    pieces = [
+        {"critic/vf_explained_var": metrics_lib.explained_variance(
+            jnp.asarray(targets[a:b]), jnp.asarray(predictions[a:b]), jnp.asarray(mask[a:b]))}
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+    value = float(metrics_lib.reduce(pieces)["critic/vf_explained_var"])
+    t, p = targets[mask].astype(np.float64), predictions[mask].astype(np.float64)
+    np.testing.assert_allclose(value, 1 - np.var(t - p) / np.var(t), rtol=1e-5)
+
+
+def test_explained_variance_is_zero_for_constant_targets_or_no_data():
+    ones = jnp.ones((2, 3))
+    constant = metrics_lib.explained_variance(ones, ones * 0.5, jnp.ones((2, 3), bool))
+    empty = metrics_lib.explained_variance(ones, ones, jnp.zeros((2, 3), bool))
+    finished = metrics_lib.finish({"a_explained_var": constant, "b_explained_var": empty})
+    assert float(finished["a_explained_var"]) == 0.0 and float(finished["b_explained_var"]) == 0.0

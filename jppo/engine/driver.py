@@ -128,11 +128,23 @@ def run_updates(
     loss_scale_factor: float,
 ) -> Updated:
     """``ppo_epochs`` passes of mini-batch updates (:func:`cut_steps`) in one compiled call; metrics averaged over
-    optimizer steps. The micro-batch counts are agreed across processes, so their parts form one global array."""
+    the applied optimizer steps (:func:`summarize_steps`). The micro-batch counts are agreed across processes, so
+    their parts form one global array."""
     micro = cut_steps(batch, cfg, mesh, rng)
     k, s = max_over_processes([max(m.input_ids.shape[0] for m in micro), max(m.row_ids.shape[2] for m in micro)])
     stacked = stack_micro_batches(micro, int(k), int(s))
     state, per_step, gradients = step(state, place(stacked.device_arrays(), mesh, scanned=2), loss_scale_factor)
     per_step = {name: replicated_value(values) for name, values in per_step.items()}
     host = [{name: float(values[i]) for name, values in per_step.items()} for i in range(len(micro))]
-    return Updated(state, M.mean_over_steps(host), gradients)
+    return Updated(state, summarize_steps(host), gradients)
+
+
+def summarize_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Metrics of one ``run_updates`` call: means over its optimizer steps (max/min by name), leaving out steps whose
+    update was skipped as non-finite (their losses are NaN by nature), which ``*/skipped_updates`` counts."""
+    skip_keys = [name for name in steps[0] if name.endswith("/skipped_updates")]
+    applied = [step for step in steps if not any(step[key] for key in skip_keys)]
+    out = M.mean_over_steps(applied or steps)
+    for key in skip_keys:
+        out[key] = float(sum(step[key] for step in steps))
+    return out

@@ -134,12 +134,14 @@ def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
 
     ``temperature`` is the rollout's: log-probs are those of ``logits / temperature``, as sampled."""
     options = policy_options(cfg)
-    with_entropy = cfg.entropy_coeff != 0
 
     def loss(model, batch, norm):
         logprobs, entropy = policy_outputs(
-            model, batch, temperature=temperature, chunk_size=cfg.logprob_chunk_size, with_entropy=with_entropy
+            model, batch, temperature=temperature, chunk_size=cfg.logprob_chunk_size, with_entropy=True
         )
+        if cfg.entropy_coeff == 0:
+            # reported (actor/entropy) whatever the coefficient; without a bonus it needs no backward pass
+            entropy = jax.lax.stop_gradient(entropy)
         data = slot_inputs(batch, ("response_mask", "old_log_prob", "advantages") + (("ref_log_prob",) if cfg.use_kl_loss else ()))
         return actor_loss(
             logprobs, data["old_log_prob"], data["advantages"], data["response_mask"], norm=norm,

@@ -55,7 +55,8 @@ def value_loss(
 
     Returns:
         ``(share, metrics)`` with ``critic/vf_loss`` (the 0.5-scaled loss), ``critic/vf_clipfrac`` (token fraction
-        where the clipped branch is strictly larger) and ``critic/vpred_mean``.
+        where the clipped branch is strictly larger), ``critic/vpred_mean`` and ``critic/vf_explained_var``
+        (``1 - Var(returns - vpreds) / Var(returns)``).
     """
     check_mode(mode)
     vpreds, values, returns = select_valid(mask, vpreds=vpreds, values=values, returns=returns)
@@ -66,4 +67,5 @@ def value_loss(
         "critic/vf_loss": metrics_lib.loss_share(share, valid, norm),
         "critic/vf_clipfrac": metrics_lib.ratio(clipped.astype(error.dtype), valid),
         "critic/vpred_mean": metrics_lib.ratio(vpreds, valid),
+        "critic/vf_explained_var": metrics_lib.explained_variance(returns, vpreds, valid),
     }
