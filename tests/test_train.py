@@ -57,11 +57,42 @@ def test_quickstart_smoke_writes_metrics_checkpoints_plots_and_config(tmp_path):
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
 
 
-def test_grpo_config_trains_without_a_critic(tmp_path):
+def test_grpo_config_trains_without_a_critic_on_group_relative_advantages(tmp_path, monkeypatch):
+    import jppo.train as train_module
+
+    seen = []
+    real = train_module.compute_advantages
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append((kwargs["group_ids"], kwargs["response_mask"], kwargs["token_level_rewards"], out[0]))
+        return out
+
+    monkeypatch.setattr(train_module, "compute_advantages", spy)
     rows = train(tmp_path, "trainer.total_steps=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
                  config=GRPO)
     assert all(math.isfinite(row["actor/pg_loss"]) for row in rows)
     assert not any(key.startswith("critic/") for key in rows[0])
+    assert len(seen) == 2
+    varied = 0
+    for groups, mask, rewards, advantages in seen:
+        mask = np.asarray(mask, bool)
+        score = np.asarray(rewards).sum(axis=1)  # each response's outcome reward
+        row_advantage = np.asarray(advantages)[np.arange(len(mask)), mask.argmax(axis=1)]
+        # one advantage per response, on every one of its tokens, zero elsewhere
+        np.testing.assert_allclose(np.where(mask, advantages, 0), np.where(mask, row_advantage[:, None], 0))
+        for group in np.unique(groups):
+            members = (groups == group) & mask.any(axis=1)
+            adv, reward = row_advantage[members], score[members]
+            # (r - mean) / (std + eps) within the prompt's group: zero mean, same order as the rewards (float32)
+            np.testing.assert_allclose(adv.mean(), 0.0, atol=1e-5)
+            if reward.std() > 0:
+                varied += 1
+                np.testing.assert_allclose(adv, (reward - reward.mean()) / (reward.std(ddof=1) + 1e-6), rtol=1e-4,
+                                           atol=1e-5)
+            else:
+                assert np.all(adv == 0)
+    assert varied > 0  # else the comparison with the rewards above checked nothing
 
 
 def test_remax_baseline_is_the_reward_of_the_greedy_response(tmp_path):
