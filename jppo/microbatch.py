@@ -41,11 +41,11 @@ class SequenceBatch:
 
     Attributes:
         prompt_ids: ``[N, P]`` left-padded prompts.
-        prompt_mask: ``[N, P]`` bool, real prompt tokens.
+        prompt_mask: ``[N, P]`` bool, real prompt tokens (left-padded: each row's real tokens end at column P - 1).
         response_ids: ``[N, L]`` responses, padded on the right.
         response_mask: ``[N, L]`` bool, tokens the loss counts (may have holes, e.g. tool observations).
-        response_attention: ``[N, L]`` bool, response tokens that exist (the model sees them); defaults to every
-            position up to the last valid ``response_mask`` token.
+        response_attention: ``[N, L]`` bool, response tokens that exist (the model sees them), contiguous from
+            column 0; defaults to every position up to the last valid ``response_mask`` token.
         per_token: ``{name: [N, L]}`` response-aligned arrays carried into the losses (old log-probs, ...).
     """
 
@@ -77,6 +77,20 @@ class SequenceBatch:
                 raise ValueError(f"per-token array {name!r} has shape {array.shape}, expected {(n, length)}")
         if np.any(self.response_mask.astype(bool) & ~self.response_attention.astype(bool)):
             raise ValueError("response_mask marks tokens that response_attention says do not exist")
+        # The fixed layout puts the response right after the prompt's last column and predicts response token j at
+        # column P - 1 + j: padding between prompt and response, or inside the response, would shift every
+        # prediction (the packed layout would not notice). Loss-mask holes (response_mask) are fine.
+        prompt = self.prompt_mask.astype(bool)
+        bad = np.flatnonzero(np.any(prompt[:, :-1] & ~prompt[:, 1:], axis=1))
+        if bad.size:
+            raise ValueError(f"prompt_mask row {bad[0]} is not left-padded: prompts must end at the last column")
+        attention = self.response_attention.astype(bool)
+        bad = np.flatnonzero(np.any(~attention[:, :-1] & attention[:, 1:], axis=1))
+        if bad.size:
+            raise ValueError(
+                f"response_attention row {bad[0]} has a gap: a response's tokens must be contiguous from column 0 "
+                "(mask out tokens the loss skips with response_mask instead)"
+            )
         if np.any(self.prompt_mask.sum(-1) == 0):
             raise ValueError("every sequence needs at least one prompt token (the first response token is predicted from it)")
 

@@ -172,3 +172,19 @@ def test_stacked_steps_pad_to_a_common_shape_with_empty_micro_batches_and_slots(
         assert (stacked.row_ids[i, kk:] == -1).all() and (stacked.row_ids[i, :, :, ss:] == -1).all()
         assert not stacked.response_mask[i, kk:].any() and not stacked.response_mask[i, :, :, ss:].any()
         assert not stacked.segment_ids[i, kk:].any()
+
+
+def test_a_right_padded_prompt_or_a_gap_in_the_response_is_refused():
+    """The fixed layout reads response token j's prediction at column P - 1 + j: both would shift it silently."""
+    ids = np.ones((2, 3), np.int32)
+    left = np.array([[0, 1, 1], [1, 1, 1]], bool)
+    response = np.array([[1, 1, 0], [1, 0, 0]], bool)
+    SequenceBatch(ids, left, ids, response)  # left-padded, contiguous: fine
+    with pytest.raises(ValueError, match="prompt_mask row 0 is not left-padded"):
+        SequenceBatch(ids, np.array([[1, 1, 0], [1, 1, 1]], bool), ids, response)
+    with pytest.raises(ValueError, match="response_attention row 1 has a gap"):
+        SequenceBatch(ids, left, ids, np.array([[1, 0, 0], [1, 0, 1]], bool),
+                      response_attention=np.array([[1, 0, 0], [1, 0, 1]], bool))
+    # a hole in the loss mask alone is allowed (tool observations): attention defaults to the contiguous prefix
+    holed = SequenceBatch(ids, left, ids, np.array([[1, 0, 1], [1, 0, 0]], bool))
+    np.testing.assert_array_equal(holed.response_attention, [[1, 1, 1], [1, 0, 0]])
