@@ -83,3 +83,22 @@ def test_take_rows_rejects_an_order_the_shards_do_not_divide():
     with pytest.raises(ValueError, match="12 rows cannot be split evenly over 8 batch shards"):
         take_rows({"x": np.zeros(8)}, np.arange(12) % 8, mesh, through_devices=True)
     assert jax.device_count() == 8
+
+
+@pytest.mark.parametrize("role,use_kl_loss,expected", [
+    ("actor", False, {"old_log_prob", "advantages"}), ("actor", True, {"old_log_prob", "advantages", "ref_log_prob"}),
+    ("critic", False, {"values", "returns"}),
+])
+def test_each_update_receives_only_the_arrays_its_loss_reads(role, use_kl_loss, expected):
+    from jppo.engine import CriticConfig, cut_steps
+
+    rng = np.random.default_rng(4)
+    batch = sequence_batch(16)
+    per_token = {name: rng.normal(size=(16, 4)).astype(np.float32) for name in
+                 ("old_log_prob", "ref_log_prob", "advantages", "values", "returns", "rollout_log_prob")}
+    batch = SequenceBatch(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask,
+                          per_token=per_token)
+    cfg = (ActorConfig(ppo_mini_batch_size=8, use_kl_loss=use_kl_loss) if role == "actor"
+           else CriticConfig(ppo_mini_batch_size=8))
+    steps = cut_steps(batch, cfg, make_mesh(2, 1, 1, devices=jax.devices()[:2]), np.random.default_rng(0))
+    assert all(set(step.per_token) == expected for step in steps)

@@ -11,6 +11,7 @@ in equal blocks, moving rows between shards (and hosts) where needed.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -19,7 +20,7 @@ from jax.sharding import Mesh
 from jppo import metrics as M
 from jppo.engine.config import UpdateConfig
 from jppo.engine.layout import place
-from jppo.engine.update import TrainState, UpdateStep
+from jppo.engine.update import TrainState, UpdateStep, loss_inputs
 from jppo.hostlocal import local_shards, max_over_processes, replicated_value, take_rows
 from jppo.mesh import batch_shards
 from jppo.microbatch import MicroBatches, SequenceBatch, make_micro_batches, stack_micro_batches
@@ -107,10 +108,12 @@ def cut_steps(batch: SequenceBatch, cfg: UpdateConfig, mesh: Mesh, rng: np.rando
 
     ``batch`` holds this process's rows (all rows with one process). The mini-batches are drawn over the global
     rows (:func:`mini_batches`), their rows moved to balanced shards (:func:`shard_layout`, :func:`regroup`), and
-    each process cuts its own shards of each into micro-batches.
+    each process cuts its own shards of each into micro-batches. Of the per-token arrays, only those the role's
+    loss reads (:func:`~jppo.engine.update.loss_inputs`) are moved and cut.
     """
     shards, owned = batch_shards(mesh), local_shards(mesh)
     num_global = batch.num_sequences * shards // len(owned)
+    batch = dataclasses.replace(batch, per_token={name: batch.per_token[name] for name in loss_inputs(cfg)})
     steps = mini_batches(num_global, cfg, rng)
     layout = shard_layout(steps, shards)  # [D, M, B / D]
     mine = regroup(batch, layout.reshape(-1), mesh)  # this process's shards' rows, [D_local * M * B / D]

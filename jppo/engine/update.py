@@ -99,6 +99,13 @@ def mini_batch_norm_stats(response_mask: jax.Array, loss_scale_factor: float, me
     )(response_mask)
 
 
+def loss_inputs(cfg: UpdateConfig) -> tuple[str, ...]:
+    """The per-token arrays of the rollout a role's loss reads: only these travel to its update."""
+    if isinstance(cfg, ActorConfig):
+        return ("old_log_prob", "advantages") + (("ref_log_prob",) if cfg.use_kl_loss else ())
+    return ("values", "returns")
+
+
 def slot_inputs(batch: Batch, names: tuple[str, ...]) -> dict[str, jax.Array]:
     """Response-aligned ``[D, S, L]`` arrays of a micro-batch as ``[D * S, L]``."""
     return {name: flatten_shards(batch[name]) for name in names}
@@ -142,7 +149,7 @@ def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
         if cfg.entropy_coeff == 0:
             # reported (actor/entropy) whatever the coefficient; without a bonus it needs no backward pass
             entropy = jax.lax.stop_gradient(entropy)
-        data = slot_inputs(batch, ("response_mask", "old_log_prob", "advantages") + (("ref_log_prob",) if cfg.use_kl_loss else ()))
+        data = slot_inputs(batch, ("response_mask",) + loss_inputs(cfg))
         return actor_loss(
             logprobs, data["old_log_prob"], data["advantages"], data["response_mask"], norm=norm,
             mode=cfg.loss_agg_mode, policy_loss_name=cfg.policy_loss, policy_options=options, entropy=entropy,
@@ -158,7 +165,7 @@ def critic_loss_fn(cfg: CriticConfig) -> LossFn:
 
     def loss(model, batch, norm):
         vpreds = value_outputs(model, batch)
-        data = slot_inputs(batch, ("response_mask", "values", "returns"))
+        data = slot_inputs(batch, ("response_mask",) + loss_inputs(cfg))
         return value_loss(
             vpreds, data["values"], data["returns"], data["response_mask"], cliprange_value=cfg.cliprange_value,
             mode=cfg.loss_agg_mode, norm=norm,
