@@ -6,9 +6,14 @@ Every function here starts from the same three facts about the batch:
 - row ``i`` belongs to the group of rows sharing its id ``index[i]``; rows without valid tokens belong to no group;
 - a group of fewer than two rows has no peer to compare with, so its row's group-relative advantage is 0.
 
-Groups are found with a ``[B, B]`` equality matrix of the ids, so ids can be any integers (not 0..G-1) and the
-whole construction stays inside jit. Group sums are masked sums over that matrix rather than matmuls, which keeps
-them exact on accelerators whose default matmul precision is reduced.
+Groups are found by sorting the rows by id (non-empty rows first, stable), so ids can be any integers (not
+0..G-1) and the whole construction stays inside jit with ``O(B log B)`` work and ``O(B)`` memory; a ``[B, B]``
+comparison of the ids would need a gigabyte per temporary at 16k rows. In sorted order a group is a run of
+adjacent rows, and a group statistic is a segmented scan over the runs (restarting at each run's first row),
+read at each run's last row and sent back to the rows. The scan combines a group's values in a fixed order that
+depends only on the group's size, so results are reproducible on every backend: a scatter-add
+(``jax.ops.segment_sum``) accumulates in an unspecified order on GPUs, and a matmul against a one-hot matrix is
+inexact where the default matmul precision is reduced.
 
 The per-row advantage is broadcast to the row's valid tokens; ``returns`` equals ``advantages``.
 """
@@ -25,6 +30,32 @@ from jppo.losses.aggregate import safe_divide
 Array = jax.Array
 
 
+def _segmented_scan(starts: Array, values: Array, combine, identity: float) -> Array:
+    """Inclusive scan restarting at every ``starts[k]``: ``out_k = combine(v_s, ..., v_k)``, ``s`` the last start <= k.
+
+    Hillis-Steele doubling in ``ceil(log2 B)`` levels of ``O(B)`` elementwise work. After level ``i`` (shift
+    ``d = 2^i``), ``acc_k`` combines the values of ``[max(s, k - 2d + 1), k]`` and ``reached_k`` says whether that
+    window already holds ``s``; a row whose window has not reached its start combines ``acc_{k-d}``, which covers
+    the ``d`` rows before its own window (both lie in one group, as no start lies in between). The additions a
+    group's total goes through depend only on the group's length, not on where it sits in the batch.
+    """
+    num_rows = values.shape[0]
+
+    def shifted(array: Array, shift: Array, fill) -> Array:
+        """``array`` moved ``shift`` rows down, ``fill`` in the rows it leaves (one compiled level for every shift)."""
+        padded = jnp.concatenate([jnp.full_like(array, fill), array])
+        return jax.lax.dynamic_slice_in_dim(padded, num_rows - shift, num_rows)
+
+    def level(index: Array, carry: tuple[Array, Array]) -> tuple[Array, Array]:
+        reached, acc = carry
+        shift = jnp.left_shift(1, index)
+        acc = jnp.where(reached, acc, combine(shifted(acc, shift, identity), acc))
+        return reached | shifted(reached, shift, True), acc
+
+    levels = (num_rows - 1).bit_length() if num_rows else 0
+    return jax.lax.fori_loop(0, levels, level, (starts, values))[1]
+
+
 class _Groups:
     """Scores, group membership and group statistics of one batch (an internal helper, built per call)."""
 
@@ -34,15 +65,34 @@ class _Groups:
         self.valid = mask.astype(bool)
         self.lengths = jnp.sum(self.valid, axis=-1, dtype=token_level_rewards.dtype)
         self.scores = jnp.sum(sanitize(token_level_rewards, self.valid), axis=-1)
-        has_tokens = self.lengths > 0
-        # same[i, j]: rows i and j are both non-empty and share a group id.
-        self.same = (index[:, None] == index[None, :]) & has_tokens[:, None] & has_tokens[None, :]
+        self.has_tokens = self.lengths > 0
+        num_rows = index.shape[0]
+        positions = jnp.arange(num_rows)
+        # Sorted by id, non-empty rows first (lexsort's last key is the primary one): each group is one run.
+        self.order = jnp.lexsort((index, ~self.has_tokens))
+        sorted_ids, sorted_has_tokens = index[self.order], self.has_tokens[self.order]
+        # A run starts at the first row, at a change of id, and at every empty row (each is a run of its own).
+        changes = (sorted_ids[1:] != sorted_ids[:-1]) | ~sorted_has_tokens[1:]
+        self.starts = jnp.concatenate([jnp.ones((1,), bool), changes])
+        # run_end[k]: the last sorted position of k's run, where the inclusive scan holds the run's total.
+        is_end = jnp.concatenate([changes, jnp.ones((1,), bool)])
+        self.run_end = jax.lax.cummin(jnp.where(is_end, positions, num_rows), reverse=True)
+        self.inverse = jnp.zeros_like(self.order).at[self.order].set(positions)
         self.sizes = self.sum(jnp.ones_like(self.scores))
         self.has_peers = self.sizes > 1
 
+    def _reduce(self, row_values: Array, combine, identity: float) -> Array:
+        """``combine`` over the run of every row, in sorted order, returned in row order."""
+        scanned = _segmented_scan(self.starts, row_values[self.order], combine, identity)
+        return scanned[self.run_end][self.inverse]
+
     def sum(self, row_values: Array) -> Array:
         """``sum_{j in group(i)} v_j`` for every row ``i`` (0 for rows in no group)."""
-        return jnp.sum(jnp.where(self.same, row_values[None, :], 0), axis=1)
+        return self._reduce(jnp.where(self.has_tokens, row_values, 0), jnp.add, 0.0)
+
+    def max(self, row_values: Array) -> Array:
+        """``max_{j in group(i)} v_j`` for every row ``i`` (``-inf`` for rows in no group)."""
+        return self._reduce(jnp.where(self.has_tokens, row_values, -jnp.inf), jnp.maximum, -jnp.inf)
 
     def mean(self, row_values: Array) -> Array:
         return safe_divide(self.sum(row_values), self.sizes)
@@ -133,8 +183,12 @@ def grpo_passk(
     verl raises for a group of one; jppo gives it 0.
     """
     groups = _Groups(token_level_rewards, mask, index)
-    is_other_peer = groups.same & ~jnp.eye(groups.same.shape[0], dtype=bool)
-    best_other = jnp.max(jnp.where(is_other_peer, groups.scores[None, :], -jnp.inf), axis=1)
+    # The best other row is the group's best, except for a unique best row, whose best other is the runner-up.
+    best = groups.max(groups.scores)
+    is_best = groups.scores == best
+    unique_best = is_best & (groups.sum(is_best.astype(groups.scores.dtype)) == 1)
+    runner_up = groups.max(jnp.where(is_best, -jnp.inf, groups.scores))
+    best_other = jnp.where(unique_best, runner_up, best)
     best_other = jnp.where(groups.has_peers, best_other, groups.scores)
     margin = jnp.maximum(groups.scores - best_other, 0)
     if norm_by_std:
