@@ -4,7 +4,9 @@
 #   node 0:  tpu_scripts/multinode.sh --coordinator 10.0.0.1:8476 --num-processes 2 --process-id 0 CONFIG [overrides]
 #   node 1:  tpu_scripts/multinode.sh --coordinator 10.0.0.1:8476 --num-processes 2 --process-id 1 CONFIG [overrides]
 #
-# Every process must get the same CONFIG and overrides. The coordinator is process 0's address and a free port.
+# Every process must get the same CONFIG and overrides. The coordinator is process 0's address and a free port;
+# the processes also meet on PORT + 1 first (jppo's rendezvous): open both, or add --rendezvous-port P or
+# --rendezvous off right after CONFIG (before the overrides).
 set -euo pipefail
 usage() { echo "usage: $0 --coordinator HOST:PORT --num-processes N --process-id I CONFIG [key.sub=value ...]"; }
 coordinator="" num="" id=""
