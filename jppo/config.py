@@ -170,8 +170,23 @@ def _omegaconf_message(error: OmegaConfBaseException) -> str:
     return f"{key}: {text}" if key and key not in text else text
 
 
+def _reset_options_of_a_replaced_task(files: list, command_line) -> None:
+    """A ``data.task`` given on the command line that differs from the file's starts from that task's own default
+    options plus those given with it: the file's ``data.task_options`` belong to the file's task (a dotlist would
+    otherwise merge them into the new task's, which rejects them)."""
+    task = OmegaConf.select(command_line, "data.task", default=None)
+    if task is None:
+        return
+    for layer in files:
+        if OmegaConf.select(layer, "data.task", default=None) != task and OmegaConf.select(layer, "data.task_options",
+                                                                                          default=None) is not None:
+            del layer.data["task_options"]
+
+
 def load_config(path: str | pathlib.Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """The schema defaults, then the YAML file, then ``key.sub=value`` overrides; validated and frozen."""
+    """The schema defaults, then the YAML file, then ``key.sub=value`` overrides; validated and frozen. Replacing
+    ``data.task`` on the command line drops the file's ``data.task_options`` (see
+    :func:`_reset_options_of_a_replaced_task`)."""
     schema = OmegaConf.structured(TrainConfig)
     layers = [schema]
     if path is not None:
@@ -186,7 +201,9 @@ def load_config(path: str | pathlib.Path | None, overrides: Sequence[str] = ()) 
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key.sub=value")
     try:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        command_line = OmegaConf.from_dotlist(list(overrides))
+        _reset_options_of_a_replaced_task(layers[1:], command_line)
+        layers.append(command_line)
         merged = OmegaConf.merge(*layers)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:

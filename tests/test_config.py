@@ -105,3 +105,16 @@ def test_forward_micro_batch_size_must_divide_the_rows_per_shard():
     with pytest.raises(ConfigError, match="rollout.log_prob_micro_batch_size=3 must divide the 8 sequences"):
         check_mesh(load_config(None, ["data.train_batch_size=64", "actor.ppo_mini_batch_size=32",
                                       "critic.ppo_mini_batch_size=32", "rollout.log_prob_micro_batch_size=3"]), 8)
+
+
+def test_a_task_given_on_the_command_line_starts_from_its_own_default_options():
+    """The quickstart's reverse_digits options (min_len, max_len) are not options of another task: replacing the
+    task on the command line drops them (options given along with the new task apply)."""
+    quickstart = ROOT / "configs" / "quickstart.yaml"
+    assert load_config(quickstart, []).data.task_options == {"min_len": 3, "max_len": 5}
+    other = load_config(quickstart, ["data.task=add_small"])
+    assert other.data.task == "add_small" and other.data.task_options == {}
+    with_options = load_config(quickstart, ["data.task=reverse_digits", "data.task_options.max_len=4"])
+    assert with_options.data.task_options == {"min_len": 3, "max_len": 4}  # same task: the file's options stay
+    replaced = load_config(quickstart, ["data.task=add_small", "data.task_options.max_operand=9"])
+    assert replaced.data.task_options == {"max_operand": 9}
