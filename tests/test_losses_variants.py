@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
+from test_losses_invariance import LENGTH, ROWS, VARIANT_OPTIONS
+from test_losses_invariance import make_batch as ragged_batch
 
 from jppo import metrics as metrics_lib
 from jppo.losses import (
@@ -30,41 +32,20 @@ from jppo.losses import (
     value_loss,
 )
 
-ROWS, LENGTH = 8, 6
 CUT = (3, 0, 1, 4)  # piece sizes; the empty row is placed in the 1-row piece
 LOSS_SCALE_FACTOR = 10.0
 RTOL, ATOL = 1e-10, 1e-12
-VARIANT_OPTIONS = {
-    "vanilla": dict(clip_ratio_high=0.28, clip_ratio_c=1.3),
-    "dro": dict(dro_beta=0.1),
-    "dppo_tv": dict(clip_ratio=0.05, clip_ratio_c=1.3),
-    "dppo_kl": dict(clip_ratio=0.02, clip_ratio_c=1.3),
-}
 
 
 def make_batch(seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """A ragged float64 batch with NaN under the mask, and the row order in which it is cut (see ``CUT``)."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(2, LENGTH + 1, ROWS)
-    lengths[0], lengths[1] = 0, 1
-    mask = (np.arange(LENGTH) < lengths[:, None]) & (rng.random((ROWS, LENGTH)) > 0.2)
-    mask[1] = np.arange(LENGTH) == rng.integers(LENGTH)  # a single token, anywhere
-    mask[2] = np.arange(LENGTH) != 2  # an interior hole
-    log_prob = -rng.exponential(0.7, (ROWS, LENGTH))
-    batch = {
-        "loss": rng.normal(size=(ROWS, LENGTH)),
-        "log_prob": log_prob,
-        "old_log_prob": np.minimum(log_prob + rng.normal(0, 0.4, (ROWS, LENGTH)), -1e-3),
-        "ref_log_prob": np.minimum(log_prob + rng.normal(0, 0.4, (ROWS, LENGTH)), -1e-3),
-        "advantages": rng.normal(size=(ROWS, LENGTH)),
-        "vpreds": rng.normal(size=(ROWS, LENGTH)),
-        "values": rng.normal(size=(ROWS, LENGTH)),
-        "returns": rng.normal(size=(ROWS, LENGTH)),
-        "entropy": rng.uniform(0, 2, (ROWS, LENGTH)),
-    }
-    batch = {name: np.where(mask, array, np.nan) for name, array in batch.items()} | {"mask": mask.astype(np.float64)}
-    others = rng.permutation(np.arange(1, ROWS))
-    order = np.concatenate([others[:3], [0], others[3:]])  # row 0 (empty) is the whole 1-row piece
+    """The ragged float64 batch of ``test_losses_invariance`` (NaN/Inf under the mask) plus a per-token ``loss``,
+    and the row order in which it is cut (see ``CUT``)."""
+    batch = ragged_batch(seed)
+    rng = np.random.default_rng(seed + 1000)
+    batch["loss"] = np.where(batch["mask"] > 0, rng.normal(size=(ROWS, LENGTH)), np.nan)
+    empty = int(np.flatnonzero(batch["mask"].sum(axis=1) == 0)[0])
+    others = rng.permutation([row for row in range(ROWS) if row != empty])
+    order = np.concatenate([others[:3], [empty], others[3:]])  # the empty row is the whole 1-row piece
     return batch, order
 
 
