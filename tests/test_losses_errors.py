@@ -100,6 +100,9 @@ def test_unknown_option_name():
         ("dro", dict(), "dro_beta=None"),
         ("dro", dict(dro_beta=-1.0), "dro_beta=-1.0"),
         ("sapo", dict(tau_neg=0.0), "tau_neg=0.0"),
+        ("vanilla", dict(clip_ratio_high=-0.2), "clip_ratio_high=-0.2"),
+        ("geo_mean", dict(clip_ratio=-1.0), "clip_ratio=-1.0"),
+        ("dppo_tv", dict(clip_ratio_c=0.0), "clip_ratio_c=0.0"),
     ],
 )
 def test_invalid_option_value(name, options, bad):
@@ -150,3 +153,15 @@ def test_token_sum_norm_needs_the_configured_constant():
     mask = jnp.ones((2, 3))
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm' needs norm"):
         agg_loss(jnp.ones((2, 3)), mask, "seq-mean-token-sum-norm")
+
+
+def test_the_actor_loss_refuses_its_options_before_tracing():
+    """The engine checks the variant's options when it builds the loss, with the rules the config also runs."""
+    from jppo.engine import ActorConfig, actor_loss_fn
+    from jppo.errors import InvalidSetting
+    from jppo.losses import OPTION_RULES, check_policy_options
+
+    assert {rule.option for rule in OPTION_RULES["vanilla"]} >= {"clip_ratio", "clip_ratio_c"}
+    with pytest.raises(InvalidSetting, match=r"policy loss 'vanilla' option clip_ratio_c=0.5 is invalid: it must be > 1"):
+        actor_loss_fn(ActorConfig(clip_ratio_c=0.5))
+    check_policy_options("gpg", PolicyLossOptions(clip_ratio_c=0.5))  # gpg has no dual clip: nothing to refuse

@@ -231,12 +231,14 @@ def test_model_input_errors(lm):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(num_heads=4, num_kv_heads=3), "num_heads=4 is not divisible by num_kv_heads=3"),
+        (dict(num_heads=4, num_kv_heads=3), r"num_kv_heads=3 is invalid: it must be a divisor of num_heads=4"),
         (dict(model_type="gpt2"), "unsupported model_type 'gpt2'; supported: llama, qwen2, qwen3"),
         (dict(dtype="float8"), "dtype='float8' is not one of float32, bfloat16, float16"),
-        (dict(hidden_size=30, head_dim=None), "hidden_size=30 is not divisible by num_heads=4"),
-        (dict(head_dim=7), "head_dim must be a positive even integer"),
-        (dict(num_layers=0), "num_layers must be a positive integer"),
+        (dict(hidden_size=30, head_dim=None), r"num_heads=4 is invalid: it must be a divisor of hidden_size=30"),
+        (dict(hidden_size=36, head_dim=None), r"num_heads=4 is invalid: .*hidden_size=36 that leaves an even head"),
+        (dict(head_dim=7), "head_dim=7 is invalid: it must be a positive even integer"),
+        (dict(num_layers=0), "num_layers=0 is invalid: it must be a positive integer"),
+        (dict(rope_theta=0.0), "rope_theta=0.0 is invalid: it must be > 0"),
         (dict(model_type="qwen2", attention_bias=False), "requires attention_bias=True"),
         (dict(model_type="llama", qk_norm=True), "requires qk_norm=False"),
         (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "unsupported rope_scaling type 'yarn'"),

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from jppo.engine.config import OptimConfig
+from jppo.errors import InvalidSetting
 
 # apply_if_finite gives up and applies a non-finite update after this many in a row; jppo never does.
 _NEVER_GIVE_UP = 2**31 - 1
@@ -52,6 +53,25 @@ def record_gradient(keep: bool = False) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
+def check_optim(cfg: OptimConfig) -> None:
+    """:class:`~jppo.errors.InvalidSetting` for the first setting the optimizer cannot use as documented (optax
+    itself accepts them and quietly diverges or stalls); the trainer's config runs the same check."""
+    adam = cfg.name == "adamw"
+    rules = {
+        "lr": (cfg.lr >= 0, ">= 0"),
+        "weight_decay": (cfg.weight_decay >= 0, ">= 0"),
+        "beta1": (not adam or 0 <= cfg.beta1 < 1, "in [0, 1)"),
+        "beta2": (not adam or 0 <= cfg.beta2 < 1, "in [0, 1)"),
+        "eps": (not adam or cfg.eps > 0, "> 0"),
+        "warmup_steps": (cfg.warmup_steps >= 0, ">= 0 (0: no warm-up)"),
+        "decay_steps": (cfg.decay_steps >= 0, ">= 0 (0: derived from the run's length)"),
+        "min_lr_ratio": (0 <= cfg.min_lr_ratio <= 1, "in [0, 1]"),
+    }
+    for name, (ok, valid) in rules.items():
+        if not ok:
+            raise InvalidSetting("optim.", name, getattr(cfg, name), valid)
+
+
 def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
     """Linear warm-up to ``lr`` over ``warmup_steps``, then constant or cosine decay to ``min_lr_ratio * lr``."""
     if cfg.lr_schedule == "constant":
@@ -68,6 +88,7 @@ def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
 
 def inner_optimizer(cfg: OptimConfig, keep_gradient: bool = False) -> optax.GradientTransformation:
     """What runs once per mini-batch on the accumulated gradient (kept in the state with ``keep_gradient``)."""
+    check_optim(cfg)
     schedule = learning_rate_schedule(cfg)
     if cfg.name == "adamw":
         base = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)

@@ -39,7 +39,7 @@ from jppo.engine.config import ActorConfig, CriticConfig, UpdateConfig, NORMALIZ
 from jppo.engine.layout import flatten_shards, gather_slots, next_token_targets
 from jppo.engine.optim import accumulating_optimizer, learning_rate_schedule, step_report
 from jppo.losses import NormStats, actor_loss, global_norm_stats, value_loss
-from jppo.losses.policy import PolicyLossOptions
+from jppo.losses.policy import PolicyLossOptions, check_policy_options
 from jppo.mesh import BATCH_AXES
 from jppo.models.logprobs import token_logprobs
 
@@ -139,8 +139,10 @@ def policy_options(cfg: ActorConfig) -> PolicyLossOptions:
 def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
     """The actor's micro-batch loss: policy loss, entropy bonus and KL loss, all with the same NormStats.
 
-    ``temperature`` is the rollout's: log-probs are those of ``logits / temperature``, as sampled."""
+    ``temperature`` is the rollout's: log-probs are those of ``logits / temperature``, as sampled. Options the
+    policy loss cannot use are refused here, before anything is traced."""
     options = policy_options(cfg)
+    check_policy_options(cfg.policy_loss, options)
 
     def loss(model, batch, norm):
         logprobs, entropy = policy_outputs(

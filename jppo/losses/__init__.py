@@ -15,12 +15,15 @@ from jppo.losses.entropy import entropy_from_logits, entropy_loss
 from jppo.losses.kl import KL_KINDS, check_kl_kind, kl_loss, kl_penalty, penalize_rewards
 from jppo.losses.kl_control import AdaptiveKLController, FixedKLController, KLControlState
 from jppo.losses.policy import (
+    OPTION_RULES,
     POLICY_LOSSES,
     REQUIRED_AGG_MODES,
+    OptionRule,
     PerToken,
     PolicyLossFn,
     PolicyLossOptions,
     check_policy_loss_mode,
+    check_policy_options,
     get_policy_loss,
     policy_loss,
     register_policy_loss,
@@ -31,12 +34,14 @@ from jppo.losses.value import clipped_value_error, value_loss
 __all__ = [
     "AGG_MODES",
     "KL_KINDS",
+    "OPTION_RULES",
     "POLICY_LOSSES",
     "REQUIRED_AGG_MODES",
     "AdaptiveKLController",
     "FixedKLController",
     "KLControlState",
     "NormStats",
+    "OptionRule",
     "PerToken",
     "PolicyLossFn",
     "PolicyLossOptions",
@@ -45,6 +50,7 @@ __all__ = [
     "check_kl_kind",
     "check_mode",
     "check_policy_loss_mode",
+    "check_policy_options",
     "clipped_value_error",
     "critic_loss",
     "entropy_from_logits",

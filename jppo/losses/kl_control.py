@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jppo.errors import InvalidSetting
+
 Array = jax.Array
 
 # The proportional error is clipped to +-20% per update (the original controller's bound).
@@ -52,10 +54,9 @@ class AdaptiveKLController:
     horizon: float
 
     def __post_init__(self) -> None:
-        if not self.horizon > 0:
-            raise ValueError(f"AdaptiveKLController horizon={self.horizon!r} is invalid: it must be > 0")
-        if not self.target_kl > 0:
-            raise ValueError(f"AdaptiveKLController target_kl={self.target_kl!r} is invalid: it must be > 0")
+        for name in ("horizon", "target_kl"):
+            if not getattr(self, name) > 0:
+                raise InvalidSetting("AdaptiveKLController.", name, getattr(self, name), "> 0")
 
     def init(self) -> KLControlState:
         return KLControlState(coef=jnp.asarray(self.init_kl_coef))

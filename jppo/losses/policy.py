@@ -52,12 +52,13 @@ micro-batch: the selection (and so the gradient) changes with the cut, which thi
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jppo import metrics as metrics_lib
+from jppo.errors import InvalidSetting
 from jppo.losses.aggregate import NormStats, agg_loss, check_mode, masked_sum, safe_divide, select_valid
 
 Array = jax.Array
@@ -126,27 +127,63 @@ class PerToken(NamedTuple):
     approx_kl: Array
 
 
+class OptionRule(NamedTuple):
+    """What a variant requires of one of its options: ``holds(value)``, stated for people as ``valid``."""
+
+    option: str
+    holds: Callable[[Any], bool]
+    valid: str
+
+
 PolicyLossFn = Callable[[Array, Array, Array, Array, PolicyLossOptions], PerToken]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 # The aggregation mode a variant's objective is defined under; a variant absent here fits every mode.
 REQUIRED_AGG_MODES: dict[str, str] = {}
+# What each variant requires of its options (checked by check_policy_options before anything is traced).
+OPTION_RULES: dict[str, tuple[OptionRule, ...]] = {}
+
+# Clip ratios are distances from 1 (or divergence thresholds): a negative one turns the trust region inside out.
+CLIP_RULES = tuple(
+    OptionRule(name, lambda value: value is None or value >= 0, ">= 0")
+    for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
+)
+# DPPO truncates the stop-gradient ratio at clip_ratio_c: at or below 0 it would flip the update's sign.
+_DPPO_RULES = CLIP_RULES + (OptionRule("clip_ratio_c", lambda value: value > 0, "> 0 (the ratio truncation)"),)
 
 
-def register_policy_loss(name: str, *, agg_mode: str | None = None) -> Callable[[PolicyLossFn], PolicyLossFn]:
+def register_policy_loss(
+    name: str, *, agg_mode: str | None = None, requires: tuple[OptionRule, ...] = ()
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator adding a per-token policy loss to :data:`POLICY_LOSSES` under ``name``; ``agg_mode`` records the
-    one aggregation mode its objective is defined under (``None``: any mode)."""
+    one aggregation mode its objective is defined under (``None``: any mode), ``requires`` what it needs of its
+    options (:data:`OPTION_RULES`)."""
     if agg_mode is not None:
         check_mode(agg_mode)
+    valid_options = {field.name for field in dataclasses.fields(PolicyLossOptions)}
+    unknown = sorted({rule.option for rule in requires} - valid_options)
+    if unknown:
+        raise ValueError(f"policy loss {name!r} requires unknown option(s) {', '.join(unknown)}")
 
     def register(loss_fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
         POLICY_LOSSES[name] = loss_fn
+        OPTION_RULES[name] = tuple(requires)
         if agg_mode is not None:
             REQUIRED_AGG_MODES[name] = agg_mode
         return loss_fn
 
     return register
+
+
+def check_policy_options(name: str, options: PolicyLossOptions) -> None:
+    """:class:`~jppo.errors.InvalidSetting` naming the first option of ``options`` that variant ``name`` cannot
+    use; the trainer's config runs the same check, so a bad value is refused before anything compiles."""
+    get_policy_loss(name)
+    for rule in OPTION_RULES[name]:
+        value = getattr(options, rule.option)
+        if not rule.holds(value):
+            raise InvalidSetting(f"policy loss {name!r} option ", rule.option, value, rule.valid)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
@@ -181,17 +218,13 @@ def _clamped_log_ratio(log_prob: Array, old_log_prob: Array) -> Array:
     return jnp.clip(log_prob - old_log_prob, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
 
 
-def _require(condition: bool, name: str, value: object, why: str) -> None:
-    if not condition:
-        raise ValueError(f"policy loss option {name}={value!r} is invalid: {why}")
-
-
-@register_policy_loss("vanilla")
+@register_policy_loss(
+    "vanilla", requires=CLIP_RULES + (OptionRule("clip_ratio_c", lambda value: value > 1, "> 1 (the dual-clip bound)"),)
+)
 def vanilla(
     log_prob: Array, old_log_prob: Array, advantages: Array, mask: Array, options: PolicyLossOptions
 ) -> PerToken:
     """PPO clipped surrogate with asymmetric clip ratios and dual clip for negative advantages."""
-    _require(options.clip_ratio_c > 1, "clip_ratio_c", options.clip_ratio_c, "dual-clip PPO needs clip_ratio_c > 1")
     log_ratio = _clamped_log_ratio(log_prob, old_log_prob)
     ratio = jnp.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -203,7 +236,7 @@ def vanilla(
     return PerToken(loss, clipped > unclipped, negative & (pessimistic > dual_bound), -log_ratio)
 
 
-@register_policy_loss("gspo", agg_mode="seq-mean-token-mean")
+@register_policy_loss("gspo", agg_mode="seq-mean-token-mean", requires=CLIP_RULES)
 def gspo(log_prob: Array, old_log_prob: Array, advantages: Array, mask: Array, options: PolicyLossOptions) -> PerToken:
     """GSPO: the clipped surrogate on the sequence-level ratio, carried per token (see the module docstring)."""
     log_ratio = log_prob - old_log_prob
@@ -216,7 +249,7 @@ def gspo(log_prob: Array, old_log_prob: Array, advantages: Array, mask: Array, o
     return PerToken(loss, clipped > unclipped, jnp.zeros_like(mask, dtype=bool), -log_ratio)
 
 
-@register_policy_loss("geo_mean", agg_mode="seq-mean-token-mean")
+@register_policy_loss("geo_mean", agg_mode="seq-mean-token-mean", requires=CLIP_RULES)
 def geo_mean(
     log_prob: Array, old_log_prob: Array, advantages: Array, mask: Array, options: PolicyLossOptions
 ) -> PerToken:
@@ -232,7 +265,7 @@ def geo_mean(
     return PerToken(loss, clipped & (advantages > 0), clipped & (advantages < 0), -log_ratio)
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", requires=CLIP_RULES)
 def cispo(log_prob: Array, old_log_prob: Array, advantages: Array, mask: Array, options: PolicyLossOptions) -> PerToken:
     """CISPO: REINFORCE weighted by the clipped, stop-gradient importance ratio."""
     log_ratio = _clamped_log_ratio(log_prob, old_log_prob)
@@ -249,11 +282,11 @@ def gpg(log_prob: Array, old_log_prob: Array, advantages: Array, mask: Array, op
     return PerToken(-advantages * log_prob, no_clip, no_clip, old_log_prob - log_prob)
 
 
-@register_policy_loss("sapo")
+@register_policy_loss("sapo", requires=tuple(
+    OptionRule(name, lambda value: value > 0, "> 0 (a gate temperature)") for name in ("tau_pos", "tau_neg")
+))
 def sapo(log_prob: Array, old_log_prob: Array, advantages: Array, mask: Array, options: PolicyLossOptions) -> PerToken:
     """SAPO: a smooth sigmoid gate on the ratio in place of the hard clip."""
-    _require(options.tau_pos > 0, "tau_pos", options.tau_pos, "the SAPO temperature must be > 0")
-    _require(options.tau_neg > 0, "tau_neg", options.tau_neg, "the SAPO temperature must be > 0")
     log_ratio = _clamped_log_ratio(log_prob, old_log_prob)
     tau = jnp.where(advantages > 0, options.tau_pos, options.tau_neg).astype(log_prob.dtype)
     gate = jax.nn.sigmoid(tau * (jnp.exp(log_ratio) - 1)) * (4 / tau)
@@ -261,11 +294,12 @@ def sapo(log_prob: Array, old_log_prob: Array, advantages: Array, mask: Array, o
     return PerToken(-gate * advantages, no_clip, no_clip, -log_ratio)
 
 
-@register_policy_loss("dro")
+@register_policy_loss(
+    "dro", requires=(OptionRule("dro_beta", lambda value: value is not None and value > 0, "> 0 (DRO's penalty)"),)
+)
 def dro(log_prob: Array, old_log_prob: Array, advantages: Array, mask: Array, options: PolicyLossOptions) -> PerToken:
     """DRO: policy gradient with a quadratic penalty on the log-ratio."""
     beta = options.dro_beta
-    _require(beta is not None and beta > 0, "dro_beta", beta, "DRO needs dro_beta > 0")
     log_ratio = log_prob - old_log_prob
     no_clip = jnp.zeros_like(mask, dtype=bool)
     return PerToken(-(advantages * log_prob - 0.5 * beta * jnp.square(log_ratio)), no_clip, no_clip, -log_ratio)
@@ -282,7 +316,7 @@ def _dppo(
     return PerToken(loss, ~trusted, trusted & (ratio > options.clip_ratio_c), -log_ratio)
 
 
-@register_policy_loss("dppo_tv")
+@register_policy_loss("dppo_tv", requires=_DPPO_RULES)
 def dppo_tv(
     log_prob: Array, old_log_prob: Array, advantages: Array, mask: Array, options: PolicyLossOptions
 ) -> PerToken:
@@ -292,7 +326,7 @@ def dppo_tv(
     return _dppo(log_prob, old_log_prob, advantages, trusted, options)
 
 
-@register_policy_loss("dppo_kl")
+@register_policy_loss("dppo_kl", requires=_DPPO_RULES)
 def dppo_kl(
     log_prob: Array, old_log_prob: Array, advantages: Array, mask: Array, options: PolicyLossOptions
 ) -> PerToken:
@@ -337,6 +371,7 @@ def policy_loss(
     loss_fn = get_policy_loss(name)
     check_mode(mode)
     parsed = PolicyLossOptions.create(**options)
+    check_policy_options(name, parsed)
     log_prob, old_log_prob, advantages = select_valid(
         mask, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages
     )

@@ -19,6 +19,8 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from jppo.errors import InvalidSetting
+
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 DTYPES: dict[str, jnp.dtype] = {
     "float32": jnp.dtype(jnp.float32),
@@ -133,21 +135,22 @@ class ModelConfig:
                      "max_position_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise InvalidSetting("", name, value, "a positive integer")
         if self.head_dim is None:
-            if self.hidden_size % self.num_heads:
-                raise ValueError(
-                    f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; set head_dim"
+            if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+                raise InvalidSetting(
+                    "", "num_heads", self.num_heads,
+                    f"a divisor of hidden_size={self.hidden_size} that leaves an even head size (RoPE rotates "
+                    "pairs), unless head_dim is given",
                 )
             self._set("head_dim", self.hidden_size // self.num_heads)
         if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
-            raise ValueError(f"head_dim must be a positive even integer (RoPE rotates pairs), got {self.head_dim!r}")
+            raise InvalidSetting("", "head_dim", self.head_dim, "a positive even integer (RoPE rotates pairs)")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
-            )
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ValueError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0")
+            raise InvalidSetting("", "num_kv_heads", self.num_kv_heads, f"a divisor of num_heads={self.num_heads}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise InvalidSetting("", name, getattr(self, name), "> 0")
         if isinstance(self.rope_scaling, Mapping):
             self._set("rope_scaling", RopeScaling.from_dict(self.rope_scaling))
         if isinstance(self.eos_token_id, list):

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jppo.errors import InvalidSetting
 from jppo.rollout.processors import sample_tokens
 
 Array = jax.Array
@@ -72,7 +73,7 @@ class SamplingParams:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
         for name in ("max_new_tokens", "top_k", "n", "pad_token_id"):
             if not isinstance(getattr(self, name), (int, np.integer)):
-                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} must be an integer")
+                raise InvalidSetting("SamplingParams.", name, getattr(self, name), "an integer")
         problems = {
             "max_new_tokens": (self.max_new_tokens, self.max_new_tokens >= 1, "an integer >= 1"),
             "temperature": (self.temperature, self.greedy or self.temperature > 0, "> 0 (or greedy=True)"),
@@ -84,7 +85,7 @@ class SamplingParams:
         }
         for name, (value, ok, valid) in problems.items():
             if not ok:
-                raise ValueError(f"SamplingParams.{name}={value!r} is invalid: it must be {valid}")
+                raise InvalidSetting("SamplingParams.", name, value, valid)
 
 
 @struct.dataclass

@@ -1,0 +1,24 @@
+"""The error a component raises for one setting outside its valid range.
+
+It carries the setting's name, its value and the valid range as well as the one-line message, so the trainer's
+config validator can run a component's own check before anything is built and report the failure under the
+config key that holds the setting (``rollout.val_n`` for the validation sampler's ``SamplingParams.n``): one
+limit, stated once, in the component that relies on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class InvalidSetting(ValueError):
+    """``{owner}{name}={value!r} is invalid: it must be {valid}``; ``owner`` is how the component names itself
+    (``"SamplingParams."``, ``"policy loss 'vanilla' option "``)."""
+
+    def __init__(self, owner: str, name: str, value: Any, valid: str):
+        self.owner, self.name, self.value, self.valid = owner, name, value, valid
+        super().__init__(f"{owner}{name}={value!r} is invalid: it must be {valid}")
+
+    def renamed(self, key: str) -> str:
+        """The same message under another name (a config key)."""
+        return f"{key}={self.value!r} is invalid: it must be {self.valid}"
