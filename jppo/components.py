@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jppo.config import TrainConfig
+from jppo.config import ConfigError, TrainConfig
 from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
 from jppo.engine import forward_batch, reward_model_fn
 from jppo.hostlocal import local_rows, to_global, to_local
@@ -42,23 +42,33 @@ def tokenizer_spec(cfg: TrainConfig) -> str:
 
 
 def load_inputs(cfg: TrainConfig) -> RunInputs:
-    tokenizer = load_tokenizer(tokenizer_spec(cfg))
-    train = load_dataset(cfg.data, tokenizer, "train")
-    has_val = cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
-    val = load_dataset(cfg.data, tokenizer, "val") if has_val and (cfg.data.task != "files" or cfg.data.val_files) else None
-    task = task_of(cfg.data)
-    return RunInputs(tokenizer, train, val, build_reward_fn(cfg.reward, task), build_credit_fn(cfg.reward, task))
+    """Vocabulary, prompts and rewards of the run. What they refuse (a missing file, a task option, a prompt over
+    ``data.max_prompt_length``, a plug-in that does not load) is a :class:`ConfigError` in one line."""
+    try:
+        tokenizer = load_tokenizer(tokenizer_spec(cfg))
+        train = load_dataset(cfg.data, tokenizer, "train")
+        has_val = cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
+        val = load_dataset(cfg.data, tokenizer, "val") if has_val else None
+        task = task_of(cfg.data)
+        return RunInputs(tokenizer, train, val, build_reward_fn(cfg.reward, task), build_credit_fn(cfg.reward, task))
+    except (ValueError, KeyError, FileNotFoundError) as error:
+        text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)  # KeyError quotes its text
+        raise ConfigError(" ".join(str(text).split())) from None
 
 
-def random_model_config(cfg: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
-    """The architecture of a randomly initialised policy (no ``model.path``): the vocabulary is the tokenizer's."""
+def random_model_config(cfg: TrainConfig, tokenizer: Optional[Tokenizer]) -> ModelConfig:
+    """The architecture of a randomly initialised policy (no ``model.path``): the vocabulary is the tokenizer's.
+    Without a tokenizer (checking the config before the vocabulary is loaded) the vocabulary is a placeholder."""
     m = cfg.model
+    vocab = dict(vocab_size=1) if tokenizer is None else dict(
+        vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+    )
     return ModelConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, rope_theta=m.rope_theta,
+        hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, rope_theta=m.rope_theta,
         tie_word_embeddings=m.tie_word_embeddings, max_position_embeddings=m.max_position_embeddings,
-        dtype=m.dtype, param_dtype=m.param_dtype, model_type=m.model_type, remat=m.remat,
-        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+        dtype=m.dtype, param_dtype=m.param_dtype, model_type=m.model_type, remat=m.remat, **vocab,
     )
 
 
@@ -124,25 +134,24 @@ class Sampler:
 
 
 def sampling_params(
-    cfg: TrainConfig, tokenizer: Tokenizer, *, validation: bool = False, greedy_baseline: bool = False
+    cfg: TrainConfig, tokenizer: Optional[Tokenizer], *, validation: bool = False, greedy_baseline: bool = False
 ) -> SamplingParams:
     """How the trainer samples: training rollouts (``rollout.*``), validation (``rollout.val_*``) or the one
-    greedy response per prompt whose reward is ReMax's baseline."""
-    eos = (tokenizer.eos_id,) if tokenizer.eos_id is not None else ()
+    greedy response per prompt whose reward is ReMax's baseline. Without a tokenizer (checking the config before
+    the vocabulary is loaded) there is no EOS and padding is token 0."""
+    eos = (tokenizer.eos_id,) if tokenizer is not None and tokenizer.eos_id is not None else ()
+    tokens = dict(eos_token_ids=eos, pad_token_id=0 if tokenizer is None else tokenizer.pad_id)
     if greedy_baseline:
-        return SamplingParams(
-            max_new_tokens=cfg.rollout.max_response_length, greedy=True, n=1, eos_token_ids=eos,
-            pad_token_id=tokenizer.pad_id,
-        )
+        return SamplingParams(max_new_tokens=cfg.rollout.max_response_length, greedy=True, n=1, **tokens)
     if validation:
         greedy = cfg.rollout.val_temperature <= 0
         return SamplingParams(
             max_new_tokens=cfg.rollout.max_response_length, temperature=1.0 if greedy else cfg.rollout.val_temperature,
-            greedy=greedy, n=cfg.rollout.val_n, eos_token_ids=eos, pad_token_id=tokenizer.pad_id,
+            greedy=greedy, n=cfg.rollout.val_n, **tokens,
         )
     return SamplingParams(
         max_new_tokens=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
-        top_p=cfg.rollout.top_p, n=cfg.rollout.n, eos_token_ids=eos, pad_token_id=tokenizer.pad_id,
+        top_p=cfg.rollout.top_p, n=cfg.rollout.n, **tokens,
     )
 
 

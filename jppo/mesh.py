@@ -79,8 +79,8 @@ def resolve_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[
         shape[free[0]] = num_devices // fixed
     elif fixed != num_devices:
         raise ValueError(
-            f"mesh data={shape['data']} x fsdp={shape['fsdp']} x tensor={shape['tensor']} = {fixed} devices, "
-            f"but {num_devices} are available"
+            f"mesh.data={shape['data']} x mesh.fsdp={shape['fsdp']} x mesh.tensor={shape['tensor']} = {fixed} "
+            f"devices, but {num_devices} are available"
         )
     return shape["data"], shape["fsdp"], shape["tensor"]
 

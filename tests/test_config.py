@@ -4,6 +4,7 @@ import pathlib
 
 import pytest
 
+from jppo.components import load_inputs
 from jppo.config import ConfigError, check_mesh, engine_update_config, load_config, save_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -63,6 +64,34 @@ def test_resolved_config_round_trips(tmp_path):
         (["model.dtype=float8"], "model.dtype='float8'"),
         (["not_a_section.x=1"], "not_a_section"),
         (["actor"], "key.sub=value"),
+        # values a component would refuse at run time, refused here under the key that holds them
+        (["actor.clip_ratio_c=0.5"], "actor.clip_ratio_c=0.5 is invalid: it must be > 1 (the dual-clip bound)"),
+        (["actor.policy_loss=dppo_tv", "actor.clip_ratio_c=0"], "actor.clip_ratio_c=0.0 is invalid: it must be > 0"),
+        (["actor.clip_ratio_low=-0.1"], "actor.clip_ratio_low=-0.1 is invalid: it must be >= 0"),
+        (["actor.policy_loss=sapo", "actor.tau_neg=0"], "actor.tau_neg=0.0 is invalid: it must be > 0"),
+        (["rollout.val_n=0"], "rollout.val_n=0 is invalid: it must be an integer >= 1"),
+        (["rollout.val_n=-1"], "rollout.val_n=-1 is invalid: it must be an integer >= 1"),
+        (["rollout.top_k=-1"], "rollout.top_k=-1 is invalid: it must be an integer >= 0"),
+        (["rollout.max_response_length=0"], "rollout.max_response_length=0 is invalid"),
+        (["rollout.val_temperature=nan"], "rollout.val_temperature=nan must be a finite number"),
+        (["actor.optim.beta2=1.0"], "actor.optim.beta2=1.0 is invalid: it must be in [0, 1)"),
+        (["critic.optim.warmup_steps=-1"], "critic.optim.warmup_steps=-1 is invalid: it must be >= 0"),
+        (["model.num_heads=3"], "model.num_heads=3 is invalid: it must be a divisor of hidden_size=64"),
+        (["model.num_kv_heads=3"], "model.num_kv_heads=3 is invalid: it must be a divisor of num_heads=8"),
+        (["model.max_position_embeddings=0"], "model.max_position_embeddings=0 is invalid"),
+        (["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=0"],
+         "algorithm.kl_ctrl.horizon=0 is invalid: it must be > 0"),
+        (["algorithm.gamma=1.5"], "algorithm.gamma=1.5 must be in [0, 1]"),
+        (["trainer.max_checkpoints_to_keep=0"], "trainer.max_checkpoints_to_keep=0 must be > 0"),
+        (["trainer.seed=-1"], "trainer.seed=-1 must be in [0, 2**32)"),
+        (["trainer.resume=''"], "trainer.resume is empty"),
+        (["trainer.output_dir=' '"], "trainer.output_dir=' ' must name a directory"),
+        (["trainer.output_dir=configs/quickstart.yaml/run"], "quickstart.yaml' is a file, not a directory"),
+        (["critic.use_dynamic_bsz=true", "critic.ppo_max_token_len=12"],
+         "critic.ppo_max_token_len=12 must be >= the longest sequence, data.max_prompt_length + "
+         "rollout.max_response_length = 13 tokens"),
+        (["data.task_options=[1,2]"], "override 'data.task_options=[1,2]' is invalid"),
+        (["data.task_options={a: 1"], "override 'data.task_options={a: 1' is not valid YAML"),
     ],
 )
 def test_errors_name_the_key_and_value(overrides, message):
@@ -118,3 +147,38 @@ def test_a_task_given_on_the_command_line_starts_from_its_own_default_options():
     assert with_options.data.task_options == {"min_len": 3, "max_len": 4}  # same task: the file's options stay
     replaced = load_config(quickstart, ["data.task=add_small", "data.task_options.max_operand=9"])
     assert replaced.data.task_options == {"max_operand": 9}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.task_options={min_len: 4, max_len: 3}"], "data.task_options min_len=4, max_len=3 are invalid"),
+    (["data.task_options={min_len: true}"], "data.task_options min_len=True"),
+    (["model.tokenizer=abc"], "tokenizer 'abc' (model.tokenizer"),
+    (["data.max_prompt_length=2"], "data.max_prompt_length=2"),
+])
+def test_what_the_inputs_refuse_is_a_config_error(overrides, message):
+    """Prompts, vocabulary and rewards are read by load_inputs: their refusals are config errors too."""
+    with pytest.raises(ConfigError) as error:
+        load_inputs(load_config(ROOT / "configs" / "quickstart.yaml", ["data.num_train_examples=8", *overrides]))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_validation_without_held_out_prompts_is_refused(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "12=", "answer": "21"}\n')
+    files = ["data.task=files", f"data.train_files={tmp_path / 'train.jsonl'}", "model.tokenizer=builtin:reverse_digits"]
+    for flag in ("trainer.val_every=5", "trainer.val_before_train=true"):
+        with pytest.raises(ConfigError, match=f"{flag.split('=')[0]}=.* needs held-out prompts"):
+            load_config(None, [*files, flag])
+
+
+def test_a_cosine_schedule_decays_over_the_run():
+    """Without optim.decay_steps the cosine decay spans the role's optimizer steps after warm-up (it used to end
+    after one optimizer step)."""
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", [
+        "actor.optim.lr_schedule=cosine", "actor.optim.warmup_steps=10", "critic.optim.lr_schedule=cosine",
+        "trainer.critic_warmup=4",
+    ])
+    # 400 steps x 2 epochs x 128 / 64 mini-batches; the actor sits out 4 steps
+    assert engine_update_config(cfg, "critic").optim.decay_steps == 400 * 4
+    assert engine_update_config(cfg, "actor").optim.decay_steps == 396 * 4 - 10
+    explicit = load_config(None, ["actor.optim.lr_schedule=cosine", "actor.optim.decay_steps=7"])
+    assert engine_update_config(explicit, "actor").optim.decay_steps == 7

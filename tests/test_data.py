@@ -81,7 +81,7 @@ def test_char_tokenizer_round_trip_and_specials():
         (lambda: CharTokenizer("0110"), r"repeats the characters \['0', '1'\]"),
         (lambda: CharTokenizer(""), "alphabet is empty"),
         (lambda: CharTokenizer("01").apply_chat_template([{"role": "user", "content": "1"}]), "no chat template"),
-        (lambda: load_tokenizer("builtin:nope"), r"data.task='nope' is unknown; valid tasks: \['add_small', 'reverse_d"),
+        (lambda: load_tokenizer("builtin:nope"), r"'builtin:nope' \(model.tokenizer\): task 'nope' has no built-in vocabulary"),
         (lambda: load_tokenizer("/no/such/dir"), "neither 'builtin:<task>' nor an existing directory"),
     ],
 )

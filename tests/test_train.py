@@ -164,8 +164,13 @@ def cli(*args: str) -> subprocess.CompletedProcess:
         (["actor.ppo_micro_batch_size=3"], "actor.ppo_micro_batch_size=3"),
         (["data.task=files", "data.train_files=/nonexistent/train.jsonl"], "data.train_files='/nonexistent/train.jsonl'"),
         (["model.path=/nonexistent/ckpt"], "model.path='/nonexistent/ckpt'"),
-        (["mesh.data=3"], "mesh data=3"),
+        (["mesh.data=3"], "mesh.data=3"),
         (["actor.policy_loss=gspo"], "actor.policy_loss='gspo' needs actor.loss_agg_mode='seq-mean-token-mean'"),
+        # once crashes with a traceback (issue 17)
+        (["actor.clip_ratio_c=0.5"], "actor.clip_ratio_c=0.5 is invalid: it must be > 1"),
+        (["rollout.val_n=0"], "rollout.val_n=0 is invalid: it must be an integer >= 1"),
+        (["data.task_options=[1,2]"], "data.task_options=[1,2]"),
+        (["model.tokenizer=abc"], "model.tokenizer"),
     ],
 )
 def test_config_errors_are_one_line_with_exit_status_2(tmp_path, overrides, message):

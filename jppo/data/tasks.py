@@ -107,6 +107,11 @@ def _generate(
     return examples
 
 
+def _is_int(value: Any) -> bool:
+    """An integer option, and not a boolean (``true`` is an ``int`` to Python, but not a length)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_digits(text: str) -> bool:
     return bool(re.fullmatch(r"[0-9]+", text))
 
@@ -147,10 +152,10 @@ class ReverseDigits(_DigitAnswerTask):
     alphabet: str = dataclasses.field(default="0123456789=", init=False)
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.min_len, int) and isinstance(self.max_len, int) and 1 <= self.min_len <= self.max_len):
+        if not (_is_int(self.min_len) and _is_int(self.max_len) and 1 <= self.min_len <= self.max_len):
             raise ValueError(
-                f"reverse_digits options min_len={self.min_len!r}, max_len={self.max_len!r} are invalid: "
-                "they must be integers with 1 <= min_len <= max_len"
+                f"data.task_options min_len={self.min_len!r}, max_len={self.max_len!r} are invalid for task "
+                "'reverse_digits': they must be integers with 1 <= min_len <= max_len"
             )
 
     def _draw(self, rng: random.Random) -> tuple[str, str]:
@@ -172,9 +177,10 @@ class AddSmall(_DigitAnswerTask):
     alphabet: str = dataclasses.field(default="0123456789+=", init=False)
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.max_operand, int) and self.max_operand >= 1):
+        if not (_is_int(self.max_operand) and self.max_operand >= 1):
             raise ValueError(
-                f"add_small option max_operand={self.max_operand!r} is invalid: it must be an integer >= 1"
+                f"data.task_options max_operand={self.max_operand!r} is invalid for task 'add_small': it must be an "
+                "integer >= 1"
             )
 
     def _draw(self, rng: random.Random) -> tuple[str, str]:

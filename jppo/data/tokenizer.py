@@ -19,7 +19,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 import tokenizers
 
-from jppo.data.tasks import get_task
+from jppo.data.tasks import BUILTIN_TASKS
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -243,15 +243,16 @@ def load_tokenizer(spec: str) -> Tokenizer:
     """``"builtin:<task>"`` (the character vocabulary of a built-in task) or a directory with ``tokenizer.json``."""
     if spec.startswith(BUILTIN_PREFIX):
         task_name = spec[len(BUILTIN_PREFIX) :]
-        task = get_task(task_name)
-        if task.alphabet is None:
+        alphabet = getattr(BUILTIN_TASKS.get(task_name), "alphabet", None)  # only the built-in tasks spell their own
+        if alphabet is None:
             raise ValueError(
-                f"tokenizer {spec!r}: task {task_name!r} has no built-in vocabulary; "
-                "give a Hugging Face tokenizer directory"
+                f"tokenizer {spec!r} (model.tokenizer): task {task_name!r} has no built-in vocabulary (built-in: "
+                f"{', '.join(BUILTIN_PREFIX + name for name in BUILTIN_TASKS)}); give a Hugging Face tokenizer directory"
             )
-        return CharTokenizer(task.alphabet)
+        return CharTokenizer(alphabet)
     if not pathlib.Path(spec).is_dir():
         raise ValueError(
-            f"tokenizer {spec!r} is neither 'builtin:<task>' nor an existing directory with tokenizer.json"
+            f"tokenizer {spec!r} (model.tokenizer, default model.path) is neither 'builtin:<task>' nor an existing "
+            "directory with tokenizer.json"
         )
     return HFTokenizer.from_dir(spec)

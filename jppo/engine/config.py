@@ -27,7 +27,7 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global norm of the accumulated gradient; <= 0 turns clipping off
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # "constant" or "cosine"
-    decay_steps: int = 0  # optimizer steps of the cosine decay after warm-up (the trainer derives it)
+    decay_steps: int = 0  # optimizer steps of the cosine decay after warm-up; 0: the trainer's run after warm-up
     min_lr_ratio: float = 0.0
 
 
