@@ -7,6 +7,8 @@ Figures (each written only when at least one of its metrics is in the file):
   (their scales differ by orders of magnitude);
 - ``kl.png``: ``actor/ppo_kl`` (policy vs. rollout policy) and ``actor/kl_loss`` (policy vs. reference);
 - ``response_length.png``: ``response_length/mean`` with ``/min`` .. ``/max`` shaded;
+- ``validation.png``: ``val/reward/mean`` and ``val/accuracy`` on the held-out prompts, from step 0 when the run
+  validated before training (``trainer.val_before_train``);
 - ``summary.png``: a grid of reward, response length, the losses and KL.
 
 Missing metrics are skipped; ``null`` values (NaN/inf at log time) leave gaps. Figures are drawn on matplotlib's
@@ -57,6 +59,7 @@ CHARTS: dict[str, Chart] = {
     "entropy": Chart("Entropy", "actor/entropy", ("actor/entropy",)),
     "kl_loss": Chart("KL loss (to reference)", "actor/kl_loss", ("actor/kl_loss",)),
     "kl": Chart("KL divergence", "KL", ("actor/ppo_kl", "actor/kl_loss")),
+    "validation": Chart("Validation (held-out prompts)", "reward", ("val/reward/mean", "val/accuracy")),
 }
 
 FIGURES: dict[str, tuple[str, ...]] = {
@@ -64,6 +67,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "losses.png": ("pg_loss", "vf_loss", "entropy", "kl_loss"),
     "kl.png": ("kl",),
     "response_length.png": ("response_length",),
+    "validation.png": ("validation",),
     "summary.png": ("reward", "response_length", "pg_loss", "vf_loss", "entropy", "kl"),
 }
 

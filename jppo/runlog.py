@@ -4,8 +4,10 @@ Named ``runlog`` rather than ``logging``: a ``jppo/logging.py`` would shadow the
 anything run with ``jppo/`` on ``sys.path`` (``python jppo/some_script.py``), and jax, orbax and absl all import it.
 
 Steps are numbered from 1, like verl's ``global_steps``: ``log(step, ...)`` after the ``step``-th training step.
-``start_step`` is the first step a run will log (``checkpoint step + 1`` on resume); any line of an earlier,
-interrupted run with ``step >= start_step`` is dropped when the logger opens, so the file holds each step once.
+Step 0 holds what is measured before the first step (the trainer's ``val_before_train``, which verl also logs at
+global step 0). ``start_step`` is the first step a run will log (0 for a fresh run, ``checkpoint step + 1`` on
+resume); any line of an earlier, interrupted run with ``step >= start_step`` is dropped when the logger opens, and
+TensorBoard is told to hide that run's events from ``start_step`` on, so each step is shown once.
 
 ``metrics.jsonl`` holds one JSON object per line, ``{"step": 12, "actor/pg_loss": -0.01, ...}``, flushed as it is
 written. NaN and infinities are not valid JSON; they are written as ``null`` (TensorBoard still gets the float).
@@ -58,8 +60,8 @@ class RunLogger:
     """Writes each step's metrics to ``output_dir/metrics.jsonl``, TensorBoard and the terminal.
 
     On a terminal (``stream.isatty()``) a tqdm bar shows step/total, rate, ETA and the :data:`KEY_METRICS`;
-    elsewhere (CI logs) one compact line is printed every ``summary_every`` steps, on the first step logged and on
-    the last. Only the main process writes: with ``is_main_process=False`` every method does nothing.
+    elsewhere (CI logs) one compact line is printed every ``summary_every`` steps, on the first step logged (and
+    the first training step after step 0) and on the last. Only the main process writes: with ``is_main_process=False`` every method does nothing.
     """
 
     def __init__(
@@ -97,11 +99,11 @@ class RunLogger:
             # Imported here: tensorboardX imports torch and boto3 when they are installed (seconds of start-up).
             from tensorboardX import SummaryWriter
 
-            # purge_step makes TensorBoard hide an interrupted run's events from start_step on. The suffix keeps
-            # two writers started in the same second from truncating each other's file (the name has seconds).
+            # purge_step makes TensorBoard hide an earlier run's events from start_step on (all of them for a
+            # fresh run). The suffix keeps two writers started in the same second from truncating each other's
+            # file (the name has seconds).
             self._tensorboard = SummaryWriter(
-                str(output_dir / TENSORBOARD_DIR), purge_step=start_step if start_step > 0 else None,
-                filename_suffix=f".{uuid.uuid4().hex[:8]}",
+                str(output_dir / TENSORBOARD_DIR), purge_step=start_step, filename_suffix=f".{uuid.uuid4().hex[:8]}",
             )
         if progress_bar:
             self._stream = stream if stream is not None else sys.stderr
@@ -128,7 +130,7 @@ class RunLogger:
             for name, value in values.items():
                 self._tensorboard.add_scalar(name, value, step)
             self._tensorboard.flush()
-        first = self._last_step is None
+        first = self._last_step in (None, 0)  # the first training step gets its line after step 0's too
         self._last_step = step
         self._show(step, values, first)
 
@@ -167,6 +169,8 @@ class RunLogger:
             print(self._summary_line(step, key_values), file=self._stream, flush=True)
 
     def _summary_line(self, step: int, key_values: str) -> str:
+        if step == 0:  # no training step yet: no rate, no ETA
+            return " | ".join([f"step 0/{self._total_steps}", "before training"] + ([key_values] if key_values else []))
         steps_done = step - max(self._start_step - 1, 0)
         seconds_per_step = (time.monotonic() - self._started) / max(steps_done, 1)
         eta = _duration(seconds_per_step * max(self._total_steps - step, 0))

@@ -342,11 +342,13 @@ def run(
         trainer.restore(manager, resume)
         log.info("resumed from %s at step %d", resume, trainer.step_done)
     last: dict[str, float] = {}
+    fresh = trainer.step_done == 0
     with RunLogger(
         out, total_steps=cfg.trainer.total_steps, tensorboard=cfg.trainer.tensorboard,
-        progress_bar=cfg.trainer.progress_bar, start_step=trainer.step_done + 1, is_main_process=main,
+        progress_bar=cfg.trainer.progress_bar, start_step=0 if fresh else trainer.step_done + 1, is_main_process=main,
     ) as logger:
-        if cfg.trainer.val_before_train and inputs.val_data is not None and trainer.step_done == 0:
+        if cfg.trainer.val_before_train and inputs.val_data is not None and fresh:
+            # the initial policy's validation, at step 0 (verl's global step 0); a resumed run does not repeat it
             logger.log(0, trainer.validate())
         while trainer.step_done < cfg.trainer.total_steps:
             last = trainer.step()

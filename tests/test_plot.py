@@ -101,3 +101,14 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert result.returncode == 2 and result.stdout == ""
     absent = str(tmp_path / "absent")
     assert result.stderr.splitlines() == [f"jppo.plot: error: run directory {absent!r} does not exist"]
+
+
+def test_validation_before_training_is_plotted_from_step_zero(tmp_path):
+    records = [{"step": 0, "val/reward/mean": 0.1, "val/accuracy": 0.0}] + full_run(4)
+    records[-1].update({"val/reward/mean": 0.6, "val/accuracy": 0.5})
+    run = write_run(tmp_path / "run", records)
+    steps, values = load_series(run)["val/reward/mean"]
+    assert steps.tolist() == [0, 4] and values.tolist() == [0.1, 0.6]
+    assert load_series(run)["reward/mean"][0].tolist() == [1, 2, 3, 4]
+    paths = plot_run(run)
+    assert run / "plots" / "validation.png" in paths and png_size(run / "plots" / "validation.png") == (500, 360)

@@ -122,7 +122,8 @@ def test_tensorboard_scalars_and_purge_on_resume(tmp_path):
     assert scalars(events) == [
         ("actor/pg_loss", 1, 0.25), ("actor/pg_loss", 2, -0.5), ("actor/pg_loss", 2, 0.75), ("reward/mean", 1, 1.5),
     ]
-    assert [event.step for event in events if event.session_log.status == SessionLog.START] == [2]
+    # the fresh run hid everything before it (step 0 on), the resumed one hides the first run's steps from 2 on
+    assert sorted(event.step for event in events if event.session_log.status == SessionLog.START) == [0, 2]
 
 
 def test_summary_lines_off_a_terminal(tmp_path):
@@ -183,3 +184,16 @@ def test_bad_input_is_a_one_line_error(tmp_path):
         RunLogger(tmp_path, total_steps=0)
     with pytest.raises(ValueError, match="summary_every=0 is invalid"):
         RunLogger(tmp_path, total_steps=3, summary_every=0)
+
+
+def test_step_zero_holds_what_is_measured_before_training(tmp_path):
+    """A fresh run logs validation before training at step 0 (verl's global step 0); a resumed run keeps it."""
+    stream = io.StringIO()
+    with RunLogger(tmp_path, total_steps=3, tensorboard=False, stream=stream) as logger:
+        logger.log(0, {"val/reward/mean": 0.25})
+        logger.log(1, {"reward/mean": 0.5})
+    assert stream.getvalue().splitlines()[0] == "step 0/3 | before training"
+    assert re.match(r"step 1/3 \| [-+0-9.e]+ s/step \| eta ", stream.getvalue().splitlines()[1])
+    with RunLogger(tmp_path, total_steps=3, tensorboard=False, progress_bar=False, start_step=2) as resumed:
+        resumed.log(2, {"reward/mean": 0.75})
+    assert [record["step"] for record in read_metrics(tmp_path / METRICS_FILE)] == [0, 1, 2]

@@ -57,6 +57,18 @@ def test_quickstart_smoke_writes_metrics_checkpoints_plots_and_config(tmp_path):
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
 
 
+def test_validation_before_training_is_logged_at_step_zero_and_plotted(tmp_path):
+    """``trainer.val_before_train`` validates the initial policy and logs it at step 0 (verl's global step 0); the
+    plots show it, and a resumed run does not repeat it."""
+    val = ["trainer.val_before_train=true", "data.num_val_examples=16", "data.val_batch_size=16"]
+    rows = train(tmp_path, "trainer.total_steps=1", "trainer.plots=true", "trainer.tensorboard=true", *val)
+    assert [row["step"] for row in rows] == [0, 1]
+    assert set(rows[0]) == {"step", "val/reward/mean", "val/accuracy"} and 0 <= rows[0]["val/reward/mean"] <= 1
+    assert (tmp_path / "plots" / "validation.png").is_file()
+    resumed = train(tmp_path, "trainer.total_steps=2", *val)
+    assert [row["step"] for row in resumed] == [0, 1, 2] and resumed[0] == rows[0]
+
+
 def test_grpo_config_trains_without_a_critic_on_group_relative_advantages(tmp_path, monkeypatch):
     import jppo.train as train_module
 
