@@ -23,6 +23,7 @@ import argparse
 import pathlib
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any, Mapping, Sequence
@@ -32,7 +33,7 @@ import jax
 
 from bench.report import section
 from jppo import components, train
-from jppo.config import check_mesh, load_config
+from jppo.config import ConfigError, check_mesh, load_config
 from jppo.runlog import METRICS_FILE, RunLogger, read_metrics
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
@@ -64,6 +65,18 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def run_overrides(out: str | pathlib.Path, quick: bool, extra_overrides: Sequence[str]) -> list[str]:
+    return [f"trainer.output_dir={out}", "trainer.resume=never", *(QUICK_OVERRIDES if quick else ()), *extra_overrides]
+
+
+def check_overrides(quick: bool, extra_overrides: Sequence[str], config: str | pathlib.Path = QUICKSTART) -> None:
+    """Validates the run's config as the trainer's CLI does, before any benchmark runs: a bad ``--set`` is a
+    :class:`~jppo.config.ConfigError` in one line, not a traceback after minutes of other measurements."""
+    with tempfile.TemporaryDirectory() as scratch:
+        check_mesh(load_config(config, run_overrides(pathlib.Path(scratch) / "run", quick, extra_overrides)),
+                   jax.device_count())
+
+
 def measure(
     quick: bool,
     run_dir: str | pathlib.Path | None = None,
@@ -77,9 +90,7 @@ def measure(
     with tempfile.TemporaryDirectory() as scratch:
         out = pathlib.Path(run_dir) if run_dir is not None else pathlib.Path(scratch) / "run"
         shutil.rmtree(out, ignore_errors=True)
-        overrides = [
-            f"trainer.output_dir={out}", "trainer.resume=never", *(QUICK_OVERRIDES if quick else ()), *extra_overrides
-        ]
+        overrides = run_overrides(out, quick, extra_overrides)
         cfg = load_config(config, overrides)
         mesh_shape = check_mesh(cfg, jax.device_count())
         marks: list[tuple[int, float, float]] = []
@@ -139,16 +150,22 @@ def summarize(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.end_to_end", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps, no validation (CI smoke run)")
     parser.add_argument("--run-dir", help="keep the run's output here (default: a temporary directory)")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="config override applied last (repeatable)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    try:
+        check_overrides(args.quick, args.set)
+    except ConfigError as error:
+        print(f"bench.end_to_end: error: --set: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
     print(section("end_to_end", measure(args.quick, args.run_dir, extra_overrides=args.set)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

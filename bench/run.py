@@ -34,6 +34,7 @@ import jax
 from bench import accelerator, accumulation, end_to_end, memory, sampler, update_vs_torch
 from bench.environment import describe, match_torch_threads
 from bench.report import write_markdown
+from jppo.config import ConfigError
 
 # Smoke mode compiles with LLVM optimisation off: about half the compile time, the same programs.
 QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0"
@@ -154,17 +155,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the numeric arguments, in one line (``None``: nothing)."""
+    if args.repeats is not None and args.repeats < 1:
+        return f"--repeats={args.repeats} must be >= 1"
+    for flag, value in (("--peak-tflops", args.peak_tflops), ("--bandwidth-gbs", args.bandwidth_gbs)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            return f"{flag}={value} must be a finite number > 0"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.repeats is not None and args.repeats < 1:
-        raise SystemExit(f"bench.run: error: --repeats={args.repeats} must be >= 1")
+    problem = argument_problem(args)
+    if problem is not None:
+        print(f"bench.run: error: {problem}", file=sys.stderr)
+        return 2
     if args.quick:
         # before the backend starts (XLA reads its flags once); child processes inherit it
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_XLA_FLAGS}".strip()
     names = selected(args)
-    jax.config.update("jax_enable_compilation_cache", False)  # compile times are part of what is measured
     out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if "end_to_end" in names:  # its config, checked before minutes of other benchmarks
+            end_to_end.check_overrides(args.quick, args.e2e_set)
+    except OSError as error:
+        print(f"bench.run: error: --out {str(out)!r}: {error.strerror or error}", file=sys.stderr)
+        return 2
+    except ConfigError as error:
+        print(f"bench.run: error: --e2e-set: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    jax.config.update("jax_enable_compilation_cache", False)  # compile times are part of what is measured
     started = time.perf_counter()
     environment = describe() | {
         "torch_threads": match_torch_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")

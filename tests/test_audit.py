@@ -68,3 +68,15 @@ def test_audit_exit_status_depends_on_every_metric(capsys, monkeypatch):
     values = last_values(out)
     assert values["max_rel_grad_diff"] <= 1e-4 and values["max_rel_metric_diff"] > 1e-3
     assert "actor/pg_clipfrac" in out
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.val_n=0"], "rollout.val_n=0 is invalid"),
+    (["actor.clip_ratio_c=0.5"], "actor.clip_ratio_c=0.5 is invalid"),
+    (["data.task_options=[1,2]"], "data.task_options=[1,2]"),
+    (["model.tokenizer=abc"], "model.tokenizer"),
+])
+def test_odd_arguments_are_refused_in_one_line(capsys, overrides, message):
+    assert main(["--config", CONFIG, *overrides]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jppo.audit: error: ") and message in lines[0], lines

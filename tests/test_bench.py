@@ -158,3 +158,29 @@ def test_row_movement_benchmark_smoke():
     assert set(ratios) == {"global_vs_per_shard_cut", "per_shard_cut_vs_update", "global_cut_vs_update",
                            "device_row_move_vs_update"}
     assert all(math.isfinite(float(value)) and float(value) > 0 for value in ratios.values())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--repeats", "0"], "--repeats=0 must be >= 1"),
+    (["--peak-tflops", "nan"], "--peak-tflops=nan must be a finite number > 0"),
+    (["--bandwidth-gbs", "-1"], "--bandwidth-gbs=-1.0 must be a finite number > 0"),
+    (["--only", "end_to_end", "--e2e-set", "rollout.val_n=0"], "--e2e-set: rollout.val_n=0 is invalid"),
+    (["--only", "end_to_end", "--e2e-set", "data.task_options=[1,2]"], "--e2e-set: override 'data.task_options"),
+])
+def test_run_refuses_odd_arguments_in_one_line_before_measuring(tmp_path, capsys, args, message):
+    assert bench_run.main(["--out", str(tmp_path / "out"), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench.run: error: ") and message in lines[0], lines
+
+
+def test_run_refuses_an_output_directory_it_cannot_create(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert bench_run.main(["--only", "sampler", "--out", str(tmp_path / "file" / "out")]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_end_to_end_refuses_a_bad_override_in_one_line(capsys):
+    assert end_to_end.main(["--quick", "--set", "actor.clip_ratio_c=0.5"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "bench.end_to_end: error: --set: actor.clip_ratio_c=0.5 is invalid: it must be > 1 (the dual-clip bound)"
+    )

@@ -496,3 +496,15 @@ def test_prepare_gsm8k_errors(tmp_path):
     source = write_jsonl(tmp_path / "t.jsonl", [{"question": "q"}])
     with pytest.raises(KeyError, match=r"t.jsonl row 1 has no text under \['answer'\]"):
         prepare_gsm8k.convert(source, str(tmp_path / "o.jsonl"))
+
+
+@pytest.mark.parametrize("make_args, message", [
+    (lambda tmp: [str(tmp / "missing.jsonl"), str(tmp / "o.jsonl")], "missing.jsonl' does not exist"),
+    (lambda tmp: [str(write_jsonl(tmp / "t.jsonl", [{"question": "q"}])), str(tmp / "o.jsonl")],
+     "t.jsonl row 1 has no text under ['answer']"),
+    (lambda tmp: [str(write_jsonl(tmp / "g.jsonl", GSM8K_ROWS)), str(tmp / "g.jsonl" / "o.jsonl")], "Not a directory"),
+])
+def test_prepare_gsm8k_cli_refuses_in_one_line(tmp_path, capsys, make_args, message):
+    assert prepare_gsm8k.main(make_args(tmp_path)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prepare_gsm8k: error: ") and message in lines[0], lines

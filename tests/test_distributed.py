@@ -140,6 +140,11 @@ def test_tpu_scripts_dry_run_print_the_gcloud_commands():
         ("setup.sh", ["--name", "n", "--zone", "z"], "give exactly one of --repo URL or --copy DIR"),
         ("launch.sh", ["--name", "n", "--zone", "z"], "missing --config"),
         ("create.sh", ["--name", "n", "--zone", "z", "--accelerator-type", "v4-8"], "gcloud is not installed"),
+        # an option without its value, or with another option in its place (which would then run for real)
+        ("create.sh", ["--name"], "--name needs a value"),
+        ("launch.sh", ["--name", "n", "--zone", "z", "--config", "c.yaml", "--collect", "--dry-run"],
+         "--collect needs a value"),
+        ("multinode.sh", ["--coordinator"], "--coordinator needs a value"),
     ],
 )
 def test_tpu_scripts_reject_bad_arguments(tmp_path, name, args, message):

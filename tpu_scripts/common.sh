@@ -26,6 +26,14 @@ require_gcloud() {
   fi
 }
 
+# takes OPTION [NEXT ...]: fail unless OPTION is followed by its value; an option in its place (`--collect
+# --dry-run`) would be swallowed as the value, and the command run for real.
+takes() {
+  if [[ $# -lt 2 || "$2" == --* ]]; then
+    die "$1 needs a value (see --help)"
+  fi
+}
+
 # need NAME VALUE: fail with a clear message when a required option is missing.
 need() {
   if [[ -z "$2" ]]; then

@@ -23,11 +23,11 @@ USAGE
 NAME="" ZONE="" TYPE="" VERSION="" PROJECT="" QUEUED=0 SPOT=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --name) NAME=${2:-}; shift 2 ;;
-    --zone) ZONE=${2:-}; shift 2 ;;
-    --accelerator-type) TYPE=${2:-}; shift 2 ;;
-    --version) VERSION=${2:-}; shift 2 ;;
-    --project) PROJECT=${2:-}; shift 2 ;;
+    --name) takes "$@"; NAME=$2; shift 2 ;;
+    --zone) takes "$@"; ZONE=$2; shift 2 ;;
+    --accelerator-type) takes "$@"; TYPE=$2; shift 2 ;;
+    --version) takes "$@"; VERSION=$2; shift 2 ;;
+    --project) takes "$@"; PROJECT=$2; shift 2 ;;
     --queued) QUEUED=1; shift ;;
     --spot) SPOT=1; shift ;;
     --dry-run) DRY_RUN=1; shift ;;

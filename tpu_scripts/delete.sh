@@ -19,11 +19,11 @@ USAGE
 NAME="" ZONE="" QUEUED=0 STOP_ONLY=0 PROJECT=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --name) NAME=${2:-}; shift 2 ;;
-    --zone) ZONE=${2:-}; shift 2 ;;
+    --name) takes "$@"; NAME=$2; shift 2 ;;
+    --zone) takes "$@"; ZONE=$2; shift 2 ;;
     --queued) QUEUED=1; shift ;;
     --stop-only) STOP_ONLY=1; shift ;;
-    --project) PROJECT=${2:-}; shift 2 ;;
+    --project) takes "$@"; PROJECT=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;

@@ -27,14 +27,14 @@ NAME="" ZONE="" CONFIG="" DIR='~/jppo' LOGS='~/jppo-logs' COLLECT="" BACKGROUND=
 OVERRIDES=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --name) NAME=${2:-}; shift 2 ;;
-    --zone) ZONE=${2:-}; shift 2 ;;
-    --config) CONFIG=${2:-}; shift 2 ;;
-    --dir) DIR=${2:-}; shift 2 ;;
-    --log-dir) LOGS=${2:-}; shift 2 ;;
-    --collect) COLLECT=${2:-}; shift 2 ;;
+    --name) takes "$@"; NAME=$2; shift 2 ;;
+    --zone) takes "$@"; ZONE=$2; shift 2 ;;
+    --config) takes "$@"; CONFIG=$2; shift 2 ;;
+    --dir) takes "$@"; DIR=$2; shift 2 ;;
+    --log-dir) takes "$@"; LOGS=$2; shift 2 ;;
+    --collect) takes "$@"; COLLECT=$2; shift 2 ;;
     --background) BACKGROUND=1; shift ;;
-    --project) PROJECT=${2:-}; shift 2 ;;
+    --project) takes "$@"; PROJECT=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; OVERRIDES=("$@"); break ;;

@@ -9,12 +9,19 @@
 # --rendezvous off right after CONFIG (before the overrides).
 set -euo pipefail
 usage() { echo "usage: $0 --coordinator HOST:PORT --num-processes N --process-id I CONFIG [key.sub=value ...]"; }
+# takes OPTION [NEXT ...]: fail unless OPTION is followed by its value (not by another option).
+takes() {
+  if [[ $# -lt 2 || "$2" == --* ]]; then
+    echo "$0: error: $1 needs a value" >&2
+    exit 2
+  fi
+}
 coordinator="" num="" id=""
 while [[ $# -gt 0 && "$1" == --* ]]; do
   case "$1" in
-    --coordinator) coordinator=${2:-}; shift 2 ;;
-    --num-processes) num=${2:-}; shift 2 ;;
-    --process-id) id=${2:-}; shift 2 ;;
+    --coordinator) takes "$@"; coordinator=$2; shift 2 ;;
+    --num-processes) takes "$@"; num=$2; shift 2 ;;
+    --process-id) takes "$@"; id=$2; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "$0: error: unknown argument $1" >&2; usage >&2; exit 2 ;;
   esac

@@ -25,15 +25,15 @@ USAGE
 NAME="" ZONE="" REPO="" REF="main" COPY="" DIR='~/jppo' GCS="" DATA='~/data' PROJECT=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --name) NAME=${2:-}; shift 2 ;;
-    --zone) ZONE=${2:-}; shift 2 ;;
-    --repo) REPO=${2:-}; shift 2 ;;
-    --ref) REF=${2:-}; shift 2 ;;
-    --copy) COPY=${2:-}; shift 2 ;;
-    --dir) DIR=${2:-}; shift 2 ;;
-    --gcs-data) GCS=${2:-}; shift 2 ;;
-    --data-dir) DATA=${2:-}; shift 2 ;;
-    --project) PROJECT=${2:-}; shift 2 ;;
+    --name) takes "$@"; NAME=$2; shift 2 ;;
+    --zone) takes "$@"; ZONE=$2; shift 2 ;;
+    --repo) takes "$@"; REPO=$2; shift 2 ;;
+    --ref) takes "$@"; REF=$2; shift 2 ;;
+    --copy) takes "$@"; COPY=$2; shift 2 ;;
+    --dir) takes "$@"; DIR=$2; shift 2 ;;
+    --gcs-data) takes "$@"; GCS=$2; shift 2 ;;
+    --data-dir) takes "$@"; DATA=$2; shift 2 ;;
+    --project) takes "$@"; PROJECT=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 from typing import Optional, Sequence
 
 from jppo.data.datasets import read_rows
@@ -44,14 +45,20 @@ def convert(source: str, output: str) -> int:
     return len(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jppo.data.prepare_gsm8k", description=__doc__.splitlines()[0])
     parser.add_argument("source", help="GSM8K split as .parquet or .jsonl")
     parser.add_argument("output", help="jppo prompt/answer .jsonl to write")
     args = parser.parse_args(argv)
-    count = convert(args.source, args.output)
+    try:
+        count = convert(args.source, args.output)
+    except (ValueError, KeyError, OSError) as error:  # a missing or malformed source, an unwritable output
+        text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+        print(f"prepare_gsm8k: error: {' '.join(str(text).split())}", file=sys.stderr)
+        return 2
     print(f"wrote {count} examples to {args.output}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
