@@ -165,12 +165,8 @@ def inside(directory: str):
         os.chdir(previous)
 
 
-# The crashes issue 17 reported (each a traceback after start-up), pinned: they run first, in every CI run. The
-# validation before training also plots its step-0 point and takes an uneven last validation batch.
-ISSUE_17 = [
-    ["trainer.val_before_train=true", "trainer.plots=true", "data.val_batch_size=3"], ["actor.clip_ratio_c=0.5"],
-    ["rollout.val_n=0"], ["rollout.val_n=-1"],
-]
+# The crashes issue 17 reported (each a traceback after start-up), pinned: they run first, in every CI run.
+ISSUE_17 = [["trainer.val_before_train=true"], ["actor.clip_ratio_c=0.5"], ["rollout.val_n=0"], ["rollout.val_n=-1"]]
 
 
 def pinned(examples: list[list[str]]):
@@ -184,7 +180,7 @@ def pinned(examples: list[list[str]]):
     return add
 
 
-@fuzz_settings(examples=3)  # samples that train; refused ones are checked, then drawn again
+@fuzz_settings(examples=2)  # samples that train; refused ones are checked, then drawn again
 @given(config=st.sampled_from(CONFIGS), drawn=overrides(small=True))
 @pinned(ISSUE_17)
 def test_an_accepted_config_trains_a_step(config, drawn):
