@@ -139,10 +139,12 @@ def build_roles(cfg: TrainConfig, inputs: components.RunInputs) -> list[Role]:
     return roles
 
 
-def relative(a: float, b: float) -> float:
-    """``|a - b|`` relative to ``|b|``, and to 1e-3 for values smaller than that (a clip fraction or KL near 0 is
-    compared to the scale of the quantities it is computed from, not to itself)."""
-    return abs(a - b) / max(abs(b), 1e-3)
+def relative(name: str, a: float, b: float) -> float:
+    """``|a - b|`` relative to ``|b|``, and to the scale of the quantities the metric is computed from when it is
+    smaller than that: 1e-3 for a clip fraction or KL near 0, 1 for an explained variance (``1 - Var(d) / Var(t)``
+    near 0 is a difference of two numbers near 1, exact only to their float32 rounding)."""
+    floor = 1.0 if name.endswith("_explained_var") else 1e-3
+    return abs(a - b) / max(abs(b), floor)
 
 
 def gradient_diffs(outcome: Outcome, reference: Outcome) -> tuple[float, float]:
@@ -200,8 +202,8 @@ def audit(cfg: TrainConfig, inputs: components.RunInputs, quick: bool = False, o
                 outcome = role.run(mesh, batch, cut)
                 first, diff = gradient_diffs(outcome, reference)
                 missing = set(reference.metrics) ^ set(outcome.metrics)
-                metric_diffs = {name: relative(outcome.metrics[name], value) for name, value in reference.metrics.items()
-                                if name in outcome.metrics}
+                metric_diffs = {name: relative(name, outcome.metrics[name], value)
+                                for name, value in reference.metrics.items() if name in outcome.metrics}
                 metric_diffs.update({name: float("inf") for name in missing})
                 name, metric_diff = max(metric_diffs.items(), key=lambda item: item[1])
                 worst.first_step, worst.gradient = max(worst.first_step, first), max(worst.gradient, diff)
