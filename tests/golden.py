@@ -1,7 +1,8 @@
-"""Golden vectors computed with verl's own functions (see ``shared/golden/verl/golden_verl.md``).
+"""Golden vectors computed with verl's own functions, float64 (``tests/golden_verl/golden_verl.md`` describes
+every key).
 
-The file lives next to the repository, in the shared folder: ``<repo>/../shared/golden/verl``. A missing file is a
-test failure (never a skip): parity with verl is part of what the suite promises.
+The vectors ship with the repository, in ``tests/golden_verl/``, so the suite runs on a clone alone. A missing
+file is a test failure (never a skip): parity with verl is part of what the suite promises.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-GOLDEN_DIR = Path(__file__).parents[2] / "shared" / "golden" / "verl"
+GOLDEN_DIR = Path(__file__).parent / "golden_verl"
 
 
 @functools.cache
@@ -20,8 +21,8 @@ def load_golden() -> dict[str, np.ndarray]:
     path = GOLDEN_DIR / "golden_verl.npz"
     if not path.is_file():
         raise FileNotFoundError(
-            f"golden vectors not found at {path}: the verl parity tests need shared/golden/verl/golden_verl.npz "
-            "next to the repository checkout"
+            f"golden vectors not found at {path}: the verl parity tests need tests/golden_verl/golden_verl.npz "
+            "from the repository"
         )
     with np.load(path) as archive:
         return {key: archive[key] for key in archive.files}
