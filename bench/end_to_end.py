@@ -32,7 +32,7 @@ from unittest import mock
 import jax
 
 from bench.report import section
-from jppo import components, train
+from jppo import build, train
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.runlog import METRICS_FILE, RunLogger, read_metrics
 
@@ -95,7 +95,7 @@ def measure(
         mesh_shape = check_mesh(cfg, jax.device_count())
         marks: list[tuple[int, float, float]] = []
         started = time.perf_counter()
-        inputs = components.load_inputs(cfg)
+        inputs = build.load_inputs(cfg)
         with mock.patch.object(train, "RunLogger", _timed_logger(marks)):
             train.run(cfg, mesh_shape, inputs)
         total_s = time.perf_counter() - started

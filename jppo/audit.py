@@ -28,13 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jppo import components
+from jppo import build
 from jppo.config import ConfigError, TrainConfig, check_mesh, engine_update_config, load_config
 from jppo.engine import (
     UpdateStep, actor_loss_fn, check_batch_sizes, critic_loss_fn, cut_steps, init_train_state, run_updates,
 )
 from jppo.mesh import batch_shards, make_mesh
-from jppo.microbatch import SequenceBatch
+from jppo.experience import Experience
 from jppo.models import CheckpointError, param_shardings
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
@@ -50,7 +50,7 @@ def mesh_shapes(num_devices: int, rows: int) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def audit_batch(cfg: TrainConfig, inputs: components.RunInputs, rows: int, seed: int = 0) -> SequenceBatch:
+def audit_batch(cfg: TrainConfig, inputs: build.RunInputs, rows: int, seed: int = 0) -> Experience:
     """``rows`` sequences: configured prompts, random responses of random lengths (one empty), random
     advantages, old/ref log-probs, values and returns (what the losses need; their values do not matter here)."""
     rng = np.random.default_rng(seed)
@@ -68,11 +68,10 @@ def audit_batch(cfg: TrainConfig, inputs: components.RunInputs, rows: int, seed:
     vocab = inputs.tokenizer.vocab_size
     response_ids = np.where(attention, rng.integers(0, vocab, (rows, length)), 0).astype(np.int32)
     noise = lambda scale: np.where(attention, rng.normal(scale=scale, size=(rows, length)), 0.0).astype(np.float32)
-    per_token = {
-        "old_log_prob": noise(0.3) - 2.5, "ref_log_prob": noise(0.3) - 2.5, "advantages": noise(1.0),
-        "values": noise(1.0), "returns": noise(1.0),
-    }
-    return SequenceBatch(prompt_ids, prompt_mask, response_ids, attention, attention, per_token)
+    return Experience(
+        prompt_ids, prompt_mask, response_ids, attention, attention, old_log_prob=noise(0.3) - 2.5,
+        ref_log_prob=noise(0.3) - 2.5, advantages=noise(1.0), values=noise(1.0), returns=noise(1.0),
+    )
 
 
 def cuts(mini_batch: int, shards: int, longest: int, every: bool) -> list[tuple[str, dict]]:
@@ -110,7 +109,7 @@ class Role:
         self.loss_of, self.cfg = loss_of, update_cfg
         self.seed = seed
 
-    def run(self, mesh, batch: SequenceBatch, cut: dict) -> Outcome:
+    def run(self, mesh, batch: Experience, cut: dict) -> Outcome:
         """All mini-batches and epochs of step 1, exactly as the trainer runs them (same shuffling seed)."""
         cfg = dataclasses.replace(self.cfg, **cut)
         check_batch_sizes(cfg, batch.num_sequences, batch_shards(mesh), self.name)
@@ -125,15 +124,15 @@ class Role:
         return Outcome(per_step, updated.metrics, k)
 
 
-def build_roles(cfg: TrainConfig, inputs: components.RunInputs) -> list[Role]:
+def build_roles(cfg: TrainConfig, inputs: build.RunInputs) -> list[Role]:
     cpu = make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    policy = components.build_policy(cfg, inputs.tokenizer, cpu)
+    policy = build.build_policy(cfg, inputs.tokenizer, cpu)
     graphdef, params = nnx.split(policy, nnx.Param)
     seed = cfg.trainer.seed
     actor_loss = lambda update_cfg: actor_loss_fn(update_cfg, cfg.rollout.temperature)  # noqa: E731
     roles = [Role("actor", graphdef, params, actor_loss, engine_update_config(cfg, "actor"), seed)]
     if cfg.use_critic:
-        critic = components.build_critic(cfg, policy, cpu)
+        critic = build.build_critic(cfg, policy, cpu)
         critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
         roles.append(Role("critic", critic_graphdef, critic_params, critic_loss_fn, engine_update_config(cfg, "critic"), seed))
     return roles
@@ -170,7 +169,7 @@ class Worst:
         return self.first_step <= tolerance and self.gradient <= whole and self.metric <= whole
 
 
-def audit(cfg: TrainConfig, inputs: components.RunInputs, quick: bool = False, out=None) -> Worst:
+def audit(cfg: TrainConfig, inputs: build.RunInputs, quick: bool = False, out=None) -> Worst:
     """Prints the table; returns the largest relative differences. Every cut runs on one device; each mesh of all
     devices runs the finest cuts (``quick``: only the pure data-parallel mesh and a 3-D one)."""
     out = sys.stdout if out is None else out
@@ -222,7 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_mesh(cfg, jax.device_count())
-        inputs = components.load_inputs(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, val_every=0)))
+        inputs = build.load_inputs(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, val_every=0)))
     except (ConfigError, CheckpointError, ValueError, KeyError, FileNotFoundError) as error:
         print(f"jppo.audit: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2

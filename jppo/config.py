@@ -295,7 +295,7 @@ def validate(cfg: TrainConfig) -> None:
     """Names against the registries, sizes against each other, and every setting against the limits of the
     component that uses it (the sampler's, the policy loss's, the optimizer's, the model's, ...), so a value a
     component would refuse at run time is refused here, before anything compiles. The mesh against the device
-    count is checked by :func:`check_mesh`; files and plug-ins are read by :func:`jppo.components.load_inputs`."""
+    count is checked by :func:`check_mesh`; files and plug-ins are read by :func:`jppo.build.load_inputs`."""
     for key, value in _leaves(cfg):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value!r} must be a finite number")
@@ -347,7 +347,7 @@ def _check_model(cfg: TrainConfig) -> None:
                 f"exist for: {', '.join(BUILTIN_TASKS)})"
             )
     if cfg.model.path is None:  # a model built from this section: its own checks (a checkpoint brings its shape)
-        from jppo.components import random_model_config  # noqa: PLC0415 (components imports this module)
+        from jppo.build import random_model_config  # noqa: PLC0415 (build imports this module)
 
         with _as_key({}, prefix="model."):
             random_model_config(cfg, None)
@@ -416,7 +416,7 @@ _SAMPLING_KEYS = {
 
 
 def _check_rollout(cfg: TrainConfig) -> None:
-    from jppo.components import sampling_params  # noqa: PLC0415 (components imports this module)
+    from jppo.build import sampling_params  # noqa: PLC0415 (build imports this module)
 
     for use, keys in _SAMPLING_KEYS.items():
         with _as_key(keys):

@@ -1,139 +1,139 @@
-"""From sampled responses to a training batch: rewards, token-level scores, KL in the reward, advantages.
+"""``Experience``: everything one training step collects for learning, as one typed pytree.
 
-Everything here runs once per training step over the WHOLE rollout batch (``B * n`` sequences, rows
-prompt-major), before the engine cuts it into mini- and micro-batches, so batch-wide statistics (advantage
-whitening, group baselines, the KL controller's measurement) are global by construction.
+Rows are sequences (prompt + one response), prompt-major (the ``rollout.n`` responses of a prompt are adjacent).
+Token arrays and masks are always present; the rest is filled in as collection proceeds (sampler log-probs, then
+old/ref log-probs and values from forward passes, then rewards, advantages and returns). A field that a run does
+not produce (no critic: ``values``; no reference: ``ref_log_prob``) is ``None``, an empty subtree to ``jax.tree``.
+
+Every per-token field is response-aligned ``[N, L]``: column ``j`` is response token ``j``. Micro-batching cuts an
+``Experience`` generically: the rows of every present field move together (:meth:`Experience.take`,
+``jax.tree.map``), and the per-token fields travel into the losses as the ``slots`` of
+:class:`jppo.microbatch.MicroBatches`, an ``Experience`` whose per-token arrays are ``[K, D, S, L]`` and whose
+token arrays are ``None`` (the model reads packed token rows instead).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
-from jppo.advantages import get_estimator
-from jppo.hostlocal import local_rows, local_shards, replicated_value, to_global, to_local
-from jppo.losses import penalize_rewards
-from jppo.mesh import batch_shards
-from jppo.microbatch import SequenceBatch
+Array = np.ndarray | jax.Array
 
-
-def last_token_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
-    """Outcome rewards ``[N]`` placed on each response's last valid token ``[N, L]`` (nowhere for empty ones)."""
-    mask = response_mask.astype(bool)
-    length = mask.shape[1]
-    last = length - 1 - np.argmax(mask[:, ::-1], axis=1)
-    out = np.zeros(mask.shape, np.float32)
-    rows = np.flatnonzero(mask.any(axis=1))
-    out[rows, last[rows]] = scores[rows]
-    return out
+TOKEN_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_attention")
+PER_TOKEN_FIELDS = (
+    "response_mask", "rollout_log_prob", "old_log_prob", "ref_log_prob", "values", "token_rewards", "advantages",
+    "returns",
+)
 
 
-def token_credit_rewards(
-    response_ids: np.ndarray,
-    response_mask: np.ndarray,
-    credits: list[list[float]],
-    finished: list[bool],
-    scores: np.ndarray,
-    decode,
-) -> np.ndarray:
-    """Dense rewards ``[N, L]`` from per-character credits (plus one for the EOS of a finished response).
+@dataclasses.dataclass(frozen=True)
+class Experience:
+    """A batch of sequences and what is known about each of their response tokens.
 
-    Each response token gets the credit of the characters it decodes to (``decode`` of that token alone), a
-    finished response's EOS token gets the EOS credit, and whatever part of the score the credits do not cover
-    (a format bonus) goes on the last token, so every row still sums to its score.
+    Attributes:
+        prompt_ids: ``[N, P]`` left-padded prompts.
+        prompt_mask: ``[N, P]`` real prompt tokens (left-padded: each row's real tokens end at column P - 1).
+        response_ids: ``[N, L]`` responses, padded on the right.
+        response_mask: ``[N, L]`` tokens the losses count (may have holes, e.g. tool observations).
+        response_attention: ``[N, L]`` response tokens that exist (the model sees them), contiguous from column 0;
+            defaults to every position up to the last ``response_mask`` token.
+        rollout_log_prob: ``[N, L]`` the sampler's log-probs of its tokens.
+        old_log_prob: ``[N, L]`` the policy's log-probs before this step's updates (the PPO ratio's denominator).
+        ref_log_prob: ``[N, L]`` the reference policy's log-probs (KL loss, KL in the reward).
+        values: ``[N, L]`` the critic's value before each response token.
+        token_rewards: ``[N, L]`` per-token rewards (the outcome on the last token, dense credit, minus KL).
+        advantages: ``[N, L]``.
+        returns: ``[N, L]`` the critic's regression targets.
+        group_ids: ``[N]`` which prompt each row answers (rows of a group share a baseline).
     """
-    mask = response_mask.astype(bool)
-    out = last_token_scores(scores - np.asarray([sum(c) for c in credits], np.float32), mask)
-    for row, (ids, valid, credit, done) in enumerate(zip(response_ids, mask, credits, finished)):
-        positions = np.flatnonzero(valid)
-        if done and len(positions):
-            out[row, positions[-1]] += credit[-1]
-            positions = positions[:-1]
-        char = 0
-        for position in positions:
-            width = len(decode([int(ids[position])]))
-            out[row, position] += sum(credit[char : char + width])
-            char += width
-    return out
+
+    prompt_ids: Optional[Array] = None
+    prompt_mask: Optional[Array] = None
+    response_ids: Optional[Array] = None
+    response_mask: Optional[Array] = None
+    response_attention: Optional[Array] = None
+    rollout_log_prob: Optional[Array] = None
+    old_log_prob: Optional[Array] = None
+    ref_log_prob: Optional[Array] = None
+    values: Optional[Array] = None
+    token_rewards: Optional[Array] = None
+    advantages: Optional[Array] = None
+    returns: Optional[Array] = None
+    group_ids: Optional[Array] = None
+
+    def __post_init__(self) -> None:
+        # Host batches (numpy) are checked when made; the same type inside jit (tracers) or as micro-batch slots
+        # (token arrays None) is not.
+        if all(isinstance(getattr(self, name), np.ndarray) for name in ("prompt_ids", "prompt_mask", "response_mask")):
+            _check_host_batch(self)
+
+    @property
+    def num_sequences(self) -> int:
+        return self.response_mask.shape[0]
+
+    def lengths(self) -> np.ndarray:
+        """Real tokens of each sequence: prompt tokens plus existing response tokens."""
+        return self.prompt_mask.sum(-1) + self.response_attention.sum(-1)
+
+    def take(self, rows: np.ndarray) -> "Experience":
+        """The sub-batch of the given rows, in that order (every present field)."""
+        return jax.tree.map(lambda x: x[rows], self)
+
+    def per_token(self) -> "Experience":
+        """Only the response-aligned ``[N, L]`` fields (what micro-batching carries into the losses' slots)."""
+        return dataclasses.replace(self, **{name: None for name in TOKEN_FIELDS + ("group_ids",)})
+
+    def keep_per_token(self, names: tuple[str, ...]) -> "Experience":
+        """The same batch carrying only the per-token fields ``names`` (plus the response mask) besides its tokens."""
+        unknown = set(names) - set(PER_TOKEN_FIELDS)
+        if unknown:
+            raise ValueError(f"not per-token fields of Experience: {sorted(unknown)}")
+        return dataclasses.replace(
+            self, **{name: None for name in PER_TOKEN_FIELDS if name not in names and name != "response_mask"}
+        )
 
 
-@functools.partial(jax.jit, static_argnames=("kind",))
-def _kl_in_reward(scores, old_log_prob, ref_log_prob, mask, kl_coef, kind):
-    rewards, kl = penalize_rewards(scores, old_log_prob, ref_log_prob, mask, kl_coef=kl_coef, kind=kind)
-    mask = mask.astype(bool)
-    tokens = jnp.maximum(jnp.sum(mask, axis=-1), 1)
-    per_sequence = jnp.sum(jnp.where(mask, kl, 0.0), axis=-1) / tokens
-    current_kl = jnp.sum(jnp.where(mask.any(-1), per_sequence, 0.0)) / jnp.maximum(jnp.sum(mask.any(-1)), 1)
-    return rewards, current_kl
+jax.tree_util.register_dataclass(
+    Experience, data_fields=[f.name for f in dataclasses.fields(Experience)], meta_fields=[]
+)
 
 
-def kl_in_reward(
-    scores, old_log_prob, ref_log_prob, mask, *, kl_coef: float, kind: str, mesh: Mesh | None = None
-) -> tuple[np.ndarray, float]:
-    """``scores - kl_coef * KL(old || ref)`` per token, and the whole batch's mean per-sequence KL (the controller's
-    input). With a ``mesh`` the arrays are this process's rows of the batch."""
-    arrays, back = _on_mesh([scores, old_log_prob, ref_log_prob, mask], mesh)
-    rewards, current_kl = _kl_in_reward(*arrays, jnp.float32(kl_coef), kind)
-    return back(rewards), float(replicated_value(current_kl))
-
-
-def _on_mesh(arrays: list[np.ndarray], mesh: Mesh | None):
-    """The global row-sharded arrays of this process's rows, and the function taking results back to its rows."""
-    if mesh is None:
-        return [jnp.asarray(a) for a in arrays], np.asarray
-    rows = local_rows(mesh, len(arrays[0]) * batch_shards(mesh) // len(local_shards(mesh)))
-    return [to_global(np.asarray(a), mesh) for a in arrays], lambda x: to_local(x, rows=rows)
-
-
-@functools.partial(jax.jit, static_argnames=("name", "options"))
-def _advantages(name, options, inputs):
-    estimator = get_estimator(name)
-    return estimator.fn(**inputs, **dict(options))
-
-
-def compute_advantages(
-    name: str,
-    *,
-    token_level_rewards: np.ndarray,
-    response_mask: np.ndarray,
-    values: np.ndarray | None = None,
-    group_ids: np.ndarray | None = None,
-    reward_baselines: np.ndarray | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    mesh: Mesh | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Runs the registered estimator ``name`` with the inputs and options it takes (one compilation per shape).
-
-    With a ``mesh`` the inputs are this process's rows: the estimator runs on the global row-sharded batch, so
-    its batch-wide statistics (whitening, group baselines) are those of the whole batch, and each process gets
-    its own rows back. Groups must not straddle processes (rows of a prompt are adjacent, and processes hold
-    whole prompts)."""
-    estimator = get_estimator(name)
-    available = {
-        "token_level_rewards": token_level_rewards,
-        "mask": response_mask,
-        "values": values,
-        "index": group_ids,
-        "reward_baselines": reward_baselines,
-    }
-    option_values = {"gamma": gamma, "lam": lam, "norm_by_std": norm_adv_by_std_in_grpo}
-    names = [k for k, v in available.items() if k in estimator.parameters and v is not None]
-    arrays, back = _on_mesh([available[k] for k in names], mesh)
-    options = tuple(sorted((k, v) for k, v in option_values.items() if k in estimator.parameters))
-    advantages, returns = _advantages(name, options, dict(zip(names, arrays)))
-    return back(advantages), back(returns)
-
-
-def with_per_token(batch: SequenceBatch, **arrays: np.ndarray) -> SequenceBatch:
-    """The same batch with more response-aligned arrays carried into the losses."""
-    per_token = dict(batch.per_token)
-    per_token.update({k: np.asarray(v, np.float32) for k, v in arrays.items()})
-    return SequenceBatch(
-        batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, batch.response_attention, per_token
-    )
+def _check_host_batch(exp: Experience) -> None:
+    """Shapes agree, and the layout the fixed micro-batches assume holds (one-line errors)."""
+    n, p = exp.prompt_ids.shape
+    length = exp.response_mask.shape[1]
+    for name, shape in (("prompt_mask", (n, p)), ("response_ids", (n, length)), ("response_mask", (n, length))):
+        array = getattr(exp, name)
+        if array is None or array.shape != shape:
+            raise ValueError(f"{name} has shape {None if array is None else array.shape}, expected {shape}")
+    if exp.response_attention is None:
+        mask = exp.response_mask.astype(bool)
+        last = np.where(mask.any(-1), length - np.argmax(mask[:, ::-1], axis=-1), 0)
+        object.__setattr__(exp, "response_attention", np.arange(length)[None, :] < last[:, None])
+    for name in PER_TOKEN_FIELDS[1:] + ("response_attention",):
+        array = getattr(exp, name)
+        if array is not None and array.shape != (n, length):
+            raise ValueError(f"per-token array {name!r} has shape {array.shape}, expected {(n, length)}")
+    if exp.group_ids is not None and exp.group_ids.shape != (n,):
+        raise ValueError(f"group_ids has shape {exp.group_ids.shape}, expected {(n,)}")
+    if np.any(exp.response_mask.astype(bool) & ~exp.response_attention.astype(bool)):
+        raise ValueError("response_mask marks tokens that response_attention says do not exist")
+    # The fixed layout puts the response right after the prompt's last column and predicts response token j at
+    # column P - 1 + j: padding between prompt and response, or inside the response, would shift every
+    # prediction (the packed layout would not notice). Loss-mask holes (response_mask) are fine.
+    prompt = exp.prompt_mask.astype(bool)
+    bad = np.flatnonzero(np.any(prompt[:, :-1] & ~prompt[:, 1:], axis=1))
+    if bad.size:
+        raise ValueError(f"prompt_mask row {bad[0]} is not left-padded: prompts must end at the last column")
+    attention = exp.response_attention.astype(bool)
+    bad = np.flatnonzero(np.any(~attention[:, :-1] & attention[:, 1:], axis=1))
+    if bad.size:
+        raise ValueError(
+            f"response_attention row {bad[0]} has a gap: a response's tokens must be contiguous from column 0 "
+            "(mask out tokens the loss skips with response_mask instead)"
+        )
+    if np.any(exp.prompt_mask.sum(-1) == 0):
+        raise ValueError("every sequence needs at least one prompt token (the first response token is predicted from it)")

@@ -10,7 +10,7 @@ its rows are one contiguous range. With one process every function here is the i
 from __future__ import annotations
 
 import functools
-from typing import Mapping
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jppo.mesh import BATCH_AXES, batch_shards
+
+T = TypeVar("T")
 
 
 @functools.lru_cache(maxsize=16)
@@ -71,12 +73,10 @@ def to_local(array: jax.Array, axis: int = 0, rows: range | None = None) -> np.n
     return local
 
 
-def take_rows(
-    arrays: Mapping[str, np.ndarray], order: np.ndarray, mesh: Mesh, through_devices: bool | None = None
-) -> dict[str, np.ndarray]:
-    """This process's rows of ``{name: whole[order]}``, where ``whole`` is the global batch of which each array
-    holds this process's rows, and the result is split over the batch shards like any batch (shard d holds rows
-    ``[d R/D, (d+1) R/D)`` of the ``R = len(order)`` rows).
+def take_rows(rows: T, order: np.ndarray, mesh: Mesh, through_devices: bool | None = None) -> T:
+    """This process's rows of ``whole[order]`` for every array of the pytree ``rows``, where ``whole`` is the global
+    batch of which each array holds this process's rows; the result is split over the batch shards like any batch
+    (shard d holds rows ``[d R/D, (d+1) R/D)`` of the ``R = len(order)`` rows).
 
     With one process every row is already on the host: a numpy take. With several (``through_devices``, the
     default then), the rows travel inside one jitted gather over global arrays, which XLA turns into collectives
@@ -85,14 +85,14 @@ def take_rows(
     if through_devices is None:
         through_devices = jax.process_count() > 1
     if not through_devices:
-        return {name: np.take(array, order, axis=0) for name, array in arrays.items()}
+        return jax.tree.map(lambda array: np.take(array, order, axis=0), rows)
     shards = batch_shards(mesh)
     if len(order) % shards:
         raise ValueError(f"{len(order)} rows cannot be split evenly over {shards} batch shards")
-    whole = {name: to_global(array, mesh) for name, array in arrays.items()}
+    whole = jax.tree.map(lambda array: to_global(np.asarray(array), mesh), rows)
     index = jax.make_array_from_process_local_data(NamedSharding(mesh, PartitionSpec()), np.asarray(order, np.int32))
     moved = _row_gather(mesh)(whole, index)
-    return {name: to_local(array) for name, array in moved.items()}
+    return jax.tree.map(to_local, moved)
 
 
 @functools.lru_cache(maxsize=16)

@@ -30,112 +30,44 @@ Rows of the mini-batch go to shards in contiguous blocks (shard d holds rows ``[
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Optional
 
+import jax
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class SequenceBatch:
-    """A mini-batch of prompt + response sequences on the host (numpy).
-
-    Attributes:
-        prompt_ids: ``[N, P]`` left-padded prompts.
-        prompt_mask: ``[N, P]`` bool, real prompt tokens (left-padded: each row's real tokens end at column P - 1).
-        response_ids: ``[N, L]`` responses, padded on the right.
-        response_mask: ``[N, L]`` bool, tokens the loss counts (may have holes, e.g. tool observations).
-        response_attention: ``[N, L]`` bool, response tokens that exist (the model sees them), contiguous from
-            column 0; defaults to every position up to the last valid ``response_mask`` token.
-        per_token: ``{name: [N, L]}`` response-aligned arrays carried into the losses (old log-probs, ...).
-    """
-
-    prompt_ids: np.ndarray
-    prompt_mask: np.ndarray
-    response_ids: np.ndarray
-    response_mask: np.ndarray
-    response_attention: np.ndarray | None = None
-    per_token: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        n, p = self.prompt_ids.shape
-        _, length = self.response_ids.shape
-        for name, array, shape in (
-            ("prompt_mask", self.prompt_mask, (n, p)),
-            ("response_ids", self.response_ids, (n, length)),
-            ("response_mask", self.response_mask, (n, length)),
-        ):
-            if array.shape != shape:
-                raise ValueError(f"{name} has shape {array.shape}, expected {shape}")
-        if self.response_attention is None:
-            mask = self.response_mask.astype(bool)
-            last = np.where(mask.any(-1), length - np.argmax(mask[:, ::-1], axis=-1), 0)
-            object.__setattr__(self, "response_attention", np.arange(length)[None, :] < last[:, None])
-        elif self.response_attention.shape != (n, length):
-            raise ValueError(f"response_attention has shape {self.response_attention.shape}, expected {(n, length)}")
-        for name, array in self.per_token.items():
-            if array.shape != (n, length):
-                raise ValueError(f"per-token array {name!r} has shape {array.shape}, expected {(n, length)}")
-        if np.any(self.response_mask.astype(bool) & ~self.response_attention.astype(bool)):
-            raise ValueError("response_mask marks tokens that response_attention says do not exist")
-        # The fixed layout puts the response right after the prompt's last column and predicts response token j at
-        # column P - 1 + j: padding between prompt and response, or inside the response, would shift every
-        # prediction (the packed layout would not notice). Loss-mask holes (response_mask) are fine.
-        prompt = self.prompt_mask.astype(bool)
-        bad = np.flatnonzero(np.any(prompt[:, :-1] & ~prompt[:, 1:], axis=1))
-        if bad.size:
-            raise ValueError(f"prompt_mask row {bad[0]} is not left-padded: prompts must end at the last column")
-        attention = self.response_attention.astype(bool)
-        bad = np.flatnonzero(np.any(~attention[:, :-1] & attention[:, 1:], axis=1))
-        if bad.size:
-            raise ValueError(
-                f"response_attention row {bad[0]} has a gap: a response's tokens must be contiguous from column 0 "
-                "(mask out tokens the loss skips with response_mask instead)"
-            )
-        if np.any(self.prompt_mask.sum(-1) == 0):
-            raise ValueError("every sequence needs at least one prompt token (the first response token is predicted from it)")
-
-    @property
-    def num_sequences(self) -> int:
-        return self.prompt_ids.shape[0]
-
-    def lengths(self) -> np.ndarray:
-        """Real tokens of each sequence: prompt tokens plus existing response tokens."""
-        return self.prompt_mask.sum(-1) + self.response_attention.sum(-1)
-
-    def take(self, rows: np.ndarray) -> "SequenceBatch":
-        """The sub-batch of the given rows, in that order."""
-        return SequenceBatch(
-            self.prompt_ids[rows], self.prompt_mask[rows], self.response_ids[rows], self.response_mask[rows],
-            self.response_attention[rows], {k: v[rows] for k, v in self.per_token.items()},
-        )
+from jppo.experience import Experience
 
 
 @dataclasses.dataclass(frozen=True)
 class MicroBatches:
-    """Fixed-shape micro-batches of one mini-batch (see the module docstring for the layout)."""
+    """Fixed-shape micro-batches of one mini-batch (see the module docstring for the layout); a pytree.
+
+    ``slots`` is an :class:`~jppo.experience.Experience` holding only per-token fields, ``[K, D, S, L]``.
+    """
 
     input_ids: np.ndarray
     positions: np.ndarray
     segment_ids: np.ndarray
     gather_index: np.ndarray
-    response_mask: np.ndarray
-    per_token: dict[str, np.ndarray]
-    row_ids: np.ndarray
+    slots: Optional[Experience]
+    row_ids: Optional[np.ndarray]
 
     @property
     def num_micro_batches(self) -> int:
         return self.input_ids.shape[0]
 
-    def device_arrays(self) -> dict[str, np.ndarray]:
-        """Everything the update step needs, as a flat dict of arrays (``row_ids`` stays on the host)."""
-        return {
-            "input_ids": self.input_ids,
-            "positions": self.positions,
-            "segment_ids": self.segment_ids,
-            "gather_index": self.gather_index,
-            "response_mask": self.response_mask,
-            **self.per_token,
-        }
+    def device_arrays(self) -> "MicroBatches":
+        """What the update step needs (``row_ids`` stays on the host)."""
+        return dataclasses.replace(self, row_ids=None)
+
+    def token_rows(self) -> "MicroBatches":
+        """Only what the model runs on (forward passes)."""
+        return dataclasses.replace(self, slots=None, row_ids=None)
+
+
+jax.tree_util.register_dataclass(
+    MicroBatches, data_fields=[f.name for f in dataclasses.fields(MicroBatches)], meta_fields=[]
+)
 
 
 def next_power_of_two(n: int) -> int:
@@ -148,16 +80,15 @@ def _shard_rows(num_sequences: int, num_shards: int) -> np.ndarray:
     return np.arange(num_sequences).reshape(num_shards, num_sequences // num_shards)
 
 
-def _slot_arrays(batch: SequenceBatch, row_ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Response mask and per-token arrays gathered into slots; empty slots (-1) are fully masked zeros."""
-    present = row_ids >= 0
-    safe = np.where(present, row_ids, 0)
-    mask = batch.response_mask.astype(bool)[safe] & present[..., None]
-    per_token = {k: np.where(present[..., None], v[safe], 0).astype(v.dtype) for k, v in batch.per_token.items()}
-    return mask, per_token
+def _slots(batch: Experience, row_ids: np.ndarray) -> Experience:
+    """Every per-token field gathered into slots ``[..., S, L]``; empty slots (-1) hold zeros (mask False)."""
+    present = (row_ids >= 0)[..., None]
+    safe = np.where(row_ids >= 0, row_ids, 0)
+    slots = jax.tree.map(lambda v: np.where(present, v[safe], 0).astype(v.dtype), batch.per_token())
+    return dataclasses.replace(slots, response_mask=slots.response_mask.astype(bool))
 
 
-def fixed_micro_batches(batch: SequenceBatch, num_shards: int, micro_batch_size: int) -> MicroBatches:
+def fixed_micro_batches(batch: Experience, num_shards: int, micro_batch_size: int) -> MicroBatches:
     """``micro_batch_size`` sequences per shard per micro-batch, one sequence per row."""
     n = batch.num_sequences
     if micro_batch_size < 1:
@@ -185,14 +116,12 @@ def fixed_micro_batches(batch: SequenceBatch, num_shards: int, micro_batch_size:
     width = p + length
     slot_in_row = np.arange(micro_batch_size)[:, None] * width  # rows of a shard's micro-batch are laid out in order
     gather = slot_in_row + (p - 1) + np.arange(length)[None, :]
-    mask, per_token = _slot_arrays(batch, row_ids)
     return MicroBatches(
         input_ids=np.where(real, ids, 0)[row_ids].astype(np.int32),
         positions=positions[row_ids].astype(np.int32),
         segment_ids=segments[row_ids],
         gather_index=np.broadcast_to(gather, (k, num_shards, micro_batch_size, length)).astype(np.int32),
-        response_mask=mask,
-        per_token=per_token,
+        slots=_slots(batch, row_ids),
         row_ids=row_ids.astype(np.int32),
     )
 
@@ -212,7 +141,7 @@ def _first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]
     return bins
 
 
-def packed_micro_batches(batch: SequenceBatch, num_shards: int, max_token_len: int) -> MicroBatches:
+def packed_micro_batches(batch: Experience, num_shards: int, max_token_len: int) -> MicroBatches:
     """Sequences packed into one row of ``max_token_len`` tokens per shard per micro-batch."""
     lengths = batch.lengths()
     longest = int(lengths.max()) if len(lengths) else 0
@@ -248,12 +177,11 @@ def packed_micro_batches(batch: SequenceBatch, num_shards: int, max_token_len: i
                 gather[b, d, slot, existing] = offset + len(prompt) - 1 + np.arange(len(existing))
                 row_ids[b, d, slot] = row
                 offset += len(tokens)
-    mask, per_token = _slot_arrays(batch, row_ids)
-    return MicroBatches(input_ids, positions, segment_ids, gather, mask, per_token, row_ids)
+    return MicroBatches(input_ids, positions, segment_ids, gather, _slots(batch, row_ids), row_ids)
 
 
 def make_micro_batches(
-    batch: SequenceBatch,
+    batch: Experience,
     num_shards: int,
     *,
     micro_batch_size: int | None = None,
@@ -299,8 +227,7 @@ def pad_micro_batches(micro: MicroBatches, num_micro_batches: int, num_slots: in
         positions=pad(micro.positions, None, 0),
         segment_ids=pad(micro.segment_ids, None, 0),
         gather_index=pad(micro.gather_index, 2, 0),
-        response_mask=pad(micro.response_mask, 2, False),
-        per_token={name: pad(array, 2, 0) for name, array in micro.per_token.items()},
+        slots=jax.tree.map(lambda array: pad(array, 2, 0), micro.slots),  # zeros: the mask is False there
         row_ids=pad(micro.row_ids, 2, -1),
     )
 
@@ -312,12 +239,4 @@ def stack_micro_batches(steps: list[MicroBatches], num_micro_batches: int = 0, n
     k = max([num_micro_batches] + [m.input_ids.shape[0] for m in steps])
     s = max([num_slots] + [m.row_ids.shape[2] for m in steps])
     padded = [pad_micro_batches(m, k, s) for m in steps]
-    return MicroBatches(
-        input_ids=np.stack([m.input_ids for m in padded]),
-        positions=np.stack([m.positions for m in padded]),
-        segment_ids=np.stack([m.segment_ids for m in padded]),
-        gather_index=np.stack([m.gather_index for m in padded]),
-        response_mask=np.stack([m.response_mask for m in padded]),
-        per_token={name: np.stack([m.per_token[name] for m in padded]) for name in steps[0].per_token},
-        row_ids=np.stack([m.row_ids for m in padded]),
-    )
+    return jax.tree.map(lambda *arrays: np.stack(arrays), *padded)

@@ -23,7 +23,8 @@ from jppo.engine.layout import place
 from jppo.engine.update import TrainState, UpdateStep, loss_inputs
 from jppo.hostlocal import local_shards, max_over_processes, replicated_value, take_rows
 from jppo.mesh import batch_shards
-from jppo.microbatch import MicroBatches, SequenceBatch, make_micro_batches, stack_micro_batches
+from jppo.experience import Experience
+from jppo.microbatch import MicroBatches, make_micro_batches, stack_micro_batches
 
 
 class Updated(NamedTuple):
@@ -86,24 +87,18 @@ def shard_layout(steps: list[np.ndarray], num_shards: int) -> np.ndarray:
     return stacked.reshape(len(steps), num_shards, -1).transpose(1, 0, 2)
 
 
-def regroup(batch: SequenceBatch, order: np.ndarray, mesh: Mesh) -> SequenceBatch:
+def regroup(batch: Experience, order: np.ndarray, mesh: Mesh) -> Experience:
     """This process's rows of the global batch taken in ``order`` (see :func:`jppo.hostlocal.take_rows`)."""
-    fields = {
-        "prompt_ids": batch.prompt_ids, "prompt_mask": batch.prompt_mask, "response_ids": batch.response_ids,
-        "response_mask": batch.response_mask, "response_attention": batch.response_attention,
-    }
-    moved = take_rows({**fields, **{f"per_token/{k}": v for k, v in batch.per_token.items()}}, order, mesh)
-    per_token = {name.removeprefix("per_token/"): v for name, v in moved.items() if name.startswith("per_token/")}
-    return SequenceBatch(**{name: moved[name] for name in fields}, per_token=per_token)
+    return take_rows(batch, order, mesh)
 
 
-def micro_batches_for(batch: SequenceBatch, cfg: UpdateConfig, num_shards: int):
+def micro_batches_for(batch: Experience, cfg: UpdateConfig, num_shards: int):
     if cfg.use_dynamic_bsz:
         return make_micro_batches(batch, num_shards, max_token_len=cfg.ppo_max_token_len)
     return make_micro_batches(batch, num_shards, micro_batch_size=cfg.ppo_micro_batch_size)
 
 
-def cut_steps(batch: SequenceBatch, cfg: UpdateConfig, mesh: Mesh, rng: np.random.Generator) -> list[MicroBatches]:
+def cut_steps(batch: Experience, cfg: UpdateConfig, mesh: Mesh, rng: np.random.Generator) -> list[MicroBatches]:
     """This process's micro-batches of every optimizer step of ``ppo_epochs`` passes, in order.
 
     ``batch`` holds this process's rows (all rows with one process). The mini-batches are drawn over the global
@@ -113,7 +108,7 @@ def cut_steps(batch: SequenceBatch, cfg: UpdateConfig, mesh: Mesh, rng: np.rando
     """
     shards, owned = batch_shards(mesh), local_shards(mesh)
     num_global = batch.num_sequences * shards // len(owned)
-    batch = dataclasses.replace(batch, per_token={name: batch.per_token[name] for name in loss_inputs(cfg)})
+    batch = dataclasses.replace(batch.keep_per_token(loss_inputs(cfg)), group_ids=None)
     steps = mini_batches(num_global, cfg, rng)
     layout = shard_layout(steps, shards)  # [D, M, B / D]
     mine = regroup(batch, layout.reshape(-1), mesh)  # this process's shards' rows, [D_local * M * B / D]
@@ -124,7 +119,7 @@ def cut_steps(batch: SequenceBatch, cfg: UpdateConfig, mesh: Mesh, rng: np.rando
 def run_updates(
     step: UpdateStep,
     state: TrainState,
-    batch: SequenceBatch,
+    batch: Experience,
     cfg: UpdateConfig,
     mesh: Mesh,
     rng: np.random.Generator,

@@ -7,6 +7,7 @@ Outputs come back response-aligned, ``[N, L]`` in the batch's own row order.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -17,7 +18,8 @@ from jax.sharding import Mesh
 from jppo.engine.layout import place
 from jppo.engine.update import Batch, policy_outputs, value_outputs
 from jppo.hostlocal import local_shards, max_over_processes, to_local
-from jppo.microbatch import SequenceBatch, make_micro_batches, pad_micro_batches, scatter_back
+from jppo.experience import Experience
+from jppo.microbatch import make_micro_batches, pad_micro_batches, scatter_back
 
 
 def _per_micro_batch(fn: Callable[[nnx.Module, Batch], jax.Array], graphdef: nnx.GraphDef):
@@ -25,7 +27,7 @@ def _per_micro_batch(fn: Callable[[nnx.Module, Batch], jax.Array], graphdef: nnx
         model = nnx.merge(graphdef, params)
 
         def one(micro: Batch) -> jax.Array:
-            d, s, length = micro["gather_index"].shape
+            d, s, length = micro.gather_index.shape
             return fn(model, micro).reshape(d, s, length)
 
         return jax.lax.map(one, batch)
@@ -53,7 +55,7 @@ def reward_model_fn(graphdef: nnx.GraphDef):
     (one position later than :func:`value_fn`), so the entry of the last token scores the whole sequence."""
 
     def after_each_token(model: nnx.Module, micro: Batch) -> jax.Array:
-        shifted = dict(micro, gather_index=micro["gather_index"] + 1)
+        shifted = dataclasses.replace(micro, gather_index=micro.gather_index + 1)
         return value_outputs(model, shifted)
 
     return _per_micro_batch(after_each_token, graphdef)
@@ -62,7 +64,7 @@ def reward_model_fn(graphdef: nnx.GraphDef):
 def forward_batch(
     fn,
     params: nnx.State,
-    batch: SequenceBatch,
+    batch: Experience,
     mesh: Mesh,
     *,
     micro_batch_size: int | None = None,
@@ -74,9 +76,7 @@ def forward_batch(
     micro = make_micro_batches(batch, len(owned), micro_batch_size=micro_batch_size, max_token_len=max_token_len)
     k, s = max_over_processes([micro.input_ids.shape[0], micro.row_ids.shape[2]])
     micro = pad_micro_batches(micro, int(k), int(s))
-    arrays = micro.device_arrays()
-    inputs = {k: arrays[k] for k in ("input_ids", "positions", "segment_ids", "gather_index")}
     with jax.set_mesh(mesh):
-        slots = fn(params, place(inputs, mesh))
+        slots = fn(params, place(micro.token_rows(), mesh))
     out = scatter_back(to_local(slots, axis=1, rows=owned), micro.row_ids, batch.num_sequences)
     return np.where(batch.response_mask.astype(bool), out, 0.0).astype(np.float32)

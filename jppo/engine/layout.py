@@ -8,7 +8,7 @@ moves between devices.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -18,15 +18,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jppo.hostlocal import to_global
 from jppo.mesh import BATCH_AXES
 
+T = TypeVar("T")
+
 
 def micro_batch_sharding(mesh: Mesh, ndim: int, scanned: int = 1) -> NamedSharding:
     """``[*scanned, D, ...]``: the scanned leading axes (steps M, micro-batches K) replicated, D over the batch axes."""
     return NamedSharding(mesh, PartitionSpec(*([None] * scanned), BATCH_AXES, *([None] * (ndim - scanned - 1))))
 
 
-def place(arrays: Mapping[str, np.ndarray], mesh: Mesh, scanned: int = 1) -> dict[str, jax.Array]:
-    """Global arrays from this process's micro-batch arrays (``scanned`` leading axes, then its D_local shards)."""
-    return {name: to_global(array, mesh, scanned) for name, array in arrays.items()}
+def place(arrays: T, mesh: Mesh, scanned: int = 1) -> T:
+    """Global arrays from this process's micro-batch arrays, any pytree of them (``scanned`` leading axes, then
+    its D_local shards)."""
+    return jax.tree.map(lambda array: to_global(np.asarray(array), mesh, scanned), arrays)
 
 
 def flatten_shards(x: jax.Array) -> jax.Array:

@@ -38,14 +38,16 @@ from jppo import metrics as M
 from jppo.engine.config import ActorConfig, CriticConfig, UpdateConfig, NORMALIZATIONS
 from jppo.engine.layout import flatten_shards, gather_slots, next_token_targets
 from jppo.engine.optim import accumulating_optimizer, learning_rate_schedule, step_report
+from jppo.experience import Experience
 from jppo.losses import NormStats, actor_loss, global_norm_stats, value_loss
 from jppo.losses.policy import PolicyLossOptions, check_policy_options
 from jppo.mesh import BATCH_AXES
+from jppo.microbatch import MicroBatches
 from jppo.models.logprobs import token_logprobs
 
 log = logging.getLogger(__name__)
 
-Batch = dict[str, jax.Array]
+Batch = MicroBatches  # one micro-batch [D, ...] or a stack of them [K, D, ...] / [M, K, D, ...], on the devices
 LossFn = Callable[[nnx.Module, Batch, "NormStats | None"], tuple[jax.Array, dict[str, M.Metric]]]
 
 
@@ -100,36 +102,35 @@ def mini_batch_norm_stats(response_mask: jax.Array, loss_scale_factor: float, me
 
 
 def loss_inputs(cfg: UpdateConfig) -> tuple[str, ...]:
-    """The per-token arrays of the rollout a role's loss reads: only these travel to its update."""
+    """The per-token fields of the :class:`~jppo.experience.Experience` a role's loss reads (besides the response
+    mask): only these travel to its update."""
     if isinstance(cfg, ActorConfig):
         return ("old_log_prob", "advantages") + (("ref_log_prob",) if cfg.use_kl_loss else ())
     return ("values", "returns")
 
 
-def slot_inputs(batch: Batch, names: tuple[str, ...]) -> dict[str, jax.Array]:
-    """Response-aligned ``[D, S, L]`` arrays of a micro-batch as ``[D * S, L]``."""
-    return {name: flatten_shards(batch[name]) for name in names}
+def slot_inputs(batch: Batch) -> Experience:
+    """The response-aligned ``[D, S, L]`` slots of a micro-batch as ``[D * S, L]``."""
+    return jax.tree.map(flatten_shards, batch.slots)
 
 
 def policy_outputs(
     model: nnx.Module, batch: Batch, *, temperature: float, chunk_size: int, with_entropy: bool
 ) -> tuple[jax.Array, jax.Array | None]:
     """Log-probs (and entropy) of the response tokens of one micro-batch, in slots ``[D * S, L]``."""
-    input_ids = flatten_shards(batch["input_ids"])
+    input_ids = flatten_shards(batch.input_ids)
     logprobs, entropy = token_logprobs(
-        model, input_ids, flatten_shards(batch["positions"]), flatten_shards(batch["segment_ids"]),
+        model, input_ids, flatten_shards(batch.positions), flatten_shards(batch.segment_ids),
         next_token_targets(input_ids), temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
     )
-    logprobs = gather_slots(logprobs, batch["gather_index"])
-    return logprobs, None if entropy is None else gather_slots(entropy, batch["gather_index"])
+    logprobs = gather_slots(logprobs, batch.gather_index)
+    return logprobs, None if entropy is None else gather_slots(entropy, batch.gather_index)
 
 
 def value_outputs(model: nnx.Module, batch: Batch) -> jax.Array:
     """Value predictions for the states before each response token, in slots ``[D * S, L]``."""
-    values = model(
-        flatten_shards(batch["input_ids"]), flatten_shards(batch["positions"]), flatten_shards(batch["segment_ids"])
-    )
-    return gather_slots(values, batch["gather_index"])
+    values = model(flatten_shards(batch.input_ids), flatten_shards(batch.positions), flatten_shards(batch.segment_ids))
+    return gather_slots(values, batch.gather_index)
 
 
 def policy_options(cfg: ActorConfig) -> PolicyLossOptions:
@@ -151,11 +152,11 @@ def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
         if cfg.entropy_coeff == 0:
             # reported (actor/entropy) whatever the coefficient; without a bonus it needs no backward pass
             entropy = jax.lax.stop_gradient(entropy)
-        data = slot_inputs(batch, ("response_mask",) + loss_inputs(cfg))
+        data = slot_inputs(batch)
         return actor_loss(
-            logprobs, data["old_log_prob"], data["advantages"], data["response_mask"], norm=norm,
+            logprobs, data.old_log_prob, data.advantages, data.response_mask, norm=norm,
             mode=cfg.loss_agg_mode, policy_loss_name=cfg.policy_loss, policy_options=options, entropy=entropy,
-            entropy_coeff=cfg.entropy_coeff, ref_log_prob=data.get("ref_log_prob"),
+            entropy_coeff=cfg.entropy_coeff, ref_log_prob=data.ref_log_prob,
             kl_loss_coef=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, kl_loss_type=cfg.kl_loss_type,
         )
 
@@ -167,9 +168,9 @@ def critic_loss_fn(cfg: CriticConfig) -> LossFn:
 
     def loss(model, batch, norm):
         vpreds = value_outputs(model, batch)
-        data = slot_inputs(batch, ("response_mask",) + loss_inputs(cfg))
+        data = slot_inputs(batch)
         return value_loss(
-            vpreds, data["values"], data["returns"], data["response_mask"], cliprange_value=cfg.cliprange_value,
+            vpreds, data.values, data.returns, data.response_mask, cliprange_value=cfg.cliprange_value,
             mode=cfg.loss_agg_mode, norm=norm,
         )
 
@@ -186,7 +187,7 @@ def legacy_share_divisor(cfg: UpdateConfig, batch: Batch) -> jax.Array:
     """
     if not isinstance(cfg, ActorConfig):
         return jnp.ones((), jnp.float32)
-    segments = batch["segment_ids"]
+    segments = batch.segment_ids
     holds_tokens = jnp.any(segments.reshape(segments.shape[0], -1) > 0, axis=1)
     return jnp.maximum(jnp.sum(holds_tokens), 1).astype(jnp.float32)
 
@@ -208,13 +209,13 @@ def micro_batch_gradient(
     legacy = cfg.normalization == "per_micro_batch"
 
     def prepare(params: nnx.State, batch: Batch, loss_scale_factor: float):
-        whole = None if legacy else mini_batch_norm_stats(batch["response_mask"], loss_scale_factor, mesh)
+        whole = None if legacy else mini_batch_norm_stats(batch.slots.response_mask, loss_scale_factor, mesh)
         divisor = legacy_share_divisor(cfg, batch) if legacy else None
 
         def share_and_metrics(params, micro):
             if not legacy:
                 return loss(nnx.merge(graphdef, params), micro, whole)
-            own = global_norm_stats(flatten_shards(micro["response_mask"]), loss_scale_factor)
+            own = global_norm_stats(flatten_shards(micro.slots.response_mask), loss_scale_factor)
             share, metrics = loss(nnx.merge(graphdef, params), micro, own)
             return share / divisor.astype(share.dtype), metrics
 
@@ -229,7 +230,7 @@ def micro_batch_gradient(
 
         def differentiate(params, micro):
             return jax.lax.cond(
-                jnp.any(micro["response_mask"]), compute, lambda p, m: _zeros(shapes), params, micro
+                jnp.any(micro.slots.response_mask), compute, lambda p, m: _zeros(shapes), params, micro
             )
 
         return differentiate
@@ -256,7 +257,7 @@ def make_update_step(
     schedule = learning_rate_schedule(cfg.optim)
 
     def step(state: TrainState, batch: Batch, loss_scale_factor: float):
-        k = batch["response_mask"].shape[0]
+        k = batch.slots.response_mask.shape[0]
         tx = accumulating_optimizer(cfg.optim, k, _accumulator_dtype(state.params), keep_gradient)
         differentiate = prepare(state.params, batch, loss_scale_factor)
         metrics_shape = jax.eval_shape(differentiate, state.params, jax.tree.map(lambda x: x[0], batch))[1]

@@ -1,5 +1,6 @@
 """Rollout: sampling responses from a policy with a KV cache, compiled once per prompt-shape bucket."""
 
+from jppo.rollout.batched import Sampler
 from jppo.rollout.processors import sample_tokens, tempered_logprob
 from jppo.rollout.sampler import (
     RolloutBatch,
@@ -13,6 +14,7 @@ from jppo.rollout.sampler import (
 
 __all__ = [
     "RolloutBatch",
+    "Sampler",
     "SamplingParams",
     "bucket_length",
     "generate",

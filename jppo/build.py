@@ -1,4 +1,4 @@
-"""The parts a training run is made of, built from its configuration: vocabulary, data, rewards, models, sampler.
+"""What a training run is built from, made from its configuration: vocabulary, data, rewards, models, sampling.
 
 Everything that can fail on user input (a missing file, a bad task option, a checkpoint without a tensor) fails
 here, before anything is compiled, with a one-line message.
@@ -11,19 +11,14 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from jppo.config import ConfigError, TrainConfig
 from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
-from jppo.engine import forward_batch, reward_model_fn
-from jppo.hostlocal import local_rows, to_global, to_local
-from jppo.mesh import batch_shards
-from jppo.microbatch import SequenceBatch
 from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pretrained
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
-from jppo.rollout import SamplingParams, make_generate_fn, pad_prompts
+from jppo.rollout import SamplingParams
 
 
 @dataclasses.dataclass
@@ -97,42 +92,6 @@ def build_reference(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> nnx.State
     return jax.tree.map(jnp.copy, nnx.state(policy, nnx.Param))
 
 
-class Sampler:
-    """Samples ``rollout.n`` responses per prompt with the policy's current parameters, rows sharded over the batch
-    axes. Prompts are left-padded to a multiple of ``rollout.prompt_bucket`` tokens and the batch is filled up to a
-    multiple of the batch shards with empty rows (dropped again), so the sampler compiles once per bucket. Every
-    process passes the same prompt list and gets back the rows of its own shards."""
-
-    def __init__(self, graphdef: nnx.GraphDef, tokenizer: Tokenizer, mesh: Mesh, params: SamplingParams, bucket: int):
-        self._fn = make_generate_fn(graphdef, params)
-        self._mesh = mesh
-        self._pad = tokenizer.pad_id
-        self._bucket = bucket
-        self.params = params
-
-    def __call__(self, state: nnx.State, prompts: list[list[int]], key: jax.Array) -> tuple[SequenceBatch, np.ndarray]:
-        """``(batch, prompt_index)``: this process's sequences and, per row, the index of its prompt in ``prompts``."""
-        filler = (-len(prompts)) % batch_shards(self._mesh)
-        ids, mask = pad_prompts(list(prompts) + [[]] * filler, self._pad, multiple=self._bucket)
-        mine = local_rows(self._mesh, len(ids))
-        with jax.set_mesh(self._mesh):
-            out = self._fn(state, to_global(ids[mine.start : mine.stop], self._mesh),
-                           to_global(mask[mine.start : mine.stop], self._mesh), key)
-        prompt_index = np.repeat(np.arange(mine.start, mine.stop), self.params.n)
-        keep = prompt_index < len(prompts)  # filler prompts come last
-        rows = range(mine.start * self.params.n, mine.stop * self.params.n)
-        local = {
-            name: to_local(getattr(out, name), rows=rows)[keep]
-            for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs")
-        }
-        batch = SequenceBatch(
-            prompt_ids=local["prompt_ids"], prompt_mask=local["prompt_mask"], response_ids=local["response_ids"],
-            response_mask=local["response_mask"],
-            per_token={"rollout_log_prob": np.asarray(local["logprobs"], np.float32)},
-        )
-        return batch, prompt_index[keep]
-
-
 def sampling_params(
     cfg: TrainConfig, tokenizer: Optional[Tokenizer], *, validation: bool = False, greedy_baseline: bool = False
 ) -> SamplingParams:
@@ -162,30 +121,3 @@ def forward_micro_batching(cfg: TrainConfig, section: str) -> dict:
     if update.use_dynamic_bsz:
         return {"max_token_len": update.ppo_max_token_len}
     return {"micro_batch_size": cfg.rollout.log_prob_micro_batch_size or update.ppo_micro_batch_size}
-
-
-class RewardModel:
-    """A value-head checkpoint scoring each sequence by its output at the last response token."""
-
-    def __init__(self, cfg: TrainConfig, mesh: Mesh):
-        model = load_pretrained(cfg.reward.model_path, dtype=cfg.model.dtype, head="value", mesh=mesh)
-        self._graphdef, self._params = nnx.split(model, nnx.Param)
-        self._fn = reward_model_fn(self._graphdef)
-        self._mesh = mesh
-        self._sizes = forward_micro_batching(cfg, "critic" if cfg.use_critic else "actor")
-
-    def __call__(self, batch: SequenceBatch) -> np.ndarray:
-        after_token = forward_batch(self._fn, self._params, batch, self._mesh, **self._sizes)
-        attention = batch.response_attention.astype(bool)
-        last = attention.shape[1] - 1 - np.argmax(attention[:, ::-1], axis=1)
-        return np.where(attention.any(axis=1), after_token[np.arange(len(last)), last], 0.0).astype(np.float32)
-
-
-def decode_responses(batch: SequenceBatch, tokenizer: Tokenizer) -> tuple[list[str], list[bool]]:
-    """Response texts (special tokens dropped) and whether each ended with EOS rather than the length limit."""
-    texts, finished = [], []
-    for ids, mask in zip(batch.response_ids, batch.response_mask.astype(bool)):
-        tokens = ids[mask].tolist()
-        finished.append(bool(tokens) and tokens[-1] == tokenizer.eos_id)
-        texts.append(tokenizer.decode(tokens))
-    return texts, finished

@@ -1,0 +1,354 @@
+"""Collecting experience: one training step's rollout, scored, with everything the losses need.
+
+:func:`collect` runs, over the WHOLE rollout batch (``B * n`` sequences, rows prompt-major), before the engine
+cuts it into mini- and micro-batches, so batch-wide statistics (advantage whitening, group baselines, the KL
+controller's measurement) are global by construction:
+
+1. take ``data.train_batch_size`` prompts at the saved data position;
+2. sample ``rollout.n`` responses per prompt with the KV-cache sampler;
+3. score them (task scorer, rule or plug-in, plus a reward model) and put each score on the response's last token
+   (or, with ``reward.token_level``, spread a built-in task's per-position credit over the tokens); for ReMax,
+   also decode one greedy response per prompt, whose reward is the prompt's baseline;
+4. recompute old log-probs (and reference log-probs, values) over the whole batch in micro-batches;
+5. optionally subtract ``kl_coef * KL(old || ref)`` from the rewards (fixed or adaptive controller);
+6. compute advantages and returns (``algorithm.adv_estimator``).
+
+Collecting consumes prompts and measures the KL, so it advances the run state's data position and KL controller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jppo import build
+from jppo.advantages import get_estimator
+from jppo.config import TrainConfig
+from jppo.data import Tokenizer
+from jppo.engine import forward_batch, log_prob_fn, value_fn
+from jppo.experience import Experience
+from jppo.hostlocal import local_rows, local_shards, max_over_processes, replicated_value, sum_over_processes, to_global, to_local
+from jppo.losses import AdaptiveKLController, FixedKLController, penalize_rewards
+from jppo.mesh import batch_shards
+from jppo.rewards.model import RewardModel
+from jppo.rollout import Sampler
+from jppo.state import RunState, advance
+
+
+def last_token_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
+    """Outcome rewards ``[N]`` placed on each response's last valid token ``[N, L]`` (nowhere for empty ones)."""
+    mask = response_mask.astype(bool)
+    length = mask.shape[1]
+    last = length - 1 - np.argmax(mask[:, ::-1], axis=1)
+    out = np.zeros(mask.shape, np.float32)
+    rows = np.flatnonzero(mask.any(axis=1))
+    out[rows, last[rows]] = scores[rows]
+    return out
+
+
+def token_credit_rewards(
+    response_ids: np.ndarray,
+    response_mask: np.ndarray,
+    credits: list[list[float]],
+    finished: list[bool],
+    scores: np.ndarray,
+    decode,
+) -> np.ndarray:
+    """Dense rewards ``[N, L]`` from per-character credits (plus one for the EOS of a finished response).
+
+    Each response token gets the credit of the characters it decodes to (``decode`` of that token alone), a
+    finished response's EOS token gets the EOS credit, and whatever part of the score the credits do not cover
+    (a format bonus) goes on the last token, so every row still sums to its score.
+    """
+    mask = response_mask.astype(bool)
+    out = last_token_scores(scores - np.asarray([sum(c) for c in credits], np.float32), mask)
+    for row, (ids, valid, credit, done) in enumerate(zip(response_ids, mask, credits, finished)):
+        positions = np.flatnonzero(valid)
+        if done and len(positions):
+            out[row, positions[-1]] += credit[-1]
+            positions = positions[:-1]
+        char = 0
+        for position in positions:
+            width = len(decode([int(ids[position])]))
+            out[row, position] += sum(credit[char : char + width])
+            char += width
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("kind",))
+def _kl_in_reward(scores, old_log_prob, ref_log_prob, mask, kl_coef, kind):
+    rewards, kl = penalize_rewards(scores, old_log_prob, ref_log_prob, mask, kl_coef=kl_coef, kind=kind)
+    mask = mask.astype(bool)
+    tokens = jnp.maximum(jnp.sum(mask, axis=-1), 1)
+    per_sequence = jnp.sum(jnp.where(mask, kl, 0.0), axis=-1) / tokens
+    current_kl = jnp.sum(jnp.where(mask.any(-1), per_sequence, 0.0)) / jnp.maximum(jnp.sum(mask.any(-1)), 1)
+    return rewards, current_kl
+
+
+def kl_in_reward(
+    scores, old_log_prob, ref_log_prob, mask, *, kl_coef: float, kind: str, mesh: Mesh | None = None
+) -> tuple[np.ndarray, float]:
+    """``scores - kl_coef * KL(old || ref)`` per token, and the whole batch's mean per-sequence KL (the controller's
+    input). With a ``mesh`` the arrays are this process's rows of the batch."""
+    arrays, back = _on_mesh([scores, old_log_prob, ref_log_prob, mask], mesh)
+    rewards, current_kl = _kl_in_reward(*arrays, jnp.float32(kl_coef), kind)
+    return back(rewards), float(replicated_value(current_kl))
+
+
+def _on_mesh(arrays: list[np.ndarray], mesh: Mesh | None):
+    """The global row-sharded arrays of this process's rows, and the function taking results back to its rows."""
+    if mesh is None:
+        return [jnp.asarray(a) for a in arrays], np.asarray
+    rows = local_rows(mesh, len(arrays[0]) * batch_shards(mesh) // len(local_shards(mesh)))
+    return [to_global(np.asarray(a), mesh) for a in arrays], lambda x: to_local(x, rows=rows)
+
+
+@functools.partial(jax.jit, static_argnames=("name", "options"))
+def _advantages(name, options, inputs):
+    estimator = get_estimator(name)
+    return estimator.fn(**inputs, **dict(options))
+
+
+def compute_advantages(
+    name: str,
+    *,
+    token_level_rewards: np.ndarray,
+    response_mask: np.ndarray,
+    values: np.ndarray | None = None,
+    group_ids: np.ndarray | None = None,
+    reward_baselines: np.ndarray | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    mesh: Mesh | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Runs the registered estimator ``name`` with the inputs and options it takes (one compilation per shape).
+
+    With a ``mesh`` the inputs are this process's rows: the estimator runs on the global row-sharded batch, so
+    its batch-wide statistics (whitening, group baselines) are those of the whole batch, and each process gets
+    its own rows back. Groups must not straddle processes (rows of a prompt are adjacent, and processes hold
+    whole prompts)."""
+    estimator = get_estimator(name)
+    available = {
+        "token_level_rewards": token_level_rewards,
+        "mask": response_mask,
+        "values": values,
+        "index": group_ids,
+        "reward_baselines": reward_baselines,
+    }
+    option_values = {"gamma": gamma, "lam": lam, "norm_by_std": norm_adv_by_std_in_grpo}
+    names = [k for k, v in available.items() if k in estimator.parameters and v is not None]
+    arrays, back = _on_mesh([available[k] for k in names], mesh)
+    options = tuple(sorted((k, v) for k, v in option_values.items() if k in estimator.parameters))
+    advantages, returns = _advantages(name, options, dict(zip(names, arrays)))
+    return back(advantages), back(returns)
+
+
+class PhaseTimer:
+    """Wall time per phase of a step (``timing/<phase>`` metrics). Every phase ends with its results on the host,
+    so asynchronous dispatch does not move time from one phase into the next."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+
+def kl_controller(cfg: TrainConfig):
+    ctrl = cfg.algorithm.kl_ctrl
+    if ctrl.type == "adaptive":
+        return AdaptiveKLController(init_kl_coef=ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
+    return FixedKLController(kl_coef=ctrl.kl_coef)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collector:
+    """The programs and inputs of the collection stage (built once; the run's state is passed to each call)."""
+
+    cfg: TrainConfig
+    mesh: Mesh
+    inputs: build.RunInputs
+    sampler: Sampler
+    val_sampler: Sampler
+    baseline_sampler: Optional[Sampler]  # ReMax: greedy responses, whose rewards are the baselines
+    log_probs_of: object
+    values_of: Optional[object]
+    ref_params: Optional[nnx.State]
+    reward_model: Optional[RewardModel]
+
+    @classmethod
+    def create(
+        cls, cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs, policy: nnx.GraphDef,
+        critic: Optional[nnx.GraphDef], ref_params: Optional[nnx.State],
+    ) -> "Collector":
+        tokenizer = inputs.tokenizer
+
+        def sampler(**kind) -> Sampler:
+            params = build.sampling_params(cfg, tokenizer, **kind)
+            return Sampler(policy, tokenizer.pad_id, mesh, params, cfg.rollout.prompt_bucket)
+
+        needs_baselines = get_estimator(cfg.algorithm.adv_estimator).needs_reward_baselines
+        reward_model = None
+        if cfg.reward.model_path:
+            cut = build.forward_micro_batching(cfg, "critic" if cfg.use_critic else "actor")
+            reward_model = RewardModel(cfg.reward.model_path, cfg.model.dtype, mesh, cut)
+        return cls(
+            cfg=cfg, mesh=mesh, inputs=inputs, sampler=sampler(), val_sampler=sampler(validation=True),
+            baseline_sampler=sampler(greedy_baseline=True) if needs_baselines else None,
+            log_probs_of=log_prob_fn(
+                policy, temperature=cfg.rollout.temperature, chunk_size=cfg.actor.logprob_chunk_size
+            ),
+            values_of=None if critic is None else value_fn(critic),
+            ref_params=ref_params, reward_model=reward_model,
+        )
+
+    def score(self, batch: Experience, row_examples: list) -> tuple[list[str], list[bool], np.ndarray]:
+        """Decoded responses, whether each ended, and each row's reward (rule/plug-in reward plus the reward
+        model's score when there is one)."""
+        texts, finished = decode_responses(batch, self.inputs.tokenizer)
+        scores = np.asarray(self.inputs.reward_fn(texts, row_examples, finished), np.float32)
+        if self.reward_model is not None:
+            scores = scores + self.reward_model(batch)
+        return texts, finished, scores
+
+
+def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState, Experience, dict[str, float]]:
+    """Step ``state.step + 1``'s experience (this process's rows), the state with the data position and KL
+    controller advanced, and the rollout's metrics (whole batch, combined over processes)."""
+    cfg, tokenizer = c.cfg, c.inputs.tokenizer
+    step = state.steps_done + 1
+    examples, prompts, data_position = c.inputs.train_data.batch_at(
+        int(np.asarray(state.data_position)), cfg.data.train_batch_size, cfg.trainer.seed
+    )
+    with timer("rollout"):
+        exp = c.sampler(state.actor.params, prompts, state.key(step))  # group_ids: each row's prompt
+    with timer("reward"):
+        row_examples = [examples[i] for i in exp.group_ids]
+        texts, finished, scores = c.score(exp, row_examples)
+    reward_baselines = None
+    if c.baseline_sampler is not None:
+        with timer("reward_baseline"):
+            reward_baselines = greedy_baselines(c, state, examples, prompts, exp.group_ids, step)
+    mask = exp.response_mask
+    actor_cut = build.forward_micro_batching(cfg, "actor")
+    with timer("old_log_prob"):
+        exp = dataclasses.replace(exp, old_log_prob=forward_batch(c.log_probs_of, state.actor.params, exp, c.mesh, **actor_cut))
+    if c.ref_params is not None:
+        with timer("ref_log_prob"):
+            exp = dataclasses.replace(exp, ref_log_prob=forward_batch(c.log_probs_of, c.ref_params, exp, c.mesh, **actor_cut))
+    if state.critic is not None:
+        with timer("values"):
+            critic_cut = build.forward_micro_batching(cfg, "critic")
+            exp = dataclasses.replace(exp, values=forward_batch(c.values_of, state.critic.params, exp, c.mesh, **critic_cut))
+    metrics: dict[str, float] = {}
+    kl = state.kl
+    with timer("advantages"):
+        if c.inputs.credit_fn is not None:
+            rewards = token_credit_rewards(
+                exp.response_ids, mask, c.inputs.credit_fn(texts, row_examples, finished), finished, scores,
+                tokenizer.decode,
+            )
+        else:
+            rewards = last_token_scores(scores, mask)
+        if cfg.algorithm.use_kl_in_reward:
+            coef = float(np.asarray(kl.coef))
+            rewards, current_kl = kl_in_reward(
+                rewards, exp.old_log_prob, exp.ref_log_prob, mask, kl_coef=coef, kind=cfg.algorithm.kl_penalty,
+                mesh=c.mesh,
+            )
+            metrics["algorithm/kl_in_reward"] = current_kl
+            metrics["algorithm/kl_coef"] = coef
+            kl = kl_controller(cfg).update(kl, current_kl, len(prompts) * cfg.rollout.n)
+        advantages, returns = compute_advantages(
+            cfg.algorithm.adv_estimator, token_level_rewards=rewards, response_mask=mask, values=exp.values,
+            group_ids=exp.group_ids, reward_baselines=reward_baselines, gamma=cfg.algorithm.gamma,
+            lam=cfg.algorithm.lam, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, mesh=c.mesh,
+        )
+    exp = dataclasses.replace(
+        exp, token_rewards=np.asarray(rewards, np.float32), advantages=np.asarray(advantages, np.float32),
+        returns=np.asarray(returns, np.float32),
+    )
+    metrics.update(rollout_metrics(exp, scores, cfg.rollout.max_response_length))
+    return advance(state, data_position=data_position, kl=kl), exp, metrics
+
+
+def greedy_baselines(c: Collector, state: RunState, examples: list, prompts: list, group_ids: np.ndarray, step: int) -> np.ndarray:
+    """ReMax baselines: for every row, the reward of the current policy's greedy response to its prompt."""
+    greedy = c.baseline_sampler(state.actor.params, prompts, state.key(step))  # greedy: the key is unused
+    _, _, greedy_scores = c.score(greedy, [examples[i] for i in greedy.group_ids])
+    by_prompt = dict(zip(greedy.group_ids.tolist(), greedy_scores.tolist()))
+    return np.asarray([by_prompt[i] for i in group_ids.tolist()], np.float32)
+
+
+def validate(c: Collector, state: RunState) -> dict[str, float]:
+    """Rewards of ``rollout.val_n`` samples per held-out prompt (greedy when ``rollout.val_temperature`` is 0).
+    Each process scores its rows; the sums are combined over processes."""
+    cfg, data, n = c.cfg, c.inputs.val_data, c.cfg.rollout.val_n
+    totals = np.zeros(3)  # reward sum, solved samples, prompts solved by at least one sample
+    for index, (examples, prompts) in enumerate(data.batches(cfg.data.val_batch_size)):
+        key = jax.random.fold_in(jax.random.key(cfg.trainer.seed + 7), index)
+        batch = c.val_sampler(state.actor.params, prompts, key)
+        _, _, scores = c.score(batch, [examples[i] for i in batch.group_ids])
+        solved = (scores >= 1.0 - 1e-6).reshape(-1, n)  # rows of one prompt are adjacent and on one process
+        totals += [scores.sum(), solved.sum(), solved.any(axis=1).sum()]
+    reward_sum, solved_samples, solved_prompts = sum_over_processes(totals)
+    prompts = len(data)
+    out = {"val/reward/mean": reward_sum / (prompts * n), "val/accuracy": solved_samples / (prompts * n)}
+    if n > 1:
+        out[f"val/pass@{n}"] = solved_prompts / prompts
+    return {k: float(v) for k, v in out.items()}
+
+
+def decode_responses(batch: Experience, tokenizer: Tokenizer) -> tuple[list[str], list[bool]]:
+    """Response texts (special tokens dropped) and whether each ended with EOS rather than the length limit."""
+    texts, finished = [], []
+    for ids, mask in zip(batch.response_ids, batch.response_mask.astype(bool)):
+        tokens = ids[mask].tolist()
+        finished.append(bool(tokens) and tokens[-1] == tokenizer.eos_id)
+        texts.append(tokenizer.decode(tokens))
+    return texts, finished
+
+
+def rollout_metrics(exp: Experience, scores: np.ndarray, max_length: int) -> dict[str, float]:
+    """Whole-batch statistics of the rollout (token means over the response mask), combined over processes.
+    ``perf/total_num_tokens`` counts prompt and response tokens (the loop also reports them per second)."""
+    mask = exp.response_mask.astype(bool)
+    lengths = exp.response_attention.sum(axis=1)
+    token_sum = lambda x: np.where(mask, x, 0).sum()  # noqa: E731
+    logprob_gap = np.abs(exp.rollout_log_prob - exp.old_log_prob)
+    sums = sum_over_processes(np.array([
+        len(scores), mask.sum(), scores.sum(), lengths.sum(), (lengths >= max_length).sum(),
+        token_sum(exp.advantages), token_sum(exp.returns), token_sum(logprob_gap),
+        0.0 if exp.values is None else token_sum(exp.values), exp.prompt_mask.sum() + exp.response_attention.sum(),
+    ], np.float64))
+    rows, tokens = sums[0], max(sums[1], 1)
+    reward_max, reward_min_negated, length_max = max_over_processes([scores.max(), -scores.min(), lengths.max()])
+    out = {
+        "reward/mean": sums[2] / rows,
+        "reward/max": reward_max,
+        "reward/min": -reward_min_negated,
+        "response_length/mean": sums[3] / rows,
+        "response_length/max": length_max,
+        "response_length/clip_ratio": sums[4] / rows,
+        "advantages/mean": sums[5] / tokens,
+        "returns/mean": sums[6] / tokens,
+        # agreement of the sampler's and the trainer's log-probs of the same tokens (should be ~0)
+        "rollout/logprob_abs_diff": sums[7] / tokens,
+        "perf/total_num_tokens": sums[9],
+    }
+    if exp.values is not None:
+        out["values/mean"] = sums[8] / tokens
+    return {k: float(v) for k, v in out.items()}

@@ -1,0 +1,78 @@
+"""``RunState``: everything a training run must remember between steps, as one pytree.
+
+A checkpoint is this pytree (orbax, each process writing its shards); a resume restores it into the shapes and
+shardings of a freshly initialised state, so it lands on any mesh. Every random draw of step ``s`` is a function of
+``(rng, s)`` (``jax.random.fold_in``), so a resumed run continues exactly as an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jppo.engine import TrainState
+from jppo.losses import KLControlState
+
+
+@struct.dataclass
+class RunState:
+    """Attributes:
+        actor: the policy's parameters and optimizer state.
+        critic: the value model's, or None without a critic.
+        kl: the KL-in-reward controller's coefficient.
+        data_position: prompts consumed so far (the data order is a function of the seed and the position).
+        step: training steps done.
+        rng: the run's root key, as raw key data (what orbax stores).
+    """
+
+    actor: TrainState
+    critic: Optional[TrainState]
+    kl: KLControlState
+    data_position: jax.Array
+    step: jax.Array
+    rng: jax.Array
+
+    @property
+    def steps_done(self) -> int:
+        return int(np.asarray(self.step))
+
+    def key(self, step: int) -> jax.Array:
+        """The key of training step ``step``'s draws."""
+        return jax.random.fold_in(jax.random.wrap_key_data(self.rng), step)
+
+
+def init_run_state(
+    actor: TrainState, critic: Optional[TrainState], kl: KLControlState, seed: int, mesh: Mesh
+) -> RunState:
+    """Step 0, data position 0; the scalars replicated over ``mesh`` (so a checkpoint restores onto any mesh)."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    scalars = dict(
+        kl=KLControlState(coef=jnp.asarray(kl.coef, jnp.float32)),
+        data_position=jnp.zeros((), jnp.int32),
+        step=jnp.zeros((), jnp.int32),
+        rng=jax.random.key_data(jax.random.key(seed)),
+    )
+    return RunState(actor=actor, critic=critic, **jax.device_put(scalars, replicated))
+
+
+def advance(state: RunState, **changes) -> RunState:
+    """``state`` with some fields replaced; host scalars (ints, floats) become replicated arrays like the ones
+    they replace."""
+
+    def like(old: jax.Array, new) -> jax.Array:
+        return jax.device_put(jnp.asarray(new, old.dtype), old.sharding)
+
+    fixed = {}
+    for name, value in changes.items():
+        old = getattr(state, name)
+        if name == "kl":
+            value = KLControlState(coef=like(old.coef, value.coef))
+        elif name in ("data_position", "step"):
+            value = like(old, value)
+        fixed[name] = value
+    return state.replace(**fixed)
