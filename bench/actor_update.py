@@ -16,7 +16,8 @@ from flax import nnx
 from jppo.engine import ActorConfig, UpdateStep, actor_loss_fn, init_train_state
 from jppo.engine.layout import place
 from jppo.mesh import make_mesh
-from jppo.microbatch import SequenceBatch, make_micro_batches, stack_micro_batches
+from jppo.experience import Experience
+from jppo.microbatch import make_micro_batches, stack_micro_batches
 from jppo.models import CausalLM, ModelConfig, create_model
 
 
@@ -38,7 +39,7 @@ class BatchShape:
         return self.rows * self.length
 
 
-def synthetic_batch(shape: BatchShape, vocab: int, *, ragged: bool, seed: int = 0) -> SequenceBatch:
+def synthetic_batch(shape: BatchShape, vocab: int, *, ragged: bool, seed: int = 0) -> Experience:
     """Random prompts and responses with old log-probs and advantages. ``ragged``: response lengths drawn from
     ``[response / 2, response]`` (the trainer's usual case); otherwise every row is full (no padding at all, so a
     peer implementation without masking does exactly the same work)."""
@@ -50,13 +51,13 @@ def synthetic_batch(shape: BatchShape, vocab: int, *, ragged: bool, seed: int = 
         "old_log_prob": np.where(present, -rng.uniform(5, 8, (rows, response)), 0).astype(np.float32),
         "advantages": np.where(present, rng.normal(size=(rows, response)), 0).astype(np.float32),
     }
-    return SequenceBatch(
+    return Experience(
         prompt_ids=rng.integers(1, vocab, (rows, shape.prompt)).astype(np.int32),
         prompt_mask=np.ones((rows, shape.prompt), bool),
         response_ids=np.where(present, rng.integers(1, vocab, (rows, response)), 0).astype(np.int32),
         response_mask=present,
         response_attention=present,
-        per_token=per_token,
+        **per_token,
     )
 
 
@@ -74,7 +75,7 @@ class ActorUpdate:
     (host floats). The state is donated and replaced at every call, so repeated calls keep training.
     """
 
-    def __init__(self, model_cfg: ModelConfig, actor_cfg: ActorConfig, batch: SequenceBatch, *, seed: int = 0):
+    def __init__(self, model_cfg: ModelConfig, actor_cfg: ActorConfig, batch: Experience, *, seed: int = 0):
         if actor_cfg.use_dynamic_bsz:
             raise ValueError("ActorUpdate times fixed micro-batches; set use_dynamic_bsz=False")
         mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])

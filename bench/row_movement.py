@@ -55,7 +55,8 @@ def measure(quick: bool, repeats: int) -> dict:
     from jppo.hostlocal import take_rows
     from jppo.mesh import batch_shards, make_mesh
     from jppo.engine.layout import place
-    from jppo.microbatch import SequenceBatch, stack_micro_batches
+    from jppo.experience import Experience
+    from jppo.microbatch import stack_micro_batches
     from jppo.models import CausalLM, ModelConfig, create_model
 
     size = SIZES["quick" if quick else "full"]
@@ -67,17 +68,15 @@ def measure(quick: bool, repeats: int) -> dict:
     attention = np.arange(length)[None, :] < lengths[:, None]
     noise = lambda: np.where(attention, rng.normal(size=(n, length)), 0).astype(np.float32)  # noqa: E731
     vocab = 1024
-    batch = SequenceBatch(
+    batch = Experience(
         prompt_ids=rng.integers(1, vocab, (n, p)).astype(np.int32), prompt_mask=np.ones((n, p), bool),
         response_ids=np.where(attention, rng.integers(1, vocab, (n, length)), 0).astype(np.int32),
         response_mask=attention,
-        per_token={name: noise() for name in ("old_log_prob", "ref_log_prob", "advantages", "returns", "values",
-                                               "rollout_log_prob")},
+        **{name: noise() for name in ("old_log_prob", "ref_log_prob", "advantages", "returns", "values",
+                                      "rollout_log_prob")},
     )
     cfg = ActorConfig(ppo_mini_batch_size=size["mini"], ppo_micro_batch_size=max(size["mini"] // shards // 2, 1),
                       ppo_epochs=size["epochs"], logprob_chunk_size=64)
-    fields = {"prompt_ids": batch.prompt_ids, "prompt_mask": batch.prompt_mask, "response_ids": batch.response_ids,
-              "response_mask": batch.response_mask, "response_attention": batch.response_attention, **batch.per_token}
 
     def per_shard_cut():
         steps = per_shard_steps(n, shards, cfg, np.random.default_rng([0, 1]))
@@ -89,7 +88,7 @@ def measure(quick: bool, repeats: int) -> dict:
     order = shard_layout(mini_batches(n, cfg, np.random.default_rng([0, 1])), shards).reshape(-1)
 
     def device_row_move():
-        return take_rows(fields, order, mesh, through_devices=True)
+        return take_rows(batch, order, mesh, through_devices=True)
 
     model_cfg = ModelConfig(vocab_size=vocab, hidden_size=size["hidden"], intermediate_size=2 * size["hidden"],
                             num_layers=size["layers"], num_heads=4, num_kv_heads=2)

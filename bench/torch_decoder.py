@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jppo.engine import ActorConfig
-from jppo.microbatch import SequenceBatch
+from jppo.experience import Experience
 from jppo.models import ModelConfig
 
 
@@ -124,7 +124,7 @@ class TorchActorUpdate:
     then global-norm clipping of the gradient and AdamW with jppo's optimizer settings.
     """
 
-    def __init__(self, model: TorchCausalLM, batch: SequenceBatch, cfg: ActorConfig, device: str = "cpu"):
+    def __init__(self, model: TorchCausalLM, batch: Experience, cfg: ActorConfig, device: str = "cpu"):
         if not (batch.prompt_mask.all() and batch.response_attention.all()):
             raise ValueError("TorchActorUpdate needs an unpadded batch (every prompt and response fills its row)")
         as_tensor = lambda array, dtype: torch.as_tensor(np.asarray(array), dtype=dtype, device=device)  # noqa: E731
@@ -133,8 +133,8 @@ class TorchActorUpdate:
         self.input_ids = as_tensor(np.concatenate([batch.prompt_ids, batch.response_ids], axis=1), torch.long)
         self.targets = as_tensor(batch.response_ids, torch.long)
         self.mask = as_tensor(batch.response_mask, torch.bool)
-        self.old_log_prob = as_tensor(batch.per_token["old_log_prob"], torch.float32)
-        self.advantages = as_tensor(batch.per_token["advantages"], torch.float32)
+        self.old_log_prob = as_tensor(batch.old_log_prob, torch.float32)
+        self.advantages = as_tensor(batch.advantages, torch.float32)
         self.cfg = cfg
         optim = cfg.optim
         self.optimizer = torch.optim.AdamW(

@@ -67,7 +67,7 @@ class Experience:
     def __post_init__(self) -> None:
         # Host batches (numpy) are checked when made; the same type inside jit (tracers) or as micro-batch slots
         # (token arrays None) is not.
-        if all(isinstance(getattr(self, name), np.ndarray) for name in ("prompt_ids", "prompt_mask", "response_mask")):
+        if all(isinstance(getattr(self, name), np.ndarray) for name in ("prompt_ids", "response_ids", "response_mask")):
             _check_host_batch(self)
 
     @property
@@ -104,7 +104,7 @@ jax.tree_util.register_dataclass(
 def _check_host_batch(exp: Experience) -> None:
     """Shapes agree, and the layout the fixed micro-batches assume holds (one-line errors)."""
     n, p = exp.prompt_ids.shape
-    length = exp.response_mask.shape[1]
+    length = exp.response_ids.shape[1]
     for name, shape in (("prompt_mask", (n, p)), ("response_ids", (n, length)), ("response_mask", (n, length))):
         array = getattr(exp, name)
         if array is None or array.shape != shape:

@@ -6,8 +6,8 @@ the losses see:
 - token rows ``input_ids, positions, segment_ids``: ``[K, D, R, W]`` (K micro-batches, D batch shards, R rows of
   width W per shard). Segment ids mark which sequence a token belongs to (0 = padding), so several sequences
   packed in one row never attend to each other, and positions restart at 0 for each sequence;
-- sequence slots ``response_mask`` and every per-token array of the batch (old log-probs, advantages, ...):
-  ``[K, D, S, L]``, one response per slot, response-aligned as in the rollout;
+- sequence slots ``slots``: the per-token fields of the :class:`~jppo.experience.Experience` (response mask, old
+  log-probs, advantages, ...) as ``[K, D, S, L]``, one response per slot, response-aligned as in the rollout;
 - ``gather_index [K, D, S, L]``: for response token ``j`` of slot ``s``, the flat index in the shard's ``R * W``
   token grid of the position whose next-token prediction is that token. The engine gathers per-token model
   outputs (log-probs, entropy, values) through it, so the losses never see the packing;

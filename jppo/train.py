@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
 from jppo import build, distributed
 from jppo.checkpoint import CheckpointManager, resolve_resume
@@ -58,8 +59,8 @@ class Hook:
             self.fn(step, state, metrics)
 
 
-def init_state(cfg: TrainConfig, mesh, inputs: build.RunInputs) -> tuple[RunState, nnx.GraphDef, Optional[nnx.GraphDef], Optional[nnx.State]]:
-    """The run's initial state and the models' structures (graph definitions), plus the reference parameters."""
+def setup(cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs) -> tuple[RunState, Collector, Learner, nnx.GraphDef]:
+    """The run's initial state, its collection and learning stages, and the policy's structure (for the export)."""
     policy = build.build_policy(cfg, inputs.tokenizer, mesh)
     graphdef, params = nnx.split(policy, nnx.Param)
     ref_params = build.build_reference(cfg, policy, mesh) if cfg.use_reference else None
@@ -69,7 +70,8 @@ def init_state(cfg: TrainConfig, mesh, inputs: build.RunInputs) -> tuple[RunStat
         critic = init_train_state(critic_params, engine_update_config(cfg, "critic"), mesh)
     actor = init_train_state(params, engine_update_config(cfg, "actor"), mesh)
     state = init_run_state(actor, critic, kl_controller(cfg).init(), cfg.trainer.seed, mesh)
-    return state, graphdef, critic_graphdef, ref_params
+    collector = Collector.create(cfg, mesh, inputs, graphdef, critic_graphdef, ref_params)
+    return state, collector, Learner.create(cfg, mesh, graphdef, critic_graphdef), graphdef
 
 
 def run(
@@ -84,9 +86,7 @@ def run(
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
     mesh = make_mesh(*mesh_shape, devices=devices)
-    state, policy, critic, ref_params = init_state(cfg, mesh, inputs)
-    collector = Collector.create(cfg, mesh, inputs, policy, critic, ref_params)
-    learner = Learner.create(cfg, mesh, policy, critic)
+    state, collector, learner, policy = setup(cfg, mesh, inputs)
     manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep)
     resume = resolve_resume(cfg.trainer.resume, manager.directory)
     if resume is not None:

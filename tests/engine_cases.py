@@ -17,7 +17,7 @@ from jppo.engine import ActorConfig, CriticConfig
 from jppo.engine.optim import inner_optimizer
 from jppo.engine.update import policy_options
 from jppo.losses import PolicyLossOptions, actor_loss, value_loss
-from jppo.microbatch import SequenceBatch
+from jppo.experience import Experience
 from jppo.models.config import ModelConfig
 
 VOCAB = 48
@@ -30,7 +30,7 @@ def tiny_config(dtype: str = "float64") -> ModelConfig:
     )
 
 
-def ragged_batch(seed: int, n: int = 16, p: int = 5, length: int = 6, equal: bool = False) -> SequenceBatch:
+def ragged_batch(seed: int, n: int = 16, p: int = 5, length: int = 6, equal: bool = False) -> Experience:
     """Ragged prompts and responses, an empty response, a single-token one, a loss-mask hole, advantages and
     old/ref log-probs, values and returns. ``equal``: every row has the same lengths (legacy-inflation test)."""
     rng = np.random.default_rng(seed)
@@ -50,20 +50,20 @@ def ragged_batch(seed: int, n: int = 16, p: int = 5, length: int = 6, equal: boo
         "values": np.where(attention, rng.normal(size=(n, length)), 0.0),
         "returns": np.where(attention, rng.normal(size=(n, length)), 0.0),
     }
-    return SequenceBatch(
+    return Experience(
         np.where(prompt_mask, rng.integers(1, VOCAB, (n, p)), 0), prompt_mask,
-        np.where(attention, rng.integers(1, VOCAB, (n, length)), 0), response_mask, attention, per_token,
+        np.where(attention, rng.integers(1, VOCAB, (n, length)), 0), response_mask, attention, **per_token,
     )
 
 
-def _padded_inputs(batch: SequenceBatch):
+def _padded_inputs(batch: Experience):
     real = np.concatenate([batch.prompt_mask, batch.response_attention], axis=1)
     ids = np.where(real, np.concatenate([batch.prompt_ids, batch.response_ids], axis=1), 0)
     positions = np.maximum(np.cumsum(real, axis=1) - 1, 0)
     return jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(real.astype(np.int32))
 
 
-def reference_actor_loss(model, batch: SequenceBatch, cfg: ActorConfig, loss_scale_factor: float):
+def reference_actor_loss(model, batch: Experience, cfg: ActorConfig, loss_scale_factor: float):
     ids, positions, segments = _padded_inputs(batch)
     p, length = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     logits = model(ids, positions, segments)
@@ -71,37 +71,37 @@ def reference_actor_loss(model, batch: SequenceBatch, cfg: ActorConfig, loss_sca
     window = jax.nn.log_softmax(logits[:, p - 1 : p - 1 + length].astype(jnp.float64 if logits.dtype == jnp.float64 else jnp.float32), axis=-1)
     log_prob = jnp.take_along_axis(window, ids[:, p : p + length, None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(window) * window, axis=-1)
-    data = {k: jnp.asarray(v, log_prob.dtype) for k, v in batch.per_token.items()}
+    data = jax.tree.map(lambda v: jnp.asarray(v, log_prob.dtype), batch.per_token())
     mask = jnp.asarray(batch.response_mask)
     options = policy_options(cfg)
     from jppo.losses import global_norm_stats
 
     norm = global_norm_stats(mask, loss_scale_factor, dtype=log_prob.dtype)
     return actor_loss(
-        log_prob, data["old_log_prob"], data["advantages"], mask, norm=norm, mode=cfg.loss_agg_mode,
+        log_prob, data.old_log_prob, data.advantages, mask, norm=norm, mode=cfg.loss_agg_mode,
         policy_loss_name=cfg.policy_loss, policy_options=options,
         entropy=entropy if cfg.entropy_coeff else None, entropy_coeff=cfg.entropy_coeff,
-        ref_log_prob=data["ref_log_prob"] if cfg.use_kl_loss else None,
+        ref_log_prob=data.ref_log_prob if cfg.use_kl_loss else None,
         kl_loss_coef=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, kl_loss_type=cfg.kl_loss_type,
     )
 
 
-def reference_critic_loss(model, batch: SequenceBatch, cfg: CriticConfig, loss_scale_factor: float):
+def reference_critic_loss(model, batch: Experience, cfg: CriticConfig, loss_scale_factor: float):
     ids, positions, segments = _padded_inputs(batch)
     p, length = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     vpreds = model(ids, positions, segments)[:, p - 1 : p - 1 + length]
-    data = {k: jnp.asarray(v, vpreds.dtype) for k, v in batch.per_token.items()}
+    data = jax.tree.map(lambda v: jnp.asarray(v, vpreds.dtype), batch.per_token())
     mask = jnp.asarray(batch.response_mask)
     from jppo.losses import global_norm_stats
 
     norm = global_norm_stats(mask, loss_scale_factor, dtype=vpreds.dtype)
     return value_loss(
-        vpreds, data["values"], data["returns"], mask, cliprange_value=cfg.cliprange_value, mode=cfg.loss_agg_mode,
+        vpreds, data.values, data.returns, mask, cliprange_value=cfg.cliprange_value, mode=cfg.loss_agg_mode,
         norm=norm,
     )
 
 
-def reference_step(model, batch: SequenceBatch, cfg, loss_scale_factor: float):
+def reference_step(model, batch: Experience, cfg, loss_scale_factor: float):
     """Parameters after one optimizer step on the whole mini-batch, its gradient, and its loss."""
     graphdef, params = nnx.split(model, nnx.Param)
     loss = reference_actor_loss if isinstance(cfg, ActorConfig) else reference_critic_loss

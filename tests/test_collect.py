@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jppo.data import CharTokenizer, Example, get_task
-from jppo.experience import compute_advantages, kl_in_reward, last_token_scores, token_credit_rewards
+from jppo.collect import compute_advantages, kl_in_reward, last_token_scores, token_credit_rewards
 
 
 def test_scores_go_on_the_last_valid_token_and_nowhere_for_empty_responses():

@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from jppo.components import load_inputs
+from jppo.build import load_inputs
 from jppo.config import ConfigError, check_mesh, engine_update_config, load_config, save_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ Keys are drawn from every leaf of :class:`~jppo.config.TrainConfig` (``dataclass
 three per example, with odd values of every type (``""``, ``"abc"``, ``"nan"``, ``"[1,2]"``, ``-1``, ``1e9``, the
 registries' names, ...), and given as ``key=value`` overrides to every shipped config. Two properties:
 
-1. validation (:func:`load_config`, :func:`check_mesh` and :func:`components.load_inputs`, what the CLI runs before
+1. validation (:func:`load_config`, :func:`check_mesh` and :func:`build.load_inputs`, what the CLI runs before
    anything compiles) either accepts or raises :class:`ConfigError` whose one-line message names a drawn key (or, for
    a conflict with a value of the config file, the key it conflicts with);
 2. a config that validation accepts trains a step (a tiny model on one device) without an exception.
@@ -28,7 +28,7 @@ import jax
 from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import strategies as st
 
-from jppo import components
+from jppo import build
 from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.config import ConfigError, TrainConfig, check_mesh, load_config
 from jppo.data import BUILTIN_TASKS
@@ -124,7 +124,7 @@ def validate_like_the_cli(config: pathlib.Path, items: list[str]):
     shape = check_mesh(cfg, 1)
     if cfg.data.num_train_examples + cfg.data.num_val_examples > MAX_GENERATED_EXAMPLES:
         return cfg, shape, None
-    return cfg, shape, components.load_inputs(cfg)
+    return cfg, shape, build.load_inputs(cfg)
 
 
 def assert_refused_in_one_line(error: BaseException, drawn: list[str]) -> None:

@@ -12,7 +12,9 @@ from jppo.engine import ActorConfig
 from jppo.engine.driver import mini_batches, regroup, shard_layout
 from jppo.hostlocal import take_rows
 from jppo.mesh import make_mesh
-from jppo.microbatch import SequenceBatch
+import dataclasses
+
+from jppo.experience import PER_TOKEN_FIELDS, Experience
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
@@ -49,14 +51,14 @@ def test_shard_layout_deals_every_step_in_equal_blocks(shards):
         np.testing.assert_array_equal(layout[:, i].reshape(-1), rows)
 
 
-def sequence_batch(n: int, seed: int = 0) -> SequenceBatch:
+def sequence_batch(n: int, seed: int = 0) -> Experience:
     rng = np.random.default_rng(seed)
     lengths = rng.integers(0, 5, n)
     attention = np.arange(4)[None, :] < lengths[:, None]
-    return SequenceBatch(
+    return Experience(
         prompt_ids=rng.integers(1, 50, (n, 3)).astype(np.int32), prompt_mask=np.ones((n, 3), bool),
         response_ids=np.where(attention, rng.integers(1, 50, (n, 4)), 0).astype(np.int32), response_mask=attention,
-        per_token={"advantages": np.where(attention, rng.normal(size=(n, 4)), 0).astype(np.float32)},
+        advantages=np.where(attention, rng.normal(size=(n, 4)), 0).astype(np.float32),
     )
 
 
@@ -68,13 +70,13 @@ def test_rows_moved_through_the_devices_equal_a_host_take(mesh_shape):
     cfg = ActorConfig(ppo_mini_batch_size=16, ppo_epochs=2)
     order = shard_layout(mini_batches(32, cfg, np.random.default_rng(2)), mesh.shape["data"] * mesh.shape["fsdp"])
     order = order.reshape(-1)
-    arrays = {"ids": batch.response_ids, "mask": batch.response_mask, "adv": batch.per_token["advantages"]}
+    arrays = {"ids": batch.response_ids, "mask": batch.response_mask, "adv": batch.advantages}
     moved = take_rows(arrays, order, mesh, through_devices=True)
     for name, array in arrays.items():
         assert moved[name].dtype == array.dtype
         np.testing.assert_array_equal(moved[name], array[order], err_msg=name)
     regrouped = regroup(batch, order, mesh)
-    np.testing.assert_array_equal(regrouped.per_token["advantages"], batch.per_token["advantages"][order])
+    np.testing.assert_array_equal(regrouped.advantages, batch.advantages[order])
     np.testing.assert_array_equal(regrouped.response_attention, batch.response_attention[order])
 
 
@@ -96,9 +98,9 @@ def test_each_update_receives_only_the_arrays_its_loss_reads(role, use_kl_loss, 
     batch = sequence_batch(16)
     per_token = {name: rng.normal(size=(16, 4)).astype(np.float32) for name in
                  ("old_log_prob", "ref_log_prob", "advantages", "values", "returns", "rollout_log_prob")}
-    batch = SequenceBatch(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask,
-                          per_token=per_token)
+    batch = dataclasses.replace(batch, **per_token)
     cfg = (ActorConfig(ppo_mini_batch_size=8, use_kl_loss=use_kl_loss) if role == "actor"
            else CriticConfig(ppo_mini_batch_size=8))
     steps = cut_steps(batch, cfg, make_mesh(2, 1, 1, devices=jax.devices()[:2]), np.random.default_rng(0))
-    assert all(set(step.per_token) == expected for step in steps)
+    carried = lambda step: {name for name in PER_TOKEN_FIELDS if getattr(step.slots, name) is not None}  # noqa: E731
+    assert all(carried(step) == expected | {"response_mask"} for step in steps)

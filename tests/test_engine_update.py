@@ -229,13 +229,11 @@ def test_non_finite_micro_batch_skips_the_whole_update(poisoned_row):
     skip counted; and the next clean mini-batch is applied normally (nothing of the NaN is left behind)."""
     mesh = mesh_of((2, 1, 1))
     batch = ragged_batch(4)
-    poisoned = dict(batch.per_token)
-    advantages = poisoned["advantages"].copy()
+    advantages = batch.advantages.copy()
     rows = np.flatnonzero(batch.response_mask.any(-1))
     row = int(rows[0] if poisoned_row == "first" else rows[-1])  # in the first / last micro-batch of its shard
     advantages[row, np.flatnonzero(batch.response_mask[row])[0]] = np.nan
-    poisoned["advantages"] = advantages
-    bad = dataclasses.replace(batch, per_token=poisoned)
+    bad = dataclasses.replace(batch, advantages=advantages)
     cfg = actor_cfg(optim=ADAMW_CLIPPED, ppo_micro_batch_size=2, ppo_mini_batch_size=N)
     model = create_model(CausalLM, tiny_config(), mesh, seed=0)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -259,7 +257,7 @@ def test_norm_stats_psum_in_shard_map_equals_global_sums():
     mesh = mesh_of((4, 2, 1))
     batch = ragged_batch(5)
     micro = make_micro_batches(batch, batch_shards(mesh), max_token_len=18)
-    mask = place({"m": micro.response_mask}, mesh)["m"]
+    mask = place(micro.slots.response_mask, mesh)
     with jax.set_mesh(mesh):
         by_psum = jax.jit(lambda m: mini_batch_norm_stats(m, C, mesh))(mask)
         by_gspmd = jax.jit(lambda m: global_norm_stats(m.reshape(-1, m.shape[-1]), C))(mask)
@@ -340,11 +338,11 @@ def test_a_skipped_mini_batch_is_left_out_of_the_means_and_counted():
     applied mini-batch alone, not NaN."""
     mesh = mesh_of((2, 1, 1))
     batch = ragged_batch(8)
-    advantages = batch.per_token["advantages"].copy()
+    advantages = batch.advantages.copy()
     # unshuffled mini-batches of 8 rows: rows 0-7, then 8-15; a NaN on a valid token of row 12 spoils the second
     row = 12
     advantages[row, np.flatnonzero(batch.response_mask[row])[0]] = np.nan
-    bad = dataclasses.replace(batch, per_token={**batch.per_token, "advantages": advantages})
+    bad = dataclasses.replace(batch, advantages=advantages)
     cfg = actor_cfg(optim=ADAMW_CLIPPED, ppo_micro_batch_size=2, ppo_mini_batch_size=N // 2)
     state, metrics, _ = engine_step(CausalLM, cfg, mesh, bad)
     assert metrics["actor/skipped_updates"] == 1.0 and int(state.step) == 1

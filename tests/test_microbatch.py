@@ -3,8 +3,10 @@
 import numpy as np
 import pytest
 
+import jax
+
+from jppo.experience import Experience
 from jppo.microbatch import (
-    SequenceBatch,
     fixed_micro_batches,
     make_micro_batches,
     next_power_of_two,
@@ -14,7 +16,7 @@ from jppo.microbatch import (
 )
 
 
-def random_batch(seed: int, n: int = 16, p: int = 6, length: int = 7) -> SequenceBatch:
+def random_batch(seed: int, n: int = 16, p: int = 6, length: int = 7) -> Experience:
     """Ragged left-padded prompts; ragged responses incl. empty ones; loss-mask holes inside some responses."""
     rng = np.random.default_rng(seed)
     prompt_len = rng.integers(1, p + 1, n)
@@ -28,7 +30,7 @@ def random_batch(seed: int, n: int = 16, p: int = 6, length: int = 7) -> Sequenc
     response_mask = attention & (~holes | last)  # the last token stays a loss token, so attention is recoverable
     response_ids = np.where(attention, rng.integers(1, 100, (n, length)), 0)
     per_token = {"advantages": rng.normal(size=(n, length)), "old_log_prob": -rng.random((n, length))}
-    return SequenceBatch(prompt_ids, prompt_mask, response_ids, response_mask, attention, per_token)
+    return Experience(prompt_ids, prompt_mask, response_ids, response_mask, attention, **per_token)
 
 
 def next_token_at_slots(micro) -> np.ndarray:
@@ -57,9 +59,11 @@ def test_gather_index_points_at_the_position_predicting_each_response_token(seed
     predicted = scatter_back(next_token_at_slots(micro), micro.row_ids, batch.num_sequences)
     attention = batch.response_attention
     np.testing.assert_array_equal(np.where(attention, predicted, 0), batch.response_ids)
-    for name, values in batch.per_token.items():
-        np.testing.assert_array_equal(scatter_back(micro.per_token[name], micro.row_ids, batch.num_sequences), values)
-    back_mask = scatter_back(micro.response_mask, micro.row_ids, batch.num_sequences)
+    for name in ("advantages", "old_log_prob"):
+        back = scatter_back(getattr(micro.slots, name), micro.row_ids, batch.num_sequences)
+        np.testing.assert_array_equal(back, getattr(batch, name))
+    assert jax.tree.structure(micro.slots) == jax.tree.structure(batch.per_token())  # every per-token field, no other
+    back_mask = scatter_back(micro.slots.response_mask, micro.row_ids, batch.num_sequences)
     np.testing.assert_array_equal(back_mask, batch.response_mask)
     # every sequence sits in exactly one slot, on the shard that owns its row
     rows = micro.row_ids[micro.row_ids >= 0]
@@ -87,7 +91,7 @@ def test_packed_rows_respect_budget_segments_and_positions(seed):
                 where = np.flatnonzero(seg == slot + 1)
                 if row < 0:
                     assert where.size == 0
-                    assert not micro.response_mask[kk, dd, slot].any()
+                    assert not micro.slots.response_mask[kk, dd, slot].any()
                     continue
                 assert where.size == lengths[row]
                 np.testing.assert_array_equal(where, where[0] + np.arange(where.size))  # contiguous
@@ -140,19 +144,19 @@ def test_rows_must_split_evenly_over_shards_and_shapes_must_agree():
     with pytest.raises(ValueError, match="6 sequences cannot be split evenly over 4"):
         fixed_micro_batches(batch, 4, 1)
     with pytest.raises(ValueError, match="response_mask has shape"):
-        SequenceBatch(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask[:, :3])
+        Experience(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask[:, :3])
     with pytest.raises(ValueError, match="per-token array 'advantages'"):
-        SequenceBatch(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask,
-                      per_token={"advantages": np.zeros((6, 2))})
+        Experience(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask,
+                   advantages=np.zeros((6, 2)))
     empty_prompt = batch.prompt_mask.copy()
     empty_prompt[0] = False
     with pytest.raises(ValueError, match="at least one prompt token"):
-        SequenceBatch(batch.prompt_ids, empty_prompt, batch.response_ids, batch.response_mask)
+        Experience(batch.prompt_ids, empty_prompt, batch.response_ids, batch.response_mask)
 
 
 def test_default_attention_runs_to_the_last_loss_token():
     mask = np.array([[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
-    batch = SequenceBatch(np.ones((3, 2), int), np.ones((3, 2), bool), np.ones((3, 4), int), mask)
+    batch = Experience(np.ones((3, 2), int), np.ones((3, 2), bool), np.ones((3, 4), int), mask)
     np.testing.assert_array_equal(batch.response_attention, [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
 
 
@@ -170,7 +174,8 @@ def test_stacked_steps_pad_to_a_common_shape_with_empty_micro_batches_and_slots(
         kk, _, ss = step.row_ids.shape
         np.testing.assert_array_equal(stacked.row_ids[i, :kk, :, :ss], step.row_ids)
         assert (stacked.row_ids[i, kk:] == -1).all() and (stacked.row_ids[i, :, :, ss:] == -1).all()
-        assert not stacked.response_mask[i, kk:].any() and not stacked.response_mask[i, :, :, ss:].any()
+        mask = stacked.slots.response_mask
+        assert not mask[i, kk:].any() and not mask[i, :, :, ss:].any()
         assert not stacked.segment_ids[i, kk:].any()
 
 
@@ -179,12 +184,12 @@ def test_a_right_padded_prompt_or_a_gap_in_the_response_is_refused():
     ids = np.ones((2, 3), np.int32)
     left = np.array([[0, 1, 1], [1, 1, 1]], bool)
     response = np.array([[1, 1, 0], [1, 0, 0]], bool)
-    SequenceBatch(ids, left, ids, response)  # left-padded, contiguous: fine
+    Experience(ids, left, ids, response)  # left-padded, contiguous: fine
     with pytest.raises(ValueError, match="prompt_mask row 0 is not left-padded"):
-        SequenceBatch(ids, np.array([[1, 1, 0], [1, 1, 1]], bool), ids, response)
+        Experience(ids, np.array([[1, 1, 0], [1, 1, 1]], bool), ids, response)
     with pytest.raises(ValueError, match="response_attention row 1 has a gap"):
-        SequenceBatch(ids, left, ids, np.array([[1, 0, 0], [1, 0, 1]], bool),
+        Experience(ids, left, ids, np.array([[1, 0, 0], [1, 0, 1]], bool),
                       response_attention=np.array([[1, 0, 0], [1, 0, 1]], bool))
     # a hole in the loss mask alone is allowed (tool observations): attention defaults to the contiguous prefix
-    holed = SequenceBatch(ids, left, ids, np.array([[1, 0, 1], [1, 0, 0]], bool))
+    holed = Experience(ids, left, ids, np.array([[1, 0, 1], [1, 0, 0]], bool))
     np.testing.assert_array_equal(holed.response_attention, [[1, 1, 1], [1, 0, 0]])

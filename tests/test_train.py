@@ -13,10 +13,12 @@ import jax
 import numpy as np
 import pytest
 
-from jppo import components
+from jppo import build
 from jppo.config import check_mesh, load_config
 from jppo.data import task_of
-from jppo.train import Trainer, run
+from jppo.collect import decode_responses, greedy_baselines
+from jppo.mesh import make_mesh
+from jppo.train import run, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -31,7 +33,7 @@ SMALL = [
 
 def train(tmp: pathlib.Path, *overrides: str, config: pathlib.Path = QUICKSTART) -> list[dict]:
     cfg = load_config(config, [*SMALL, f"trainer.output_dir={tmp}", *overrides])
-    run(cfg, check_mesh(cfg, jax.device_count()), components.load_inputs(cfg))
+    run(cfg, check_mesh(cfg, jax.device_count()), build.load_inputs(cfg))
     return [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -70,17 +72,17 @@ def test_validation_before_training_is_logged_at_step_zero_and_plotted(tmp_path)
 
 
 def test_grpo_config_trains_without_a_critic_on_group_relative_advantages(tmp_path, monkeypatch):
-    import jppo.train as train_module
+    import jppo.collect as collect_module
 
     seen = []
-    real = train_module.compute_advantages
+    real = collect_module.compute_advantages
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         seen.append((kwargs["group_ids"], kwargs["response_mask"], kwargs["token_level_rewards"], out[0]))
         return out
 
-    monkeypatch.setattr(train_module, "compute_advantages", spy)
+    monkeypatch.setattr(collect_module, "compute_advantages", spy)
     rows = train(tmp_path, "trainer.total_steps=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
                  config=GRPO)
     assert all(math.isfinite(row["actor/pg_loss"]) for row in rows)
@@ -117,14 +119,15 @@ def test_remax_baseline_is_the_reward_of_the_greedy_response(tmp_path):
     overrides = ["algorithm.adv_estimator=remax", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
                  f"reward.function={plugin}:reward"]
     cfg = load_config(GRPO, [*SMALL, f"trainer.output_dir={tmp_path / 'run'}", *overrides])
-    trainer = Trainer(cfg, check_mesh(cfg, jax.device_count()), components.load_inputs(cfg))
-    examples, prompts, _ = trainer.inputs.train_data.batch_at(0, 4, cfg.trainer.seed)
-    _, prompt_index = trainer.sampler(trainer.actor.params, prompts, jax.random.key(0))
-    baselines = trainer.greedy_baselines(examples, prompts, prompt_index, step=1)
+    state, collector, _, _ = setup(cfg, make_mesh(*check_mesh(cfg, jax.device_count())), build.load_inputs(cfg))
+    examples, prompts, _ = collector.inputs.train_data.batch_at(0, 4, cfg.trainer.seed)
+    prompt_index = collector.sampler(state.actor.params, prompts, jax.random.key(0)).group_ids
+    baselines = greedy_baselines(collector, state, examples, prompts, prompt_index, step=1)
     # the expectation, built another way: validation decodes greedily, one response per prompt, by default
     assert cfg.rollout.val_temperature == 0 and cfg.rollout.val_n == 1
-    greedy, greedy_index = trainer.val_sampler(trainer.actor.params, prompts, jax.random.key(1))
-    greedy_texts, _ = components.decode_responses(greedy, trainer.inputs.tokenizer)
+    greedy = collector.val_sampler(state.actor.params, prompts, jax.random.key(1))
+    greedy_index = greedy.group_ids
+    greedy_texts, _ = decode_responses(greedy, collector.inputs.tokenizer)
     reward_of_prompt = {
         int(p): int(examples[p].answer) % 97 + sum(map(ord, text)) % 10 / 10 for p, text in zip(greedy_index, greedy_texts)
     }

@@ -17,9 +17,12 @@ import jax
 import numpy as np
 import pytest
 
-from jppo import components
+from jppo import build
 from jppo.config import check_mesh, load_config
-from jppo.train import Trainer, run
+from jppo.collect import PhaseTimer, collect
+from jppo.learn import learn
+from jppo.mesh import make_mesh
+from jppo.train import run, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {"ppo": ROOT / "configs" / "quickstart.yaml", "grpo": ROOT / "configs" / "quickstart_grpo.yaml"}
@@ -40,7 +43,7 @@ VARIANTS = {
 
 def train(config: str, out: pathlib.Path, devices: int, overrides: list[str]) -> list[dict]:
     cfg = load_config(CONFIGS[config], [*QUIET, f"trainer.output_dir={out}", "mesh.data=1", *overrides])
-    run(cfg, check_mesh(cfg, devices), components.load_inputs(cfg), devices=jax.devices()[:devices])
+    run(cfg, check_mesh(cfg, devices), build.load_inputs(cfg), devices=jax.devices()[:devices])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in rows]
 
@@ -101,11 +104,13 @@ def test_a_short_run_compiles_the_update_steps_and_the_sampler_once(tmp_path, mo
                                        "mesh.data=2", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
                                        "critic.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=2",
                                        "critic.ppo_micro_batch_size=2", "rollout.temperature=0.9"])
-    trainer = Trainer(cfg, check_mesh(cfg, 2), components.load_inputs(cfg), devices=jax.devices()[:2])
-    for name, update in (("actor", trainer.actor_step), ("critic", trainer.critic_step)):
+    mesh = make_mesh(*check_mesh(cfg, 2), devices=jax.devices()[:2])
+    state, collector, learner, _ = setup(cfg, mesh, build.load_inputs(cfg))
+    for name, update in (("actor", learner.actor_step), ("critic", learner.critic_step)):
         # chex tells functions apart by their source and call stack, which the two roles' steps share: 2 in all
         update._steps = counted(traces, name, chex.assert_max_traces(update._steps, n=2))
     for _ in range(3):
-        metrics = trainer.step()
-    assert trainer.step_done == 3 and np.isfinite(metrics["actor/pg_loss"])
+        state, experience, _ = collect(collector, state, PhaseTimer())
+        state, metrics = learn(learner, state, experience, PhaseTimer())
+    assert state.steps_done == 3 and np.isfinite(metrics["actor/pg_loss"])
     assert traces == {"rollout": 1, "actor": 1, "critic": 1}

@@ -13,17 +13,11 @@ from typing import TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jppo.hostlocal import to_global
-from jppo.mesh import BATCH_AXES
 
 T = TypeVar("T")
-
-
-def micro_batch_sharding(mesh: Mesh, ndim: int, scanned: int = 1) -> NamedSharding:
-    """``[*scanned, D, ...]``: the scanned leading axes (steps M, micro-batches K) replicated, D over the batch axes."""
-    return NamedSharding(mesh, PartitionSpec(*([None] * scanned), BATCH_AXES, *([None] * (ndim - scanned - 1))))
 
 
 def place(arrays: T, mesh: Mesh, scanned: int = 1) -> T:
