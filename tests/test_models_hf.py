@@ -9,12 +9,11 @@ import jax
 import numpy as np
 import pytest
 import safetensors.torch
-import tokenizers
 import torch
 import transformers
 from flax import nnx
 
-from jppo.models import CausalLM, CheckpointError, ModelConfig, ValueModel, load_pretrained, load_tokenizer
+from jppo.models import CausalLM, CheckpointError, ModelConfig, ValueModel, load_pretrained
 from jppo.models import save_pretrained
 
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -184,8 +183,6 @@ def test_missing_files_are_named(checkpoints, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(checkpoints["qwen2"][1].config.to_dict()))
     with pytest.raises(CheckpointError, match="neither model.safetensors nor model.safetensors.index.json"):
         load_pretrained(tmp_path)
-    with pytest.raises(CheckpointError, match="missing tokenizer.json"):
-        load_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="unknown head 'reward'; valid: lm, value"):
         load_pretrained(tmp_path, head="reward")
 
@@ -214,11 +211,3 @@ def test_config_translation_reads_both_rope_spellings_and_rejects_unsupported_fe
     ]:
         with pytest.raises(ValueError, match=message):
             ModelConfig.from_hf({**v4_style, **changes})
-
-
-def test_load_tokenizer(tmp_path):
-    vocabulary = {"[UNK]": 0, "hello": 1, "world": 2}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    assert load_tokenizer(tmp_path).encode("hello there world").ids == [1, 0, 2]

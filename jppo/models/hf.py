@@ -16,7 +16,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tokenizers
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -220,11 +219,3 @@ def save_pretrained(model: CausalLM | ValueModel, path: PathLike) -> None:
 
     (path / "config.json").write_text(json.dumps(config.to_hf(head), indent=2) + "\n")
     write_safetensors(path / "model.safetensors", layout, fetch)
-
-
-def load_tokenizer(path: PathLike) -> tokenizers.Tokenizer:
-    """The fast tokenizer in ``path/tokenizer.json``."""
-    tokenizer_file = pathlib.Path(path) / "tokenizer.json"
-    if not tokenizer_file.exists():
-        raise CheckpointError(f"missing tokenizer.json in {path}")
-    return tokenizers.Tokenizer.from_file(str(tokenizer_file))
