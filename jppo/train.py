@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import pathlib
 import sys
-import time
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -92,7 +91,7 @@ def run(
     if resume is not None:
         state, _ = manager.restore(resume, state)
         log.info("resumed from %s at step %d", resume, state.steps_done)
-    fresh, total, last = state.steps_done == 0, cfg.trainer.total_steps, {}
+    fresh, total, metrics = state.steps_done == 0, cfg.trainer.total_steps, {}
     with RunLogger(
         out, total_steps=total, tensorboard=cfg.trainer.tensorboard, progress_bar=cfg.trainer.progress_bar,
         start_step=0 if fresh else state.steps_done + 1, is_main_process=main,
@@ -107,12 +106,12 @@ def run(
             # the initial policy's validation, at step 0 (verl's global step 0); a resumed run does not repeat it
             logger.log(0, validate(collector, state))
         while state.steps_done < total:
-            timer, started = PhaseTimer(), time.perf_counter()
-            state, experience, last = collect(collector, state, timer)
+            timer = PhaseTimer()
+            state, experience, metrics = collect(collector, state, timer)
             state, learned = learn(learner, state, experience, timer)
-            last = learned | last | timing(timer, time.perf_counter() - started, last["perf/total_num_tokens"])
+            metrics = learned | metrics | timer.report(tokens=metrics["perf/total_num_tokens"])
             for hook in hooks:
-                hook(state.steps_done, total, state, last)
+                hook(state.steps_done, total, state, metrics)
     manager.close()
     if cfg.trainer.export_hf:
         export(policy, state.actor.params, out / "hf")
@@ -120,16 +119,7 @@ def run(
         from jppo.plot import plot_run
 
         plot_run(out)
-    return last
-
-
-def timing(timer: PhaseTimer, total: float, tokens: float) -> dict[str, float]:
-    """``timing/<phase>`` and ``timing/step`` seconds, and ``perf/tokens_per_s`` over the whole step."""
-    return {
-        **{f"timing/{phase}": seconds for phase, seconds in timer.seconds.items()},
-        "timing/step": total,
-        "perf/tokens_per_s": tokens / total,
-    }
+    return metrics
 
 
 def save(manager: CheckpointManager, state: RunState, cfg: TrainConfig) -> None:
