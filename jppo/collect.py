@@ -142,7 +142,7 @@ def compute_advantages(
         "token_level_rewards": token_level_rewards,
         "mask": response_mask,
         "values": values,
-        "index": group_ids,
+        "group_ids": group_ids,
         "reward_baselines": reward_baselines,
     }
     option_values = {"gamma": gamma, "lam": lam, "norm_by_std": norm_adv_by_std_in_grpo}

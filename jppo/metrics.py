@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jppo.losses.aggregate import NormStats, global_norm_stats, masked_sum, safe_divide
+from jppo.masked import NormStats, masked_sum, safe_divide
 
 Array = jax.Array
 Metrics = dict[str, "Metric"]
@@ -57,15 +57,14 @@ def ratio(values: Array, mask: Array) -> Metric:
     return Metric(masked_sum(values.astype(dtype), mask), jnp.sum(mask.astype(bool), dtype=dtype))
 
 
-def loss_share(share: Array, mask: Array, norm: NormStats | None = None) -> Metric:
+def loss_share(share: Array, mask: Array, norm: NormStats) -> Metric:
     """A loss term's share, weighted so that the finished metric is the whole-mini-batch objective.
 
     The weight of a piece is its fraction of the mini-batch's valid tokens, ``n_local / N``; the weights of all
-    pieces sum to 1. With ``norm=None`` (one call over the whole batch, or the legacy per-micro-batch mode) the
-    weight is 1 for any non-empty piece, which reports the mean of the pieces' own values.
+    pieces sum to 1. ``norm`` is the one the share was aggregated with. Given a piece's own counts (one call over
+    the whole batch, or the legacy per-micro-batch mode) the weight is 1 for any non-empty piece, which reports
+    the mean of the pieces' own values.
     """
-    if norm is None:
-        norm = global_norm_stats(mask, dtype=share.dtype)
     local_tokens = jnp.sum(mask.astype(bool), dtype=share.dtype)
     return Metric(share, safe_divide(local_tokens, norm.num_tokens.astype(share.dtype)))
 

@@ -1,8 +1,8 @@
 """Shared inputs of the engine tests: a tiny model, a ragged mini-batch, and a from-scratch whole-batch reference.
 
 The reference never goes through the engine: it runs the model once over the whole mini-batch in the rollout's
-own padded layout, takes log-probs from the full logits, aggregates with ``norm=None`` (the call sees the whole
-batch, so local counts are the global ones) and applies the inner optimizer once.
+own padded layout, takes log-probs from the full logits, aggregates with the counts of its own mask (the call
+sees the whole batch, so local counts are the global ones) and applies the inner optimizer once.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def reference_actor_loss(model, batch: Experience, cfg: ActorConfig, loss_scale_
     data = jax.tree.map(lambda v: jnp.asarray(v, log_prob.dtype), batch.per_token())
     mask = jnp.asarray(batch.response_mask)
     options = policy_options(cfg)
-    from jppo.losses import global_norm_stats
+    from jppo.masked import global_norm_stats
 
     norm = global_norm_stats(mask, loss_scale_factor, dtype=log_prob.dtype)
     return actor_loss(
@@ -92,7 +92,7 @@ def reference_critic_loss(model, batch: Experience, cfg: CriticConfig, loss_scal
     vpreds = model(ids, positions, segments)[:, p - 1 : p - 1 + length]
     data = jax.tree.map(lambda v: jnp.asarray(v, vpreds.dtype), batch.per_token())
     mask = jnp.asarray(batch.response_mask)
-    from jppo.losses import global_norm_stats
+    from jppo.masked import global_norm_stats
 
     norm = global_norm_stats(mask, loss_scale_factor, dtype=vpreds.dtype)
     return value_loss(

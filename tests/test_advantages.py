@@ -17,13 +17,8 @@ import numpy as np
 import pytest
 from golden import load_golden
 
-from jppo.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    compute_advantages,
-    masked_mean,
-    masked_var,
-    masked_whiten,
-)
+from jppo.advantages import ADVANTAGE_ESTIMATORS, run_estimator
+from jppo.masked import masked_mean, masked_var, masked_whiten
 
 CASES = ("case0", "case1", "case2", "case3")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
@@ -45,9 +40,9 @@ def golden_inputs(case: str) -> dict[str, np.ndarray]:
 
 
 @functools.partial(jax.jit, static_argnames=("name", "options"))
-def run_estimator(name: str, arrays: dict, options: tuple = ()) -> tuple[jax.Array, jax.Array]:
+def run_jitted(name: str, arrays: dict, options: tuple = ()) -> tuple[jax.Array, jax.Array]:
     """One compilation per estimator and static option set; gamma / lam travel as traced scalars."""
-    return compute_advantages(name, **arrays, **dict(options))
+    return run_estimator(name, **arrays, **dict(options))
 
 
 def estimator_arrays(name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -61,7 +56,7 @@ def estimator_arrays(name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.n
     if estimator.needs_critic:
         arrays["values"] = inputs["values"]
     if estimator.needs_group_ids:
-        arrays["index"] = PASSK_INDEX if name == "grpo_passk" else inputs["index"]
+        arrays["group_ids"] = PASSK_INDEX if name == "grpo_passk" else inputs["index"]
     if estimator.needs_reward_baselines:
         arrays["reward_baselines"] = inputs["reward_baselines"]
     return arrays
@@ -70,24 +65,24 @@ def estimator_arrays(name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.n
 # ----------------------------------------------------------------------------------------------- verl's rows
 
 
-def group_rows_as_verl(mask: np.ndarray, index: np.ndarray, singletons_agree: bool = False) -> np.ndarray:
+def group_rows_as_verl(mask: np.ndarray, group_ids: np.ndarray, singletons_agree: bool = False) -> np.ndarray:
     """Rows whose group is the same under jppo's rules and verl's: no empty row in it, and (unless verl also
     gives a group of one 0) at least two rows. verl counts an empty row (and its unmasked score) in its group and
     gives a group of one its raw score; jppo does neither (checked by the rule tests below)."""
     non_empty = mask.sum(axis=1) > 0
-    same = index[:, None] == index[None, :]
+    same = group_ids[:, None] == group_ids[None, :]
     no_empty_member = ~np.any(same & ~non_empty[None, :], axis=1)
     return no_empty_member if singletons_agree else no_empty_member & (same.sum(axis=1) > 1)
 
 
-def gpg_rows_as_verl(mask: np.ndarray, index: np.ndarray, rewards: np.ndarray) -> np.ndarray:
+def gpg_rows_as_verl(mask: np.ndarray, group_ids: np.ndarray, rewards: np.ndarray) -> np.ndarray:
     """GPG scales by alpha = rows / rows with a non-zero score; verl counts all rows and unmasked sums, jppo
     non-empty rows and masked sums. Rows compare only where both the group and alpha agree."""
     non_empty = mask.sum(axis=1) > 0
     alpha_verl = len(rewards) / max(np.count_nonzero(rewards.sum(axis=1)), 1)
     masked_scores = np.where(mask > 0, rewards, 0).sum(axis=1)
     alpha_jppo = non_empty.sum() / max(np.count_nonzero(masked_scores[non_empty]), 1)
-    return group_rows_as_verl(mask, index) & (alpha_verl == alpha_jppo)  # equal ratios round identically
+    return group_rows_as_verl(mask, group_ids) & (alpha_verl == alpha_jppo)  # equal ratios round identically
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +133,8 @@ def rows_as_verl(entry: GoldenEntry, arrays: dict[str, np.ndarray]) -> np.ndarra
     if entry.rows == "all":
         return np.ones(len(mask), dtype=bool)
     if entry.rows == "gpg":
-        return gpg_rows_as_verl(mask, arrays["index"], rewards)
-    return group_rows_as_verl(mask, arrays["index"], singletons_agree=entry.rows == "group_or_singleton")
+        return gpg_rows_as_verl(mask, arrays["group_ids"], rewards)
+    return group_rows_as_verl(mask, arrays["group_ids"], singletons_agree=entry.rows == "group_or_singleton")
 
 
 def assert_matches_verl(actual: np.ndarray, expected: np.ndarray, mask: np.ndarray, rows: np.ndarray) -> None:
@@ -154,12 +149,12 @@ def assert_matches_verl(actual: np.ndarray, expected: np.ndarray, mask: np.ndarr
 def test_estimator_matches_verl(case: str, entry: GoldenEntry) -> None:
     arrays = estimator_arrays(entry.estimator, golden_inputs(case))
     traced = {**arrays, **{name: np.float64(value) for name, value in entry.scalars}}
-    outputs = run_estimator(entry.estimator, traced, entry.options)
+    outputs = run_jitted(entry.estimator, traced, entry.options)
     actual = np.asarray(outputs[entry.output])
     assert_matches_verl(actual, load_golden()[f"{case}/{entry.key}"], arrays["mask"], rows_as_verl(entry, arrays))
     assert np.all(actual[arrays["mask"] == 0] == 0), "masked positions must hold 0"
-    if "index" in arrays:  # where verl gives a group of one its raw score, jppo's rule gives 0
-        same = arrays["index"][:, None] == arrays["index"][None, :]
+    if "group_ids" in arrays:  # where verl gives a group of one its raw score, jppo's rule gives 0
+        same = arrays["group_ids"][:, None] == arrays["group_ids"][None, :]
         alone = (same & (arrays["mask"].sum(axis=1) > 0)[None, :]).sum(axis=1) == 1
         assert np.all(actual[alone] == 0)
 
@@ -170,9 +165,9 @@ def test_reinforce_plus_plus_baseline_matches_verl(case: str) -> None:
     where the rules agree, both whiten the same centered scores, so jppo's values are a positive affine image
     of verl's (exactly verl's when every row agrees, as in case1)."""
     arrays = estimator_arrays("reinforce_plus_plus_baseline", golden_inputs(case))
-    actual = np.asarray(run_estimator("reinforce_plus_plus_baseline", arrays)[0])
+    actual = np.asarray(run_jitted("reinforce_plus_plus_baseline", arrays)[0])
     expected = load_golden()[f"{case}/reinforce_plus_plus_baseline/advantages"]
-    rows = group_rows_as_verl(arrays["mask"], arrays["index"])
+    rows = group_rows_as_verl(arrays["mask"], arrays["group_ids"])
     if rows.all():
         assert_matches_verl(actual, expected, arrays["mask"], rows)
         return
@@ -198,21 +193,6 @@ def test_masked_statistics_match_verl(case: str) -> None:
 # ------------------------------------------------------------------------------------------------ jppo's rules
 
 
-def test_masked_statistics_of_few_or_no_valid_entries_are_zero() -> None:
-    x = jnp.array([[3.0, jnp.nan, -jnp.inf], [jnp.inf, 2.0, 1.0]])
-    one_valid = jnp.array([[0, 0, 0], [0, 1, 0]])
-    none_valid = jnp.zeros_like(one_valid)
-    assert float(masked_mean(x, one_valid)) == 2.0
-    assert float(masked_var(x, one_valid)) == 0.0  # unbiased variance of one entry: verl raises
-    assert float(masked_var(x, one_valid, unbiased=False)) == 0.0
-    np.testing.assert_array_equal(masked_whiten(x, one_valid), np.zeros((2, 3)))
-    np.testing.assert_array_equal(masked_whiten(x, one_valid, shift_mean=False), [[0, 0, 0], [0, 2.0, 0]])
-    assert float(masked_mean(x, none_valid)) == 0.0
-    assert float(masked_var(x, none_valid)) == 0.0
-    np.testing.assert_array_equal(masked_mean(x, one_valid, axis=1), [0.0, 2.0])
-    np.testing.assert_array_equal(masked_whiten(x, none_valid), np.zeros((2, 3)))
-
-
 def hand_batch() -> dict[str, np.ndarray]:
     """Six rows, L = 4: group 7 = rows 0, 1 (+ empty row 5), group -3 = rows 2, 3 (tied), group 2**40 = row 4.
 
@@ -234,7 +214,7 @@ def hand_batch() -> dict[str, np.ndarray]:
             [0.0, 0.0, 0.0, 5.0],
         ]
     )
-    return {"token_level_rewards": rewards, "mask": mask, "index": np.array([7, 7, -3, -3, 2**40, 7])}
+    return {"token_level_rewards": rewards, "mask": mask, "group_ids": np.array([7, 7, -3, -3, 2**40, 7])}
 
 
 def _hand_expected_rows() -> dict[str, np.ndarray]:
@@ -258,7 +238,7 @@ def test_group_rules_on_a_hand_worked_batch(name: str) -> None:
     """Masked score sums, empty rows outside every group, 0 for a tied group and a group of one, any int ids."""
     batch = hand_batch()
     estimator, options = ("grpo", (("norm_by_std", False),)) if name == "dr_grpo" else (name, ())
-    advantages, returns = run_estimator(estimator, batch, options)
+    advantages, returns = run_jitted(estimator, batch, options)
     expected = np.where(batch["mask"] > 0, _hand_expected_rows()[name][:, None], 0)
     np.testing.assert_allclose(advantages, expected, rtol=REORDER_RTOL, atol=0)  # the rule's zeros are exact
     np.testing.assert_array_equal(returns, advantages)
@@ -266,7 +246,7 @@ def test_group_rules_on_a_hand_worked_batch(name: str) -> None:
 
 def test_reinforce_plus_plus_baseline_whitens_a_group_of_one_like_a_tied_group() -> None:
     batch = hand_batch()
-    advantages = np.asarray(run_estimator("reinforce_plus_plus_baseline", batch)[0])
+    advantages = np.asarray(run_jitted("reinforce_plus_plus_baseline", batch)[0])
     # Centered scores on the 13 valid tokens: +1/2 on row 0's 2 tokens, -1/2 on row 1's 4, 0 on the other 7.
     centered = np.array([0.5] * 2 + [-0.5] * 4 + [0.0] * 7)
     mean, std = centered.mean(), centered.std(ddof=1)
@@ -281,9 +261,9 @@ def test_empty_row_belongs_to_no_group(name: str) -> None:
     """case2's row 3 is empty but carries a score at a masked position: moving it to any other group (here a
     group of its own) changes nothing, so it neither shifts nor enlarges the group it was sampled in."""
     arrays = estimator_arrays(name, golden_inputs("case2"))
-    moved = dict(arrays, index=np.where(np.arange(8) == 3, 12345, arrays["index"]))
+    moved = dict(arrays, group_ids=np.where(np.arange(8) == 3, 12345, arrays["group_ids"]))
     assert arrays["mask"][3].sum() == 0 and arrays["token_level_rewards"][3].sum() != 0
-    original, after_move = run_estimator(name, arrays), run_estimator(name, moved)
+    original, after_move = run_jitted(name, arrays), run_jitted(name, moved)
     np.testing.assert_array_equal(original[0], after_move[0])
     assert np.all(np.asarray(original[0])[3] == 0)
 
@@ -297,8 +277,8 @@ def test_group_ids_are_arbitrary_and_rows_permute(name: str) -> None:
         relabel = np.array([-(2**62), 2**45 + 3, -1])
         permutation = rng.permutation(8)
         shuffled = {key: value[permutation] for key, value in arrays.items()}
-        shuffled["index"] = relabel[shuffled["index"]]
-        original, permuted = run_estimator(name, arrays), run_estimator(name, shuffled)
+        shuffled["group_ids"] = relabel[shuffled["group_ids"]]
+        original, permuted = run_jitted(name, arrays), run_jitted(name, shuffled)
         # atol: reordered float64 sums leave ~1e-16 where a value is 0 (tied groups, whitened means).
         np.testing.assert_allclose(permuted[0], np.asarray(original[0])[permutation], rtol=REORDER_RTOL, atol=1e-15)
 
@@ -306,9 +286,9 @@ def test_group_ids_are_arbitrary_and_rows_permute(name: str) -> None:
 @functools.partial(jax.jit, static_argnames=("name",))
 def outputs_and_gradients(name: str, arrays: dict, cotangents: tuple) -> tuple:
     """Both outputs and the gradient of a fixed linear function of them w.r.t. every float input array."""
-    floats = {key: value for key, value in arrays.items() if key not in ("mask", "index")}
-    rest = {key: value for key, value in arrays.items() if key in ("mask", "index")}
-    outputs, pullback = jax.vjp(lambda f: compute_advantages(name, **f, **rest), floats)
+    floats = {key: value for key, value in arrays.items() if key not in ("mask", "group_ids")}
+    rest = {key: value for key, value in arrays.items() if key in ("mask", "group_ids")}
+    outputs, pullback = jax.vjp(lambda f: run_estimator(name, **f, **rest), floats)
     return outputs, pullback(cotangents)[0]
 
 
@@ -353,7 +333,7 @@ def test_rows_sharded_over_devices_give_the_whole_batch_result(name: str) -> Non
     arrays = estimator_arrays(name, golden_inputs("case0"))
     traced = dict(arrays, gamma=np.float64(0.99), lam=np.float64(0.95)) if name == "gae" else arrays
     sharded = {key: jax.device_put(value, rows) if np.ndim(value) else value for key, value in traced.items()}
-    whole, split = run_estimator(name, traced), run_estimator(name, sharded)
+    whole, split = run_jitted(name, traced), run_jitted(name, sharded)
     for got, want in zip(split, whole):
         np.testing.assert_allclose(got, want, rtol=REORDER_RTOL, atol=1e-15)  # atol: as in the permutation test
 
@@ -366,13 +346,13 @@ def large_batch(rows: int = 16384, length: int = 4, size: int = 8) -> dict[str, 
     empty rows (which leave their group smaller) and some rows moved to a group of their own."""
     rng = np.random.default_rng(16)
     ids = rng.choice(2**31 - 1, size=rows // size + rows, replace=False).astype(np.int32) - 2**30
-    index = np.repeat(ids[: rows // size], size)[rng.permutation(rows)]
+    group_ids = np.repeat(ids[: rows // size], size)[rng.permutation(rows)]
     alone = rng.random(rows) < 0.01
-    index[alone] = ids[rows // size :][alone]
+    group_ids[alone] = ids[rows // size :][alone]
     mask = rng.random((rows, length)) < 0.8
     mask[rng.random(rows) < 0.01] = False
     rewards = rng.normal(size=(rows, length)).astype(np.float32)
-    return {"token_level_rewards": rewards, "mask": mask.astype(np.float32), "index": index}
+    return {"token_level_rewards": rewards, "mask": mask.astype(np.float32), "group_ids": group_ids}
 
 
 def grouped_reference(batch: dict[str, np.ndarray], epsilon: float = 1e-6) -> dict[str, np.ndarray]:
@@ -380,7 +360,7 @@ def grouped_reference(batch: dict[str, np.ndarray], epsilon: float = 1e-6) -> di
     valid = batch["mask"] > 0
     scores = np.where(valid, batch["token_level_rewards"].astype(np.float64), 0).sum(axis=1)
     members: dict[int, list[int]] = {}
-    for row, group_id in enumerate(batch["index"]):
+    for row, group_id in enumerate(batch["group_ids"]):
         if valid[row].any():
             members.setdefault(int(group_id), []).append(row)
     rows = {name: np.zeros(len(scores)) for name in ("grpo", "rloo", "grpo_passk")}
@@ -408,7 +388,7 @@ def test_group_statistics_of_16k_rows_need_no_quadratic_memory(name: str) -> Non
     """
     with jax.enable_x64(False):
         batch = large_batch()
-        estimator = jax.jit(lambda arrays: compute_advantages(name, **arrays)[0])
+        estimator = jax.jit(lambda arrays: run_estimator(name, **arrays)[0])
         compiled = estimator.lower(batch).compile()
         temp_bytes = compiled.memory_analysis().temp_size_in_bytes
         assert temp_bytes < 64 * 2**20, f"{temp_bytes / 2**20:.1f} MiB of temporaries"
@@ -441,15 +421,15 @@ def test_registry_records_what_each_estimator_needs() -> None:
 def test_unknown_estimator_and_bad_inputs_raise_clear_errors() -> None:
     batch = hand_batch()
     with pytest.raises(ValueError, match=r"unknown advantage estimator 'ppo'.*gae.*grpo.*rloo"):
-        compute_advantages("ppo", **batch)
+        run_estimator("ppo", **batch)
     with pytest.raises(ValueError, match=r"'gae' is missing input\(s\) values, gamma, lam"):
-        compute_advantages("gae", token_level_rewards=batch["token_level_rewards"], mask=batch["mask"])
+        run_estimator("gae", token_level_rewards=batch["token_level_rewards"], mask=batch["mask"])
     with pytest.raises(ValueError, match=r"'grpo' does not take gamma; it takes token_level_rewards"):
-        compute_advantages("grpo", gamma=1.0, **batch)
-    with pytest.raises(ValueError, match=r"index must be \[batch\] = \(6,\); got \(5,\)"):
-        compute_advantages("rloo", **dict(batch, index=batch["index"][:5]))
+        run_estimator("grpo", gamma=1.0, **batch)
+    with pytest.raises(ValueError, match=r"group_ids must be \[batch\] = \(6,\); got \(5,\)"):
+        run_estimator("rloo", **dict(batch, group_ids=batch["group_ids"][:5]))
     with pytest.raises(ValueError, match=r"values must have the mask's shape \(6, 4\); got \(6, 3\)"):
-        compute_advantages(
+        run_estimator(
             "gae",
             token_level_rewards=batch["token_level_rewards"],
             values=batch["mask"][:, :3],

@@ -20,25 +20,27 @@ from jppo.losses import (
     register_policy_loss,
     value_loss,
 )
+from jppo.masked import global_norm_stats
 
 B, T = 2, 3
 X = jnp.zeros((B, T))
 MASK = jnp.ones((B, T))
+NORM = global_norm_stats(MASK)
 
 
 def _actor(**overrides):
-    arguments = dict(norm=None, mode="token-mean", policy_loss_name="vanilla", policy_options=PolicyLossOptions())
+    arguments = dict(norm=NORM, mode="token-mean", policy_loss_name="vanilla", policy_options=PolicyLossOptions())
     return actor_loss(X, X, X, MASK, **(arguments | overrides))
 
 
 BAD_MODE = {
-    "agg_loss": lambda: agg_loss(X, MASK, "token_mean"),
-    "policy_loss": lambda: policy_loss("vanilla", X, X, X, MASK, mode="token_mean"),
-    "value_loss": lambda: value_loss(X, X, X, MASK, cliprange_value=0.2, mode="token_mean"),
-    "entropy_loss": lambda: entropy_loss(X, MASK, mode="token_mean"),
-    "kl_loss": lambda: kl_loss(X, X, MASK, kind="k3", mode="token_mean"),
+    "agg_loss": lambda: agg_loss(X, MASK, "token_mean", NORM),
+    "policy_loss": lambda: policy_loss("vanilla", X, X, X, MASK, mode="token_mean", norm=NORM),
+    "value_loss": lambda: value_loss(X, X, X, MASK, cliprange_value=0.2, mode="token_mean", norm=NORM),
+    "entropy_loss": lambda: entropy_loss(X, MASK, mode="token_mean", norm=NORM),
+    "kl_loss": lambda: kl_loss(X, X, MASK, kind="k3", mode="token_mean", norm=NORM),
     "actor_loss": lambda: _actor(mode="token_mean"),
-    "jitted": lambda: jax.jit(lambda x: policy_loss("gspo", x, x, x, MASK, mode="token_mean"))(X),
+    "jitted": lambda: jax.jit(lambda x: policy_loss("gspo", x, x, x, MASK, mode="token_mean", norm=NORM))(X),
 }
 
 
@@ -51,7 +53,7 @@ def test_unknown_mode(call):
 @pytest.mark.parametrize("call", ["policy_loss", "actor_loss"])
 def test_unknown_policy_loss(call):
     run = {
-        "policy_loss": lambda: policy_loss("clip_cov", X, X, X, MASK, mode="token-mean"),
+        "policy_loss": lambda: policy_loss("clip_cov", X, X, X, MASK, mode="token-mean", norm=NORM),
         "actor_loss": lambda: _actor(policy_loss_name="clip_cov"),
     }[call]
     with pytest.raises(ValueError, match=r"'clip_cov'.*geo_mean.*vanilla"):
@@ -62,7 +64,7 @@ def test_unknown_policy_loss(call):
 def test_sequence_level_loss_needs_its_mode(name, mode):
     def share(log_prob, agg_mode):
         options = PolicyLossOptions()
-        return actor_loss(log_prob, X, X, MASK, norm=None, mode=agg_mode, policy_loss_name=name,
+        return actor_loss(log_prob, X, X, MASK, norm=NORM, mode=agg_mode, policy_loss_name=name,
                           policy_options=options)[0]
 
     message = rf"^policy loss '{name}' needs mode='seq-mean-token-mean' .*got mode='{mode}'"
@@ -76,7 +78,7 @@ def test_sequence_level_loss_needs_its_mode(name, mode):
 
 BAD_KL = {
     "kl_penalty": lambda: kl_penalty(X, X, "k4"),
-    "kl_loss": lambda: kl_loss(X, X, MASK, kind="k4", mode="token-mean"),
+    "kl_loss": lambda: kl_loss(X, X, MASK, kind="k4", mode="token-mean", norm=NORM),
     "penalize_rewards": lambda: penalize_rewards(X, X, X, MASK, kl_coef=0.1, kind="k4"),
     "actor_loss": lambda: _actor(ref_log_prob=X, kl_loss_coef=0.1, kl_loss_type="k4"),
 }
@@ -90,7 +92,7 @@ def test_unknown_kl_kind(call):
 
 def test_unknown_option_name():
     with pytest.raises(ValueError, match=r"clip_ratio_hi\b.*clip_ratio_high"):
-        policy_loss("vanilla", X, X, X, MASK, mode="token-mean", clip_ratio_hi=0.28)
+        policy_loss("vanilla", X, X, X, MASK, mode="token-mean", norm=NORM, clip_ratio_hi=0.28)
 
 
 @pytest.mark.parametrize(
@@ -107,19 +109,21 @@ def test_unknown_option_name():
 )
 def test_invalid_option_value(name, options, bad):
     with pytest.raises(ValueError, match=bad):
-        policy_loss(name, X, X, X, MASK, mode="token-mean", **options)
+        policy_loss(name, X, X, X, MASK, mode="token-mean", norm=NORM, **options)
 
 
 SHAPE_MISMATCH = {
-    "log_prob": lambda: policy_loss("vanilla", jnp.zeros((B, T + 1)), X, X, MASK, mode="token-mean"),
-    "advantages": lambda: policy_loss("vanilla", X, X, jnp.zeros((B, 1)), MASK, mode="token-mean"),
-    "returns": lambda: value_loss(X, X, jnp.zeros((B + 1, T)), MASK, cliprange_value=0.2, mode="token-mean"),
-    "ref_log_prob": lambda: kl_loss(X, jnp.zeros(T), MASK, kind="kl", mode="token-mean"),
-    "entropy": lambda: entropy_loss(jnp.zeros((B, T, 1)), MASK, mode="token-mean"),
+    "log_prob": lambda: policy_loss("vanilla", jnp.zeros((B, T + 1)), X, X, MASK, mode="token-mean", norm=NORM),
+    "advantages": lambda: policy_loss("vanilla", X, X, jnp.zeros((B, 1)), MASK, mode="token-mean", norm=NORM),
+    "returns": lambda: value_loss(
+        X, X, jnp.zeros((B + 1, T)), MASK, cliprange_value=0.2, mode="token-mean", norm=NORM
+    ),
+    "ref_log_prob": lambda: kl_loss(X, jnp.zeros(T), MASK, kind="kl", mode="token-mean", norm=NORM),
+    "entropy": lambda: entropy_loss(jnp.zeros((B, T, 1)), MASK, mode="token-mean", norm=NORM),
     "token_level_scores": lambda: penalize_rewards(jnp.zeros((B, T + 2)), X, X, MASK, kl_coef=0.1),
-    "mask": lambda: policy_loss("vanilla", X, X, X, jnp.ones(T), mode="token-mean"),
+    "mask": lambda: policy_loss("vanilla", X, X, X, jnp.ones(T), mode="token-mean", norm=NORM),
     "logits": lambda: entropy_from_logits(jnp.zeros((B, T, 5)), jnp.ones((B, T + 1))),
-    "loss matrix": lambda: agg_loss(X, jnp.ones((B, T + 1)), "token-mean"),
+    "loss_mat": lambda: agg_loss(X, jnp.ones((B, T + 1)), "token-mean", NORM),
 }
 
 
@@ -150,8 +154,9 @@ def test_registering_a_name_twice_is_refused():
 
 
 def test_token_sum_norm_needs_the_configured_constant():
+    """C comes only from the caller's NormStats: no loss term has a default normalizer to fall back on."""
     mask = jnp.ones((2, 3))
-    with pytest.raises(ValueError, match="seq-mean-token-sum-norm' needs norm"):
+    with pytest.raises(TypeError, match="norm"):
         agg_loss(jnp.ones((2, 3)), mask, "seq-mean-token-sum-norm")
 
 

@@ -38,20 +38,19 @@ from jppo.losses import (
     POLICY_LOSSES,
     AdaptiveKLController,
     FixedKLController,
-    NormStats,
     PolicyLossOptions,
     actor_loss,
     agg_loss,
     clipped_value_error,
     entropy_from_logits,
     entropy_loss,
-    global_norm_stats,
     kl_loss,
     kl_penalty,
     penalize_rewards,
     policy_loss,
     value_loss,
 )
+from jppo.masked import NormStats, global_norm_stats
 
 CASES = ("case0", "case1", "case2", "case3")
 WIDTH = 16  # L of the golden data: verl's default loss_scale_factor
@@ -161,7 +160,8 @@ def _value_family(case: str) -> dict[str, np.ndarray]:
                 out[base + f"{mode}/dp2mb2/{piece}/vf_clipfrac"] = _finished(metrics)["critic/vf_clipfrac"]
         out[base + "grad_vpreds_token-mean_local"] = jax.grad(
             lambda vpreds: value_loss(
-                vpreds, x["values"], x["returns"], mask, cliprange_value=clip, mode="token-mean"
+                vpreds, x["values"], x["returns"], mask, cliprange_value=clip, mode="token-mean",
+                norm=_own_counts(mask),
             )[0]
         )(x["vpreds"])
         out[base + "per_token"] = 0.5 * clipped_value_error(x["vpreds"], x["values"], x["returns"], clip)[0]
@@ -224,9 +224,13 @@ def _kl_family(case: str) -> dict[str, np.ndarray]:
         base = f"{case}/kl_penalty/{kind}/"
         out[base + "value"] = kl_penalty(x["log_prob"], x["ref_log_prob"], kind)
         out[base + "grad_sum"] = jax.grad(
-            lambda log_prob: kl_loss(log_prob, x["ref_log_prob"], mask, kind=kind, mode="token-sum")[0]
+            lambda log_prob: kl_loss(
+                log_prob, x["ref_log_prob"], mask, kind=kind, mode="token-sum", norm=_own_counts(mask)
+            )[0]
         )(x["log_prob"])
-        out[base + "agg_token-mean"] = kl_loss(x["log_prob"], x["ref_log_prob"], mask, kind=kind, mode="token-mean")[0]
+        out[base + "agg_token-mean"] = kl_loss(
+            x["log_prob"], x["ref_log_prob"], mask, kind=kind, mode="token-mean", norm=_own_counts(mask)
+        )[0]
     return out
 
 
@@ -358,7 +362,8 @@ def test_actor_loss_composes_verl_terms(case):
     with jax.enable_x64(True):
         x = _inputs(case)
         share, metrics = actor_loss(
-            x["log_prob"], x["old_log_prob"], x["advantages"], x["response_mask"], norm=None, mode="token-mean",
+            x["log_prob"], x["old_log_prob"], x["advantages"], x["response_mask"],
+            norm=_own_counts(x["response_mask"]), mode="token-mean",
             policy_loss_name="vanilla", policy_options=PolicyLossOptions(clip_ratio=0.2, clip_ratio_c=3.0),
             entropy=jnp.asarray(golden[f"{case}/entropy/per_token"]), entropy_coeff=entropy_coeff,
             ref_log_prob=x["ref_log_prob"], kl_loss_coef=kl_loss_coef, kl_loss_type="low_var_kl",

@@ -25,11 +25,11 @@ from jppo.losses import (
     actor_loss,
     entropy_from_logits,
     entropy_loss,
-    global_norm_stats,
     kl_loss,
     policy_loss,
     value_loss,
 )
+from jppo.masked import global_norm_stats
 
 ROWS, LENGTH, VOCAB = 8, 6, 4
 SEEDS = (0, 1, 2)

@@ -8,7 +8,7 @@ is trained on a ragged batch (empty and single-token rows, NaN in the data at ma
   the whole-batch gradient, and psum-ed metrics finish to the whole-batch values;
 - ``optax.MultiSteps(..., use_grad_mean=False)`` fed the micro-batch gradients of the shares makes exactly the step
   of the whole batch; the optax default (mean) makes a 1/K step;
-- the legacy per-micro-batch normalization (``norm=None``) inflates the token-mean gradient by K.
+- the legacy per-micro-batch normalization (each piece passes its own counts) inflates the token-mean gradient by K.
 
 All in float64: the shards and micro-batches sum the same terms in another order, so results agree to a few ulps
 (rtol 1e-10; atol 1e-12 for entries that are 0 in one computation and ~1e-17 in the other).
@@ -27,7 +27,8 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jppo import metrics as metrics_lib
-from jppo.losses import AGG_MODES, PolicyLossOptions, actor_loss, critic_loss, global_norm_stats
+from jppo.losses import AGG_MODES, PolicyLossOptions, actor_loss, value_loss
+from jppo.masked import global_norm_stats
 
 ROWS, LENGTH, FEATURES = 8, 5, 3
 LOSS_SCALE_FACTOR = 7.0
@@ -66,7 +67,7 @@ def objective(params, batch, norm, mode):
         policy_loss_name="vanilla", policy_options=OPTIONS, entropy=batch["entropy"], entropy_coeff=0.01,
         ref_log_prob=batch["ref_log_prob"], kl_loss_coef=0.1, kl_loss_type="low_var_kl",
     )
-    critic_share, critic_metrics = critic_loss(
+    critic_share, critic_metrics = value_loss(
         vpreds, batch["values"], batch["returns"], batch["mask"], cliprange_value=0.2, mode=mode, norm=norm
     )
     return actor_share + critic_share, actor_metrics | critic_metrics
@@ -198,7 +199,8 @@ def test_multisteps_default_mean_takes_a_one_over_k_step():
 
 @jax.jit
 def _legacy_piece_grad(params, piece):
-    return jax.grad(lambda p: objective(p, piece, None, "token-mean")[0])(params)
+    own = global_norm_stats(piece["mask"], LOSS_SCALE_FACTOR)  # the legacy mode: the piece's own counts
+    return jax.grad(lambda p: objective(p, piece, own, "token-mean")[0])(params)
 
 
 def test_legacy_local_normalization_inflates_token_mean_gradient_by_k():

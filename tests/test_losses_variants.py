@@ -26,11 +26,11 @@ from jppo.losses import (
     actor_loss,
     agg_loss,
     entropy_loss,
-    global_norm_stats,
     kl_loss,
     policy_loss,
     value_loss,
 )
+from jppo.masked import global_norm_stats
 
 CUT = (3, 0, 1, 4)  # piece sizes; the empty row is placed in the 1-row piece
 LOSS_SCALE_FACTOR = 10.0

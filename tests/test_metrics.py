@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jppo import metrics as metrics_lib
-from jppo.losses import NormStats
+from jppo.masked import NormStats, global_norm_stats
 from jppo.metrics import Metric
 
 RTOL = 1e-6
@@ -23,7 +23,7 @@ MASK = np.array([[1, 1, 0], [1, 0, 1], [0, 0, 0], [1, 1, 0]], bool)
 VALID = VALUES[MASK]  # [1, 2, -4, 6, -7, 0.5]
 
 
-def metrics_of(values, mask, share, norm=None):
+def metrics_of(values, mask, share, norm):
     return {
         "ratio": metrics_lib.ratio(values, mask),
         "loss": metrics_lib.loss_share(share, mask, norm),
@@ -32,7 +32,7 @@ def metrics_of(values, mask, share, norm=None):
     }
 
 
-def piece_metrics(rows, share=0.0, norm=None):
+def piece_metrics(rows, share, norm):
     return metrics_of(jnp.asarray(VALUES[rows]), jnp.asarray(MASK[rows]), jnp.float32(share), norm)
 
 
@@ -56,9 +56,12 @@ def test_pieces_reduce_to_whole_batch_values_with_nan_and_empty_pieces():
         assert np.allclose(float(reduced[name]), float(whole[name]), rtol=RTOL), name
 
 
-def test_loss_share_without_norm_reports_the_mean_of_non_empty_pieces():
-    """norm=None (legacy per-micro-batch): each non-empty piece weighs 1, an empty piece 0."""
-    pieces = [piece_metrics(slice(0, 1), 2.0), piece_metrics(slice(2, 3), 0.0), piece_metrics(slice(3, 4), 5.0)]
+def test_loss_share_with_own_counts_reports_the_mean_of_non_empty_pieces():
+    """Each piece normalized by its own counts (legacy per-micro-batch): a non-empty piece weighs 1, an empty one 0."""
+    pieces = [
+        piece_metrics(rows, share, global_norm_stats(jnp.asarray(MASK[rows])))
+        for rows, share in ((slice(0, 1), 2.0), (slice(2, 3), 0.0), (slice(3, 4), 5.0))
+    ]
     assert np.allclose(float(metrics_lib.reduce(pieces)["loss"]), 3.5, rtol=RTOL)
 
 

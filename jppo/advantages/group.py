@@ -3,7 +3,7 @@
 Every function here starts from the same three facts about the batch:
 
 - the score of row ``i`` is ``s_i = sum_t m_it r_it``, summed under the mask;
-- row ``i`` belongs to the group of rows sharing its id ``index[i]``; rows without valid tokens belong to no group;
+- row ``i`` belongs to the group of rows sharing its id ``group_ids[i]``; rows without valid tokens belong to no group;
 - a group of fewer than two rows has no peer to compare with, so its row's group-relative advantage is 0.
 
 Groups are found by sorting the rows by id (non-empty rows first, stable), so ids can be any integers (not
@@ -23,9 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jppo.advantages._common import check_row_arrays, check_token_arrays, safe_sqrt, sanitize
-from jppo.advantages.masked import masked_whiten
-from jppo.losses.aggregate import safe_divide
+from jppo.masked import check_row_arrays, check_token_arrays, masked_whiten, safe_divide, safe_sqrt, sanitize
 
 Array = jax.Array
 
@@ -59,18 +57,18 @@ def _segmented_scan(starts: Array, values: Array, combine, identity: float) -> A
 class _Groups:
     """Scores, group membership and group statistics of one batch (an internal helper, built per call)."""
 
-    def __init__(self, token_level_rewards: Array, mask: Array, index: Array) -> None:
+    def __init__(self, token_level_rewards: Array, mask: Array, group_ids: Array) -> None:
         check_token_arrays(mask, token_level_rewards=token_level_rewards)
-        check_row_arrays(mask, index=index)
+        check_row_arrays(mask, group_ids=group_ids)
         self.valid = mask.astype(bool)
         self.lengths = jnp.sum(self.valid, axis=-1, dtype=token_level_rewards.dtype)
         self.scores = jnp.sum(sanitize(token_level_rewards, self.valid), axis=-1)
         self.has_tokens = self.lengths > 0
-        num_rows = index.shape[0]
+        num_rows = group_ids.shape[0]
         positions = jnp.arange(num_rows)
         # Sorted by id, non-empty rows first (lexsort's last key is the primary one): each group is one run.
-        self.order = jnp.lexsort((index, ~self.has_tokens))
-        sorted_ids, sorted_has_tokens = index[self.order], self.has_tokens[self.order]
+        self.order = jnp.lexsort((group_ids, ~self.has_tokens))
+        sorted_ids, sorted_has_tokens = group_ids[self.order], self.has_tokens[self.order]
         # A run starts at the first row, at a change of id, and at every empty row (each is a run of its own).
         changes = (sorted_ids[1:] != sorted_ids[:-1]) | ~sorted_has_tokens[1:]
         self.starts = jnp.concatenate([jnp.ones((1,), bool), changes])
@@ -110,62 +108,61 @@ class _Groups:
 
 
 def grpo(
-    token_level_rewards: Array, mask: Array, index: Array, *, norm_by_std: bool = True, epsilon: float = 1e-6
+    token_level_rewards: Array, mask: Array, group_ids: Array, *, norm_by_std: bool = True, epsilon: float = 1e-6
 ) -> tuple[Array, Array]:
     """GRPO (Shao et al. 2024): ``A_i = (s_i - mean_g) / (std_g + epsilon)`` with the group's unbiased std.
 
     ``norm_by_std=False`` gives Dr. GRPO (Liu et al. 2025): ``A_i = s_i - mean_g``. A group whose scores are all
-    equal gets 0. verl gives a group of one ``mean 0, std 1`` (advantage = raw score); jppo gives it 0.
+    equal gets 0, and so does a group of one.
     """
-    groups = _Groups(token_level_rewards, mask, index)
+    groups = _Groups(token_level_rewards, mask, group_ids)
     centered = groups.scores - groups.mean(groups.scores)
     if norm_by_std:
         centered = centered / (groups.std(groups.scores) + epsilon)
     return groups.to_tokens(centered)
 
 
-def rloo(token_level_rewards: Array, mask: Array, index: Array) -> tuple[Array, Array]:
+def rloo(token_level_rewards: Array, mask: Array, group_ids: Array) -> tuple[Array, Array]:
     """RLOO (Ahmadian et al. 2024): the score minus the mean score of the *other* rows of the group.
 
-    ``A_i = s_i - (sum_g s - s_i) / (k - 1) = (k s_i - sum_g s) / (k - 1)`` for a group of ``k >= 2`` rows.
-    Like verl's ``rloo_vectorized``; verl's ``rloo`` leaves the raw score for a group of one, jppo gives 0.
+    ``A_i = s_i - (sum_g s - s_i) / (k - 1) = (k s_i - sum_g s) / (k - 1)`` for a group of ``k >= 2`` rows; 0 for
+    a group of one.
     """
-    groups = _Groups(token_level_rewards, mask, index)
+    groups = _Groups(token_level_rewards, mask, group_ids)
     others = jnp.maximum(groups.sizes - 1, 1)
     return groups.to_tokens((groups.sizes * groups.scores - groups.sum(groups.scores)) / others)
 
 
-def reinforce_plus_plus_baseline(token_level_rewards: Array, mask: Array, index: Array) -> tuple[Array, Array]:
+def reinforce_plus_plus_baseline(token_level_rewards: Array, mask: Array, group_ids: Array) -> tuple[Array, Array]:
     """REINFORCE++-baseline (Hu 2025): group-centered scores, whitened over the batch's valid tokens.
 
     ``x_i = s_i - mean_g`` on every valid token of row ``i``, then ``A = whiten(x)`` over all valid tokens. A group
     of one is centered to 0 (like a group whose rows all tied) before the whitening, so after it that row holds
-    the same value as any tied group's rows; verl centers it to its raw score.
+    the same value as any tied group's rows.
     """
-    groups = _Groups(token_level_rewards, mask, index)
+    groups = _Groups(token_level_rewards, mask, group_ids)
     centered, _ = groups.to_tokens(groups.scores - groups.mean(groups.scores))
     advantages = masked_whiten(centered, groups.valid)
     return advantages, advantages
 
 
-def opo(token_level_rewards: Array, mask: Array, index: Array) -> tuple[Array, Array]:
+def opo(token_level_rewards: Array, mask: Array, group_ids: Array) -> tuple[Array, Array]:
     """OPO (Hao et al. 2025): the score minus the group's length-weighted mean score.
 
     ``A_i = s_i - sum_g n_j s_j / sum_g n_j`` with ``n_j`` the valid tokens of row ``j``.
     """
-    groups = _Groups(token_level_rewards, mask, index)
+    groups = _Groups(token_level_rewards, mask, group_ids)
     baseline = safe_divide(groups.sum(groups.lengths * groups.scores), groups.sum(groups.lengths))
     return groups.to_tokens(groups.scores - baseline)
 
 
-def gpg(token_level_rewards: Array, mask: Array, index: Array) -> tuple[Array, Array]:
+def gpg(token_level_rewards: Array, mask: Array, group_ids: Array) -> tuple[Array, Array]:
     """GPG (Chu et al. 2025): ``A_i = alpha (s_i - mean_g)`` with ``alpha = B / max(M, 1)``.
 
-    ``B`` is the number of non-empty rows of the batch and ``M`` the number of those with a non-zero score; alpha
-    rescales a batch mean so that it acts as a mean over the rows that can carry a signal. verl counts every row
-    in ``B`` and every non-zero (unmasked) sum in ``M``; the two agree when no row is empty.
+    ``B`` is the number of non-empty rows of the batch and ``M`` the number of those with a non-zero (masked)
+    score; alpha rescales a batch mean so that it acts as a mean over the rows that can carry a signal.
     """
-    groups = _Groups(token_level_rewards, mask, index)
+    groups = _Groups(token_level_rewards, mask, group_ids)
     has_tokens = groups.lengths > 0
     num_rows = jnp.sum(has_tokens, dtype=groups.scores.dtype)
     num_scored = jnp.sum(has_tokens & (groups.scores != 0), dtype=groups.scores.dtype)
@@ -174,15 +171,15 @@ def gpg(token_level_rewards: Array, mask: Array, index: Array) -> tuple[Array, A
 
 
 def grpo_passk(
-    token_level_rewards: Array, mask: Array, index: Array, *, norm_by_std: bool = True, epsilon: float = 1e-6
+    token_level_rewards: Array, mask: Array, group_ids: Array, *, norm_by_std: bool = True, epsilon: float = 1e-6
 ) -> tuple[Array, Array]:
     """Pass@k GRPO (Chen et al. 2025): only a group's best row gets a signal, its margin over the runner-up.
 
     ``A_i = max(s_i - max_{j in g, j != i} s_j, 0)``, divided by ``std_g + epsilon`` when ``norm_by_std``: the
-    unique best row gets ``s_max - s_second``, every other row (and every row of a tie for the best) gets 0.
-    verl raises for a group of one; jppo gives it 0.
+    unique best row gets ``s_max - s_second``, every other row (and every row of a tie for the best) gets 0, and
+    so does a group of one.
     """
-    groups = _Groups(token_level_rewards, mask, index)
+    groups = _Groups(token_level_rewards, mask, group_ids)
     # The best other row is the group's best, except for a unique best row, whose best other is the runner-up.
     best = groups.max(groups.scores)
     is_best = groups.scores == best

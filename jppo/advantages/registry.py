@@ -1,4 +1,4 @@
-"""The advantage estimators by name, with what each needs from the rollout, and a checked dispatcher."""
+"""The advantage estimators by name, with what each needs from the rollout, and a checked call by name."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class Estimator:
 
     @property
     def needs_group_ids(self) -> bool:
-        return "index" in self.parameters
+        return "group_ids" in self.parameters
 
     @property
     def needs_reward_baselines(self) -> bool:
@@ -68,7 +68,7 @@ def get_estimator(name: str) -> Estimator:
     return ADVANTAGE_ESTIMATORS[name]
 
 
-def compute_advantages(name: str, **inputs: Any) -> tuple[Array, Array]:
+def run_estimator(name: str, **inputs: Any) -> tuple[Array, Array]:
     """Runs estimator ``name`` on ``inputs`` (its exact keyword arguments) and returns ``(advantages, returns)``.
 
     Raises ``ValueError`` for an unknown name, a missing input or an input the estimator does not take, naming it

@@ -11,8 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jppo.advantages._common import check_row_arrays, check_token_arrays, sanitize
-from jppo.advantages.masked import masked_whiten
+from jppo.masked import check_row_arrays, check_token_arrays, masked_whiten, sanitize
 
 Array = jax.Array
 

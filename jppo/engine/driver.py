@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from jax.sharding import Mesh
 
-from jppo import metrics as M
+from jppo import metrics as metrics_lib
 from jppo.engine.config import UpdateConfig
 from jppo.engine.layout import place
 from jppo.engine.update import TrainState, UpdateStep, loss_inputs
@@ -142,7 +142,7 @@ def summarize_steps(steps: list[dict[str, float]]) -> dict[str, float]:
     update was skipped as non-finite (their losses are NaN by nature), which ``*/skipped_updates`` counts."""
     skip_keys = [name for name in steps[0] if name.endswith("/skipped_updates")]
     applied = [step for step in steps if not any(step[key] for key in skip_keys)]
-    out = M.mean_over_steps(applied or steps)
+    out = metrics_lib.mean_over_steps(applied or steps)
     for key in skip_keys:
         out[key] = float(sum(step[key] for step in steps))
     return out

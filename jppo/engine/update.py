@@ -2,7 +2,7 @@
 
 Inside the step:
 
-1. the whole mini-batch's :class:`~jppo.losses.NormStats` are computed ONCE, by ``psum`` of shard-local counts over
+1. the whole mini-batch's :class:`~jppo.masked.NormStats` are computed ONCE, by ``psum`` of shard-local counts over
    the batch axes in a ``shard_map`` region (:func:`mini_batch_norm_stats`), before any micro-batch is touched;
 2. ``lax.scan`` runs the K micro-batches: each differentiates its share of the whole loss (every term through
    ``agg_loss`` with those same NormStats) and adds the gradient to the accumulator of
@@ -34,13 +34,14 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jppo import metrics as M
+from jppo import metrics as metrics_lib
 from jppo.engine.config import ActorConfig, CriticConfig, UpdateConfig, NORMALIZATIONS
 from jppo.engine.layout import flatten_shards, gather_slots, next_token_targets
 from jppo.engine.optim import accumulating_optimizer, learning_rate_schedule, step_report
 from jppo.experience import Experience
-from jppo.losses import NormStats, actor_loss, global_norm_stats, value_loss
+from jppo.losses import actor_loss, value_loss
 from jppo.losses.policy import PolicyLossOptions, check_policy_options
+from jppo.masked import NormStats, global_norm_stats
 from jppo.mesh import BATCH_AXES
 from jppo.microbatch import MicroBatches
 from jppo.models.logprobs import token_logprobs
@@ -48,7 +49,7 @@ from jppo.models.logprobs import token_logprobs
 log = logging.getLogger(__name__)
 
 Batch = MicroBatches  # one micro-batch [D, ...] or a stack of them [K, D, ...] / [M, K, D, ...], on the devices
-LossFn = Callable[[nnx.Module, Batch, "NormStats | None"], tuple[jax.Array, dict[str, M.Metric]]]
+LossFn = Callable[[nnx.Module, Batch, NormStats], tuple[jax.Array, dict[str, metrics_lib.Metric]]]
 
 
 @struct.dataclass
@@ -194,7 +195,9 @@ def legacy_share_divisor(cfg: UpdateConfig, batch: Batch) -> jax.Array:
 
 def micro_batch_gradient(
     graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh
-) -> Callable[[nnx.State, Batch, float], Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, M.Metric]]]]:
+) -> Callable[
+    [nnx.State, Batch, float], Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, metrics_lib.Metric]]]
+]:
     """``prepare(params, micro_batches, C) -> differentiate``, where ``differentiate(params, micro)`` is the gradient
     of one micro-batch's share of the mini-batch loss, with its metric pairs.
 
@@ -270,7 +273,7 @@ def make_update_step(
             params, opt_state = jax.lax.cond(
                 opt_state.mini_step == k - 1, apply_accumulated, accumulate, params, opt_state, grads
             )
-            return (params, opt_state, M.combine(total, metrics)), None
+            return (params, opt_state, metrics_lib.combine(total, metrics)), None
 
         def accumulate(params, opt_state, grads):
             # Micro-steps 1 .. K-1 only add to MultiSteps' accumulator. MultiSteps.update would also run the whole
@@ -290,7 +293,7 @@ def make_update_step(
         opt_state = opt_state._replace(acc_grads=jax.tree.map(jnp.zeros_like, opt_state.acc_grads))
         report = step_report(opt_state)
         applied = jnp.logical_not(report["skipped"])
-        values = M.finish(total)
+        values = metrics_lib.finish(total)
         values[f"{prefix}/grad_norm"] = report["grad_norm"]
         values[f"{prefix}/lr"] = jnp.asarray(schedule(state.step), jnp.float32)
         values[f"{prefix}/skipped_updates"] = report["skipped"].astype(jnp.float32)

@@ -1,16 +1,8 @@
-"""Pure, jittable loss terms. Every term returns a per-token matrix that goes through :func:`agg_loss`."""
+"""Pure, jittable loss terms. Every term builds a per-token matrix that goes through :func:`agg_loss`, normalized
+by the whole mini-batch's :class:`~jppo.masked.NormStats` (a required argument of every term)."""
 
-from jppo.losses.actor import actor_loss, critic_loss
-from jppo.losses.aggregate import (
-    AGG_MODES,
-    NormStats,
-    agg_loss,
-    check_mode,
-    global_norm_stats,
-    masked_sum,
-    safe_divide,
-    select_valid,
-)
+from jppo.losses.actor import actor_loss
+from jppo.losses.aggregate import AGG_MODES, agg_loss, check_mode
 from jppo.losses.entropy import entropy_from_logits, entropy_loss
 from jppo.losses.kl import KL_KINDS, check_kl_kind, kl_loss, kl_penalty, penalize_rewards
 from jppo.losses.kl_control import AdaptiveKLController, FixedKLController, KLControlState
@@ -40,7 +32,6 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "KLControlState",
-    "NormStats",
     "OptionRule",
     "PerToken",
     "PolicyLossFn",
@@ -52,19 +43,14 @@ __all__ = [
     "check_policy_loss_mode",
     "check_policy_options",
     "clipped_value_error",
-    "critic_loss",
     "entropy_from_logits",
     "entropy_loss",
     "get_policy_loss",
-    "global_norm_stats",
     "kl_loss",
     "kl_penalty",
-    "masked_sum",
     "penalize_rewards",
     "policy_loss",
     "register_policy_loss",
     "required_agg_mode",
-    "safe_divide",
-    "select_valid",
     "value_loss",
 ]

@@ -1,8 +1,8 @@
-"""The actor's loss for one micro-batch, and the critic's.
+"""The actor's loss for one micro-batch.
 
 ``actor = pg - entropy_coeff * entropy + kl_loss_coef * kl``: every term is aggregated with the SAME mode and
-:class:`NormStats`, so the sum of the micro-batch shares is the whole-mini-batch objective whatever the cut. The
-critic loss is :func:`~jppo.losses.value.value_loss`.
+:class:`~jppo.masked.NormStats`, so the sum of the micro-batch shares is the whole-mini-batch objective whatever the
+cut. The critic's loss is :func:`~jppo.losses.value.value_loss`.
 """
 
 from __future__ import annotations
@@ -12,15 +12,13 @@ import dataclasses
 import jax
 
 from jppo import metrics as metrics_lib
-from jppo.losses.aggregate import NormStats, check_mode
+from jppo.losses.aggregate import check_mode
 from jppo.losses.entropy import entropy_loss
 from jppo.losses.kl import check_kl_kind, kl_loss
 from jppo.losses.policy import PolicyLossOptions, check_policy_loss_mode, policy_loss
-from jppo.losses.value import value_loss
+from jppo.masked import NormStats
 
 Array = jax.Array
-
-critic_loss = value_loss
 
 
 def _is_zero(coefficient: float | Array) -> bool:
@@ -33,7 +31,7 @@ def actor_loss(
     advantages: Array,
     mask: Array,
     *,
-    norm: NormStats | None,
+    norm: NormStats,
     mode: str,
     policy_loss_name: str,
     policy_options: PolicyLossOptions,
@@ -53,7 +51,7 @@ def actor_loss(
 
     Args:
         log_prob, old_log_prob, advantages, mask: as for :func:`~jppo.losses.policy.policy_loss`.
-        norm: whole-mini-batch normalizers; ``None`` only for the legacy per-micro-batch mode.
+        norm: whole-mini-batch normalizers (the micro-batch's own counts only in the legacy per-micro-batch mode).
         mode: aggregation mode shared by all terms.
         policy_loss_name: a registered policy-loss variant.
         policy_options: its options.

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from jppo import metrics as metrics_lib
-from jppo.losses.aggregate import NormStats, agg_loss, check_mode, select_valid
+from jppo.losses.aggregate import agg_loss, check_mode
+from jppo.masked import NormStats, select_valid
 
 Array = jax.Array
 
@@ -59,12 +60,12 @@ def entropy_loss(
     mask: Array,
     *,
     mode: str,
-    norm: NormStats | None = None,
+    norm: NormStats,
 ) -> tuple[Array, dict[str, metrics_lib.Metric]]:
     """This call's share of ``agg(entropy)``, and ``actor/entropy`` (the bonus is subtracted by the actor loss).
 
     ``entropy`` is ``[batch, length]``, e.g. from :func:`entropy_from_logits`; anything (even NaN) where ``mask``
-    is 0. ``norm=None`` normalizes by this call's own mask.
+    is 0. ``norm``: the whole mini-batch's normalizers (see :func:`~jppo.losses.aggregate.agg_loss`).
     """
     check_mode(mode)
     (entropy,) = select_valid(mask, entropy=entropy)

@@ -21,14 +21,15 @@ import jax
 import jax.numpy as jnp
 
 from jppo import metrics as metrics_lib
-from jppo.losses.aggregate import NormStats, agg_loss, check_mode, select_valid
+from jppo.losses.aggregate import agg_loss, check_mode
+from jppo.masked import NormStats, check_token_arrays, select_valid
 
 Array = jax.Array
 
 BASE_KL_KINDS: tuple[str, ...] = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_KINDS: tuple[str, ...] = BASE_KL_KINDS + tuple(kind + "+" for kind in BASE_KL_KINDS)
 
-# Bounds of the k3 estimator (verl's): the exponent and the estimate itself, for numerical safety.
+# Bounds of the k3 estimator: the exponent and the estimate itself, for numerical safety.
 _K3_LOG_RATIO_BOUND = 20.0
 _K3_VALUE_BOUND = 10.0
 
@@ -75,11 +76,12 @@ def kl_loss(
     *,
     kind: str,
     mode: str,
-    norm: NormStats | None = None,
+    norm: NormStats,
 ) -> tuple[Array, dict[str, metrics_lib.Metric]]:
     """This call's share of ``agg(kl_penalty(logp, logp_ref, kind))``, and ``actor/kl_loss``.
 
-    Inputs may hold anything (even NaN) where ``mask`` is 0. ``norm=None`` normalizes by this call's own mask.
+    Inputs may hold anything (even NaN) where ``mask`` is 0. ``norm``: the whole mini-batch's normalizers (see
+    :func:`~jppo.losses.aggregate.agg_loss`).
     """
     check_kl_kind(kind)
     check_mode(mode)
@@ -110,9 +112,6 @@ def penalize_rewards(
     """
     check_kl_kind(kind)
     old_log_prob, ref_log_prob = select_valid(mask, old_log_prob=old_log_prob, ref_log_prob=ref_log_prob)
-    if token_level_scores.shape != mask.shape:
-        raise ValueError(
-            f"token_level_scores must have the mask's shape {tuple(mask.shape)}; got {tuple(token_level_scores.shape)}"
-        )
+    check_token_arrays(mask, token_level_scores=token_level_scores)
     kl = jnp.where(mask.astype(bool), kl_penalty(old_log_prob, ref_log_prob, kind), 0)
     return token_level_scores - kl_coef * kl, kl

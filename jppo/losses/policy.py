@@ -59,15 +59,16 @@ import jax.numpy as jnp
 
 from jppo import metrics as metrics_lib
 from jppo.errors import InvalidSetting
-from jppo.losses.aggregate import NormStats, agg_loss, check_mode, masked_sum, safe_divide, select_valid
+from jppo.losses.aggregate import agg_loss, check_mode
+from jppo.masked import NormStats, masked_mean, select_valid
 
 Array = jax.Array
 
-# exp(20) ~ 5e8: the log-ratio clamp that keeps exp finite; verl uses the same bound, so values match.
+# exp(20) ~ 5e8: the log-ratio clamp that keeps exp finite.
 _LOG_RATIO_BOUND = 20.0
-# GSPO clamps its per-token log-ratio from above only (as verl does).
+# GSPO clamps its per-token log-ratio from above only.
 _GSPO_LOG_RATIO_MAX = 10.0
-# DPPO-KL's binary KL divides 1 - p_old by 1 - p; this keeps p = 1 finite (verl's constant, part of the definition).
+# DPPO-KL's binary KL divides 1 - p_old by 1 - p; this keeps p = 1 finite (part of the definition).
 _BINARY_KL_EPS = 1e-8
 
 
@@ -210,8 +211,7 @@ def check_policy_loss_mode(name: str, mode: str) -> None:
 
 def _row_mean(values: Array, mask: Array) -> Array:
     """``[batch, 1]`` mean of ``values`` over each row's valid tokens (0 for an empty row)."""
-    row_tokens = jnp.sum(mask, axis=-1, dtype=values.dtype)
-    return safe_divide(masked_sum(values, mask, axis=-1), row_tokens)[:, None]
+    return masked_mean(values, mask, axis=-1)[:, None]
 
 
 def _clamped_log_ratio(log_prob: Array, old_log_prob: Array) -> Array:
@@ -351,7 +351,7 @@ def policy_loss(
     mask: Array,
     *,
     mode: str,
-    norm: NormStats | None = None,
+    norm: NormStats,
     **options: float | None,
 ) -> tuple[Array, dict[str, metrics_lib.Metric]]:
     """This call's share of the whole-mini-batch policy loss of variant ``name``, and its metrics.
@@ -361,7 +361,7 @@ def policy_loss(
         log_prob, old_log_prob, advantages: ``[batch, length]``; anything (even NaN) where ``mask`` is 0.
         mask: ``[batch, length]`` response mask.
         mode: aggregation mode (see :data:`~jppo.losses.aggregate.AGG_MODES`).
-        norm: whole-mini-batch normalizers; ``None`` normalizes by this call's own mask.
+        norm: whole-mini-batch normalizers (see :func:`~jppo.losses.aggregate.agg_loss`).
         **options: fields of :class:`PolicyLossOptions`.
 
     Returns:

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jppo import metrics as metrics_lib
-from jppo.losses.aggregate import NormStats, agg_loss, check_mode, select_valid
+from jppo.losses.aggregate import agg_loss, check_mode
+from jppo.masked import NormStats, select_valid
 
 Array = jax.Array
 
@@ -40,7 +41,7 @@ def value_loss(
     *,
     cliprange_value: float,
     mode: str,
-    norm: NormStats | None = None,
+    norm: NormStats,
 ) -> tuple[Array, dict[str, metrics_lib.Metric]]:
     """This call's share of ``0.5 * agg(e)``, and the critic metrics.
 
@@ -51,7 +52,7 @@ def value_loss(
         mask: ``[batch, length]`` response mask; the inputs may hold anything, even NaN, where it is 0.
         cliprange_value: ``eps``.
         mode: aggregation mode.
-        norm: whole-mini-batch normalizers; ``None`` normalizes by this call's own mask.
+        norm: whole-mini-batch normalizers (see :func:`~jppo.losses.aggregate.agg_loss`).
 
     Returns:
         ``(share, metrics)`` with ``critic/vf_loss`` (the 0.5-scaled loss), ``critic/vf_clipfrac`` (token fraction
