@@ -1,5 +1,5 @@
 """Golden vectors computed with verl's own functions, float64 (``tests/golden_verl/golden_verl.md`` describes
-every key).
+every key; ``tests/golden_verl/PARITY.md`` lists where jppo differs from verl on purpose).
 
 The vectors ship with the repository, in ``tests/golden_verl/``, so the suite runs on a clone alone. A missing
 file is a test failure (never a skip): parity with verl is part of what the suite promises.

@@ -65,8 +65,7 @@ def gae(
         whiten: standardize the advantages over the batch's valid tokens.
 
     Returns:
-        ``(advantages, returns)``, both ``[B, L]`` and exactly 0 at masked positions. verl leaves the carried
-        recursion state (advantages, whitened) and ``A + V`` (returns) there; only valid positions agree.
+        ``(advantages, returns)``, both ``[B, L]`` and exactly 0 at masked positions.
     """
     check_token_arrays(mask, token_level_rewards=token_level_rewards, values=values)
     valid = mask.astype(bool)
@@ -86,7 +85,7 @@ def reinforce_plus_plus(token_level_rewards: Array, mask: Array, *, gamma: float
     ``A = whiten(R)``. This is :func:`gae` with zero values and ``lam = 1``.
 
     Returns:
-        ``(advantages, returns)``, ``[B, L]``, 0 at masked positions (as in verl).
+        ``(advantages, returns)``, ``[B, L]``, 0 at masked positions.
     """
     check_token_arrays(mask, token_level_rewards=token_level_rewards)
     valid = mask.astype(bool)
@@ -109,8 +108,7 @@ def remax(token_level_rewards: Array, reward_baselines: Array, mask: Array) -> t
         mask: ``[B, L]`` response mask.
 
     Returns:
-        ``(advantages, returns)``, ``[B, L]``, 0 at masked positions (verl leaves the reward-to-go in interior
-        holes of the returns).
+        ``(advantages, returns)``, ``[B, L]``, 0 at masked positions (interior holes included).
     """
     check_token_arrays(mask, token_level_rewards=token_level_rewards)
     check_row_arrays(mask, reward_baselines=reward_baselines)

@@ -26,9 +26,8 @@ def entropy_from_logits(logits: Array, mask: Array | None = None) -> Array:
     ``e = exp(s)`` are elementwise producers of the two reductions over ``V`` (``sum e`` and ``sum e s``), and the
     probabilities ``e / sum e`` are never formed as an array. Whether the producers are fused into the reductions
     is the XLA backend's decision: measured under ``jit`` with XLA:CPU (jax 0.10), forward alone and forward plus
-    backward each keep two float32 ``[..., V]`` temporaries (``s`` and ``e``); a verl-style
-    ``softmax``/``logsumexp`` version keeps as many forward and one more with the backward pass. For a bounded
-    footprint with a large vocabulary, call it on chunks of the sequence.
+    backward each keep two float32 ``[..., V]`` temporaries (``s`` and ``e``). For a bounded footprint with a
+    large vocabulary, call it on chunks of the sequence.
 
     Vocabulary entries at ``-inf`` (masked tokens) have zero probability and get a zero gradient: the logits are
     floored at their dtype's most negative finite value, so ``e s`` is ``0 * finite`` rather than ``0 * -inf``.

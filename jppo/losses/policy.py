@@ -19,9 +19,9 @@ Variants (``l`` is the per-token loss):
   then ``l = max(-A s_it, -A clip(s_it, 1-eps_lo, 1+eps_hi))``.
 - ``geo_mean`` (GMPO): ``rho_it = sign(A) min(sign(A) d, sign(A) clip(d, -eps_lo, eps_hi))``; the sequence
   objective ``L_i = -mean_t(A) exp(mean_t rho_it)`` is written on EVERY valid token of row i (``l_it = L_i``).
-  Aggregated with ``seq-mean-token-mean`` this is ``mean_i L_i`` over the non-empty rows: verl's GMPO, which
-  ignores ``loss_agg_mode`` and takes ``torch.mean`` over all rows (so verl also counts fully masked rows in the
-  denominator; jppo does not). Other modes weight the same ``L_i`` by tokens (``token-mean``: by ``n_i``).
+  Aggregated with ``seq-mean-token-mean`` this is ``mean_i L_i`` over the non-empty rows (fully masked rows are
+  not sequences and do not count in the denominator). Other modes weight the same ``L_i`` by tokens
+  (``token-mean``: by ``n_i``).
 - ``cispo``: ``l = -sg(clip(r, 1-eps_lo, 1+eps_hi)) A logp``.
 - ``gpg``: ``l = -A logp``.
 - ``sapo``: ``l = -A (4 / tau) sigmoid(tau (r - 1))`` with ``tau = tau_pos`` where ``A > 0``, else ``tau_neg``.
@@ -29,20 +29,22 @@ Variants (``l`` is the per-token loss):
 - ``dppo_tv`` / ``dppo_kl`` (DPPO-Binary): ``l = -A sg(min(r, c)) logp`` on trusted tokens, 0 elsewhere. With
   ``p = exp(logp)``: TV trusts ``p - p_old <= eps_hi`` where ``A > 0`` and ``p - p_old >= -eps_lo`` otherwise;
   KL trusts ``KL_bin(p_old || p) <= eps_hi or p <= p_old`` where ``A > 0`` and ``<= eps_lo or p >= p_old``
-  otherwise. (verl's DPPO default ``c`` is 20; here ``clip_ratio_c`` applies, so set it for DPPO.)
+  otherwise. ``c`` is ``clip_ratio_c`` (the dual-clip bound's option, default 3), so set it for DPPO.
 
 Sequence-level variants (``gspo``, ``geo_mean``) take each row of the ``[batch, length]`` inputs as ONE sequence:
 call them on padded rows, never on rows that pack several sequences. Rows are never split across micro-batches, so
 their per-row statistics are the same whatever the cut. Their objectives are means over sequences, i.e. defined
-under ``seq-mean-token-mean`` (verl forces it for GSPO; GMPO's ``torch.mean`` over rows is it): each registers that
-mode (:data:`REQUIRED_AGG_MODES`), and the actor objective and the config refuse any other. :func:`policy_loss`
-itself still aggregates them under any mode, as a term whose split invariance holds for every mode.
+under ``seq-mean-token-mean``: each registers that mode (:data:`REQUIRED_AGG_MODES`), and the actor objective and
+the config refuse any other. :func:`policy_loss` itself still aggregates them under any mode, as a term whose
+split invariance holds for every mode.
 
 Metrics (token-weighted over the whole mini-batch, whatever the cut): ``actor/pg_clipfrac`` (fraction of tokens
 where the clipped branch is active / untrusted for DPPO), ``actor/pg_clipfrac_lower`` (dual-clip active for
 vanilla; ``A < 0`` and clipped for GMPO; ``r > c`` on trusted tokens for DPPO; 0 elsewhere), ``actor/ppo_kl``
-(mean of ``-d``, with ``d`` clamped where the variant clamps it). verl reports them as means of micro-batch means
-and omits some for ``gpg``/``dro``; jppo reports all four for every variant so metric dicts always combine.
+(mean of ``-d``, with ``d`` clamped where the variant clamps it). Every variant reports all four, so metric dicts
+always combine.
+
+How these variants and metrics differ from verl's: ``tests/golden_verl/PARITY.md``.
 
 Deliberately absent: ``clip_cov`` and ``kl_cov``. They pick the tokens to clip or penalize by a covariance
 between log-probs and advantages, and by a top-k fraction, computed over the tokens the call sees, i.e. over the

@@ -6,8 +6,8 @@ value clip range::
     e = max((v - R)^2, (clip(v, v_old - eps, v_old + eps) - R)^2)
 
 The loss is ``0.5 * agg(e)`` through :func:`~jppo.losses.aggregate.agg_loss` with the caller's mode and
-:class:`NormStats`: the same normalization as every actor term, so the critic gradient does not depend on the
-micro-batch count (the bug verl fixed in PR #6957).
+:class:`~jppo.masked.NormStats`: the same normalization as every actor term, so the critic gradient does not
+depend on the micro-batch count.
 """
 
 from __future__ import annotations
