@@ -34,7 +34,8 @@ from jppo.engine import (
     run_updates,
 )
 from jppo.engine.layout import place
-from jppo.losses import AGG_MODES, global_norm_stats
+from jppo.losses import AGG_MODES
+from jppo.masked import global_norm_stats
 from jppo.mesh import batch_shards, make_mesh
 from jppo.microbatch import make_micro_batches
 from jppo.models.decoder import CausalLM, ValueModel
