@@ -114,7 +114,7 @@ def measure(quick: bool, repeats: int) -> dict:
         "per_shard_cut_vs_update": median["per_shard_cut"] / median["actor_update"],
         "global_cut_vs_update": median["global_cut"] / median["actor_update"],
         "device_row_move_vs_update": median["device_row_move"] / median["actor_update"],
-        "moved_bytes": int(sum(a.nbytes for a in fields.values()) * cfg.ppo_epochs),
+        "moved_bytes": int(sum(a.nbytes for a in jax.tree.leaves(batch)) * cfg.ppo_epochs),
     }
 
 

@@ -1,6 +1,5 @@
 """The reward model: a value-head checkpoint scoring each sequence at its last response token."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
