@@ -20,7 +20,7 @@ import optax
 import pytest
 from flax import nnx
 
-from engine_cases import VOCAB, ragged_batch, reference_step, tiny_config
+from engine_cases import ragged_batch, reference_step, tiny_config
 from jppo.engine import (
     ActorConfig,
     CriticConfig,

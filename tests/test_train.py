@@ -15,7 +15,6 @@ import pytest
 
 from jppo import build
 from jppo.config import check_mesh, load_config
-from jppo.data import task_of
 from jppo.collect import decode_responses, greedy_baselines
 from jppo.mesh import make_mesh
 from jppo.train import run, setup
