@@ -78,18 +78,19 @@ class ActorUpdate:
     def __init__(self, model_cfg: ModelConfig, actor_cfg: ActorConfig, batch: Experience, *, seed: int = 0):
         if actor_cfg.use_dynamic_bsz:
             raise ValueError("ActorUpdate times fixed micro-batches; set use_dynamic_bsz=False")
+        # C of the update: the response width
+        actor_cfg = dataclasses.replace(actor_cfg, loss_scale_factor=float(batch.response_ids.shape[1]))
         mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
         graphdef, params = nnx.split(create_model(CausalLM, model_cfg, mesh, seed=seed), nnx.Param)
         self.state = init_train_state(params, actor_cfg, mesh)
         self._step = UpdateStep(graphdef, actor_loss_fn(actor_cfg), actor_cfg, mesh, "actor")
         micro = make_micro_batches(batch, 1, micro_batch_size=actor_cfg.ppo_micro_batch_size)
         self._arrays = place(stack_micro_batches([micro]).device_arrays(), mesh, scanned=2)
-        self._loss_scale_factor = float(batch.response_ids.shape[1])
 
     def host_params(self) -> dict:
         """The current parameters as a nested dict of numpy arrays (copy them out before a step donates them)."""
         return jax.tree.map(np.asarray, nnx.to_pure_dict(jax.device_get(self.state.params)))
 
     def __call__(self) -> dict[str, float]:
-        self.state, metrics, _ = self._step(self.state, self._arrays, self._loss_scale_factor)
+        self.state, metrics, _ = self._step(self.state, self._arrays)
         return {name: float(values[0]) for name, values in jax.device_get(metrics).items()}

@@ -57,16 +57,17 @@ def child(spec: dict) -> dict:
         vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=4 * spec["hidden"],
         num_layers=spec["layers"], num_heads=spec["heads"], num_kv_heads=spec["kv_heads"], model_type="qwen2",
     )
-    cfg = ActorConfig(ppo_mini_batch_size=shape.rows, ppo_micro_batch_size=shape.rows, logprob_chunk_size=spec["chunk"])
+    cfg = ActorConfig(ppo_mini_batch_size=shape.rows, ppo_micro_batch_size=shape.rows, logprob_chunk_size=spec["chunk"],
+                      loss_scale_factor=float(shape.response))
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     graphdef, params = nnx.split(create_model(CausalLM, model_cfg, mesh), nnx.Param)
     state = init_train_state(params, cfg, mesh)
     batch = synthetic_batch(shape, model_cfg.vocab_size, ragged=False)
     arrays = place(make_micro_batches(batch, 1, micro_batch_size=shape.rows).device_arrays(), mesh)
     step_fn = make_update_step(graphdef, actor_loss_fn(cfg), cfg, mesh, "actor")
-    step = jax.jit(step_fn, static_argnums=2, donate_argnums=0)
+    step = jax.jit(step_fn, donate_argnums=0)
     with jax.set_mesh(mesh):
-        compiled = step.lower(state, arrays, float(shape.response)).compile()
+        compiled = step.lower(state, arrays).compile()
         analysis = compiled.memory_analysis()
         before = _current_rss_bytes()
         jax.block_until_ready(compiled(state, arrays))

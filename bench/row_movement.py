@@ -76,7 +76,7 @@ def measure(quick: bool, repeats: int) -> dict:
                                       "rollout_log_prob")},
     )
     cfg = ActorConfig(ppo_mini_batch_size=size["mini"], ppo_micro_batch_size=max(size["mini"] // shards // 2, 1),
-                      ppo_epochs=size["epochs"], logprob_chunk_size=64)
+                      ppo_epochs=size["epochs"], logprob_chunk_size=64, loss_scale_factor=float(length))
 
     def per_shard_cut():
         steps = per_shard_steps(n, shards, cfg, np.random.default_rng([0, 1]))
@@ -98,7 +98,7 @@ def measure(quick: bool, repeats: int) -> dict:
     state = {"s": init_train_state(params, cfg, mesh)}
 
     def actor_update():
-        state["s"], metrics, _ = update(state["s"], arrays, float(length))
+        state["s"], metrics, _ = update(state["s"], arrays)
         jax.block_until_ready(metrics)
 
     timings = time_side_by_side(

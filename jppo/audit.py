@@ -28,13 +28,16 @@ import numpy as np
 from flax import nnx
 
 from jppo import build
-from jppo.config import ConfigError, TrainConfig, check_mesh, engine_update_config, load_config
+from jppo.config import TrainConfig, load_config
 from jppo.engine import (
     UpdateStep, actor_loss_fn, check_batch_sizes, critic_loss_fn, cut_steps, init_train_state, run_updates,
 )
+from jppo.errors import ConfigError
 from jppo.mesh import batch_shards, make_mesh
 from jppo.experience import Experience
 from jppo.models import CheckpointError, param_shardings
+from jppo.validate import check_mesh
+from jppo.views import engine_view, optimizer_steps_per_step, rollout_sequences
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 WHOLE_STEP_FACTOR = 10  # later optimizer steps and metrics: see Worst.passes
@@ -117,7 +120,7 @@ class Role:
         step = UpdateStep(self.graphdef, self.loss_of(cfg), cfg, mesh, self.name, keep_gradient=True)
         rng = lambda: np.random.default_rng([self.seed, 1])  # noqa: E731 (the trainer's draw for step 1)
         k = max(m.num_micro_batches for m in cut_steps(batch, cfg, mesh, rng()))
-        updated = run_updates(step, state, batch, cfg, mesh, rng(), cfg.loss_scale_factor)
+        updated = run_updates(step, state, batch, cfg, mesh, rng())
         gradients = jax.device_get(updated.gradients)
         per_step = [flat(jax.tree.map(lambda g: g[i], gradients)) for i in range(len(jax.tree.leaves(gradients)[0]))]
         return Outcome(per_step, updated.metrics, k)
@@ -129,11 +132,11 @@ def build_roles(cfg: TrainConfig, inputs: build.RunInputs) -> list[Role]:
     graphdef, params = nnx.split(policy, nnx.Param)
     seed = cfg.trainer.seed
     actor_loss = lambda update_cfg: actor_loss_fn(update_cfg, cfg.rollout.temperature)  # noqa: E731
-    roles = [Role("actor", graphdef, params, actor_loss, engine_update_config(cfg, "actor"), seed)]
+    roles = [Role("actor", graphdef, params, actor_loss, engine_view(cfg, "actor"), seed)]
     if cfg.use_critic:
         critic = build.build_critic(cfg, policy, cpu)
         critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
-        roles.append(Role("critic", critic_graphdef, critic_params, critic_loss_fn, engine_update_config(cfg, "critic"), seed))
+        roles.append(Role("critic", critic_graphdef, critic_params, critic_loss_fn, engine_view(cfg, "critic"), seed))
     return roles
 
 
@@ -173,13 +176,12 @@ def audit(cfg: TrainConfig, inputs: build.RunInputs, quick: bool = False, out=No
     devices runs the finest cuts (``quick``: only the pure data-parallel mesh and a 3-D one)."""
     out = sys.stdout if out is None else out
     devices = jax.device_count()
-    rows = cfg.data.train_batch_size * cfg.rollout.n
+    rows = rollout_sequences(cfg)
     batch = audit_batch(cfg, inputs, rows)
     longest = int(batch.lengths().max())
     reference_mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     worst = Worst()
-    steps = {role: cfg.data.train_batch_size // getattr(cfg, role).ppo_mini_batch_size * getattr(cfg, role).ppo_epochs
-             for role in ("actor", "critic")}
+    steps = {role: optimizer_steps_per_step(cfg, role) for role in cfg.roles}
     print(f"jppo.audit: one training step of {rows} sequences ({steps['actor']} actor optimizer steps"
           + (f", {steps['critic']} critic" if cfg.use_critic else "") + f"), {int(batch.response_mask.sum())} loss "
           f"tokens, {devices} devices, normalization actor={cfg.actor.normalization} critic={cfg.critic.normalization}",

@@ -59,12 +59,7 @@ def random_model_config(cfg: TrainConfig, tokenizer: Optional[Tokenizer]) -> Mod
         vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
         pad_token_id=tokenizer.pad_id,
     )
-    return ModelConfig(
-        hidden_size=m.hidden_size, intermediate_size=m.intermediate_size, num_layers=m.num_layers,
-        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, rope_theta=m.rope_theta,
-        tie_word_embeddings=m.tie_word_embeddings, max_position_embeddings=m.max_position_embeddings,
-        dtype=m.dtype, param_dtype=m.param_dtype, model_type=m.model_type, remat=m.remat, **vocab,
-    )
+    return ModelConfig(**m.architecture(), **vocab)
 
 
 def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh) -> CausalLM:

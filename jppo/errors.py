@@ -1,14 +1,22 @@
-"""The error a component raises for one setting outside its valid range.
+"""The errors a configuration problem is reported with.
 
-It carries the setting's name, its value and the valid range as well as the one-line message, so the trainer's
-config validator can run a component's own check before anything is built and report the failure under the
+:class:`InvalidSetting` is what a component raises for one setting outside its valid range. It carries the
+setting's name, its value and the valid range as well as the one-line message, so the trainer's config validator
+(:mod:`jppo.validate`) can run a component's own check before anything is built and report the failure under the
 config key that holds the setting (``rollout.val_n`` for the validation sampler's ``SamplingParams.n``): one
 limit, stated once, in the component that relies on it.
+
+:class:`ConfigError` is what the trainer's configuration raises: one line naming the key and the value as the user
+wrote them; the command-line entry points print it and exit with status 2, before anything is compiled.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration problem, stated in one line that names the key and the value."""
 
 
 class InvalidSetting(ValueError):
@@ -22,3 +30,8 @@ class InvalidSetting(ValueError):
     def renamed(self, key: str) -> str:
         """The same message under another name (a config key)."""
         return f"{key}={self.value!r} is invalid: it must be {self.valid}"
+
+
+def one_line(error: Exception) -> str:
+    """An error's message on one line (what the command-line entry points print)."""
+    return " ".join(str(error).split())

@@ -13,11 +13,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jppo.config import TrainConfig, engine_update_config
+from jppo.config import TrainConfig
 from jppo.engine import UpdateStep, actor_loss_fn, critic_loss_fn, run_updates
 from jppo.engine.config import ActorConfig, CriticConfig
 from jppo.experience import Experience
 from jppo.state import RunState, advance
+from jppo.views import engine_view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +34,11 @@ class Learner:
 
     @classmethod
     def create(cls, cfg: TrainConfig, mesh: Mesh, policy: nnx.GraphDef, critic: Optional[nnx.GraphDef]) -> "Learner":
-        actor_cfg = engine_update_config(cfg, "actor")
+        actor_cfg = engine_view(cfg, "actor")
         actor_step = UpdateStep(policy, actor_loss_fn(actor_cfg, cfg.rollout.temperature), actor_cfg, mesh, "actor")
         critic_cfg = critic_step = None
         if critic is not None:
-            critic_cfg = engine_update_config(cfg, "critic")
+            critic_cfg = engine_view(cfg, "critic")
             critic_step = UpdateStep(critic, critic_loss_fn(critic_cfg), critic_cfg, mesh, "critic")
         return cls(cfg, mesh, actor_cfg, actor_step, critic_cfg, critic_step)
 
@@ -54,15 +55,13 @@ def learn(
     if learner.critic_step is not None:
         with timer("update_critic"):
             critic, critic_metrics, _ = run_updates(
-                learner.critic_step, critic, experience, learner.critic_cfg, learner.mesh, update_rng,
-                learner.critic_cfg.loss_scale_factor,
+                learner.critic_step, critic, experience, learner.critic_cfg, learner.mesh, update_rng
             )
         metrics.update(critic_metrics)
     if step > cfg.trainer.critic_warmup:
         with timer("update_actor"):
             actor, actor_metrics, _ = run_updates(
-                learner.actor_step, actor, experience, learner.actor_cfg, learner.mesh, update_rng,
-                learner.actor_cfg.loss_scale_factor,
+                learner.actor_step, actor, experience, learner.actor_cfg, learner.mesh, update_rng
             )
         metrics.update(actor_metrics)
     return advance(state, actor=actor, critic=critic, step=step), metrics

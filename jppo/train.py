@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from jppo import build, distributed
 from jppo.checkpoint import CheckpointManager, resolve_resume
 from jppo.collect import Collector, PhaseTimer, collect, kl_controller, validate
-from jppo.config import ConfigError, TrainConfig, check_mesh, engine_update_config, load_config, save_config, to_dict
+from jppo.config import ConfigError, TrainConfig, check_mesh, load_config, save_config, to_dict
 from jppo.distributed import DistributedError
 from jppo.engine import init_train_state
 from jppo.learn import Learner, learn
@@ -40,6 +40,7 @@ from jppo.mesh import make_mesh
 from jppo.models import CheckpointError, save_pretrained
 from jppo.runlog import RunLogger
 from jppo.state import RunState, init_run_state
+from jppo.views import engine_view
 
 log = logging.getLogger("jppo.train")
 
@@ -66,8 +67,8 @@ def setup(cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs) -> tuple[RunSta
     critic_graphdef = critic = None
     if cfg.use_critic:
         critic_graphdef, critic_params = nnx.split(build.build_critic(cfg, policy, mesh), nnx.Param)
-        critic = init_train_state(critic_params, engine_update_config(cfg, "critic"), mesh)
-    actor = init_train_state(params, engine_update_config(cfg, "actor"), mesh)
+        critic = init_train_state(critic_params, engine_view(cfg, "critic"), mesh)
+    actor = init_train_state(params, engine_view(cfg, "actor"), mesh)
     state = init_run_state(actor, critic, kl_controller(cfg).init(), cfg.trainer.seed, mesh)
     collector = Collector.create(cfg, mesh, inputs, graphdef, critic_graphdef, ref_params)
     return state, collector, Learner.create(cfg, mesh, graphdef, critic_graphdef), graphdef

@@ -55,8 +55,8 @@ def test_audit_exit_status_depends_on_every_metric(capsys, monkeypatch):
 
     real = audit_module.run_updates
 
-    def clip_fraction_off_on_several_shards(step, state, batch, cfg, mesh, rng, scale):
-        updated = real(step, state, batch, cfg, mesh, rng, scale)
+    def clip_fraction_off_on_several_shards(step, state, batch, cfg, mesh, rng):
+        updated = real(step, state, batch, cfg, mesh, rng)
         if batch_shards(mesh) > 1 and "actor/pg_clipfrac" in updated.metrics:
             updated.metrics["actor/pg_clipfrac"] += 1e-2
         return updated

@@ -1,11 +1,18 @@
 """The trainer's config: schema defaults, YAML + overrides, and one-line errors naming key and value."""
 
 import pathlib
+import re
 
+import numpy as np
 import pytest
 
 from jppo.build import load_inputs
-from jppo.config import ConfigError, check_mesh, engine_update_config, load_config, save_config
+from jppo.config import ActorSection, ConfigError, ModelSection, load_config, save_config
+from jppo.engine import ActorConfig, CriticConfig
+from jppo.engine.driver import mini_batches
+from jppo.models import ModelConfig
+from jppo.validate import check_mesh
+from jppo.views import engine_view
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -20,7 +27,7 @@ def test_every_shipped_config_loads():
 def test_overrides_and_derived_values():
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["rollout.n=4", "actor.ppo_mini_batch_size=16"])
     assert cfg.rollout.n == 4 and cfg.use_critic and not cfg.use_reference
-    engine = engine_update_config(cfg, "actor")
+    engine = engine_view(cfg, "actor")
     assert engine.ppo_mini_batch_size == 64  # prompts x rollout.n
     assert engine.loss_scale_factor == cfg.rollout.max_response_length
     assert load_config(None, ["algorithm.adv_estimator=grpo", "rollout.n=2"]).use_critic is False
@@ -59,7 +66,7 @@ def test_resolved_config_round_trips(tmp_path):
         (["rollout.top_p=0"], "rollout.top_p=0"),
         (["trainer.resume=/no/such/dir"], "trainer.resume='/no/such/dir'"),
         (["data.task=files"], "data.train_files"),
-        (["data.train_batch_size=10", "actor.ppo_mini_batch_size=4"], "actor.ppo_mini_batch_size=4 prompts does not divide"),
+        (["data.train_batch_size=10", "actor.ppo_mini_batch_size=4"], "actor.ppo_mini_batch_size=4 (prompts) does not divide"),
         (["reward.kind=exact"], "reward.kind='exact'"),
         (["model.dtype=float8"], "model.dtype='float8'"),
         (["not_a_section.x=1"], "not_a_section"),
@@ -178,7 +185,71 @@ def test_a_cosine_schedule_decays_over_the_run():
         "trainer.critic_warmup=4",
     ])
     # 400 steps x 2 epochs x 128 / 64 mini-batches; the actor sits out 4 steps
-    assert engine_update_config(cfg, "critic").optim.decay_steps == 400 * 4
-    assert engine_update_config(cfg, "actor").optim.decay_steps == 396 * 4 - 10
+    assert engine_view(cfg, "critic").optim.decay_steps == 400 * 4
+    assert engine_view(cfg, "actor").optim.decay_steps == 396 * 4 - 10
     explicit = load_config(None, ["actor.optim.lr_schedule=cosine", "actor.optim.decay_steps=7"])
-    assert engine_update_config(explicit, "actor").optim.decay_steps == 7
+    assert engine_view(explicit, "actor").optim.decay_steps == 7
+
+
+def test_the_engine_gets_its_own_view_in_sequences_with_every_constant_resolved():
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["rollout.n=4", "actor.ppo_mini_batch_size=16",
+                                                             "critic.loss_scale_factor=3"])
+    actor, critic = engine_view(cfg, "actor"), engine_view(cfg, "critic")
+    assert type(actor) is ActorConfig and type(critic) is CriticConfig and isinstance(cfg.actor, ActorSection)
+    assert (actor.ppo_mini_batch_size, cfg.actor.ppo_mini_batch_size) == (64, 16)
+    assert (actor.loss_scale_factor, critic.loss_scale_factor) == (5.0, 3.0)
+    for name in ("ppo_micro_batch_size", "ppo_epochs", "normalization", "entropy_coeff", "use_dynamic_bsz"):
+        assert getattr(actor, name) == getattr(cfg.actor, name)
+    with pytest.raises(TypeError, match="got ActorSection"):  # a count of prompts never reaches the engine
+        mini_batches(64, cfg.actor, np.random.default_rng(0))
+
+
+def test_the_model_section_declares_model_config_fields_under_their_yaml_keys():
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["model.num_kv_heads=4", "model.remat=true"])
+    built = ModelConfig(**cfg.model.architecture(), vocab_size=14)
+    assert (built.hidden_size, built.num_heads, built.num_kv_heads, built.rope_theta) == (64, 8, 4, 100.0)
+    assert built.model_type == "qwen2" and built.remat and built.tie_word_embeddings
+    assert ModelSection().max_position_embeddings == 512 and ModelSection().path is None
+
+
+@pytest.mark.parametrize("overrides,devices,message", [
+    (["data.train_batch_size=8", "rollout.n=8", "actor.ppo_mini_batch_size=3"], None,
+     "actor.ppo_mini_batch_size=3 (prompts) does not divide data.train_batch_size=8"),
+    (["data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=8"], 8,
+     "actor.ppo_mini_batch_size=2 (prompts) x rollout.n=2 = 4 sequences does not split over 8 batch shards"),
+    (["data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=4",
+      "critic.ppo_micro_batch_size=4"], 8,
+     "critic.ppo_micro_batch_size=4 must be between 1 and the 2 sequences per batch shard of a mini-batch "
+     "(critic.ppo_mini_batch_size=4 (prompts) x rollout.n=4 = 16 sequences over 8 shards)"),
+])
+def test_batch_size_errors_name_the_key_and_the_prompts_the_user_wrote(overrides, devices, message):
+    """A mini-batch of prompts is reported as prompts (with what they make for the engine), before anything
+    compiles: by load_config where no mesh is involved, by check_mesh against the batch shards."""
+    with pytest.raises(ConfigError) as error:
+        cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["actor.ppo_micro_batch_size=1",
+                                                                 "critic.ppo_micro_batch_size=1", *overrides])
+        assert devices is not None, "load_config accepted it"
+        check_mesh(cfg, devices)
+    assert str(error.value) == message
+
+
+def test_no_batch_size_error_counts_only_sequences():
+    """Whatever the mini-batch, micro-batch and rollout.n, a refusal names the prompts the user wrote: the engine's
+    own check (worded in sequences for direct users) is reached only through the trainer's wording."""
+    refused = 0
+    for n in (1, 2, 3, 8):
+        for mini in (1, 2, 3, 8):
+            for micro in (1, 2, 4):
+                sizes = [f"rollout.n={n}", "data.train_batch_size=8", f"actor.ppo_mini_batch_size={mini}",
+                         f"actor.ppo_micro_batch_size={micro}", "critic.enable=false",
+                         "algorithm.adv_estimator=grpo" if n > 1 else "algorithm.adv_estimator=reinforce_plus_plus"]
+                try:
+                    check_mesh(load_config(ROOT / "configs" / "quickstart.yaml", sizes), 8)
+                except ConfigError as error:
+                    refused += 1
+                    text = str(error)
+                    assert "\n" not in text and not re.search(r"ppo_mini_batch_size=\d+ sequences", text), text
+                    if "ppo_mini_batch_size" in text:
+                        assert f"actor.ppo_mini_batch_size={mini} (prompts)" in text, text
+    assert refused > 0
+

@@ -64,7 +64,7 @@ def engine_step(model_cls, cfg, mesh, batch, seed=0, dtype="float64"):
     prefix = "actor" if isinstance(cfg, ActorConfig) else "critic"
     state = init_train_state(params, cfg, mesh, keep_gradient=True)
     step = UpdateStep(graphdef, loss, cfg, mesh, prefix, keep_gradient=True)
-    state, metrics, gradients = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0), C)
+    state, metrics, gradients = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0))
     return state, metrics, jax.tree.map(lambda g: g[0], jax.device_get(gradients))
 
 
@@ -80,14 +80,15 @@ SGD = OptimConfig(name="sgd", lr=0.5, grad_clip=0.0)
 def actor_cfg(optim=SGD, **kw):
     base = dict(
         ppo_mini_batch_size=N, shuffle=False, optim=optim, entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
-        clip_ratio_c=1.5, loss_agg_mode="token-mean",
+        clip_ratio_c=1.5, loss_agg_mode="token-mean", loss_scale_factor=C,
     )
     base.update(kw)
     return ActorConfig(**base)
 
 
 def critic_cfg(optim=SGD, **kw):
-    base = dict(ppo_mini_batch_size=N, shuffle=False, optim=optim, cliprange_value=0.3, loss_agg_mode="token-mean")
+    base = dict(ppo_mini_batch_size=N, shuffle=False, optim=optim, cliprange_value=0.3, loss_agg_mode="token-mean",
+                loss_scale_factor=C)
     base.update(kw)
     return CriticConfig(**base)
 
@@ -241,13 +242,13 @@ def test_non_finite_micro_batch_skips_the_whole_update(poisoned_row):
     state = init_train_state(params, cfg, mesh)
     before = jax.device_get(state)
     step = UpdateStep(graphdef, actor_loss_fn(cfg), cfg, mesh, "actor")
-    state, metrics, _ = run_updates(step, state, bad, cfg, mesh, np.random.default_rng(0), C)
+    state, metrics, _ = run_updates(step, state, bad, cfg, mesh, np.random.default_rng(0))
     assert metrics["actor/skipped_updates"] == 1.0
     after = jax.device_get(state)
     chex.assert_trees_all_equal(after.params, before.params)
     chex.assert_trees_all_equal(after.opt_state.inner_opt_state[1].inner_state, before.opt_state.inner_opt_state[1].inner_state)
     assert int(after.step) == 0
-    state, metrics, _ = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0), C)
+    state, metrics, _ = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0))
     assert metrics["actor/skipped_updates"] == 0.0 and int(state.step) == 1
     assert np.isfinite(metrics["actor/grad_norm"])
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(state.params))

@@ -175,6 +175,12 @@ def cli(*args: str) -> subprocess.CompletedProcess:
         (["algorithm.adv_estimator=gea"], "algorithm.adv_estimator='gea'"),
         (["actor.kl_loss_type=k4"], "actor.kl_loss_type='k4'"),
         (["data.train_batch_size=30"], "does not divide data.train_batch_size=30"),
+        # batch sizes in the prompts the user wrote, not the sequences the engine counts
+        (["rollout.n=8", "actor.ppo_mini_batch_size=3"], "actor.ppo_mini_batch_size=3 (prompts) does not divide "
+                                                         "data.train_batch_size=128"),
+        (["rollout.n=2", "actor.ppo_mini_batch_size=2"], "actor.ppo_micro_batch_size=8 must be between 1 and the 4 "
+                                                         "sequences per batch shard of a mini-batch "
+                                                         "(actor.ppo_mini_batch_size=2 (prompts) x rollout.n=2"),
         (["actor.ppo_micro_batch_size=3"], "actor.ppo_micro_batch_size=3"),
         (["data.task=files", "data.train_files=/nonexistent/train.jsonl"], "data.train_files='/nonexistent/train.jsonl'"),
         (["model.path=/nonexistent/ckpt"], "model.path='/nonexistent/ckpt'"),

@@ -1,15 +1,24 @@
-"""Settings of the update engine: frozen dataclasses with verl's names, shared by the trainer's config schema.
+"""Settings of the update engine: frozen dataclasses with verl's names, in the engine's units.
 
-The trainer's config file uses these same classes for its ``actor`` and ``critic`` sections, with verl's
-convention that ``ppo_mini_batch_size`` counts *prompts*; the trainer multiplies it by ``rollout.n`` before handing
-the config to the engine, where every batch size counts *sequences* (prompt + one response). Micro-batch sizes
-count sequences per batch shard everywhere, as verl's ``*_per_gpu`` sizes do.
+What a user and the engine count alike (micro-batch sizes in sequences per batch shard, as verl's ``*_per_gpu``
+sizes; token budgets; epochs; losses; the optimizer) is declared once, in :class:`UpdateSettings`,
+:class:`ActorSettings` and :class:`CriticSettings`. Two kinds of config add the rest to them:
+
+- the engine's :class:`ActorConfig` and :class:`CriticConfig` (both an :class:`UpdateConfig`):
+  ``ppo_mini_batch_size`` counts *sequences* (prompt + one response) and ``loss_scale_factor`` is set;
+- the trainer's config sections (:mod:`jppo.config`): ``ppo_mini_batch_size`` counts *prompts* (verl's
+  convention) and ``loss_scale_factor`` may be left to the trainer.
+
+The trainer derives the first from the second once per run (:func:`jppo.views.engine_view`); the engine refuses
+a config that is not an :class:`UpdateConfig`, so a count of prompts never reaches it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
+
+from jppo.errors import InvalidSetting
 
 NORMALIZATIONS = ("global", "per_micro_batch")
 
@@ -32,30 +41,27 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class UpdateConfig:
-    """What actor and critic updates share: how a rollout batch becomes optimizer steps, and how losses normalize.
+class UpdateSettings:
+    """What actor and critic updates share, in units a user and the engine count alike.
 
-    ``ppo_mini_batch_size`` sequences make one optimizer step; each is cut on every batch shard into micro-batches
-    of ``ppo_micro_batch_size`` sequences, or, with ``use_dynamic_bsz``, packed into micro-batches of at most
-    ``ppo_max_token_len`` tokens. ``normalization: per_micro_batch`` is the legacy (split-dependent) behaviour,
-    kept only to compare with old curves.
+    Each mini-batch is cut on every batch shard into micro-batches of ``ppo_micro_batch_size`` sequences, or, with
+    ``use_dynamic_bsz``, packed into micro-batches of at most ``ppo_max_token_len`` tokens. ``normalization:
+    per_micro_batch`` is the legacy (split-dependent) behaviour, kept only to compare with old curves.
     """
 
-    ppo_mini_batch_size: int = 8
     ppo_micro_batch_size: int = 1
     use_dynamic_bsz: bool = False
     ppo_max_token_len: int = 4096
     ppo_epochs: int = 1
     shuffle: bool = True
     loss_agg_mode: str = "token-mean"
-    loss_scale_factor: Optional[float] = None  # C of seq-mean-token-sum-norm; None = the max response length
     normalization: str = "global"
     logprob_chunk_size: int = 256  # sequence chunk of the vocabulary projection in log-prob computations
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
 
 
 @dataclasses.dataclass(frozen=True)
-class ActorConfig(UpdateConfig):
+class ActorSettings(UpdateSettings):
     """The policy update: a registered policy loss, optional entropy bonus and KL loss to the reference."""
 
     policy_loss: str = "vanilla"
@@ -73,7 +79,57 @@ class ActorConfig(UpdateConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class CriticConfig(UpdateConfig):
+class CriticSettings(UpdateSettings):
     """The value update: clipped value loss."""
 
     cliprange_value: float = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig(UpdateSettings):
+    """The engine's config of one update: ``ppo_mini_batch_size`` *sequences* make one optimizer step, and
+    ``loss_scale_factor`` is the constant C of ``seq-mean-token-sum-norm`` (an update refuses None)."""
+
+    ppo_mini_batch_size: int = 8
+    loss_scale_factor: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorConfig(UpdateConfig, ActorSettings):
+    """The engine's config of the policy update (see :class:`ActorSettings`, :class:`UpdateConfig`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticConfig(UpdateConfig, CriticSettings):
+    """The engine's config of the value update (see :class:`CriticSettings`, :class:`UpdateConfig`)."""
+
+
+def check_update(cfg: UpdateSettings) -> None:
+    """:class:`~jppo.errors.InvalidSetting` for the first setting of an update the engine cannot use (the
+    optimizer's: :func:`jppo.engine.optim.check_optim`). Sizes are checked whatever they count; the trainer's
+    validator runs the same check on its config sections."""
+    rules = {
+        name: (getattr(cfg, name) > 0, "> 0")
+        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_max_token_len", "ppo_epochs",
+                     "logprob_chunk_size")
+    }
+    scale = cfg.loss_scale_factor
+    rules["loss_scale_factor"] = (scale is None or scale > 0, "> 0")
+    rules["normalization"] = (cfg.normalization in NORMALIZATIONS, f"one of {', '.join(NORMALIZATIONS)}")
+    for name, (ok, valid) in rules.items():
+        if not ok:
+            raise InvalidSetting(f"{type(cfg).__name__}.", name, getattr(cfg, name), valid)
+
+
+def require_engine_config(cfg: UpdateSettings, *, for_update: bool = False) -> None:
+    """``TypeError`` unless ``cfg`` is an :class:`UpdateConfig` (a trainer config section counts prompts). With
+    ``for_update``, also what an optimizer step needs: :func:`check_update`, and ``loss_scale_factor`` set."""
+    if not isinstance(cfg, UpdateConfig):
+        raise TypeError(
+            f"the update engine takes an ActorConfig or CriticConfig (mini-batches in sequences), got "
+            f"{type(cfg).__name__}; jppo.views.engine_view derives one from a trainer config"
+        )
+    if for_update:
+        check_update(cfg)
+        if cfg.loss_scale_factor is None:
+            raise InvalidSetting(f"{type(cfg).__name__}.", "loss_scale_factor", None, "set (C of the update)")

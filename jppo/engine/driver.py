@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jppo import metrics as metrics_lib
-from jppo.engine.config import UpdateConfig
+from jppo.engine.config import UpdateConfig, require_engine_config
 from jppo.engine.layout import place
 from jppo.engine.update import TrainState, UpdateStep, loss_inputs
 from jppo.hostlocal import local_shards, max_over_processes, replicated_value, take_rows
@@ -36,27 +36,28 @@ class Updated(NamedTuple):
     gradients: Any
 
 
-def check_batch_sizes(cfg: UpdateConfig, num_sequences: int, num_shards: int, section: str) -> None:
-    """One-line errors for batch sizes that cannot be cut evenly (raised before anything compiles)."""
+def check_batch_sizes(
+    cfg: UpdateConfig, num_sequences: int, num_shards: int, section: str, mini_batch: str | None = None
+) -> None:
+    """One-line errors for batch sizes that cannot be cut evenly (raised before anything compiles).
+
+    ``mini_batch`` is how the messages state the mini-batch size: by default in the engine's unit
+    (``actor.ppo_mini_batch_size=64 sequences``); the trainer's validator states it as its user wrote it
+    (``actor.ppo_mini_batch_size=8 (prompts) x rollout.n=8 = 64 sequences``)."""
     mini = cfg.ppo_mini_batch_size
+    mini_batch = mini_batch or f"{section}.ppo_mini_batch_size={mini} sequences"
     if mini < 1 or num_sequences % mini:
-        raise ValueError(
-            f"{section}.ppo_mini_batch_size={mini} sequences does not divide the rollout batch of {num_sequences}"
-        )
+        raise ValueError(f"{mini_batch} does not divide the rollout batch of {num_sequences} sequences")
     if mini % num_shards:
-        raise ValueError(f"{section}.ppo_mini_batch_size={mini} sequences does not split over {num_shards} batch shards")
+        raise ValueError(f"{mini_batch} does not split over {num_shards} batch shards")
     if not cfg.use_dynamic_bsz:
         per_shard = mini // num_shards
         micro = cfg.ppo_micro_batch_size
-        if micro < 1 or micro > per_shard:
+        if micro < 1 or micro > per_shard or per_shard % micro:
+            problem = "must be between 1 and" if micro < 1 or micro > per_shard else "does not divide"
             raise ValueError(
-                f"{section}.ppo_micro_batch_size={micro} must be between 1 and the {per_shard} sequences per shard of "
-                f"a mini-batch ({section}.ppo_mini_batch_size={mini} over {num_shards} shards)"
-            )
-        if per_shard % micro:
-            raise ValueError(
-                f"{section}.ppo_micro_batch_size={micro} does not divide the {per_shard} sequences per shard of a "
-                f"mini-batch ({section}.ppo_mini_batch_size={mini} over {num_shards} shards)"
+                f"{section}.ppo_micro_batch_size={micro} {problem} the {per_shard} sequences per batch shard of a "
+                f"mini-batch ({mini_batch} over {num_shards} shards)"
             )
 
 
@@ -67,6 +68,7 @@ def mini_batches(num_sequences: int, cfg: UpdateConfig, rng: np.random.Generator
     consecutive blocks of ``ppo_mini_batch_size``. Nothing here knows the mesh or the processes: for a given ``rng``
     the mini-batches are the same on one device, on eight, or on several hosts (the whole-run contract).
     """
+    require_engine_config(cfg)
     mini = cfg.ppo_mini_batch_size
     out = []
     for _ in range(cfg.ppo_epochs):
@@ -123,15 +125,14 @@ def run_updates(
     cfg: UpdateConfig,
     mesh: Mesh,
     rng: np.random.Generator,
-    loss_scale_factor: float,
 ) -> Updated:
     """``ppo_epochs`` passes of mini-batch updates (:func:`cut_steps`) in one compiled call; metrics averaged over
     the applied optimizer steps (:func:`summarize_steps`). The micro-batch counts are agreed across processes, so
-    their parts form one global array."""
+    their parts form one global array. ``cfg`` is ``step``'s config (C included), or one that cuts differently."""
     micro = cut_steps(batch, cfg, mesh, rng)
     k, s = max_over_processes([max(m.input_ids.shape[0] for m in micro), max(m.row_ids.shape[2] for m in micro)])
     stacked = stack_micro_batches(micro, int(k), int(s))
-    state, per_step, gradients = step(state, place(stacked.device_arrays(), mesh, scanned=2), loss_scale_factor)
+    state, per_step, gradients = step(state, place(stacked.device_arrays(), mesh, scanned=2))
     per_step = {name: replicated_value(values) for name, values in per_step.items()}
     host = [{name: float(values[i]) for name, values in per_step.items()} for i in range(len(micro))]
     return Updated(state, summarize_steps(host), gradients)

@@ -27,6 +27,8 @@ import optax
 from jppo.engine.config import OptimConfig
 from jppo.errors import InvalidSetting
 
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "cosine")
 # apply_if_finite gives up and applies a non-finite update after this many in a row; jppo never does.
 _NEVER_GIVE_UP = 2**31 - 1
 
@@ -58,6 +60,8 @@ def check_optim(cfg: OptimConfig) -> None:
     itself accepts them and quietly diverges or stalls); the trainer's config runs the same check."""
     adam = cfg.name == "adamw"
     rules = {
+        "name": (cfg.name in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
+        "lr_schedule": (cfg.lr_schedule in LR_SCHEDULES, f"one of {', '.join(LR_SCHEDULES)}"),
         "lr": (cfg.lr >= 0, ">= 0"),
         "weight_decay": (cfg.weight_decay >= 0, ">= 0"),
         "beta1": (not adam or 0 <= cfg.beta1 < 1, "in [0, 1)"),
@@ -74,12 +78,11 @@ def check_optim(cfg: OptimConfig) -> None:
 
 def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
     """Linear warm-up to ``lr`` over ``warmup_steps``, then constant or cosine decay to ``min_lr_ratio * lr``."""
+    check_optim(cfg)
     if cfg.lr_schedule == "constant":
         after = optax.constant_schedule(cfg.lr)
-    elif cfg.lr_schedule == "cosine":
-        after = optax.cosine_decay_schedule(cfg.lr, max(cfg.decay_steps, 1), alpha=cfg.min_lr_ratio)
     else:
-        raise ValueError(f"unknown optim.lr_schedule {cfg.lr_schedule!r}; valid: constant, cosine")
+        after = optax.cosine_decay_schedule(cfg.lr, max(cfg.decay_steps, 1), alpha=cfg.min_lr_ratio)
     if cfg.warmup_steps <= 0:
         return after
     warmup = optax.linear_schedule(cfg.lr / cfg.warmup_steps, cfg.lr, cfg.warmup_steps - 1)
@@ -88,14 +91,11 @@ def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
 
 def inner_optimizer(cfg: OptimConfig, keep_gradient: bool = False) -> optax.GradientTransformation:
     """What runs once per mini-batch on the accumulated gradient (kept in the state with ``keep_gradient``)."""
-    check_optim(cfg)
-    schedule = learning_rate_schedule(cfg)
+    schedule = learning_rate_schedule(cfg)  # refuses what check_optim refuses
     if cfg.name == "adamw":
         base = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    elif cfg.name == "sgd":
-        base = optax.sgd(schedule)
     else:
-        raise ValueError(f"unknown optim.name {cfg.name!r}; valid: adamw, sgd")
+        base = optax.sgd(schedule)
     guarded = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), base) if cfg.grad_clip > 0 else base
     return optax.chain(record_gradient(keep_gradient), optax.apply_if_finite(guarded, _NEVER_GIVE_UP))
 

@@ -35,7 +35,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jppo import metrics as metrics_lib
-from jppo.engine.config import ActorConfig, CriticConfig, UpdateConfig, NORMALIZATIONS
+from jppo.engine.config import ActorConfig, ActorSettings, CriticConfig, UpdateConfig, require_engine_config
 from jppo.engine.layout import flatten_shards, gather_slots, next_token_targets
 from jppo.engine.optim import accumulating_optimizer, learning_rate_schedule, step_report
 from jppo.experience import Experience
@@ -92,7 +92,8 @@ def _accumulator_dtype(params: nnx.State) -> jnp.dtype:
 
 
 def mini_batch_norm_stats(response_mask: jax.Array, loss_scale_factor: float, mesh: Mesh) -> NormStats:
-    """Whole-mini-batch N and S: each shard counts its own ``[K, 1, S, L]`` block, ``psum`` over the batch axes."""
+    """Whole-mini-batch N and S: each shard counts its own ``[K, 1, S, L]`` block, ``psum`` over the batch axes;
+    C is the update's ``loss_scale_factor`` (:func:`micro_batch_gradient` passes its config's)."""
 
     def local_then_psum(mask):
         return global_norm_stats(mask.reshape(-1, mask.shape[-1]), loss_scale_factor, axis_name=BATCH_AXES)
@@ -134,7 +135,7 @@ def value_outputs(model: nnx.Module, batch: Batch) -> jax.Array:
     return gather_slots(values, batch.gather_index)
 
 
-def policy_options(cfg: ActorConfig) -> PolicyLossOptions:
+def policy_options(cfg: ActorSettings) -> PolicyLossOptions:
     return PolicyLossOptions.create(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(PolicyLossOptions)})
 
 
@@ -195,11 +196,9 @@ def legacy_share_divisor(cfg: UpdateConfig, batch: Batch) -> jax.Array:
 
 def micro_batch_gradient(
     graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh
-) -> Callable[
-    [nnx.State, Batch, float], Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, metrics_lib.Metric]]]
-]:
-    """``prepare(params, micro_batches, C) -> differentiate``, where ``differentiate(params, micro)`` is the gradient
-    of one micro-batch's share of the mini-batch loss, with its metric pairs.
+) -> Callable[[nnx.State, Batch], Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, metrics_lib.Metric]]]]:
+    """``prepare(params, micro_batches) -> differentiate``, where ``differentiate(params, micro)`` is the gradient
+    of one micro-batch's share of the mini-batch loss, with its metric pairs. C is ``cfg.loss_scale_factor``.
 
     ``prepare`` computes the whole mini-batch's NormStats once (psum over the batch axes), before any
     micro-batch is touched; every ``differentiate`` call then normalizes by them. A micro-batch without a single
@@ -207,11 +206,11 @@ def micro_batch_gradient(
     micro-batch is normalized by its own counts instead (N and S of the micro-batch over all shards, C as
     configured), divided by :func:`legacy_share_divisor`.
     """
-    if cfg.normalization not in NORMALIZATIONS:
-        raise ValueError(f"unknown normalization {cfg.normalization!r}; valid: {', '.join(NORMALIZATIONS)}")
+    require_engine_config(cfg, for_update=True)
+    loss_scale_factor = float(cfg.loss_scale_factor)
     legacy = cfg.normalization == "per_micro_batch"
 
-    def prepare(params: nnx.State, batch: Batch, loss_scale_factor: float):
+    def prepare(params: nnx.State, batch: Batch):
         whole = None if legacy else mini_batch_norm_stats(batch.slots.response_mask, loss_scale_factor, mesh)
         divisor = legacy_share_divisor(cfg, batch) if legacy else None
 
@@ -247,8 +246,8 @@ def _zeros(tree):
 
 def make_update_step(
     graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh, prefix: str, keep_gradient: bool = False
-) -> Callable[[TrainState, Batch, float], tuple[TrainState, dict[str, jax.Array], Any]]:
-    """A pure ``(state, micro_batches, loss_scale_factor) -> (state, metrics, gradient)`` for one mini-batch.
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array], Any]]:
+    """A pure ``(state, micro_batches) -> (state, metrics, gradient)`` for one mini-batch (C: ``cfg``'s).
 
     ``micro_batches`` holds ``[K, D, ...]`` arrays (see :mod:`jppo.microbatch`); K is read from their shape. Each
     micro-batch's gradient goes to ``optax.MultiSteps(every_k_schedule=K, use_grad_mean=False)``, which sums them
@@ -259,10 +258,10 @@ def make_update_step(
     prepare = micro_batch_gradient(graphdef, loss, cfg, mesh)
     schedule = learning_rate_schedule(cfg.optim)
 
-    def step(state: TrainState, batch: Batch, loss_scale_factor: float):
+    def step(state: TrainState, batch: Batch):
         k = batch.slots.response_mask.shape[0]
         tx = accumulating_optimizer(cfg.optim, k, _accumulator_dtype(state.params), keep_gradient)
-        differentiate = prepare(state.params, batch, loss_scale_factor)
+        differentiate = prepare(state.params, batch)
         metrics_shape = jax.eval_shape(differentiate, state.params, jax.tree.map(lambda x: x[0], batch))[1]
 
         def micro_step(carry, micro):
@@ -304,7 +303,7 @@ def make_update_step(
 
 
 class UpdateStep:
-    """The jitted update: ``(state, steps, C) -> (state, metrics, gradients)`` for M optimizer steps in one call.
+    """The jitted update: ``(state, steps) -> (state, metrics, gradients)`` for M optimizer steps in one call.
 
     ``steps`` holds ``[M, K, D, ...]`` arrays (:func:`jppo.microbatch.stack_micro_batches`); ``lax.scan`` runs the
     M mini-batches one after another, so a whole ``ppo_epochs`` x mini-batches update is one dispatch, and the
@@ -330,9 +329,9 @@ class UpdateStep:
             )
         one_step = make_update_step(graphdef, loss, cfg, mesh, prefix, keep_gradient)
 
-        def steps(state: TrainState, batches: Batch, loss_scale_factor: float):
+        def steps(state: TrainState, batches: Batch):
             def body(carry, batch):
-                carry, metrics, gradient = one_step(carry, batch, loss_scale_factor)
+                carry, metrics, gradient = one_step(carry, batch)
                 return carry, (metrics, gradient)
 
             state, (metrics, gradients) = jax.lax.scan(body, state, batches)
@@ -342,11 +341,9 @@ class UpdateStep:
         self._mesh = mesh
         self._jitted: Any = None
 
-    def __call__(self, state: TrainState, steps: Batch, loss_scale_factor: float) -> tuple[TrainState, dict[str, jax.Array], Any]:
+    def __call__(self, state: TrainState, steps: Batch) -> tuple[TrainState, dict[str, jax.Array], Any]:
         if self._jitted is None:
             state_shardings = jax.tree.map(lambda x: x.sharding, state)
-            self._jitted = jax.jit(
-                self._steps, donate_argnums=(0,), out_shardings=(state_shardings, None, None), static_argnums=(2,)
-            )
+            self._jitted = jax.jit(self._steps, donate_argnums=(0,), out_shardings=(state_shardings, None, None))
         with jax.set_mesh(self._mesh):
-            return self._jitted(state, steps, float(loss_scale_factor))
+            return self._jitted(state, steps)

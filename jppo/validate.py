@@ -1,0 +1,289 @@
+"""The trainer's config validator: every value of a :class:`~jppo.config.TrainConfig` checked before anything is
+built or compiled, each problem a :class:`~jppo.errors.ConfigError` of one line naming the key and the value as
+the user wrote them.
+
+:func:`validate` (run by :func:`jppo.config.load_config`) checks names against the registries, numbers against
+the ranges only the trainer gives them, and every setting against the limits of the component that uses it, by
+running that component's own check (the sampler's, the policy loss's, the optimizer's, the update engine's, the
+model's, the KL controller's) on it: its :class:`~jppo.errors.InvalidSetting` is reported under the config key
+(:func:`_as_key`), so each limit is stated once, in the component that relies on it. Batch sizes are checked in
+prompts, as written. :func:`check_mesh` checks them against the batch shards of a mesh by the engine's own check
+on :func:`jppo.views.engine_view`, its messages again naming the prompts the user wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import math
+import os
+import pathlib
+from typing import TYPE_CHECKING, Any, Sequence
+
+from jppo.advantages import ADVANTAGE_ESTIMATORS
+from jppo.data import BUILTIN_TASKS
+from jppo.engine.config import check_update
+from jppo.engine.driver import check_batch_sizes
+from jppo.engine.optim import check_optim
+from jppo.engine.update import policy_options
+from jppo.errors import ConfigError, InvalidSetting, one_line
+from jppo.losses import (
+    AGG_MODES, KL_KINDS, POLICY_LOSSES, AdaptiveKLController, check_policy_loss_mode, check_policy_options,
+    required_agg_mode,
+)
+from jppo.mesh import resolve_shape
+from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES
+from jppo.views import engine_view, rollout_sequences
+
+if TYPE_CHECKING:  # jppo.config runs this module's validate
+    from jppo.config import TrainConfig
+
+
+def _choice(key: str, value: str, valid: Sequence[str]) -> None:
+    if value not in valid:
+        close = difflib.get_close_matches(value, list(valid), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{key}={value!r} is not valid{hint}; valid: {', '.join(valid)}")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def _within(key: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ConfigError(f"{key}={value!r} must be in [{low:g}, {high:g}]")
+
+
+@contextlib.contextmanager
+def _as_key(keys: dict[str, str], prefix: str = ""):
+    """Runs a component's own check; its :class:`InvalidSetting` becomes a :class:`ConfigError` under the config
+    key that holds the setting (``keys[name]``, else ``prefix + name``)."""
+    try:
+        yield
+    except InvalidSetting as error:
+        key = keys.get(error.name, f"{prefix}{error.name}" if prefix else None)
+        raise ConfigError(error.renamed(key) if key else one_line(error)) from None
+
+
+def _leaves(node: Any, prefix: str = ""):
+    """``(dotted key, value)`` of every leaf of a config dataclass tree."""
+    for field in dataclasses.fields(node):
+        value = getattr(node, field.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{field.name}.")
+        else:
+            yield f"{prefix}{field.name}", value
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Names against the registries, sizes against each other, and every setting against the limits of the
+    component that uses it (the sampler's, the policy loss's, the optimizer's, the model's, ...), so a value a
+    component would refuse at run time is refused here, before anything compiles. The mesh against the device
+    count is checked by :func:`check_mesh`; files and plug-ins are read by :func:`jppo.build.load_inputs`."""
+    for key, value in _leaves(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value!r} must be a finite number")
+    _check_sources(cfg)
+    _check_model(cfg)
+    for section in ("actor", "critic"):
+        _check_update(cfg, section)
+    _check_actor(cfg)
+    _check_algorithm(cfg)
+    _check_rollout(cfg)
+    _check_trainer(cfg)
+    _check_batch_sizes(cfg)
+
+
+def _check_sources(cfg: TrainConfig) -> None:
+    for key in ("data.train_files", "data.val_files"):
+        value = getattr(cfg.data, key.split(".")[1])
+        for item in (value or "").split(","):
+            if item.strip() and not pathlib.Path(item.strip()).is_file():
+                raise ConfigError(f"{key}={item.strip()!r}: no such file")
+    if cfg.data.task == "files" and not cfg.data.val_files:
+        for key, value in (("trainer.val_every", cfg.trainer.val_every),
+                           ("trainer.val_before_train", cfg.trainer.val_before_train)):
+            if value:
+                raise ConfigError(
+                    f"{key}={value!r} needs held-out prompts: with data.task='files' set data.val_files "
+                    "(or turn validation off)"
+                )
+    for key in ("critic.model_path", "ref.model_path", "reward.model_path"):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and not (pathlib.Path(value) / "config.json").is_file():
+            raise ConfigError(f"{key}={value!r}: no Hugging Face checkpoint (config.json) there")
+
+
+def _check_model(cfg: TrainConfig) -> None:
+    _choice("model.model_type", cfg.model.model_type, SUPPORTED_MODEL_TYPES)
+    _choice("model.dtype", cfg.model.dtype, list(DTYPES))
+    _choice("model.param_dtype", cfg.model.param_dtype, list(DTYPES))
+    if cfg.model.path is not None and not (pathlib.Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(f"model.path={cfg.model.path!r}: no Hugging Face checkpoint (config.json) there")
+    if cfg.model.path is None and cfg.model.tokenizer is None:
+        task = cfg.data.task
+        if task not in BUILTIN_TASKS:
+            raise ConfigError(
+                f"model.tokenizer is required for data.task={task!r} without model.path (built-in vocabularies "
+                f"exist for: {', '.join(BUILTIN_TASKS)})"
+            )
+    if cfg.model.path is None:  # a model built from this section: its own checks (a checkpoint brings its shape)
+        from jppo.build import random_model_config  # noqa: PLC0415 (an import cycle through jppo.config)
+
+        with _as_key({}, prefix="model."):
+            random_model_config(cfg, None)
+
+
+def _check_update(cfg: TrainConfig, section: str) -> None:
+    """The engine's own checks of an update's settings (sizes in whatever unit they count) and its optimizer's."""
+    update = getattr(cfg, section)
+    _choice(f"{section}.loss_agg_mode", update.loss_agg_mode, AGG_MODES)
+    with _as_key({}, prefix=f"{section}."):
+        check_update(update)
+    with _as_key({}, prefix=f"{section}.optim."):
+        check_optim(update.optim)
+
+
+def _check_actor(cfg: TrainConfig) -> None:
+    actor = cfg.actor
+    _choice("actor.policy_loss", actor.policy_loss, sorted(POLICY_LOSSES))
+    try:  # sequence-level losses (gspo, geo_mean) are means over sequences: the registry records their mode
+        check_policy_loss_mode(actor.policy_loss, actor.loss_agg_mode)
+    except ValueError:
+        raise ConfigError(
+            f"actor.loss_agg_mode={actor.loss_agg_mode!r}: actor.policy_loss={actor.policy_loss!r} needs "
+            f"actor.loss_agg_mode={required_agg_mode(actor.policy_loss)!r}"
+        ) from None
+    with _as_key({}, prefix="actor."):
+        check_policy_options(actor.policy_loss, policy_options(actor))
+    _choice("actor.kl_loss_type", actor.kl_loss_type, KL_KINDS)
+    _positive("actor.kl_loss_coef", actor.kl_loss_coef, allow_zero=True)
+    _positive("critic.cliprange_value", cfg.critic.cliprange_value, allow_zero=True)
+
+
+def _check_algorithm(cfg: TrainConfig) -> None:
+    algorithm = cfg.algorithm
+    _choice("algorithm.adv_estimator", algorithm.adv_estimator, sorted(ADVANTAGE_ESTIMATORS))
+    _choice("algorithm.kl_penalty", algorithm.kl_penalty, KL_KINDS)
+    _choice("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, ["fixed", "adaptive"])
+    _within("algorithm.gamma", algorithm.gamma, 0.0, 1.0)
+    _within("algorithm.lam", algorithm.lam, 0.0, 1.0)
+    _positive("algorithm.kl_ctrl.kl_coef", algorithm.kl_ctrl.kl_coef, allow_zero=True)
+    if algorithm.kl_ctrl.type == "adaptive":
+        ctrl = algorithm.kl_ctrl
+        with _as_key({}, prefix="algorithm.kl_ctrl."):
+            AdaptiveKLController(init_kl_coef=ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
+    estimator = ADVANTAGE_ESTIMATORS[algorithm.adv_estimator]
+    if estimator.needs_critic and cfg.critic.enable is False:
+        raise ConfigError(f"critic.enable=False but algorithm.adv_estimator={algorithm.adv_estimator!r} needs a critic")
+    if estimator.needs_group_ids and cfg.rollout.n < 2:
+        raise ConfigError(
+            f"rollout.n={cfg.rollout.n}: algorithm.adv_estimator={algorithm.adv_estimator!r} compares the "
+            "responses of one prompt, so it needs rollout.n >= 2"
+        )
+
+
+# The sampler's settings (SamplingParams fields) and the config keys that give them, per use.
+_SAMPLING_KEYS = {
+    "training": {"n": "rollout.n", "temperature": "rollout.temperature", "top_k": "rollout.top_k",
+                 "top_p": "rollout.top_p", "max_new_tokens": "rollout.max_response_length"},
+    "validation": {"n": "rollout.val_n", "temperature": "rollout.val_temperature",
+                   "max_new_tokens": "rollout.max_response_length"},
+}
+
+
+def _check_rollout(cfg: TrainConfig) -> None:
+    from jppo.build import sampling_params  # noqa: PLC0415 (an import cycle through jppo.config)
+
+    for use, keys in _SAMPLING_KEYS.items():
+        with _as_key(keys):
+            sampling_params(cfg, None, validation=use == "validation")
+    _positive("rollout.prompt_bucket", cfg.rollout.prompt_bucket)
+
+
+def _check_output_dir(output_dir: str) -> None:
+    """The run's directory must be one the trainer can create or write into (nothing is created here)."""
+    if not output_dir.strip():
+        raise ConfigError(f"trainer.output_dir={output_dir!r} must name a directory")
+    path = pathlib.Path(output_dir).absolute()
+    existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"trainer.output_dir={output_dir!r}: {str(existing)!r} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"trainer.output_dir={output_dir!r}: {str(existing)!r} is not writable")
+
+
+def _check_trainer(cfg: TrainConfig) -> None:
+    from jppo.checkpoint import resolve_resume  # noqa: PLC0415 (orbax: imported when a config is checked)
+
+    trainer = cfg.trainer
+    _positive("trainer.total_steps", trainer.total_steps)
+    _positive("trainer.save_every", trainer.save_every, allow_zero=True)
+    _positive("trainer.val_every", trainer.val_every, allow_zero=True)
+    _positive("trainer.max_checkpoints_to_keep", trainer.max_checkpoints_to_keep)
+    _positive("trainer.critic_warmup", trainer.critic_warmup, allow_zero=True)
+    if not 0 <= trainer.seed < 2**32:
+        raise ConfigError(f"trainer.seed={trainer.seed!r} must be in [0, 2**32)")
+    _check_output_dir(trainer.output_dir)
+    try:
+        resolve_resume(trainer.resume, pathlib.Path(trainer.output_dir) / "checkpoints")
+    except ValueError as error:
+        raise ConfigError(one_line(error)) from None
+
+
+def _check_batch_sizes(cfg: TrainConfig) -> None:
+    """What holds on any mesh, in the units the user wrote (the engine's cut on a mesh: :func:`check_mesh`)."""
+    prompts = cfg.data.train_batch_size
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    for role in cfg.roles:
+        update = getattr(cfg, role)
+        if prompts % update.ppo_mini_batch_size:
+            raise ConfigError(
+                f"{role}.ppo_mini_batch_size={update.ppo_mini_batch_size} (prompts) does not divide "
+                f"data.train_batch_size={prompts}"
+            )
+        # token-budget packing puts every sequence whole into one row of ppo_max_token_len tokens
+        if update.use_dynamic_bsz and update.ppo_max_token_len < longest:
+            raise ConfigError(
+                f"{role}.ppo_max_token_len={update.ppo_max_token_len} must be >= the longest sequence, "
+                f"data.max_prompt_length + rollout.max_response_length = {longest} tokens"
+            )
+
+
+def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tuple[int, int, int]:
+    """The mesh shape for ``num_devices``, and every batch size checked against the batch shards it implies: the
+    engine's own check on the engine's view of each role, its messages naming the sizes as the user wrote them."""
+    try:
+        shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices)
+    except ValueError as error:
+        raise ConfigError(one_line(error)) from None
+    shards = shape[0] * shape[1]
+    sequences = rollout_sequences(cfg)
+    if sequences % shards:
+        raise ConfigError(
+            f"data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n} = {sequences} sequences "
+            f"do not split over {shards} batch shards (mesh.data x mesh.fsdp)"
+        )
+    if num_processes > 1 and cfg.data.train_batch_size % shards:
+        raise ConfigError(
+            f"data.train_batch_size={cfg.data.train_batch_size} prompts do not split over {shards} batch shards: with "
+            f"{num_processes} processes every process must hold whole prompts"
+        )
+    forward = cfg.rollout.log_prob_micro_batch_size
+    if forward is not None and (forward < 1 or (sequences // shards) % forward):
+        raise ConfigError(
+            f"rollout.log_prob_micro_batch_size={forward} must divide the {sequences // shards} sequences per batch shard"
+        )
+    for role in cfg.roles:
+        view = engine_view(cfg, role)
+        as_written = (f"{role}.ppo_mini_batch_size={getattr(cfg, role).ppo_mini_batch_size} (prompts) x "
+                      f"rollout.n={cfg.rollout.n} = {view.ppo_mini_batch_size} sequences")
+        try:
+            check_batch_sizes(view, sequences, shards, role, as_written)
+        except ValueError as error:
+            raise ConfigError(one_line(error)) from None
+    return shape
