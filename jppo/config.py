@@ -56,10 +56,9 @@ class ModelSection(model_settings(RANDOM_MODEL), ModelSource):
 
 @dataclasses.dataclass(frozen=True)
 class UpdateSection:
-    """What only a config section of an update holds, in the user's units (the engine's: UpdateConfig)."""
+    """What a config section of an update counts in the user's units (the engine's: ``UpdateConfig``)."""
 
     ppo_mini_batch_size: int = 8  # PROMPTS per optimizer step (verl's convention); the engine gets x rollout.n
-    loss_scale_factor: Optional[float] = None  # C of seq-mean-token-sum-norm; None: rollout.max_response_length
 
 
 @dataclasses.dataclass(frozen=True)

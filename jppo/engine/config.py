@@ -5,9 +5,9 @@ sizes; token budgets; epochs; losses; the optimizer) is declared once, in :class
 :class:`ActorSettings` and :class:`CriticSettings`. Two kinds of config add the rest to them:
 
 - the engine's :class:`ActorConfig` and :class:`CriticConfig` (both an :class:`UpdateConfig`):
-  ``ppo_mini_batch_size`` counts *sequences* (prompt + one response) and ``loss_scale_factor`` is set;
+  ``ppo_mini_batch_size`` counts *sequences* (prompt + one response), and an update needs ``loss_scale_factor``;
 - the trainer's config sections (:mod:`jppo.config`): ``ppo_mini_batch_size`` counts *prompts* (verl's
-  convention) and ``loss_scale_factor`` may be left to the trainer.
+  convention), and ``loss_scale_factor`` may be left to the trainer.
 
 The trainer derives the first from the second once per run (:func:`jppo.views.engine_view`); the engine refuses
 a config that is not an :class:`UpdateConfig`, so a count of prompts never reaches it.
@@ -55,6 +55,8 @@ class UpdateSettings:
     ppo_epochs: int = 1
     shuffle: bool = True
     loss_agg_mode: str = "token-mean"
+    # C of seq-mean-token-sum-norm. An update refuses None; in a trainer config None means rollout.max_response_length
+    loss_scale_factor: Optional[float] = None
     normalization: str = "global"
     logprob_chunk_size: int = 256  # sequence chunk of the vocabulary projection in log-prob computations
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
@@ -87,11 +89,9 @@ class CriticSettings(UpdateSettings):
 
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig(UpdateSettings):
-    """The engine's config of one update: ``ppo_mini_batch_size`` *sequences* make one optimizer step, and
-    ``loss_scale_factor`` is the constant C of ``seq-mean-token-sum-norm`` (an update refuses None)."""
+    """The engine's config of one update: ``ppo_mini_batch_size`` *sequences* make one optimizer step."""
 
     ppo_mini_batch_size: int = 8
-    loss_scale_factor: Optional[float] = None
 
 
 @dataclasses.dataclass(frozen=True)
