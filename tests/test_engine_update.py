@@ -283,6 +283,17 @@ def test_batch_sizes_that_do_not_divide_are_rejected(cfg, shards, message):
         check_batch_sizes(cfg, 32, shards, "actor")
 
 
+def test_an_update_takes_an_engine_config_with_its_loss_scale_factor():
+    """C comes with the config (no separate argument), and a trainer config section (prompts) is refused."""
+    from jppo.config import ActorSection
+    from jppo.engine import make_update_step
+
+    with pytest.raises(ValueError, match="ActorConfig.loss_scale_factor=None is invalid"):
+        make_update_step(None, None, ActorConfig(), None, "actor")
+    with pytest.raises(TypeError, match="got ActorSection"):
+        make_update_step(None, None, ActorSection(loss_scale_factor=C), None, "actor")
+
+
 def test_mesh_and_token_budget_errors():
     with pytest.raises(ValueError, match="mesh.data=3 x mesh.fsdp=1 x mesh.tensor=1 = 3 devices, but 8 are available"):
         make_mesh(3, 1, 1)
