@@ -2,9 +2,9 @@
 
     python -m bench.memory [--quick]
 
-jppo computes log-probs over sequence chunks of ``logprob_chunk_size`` positions under ``jax.checkpoint``, so
+jppo computes log-probs over sequence chunks of ``log_prob_chunk_size`` positions under ``jax.checkpoint``, so
 neither the forward nor the backward pass holds the ``[B, T, V]`` float32 logits. "Full logits" is the same step
-with one chunk as long as the row (``logprob_chunk_size = T``): the whole logits array exists at once, as in an
+with one chunk as long as the row (``log_prob_chunk_size = T``): the whole logits array exists at once, as in an
 implementation that projects every position and then takes a log-softmax.
 
 Each variant runs in a fresh Python process (``--child``), so neither inherits the other's allocations; the two
@@ -57,7 +57,7 @@ def child(spec: dict) -> dict:
         vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=4 * spec["hidden"],
         num_layers=spec["layers"], num_heads=spec["heads"], num_kv_heads=spec["kv_heads"], model_type="qwen2",
     )
-    cfg = ActorConfig(ppo_mini_batch_size=shape.rows, ppo_micro_batch_size=shape.rows, logprob_chunk_size=spec["chunk"],
+    cfg = ActorConfig(ppo_mini_batch_size=shape.rows, ppo_micro_batch_size=shape.rows, log_prob_chunk_size=spec["chunk"],
                       loss_scale_factor=float(shape.response))
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     graphdef, params = nnx.split(create_model(CausalLM, model_cfg, mesh), nnx.Param)
@@ -83,11 +83,11 @@ def child(spec: dict) -> dict:
 
 def launch(quick: bool, chunk_size: int | None = None) -> Callable[[], dict]:
     """Starts both variants in child processes at once; the returned function waits for them and returns the result.
-    ``chunk_size`` defaults to the engine's ``logprob_chunk_size`` (a quarter of the row in quick mode, whose rows
+    ``chunk_size`` defaults to the engine's ``log_prob_chunk_size`` (a quarter of the row in quick mode, whose rows
     are shorter than that default)."""
     size = SIZES["quick" if quick else "full"]
     length = size["prompt"] + size["response"]
-    chunk = chunk_size or (length // 4 if quick else ActorConfig().logprob_chunk_size)
+    chunk = chunk_size or (length // 4 if quick else ActorConfig().log_prob_chunk_size)
     specs = {"chunked": dict(size, chunk=chunk), "full_logits": dict(size, chunk=length)}
     children = {
         name: subprocess.Popen(
@@ -105,7 +105,7 @@ def launch(quick: bool, chunk_size: int | None = None) -> Callable[[], dict]:
                 raise RuntimeError(
                     f"memory child {name!r} failed (exit {process.returncode}): {stderr.strip()[-2000:]}"
                 )
-            variants[name] = json.loads(stdout.strip().splitlines()[-1]) | {"logprob_chunk_size": specs[name]["chunk"]}
+            variants[name] = json.loads(stdout.strip().splitlines()[-1]) | {"log_prob_chunk_size": specs[name]["chunk"]}
         return {
             "model": {key: size[key] for key in ("vocab", "hidden", "layers", "heads", "kv_heads")},
             "batch": {"rows": size["rows"], "length": length},

@@ -157,7 +157,7 @@ def _memory(result: dict) -> list[str]:
     )
     for name, v in result["variants"].items():
         lines.append(
-            f"| {name} | {v['logprob_chunk_size']} | {v['peak_rss_bytes'] / MIB:,.0f} | "
+            f"| {name} | {v['log_prob_chunk_size']} | {v['peak_rss_bytes'] / MIB:,.0f} | "
             f"{v['step_rss_increase_bytes'] / MIB:,.0f} | {v['xla_temp_bytes'] / MIB:,.0f} |"
         )
     return lines + [""]

@@ -76,7 +76,7 @@ def measure(quick: bool, repeats: int) -> dict:
                                       "rollout_log_prob")},
     )
     cfg = ActorConfig(ppo_mini_batch_size=size["mini"], ppo_micro_batch_size=max(size["mini"] // shards // 2, 1),
-                      ppo_epochs=size["epochs"], logprob_chunk_size=64, loss_scale_factor=float(length))
+                      ppo_epochs=size["epochs"], log_prob_chunk_size=64, loss_scale_factor=float(length))
 
     def per_shard_cut():
         steps = per_shard_steps(n, shards, cfg, np.random.default_rng([0, 1]))

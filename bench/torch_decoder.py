@@ -145,9 +145,9 @@ class TorchActorUpdate:
 
     def loss(self) -> torch.Tensor:
         logits = self.model(self.input_ids)[:, self.prompt_length - 1 : -1]
-        logprob = torch.log_softmax(logits.float(), dim=-1).gather(-1, self.targets[..., None])[..., 0]
+        log_prob = torch.log_softmax(logits.float(), dim=-1).gather(-1, self.targets[..., None])[..., 0]
         advantages, eps = self.advantages, self.cfg.clip_ratio
-        ratio = torch.exp(logprob - self.old_log_prob)
+        ratio = torch.exp(log_prob - self.old_log_prob)
         clipped = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - eps, 1 + eps))
         per_token = torch.where(advantages < 0, torch.minimum(clipped, -advantages * self.cfg.clip_ratio_c), clipped)
         return torch.where(self.mask, per_token, 0.0).sum() / self.mask.sum()

@@ -216,7 +216,7 @@ class Collector:
             cfg=cfg, mesh=mesh, inputs=inputs, sampler=sampler(), val_sampler=sampler(validation=True),
             baseline_sampler=sampler(greedy_baseline=True) if needs_baselines else None,
             log_probs_of=log_prob_fn(
-                policy, temperature=cfg.rollout.temperature, chunk_size=cfg.actor.logprob_chunk_size
+                policy, temperature=cfg.rollout.temperature, chunk_size=cfg.actor.log_prob_chunk_size
             ),
             values_of=None if critic is None else value_fn(critic),
             ref_params=ref_params, reward_model=reward_model,
@@ -335,10 +335,10 @@ def rollout_metrics(exp: Experience, scores: np.ndarray, max_length: int) -> dic
     mask = exp.response_mask.astype(bool)
     lengths = exp.response_attention.sum(axis=1)
     token_sum = lambda x: np.where(mask, x, 0).sum()  # noqa: E731
-    logprob_gap = np.abs(exp.rollout_log_prob - exp.old_log_prob)
+    log_prob_gap = np.abs(exp.rollout_log_prob - exp.old_log_prob)
     sums = sum_over_processes(np.array([
         len(scores), mask.sum(), scores.sum(), lengths.sum(), (lengths >= max_length).sum(),
-        token_sum(exp.advantages), token_sum(exp.returns), token_sum(logprob_gap),
+        token_sum(exp.advantages), token_sum(exp.returns), token_sum(log_prob_gap),
         0.0 if exp.values is None else token_sum(exp.values), exp.prompt_mask.sum() + exp.response_attention.sum(),
     ], np.float64))
     rows, tokens = sums[0], max(sums[1], 1)
@@ -353,7 +353,7 @@ def rollout_metrics(exp: Experience, scores: np.ndarray, max_length: int) -> dic
         "advantages/mean": sums[5] / tokens,
         "returns/mean": sums[6] / tokens,
         # agreement of the sampler's and the trainer's log-probs of the same tokens (should be ~0)
-        "rollout/logprob_abs_diff": sums[7] / tokens,
+        "rollout/log_prob_abs_diff": sums[7] / tokens,
         "perf/total_num_tokens": sums[9],
     }
     if exp.values is not None:

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jppo.mesh import batch_spec, make_mesh
 from jppo.models import (CausalLM, ModelConfig, ValueModel, create_model, load_pretrained, param_shardings,
-                         partition_specs, save_pretrained, token_logprobs)
+                         partition_specs, save_pretrained, token_log_probs)
 
 CONFIG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                      num_kv_heads=2, model_type="qwen2")
@@ -37,11 +37,11 @@ def forward(graphdef, state, ids, positions, mask):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def prefill_and_logprobs(graphdef, state, ids, positions, mask):
+def prefill_and_log_probs(graphdef, state, ids, positions, mask):
     model = nnx.merge(graphdef, state)
     hidden, cache = model.hidden_states(ids, positions, mask, model.init_cache(ROWS, LENGTH + 4), 0)
-    logprobs, _ = token_logprobs(model, ids, positions, mask, jnp.roll(ids, -1, axis=1), chunk_size=5)
-    return model.logits(hidden), cache, logprobs
+    log_probs, _ = token_log_probs(model, ids, positions, mask, jnp.roll(ids, -1, axis=1), chunk_size=5)
+    return model.logits(hidden), cache, log_probs
 
 
 @pytest.fixture(scope="module")
@@ -85,20 +85,20 @@ def test_sharded_forward_equals_single_device(shape, single_device):
     assert_close(logits, reference_logits)
 
 
-def test_cache_and_chunked_logprobs_on_a_tensor_parallel_mesh(single_device):
+def test_cache_and_chunked_log_probs_on_a_tensor_parallel_mesh(single_device):
     reference_model, _ = single_device
     graphdef, state = nnx.split(reference_model)
-    expected = prefill_and_logprobs(graphdef, state, *batch())
+    expected = prefill_and_log_probs(graphdef, state, *batch())
     mesh = make_mesh(2, 2, 2)
     sharded_state = jax.device_put(state, param_shardings(state, mesh))
     rows = NamedSharding(mesh, batch_spec(2))
     with jax.set_mesh(mesh):
-        logits, cache, logprobs = prefill_and_logprobs(graphdef, sharded_state, *[jax.device_put(x, rows)
+        logits, cache, log_probs = prefill_and_log_probs(graphdef, sharded_state, *[jax.device_put(x, rows)
                                                                                  for x in batch()])
     cache_spec = PartitionSpec(None, ("data", "fsdp"), None, "tensor", None)
     assert cache.keys.sharding.is_equivalent_to(NamedSharding(mesh, cache_spec), 5)
     assert_close(logits, expected[0])
-    assert_close(logprobs, expected[2])
+    assert_close(log_probs, expected[2])
     valid = batch()[2].astype(bool)
     np.testing.assert_allclose(np.asarray(cache.keys)[:, :, :LENGTH][:, valid],
                                np.asarray(expected[1].keys)[:, :, :LENGTH][:, valid],

@@ -27,7 +27,7 @@ from jppo.rollout import RolloutBatch, SamplingParams, bucket_length, generate, 
 
 # Cached and full-sequence logits differ only in float32 summation order (~1e-6 relative on O(1) logits); 2e-5
 # absolute on log-probs leaves room for the logsumexp of a few dozen terms.
-LOGPROB_ATOL = 2e-5
+LOG_PROB_ATOL = 2e-5
 
 
 @struct.dataclass
@@ -148,14 +148,14 @@ def reference_greedy(model, prompt_ids: np.ndarray, prompt_mask: np.ndarray, ste
     ids = np.zeros((rows, prompt_len + steps), np.int32)
     mask = np.zeros((rows, prompt_len + steps), bool)
     ids[:, :prompt_len], mask[:, :prompt_len] = prompt_ids, prompt_mask
-    logprobs = np.zeros((rows, steps))
+    log_probs = np.zeros((rows, steps))
     for t in range(steps):
         # Slots after the current end are padding, which no real token attends to.
         scores = full_logits(model, ids, mask)[:, prompt_len + t - 1]
         ids[:, prompt_len + t] = scores.argmax(axis=-1)
         mask[:, prompt_len + t] = True
-        logprobs[:, t] = log_softmax(scores)[np.arange(rows), ids[:, prompt_len + t]]
-    return ids[:, prompt_len:], logprobs
+        log_probs[:, t] = log_softmax(scores)[np.arange(rows), ids[:, prompt_len + t]]
+    return ids[:, prompt_len:], log_probs
 
 
 def next_token_logits(model, out: RolloutBatch) -> np.ndarray:
@@ -176,12 +176,12 @@ PROMPTS = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7], [11]]
 def test_greedy_decoding_equals_full_recomputation(model):
     prompt_ids, prompt_mask = pad_prompts(PROMPTS, pad_id=0, multiple=8)
     out = generate(model, prompt_ids, prompt_mask, jax.random.key(0), SamplingParams(max_new_tokens=6, greedy=True))
-    want_ids, want_logprobs = reference_greedy(model, prompt_ids, prompt_mask, 6)
+    want_ids, want_log_probs = reference_greedy(model, prompt_ids, prompt_mask, 6)
     np.testing.assert_array_equal(np.asarray(out.response_ids), want_ids)
     assert np.asarray(out.response_mask).all()
-    np.testing.assert_allclose(np.asarray(out.logprobs), want_logprobs, atol=LOGPROB_ATOL)
+    np.testing.assert_allclose(np.asarray(out.log_probs), want_log_probs, atol=LOG_PROB_ATOL)
     np.testing.assert_array_equal(np.asarray(out.prompt_ids), prompt_ids)
-    assert out.response_ids.dtype == jnp.int32 and out.logprobs.dtype == jnp.float32
+    assert out.response_ids.dtype == jnp.int32 and out.log_probs.dtype == jnp.float32
 
 
 def test_right_padded_prompts_continue_after_their_last_real_token(tiny):
@@ -190,9 +190,9 @@ def test_right_padded_prompts_continue_after_their_last_real_token(tiny):
     for row, prompt in enumerate(PROMPTS):
         right_ids[row, : len(prompt)], right_mask[row, : len(prompt)] = prompt, True
     out = generate(tiny, right_ids, right_mask, jax.random.key(0), SamplingParams(max_new_tokens=6, greedy=True))
-    want_ids, want_logprobs = reference_greedy(tiny, left_ids, left_mask, 6)
+    want_ids, want_log_probs = reference_greedy(tiny, left_ids, left_mask, 6)
     np.testing.assert_array_equal(np.asarray(out.response_ids), want_ids)
-    np.testing.assert_allclose(np.asarray(out.logprobs), want_logprobs, atol=LOGPROB_ATOL)
+    np.testing.assert_allclose(np.asarray(out.log_probs), want_log_probs, atol=LOG_PROB_ATOL)
 
 
 def expected_after_eos(tokens: np.ndarray, eos: set[int], pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -206,7 +206,7 @@ def expected_after_eos(tokens: np.ndarray, eos: set[int], pad: int) -> tuple[np.
 
 def test_rows_stop_at_their_first_eos(tiny):
     prompt_ids, prompt_mask = pad_prompts(PROMPTS, pad_id=0, multiple=8)
-    free_run, free_logprobs = reference_greedy(tiny, prompt_ids, prompt_mask, 6)
+    free_run, free_log_probs = reference_greedy(tiny, prompt_ids, prompt_mask, 6)
     # An EOS that some row emits mid-way; rows that never emit it must run to max_new_tokens.
     eos = {int(free_run[0, 2])}
     want_ids, want_mask = expected_after_eos(free_run, eos, pad=VOCAB - 1)
@@ -215,7 +215,7 @@ def test_rows_stop_at_their_first_eos(tiny):
     out = generate(tiny, prompt_ids, prompt_mask, jax.random.key(0), params)
     np.testing.assert_array_equal(np.asarray(out.response_mask), want_mask)
     np.testing.assert_array_equal(np.asarray(out.response_ids), want_ids)
-    np.testing.assert_allclose(np.asarray(out.logprobs), np.where(want_mask, free_logprobs, 0.0), atol=LOGPROB_ATOL)
+    np.testing.assert_allclose(np.asarray(out.log_probs), np.where(want_mask, free_log_probs, 0.0), atol=LOG_PROB_ATOL)
 
 
 def test_loop_ends_when_every_row_has_finished(tiny):
@@ -226,7 +226,7 @@ def test_loop_ends_when_every_row_has_finished(tiny):
     np.testing.assert_array_equal(np.asarray(out.response_ids)[:, 0], first_tokens)
     np.testing.assert_array_equal(np.asarray(out.response_ids)[:, 1:], 0)
     np.testing.assert_array_equal(np.asarray(out.response_mask), np.tile(np.arange(6) == 0, (len(PROMPTS), 1)))
-    np.testing.assert_array_equal(np.asarray(out.logprobs)[:, 1:], 0.0)
+    np.testing.assert_array_equal(np.asarray(out.log_probs)[:, 1:], 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -277,15 +277,15 @@ def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     ],
     ids=["top_k", "top_p", "top_k_top_p_eos", "causal_lm"],
 )
-def test_sampled_tokens_obey_filters_and_logprobs_match_recomputation(request, model_name, params):
+def test_sampled_tokens_obey_filters_and_log_probs_match_recomputation(request, model_name, params):
     model = request.getfixturevalue(model_name)
     prompt_ids, prompt_mask = pad_prompts(PROMPTS, pad_id=0, multiple=8)
     out = generate(model, prompt_ids, prompt_mask, jax.random.key(3), params)
     mask = np.asarray(out.response_mask)
     tokens = np.asarray(out.response_ids)
     logits = next_token_logits(model, out)
-    want_logprobs = np.take_along_axis(log_softmax(logits, params.temperature), tokens[..., None], axis=-1)[..., 0]
-    np.testing.assert_allclose(np.asarray(out.logprobs), np.where(mask, want_logprobs, 0.0), atol=LOGPROB_ATOL)
+    want_log_probs = np.take_along_axis(log_softmax(logits, params.temperature), tokens[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.log_probs), np.where(mask, want_log_probs, 0.0), atol=LOG_PROB_ATOL)
 
     allowed = np.ones(logits.shape, bool)
     if params.top_k:
@@ -349,7 +349,7 @@ def test_rows_sharded_over_a_mesh_give_the_same_samples(causal_lm):
     assert got.response_ids.sharding.spec == batch_spec(1)
     # Random bits do not depend on the sharding, so the draws are the same; log-probs differ by rounding only.
     np.testing.assert_array_equal(np.asarray(got.response_ids), np.asarray(want.response_ids))
-    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=LOGPROB_ATOL)
+    np.testing.assert_allclose(np.asarray(got.log_probs), np.asarray(want.log_probs), atol=LOG_PROB_ATOL)
 
 
 @pytest.mark.parametrize(

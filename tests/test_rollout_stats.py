@@ -78,17 +78,17 @@ def test_degenerate_filters_always_take_the_most_likely_token(filters):
     assert draw_counts(1, LOGITS, **filters)[1] == DRAWS
 
 
-def test_logprobs_are_those_of_the_unfiltered_tempered_distribution():
+def test_log_probs_are_those_of_the_unfiltered_tempered_distribution():
     logits = jnp.asarray(np.stack([LOGITS, LOGITS[::-1]]), jnp.float32)
-    tokens, logprobs = sample(jax.random.key(2), logits, temperature=0.5, top_k=2, top_p=0.9)
+    tokens, log_probs = sample(jax.random.key(2), logits, temperature=0.5, top_k=2, top_p=0.9)
     tempered = np.stack([LOGITS, LOGITS[::-1]]) / 0.5
     want = tempered - np.log(np.exp(tempered).sum(axis=-1, keepdims=True))
     # float32 log-softmax of values of magnitude <= 6: a few ulps.
-    np.testing.assert_allclose(np.asarray(logprobs), want[np.arange(2), np.asarray(tokens)], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(log_probs), want[np.arange(2), np.asarray(tokens)], rtol=1e-6, atol=1e-6)
     # Greedy with temperature 0 reports the model's own (temperature 1) log-probabilities.
-    tokens, logprobs = sample(jax.random.key(2), logits, temperature=0.0, greedy=True)
+    tokens, log_probs = sample(jax.random.key(2), logits, temperature=0.0, greedy=True)
     np.testing.assert_array_equal(np.asarray(tokens), [1, 3])
-    np.testing.assert_allclose(np.asarray(logprobs), np.log(PROBS[1]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(log_probs), np.log(PROBS[1]), rtol=1e-6)
 
 
 def test_masked_out_logits_are_never_drawn():

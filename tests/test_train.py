@@ -50,7 +50,7 @@ def test_quickstart_smoke_writes_metrics_checkpoints_plots_and_config(tmp_path):
         assert all(math.isfinite(row[name]) for row in rows), name
     assert "val/reward/mean" in rows[1]
     # sampler and trainer agree on the log-probs of the sampled tokens (same float32 model, same temperature)
-    assert rows[0]["rollout/logprob_abs_diff"] < 1e-4
+    assert rows[0]["rollout/log_prob_abs_diff"] < 1e-4
     assert (tmp_path / "config.yaml").is_file()
     assert (tmp_path / "checkpoints" / "2").is_dir()
     assert list((tmp_path / "tensorboard").iterdir())

@@ -58,7 +58,7 @@ class UpdateSettings:
     # C of seq-mean-token-sum-norm. An update refuses None; in a trainer config None means rollout.max_response_length
     loss_scale_factor: Optional[float] = None
     normalization: str = "global"
-    logprob_chunk_size: int = 256  # sequence chunk of the vocabulary projection in log-prob computations
+    log_prob_chunk_size: int = 256  # sequence chunk of the vocabulary projection in log-prob computations
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
 
 
@@ -111,7 +111,7 @@ def check_update(cfg: UpdateSettings) -> None:
     rules = {
         name: (getattr(cfg, name) > 0, "> 0")
         for name in ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_max_token_len", "ppo_epochs",
-                     "logprob_chunk_size")
+                     "log_prob_chunk_size")
     }
     scale = cfg.loss_scale_factor
     rules["loss_scale_factor"] = (scale is None or scale > 0, "> 0")

@@ -44,7 +44,7 @@ from jppo.losses.policy import PolicyLossOptions, check_policy_options
 from jppo.masked import NormStats, global_norm_stats
 from jppo.mesh import BATCH_AXES
 from jppo.microbatch import MicroBatches
-from jppo.models.logprobs import token_logprobs
+from jppo.models.log_probs import token_log_probs
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +121,12 @@ def policy_outputs(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Log-probs (and entropy) of the response tokens of one micro-batch, in slots ``[D * S, L]``."""
     input_ids = flatten_shards(batch.input_ids)
-    logprobs, entropy = token_logprobs(
+    log_probs, entropy = token_log_probs(
         model, input_ids, flatten_shards(batch.positions), flatten_shards(batch.segment_ids),
         next_token_targets(input_ids), temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
     )
-    logprobs = gather_slots(logprobs, batch.gather_index)
-    return logprobs, None if entropy is None else gather_slots(entropy, batch.gather_index)
+    log_probs = gather_slots(log_probs, batch.gather_index)
+    return log_probs, None if entropy is None else gather_slots(entropy, batch.gather_index)
 
 
 def value_outputs(model: nnx.Module, batch: Batch) -> jax.Array:
@@ -148,15 +148,15 @@ def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
     check_policy_options(cfg.policy_loss, options)
 
     def loss(model, batch, norm):
-        logprobs, entropy = policy_outputs(
-            model, batch, temperature=temperature, chunk_size=cfg.logprob_chunk_size, with_entropy=True
+        log_probs, entropy = policy_outputs(
+            model, batch, temperature=temperature, chunk_size=cfg.log_prob_chunk_size, with_entropy=True
         )
         if cfg.entropy_coeff == 0:
             # reported (actor/entropy) whatever the coefficient; without a bonus it needs no backward pass
             entropy = jax.lax.stop_gradient(entropy)
         data = slot_inputs(batch)
         return actor_loss(
-            logprobs, data.old_log_prob, data.advantages, data.response_mask, norm=norm,
+            log_probs, data.old_log_prob, data.advantages, data.response_mask, norm=norm,
             mode=cfg.loss_agg_mode, policy_loss_name=cfg.policy_loss, policy_options=options, entropy=entropy,
             entropy_coeff=cfg.entropy_coeff, ref_log_prob=data.ref_log_prob,
             kl_loss_coef=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, kl_loss_type=cfg.kl_loss_type,

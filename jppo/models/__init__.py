@@ -3,7 +3,7 @@
 from jppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 from jppo.models.decoder import CausalLM, KVCache, ValueModel
 from jppo.models.hf import CheckpointError, load_pretrained, save_pretrained
-from jppo.models.logprobs import token_logprobs
+from jppo.models.log_probs import token_log_probs
 from jppo.models.sharding import create_model, param_shardings, partition_specs
 
 __all__ = [
@@ -19,5 +19,5 @@ __all__ = [
     "param_shardings",
     "partition_specs",
     "save_pretrained",
-    "token_logprobs",
+    "token_log_probs",
 ]

@@ -1,7 +1,7 @@
 """Rollout: sampling responses from a policy with a KV cache, compiled once per prompt-shape bucket."""
 
 from jppo.rollout.batched import Sampler
-from jppo.rollout.processors import sample_tokens, tempered_logprob
+from jppo.rollout.processors import sample_tokens, tempered_log_prob
 from jppo.rollout.sampler import (
     RolloutBatch,
     SamplingParams,
@@ -22,5 +22,5 @@ __all__ = [
     "pad_prompts",
     "rollout",
     "sample_tokens",
-    "tempered_logprob",
+    "tempered_log_prob",
 ]

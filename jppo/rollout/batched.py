@@ -45,6 +45,6 @@ class Sampler:
 
         return Experience(
             prompt_ids=local(out.prompt_ids), prompt_mask=local(out.prompt_mask), response_ids=local(out.response_ids),
-            response_mask=local(out.response_mask), rollout_log_prob=np.asarray(local(out.logprobs), np.float32),
+            response_mask=local(out.response_mask), rollout_log_prob=np.asarray(local(out.log_probs), np.float32),
             group_ids=group_ids[keep],
         )

@@ -27,12 +27,12 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def logprob_temperature(temperature: float) -> float:
+def log_prob_temperature(temperature: float) -> float:
     """The temperature under which log-probabilities are reported: ``temperature`` if positive, else 1."""
     return temperature if temperature > 0 else 1.0
 
 
-def tempered_logprob(logits: Array, tokens: Array, temperature: float) -> Array:
+def tempered_log_prob(logits: Array, tokens: Array, temperature: float) -> Array:
     """``log softmax(logits / T)[tokens]`` per row, in float32.
 
     Args:
@@ -122,9 +122,9 @@ def sample_tokens(
     top_p: float = 1.0,
     greedy: bool = False,
 ) -> tuple[Array, Array]:
-    """Draws one token per row and returns ``(tokens [...] int32, logprobs [...] float32)``.
+    """Draws one token per row and returns ``(tokens [...] int32, log_probs [...] float32)``.
 
-    ``logprobs`` are under the unfiltered tempered distribution (see the module docstring). The filters are
+    ``log_probs`` are under the unfiltered tempered distribution (see the module docstring). The filters are
     static (``top_k`` fixes a shape), so each setting compiles once; ``top_k=0`` and ``top_p=1`` switch them off.
 
     Args:
@@ -139,7 +139,7 @@ def sample_tokens(
     vocab_size = logits.shape[-1]
     if greedy:
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return tokens, tempered_logprob(logits, tokens, logprob_temperature(temperature))
+        return tokens, tempered_log_prob(logits, tokens, log_prob_temperature(temperature))
 
     scaled = logits / temperature
     k = min(top_k, vocab_size) if top_k > 0 else vocab_size
@@ -156,4 +156,4 @@ def sample_tokens(
             best = jnp.where(nucleus_keep(best, top_p), best, -jnp.inf)
         choice = jax.random.categorical(key, best, axis=-1)
         tokens = jnp.take_along_axis(best_ids, choice[..., None], axis=-1)[..., 0].astype(jnp.int32)
-    return tokens, tempered_logprob(logits, tokens, temperature)
+    return tokens, tempered_log_prob(logits, tokens, temperature)

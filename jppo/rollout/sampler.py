@@ -97,7 +97,7 @@ class RolloutBatch:
         prompt_mask: ``[R, P]`` bool.
         response_ids: ``[R, max_new_tokens]`` int32, ``pad_token_id`` after the end.
         response_mask: ``[R, max_new_tokens]`` bool, generated tokens up to and including the first EOS.
-        logprobs: ``[R, max_new_tokens]`` float32, ``log softmax(logits / T)`` of each sampled token under the
+        log_probs: ``[R, max_new_tokens]`` float32, ``log softmax(logits / T)`` of each sampled token under the
             unfiltered tempered distribution; 0 where the mask is 0.
     """
 
@@ -105,7 +105,7 @@ class RolloutBatch:
     prompt_mask: Array
     response_ids: Array
     response_mask: Array
-    logprobs: Array
+    log_probs: Array
 
 
 @struct.dataclass
@@ -116,7 +116,7 @@ class _DecodeState:
     cache: Any
     response_ids: Array
     response_mask: Array
-    logprobs: Array
+    log_probs: Array
 
 
 def bucket_length(length: int, multiple: int = 64) -> int:
@@ -180,7 +180,7 @@ def _repeat_cache(cache: Any, n: int) -> Any:
 
 def _record(state: _DecodeState, logits: Array, key: Array, params: SamplingParams) -> _DecodeState:
     """Samples token ``state.step`` from ``logits`` and writes it (or padding, for finished rows) to the buffers."""
-    tokens, logprobs = sample_tokens(
+    tokens, log_probs = sample_tokens(
         jax.random.fold_in(key, state.step),
         logits,
         temperature=params.temperature,
@@ -198,7 +198,7 @@ def _record(state: _DecodeState, logits: Array, key: Array, params: SamplingPara
         done=state.done | is_eos,
         response_ids=state.response_ids.at[:, column].set(tokens),
         response_mask=state.response_mask.at[:, column].set(live),
-        logprobs=state.logprobs.at[:, column].set(jnp.where(live, logprobs, 0.0)),
+        log_probs=state.log_probs.at[:, column].set(jnp.where(live, log_probs, 0.0)),
     )
 
 
@@ -236,7 +236,7 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         cache=_repeat_cache(cache, n),
         response_ids=jnp.full((rows, max_new), params.pad_token_id, jnp.int32),
         response_mask=jnp.zeros((rows, max_new), bool),
-        logprobs=jnp.zeros((rows, max_new), jnp.float32),
+        log_probs=jnp.zeros((rows, max_new), jnp.float32),
     )
     state = _record(state, jnp.repeat(first_logits, n, axis=0), key, params)
 
@@ -260,7 +260,7 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         prompt_mask=jnp.repeat(prompt_mask, n, axis=0),
         response_ids=state.response_ids,
         response_mask=state.response_mask,
-        logprobs=state.logprobs,
+        log_probs=state.log_probs,
     )
 
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jppo.losses import entropy_from_logits
-from jppo.models import CausalLM, ModelConfig, create_model, token_logprobs
+from jppo.models import CausalLM, ModelConfig, create_model, token_log_probs
 
 # a 32k vocabulary on a tiny decoder: the [B, T, V] logits dominate memory
 CONFIG = ModelConfig(vocab_size=32768, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
@@ -31,22 +31,22 @@ def batch(seed: int = 0):
 
 @pytest.fixture(scope="module")
 def compiled():
-    """Value-and-gradient of ``sum(w1 logprob + w2 entropy)``, chunked and from full logits, compiled once."""
+    """Value-and-gradient of ``sum(w1 log_prob + w2 entropy)``, chunked and from full logits, compiled once."""
     graphdef, state = nnx.split(create_model(CausalLM, CONFIG, seed=0))
     ids, positions, mask, targets, weights = batch()
 
     def chunked(state):
         model = nnx.merge(graphdef, state)
-        logprobs, entropy = token_logprobs(model, ids, positions, mask, targets, temperature=TEMPERATURE,
+        log_probs, entropy = token_log_probs(model, ids, positions, mask, targets, temperature=TEMPERATURE,
                                            chunk_size=CHUNK, with_entropy=True)
-        return jnp.sum(weights[0] * logprobs + weights[1] * entropy), (logprobs, entropy)
+        return jnp.sum(weights[0] * log_probs + weights[1] * entropy), (log_probs, entropy)
 
     def full_logits(state):
         scaled = nnx.merge(graphdef, state)(ids, positions, mask) / TEMPERATURE
         log_probs = jax.nn.log_softmax(scaled, axis=-1)
-        logprobs = jnp.take_along_axis(log_probs, np.clip(targets, 0, None)[..., None], axis=-1)[..., 0]
+        log_probs = jnp.take_along_axis(log_probs, np.clip(targets, 0, None)[..., None], axis=-1)[..., 0]
         entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
-        return jnp.sum(weights[0] * logprobs + weights[1] * entropy), (logprobs, entropy)
+        return jnp.sum(weights[0] * log_probs + weights[1] * entropy), (log_probs, entropy)
 
     def build(fn):
         return jax.jit(jax.value_and_grad(fn, has_aux=True)).lower(state).compile()
@@ -55,18 +55,18 @@ def compiled():
 
 
 def test_chunked_values_and_gradients_equal_the_full_logits_computation(compiled):
-    (value, (logprobs, entropy)), grads = compiled.chunked(compiled.state)
-    (ref_value, (ref_logprobs, ref_entropy)), ref_grads = compiled.full(compiled.state)
+    (value, (log_probs, entropy)), grads = compiled.chunked(compiled.state)
+    (ref_value, (ref_log_probs, ref_entropy)), ref_grads = compiled.full(compiled.state)
     valid = compiled.mask.astype(bool)
     # float32 logsumexp over 32k terms: ~1e-6 relative per token on values of size ~10
-    np.testing.assert_allclose(np.asarray(logprobs)[valid], np.asarray(ref_logprobs)[valid], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(log_probs)[valid], np.asarray(ref_log_probs)[valid], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(entropy)[valid], np.asarray(ref_entropy)[valid], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(value, ref_value, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         scale = np.abs(np.asarray(want)).max()
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * scale)  # sums of ~B*T float32 products
-    assert np.isfinite(np.asarray(logprobs)).all() and np.isfinite(np.asarray(entropy)).all()
-    assert (np.asarray(logprobs)[valid] <= 0).all() and (np.asarray(entropy)[valid] >= 0).all()
+    assert np.isfinite(np.asarray(log_probs)).all() and np.isfinite(np.asarray(entropy)).all()
+    assert (np.asarray(log_probs)[valid] <= 0).all() and (np.asarray(entropy)[valid] >= 0).all()
 
 
 def test_chunked_forward_and_backward_never_hold_the_full_logits(compiled):
@@ -83,13 +83,13 @@ def test_entropy_is_that_of_the_tempered_distribution():
     model = CausalLM(config, rngs=nnx.Rngs(0))
     ids = jnp.array([[0, 1, 1, 0, 1]])
     positions, segments = jnp.arange(5)[None], jnp.ones((1, 5), jnp.int32)
-    logprobs, entropy = token_logprobs(model, ids, positions, segments, ids, temperature=0.5, chunk_size=2,
+    log_probs, entropy = token_log_probs(model, ids, positions, segments, ids, temperature=0.5, chunk_size=2,
                                        with_entropy=True)
     logits = np.asarray(model(ids), np.float64) / 0.5
     p = 1 / (1 + np.exp(logits[..., 0] - logits[..., 1]))  # probability of token 1
     # float32: logsumexp minus the expected logit loses ~1e-7 of the logits' size (~5) to cancellation
     np.testing.assert_allclose(entropy, -p * np.log(p) - (1 - p) * np.log1p(-p), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(logprobs, np.log(np.where(np.asarray(ids) == 1, p, 1 - p)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(log_probs, np.log(np.where(np.asarray(ids) == 1, p, 1 - p)), rtol=1e-5, atol=1e-6)
 
 
 SMALL = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -132,25 +132,25 @@ def test_entropy_is_the_losses_one_and_safe_for_masked_vocabulary(model_class):
     temperature = 0.7
 
     def forward(state):
-        return token_logprobs(nnx.merge(graphdef, state), ids, positions, segments, targets,
+        return token_log_probs(nnx.merge(graphdef, state), ids, positions, segments, targets,
                               temperature=temperature, chunk_size=4, with_entropy=True)  # 11 = 4 + 4 + 3 (padded)
 
-    logprobs, entropy = (np.asarray(x) for x in jax.jit(forward)(state))
+    log_probs, entropy = (np.asarray(x) for x in jax.jit(forward)(state))
     model = nnx.merge(graphdef, state)
     scaled = model.logits(model.hidden_states(ids, positions, segments)[0]) / temperature
-    assert np.isfinite(entropy).all() and np.isfinite(logprobs[allowed]).all()
-    assert (logprobs[~allowed] == -np.inf).all()  # a banned target has probability 0
+    assert np.isfinite(entropy).all() and np.isfinite(log_probs[allowed]).all()
+    assert (log_probs[~allowed] == -np.inf).all()  # a banned target has probability 0
     # the same function on the same logits (computed in chunks here, whole there)
     np.testing.assert_allclose(entropy, np.asarray(entropy_from_logits(scaled)), rtol=1e-6)
     # float32 arithmetic against float64 math: logsumexp minus the expected logit cancels ~1e-7 of |z| ~ 1
     np.testing.assert_allclose(entropy, _reference_entropy(scaled), rtol=1e-5, atol=1e-6)
-    reference_logprobs = _reference_log_softmax(scaled)
-    reference_logprobs = np.take_along_axis(reference_logprobs, np.asarray(targets)[..., None], axis=-1)[..., 0]
-    np.testing.assert_allclose(logprobs[allowed], reference_logprobs[allowed], rtol=1e-5, atol=1e-6)
+    reference_log_probs = _reference_log_softmax(scaled)
+    reference_log_probs = np.take_along_axis(reference_log_probs, np.asarray(targets)[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(log_probs[allowed], reference_log_probs[allowed], rtol=1e-5, atol=1e-6)
 
     def objective(state):
-        logprobs, entropy = forward(state)
-        return jnp.sum(entropy), jnp.sum(jnp.where(allowed, logprobs, 0))
+        log_probs, entropy = forward(state)
+        return jnp.sum(entropy), jnp.sum(jnp.where(allowed, log_probs, 0))
 
     for name, index in (("entropy", 0), ("log-probs", 1)):
         grads = jax.grad(lambda state: objective(state)[index])(state)
@@ -173,4 +173,4 @@ def test_bad_arguments(kwargs, message):
     ids = jnp.zeros((1, 5), jnp.int32)
     arguments = dict(targets=ids) | kwargs
     with pytest.raises(ValueError, match=message):
-        token_logprobs(model, ids, ids, ids + 1, **arguments)
+        token_log_probs(model, ids, ids, ids + 1, **arguments)

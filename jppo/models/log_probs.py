@@ -2,12 +2,12 @@
 
 With ``z = logits / temperature`` of the hidden state before token ``t``:
 
-    logprob_t = z[target_t] - logsumexp(z),     entropy_t = logsumexp(z) - sum_v softmax(z)_v z_v.
+    log_prob_t = z[target_t] - logsumexp(z),     entropy_t = logsumexp(z) - sum_v softmax(z)_v z_v.
 
 The entropy is :func:`~jppo.losses.entropy.entropy_from_logits`, the one implementation the losses use: it is
 finite in value and gradient when some ``z_v = -inf`` (a masked vocabulary entry, where the naive
 ``softmax(z)_v z_v`` is ``0 * -inf = NaN``). Such entries also leave ``logsumexp`` finite; only a target at
-``-inf`` gets ``logprob = -inf``.
+``-inf`` gets ``log_prob = -inf``.
 
 The vocabulary projection and the logsumexp run over sequence chunks of ``chunk_size`` positions (all rows at
 once, so sharded rows stay parallel), one chunk at a time under ``jax.checkpoint``: the backward pass recomputes
@@ -27,7 +27,7 @@ Array = jax.Array
 DEFAULT_CHUNK_SIZE = 128
 
 
-def token_logprobs(
+def token_log_probs(
     model: CausalLM,
     input_ids: Array,
     positions: Array,
@@ -38,7 +38,7 @@ def token_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = False,
 ) -> tuple[Array, Array | None]:
-    """``(logprobs [B, T], entropy [B, T] or None)``, float32: ``log softmax(logits / temperature)`` of
+    """``(log_probs [B, T], entropy [B, T] or None)``, float32: ``log softmax(logits / temperature)`` of
     ``targets [B, T]`` (usually the next token) at every position, and the entropy of that distribution.
 
     Values at padding positions are finite but meaningless (targets are clipped into the vocabulary); the
@@ -73,6 +73,6 @@ def token_logprobs(
         # Inside the checkpointed chunk, so its [B, chunk, V] temporaries are recomputed, never kept for backward.
         return chosen - normalizer, entropy_from_logits(scaled)
 
-    logprobs, entropy = jax.lax.map(one_chunk, (hidden, targets))
+    log_probs, entropy = jax.lax.map(one_chunk, (hidden, targets))
     unchunk = lambda x: x.swapaxes(0, 1).reshape(batch, num_chunks * chunk)[:, :length]  # noqa: E731
-    return unchunk(logprobs), (unchunk(entropy) if with_entropy else None)
+    return unchunk(log_probs), (unchunk(entropy) if with_entropy else None)
