@@ -43,9 +43,9 @@ def compiled():
 
     def full_logits(state):
         scaled = nnx.merge(graphdef, state)(ids, positions, mask) / TEMPERATURE
-        log_probs = jax.nn.log_softmax(scaled, axis=-1)
-        log_probs = jnp.take_along_axis(log_probs, np.clip(targets, 0, None)[..., None], axis=-1)[..., 0]
-        entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+        vocabulary_log_probs = jax.nn.log_softmax(scaled, axis=-1)
+        log_probs = jnp.take_along_axis(vocabulary_log_probs, np.clip(targets, 0, None)[..., None], axis=-1)[..., 0]
+        entropy = -jnp.sum(jnp.exp(vocabulary_log_probs) * vocabulary_log_probs, axis=-1)
         return jnp.sum(weights[0] * log_probs + weights[1] * entropy), (log_probs, entropy)
 
     def build(fn):
