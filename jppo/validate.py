@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.data import BUILTIN_TASKS
+from jppo.data.datasets import file_list
 from jppo.engine.config import check_update
 from jppo.engine.driver import check_batch_sizes
 from jppo.engine.optim import check_optim
@@ -99,10 +100,9 @@ def validate(cfg: TrainConfig) -> None:
 
 def _check_sources(cfg: TrainConfig) -> None:
     for key in ("data.train_files", "data.val_files"):
-        value = getattr(cfg.data, key.split(".")[1])
-        for item in (value or "").split(","):
-            if item.strip() and not pathlib.Path(item.strip()).is_file():
-                raise ConfigError(f"{key}={item.strip()!r}: no such file")
+        for item in file_list(getattr(cfg.data, key.split(".")[1]), key):
+            if not pathlib.Path(item).is_file():
+                raise ConfigError(f"{key}={item!r}: no such file")
     if cfg.data.task == "files" and not cfg.data.val_files:
         for key, value in (("trainer.val_every", cfg.trainer.val_every),
                            ("trainer.val_before_train", cfg.trainer.val_before_train)):

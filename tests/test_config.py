@@ -177,6 +177,24 @@ def test_validation_without_held_out_prompts_is_refused(tmp_path):
             load_config(None, [*files, flag])
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["data.train_files=3"], "data.train_files=3 is invalid: give a path, comma-separated paths, or a list of paths"),
+    (["data.train_files=[a.jsonl,[b]]"], "data.train_files=['a.jsonl', ['b']] is invalid: every item of the list"),
+    (["data.apply_chat_template_kwargs=thinking"], "data.apply_chat_template_kwargs"),
+    (["data.apply_chat_template_kwargs={enable_thinking: false}"], "needs data.apply_chat_template=true"),
+])
+def test_data_file_lists_and_template_kwargs_are_checked(tmp_path, overrides, message):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "12=", "answer": "21"}\n')
+    files = ["data.task=files", f"data.train_files={tmp_path / 'train.jsonl'}", "model.tokenizer=builtin:reverse_digits"]
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [*files, *overrides])
+    assert message in str(error.value) and "\n" not in str(error.value)
+    listed = f"data.train_files=[{tmp_path / 'train.jsonl'},{tmp_path / 'train.jsonl'}]"
+    assert load_config(None, [*files, listed]).data.train_files == [str(tmp_path / "train.jsonl")] * 2
+    with pytest.raises(ConfigError, match="data.train_files='/no/such.jsonl': no such file"):
+        load_config(None, [*files, f"data.train_files=[{tmp_path / 'train.jsonl'},/no/such.jsonl]"])
+
+
 def test_a_cosine_schedule_decays_over_the_run():
     """Without optim.decay_steps the cosine decay spans the role's optimizer steps after warm-up (it used to end
     after one optimizer step)."""

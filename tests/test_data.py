@@ -399,6 +399,51 @@ def test_chat_messages_rows_use_the_template(tmp_path, hf_dir):
         load_dataset(files_config(path), tok, "train")
 
 
+def test_a_list_of_files_gives_every_files_rows_in_order(tmp_path):
+    tok = CharTokenizer("0123456789+=")
+    first = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1+2=", "answer": "3"}])
+    second = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "2+2=", "answer": "4"}])
+    dataset = load_dataset(files_config([second, first]), tok, "train")
+    assert [e.prompt for e in dataset.examples] == ["2+2=", "1+1=", "1+2="]
+    assert [e.meta["location"] for e in dataset.examples] == [f"{second} line 1", f"{first} line 1", f"{first} line 2"]
+    val = load_dataset(files_config(first, val_files=[first, second]), tok, "val")
+    assert [e.answer for e in val.examples] == ["2", "3", "4"]
+
+
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|user|> {{ message['content'] }} {% endfor %}<|assistant|>"
+    "{% if enable_thinking is defined and not enable_thinking %} hello{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    directory = write_hf_tokenizer(tmp_path / "hf", {"eos_token": "</s>", "chat_template": THINKING_TEMPLATE})
+    tok = HFTokenizer.from_dir(directory)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "how are you", "answer": "7"}])
+    plain = load_dataset(files_config(path, apply_chat_template=True), tok, "train")
+    off = files_config(path, apply_chat_template=True, apply_chat_template_kwargs={"enable_thinking": False})
+    no_thinking = load_dataset(off, tok, "train")
+    assert tok.decode(plain.prompt_ids[0], skip_special=False) == "<|user|> how are you <|assistant|>"
+    assert tok.decode(no_thinking.prompt_ids[0], skip_special=False) == "<|user|> how are you <|assistant|> hello"
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"train_files": 3}, "data.train_files=3 is invalid: give a path, comma-separated paths, or a list of paths"),
+        ({"val_files": {"a": 1}}, "data.val_files={'a': 1} is invalid"),
+        ({"train_files": ["a.jsonl", 3]}, r"data.train_files=\['a.jsonl', 3\] is invalid: every item of the list"),
+        ({"train_files": []}, "data.task='files' needs data.train_files"),
+        ({"apply_chat_template_kwargs": {"enable_thinking": False}}, "needs data.apply_chat_template=true"),
+        ({"apply_chat_template": True, "apply_chat_template_kwargs": {"messages": []}}, "sets 'messages', which jppo"),
+        ({"apply_chat_template": True, "apply_chat_template_kwargs": {1: 2}}, "has the key 1: template variable"),
+    ],
+)
+def test_file_list_and_template_kwargs_errors(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DataConfig(**{"task": "files", "train_files": "a.jsonl", **fields})
+
+
 def test_prompt_length_limit_errors_or_truncates_left(tmp_path):
     tok = CharTokenizer("0123456789=")
     path = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "12345=", "answer": "1"}])

@@ -9,7 +9,11 @@ integer, the next position, and resumes exactly.
 Sources (``DataConfig.task``): a built-in task or ``reasoning_gym:<dataset>`` (generated, ``num_*_examples``
 per split), or ``"files"``: JSONL or Parquet rows with a prompt (a string, or a list of chat messages as in
 verl's Parquet files) and an answer. Keys may be dotted to reach into nested columns, e.g.
-``answer_key: reward_model.ground_truth`` for verl-prepared data.
+``answer_key: reward_model.ground_truth`` for verl-prepared data. ``train_files``/``val_files`` name one file, a
+comma-separated string of files, or a YAML list of files; the files' rows are concatenated in the order given.
+
+With ``apply_chat_template``, ``apply_chat_template_kwargs`` are extra variables for the template (as
+``tokenizer.apply_chat_template(..., **kwargs)`` passes them), e.g. ``{enable_thinking: false}`` for Qwen3.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 
@@ -26,6 +30,10 @@ from jppo.data.tokenizer import Tokenizer
 
 TRUNCATIONS = ("error", "left")
 FILES_TASK = "files"
+# Variables of the chat template that jppo sets itself (the messages, and the assistant header it always adds).
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt")
+
+Files = Union[str, list, None]  # "a.jsonl", "a.jsonl,b.jsonl" or ["a.jsonl", "b.jsonl"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +46,8 @@ class DataConfig:
     """
 
     task: str = "reverse_digits"
-    train_files: Optional[str] = None
-    val_files: Optional[str] = None
+    train_files: Any = None  # Files: one path, "a.jsonl,b.jsonl", or a list of paths
+    val_files: Any = None
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     train_batch_size: int = 32
@@ -49,6 +57,7 @@ class DataConfig:
     max_prompt_length: int = 32
     truncation: str = "error"
     apply_chat_template: bool = False
+    apply_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
     shuffle: bool = True
     seed: int = 0
     task_options: dict = dataclasses.field(default_factory=dict)
@@ -67,10 +76,46 @@ class DataConfig:
                 f"data.task={self.task!r} is unknown; valid tasks: {sorted(BUILTIN_TASKS)}, "
                 f"'{REASONING_GYM_PREFIX}<dataset>', '{FILES_TASK}'"
             )
-        if self.task == FILES_TASK and not self.train_files:
+        for key in ("train_files", "val_files"):
+            file_list(getattr(self, key), f"data.{key}")
+        if self.task == FILES_TASK and not file_list(self.train_files, "data.train_files"):
             raise ValueError(
-                "data.task='files' needs data.train_files (a JSONL or Parquet path, or a comma-separated list)"
+                "data.task='files' needs data.train_files (a JSONL or Parquet path, or a list of paths)"
             )
+        check_template_kwargs(self.apply_chat_template_kwargs, self.apply_chat_template)
+
+
+def file_list(files: Files, key: str) -> list[str]:
+    """The paths of a ``train_files``/``val_files`` value, in order: a string is split at commas, a list is taken
+    item by item (each a string); anything else is an error naming ``key``."""
+    if files is None:
+        return []
+    if isinstance(files, str):
+        return [path.strip() for path in files.split(",") if path.strip()]
+    if isinstance(files, (list, tuple)):
+        for item in files:
+            if not isinstance(item, str) or not item.strip():
+                raise ValueError(f"{key}={list(files)!r} is invalid: every item of the list must be a file path")
+        return [item.strip() for item in files]
+    raise ValueError(
+        f"{key}={files!r} is invalid: give a path, comma-separated paths, or a list of paths (not a "
+        f"{type(files).__name__})"
+    )
+
+
+def check_template_kwargs(kwargs: Any, apply_chat_template: bool) -> None:
+    """The extra chat-template variables must be a mapping with string keys that jppo does not set itself, and
+    only given when the template is applied."""
+    key = "data.apply_chat_template_kwargs"
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{key}={kwargs!r} is invalid: it must be a mapping of template variables")
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"{key} has the key {name!r}: template variable names must be identifiers")
+        if name in RESERVED_TEMPLATE_VARIABLES:
+            raise ValueError(f"{key} sets {name!r}, which jppo sets itself; remove it")
+    if kwargs and not apply_chat_template:
+        raise ValueError(f"{key}={kwargs!r} needs data.apply_chat_template=true (there is no template to give it)")
 
 
 def task_of(cfg: DataConfig) -> Optional[Task]:
@@ -126,9 +171,9 @@ def load_dataset(cfg: DataConfig, tokenizer: Tokenizer, split: str) -> PromptDat
     if cfg.task == FILES_TASK:
         key = f"data.{split}_files"
         paths = cfg.train_files if split == "train" else cfg.val_files
-        if not paths:
-            raise ValueError(f"{key} is not set: give a JSONL or Parquet path (or a comma-separated list)")
-        examples = [example for path in _split_paths(paths) for example in read_examples(path, cfg, key)]
+        if not file_list(paths, key):
+            raise ValueError(f"{key} is not set: give a JSONL or Parquet path (or a list of paths)")
+        examples = [example for path in file_list(paths, key) for example in read_examples(path, cfg, key)]
         if not examples:
             raise ValueError(f"{key}={paths!r} holds no rows")
     else:
@@ -138,15 +183,12 @@ def load_dataset(cfg: DataConfig, tokenizer: Tokenizer, split: str) -> PromptDat
     return PromptDataset(examples=examples, prompt_ids=prompt_ids, shuffle=cfg.shuffle and split == "train")
 
 
-def _split_paths(paths: str) -> list[str]:
-    return [path.strip() for path in paths.split(",") if path.strip()]
-
-
 def _prompt_tokens(example: Example, index: int, cfg: DataConfig, tokenizer: Tokenizer) -> list[int]:
     where = example.meta.get("location", f"generated example {index}")
     if cfg.apply_chat_template:
         messages = example.messages or [{"role": "user", "content": example.prompt}]
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        text = tokenizer.apply_chat_template(messages, **cfg.apply_chat_template_kwargs)
+        ids = tokenizer.encode(text, add_special_tokens=False)
     elif example.messages is not None:
         raise ValueError(f"{where} has chat messages as its prompt: set data.apply_chat_template=true")
     else:

@@ -35,7 +35,7 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict]) -> str: ...
+    def apply_chat_template(self, messages: list[dict], **template_kwargs: Any) -> str: ...
 
 
 class CharTokenizer:
@@ -80,7 +80,7 @@ class CharTokenizer:
                 pieces.append(self.alphabet[token - len(self.SPECIAL_TOKENS)])
         return "".join(pieces)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], **template_kwargs: Any) -> str:
         raise ValueError(
             "the built-in character tokenizer has no chat template: set data.apply_chat_template=false, "
             "or use a Hugging Face tokenizer whose tokenizer_config.json has a chat_template"
@@ -145,11 +145,12 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self._tokenizer.decode([int(t) for t in ids], skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], **template_kwargs: Any) -> str:
         """Renders ``messages`` with the model's template and the generation prompt (the assistant turn's header).
 
-        The template sees what ``transformers`` gives it: ``messages``, ``add_generation_prompt=True`` and the
-        special tokens as text (``bos_token``, ``eos_token``, ...); see :mod:`jppo.data.chat_template`.
+        The template sees what ``transformers`` gives it: ``messages``, ``add_generation_prompt=True``, the special
+        tokens as text (``bos_token``, ``eos_token``, ...) and ``template_kwargs`` (e.g. ``enable_thinking=False``,
+        which may also replace a special token's text); see :mod:`jppo.data.chat_template`.
         """
         if self._chat_template is None:
             raise ValueError(
@@ -162,7 +163,8 @@ class HFTokenizer:
             except ImportError:
                 raise ValueError("rendering a chat template needs jinja2: pip install 'jinja2>=3.1.6'") from None
             self._compiled_template = compile_template(self._chat_template)
-        return self._compiled_template.render(messages=messages, add_generation_prompt=True, **self._special.names)
+        variables = {**self._special.names, **template_kwargs, "messages": messages, "add_generation_prompt": True}
+        return self._compiled_template.render(variables)
 
 
 _TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
