@@ -34,6 +34,7 @@ from jppo.losses import (
     required_agg_mode,
 )
 from jppo.mesh import resolve_shape
+from jppo.rewards.verify import require_math_verify
 from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES
 from jppo.views import engine_view, rollout_sequences
 
@@ -88,6 +89,7 @@ def validate(cfg: TrainConfig) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value!r} must be a finite number")
     _check_sources(cfg)
+    _check_reward(cfg)
     _check_model(cfg)
     for section in ("actor", "critic"):
         _check_update(cfg, section)
@@ -116,6 +118,15 @@ def _check_sources(cfg: TrainConfig) -> None:
         value = getattr(getattr(cfg, section), name)
         if value is not None and not (pathlib.Path(value) / "config.json").is_file():
             raise ConfigError(f"{key}={value!r}: no Hugging Face checkpoint (config.json) there")
+
+
+def _check_reward(cfg: TrainConfig) -> None:
+    """An optional package a reward kind needs must be installed."""
+    if cfg.reward.kind == "math_verify":
+        try:
+            require_math_verify()
+        except ValueError as error:
+            raise ConfigError(one_line(error)) from None
 
 
 def _check_model(cfg: TrainConfig) -> None:

@@ -2,6 +2,7 @@
 
 import pathlib
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -68,6 +69,8 @@ def test_resolved_config_round_trips(tmp_path):
         (["data.task=files"], "data.train_files"),
         (["data.train_batch_size=10", "actor.ppo_mini_batch_size=4"], "actor.ppo_mini_batch_size=4 (prompts) does not divide"),
         (["reward.kind=exact"], "reward.kind='exact'"),
+        (["reward.function_style=torch"], "reward.function_style='torch' is invalid: valid styles are ['jppo', 'verl'"),
+        (["reward.function_style=verl"], "reward.function_style='verl' needs reward.function"),
         (["model.dtype=float8"], "model.dtype='float8'"),
         (["not_a_section.x=1"], "not_a_section"),
         (["actor"], "key.sub=value"),
@@ -193,6 +196,14 @@ def test_data_file_lists_and_template_kwargs_are_checked(tmp_path, overrides, me
     assert load_config(None, [*files, listed]).data.train_files == [str(tmp_path / "train.jsonl")] * 2
     with pytest.raises(ConfigError, match="data.train_files='/no/such.jsonl': no such file"):
         load_config(None, [*files, f"data.train_files=[{tmp_path / 'train.jsonl'},/no/such.jsonl]"])
+
+
+def test_math_verify_kind_needs_its_package(monkeypatch):
+    assert load_config(ROOT / "configs" / "quickstart.yaml", ["reward.kind=math_verify"]).reward.kind == "math_verify"
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if not installed
+    with pytest.raises(ConfigError) as error:
+        load_config(ROOT / "configs" / "quickstart.yaml", ["reward.kind=math_verify"])
+    assert str(error.value) == "reward.kind='math_verify' needs the package math-verify: pip install 'jppo[math]'"
 
 
 def test_a_cosine_schedule_decays_over_the_run():

@@ -1,12 +1,17 @@
 """Answer extraction rules, the batch reward function, and reward plug-ins (jppo.rewards)."""
 
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import pathlib
 import sys
 
 import numpy as np
 import pytest
 
 from jppo.data import DataConfig, Example, get_task
-from jppo.data.datasets import task_of
+from jppo.data.datasets import read_examples, task_of
 from jppo.rewards import (
     RewardConfig,
     RewardFunctionError,
@@ -16,6 +21,7 @@ from jppo.rewards import (
     extract_gsm8k_answer,
     gsm8k_score,
     math_equal,
+    math_verify_score,
 )
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -110,6 +116,43 @@ def test_boxed_score_uses_the_reference_box_when_present():
     assert boxed_score(r"\boxed{1,024}", "1024") == 1.0
     assert boxed_score("1024", "1024") == 0.0  # no box, no answer
     assert boxed_score(r"\boxed{1023}", "1024") == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# math_verify
+
+# Answers the text rule of reward.kind=boxed misses; math-verify compares them as mathematics.
+EQUAL_SPELLINGS = [(r"so \boxed{\frac12}", "0.5"), (r"\boxed{x=3}", "3"), (r"\boxed{\sqrt2}", r"\sqrt{2}")]
+WRONG_ANSWERS = [(r"\boxed{\frac13}", "0.5"), (r"\boxed{x=4}", "3"), (r"\boxed{\sqrt3}", r"\sqrt{2}"),
+                 ("the answer is 3", "3"), (r"\boxed{\frac{1}{", "0.5"), (r"\boxed{)(}", "3")]
+
+
+def test_math_verify_scores_equal_spellings_that_boxed_misses():
+    examples = [Example("q", answer) for _, answer in EQUAL_SPELLINGS]
+    responses = [response for response, _ in EQUAL_SPELLINGS]
+    boxed = build_reward_fn(RewardConfig(kind="boxed"), None)
+    verified = build_reward_fn(RewardConfig(kind="math_verify", format_weight=0.5), None)
+    np.testing.assert_array_equal(boxed(responses, examples, [True] * 3), [0.0, 0.0, 0.0])  # unchanged rule
+    np.testing.assert_array_equal(verified(responses, examples, [True] * 3), [1.5, 1.5, 1.5])
+    assert math_verify_score(r"\boxed{0.5}", r"we get \boxed{\frac{1}{2}}") == 1.0  # the reference's own box
+
+
+@pytest.mark.parametrize("response, answer", WRONG_ANSWERS)
+def test_math_verify_keeps_wrong_or_unparsable_answers_at_zero(response, answer):
+    assert math_verify_score(response, answer) == 0.0
+
+
+def test_math_verify_works_off_the_main_thread():
+    """math-verify's timeouts use signal.alarm, which only the main thread may set: elsewhere they are off."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        scores = list(pool.map(lambda pair: math_verify_score(*pair), EQUAL_SPELLINGS + WRONG_ANSWERS[:2]))
+    assert scores == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_math_verify_without_the_package_is_refused(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"reward.kind='math_verify' needs the package math-verify: pip install"):
+        build_reward_fn(RewardConfig(kind="math_verify"), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -284,3 +327,117 @@ def test_plugin_load_errors(plugin_file, tmp_path):
     with pytest.raises(ValueError, match=r"broken.py' raised ModuleNotFoundError: No module named 'no_such_module_any"):
         build_reward_fn(RewardConfig(function=f"{broken}:fn"), None)
     assert not any(name.startswith("jppo_reward_plugin_broken") for name in sys.modules)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Functions written for verl and TRL (reward.function_style)
+
+FOREIGN = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    score = float(solution_str.strip() == ground_truth) + extra_info.get("bonus", 0.0)
+    return {"score": score, "acc": score >= 1} if data_source == "dict" else score
+
+
+def verl_no_score(data_source, solution_str, ground_truth, extra_info):
+    return {"acc": 1.0}
+
+
+def verl_text(data_source, solution_str, ground_truth, extra_info):
+    return "high"
+
+
+def verl_two_arguments(solution, answer):
+    return 0.0
+
+
+def trl_reward(completions, prompts, ground_truth, difficulty, **kwargs):
+    assert sorted(kwargs) == ["data_source", "extra_info"], sorted(kwargs)
+    return [None if d is None else float(c == g) * d + len(p) / 100
+            for c, p, g, d in zip(completions, prompts, ground_truth, difficulty)]
+
+
+def trl_short(completions, **kwargs):
+    return [1.0]
+
+
+def trl_strings(completions, **kwargs):
+    return ["high"] * len(completions)
+
+
+def trl_scalar(completions, **kwargs):
+    return 1.0
+
+
+def trl_no_kwargs(completions):
+    return [0.0] * len(completions)
+'''
+
+ROWS = [
+    {"prompt": "2+2=", "answer": "4", "difficulty": 2, "data_source": "arith"},
+    {"prompt": "3+3=", "answer": "6", "difficulty": None, "data_source": "arith"},
+    {"prompt": "1+1=", "answer": "2", "data_source": "dict", "extra_info": {"bonus": 0.5}},
+]
+
+
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory):
+    """The reward file's path, and the examples of ROWS read from a JSONL file as a user's data would be."""
+    directory = tmp_path_factory.mktemp("foreign")
+    (directory / "scores.py").write_text(FOREIGN)
+    (directory / "rows.jsonl").write_text("\n".join(json.dumps(row) for row in ROWS) + "\n")
+    cfg = DataConfig(task="files", train_files=str(directory / "rows.jsonl"))
+    return str(directory / "scores.py"), read_examples(str(directory / "rows.jsonl"), cfg, "data.train_files")
+
+
+def foreign_reward(foreign, name, style):
+    return build_reward_fn(RewardConfig(function=f"{foreign[0]}:{name}", function_style=style, kind="none"), None)
+
+
+def test_verl_compute_score_returning_numbers_and_dicts(foreign):
+    reward_fn = foreign_reward(foreign, "compute_score", "verl")
+    rewards = reward_fn(["4", "5", " 2"], foreign[1], [True, True, False])
+    np.testing.assert_array_equal(rewards, np.array([1.0, 0.0, 1.5], np.float32))  # the dict's "score" for row 3
+
+
+def test_verl_function_from_an_installed_module(foreign, monkeypatch):
+    monkeypatch.syspath_prepend(str(pathlib.Path(foreign[0]).parent))
+    cfg = RewardConfig(function="scores:compute_score", function_style="verl", kind="none")
+    np.testing.assert_array_equal(build_reward_fn(cfg, None)(["4"], foreign[1][:1], [True]), [1.0])
+    with pytest.raises(ValueError, match="'no_such_module' is neither a file nor an importable module"):
+        build_reward_fn(dataclasses.replace(cfg, function="no_such_module:fn"), None)
+
+
+def test_trl_function_receives_the_columns_and_none_scores_zero(foreign, caplog):
+    reward_fn = foreign_reward(foreign, "trl_reward", "trl")
+    with caplog.at_level(logging.WARNING):
+        rewards = reward_fn(["4", "6", "2"], foreign[1], [True] * 3)
+    np.testing.assert_allclose(rewards, [2.04, 0.0, 0.0], rtol=1e-7)  # rows 2 and 3 have no difficulty: None
+    assert "trl_reward gave no reward (None) to 2 of 3 responses; they score 0" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "name, style, message",
+    [
+        ("verl_no_score", "verl", r"verl_no_score returned a dict without a number under 'score' \(\['acc'\]\) for sam"),
+        ("verl_text", "verl", "verl_text returned str 'high' for sample 0; a verl compute_score returns a number"),
+        ("trl_short", "trl", "trl_short returned 1 rewards for 3 completions"),
+        ("trl_strings", "trl", "trl_strings returned str 'high' for sample 0; each reward must be a float or None"),
+        ("trl_scalar", "trl", "trl_scalar returned float '1.0'; a TRL reward function returns a list"),
+    ],
+)
+def test_foreign_functions_returning_the_wrong_thing_are_named(foreign, name, style, message):
+    reward_fn = foreign_reward(foreign, name, style)
+    with pytest.raises(RewardFunctionError, match=message) as error:
+        reward_fn(["4", "6", "2"], foreign[1], [True] * 3)
+    assert "\n" not in str(error.value) and f"scores.py:{name}" in str(error.value)
+
+
+def test_foreign_function_styles_are_checked_when_loaded(foreign):
+    with pytest.raises(ValueError, match=r"verl_two_arguments' with reward.function_style='verl' must take the keyword arg"):
+        foreign_reward(foreign, "verl_two_arguments", "verl")
+    with pytest.raises(ValueError, match=r"trl_no_kwargs' with reward.function_style='trl' must take \(completions, \*\*kwargs\)"):
+        foreign_reward(foreign, "trl_no_kwargs", "trl")
+    with pytest.raises(ValueError, match=r"reward.function_style='openrlhf' is invalid: valid styles are \['jppo'"):
+        RewardConfig(function=f"{foreign[0]}:compute_score", function_style="openrlhf")
+    with pytest.raises(ValueError, match="reward.function_style='trl' needs reward.function"):
+        RewardConfig(function_style="trl")

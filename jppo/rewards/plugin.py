@@ -12,6 +12,10 @@ The file is executed once, when the config is validated, as a module of its own 
 under a private ``jppo_reward_plugin_*`` name; ``sys.path`` is left alone, so the plug-in's own imports resolve
 as in any script: installed packages, not the plug-in's folder). A relative path is relative to the working
 directory. When the batch call raises, the function is called again sample by sample to name the failing one.
+
+The function may also come from an installed module, ``package.module:fn`` (a name that is not an existing path
+nor ends in ``.py``). A function written for verl (``compute_score``) or TRL (``fn(completions, **kwargs)``)
+plugs in as it is with ``reward.function_style: verl`` or ``trl`` (see :mod:`jppo.rewards.adapters`).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class RewardPlugin:
     def __call__(self, responses: list[str], examples: list, finished: Sequence[bool]) -> np.ndarray:
         try:
             result = self._call(responses, examples, finished)
+        except RewardFunctionError:  # an adapter's check of what the function returned: already names it
+            raise
         except Exception as batch_error:
             for index in range(len(responses)):
                 try:
@@ -87,11 +93,29 @@ class RewardPlugin:
         return rewards.astype(np.float32)
 
 
-def load_reward_plugin(spec: str) -> RewardPlugin:
-    """Loads ``fn`` from ``path/to/file.py:fn``; errors name ``reward.function`` and the value."""
+def load_reward_plugin(spec: str, style: str = "jppo") -> RewardPlugin:
+    """Loads ``fn`` from ``path/to/file.py:fn`` (or ``package.module:fn``), called as a function of ``style``
+    (``jppo``, ``verl`` or ``trl``); errors name ``reward.function`` and the value."""
+    from jppo.rewards.adapters import ADAPTERS, check_signature  # noqa: PLC0415 (the adapters raise this module's error)
+
+    function = _load_function(spec)
+    if style in ADAPTERS:
+        check_signature(function, style, spec)
+        return RewardPlugin(function=ADAPTERS[style](function, spec), spec=spec, pass_finished=False)
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # some built-in callables have no inspectable signature
+        parameters = ()
+    pass_finished = any(p.name == "finished" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    return RewardPlugin(function=function, spec=spec, pass_finished=pass_finished)
+
+
+def _load_function(spec: str) -> Callable[..., Any]:
     path_text, colon, name = spec.rpartition(":")
     if not colon or not path_text or not name:
         raise ValueError(f"reward.function={spec!r} is invalid: expected 'path/to/file.py:function_name'")
+    if not path_text.endswith(".py") and not pathlib.Path(path_text).exists():
+        return _from_module(path_text, name, spec)
     path = pathlib.Path(path_text)
     if not path.is_file():
         raise ValueError(f"reward.function={spec!r}: file {str(path)!r} does not exist")
@@ -111,9 +135,19 @@ def load_reward_plugin(spec: str) -> RewardPlugin:
         problem = "is not callable" if hasattr(module, name) else "does not exist"
         functions = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
         raise ValueError(f"reward.function={spec!r}: {name!r} {problem} in {str(path)!r}; its functions: {functions}")
+    return function
+
+
+def _from_module(module_name: str, name: str, spec: str) -> Callable[..., Any]:
+    """``fn`` of an importable module ``package.module`` (a name that is not a file)."""
     try:
-        parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):  # some built-in callables have no inspectable signature
-        parameters = ()
-    pass_finished = any(p.name == "finished" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-    return RewardPlugin(function=function, spec=spec, pass_finished=pass_finished)
+        module = importlib.import_module(module_name)
+    except Exception as error:
+        raise ValueError(
+            f"reward.function={spec!r}: {module_name!r} is neither a file nor an importable module "
+            f"({_one_line(error)})"
+        ) from error
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise ValueError(f"reward.function={spec!r}: module {module_name!r} has no function {name!r}")
+    return function

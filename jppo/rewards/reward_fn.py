@@ -3,10 +3,11 @@
 ``reward_i = score_i + format_weight * format_i`` where
 
 - ``score_i`` in [0, 1] (any finite float for a plug-in) comes from ``reward.function`` when set, else from
-  ``reward.kind``: ``task`` (the task's own scorer), ``gsm8k`` or ``boxed`` (see :mod:`jppo.rewards.rules`);
+  ``reward.kind``: ``task`` (the task's own scorer), ``gsm8k`` or ``boxed`` (see :mod:`jppo.rewards.rules`), or
+  ``math_verify`` (boxed answers compared by the optional package math-verify, :mod:`jppo.rewards.verify`);
 - ``format_i`` is 1 when the response ended with EOS and has the shape of ``reward.kind``'s answers: digits only
   for ``reverse_digits``/``add_small``, ``<answer>...</answer>`` for reasoning-gym, ``#### <number>`` for
-  ``gsm8k``, a closed ``\\boxed{}`` for ``boxed``; else 0.
+  ``gsm8k``, a closed ``\\boxed{}`` for ``boxed`` and ``math_verify``; else 0.
 
 Unlike verl's GSM8K scorer, which gives a fixed ``format_score`` *instead of* 0 to a well-formed wrong answer, the
 format term here is added on top of correctness and is off by default.
@@ -22,9 +23,11 @@ import numpy as np
 
 from jppo.data.tasks import Example, Task
 from jppo.rewards import rules
+from jppo.rewards.adapters import FUNCTION_STYLES
 from jppo.rewards.plugin import RewardFunctionError, load_reward_plugin
+from jppo.rewards.verify import math_verify_score, require_math_verify
 
-REWARD_KINDS = ("task", "gsm8k", "boxed", "none")
+REWARD_KINDS = ("task", "gsm8k", "boxed", "math_verify", "none")
 
 RewardFn = Callable[[list[str], list[Example], Sequence[bool]], np.ndarray]
 
@@ -33,7 +36,10 @@ RewardFn = Callable[[list[str], list[Example], Sequence[bool]], np.ndarray]
 class RewardConfig:
     """How responses are scored (the ``reward`` section of the trainer's config)."""
 
-    function: Optional[str] = None  # "path/to/file.py:fn", see jppo.rewards.plugin
+    function: Optional[str] = None  # "path/to/file.py:fn" or "package.module:fn", see jppo.rewards.plugin
+    # How reward.function is called: jppo's fn(responses, examples), verl's compute_score, or a TRL reward function
+    # (see jppo.rewards.adapters).
+    function_style: str = "jppo"
     kind: str = "task"
     gsm8k_flexible: bool = False  # gsm8k: the last number of the response instead of the one after "####"
     format_weight: float = 0.0
@@ -49,6 +55,14 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if self.kind not in REWARD_KINDS:
             raise ValueError(f"reward.kind={self.kind!r} is invalid: valid kinds are {list(REWARD_KINDS)}")
+        if self.function_style not in FUNCTION_STYLES:
+            raise ValueError(
+                f"reward.function_style={self.function_style!r} is invalid: valid styles are {list(FUNCTION_STYLES)}"
+            )
+        if self.function_style != "jppo" and self.function is None:
+            raise ValueError(
+                f"reward.function_style={self.function_style!r} needs reward.function (the function to call)"
+            )
         if not math.isfinite(self.format_weight):
             raise ValueError(f"reward.format_weight={self.format_weight!r} is invalid: it must be a finite number")
 
@@ -64,7 +78,7 @@ def build_reward_fn(cfg: RewardConfig, task: Optional[Task]) -> RewardFn:
             "reward.kind='task' needs a built-in or reasoning-gym data.task; with data.task='files' set reward.kind "
             f"to one of {[k for k in REWARD_KINDS if k != 'task']} or give reward.function"
         )
-    plugin = load_reward_plugin(cfg.function) if cfg.function is not None else None
+    plugin = load_reward_plugin(cfg.function, cfg.function_style) if cfg.function is not None else None
     score = None if plugin is not None else _kind_scorer(cfg, task)
     follows_format = _kind_format(cfg, task) if cfg.format_weight != 0 else None
 
@@ -114,15 +128,20 @@ def _kind_scorer(cfg: RewardConfig, task: Task) -> Callable[[str, Example, bool]
         return lambda text, example, finished: rules.gsm8k_score(text, example.answer, cfg.gsm8k_flexible)
     if cfg.kind == "boxed":
         return lambda text, example, finished: rules.boxed_score(text, example.answer)
+    if cfg.kind == "math_verify":
+        require_math_verify()
+        return lambda text, example, finished: math_verify_score(text, example.answer)
     return task.score
 
 
 def _kind_format(cfg: RewardConfig, task: Task) -> Callable[[str], bool]:
     if cfg.kind == "none":
-        raise ValueError("reward.format_weight needs a reward.kind with a format (task, gsm8k, boxed), not 'none'")
+        raise ValueError(
+            "reward.format_weight needs a reward.kind with a format (task, gsm8k, boxed, math_verify), not 'none'"
+        )
     if cfg.kind == "gsm8k":
         return lambda text: rules.extract_gsm8k_answer(text) is not None
-    if cfg.kind == "boxed":
+    if cfg.kind in ("boxed", "math_verify"):
         return lambda text: rules.extract_boxed(text) is not None
     return task.follows_format
 
