@@ -418,7 +418,7 @@ def test_trl_function_receives_the_columns_and_none_scores_zero(foreign, caplog)
 @pytest.mark.parametrize(
     "name, style, message",
     [
-        ("verl_no_score", "verl", r"verl_no_score returned a dict without a number under 'score' \(\['acc'\]\) for sam"),
+        ("verl_no_score", "verl", r"verl_no_score returned a dict without a number under 'score' \(\['acc'\]\)"),
         ("verl_text", "verl", "verl_text returned str 'high' for sample 0; a verl compute_score returns a number"),
         ("trl_short", "trl", "trl_short returned 1 rewards for 3 completions"),
         ("trl_strings", "trl", "trl_strings returned str 'high' for sample 0; each reward must be a float or None"),
@@ -433,9 +433,9 @@ def test_foreign_functions_returning_the_wrong_thing_are_named(foreign, name, st
 
 
 def test_foreign_function_styles_are_checked_when_loaded(foreign):
-    with pytest.raises(ValueError, match=r"verl_two_arguments' with reward.function_style='verl' must take the keyword arg"):
+    with pytest.raises(ValueError, match=r"verl_two_arguments' with reward.function_style='verl' must take the keyw"):
         foreign_reward(foreign, "verl_two_arguments", "verl")
-    with pytest.raises(ValueError, match=r"trl_no_kwargs' with reward.function_style='trl' must take \(completions, \*\*kwargs\)"):
+    with pytest.raises(ValueError, match=r"trl_no_kwargs' with reward.function_style='trl' must take \(completions"):
         foreign_reward(foreign, "trl_no_kwargs", "trl")
     with pytest.raises(ValueError, match=r"reward.function_style='openrlhf' is invalid: valid styles are \['jppo'"):
         RewardConfig(function=f"{foreign[0]}:compute_score", function_style="openrlhf")

@@ -96,7 +96,7 @@ class RewardPlugin:
 def load_reward_plugin(spec: str, style: str = "jppo") -> RewardPlugin:
     """Loads ``fn`` from ``path/to/file.py:fn`` (or ``package.module:fn``), called as a function of ``style``
     (``jppo``, ``verl`` or ``trl``); errors name ``reward.function`` and the value."""
-    from jppo.rewards.adapters import ADAPTERS, check_signature  # noqa: PLC0415 (the adapters raise this module's error)
+    from jppo.rewards.adapters import ADAPTERS, check_signature  # noqa: PLC0415 (they import this module)
 
     function = _load_function(spec)
     if style in ADAPTERS:
