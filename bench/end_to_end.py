@@ -45,7 +45,7 @@ PHASE_ORDER = (
 )
 QUICK_OVERRIDES = (
     f"trainer.total_steps={QUICK_STEPS}", "trainer.val_every=0", "trainer.save_every=0",
-    "trainer.tensorboard=false", "trainer.plots=false",
+    "trainer.logger=[console,jsonl]", "trainer.plots=false",
 )
 
 

@@ -36,13 +36,14 @@ def tokenizer_spec(cfg: TrainConfig) -> str:
     return cfg.model.tokenizer or cfg.model.path or f"builtin:{cfg.data.task}"
 
 
-def load_inputs(cfg: TrainConfig) -> RunInputs:
-    """Vocabulary, prompts and rewards of the run. What they refuse (a missing file, a task option, a prompt over
+def load_inputs(cfg: TrainConfig, validation: bool = False) -> RunInputs:
+    """Vocabulary, prompts and rewards of the run; the held-out prompts when the run validates (or ``validation``,
+    for an evaluation). What they refuse (a missing file, a task option, a prompt over
     ``data.max_prompt_length``, a plug-in that does not load) is a :class:`ConfigError` in one line."""
     try:
         tokenizer = load_tokenizer(tokenizer_spec(cfg))
         train = load_dataset(cfg.data, tokenizer, "train")
-        has_val = cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
+        has_val = validation or cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
         val = load_dataset(cfg.data, tokenizer, "val") if has_val else None
         task = task_of(cfg.data)
         return RunInputs(tokenizer, train, val, build_reward_fn(cfg.reward, task), build_credit_fn(cfg.reward, task))

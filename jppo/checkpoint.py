@@ -96,11 +96,7 @@ class CheckpointManager:
         ``jax.ShapeDtypeStruct`` with ``.sharding`` (e.g. ``jax.eval_shape`` of the initializer plus the new run's
         shardings), or of concrete arrays laid out as wanted.
         """
-        abstract = jax.tree_util.tree_map_with_path(_abstract_leaf, target)
-        args = ocp.args.Composite(
-            **{STATE_ITEM: ocp.args.StandardRestore(abstract), META_ITEM: ocp.args.JsonRestore()}
-        )
-        restored = self._read(step, args)
+        restored = self._read(step, _restore_args(target))
         return restored[STATE_ITEM], restored[META_ITEM]
 
     def restore_meta(self, step: int | str | os.PathLike) -> dict:
@@ -112,12 +108,7 @@ class CheckpointManager:
             if step not in self._manager.all_steps():
                 raise KeyError(f"no checkpoint step {step} in {self.directory}; committed steps: {self.all_steps()}")
             return self._manager.restore(int(step), args=args)
-        path = _complete_checkpoint(Path(step), "checkpoint")
-        checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-        try:
-            return checkpointer.restore(path.absolute(), args=args)
-        finally:
-            checkpointer.close()
+        return _read_path(Path(step), args)
 
     def close(self) -> None:
         self._manager.close()
@@ -129,12 +120,34 @@ class CheckpointManager:
         self.close()
 
 
+def restore_checkpoint(path: str | os.PathLike, target: PyTree) -> tuple[PyTree, dict]:
+    """``(state, meta)`` of the checkpoint directory ``path``, read without a manager (nothing in its directory is
+    touched: a run may be writing there), into ``target`` as :meth:`CheckpointManager.restore` does."""
+    restored = _read_path(Path(path), _restore_args(target))
+    return restored[STATE_ITEM], restored[META_ITEM]
+
+
+def _restore_args(target: PyTree) -> ocp.args.Composite:
+    abstract = jax.tree_util.tree_map_with_path(_abstract_leaf, target)
+    return ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract), META_ITEM: ocp.args.JsonRestore()})
+
+
+def _read_path(path: Path, args: ocp.args.Composite) -> ocp.args.Composite:
+    path = _complete_checkpoint(path, "checkpoint")
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    try:
+        return checkpointer.restore(path.absolute(), args=args)
+    finally:
+        checkpointer.close()
+
+
 def resolve_resume(resume: str, directory: str | os.PathLike) -> int | Path | None:
     """What ``trainer.resume`` points at: a step of ``directory``, a checkpoint path, or ``None`` (start fresh).
 
     - ``auto``: the newest committed step in ``directory``, or ``None`` when it holds none (or does not exist);
     - ``never``: ``None``;
-    - any other value: the path of a checkpoint directory, which must exist and be complete.
+    - any other value: the path of a checkpoint directory, which must exist and be complete, or of a run's output
+      directory (one holding ``checkpoints/``), meaning its newest committed checkpoint.
     """
     if resume == "never":
         return None
@@ -144,7 +157,13 @@ def resolve_resume(resume: str, directory: str | os.PathLike) -> int | Path | No
         return max(steps, default=None)
     if not resume:
         raise ValueError(f"trainer.resume is empty; valid: {', '.join(RESUME_CHOICES)} or a checkpoint directory")
-    return _complete_checkpoint(Path(resume), "trainer.resume")
+    path = Path(resume)
+    if (path / "checkpoints").is_dir() and not (path / STATE_ITEM).is_dir():  # a run's output directory
+        steps = ocp.path.step.checkpoint_steps(path / "checkpoints")
+        if not steps:
+            raise ValueError(f"trainer.resume={resume!r}: the run directory holds no complete checkpoint")
+        path = path / "checkpoints" / str(max(steps))
+    return _complete_checkpoint(path, "trainer.resume")
 
 
 def _complete_checkpoint(path: Path, name: str) -> Path:

@@ -300,23 +300,68 @@ def greedy_baselines(c: Collector, state: RunState, examples: list, prompts: lis
     return np.asarray([by_prompt[i] for i in group_ids.tolist()], np.float32)
 
 
-def validate(c: Collector, state: RunState) -> dict[str, float]:
-    """Rewards of ``rollout.val_n`` samples per held-out prompt (greedy when ``rollout.val_temperature`` is 0).
-    Each process scores its rows; the sums are combined over processes."""
+@dataclasses.dataclass(frozen=True)
+class Validation:
+    """One pass of the policy over the held-out prompts: the metrics (whole validation set, combined over
+    processes) and this process's responses as records ``{index, sample, prompt, response, reward, finished}``
+    (``index``: the prompt's position in the validation set, ``sample``: which of its ``rollout.val_n``)."""
+
+    metrics: dict[str, float]
+    records: list[dict]
+
+
+def pass_at_k_sizes(n: int) -> list[int]:
+    """The ``k`` reported for ``n`` samples per prompt: the powers of 2 up to ``n``, and ``n`` itself."""
+    sizes = [1 << i for i in range(n.bit_length()) if 1 << i <= n]
+    return sizes if sizes[-1] == n else sizes + [n]
+
+
+def pass_at_k(n: int, c: np.ndarray, k: int) -> np.ndarray:
+    """The unbiased estimate of the probability that at least one of ``k`` samples drawn without replacement from
+    ``n`` (of which ``c`` are correct) is correct: ``1 - C(n - c, k) / C(n, k)``, computed as the product
+    ``prod_{i = n-c+1}^{n} (1 - k / i)`` (Chen et al. 2021), which is exact in floating point and never overflows."""
+    c = np.asarray(c)
+    out = np.ones(c.shape, np.float64)
+    for row, correct in np.ndenumerate(c):
+        if n - correct >= k:
+            out[row] = 1.0 - np.prod(1.0 - k / np.arange(n - correct + 1, n + 1))
+    return out
+
+
+def validation_metrics(reward_sum: float, correct: np.ndarray, prompts: int, n: int) -> dict[str, float]:
+    """``val/reward/mean`` (over all ``prompts x n`` responses), ``val/accuracy`` (the fraction solved, which is
+    pass@1) and ``val/pass@k`` for the other ``k`` of :func:`pass_at_k_sizes`, from this process's per-prompt
+    counts of solved samples ``correct`` (summed over processes here)."""
+    sizes = [k for k in pass_at_k_sizes(n) if k > 1]
+    local = [reward_sum, correct.sum(), *(pass_at_k(n, correct, k).sum() for k in sizes)]
+    totals = sum_over_processes(np.asarray(local, np.float64))
+    out = {"val/reward/mean": totals[0] / (prompts * n), "val/accuracy": totals[1] / (prompts * n)}
+    out.update({f"val/pass@{k}": total / prompts for k, total in zip(sizes, totals[2:])})
+    return {k: float(v) for k, v in out.items()}
+
+
+def validate(c: Collector, params: nnx.State) -> Validation:
+    """Rewards of ``rollout.val_n`` samples per held-out prompt (greedy when ``rollout.val_temperature`` is 0),
+    scored like training rollouts (:meth:`Collector.score`). The sampling keys depend on the seed and the batch
+    only, so a policy gets the same validation whenever it is validated (during training or by ``jppo.eval``).
+    Each process samples and scores its rows; the metrics combine them over processes."""
     cfg, data, n = c.cfg, c.inputs.val_data, c.cfg.rollout.val_n
-    totals = np.zeros(3)  # reward sum, solved samples, prompts solved by at least one sample
+    reward_sum, correct, records, start = 0.0, [], [], 0
     for index, (examples, prompts) in enumerate(data.batches(cfg.data.val_batch_size)):
         key = jax.random.fold_in(jax.random.key(cfg.trainer.seed + 7), index)
-        batch = c.val_sampler(state.actor.params, prompts, key)
-        _, _, scores = c.score(batch, [examples[i] for i in batch.group_ids])
+        batch = c.val_sampler(params, prompts, key)
+        texts, finished, scores = c.score(batch, [examples[i] for i in batch.group_ids])
         solved = (scores >= 1.0 - 1e-6).reshape(-1, n)  # rows of one prompt are adjacent and on one process
-        totals += [scores.sum(), solved.sum(), solved.any(axis=1).sum()]
-    reward_sum, solved_samples, solved_prompts = sum_over_processes(totals)
-    prompts = len(data)
-    out = {"val/reward/mean": reward_sum / (prompts * n), "val/accuracy": solved_samples / (prompts * n)}
-    if n > 1:
-        out[f"val/pass@{n}"] = solved_prompts / prompts
-    return {k: float(v) for k, v in out.items()}
+        reward_sum += float(scores.sum())
+        correct.extend(solved.sum(axis=1).tolist())
+        for row, group in enumerate(batch.group_ids.tolist()):
+            records.append({
+                "index": start + group, "sample": row % n, "prompt": examples[group].prompt, "response": texts[row],
+                "reward": float(scores[row]), "finished": bool(finished[row]),
+            })
+        start += len(examples)
+    metrics = validation_metrics(reward_sum, np.asarray(correct, np.int64), len(data), n)
+    return Validation(metrics, records)
 
 
 def decode_responses(batch: Experience, tokenizer: Tokenizer) -> tuple[list[str], list[bool]]:

@@ -134,7 +134,12 @@ class MeshSection:
 class TrainerSection:
     """The loop. ``val_every`` steps (0: never) and, with ``val_before_train``, once before the first step, the
     policy is validated on held-out prompts (``rollout.val_*``); the latter is logged at step 0, as verl logs it at
-    global step 0, and is not repeated when a run resumes."""
+    global step 0, and is not repeated when a run resumes.
+
+    ``logger``: where metrics go (:data:`jppo.runlog.SINKS`: console, jsonl, tensorboard, wandb); ``wandb`` needs the
+    optional package and names its run ``project_name`` / ``experiment_name`` (default: the output directory's
+    name). ``progress_bar``: on a terminal, the console shows a bar rather than summary lines. At each validation,
+    the first ``log_val_generations`` responses (prompt, response, reward, finished) are logged too."""
 
     total_steps: int = 100
     output_dir: str = "runs/default"
@@ -145,7 +150,10 @@ class TrainerSection:
     val_every: int = 0  # 0: no validation
     val_before_train: bool = False
     export_hf: bool = False
-    tensorboard: bool = True
+    logger: list[str] = dataclasses.field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    project_name: str = "jppo"
+    experiment_name: Optional[str] = None
+    log_val_generations: int = 16
     progress_bar: bool = True
     plots: bool = True
     critic_warmup: int = 0  # steps that train only the critic

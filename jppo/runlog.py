@@ -1,4 +1,11 @@
-"""Run logging: ``metrics.jsonl``, TensorBoard scalars and a progress bar (or, off a terminal, summary lines).
+"""Run logging through pluggable sinks: the terminal, ``metrics.jsonl``, TensorBoard and Weights & Biases.
+
+:class:`RunLogger` checks each step's metrics once and hands them to the sinks the run selects
+(``trainer.logger``, names in :data:`SINKS`): ``console`` (a progress bar, or off a terminal summary lines),
+``jsonl`` (``metrics.jsonl``, and the sampled validation responses in ``generations/step_N.jsonl``), ``tensorboard``
+(scalars in ``tensorboard/``) and ``wandb`` (a run of ``project_name`` / ``experiment_name``, with a table of the
+sampled responses; the optional ``wandb`` package). A sink is any object with ``log(step, values)``,
+``log_generations(step, records)`` and ``close()``.
 
 Named ``runlog`` rather than ``logging``: a ``jppo/logging.py`` would shadow the standard library's ``logging`` for
 anything run with ``jppo/`` on ``sys.path`` (``python jppo/some_script.py``), and jax, orbax and absl all import it.
@@ -23,12 +30,16 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Mapping, TextIO
+from typing import Any, Mapping, Sequence, TextIO
 
 from tqdm import tqdm
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+GENERATIONS_DIR = "generations"
+WANDB_ID_FILE = "wandb_run_id"  # the wandb run a resumed run continues
+SINKS = ("console", "jsonl", "tensorboard", "wandb")
+DEFAULT_SINKS = ("console", "jsonl", "tensorboard")
 # Shown next to the progress bar and in summary lines, under these short names, when a step reports them.
 KEY_METRICS: dict[str, str] = {
     "reward/mean": "reward",
@@ -57,11 +68,11 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 class RunLogger:
-    """Writes each step's metrics to ``output_dir/metrics.jsonl``, TensorBoard and the terminal.
+    """Checks each step's metrics and writes them to the selected sinks (:data:`SINKS`) under ``output_dir``.
 
-    On a terminal (``stream.isatty()``) a tqdm bar shows step/total, rate, ETA and the :data:`KEY_METRICS`;
-    elsewhere (CI logs) one compact line is printed every ``summary_every`` steps, on the first step logged (and
-    the first training step after step 0) and on the last. Only the main process writes: with ``is_main_process=False`` every method does nothing.
+    Only the main process writes: with ``is_main_process=False`` every method does nothing (and nothing is
+    created). ``config`` is what the wandb run records as its configuration; ``project_name`` and
+    ``experiment_name`` (default: the output directory's name) name that run.
     """
 
     def __init__(
@@ -69,77 +80,67 @@ class RunLogger:
         output_dir: str | os.PathLike,
         *,
         total_steps: int,
-        tensorboard: bool = True,
+        sinks: Sequence[str] = DEFAULT_SINKS,
         progress_bar: bool = True,
         is_main_process: bool = True,
         start_step: int = 0,
         summary_every: int = 10,
         stream: TextIO | None = None,
+        project_name: str = "jppo",
+        experiment_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
     ):
         for name, value, least in (("total_steps", total_steps, 1), ("start_step", start_step, 0),
                                    ("summary_every", summary_every, 1)):
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"RunLogger {name}={value!r} is invalid: expected an integer >= {least}")
+        unknown = [name for name in sinks if name not in SINKS]
+        if unknown:
+            raise ValueError(f"RunLogger sinks={list(sinks)!r}: unknown {unknown}; valid: {', '.join(SINKS)}")
         self._active = is_main_process
-        self._total_steps = total_steps
         self._start_step = start_step
-        self._summary_every = summary_every
         self._last_step: int | None = None
-        self._started = time.monotonic()
-        self._file = self._tensorboard = self._bar = None
-        self._stream = None
+        self._closed = False
+        self._sinks: list = []
         if not self._active:
             return
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        metrics_path = output_dir / METRICS_FILE
-        _drop_steps_from(metrics_path, start_step)
-        self._file = metrics_path.open("a", encoding="utf-8")
-        if tensorboard:
-            # Imported here: tensorboardX imports torch and boto3 when they are installed (seconds of start-up).
-            from tensorboardX import SummaryWriter
-
-            # purge_step makes TensorBoard hide an earlier run's events from start_step on (all of them for a
-            # fresh run). The suffix keeps two writers started in the same second from truncating each other's
-            # file (the name has seconds).
-            self._tensorboard = SummaryWriter(
-                str(output_dir / TENSORBOARD_DIR), purge_step=start_step, filename_suffix=f".{uuid.uuid4().hex[:8]}",
-            )
-        if progress_bar:
-            self._stream = stream if stream is not None else sys.stderr
-            if self._stream.isatty():
-                self._bar = tqdm(
-                    total=total_steps, initial=max(start_step - 1, 0), file=self._stream, desc="train",
-                    unit="step", dynamic_ncols=True,
-                )
+        makers = {
+            "console": lambda: ConsoleSink(total_steps, start_step, summary_every, stream, progress_bar),
+            "jsonl": lambda: JsonlSink(output_dir, start_step),
+            "tensorboard": lambda: TensorBoardSink(output_dir, start_step),
+            "wandb": lambda: WandbSink(output_dir, project_name, experiment_name or output_dir.absolute().name, config),
+        }
+        self._sinks = [makers[name]() for name in dict.fromkeys(sinks)]
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Records the metrics of training step ``step`` (scalars: floats, ints, numpy or jax scalars)."""
         if not self._active:
             return
-        if self._file is None:
+        if self._closed:
             raise RuntimeError("RunLogger.log called after close()")
         step = self._checked_step(step)
         if "step" in metrics:
             raise ValueError(f"metric name 'step' at step {step} is reserved for the step number")
         values = {name: _scalar(name, value) for name, value in metrics.items()}
-        record = {"step": step, **{name: value if math.isfinite(value) else None for name, value in values.items()}}
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
-        if self._tensorboard is not None:
-            for name, value in values.items():
-                self._tensorboard.add_scalar(name, value, step)
-            self._tensorboard.flush()
-        first = self._last_step in (None, 0)  # the first training step gets its line after step 0's too
+        for sink in self._sinks:
+            sink.log(step, values)
         self._last_step = step
-        self._show(step, values, first)
+
+    def log_generations(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        """Records sampled responses of step ``step`` (dicts of JSON values: prompt, response, reward, ...); call
+        it before :meth:`log` of the same step."""
+        if self._active and records:
+            for sink in self._sinks:
+                sink.log_generations(step, [dict(record) for record in records])
 
     def close(self) -> None:
-        """Flushes and closes the file, the TensorBoard writer and the bar; closing twice is harmless."""
-        for resource in (self._file, self._tensorboard, self._bar):
-            if resource is not None:
-                resource.close()
-        self._file = self._tensorboard = self._bar = None
+        """Flushes and closes every sink; closing twice is harmless."""
+        if not self._closed:
+            for sink in self._sinks:
+                sink.close()
+        self._closed = True
 
     def __enter__(self) -> RunLogger:
         return self
@@ -160,13 +161,96 @@ class RunLogger:
             raise ValueError(f"RunLogger.log step {number} after step {self._last_step}: steps must increase")
         return number
 
-    def _show(self, step: int, values: dict[str, float], first: bool) -> None:
+
+class JsonlSink:
+    """``metrics.jsonl``: one strict-JSON object per step, non-finite values as ``null``, flushed per line; lines of
+    an interrupted run from ``start_step`` on are dropped when it opens. Sampled responses of a step go to
+    ``generations/step_N.jsonl``, one object per response."""
+
+    def __init__(self, output_dir: Path, start_step: int):
+        self._output_dir = output_dir
+        path = output_dir / METRICS_FILE
+        _drop_steps_from(path, start_step)
+        self._file = path.open("a", encoding="utf-8")
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        record = {"step": step, **{name: value if math.isfinite(value) else None for name, value in values.items()}}
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def log_generations(self, step: int, records: list[dict]) -> None:
+        directory = self._output_dir / GENERATIONS_DIR
+        directory.mkdir(exist_ok=True)
+        text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+        (directory / f"step_{step}.jsonl").write_text(text, encoding="utf-8")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    """Scalars in ``tensorboard/``; a resumed run tells TensorBoard to hide the earlier run's events from
+    ``start_step`` on."""
+
+    def __init__(self, output_dir: Path, start_step: int):
+        # Imported here: tensorboardX imports torch and boto3 when they are installed (seconds of start-up).
+        from tensorboardX import SummaryWriter
+
+        # purge_step makes TensorBoard hide an earlier run's events from start_step on (all of them for a fresh
+        # run). The suffix keeps two writers started in the same second from truncating each other's file (the
+        # name has seconds).
+        self._writer = SummaryWriter(
+            str(output_dir / TENSORBOARD_DIR), purge_step=start_step, filename_suffix=f".{uuid.uuid4().hex[:8]}",
+        )
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            self._writer.add_scalar(name, value, step)
+        self._writer.flush()
+
+    def log_generations(self, step: int, records: list[dict]) -> None:
+        pass  # TensorBoard gets scalars only
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class ConsoleSink:
+    """The terminal: on a terminal (``stream.isatty()``) with ``progress_bar``, a tqdm bar showing step/total,
+    rate, ETA and the :data:`KEY_METRICS`; otherwise (CI logs) one compact line every ``summary_every`` steps, on
+    the first step logged (and the first training step after step 0) and on the last."""
+
+    def __init__(self, total_steps: int, start_step: int, summary_every: int, stream: TextIO | None,
+                 progress_bar: bool):
+        self._total_steps = total_steps
+        self._start_step = start_step
+        self._summary_every = summary_every
+        self._stream = stream if stream is not None else sys.stderr
+        self._started = time.monotonic()
+        self._last_step: int | None = None
+        self._bar = None
+        if progress_bar and self._stream.isatty():
+            self._bar = tqdm(
+                total=total_steps, initial=max(start_step - 1, 0), file=self._stream, desc="train", unit="step",
+                dynamic_ncols=True,
+            )
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        first = self._last_step in (None, 0)  # the first training step gets its line after step 0's too
+        self._last_step = step
         key_values = "  ".join(f"{short} {values[name]:.4g}" for name, short in KEY_METRICS.items() if name in values)
         if self._bar is not None:
             self._bar.set_postfix_str(key_values, refresh=False)
             self._bar.update(step - self._bar.n)
-        elif self._stream is not None and (first or step % self._summary_every == 0 or step == self._total_steps):
+        elif first or step % self._summary_every == 0 or step == self._total_steps:
             print(self._summary_line(step, key_values), file=self._stream, flush=True)
+
+    def log_generations(self, step: int, records: list[dict]) -> None:
+        pass  # the files and wandb hold them
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
     def _summary_line(self, step: int, key_values: str) -> str:
         if step == 0:  # no training step yet: no rate, no ETA
@@ -176,6 +260,42 @@ class RunLogger:
         eta = _duration(seconds_per_step * max(self._total_steps - step, 0))
         parts = [f"step {step}/{self._total_steps}", f"{seconds_per_step:.3g} s/step", f"eta {eta}"]
         return " | ".join(parts + ([key_values] if key_values else []))
+
+
+def import_wandb():
+    """The ``wandb`` module, or an ImportError saying how to install it (the optional ``wandb`` extra)."""
+    try:
+        import wandb  # noqa: PLC0415 (optional, and slow to import)
+    except ImportError:
+        raise ImportError("the wandb package is not installed: pip install -e '.[wandb]'") from None
+    return wandb
+
+
+class WandbSink:
+    """A Weights & Biases run (online, or offline with ``WANDB_MODE=offline``; files under ``WANDB_DIR``, default
+    the output directory). Its id is kept in ``output_dir/wandb_run_id``, so a resumed run continues the same wandb
+    run. Sampled responses become a table ``val/generations`` at their step."""
+
+    def __init__(self, output_dir: Path, project: str, name: str, config: Mapping[str, Any] | None):
+        self._wandb = import_wandb()
+        id_file = output_dir / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.is_file() else self._wandb.util.generate_id()
+        id_file.write_text(run_id)
+        self._run = self._wandb.init(
+            project=project, name=name, id=run_id, resume="allow", config=dict(config or {}),
+            dir=None if os.environ.get("WANDB_DIR") else str(output_dir),
+        )
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self._run.log(values, step=step)
+
+    def log_generations(self, step: int, records: list[dict]) -> None:
+        columns = list(records[0])
+        table = self._wandb.Table(columns=columns, data=[[record.get(c) for c in columns] for record in records])
+        self._run.log({"val/generations": table}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
 
 
 def _parse_record(line: str) -> dict[str, Any] | None:

@@ -93,19 +93,17 @@ def run(
         state, _ = manager.restore(resume, state)
         log.info("resumed from %s at step %d", resume, state.steps_done)
     fresh, total, metrics = state.steps_done == 0, cfg.trainer.total_steps, {}
-    with RunLogger(
-        out, total_steps=total, tensorboard=cfg.trainer.tensorboard, progress_bar=cfg.trainer.progress_bar,
-        start_step=0 if fresh else state.steps_done + 1, is_main_process=main,
-    ) as logger:
+    with run_logger(cfg, start_step=0 if fresh else state.steps_done + 1) as logger:
         has_val = inputs.val_data is not None
         hooks = [
-            Hook(cfg.trainer.val_every if has_val else 0, lambda step, s, m: m.update(validate(collector, s))),
+            Hook(cfg.trainer.val_every if has_val else 0,
+                 lambda step, s, m: m.update(validate_and_log(collector, s, logger, step))),
             Hook(1, lambda step, s, m: logger.log(step, m)),
             Hook(cfg.trainer.save_every, lambda step, s, m: save(manager, s, cfg), at_end=True),
         ]
         if cfg.trainer.val_before_train and has_val and fresh:
             # the initial policy's validation, at step 0 (verl's global step 0); a resumed run does not repeat it
-            logger.log(0, validate(collector, state))
+            logger.log(0, validate_and_log(collector, state, logger, 0))
         while state.steps_done < total:
             timer = PhaseTimer()
             state, experience, metrics = collect(collector, state, timer)
@@ -121,6 +119,25 @@ def run(
 
         plot_run(out)
     return metrics
+
+
+def run_logger(cfg: TrainConfig, start_step: int) -> RunLogger:
+    """The run's logger: the sinks of ``trainer.logger``, written by the main process only."""
+    t = cfg.trainer
+    return RunLogger(
+        t.output_dir, total_steps=t.total_steps, sinks=t.logger, progress_bar=t.progress_bar, start_step=start_step,
+        is_main_process=distributed.is_main_process(), project_name=t.project_name,
+        experiment_name=t.experiment_name, config=to_dict(cfg),
+    )
+
+
+def validate_and_log(collector: Collector, state: RunState, logger: RunLogger, step: int) -> dict[str, float]:
+    """The policy's validation metrics; its first ``trainer.log_val_generations`` responses (the main process's
+    rows, in validation-set order: the same prompts every time) go to the logger as step ``step``'s sample."""
+    result = validate(collector, state.actor.params)
+    sample = result.records[: collector.cfg.trainer.log_val_generations]
+    logger.log_generations(step, [{k: r[k] for k in ("prompt", "response", "reward", "finished")} for r in sample])
+    return result.metrics
 
 
 def save(manager: CheckpointManager, state: RunState, cfg: TrainConfig) -> None:

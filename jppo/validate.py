@@ -240,10 +240,27 @@ def _check_trainer(cfg: TrainConfig) -> None:
     if not 0 <= trainer.seed < 2**32:
         raise ConfigError(f"trainer.seed={trainer.seed!r} must be in [0, 2**32)")
     _check_output_dir(trainer.output_dir)
+    _check_logger(trainer.logger)
+    _positive("trainer.log_val_generations", trainer.log_val_generations, allow_zero=True)
     try:
         resolve_resume(trainer.resume, pathlib.Path(trainer.output_dir) / "checkpoints")
     except ValueError as error:
         raise ConfigError(one_line(error)) from None
+
+
+def _check_logger(sinks: list[str]) -> None:
+    """Known sink names, each once; ``wandb`` only where its package imports (it is an optional extra)."""
+    from jppo.runlog import SINKS, import_wandb  # noqa: PLC0415 (an import cycle through jppo.config)
+
+    for name in sinks:
+        _choice("trainer.logger", name, SINKS)
+    if len(set(sinks)) < len(sinks):
+        raise ConfigError(f"trainer.logger={list(sinks)!r} names a sink twice")
+    if "wandb" in sinks:
+        try:
+            import_wandb()
+        except ImportError as error:
+            raise ConfigError(f"trainer.logger={list(sinks)!r}: {error}") from None
 
 
 def _check_batch_sizes(cfg: TrainConfig) -> None:

@@ -131,7 +131,8 @@ def test_resolve_resume(saved, tmp_path):
     with pytest.raises(ValueError, match=r"trainer\.resume=.*absent.*no such checkpoint"):
         resolve_resume(str(tmp_path / "absent"), directory)
     with pytest.raises(ValueError, match=r"trainer\.resume=.*not a complete checkpoint"):
-        resolve_resume(str(directory), directory)  # the run's directory, not one checkpoint in it
+        resolve_resume(str(directory), directory)  # the checkpoints' directory, not one checkpoint in it
+    assert resolve_resume(str(directory.parent), tmp_path) == directory / "5"  # a run directory: its newest
     with pytest.raises(ValueError, match=r"trainer\.resume is empty; valid: auto, never"):
         resolve_resume("", directory)
 

@@ -53,7 +53,7 @@ TINY = [
     "data.num_val_examples=4", "data.val_batch_size=4", "model.hidden_size=16", "model.intermediate_size=32",
     "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=null", "rollout.n=2",
     "rollout.max_response_length=4", "rollout.prompt_bucket=8", "trainer.total_steps=1", "trainer.save_every=0",
-    "trainer.val_every=0", "trainer.plots=false", "trainer.tensorboard=false", "trainer.progress_bar=false",
+    "trainer.val_every=0", "trainer.plots=false", "trainer.logger=[console,jsonl]", "trainer.progress_bar=false",
     "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
 ]
 # Generating a billion prompts is a matter of memory and patience, not of validation: such samples skip

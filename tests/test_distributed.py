@@ -19,7 +19,7 @@ CONFIG = str(ROOT / "configs" / "quickstart.yaml")
 SMALL = [
     "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
     "actor.ppo_micro_batch_size=1", "critic.ppo_micro_batch_size=1", "trainer.plots=false",
-    "trainer.tensorboard=false", "trainer.progress_bar=false", "trainer.val_every=2", "data.num_val_examples=16",
+    "trainer.logger=[console,jsonl]", "trainer.progress_bar=false", "trainer.val_every=2", "data.num_val_examples=16",
     "data.val_batch_size=16",
 ]
 

@@ -50,7 +50,7 @@ class Terminal(io.StringIO):
 
 
 def test_lines_are_strict_json_with_null_for_non_finite(tmp_path):
-    with RunLogger(tmp_path, total_steps=3, tensorboard=False, progress_bar=False) as logger:
+    with RunLogger(tmp_path, total_steps=3, sinks=("jsonl",)) as logger:
         logger.log(1, {"actor/pg_loss": np.float32(0.5), "reward/mean": jnp.asarray(2.0), "count": 3})
         logger.log(2, {"actor/pg_loss": float("nan"), "critic/vf_loss": float("inf"), "x": -float("inf")})
         logger.log(np.int64(3), {})
@@ -62,7 +62,7 @@ def test_lines_are_strict_json_with_null_for_non_finite(tmp_path):
 
 
 def test_each_line_is_flushed_as_it_is_logged(tmp_path):
-    logger = RunLogger(tmp_path, total_steps=5, tensorboard=False, progress_bar=False)
+    logger = RunLogger(tmp_path, total_steps=5, sinks=("jsonl",))
     logger.log(1, {"a": 1.0})
     assert strict_lines(tmp_path / METRICS_FILE) == [{"step": 1, "a": 1.0}]  # before close
     logger.close()
@@ -72,14 +72,14 @@ def test_each_line_is_flushed_as_it_is_logged(tmp_path):
 
 
 def test_resume_drops_the_interrupted_runs_later_steps(tmp_path):
-    with RunLogger(tmp_path, total_steps=10, tensorboard=False, progress_bar=False) as first_run:
+    with RunLogger(tmp_path, total_steps=10, sinks=("jsonl",)) as first_run:
         for step in range(1, 6):
             first_run.log(step, {"a": float(step)})
     with open(tmp_path / METRICS_FILE, "a") as file:
         file.write('{"step": 6, "a": ')  # the crash tore the last line
 
     # The checkpoint was at step 3: the resumed run redoes steps 4, 5, 6 and each step appears once.
-    with RunLogger(tmp_path, total_steps=10, tensorboard=False, progress_bar=False, start_step=4) as resumed:
+    with RunLogger(tmp_path, total_steps=10, sinks=("jsonl",), start_step=4) as resumed:
         for step in (4, 5, 6):
             resumed.log(step, {"a": 10.0 * step})
     assert strict_lines(tmp_path / METRICS_FILE) == [
@@ -88,7 +88,7 @@ def test_resume_drops_the_interrupted_runs_later_steps(tmp_path):
     ]
 
     # A fresh run (start_step 0) into the same directory starts the file over.
-    RunLogger(tmp_path, total_steps=10, tensorboard=False, progress_bar=False).close()
+    RunLogger(tmp_path, total_steps=10, sinks=("jsonl",)).close()
     assert (tmp_path / METRICS_FILE).read_text() == ""
 
 
@@ -103,7 +103,7 @@ def test_read_metrics_skips_only_a_torn_last_line(tmp_path):
 
 def test_tensorboard_scalars_and_purge_on_resume(tmp_path):
     board = tmp_path / "tensorboard"
-    with RunLogger(tmp_path, total_steps=4, progress_bar=False) as logger:
+    with RunLogger(tmp_path, total_steps=4, sinks=("jsonl", "tensorboard")) as logger:
         logger.log(1, {"actor/pg_loss": 0.25, "reward/mean": 1.5})
         logger.log(2, {"actor/pg_loss": -0.5})
     [event_file] = board.glob("events.out.tfevents.*")
@@ -115,7 +115,7 @@ def test_tensorboard_scalars_and_purge_on_resume(tmp_path):
     # so that TensorBoard hides the first run's step 2.
     from tensorboardX.proto.event_pb2 import SessionLog
 
-    with RunLogger(tmp_path, total_steps=4, progress_bar=False, start_step=2) as resumed:
+    with RunLogger(tmp_path, total_steps=4, sinks=("jsonl", "tensorboard"), start_step=2) as resumed:
         resumed.log(2, {"actor/pg_loss": 0.75})
     events = read_events(board)
     assert len(list(board.glob("events.out.tfevents.*"))) == 2
@@ -128,7 +128,7 @@ def test_tensorboard_scalars_and_purge_on_resume(tmp_path):
 
 def test_summary_lines_off_a_terminal(tmp_path):
     stream = io.StringIO()
-    with RunLogger(tmp_path, total_steps=25, tensorboard=False, summary_every=10, stream=stream) as logger:
+    with RunLogger(tmp_path, total_steps=25, sinks=("console", "jsonl"), summary_every=10, stream=stream) as logger:
         for step in range(1, 26):
             metrics = {"reward/mean": 0.5, "actor/pg_loss": -0.0123, "critic/vf_loss": 2.0, "actor/ppo_kl": 4e-4}
             logger.log(step, metrics if step != 20 else {"other": 1.0})
@@ -145,7 +145,7 @@ def test_summary_lines_off_a_terminal(tmp_path):
 
 def test_progress_bar_on_a_terminal(tmp_path):
     terminal = Terminal()
-    with RunLogger(tmp_path, total_steps=10, tensorboard=False, stream=terminal, start_step=4) as logger:
+    with RunLogger(tmp_path, total_steps=10, sinks=("console", "jsonl"), stream=terminal, start_step=4) as logger:
         for step in (4, 5):
             logger.log(step, {"reward/mean": 0.75, "actor/ppo_kl": 0.001})
     output = terminal.getvalue()
@@ -155,7 +155,7 @@ def test_progress_bar_on_a_terminal(tmp_path):
 
 def test_disabled_outputs_and_non_main_process(tmp_path):
     stream = io.StringIO()
-    with RunLogger(tmp_path, total_steps=2, tensorboard=False, progress_bar=False, stream=stream) as logger:
+    with RunLogger(tmp_path, total_steps=2, sinks=("jsonl",), stream=stream) as logger:
         logger.log(2, {"reward/mean": 1.0})
     assert stream.getvalue() == "" and not (tmp_path / "tensorboard").exists()
 
@@ -168,7 +168,7 @@ def test_disabled_outputs_and_non_main_process(tmp_path):
 
 
 def test_bad_input_is_a_one_line_error(tmp_path):
-    with RunLogger(tmp_path, total_steps=5, tensorboard=False, progress_bar=False, start_step=2) as logger:
+    with RunLogger(tmp_path, total_steps=5, sinks=("jsonl",), start_step=2) as logger:
         with pytest.raises(ValueError, match=r"step=1 is invalid: expected an integer >= start_step 2"):
             logger.log(1, {})
         with pytest.raises(ValueError, match=r"step='3' is invalid"):
@@ -189,11 +189,11 @@ def test_bad_input_is_a_one_line_error(tmp_path):
 def test_step_zero_holds_what_is_measured_before_training(tmp_path):
     """A fresh run logs validation before training at step 0 (verl's global step 0); a resumed run keeps it."""
     stream = io.StringIO()
-    with RunLogger(tmp_path, total_steps=3, tensorboard=False, stream=stream) as logger:
+    with RunLogger(tmp_path, total_steps=3, sinks=("console", "jsonl"), stream=stream) as logger:
         logger.log(0, {"val/reward/mean": 0.25})
         logger.log(1, {"reward/mean": 0.5})
     assert stream.getvalue().splitlines()[0] == "step 0/3 | before training"
     assert re.match(r"step 1/3 \| [-+0-9.e]+ s/step \| eta ", stream.getvalue().splitlines()[1])
-    with RunLogger(tmp_path, total_steps=3, tensorboard=False, progress_bar=False, start_step=2) as resumed:
+    with RunLogger(tmp_path, total_steps=3, sinks=("jsonl",), start_step=2) as resumed:
         resumed.log(2, {"reward/mean": 0.75})
     assert [record["step"] for record in read_metrics(tmp_path / METRICS_FILE)] == [0, 1, 2]

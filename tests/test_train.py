@@ -26,7 +26,7 @@ GRPO = ROOT / "configs" / "quickstart_grpo.yaml"
 SMALL = [
     "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
     "actor.ppo_micro_batch_size=1", "critic.ppo_micro_batch_size=1", "trainer.val_every=0", "trainer.plots=false",
-    "trainer.tensorboard=false", "trainer.progress_bar=false",
+    "trainer.logger=[console,jsonl]", "trainer.progress_bar=false",
 ]
 
 
@@ -42,7 +42,7 @@ def deterministic(metrics: dict) -> dict:
 
 
 def test_quickstart_smoke_writes_metrics_checkpoints_plots_and_config(tmp_path):
-    rows = train(tmp_path, "trainer.total_steps=2", "trainer.plots=true", "trainer.tensorboard=true",
+    rows = train(tmp_path, "trainer.total_steps=2", "trainer.plots=true", "trainer.logger=[console,jsonl,tensorboard]",
                  "trainer.val_every=2", "data.num_val_examples=16", "data.val_batch_size=16", "trainer.export_hf=true")
     assert [row["step"] for row in rows] == [1, 2]
     for name in ("reward/mean", "actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm",
@@ -62,7 +62,7 @@ def test_validation_before_training_is_logged_at_step_zero_and_plotted(tmp_path)
     """``trainer.val_before_train`` validates the initial policy and logs it at step 0 (verl's global step 0); the
     plots show it, and a resumed run does not repeat it."""
     val = ["trainer.val_before_train=true", "data.num_val_examples=16", "data.val_batch_size=16"]
-    rows = train(tmp_path, "trainer.total_steps=1", "trainer.plots=true", "trainer.tensorboard=true", *val)
+    rows = train(tmp_path, "trainer.total_steps=1", "trainer.plots=true", "trainer.logger=[console,jsonl,tensorboard]", *val)
     assert [row["step"] for row in rows] == [0, 1]
     assert set(rows[0]) == {"step", "val/reward/mean", "val/accuracy"} and 0 <= rows[0]["val/reward/mean"] <= 1
     assert (tmp_path / "plots" / "validation.png").is_file()

@@ -26,7 +26,7 @@ from jppo.train import run, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {"ppo": ROOT / "configs" / "quickstart.yaml", "grpo": ROOT / "configs" / "quickstart_grpo.yaml"}
-QUIET = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.plots=false", "trainer.tensorboard=false",
+QUIET = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.plots=false", "trainer.logger=[console,jsonl]",
          "trainer.progress_bar=false", "trainer.save_every=0"]
 ROLES = ("actor", "critic")
 
