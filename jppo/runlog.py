@@ -279,7 +279,7 @@ class WandbSink:
     def __init__(self, output_dir: Path, project: str, name: str, config: Mapping[str, Any] | None):
         self._wandb = import_wandb()
         id_file = output_dir / WANDB_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.is_file() else self._wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
         self._run = self._wandb.init(
             project=project, name=name, id=run_id, resume="allow", config=dict(config or {}),

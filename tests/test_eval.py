@@ -93,7 +93,8 @@ def test_eval_of_a_checkpoint_equals_the_trainers_validation_of_it(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.val_n=0"], "rollout.val_n=0"),
-    (["data.task=files", "data.train_files={prompts}", "trainer.val_every=0"], "data.val_files is not set"),
+    (["data.task=files", "data.train_files={prompts}", "trainer.val_every=0",
+      "model.tokenizer=builtin:reverse_digits"], "data.val_files is not set"),
     (["trainer.resume={missing}"], "trainer.resume="),
 ])
 def test_bad_config_exits_2_with_one_line(tmp_path, capsys, overrides, message):
