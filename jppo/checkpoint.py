@@ -166,6 +166,29 @@ def resolve_resume(resume: str, directory: str | os.PathLike) -> int | Path | No
     return _complete_checkpoint(path, "trainer.resume")
 
 
+def committed_steps(directory: str | os.PathLike) -> list[int]:
+    """The committed steps of a run's checkpoint directory, oldest first, read without a manager (so nothing
+    there is cleaned up: a run may still be writing)."""
+    directory = Path(directory)
+    return sorted(ocp.path.step.checkpoint_steps(directory)) if directory.is_dir() else []
+
+
+def restore_part(path: str | os.PathLike, target: PyTree) -> PyTree:
+    """Only the arrays of ``target`` from the state of the complete checkpoint directory ``path``: ``target`` is
+    a sub-tree of the saved state as nested dicts (e.g. ``{"actor": {"params": ...}}``) whose leaves are
+    ``jax.ShapeDtypeStruct`` with shardings. Nothing else (optimizer moments, the critic) is read."""
+    path = _complete_checkpoint(Path(path), "checkpoint")
+    abstract = jax.tree_util.tree_map_with_path(_abstract_leaf, target)
+    args = ocp.args.PyTreeRestore(
+        item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True
+    )
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    try:
+        return checkpointer.restore((path / STATE_ITEM).absolute(), args=args)
+    finally:
+        checkpointer.close()
+
+
 def _complete_checkpoint(path: Path, name: str) -> Path:
     """``path`` itself when it is a committed checkpoint with both items, else a one-line error naming ``name``."""
     if not path.is_dir():

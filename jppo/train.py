@@ -33,11 +33,13 @@ from jppo import build, distributed
 from jppo.checkpoint import CheckpointManager, resolve_resume
 from jppo.collect import Collector, PhaseTimer, collect, kl_controller, validate
 from jppo.config import ConfigError, TrainConfig, check_mesh, load_config, save_config, to_dict
+from jppo.data import Tokenizer
 from jppo.distributed import DistributedError
 from jppo.engine import init_train_state
+from jppo.export import export_policy
 from jppo.learn import Learner, learn
 from jppo.mesh import make_mesh
-from jppo.models import CheckpointError, save_pretrained
+from jppo.models import CheckpointError
 from jppo.runlog import RunLogger
 from jppo.state import RunState, init_run_state
 from jppo.views import engine_view
@@ -113,7 +115,7 @@ def run(
                 hook(state.steps_done, total, state, metrics)
     manager.close()
     if cfg.trainer.export_hf:
-        export(policy, state.actor.params, out / "hf")
+        export(policy, state.actor.params, cfg, inputs.tokenizer, out / "hf")
     if cfg.trainer.plots and main:
         from jppo.plot import plot_run
 
@@ -147,11 +149,14 @@ def save(manager: CheckpointManager, state: RunState, cfg: TrainConfig) -> None:
         manager.save(step, state, {"step": step, "config": to_dict(cfg)})
 
 
-def export(graphdef: nnx.GraphDef, params: nnx.State, path: pathlib.Path) -> None:
-    """The policy as a Hugging Face directory (parameters gathered tensor by tensor; the main process writes)."""
+def export(
+    graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainConfig, tokenizer: Tokenizer, path: pathlib.Path
+) -> None:
+    """The policy as a Hugging Face directory, as ``python -m jppo.export`` writes it (parameters gathered tensor
+    by tensor; the main process writes)."""
     params = jax.tree.map(gather_to_host, params)
     if jax.process_index() == 0:
-        save_pretrained(nnx.merge(graphdef, params), path)
+        export_policy(nnx.merge(graphdef, params), cfg, tokenizer, path)
 
 
 def gather_to_host(array: jax.Array) -> np.ndarray:

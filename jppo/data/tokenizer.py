@@ -80,6 +80,29 @@ class CharTokenizer:
                 pieces.append(self.alphabet[token - len(self.SPECIAL_TOKENS)])
         return "".join(pieces)
 
+    def hf_files(self) -> dict[str, str]:
+        """This vocabulary as Hugging Face tokenizer files (``tokenizer.json``, ``tokenizer_config.json``):
+        ``AutoTokenizer`` encodes and decodes every text of the alphabet to the same ids.
+
+        A word-level model over single characters (every character split off on its own), the three special
+        tokens as added tokens, ``<bos>`` prepended when special tokens are added (as :meth:`encode` does), and a
+        decoder that joins the pieces without spaces."""
+        vocab = {token: i for i, token in enumerate(self.SPECIAL_TOKENS)} | {c: i for c, i in self._id_of.items()}
+        tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=None))
+        tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+        tokenizer.decoder = tokenizers.decoders.Fuse()
+        tokenizer.add_special_tokens(
+            [tokenizers.AddedToken(token, special=True, normalized=False) for token in self.SPECIAL_TOKENS]
+        )
+        bos = self.SPECIAL_TOKENS[self.bos_id]
+        tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, self.bos_id)]
+        )
+        names = ("pad_token", "bos_token", "eos_token")
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                  **{name: self.SPECIAL_TOKENS[i] for name, i in zip(names, (self.pad_id, self.bos_id, self.eos_id))}}
+        return {"tokenizer.json": tokenizer.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+
     def apply_chat_template(self, messages: list[dict], **template_kwargs: Any) -> str:
         raise ValueError(
             "the built-in character tokenizer has no chat template: set data.apply_chat_template=false, "

@@ -2,7 +2,7 @@
 
 from jppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
 from jppo.models.decoder import CausalLM, KVCache, ValueModel
-from jppo.models.hf import CheckpointError, load_pretrained, save_pretrained
+from jppo.models.hf import CheckpointError, load_pretrained, read_config, save_pretrained
 from jppo.models.log_probs import token_log_probs
 from jppo.models.sharding import create_model, param_shardings, partition_specs
 
@@ -16,6 +16,7 @@ __all__ = [
     "ValueModel",
     "create_model",
     "load_pretrained",
+    "read_config",
     "param_shardings",
     "partition_specs",
     "save_pretrained",

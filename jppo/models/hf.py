@@ -19,9 +19,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES, ModelConfig
 from jppo.models.decoder import CausalLM, ValueHead, ValueModel
-from jppo.models.safetensors_io import SafetensorsFile, write_safetensors
+from jppo.models.safetensors_io import SafetensorsFile, write_sharded_safetensors
 from jppo.models.sharding import variable_spec
 
 Array = jax.Array
@@ -99,7 +99,9 @@ class _Checkpoint:
         return self._files[filename].tensor(name)
 
 
-def _read_config(path: pathlib.Path, **overrides) -> ModelConfig:
+def read_config(path: PathLike, **overrides) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint directory's ``config.json`` (``overrides``: jppo-only fields)."""
+    path = pathlib.Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
         raise CheckpointError(f"missing config.json in {path}")
@@ -162,7 +164,7 @@ def load_pretrained(
         raise ValueError(f"unknown head {head!r}; valid: {', '.join(HEADS)}")
     path = pathlib.Path(path)
     overrides = {key: value for key, value in (("dtype", dtype), ("param_dtype", param_dtype)) if value is not None}
-    config = _read_config(path, **overrides)
+    config = read_config(path, **overrides)
     checkpoint = _Checkpoint(path)
     cls = HEADS[head]
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(seed))))
@@ -185,17 +187,25 @@ def load_pretrained(
     return nnx.merge(graphdef, nnx.map_state(load, abstract))
 
 
-def save_pretrained(model: CausalLM | ValueModel, path: PathLike) -> None:
-    """Writes ``config.json`` and ``model.safetensors`` (weights in the parameter dtype) that transformers
-    loads: a :class:`CausalLM` as ``*ForCausalLM``, a :class:`ValueModel` as ``*ForTokenClassification``.
+def save_pretrained(
+    model: CausalLM | ValueModel, path: PathLike, *, dtype: str | None = None, max_shard_bytes: int | None = None
+) -> list[str]:
+    """Writes ``config.json`` and the weights that transformers loads: a :class:`CausalLM` as ``*ForCausalLM``, a
+    :class:`ValueModel` as ``*ForTokenClassification``; returns the names of the files written.
 
-    One jppo parameter at a time is gathered to the host (single-process only)."""
+    ``dtype``: the stored dtype (default: the parameter dtype), also written as the config's ``dtype``.
+    ``max_shard_bytes``: above it the weights are cut into shards plus ``model.safetensors.index.json``
+    (default: one ``model.safetensors``). One jppo parameter at a time is gathered to the host
+    (single-process only)."""
     head = {CausalLM: "lm", ValueModel: "value"}.get(type(model))
     if head is None:
         raise CheckpointError(f"cannot save a {type(model).__name__}; expected CausalLM or ValueModel")
+    config = model.config
+    dtype = dtype or config.param_dtype
+    if dtype not in DTYPES:
+        raise CheckpointError(f"cannot save weights as dtype={dtype!r}; valid: {', '.join(DTYPES)}")
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = model.config
     table = HF_TENSOR_NAMES[config.model_type]
     layout, sources = [], {}
     for path_parts, variable in nnx.to_flat_state(nnx.state(model)):
@@ -204,7 +214,7 @@ def save_pretrained(model: CausalLM | ValueModel, path: PathLike) -> None:
         stacked = key.startswith("decoder.layers.")
         per_layer = variable.shape[1:] if stacked else variable.shape
         for layer, name in enumerate(names):
-            layout.append((name, per_layer[::-1] if transposed else per_layer, np.dtype(variable.dtype)))
+            layout.append((name, per_layer[::-1] if transposed else per_layer, np.dtype(DTYPES[dtype])))
             sources[name] = (variable, layer if stacked else None, transposed)
 
     host: dict[int, np.ndarray] = {}
@@ -217,5 +227,6 @@ def save_pretrained(model: CausalLM | ValueModel, path: PathLike) -> None:
         array = host[id(variable)] if layer is None else host[id(variable)][layer]
         return array.T if transposed else array
 
-    (path / "config.json").write_text(json.dumps(config.to_hf(head), indent=2) + "\n")
-    write_safetensors(path / "model.safetensors", layout, fetch)
+    hf_config = config.to_hf(head) | {"dtype": dtype}
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    return ["config.json", *write_sharded_safetensors(path, layout, fetch, max_shard_bytes)]

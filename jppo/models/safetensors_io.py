@@ -5,6 +5,9 @@ A safetensors file is an 8-byte little-endian header size ``n``, ``n`` bytes of 
 end of the header), then the raw little-endian tensor bytes. Reading memory-maps the file, so slicing a tensor
 reads only the pages of the slice: each device's shard of a large checkpoint is read on its own. Writing
 streams one tensor at a time. (The ``safetensors`` package's numpy API cannot represent bfloat16.)
+
+A checkpoint larger than a shard limit is cut, as transformers cuts it, into ``model-0000i-of-0000n.safetensors``
+files plus ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``).
 """
 
 from __future__ import annotations
@@ -88,3 +91,52 @@ def write_safetensors(
             if array.shape != tuple(shape):
                 raise ValueError(f"tensor {name}: layout says shape {tuple(shape)}, got {array.shape}")
             f.write(array.tobytes())  # DTYPES are little-endian (bfloat16: native, little-endian on x86/arm)
+
+
+Layout = list[tuple[str, tuple[int, ...], np.dtype]]
+
+
+def tensor_bytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def plan_shards(layout: Iterable[tuple[str, tuple[int, ...], np.dtype]], max_shard_bytes: int | None) -> list[Layout]:
+    """``layout`` cut, in order, into shards of at most ``max_shard_bytes`` each (``None``: one shard). A tensor is
+    never split: one larger than the limit is a shard of its own (as transformers does)."""
+    shards: list[Layout] = [[]]
+    size = 0
+    for entry in layout:
+        nbytes = tensor_bytes(entry[1], entry[2])
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return shards
+
+
+def write_sharded_safetensors(
+    directory: str | pathlib.Path,
+    layout: Iterable[tuple[str, tuple[int, ...], np.dtype]],
+    fetch: Callable[[str], np.ndarray],
+    max_shard_bytes: int | None = None,
+    prefix: str = "model",
+) -> list[str]:
+    """Writes ``layout`` into ``directory`` as ``{prefix}.safetensors``, or, when it exceeds ``max_shard_bytes``,
+    as numbered shards plus ``{prefix}.safetensors.index.json``; returns the file names written."""
+    directory = pathlib.Path(directory)
+    layout = list(layout)
+    shards = plan_shards(layout, max_shard_bytes)
+    if len(shards) == 1:
+        write_safetensors(directory / f"{prefix}.safetensors", shards[0], fetch)
+        return [f"{prefix}.safetensors"]
+    names = [f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        write_safetensors(directory / name, shard, fetch)
+        weight_map.update(dict.fromkeys((entry[0] for entry in shard), name))
+    index = {"metadata": {"total_size": sum(tensor_bytes(shape, dtype) for _, shape, dtype in layout)},
+             "weight_map": weight_map}
+    index_name = f"{prefix}.safetensors.index.json"
+    (directory / index_name).write_text(json.dumps(index, indent=2) + "\n")
+    return [*names, index_name]
