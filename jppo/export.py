@@ -122,7 +122,9 @@ def restore_policy(checkpoint: pathlib.Path, cfg: TrainConfig, tokenizer: Tokeni
         lambda leaf: {"value": jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=cpu)}, nnx.to_pure_dict(abstract)
     )
     restored = restore_part(checkpoint, {"actor": {"params": target}})["actor"]["params"]
-    pure = jax.tree.map(lambda leaf: leaf["value"], restored, is_leaf=lambda node: isinstance(node, dict) and "value" in node)
+    pure = jax.tree.map(
+        lambda leaf: leaf["value"], restored, is_leaf=lambda node: isinstance(node, dict) and "value" in node
+    )
     nnx.replace_by_pure_dict(abstract, pure)
     return nnx.merge(graphdef, abstract)
 
