@@ -56,7 +56,7 @@ def transformers_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
 
 def test_quickstart_run_exports_a_directory_transformers_loads_and_generates_from_as_jppo(tmp_path):
     run_dir, out = tmp_path / "run", tmp_path / "hf"
-    cfg = load_config(QUICKSTART, [*SMALL, f"trainer.output_dir={run_dir}", "trainer.total_steps=2",
+    cfg = load_config(QUICKSTART, [*SMALL, f"trainer.output_dir={run_dir}", "trainer.total_steps=1",
                                    "trainer.export_hf=true"])
     inputs = build.load_inputs(cfg)
     run(cfg, check_mesh(cfg, jax.device_count()), inputs)
@@ -65,7 +65,7 @@ def test_quickstart_run_exports_a_directory_transformers_loads_and_generates_fro
     # jppo's trained policy as the trainer itself resumes it
     state, _, _, graphdef = setup(cfg, make_mesh(*check_mesh(cfg, jax.device_count())), inputs)
     with CheckpointManager(run_dir / "checkpoints") as manager:
-        state, _ = manager.restore(2, state)
+        state, _ = manager.restore(1, state)
     policy = nnx.merge(graphdef, state.actor.params)
 
     tokenizer = inputs.tokenizer
