@@ -29,7 +29,7 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 SMALL = [
     "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
     "actor.ppo_micro_batch_size=1", "critic.ppo_micro_batch_size=1", "trainer.val_every=0", "trainer.plots=false",
-    "trainer.tensorboard=false", "trainer.progress_bar=false",
+    "trainer.logger=[jsonl]",
 ]
 PROMPTS = ["3051=", "12345=", "907=", "8642="]
 MAX_NEW_TOKENS = 6
