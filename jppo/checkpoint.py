@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils.epath import Path
+
+from jppo.paths import run_path
 
 PyTree = Any
 
@@ -44,7 +46,7 @@ class CheckpointManager:
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep={max_to_keep} is invalid: keep at least 1 checkpoint")
         self._manager = ocp.CheckpointManager(
-            Path(directory).absolute(),
+            run_path(directory),  # a local folder or a cloud URI (every host must see the same one)
             item_names=(STATE_ITEM, META_ITEM),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep,
@@ -56,7 +58,7 @@ class CheckpointManager:
 
     @property
     def directory(self) -> Path:
-        return Path(self._manager.directory)
+        return run_path(self._manager.directory)
 
     def save(self, step: int, state: PyTree, meta: dict) -> Path:
         """Writes checkpoint ``step`` and returns its directory once committed; prunes beyond ``max_to_keep``.
@@ -108,7 +110,7 @@ class CheckpointManager:
             if step not in self._manager.all_steps():
                 raise KeyError(f"no checkpoint step {step} in {self.directory}; committed steps: {self.all_steps()}")
             return self._manager.restore(int(step), args=args)
-        return _read_path(Path(step), args)
+        return _read_path(step, args)
 
     def close(self) -> None:
         self._manager.close()
@@ -123,7 +125,7 @@ class CheckpointManager:
 def restore_checkpoint(path: str | os.PathLike, target: PyTree) -> tuple[PyTree, dict]:
     """``(state, meta)`` of the checkpoint directory ``path``, read without a manager (nothing in its directory is
     touched: a run may be writing there), into ``target`` as :meth:`CheckpointManager.restore` does."""
-    restored = _read_path(Path(path), _restore_args(target))
+    restored = _read_path(path, _restore_args(target))
     return restored[STATE_ITEM], restored[META_ITEM]
 
 
@@ -132,11 +134,11 @@ def _restore_args(target: PyTree) -> ocp.args.Composite:
     return ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract), META_ITEM: ocp.args.JsonRestore()})
 
 
-def _read_path(path: Path, args: ocp.args.Composite) -> ocp.args.Composite:
-    path = _complete_checkpoint(path, "checkpoint")
+def _read_path(path: str | os.PathLike, args: ocp.args.Composite) -> ocp.args.Composite:
+    path = _complete_checkpoint(run_path(path), "checkpoint")  # a local folder or a gs:// URI
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
     try:
-        return checkpointer.restore(path.absolute(), args=args)
+        return checkpointer.restore(path, args=args)
     finally:
         checkpointer.close()
 
@@ -152,24 +154,22 @@ def resolve_resume(resume: str, directory: str | os.PathLike) -> int | Path | No
     if resume == "never":
         return None
     if resume == "auto":
-        directory = Path(directory)
-        steps = ocp.path.step.checkpoint_steps(directory) if directory.is_dir() else []
-        return max(steps, default=None)
+        return max(committed_steps(directory), default=None)
     if not resume:
         raise ValueError(f"trainer.resume is empty; valid: {', '.join(RESUME_CHOICES)} or a checkpoint directory")
-    path = Path(resume)
+    path = run_path(resume)
     if (path / "checkpoints").is_dir() and not (path / STATE_ITEM).is_dir():  # a run's output directory
-        steps = ocp.path.step.checkpoint_steps(path / "checkpoints")
+        steps = committed_steps(path / "checkpoints")
         if not steps:
             raise ValueError(f"trainer.resume={resume!r}: the run directory holds no complete checkpoint")
-        path = path / "checkpoints" / str(max(steps))
+        path = path / "checkpoints" / str(steps[-1])
     return _complete_checkpoint(path, "trainer.resume")
 
 
 def committed_steps(directory: str | os.PathLike) -> list[int]:
-    """The committed steps of a run's checkpoint directory, oldest first, read without a manager (so nothing
-    there is cleaned up: a run may still be writing)."""
-    directory = Path(directory)
+    """The committed steps of a run's checkpoint directory (a local folder or a gs:// URI), oldest first, read
+    without a manager (so nothing there is cleaned up: a run may still be writing)."""
+    directory = run_path(directory)
     return sorted(ocp.path.step.checkpoint_steps(directory)) if directory.is_dir() else []
 
 
@@ -177,14 +177,14 @@ def restore_part(path: str | os.PathLike, target: PyTree) -> PyTree:
     """Only the arrays of ``target`` from the state of the complete checkpoint directory ``path``: ``target`` is
     a sub-tree of the saved state as nested dicts (e.g. ``{"actor": {"params": ...}}``) whose leaves are
     ``jax.ShapeDtypeStruct`` with shardings. Nothing else (optimizer moments, the critic) is read."""
-    path = _complete_checkpoint(Path(path), "checkpoint")
+    path = _complete_checkpoint(run_path(path), "checkpoint")
     abstract = jax.tree_util.tree_map_with_path(_abstract_leaf, target)
     args = ocp.args.PyTreeRestore(
         item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True
     )
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     try:
-        return checkpointer.restore((path / STATE_ITEM).absolute(), args=args)
+        return checkpointer.restore(path / STATE_ITEM, args=args)
     finally:
         checkpointer.close()
 

@@ -12,9 +12,11 @@ is compiled.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 from typing import Any, Optional, Sequence
 
+from etils import epath
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -260,6 +262,6 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def save_config(cfg: TrainConfig, path: str | pathlib.Path) -> None:
+def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
     """The resolved configuration as YAML (what the run actually used)."""
-    pathlib.Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    epath.Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

@@ -16,7 +16,8 @@ actor's parameters are read from the checkpoint, onto the CPU (no optimizer is b
   ``tokenizer.json`` that encodes and decodes the same ids.
 
 Everything is written into a temporary sibling directory that is renamed to ``OUT_DIR`` once complete, so a
-reader never sees half an export. The trainer's end-of-run export (``trainer.export_hf``) calls
+reader never sees half an export. ``OUT_DIR`` may be a ``gs://`` URI (written through ``etils.epath``); an object
+store has no directory rename, so there the files are written in place (see :func:`write_atomically`). The trainer's end-of-run export (``trainer.export_hf``) calls
 :func:`export_policy` too. Errors are one line, exit status 2.
 """
 
@@ -27,12 +28,12 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import sys
 import tempfile
 from typing import Callable, Optional, Sequence
 
 import jax
+from etils import epath
 from flax import nnx
 
 from jppo import build
@@ -42,6 +43,7 @@ from jppo.data import CharTokenizer, Tokenizer, load_tokenizer
 from jppo.errors import ConfigError, one_line
 from jppo.models import CausalLM, CheckpointError, ModelConfig, read_config, save_pretrained
 from jppo.models.config import DTYPES
+from jppo.paths import is_remote, run_path
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 # transformers' spelling of sizes: decimal KB/MB/GB, binary KiB/MiB/GiB
@@ -66,7 +68,7 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * SIZE_UNITS[unit])
 
 
-def find_checkpoint(source: pathlib.Path, step: Optional[int] = None) -> pathlib.Path:
+def find_checkpoint(source: epath.Path, step: Optional[int] = None) -> epath.Path:
     """The checkpoint directory ``source`` names: a run directory's newest committed step (or ``step``), or
     ``source`` itself when it is a checkpoint directory."""
     if (source / "checkpoints").is_dir():
@@ -87,9 +89,9 @@ def find_checkpoint(source: pathlib.Path, step: Optional[int] = None) -> pathlib
     )
 
 
-def run_config(checkpoint: pathlib.Path) -> TrainConfig:
+def run_config(checkpoint: epath.Path) -> TrainConfig:
     """The configuration of the run that wrote ``checkpoint`` (``RUN/checkpoints/<step>``): ``RUN/config.yaml``."""
-    path = checkpoint.absolute().parent.parent / "config.yaml"
+    path = run_path(checkpoint).parent.parent / "config.yaml"
     if not path.is_file():
         raise ExportError(f"no config.yaml of the run next to checkpoints/ (looked for {str(path)!r})")
     return load_config(path)
@@ -112,7 +114,7 @@ def policy_config(cfg: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
     return build.random_model_config(cfg, tokenizer)
 
 
-def restore_policy(checkpoint: pathlib.Path, cfg: TrainConfig, tokenizer: Tokenizer) -> CausalLM:
+def restore_policy(checkpoint: epath.Path, cfg: TrainConfig, tokenizer: Tokenizer) -> CausalLM:
     """The actor of ``checkpoint`` as a :class:`CausalLM` on the first CPU device: only ``actor.params`` is read."""
     abstract_model = nnx.eval_shape(lambda: CausalLM(policy_config(cfg, tokenizer), rngs=nnx.Rngs(0)))
     graphdef, abstract = nnx.split(abstract_model, nnx.Param)
@@ -143,7 +145,7 @@ def generation_config(tokenizer: Tokenizer, config: ModelConfig, source: Optiona
     return gen
 
 
-def write_tokenizer(tokenizer: Tokenizer, spec: str, directory: pathlib.Path) -> list[str]:
+def write_tokenizer(tokenizer: Tokenizer, spec: str, directory: epath.Path) -> list[str]:
     """The tokenizer files: copied from the tokenizer directory ``spec``, or made for a built-in vocabulary."""
     if isinstance(tokenizer, CharTokenizer):
         files = tokenizer.hf_files()
@@ -151,37 +153,49 @@ def write_tokenizer(tokenizer: Tokenizer, spec: str, directory: pathlib.Path) ->
             (directory / name).write_text(text, encoding="utf-8")
         return list(files)
     copied = [name for name in TOKENIZER_FILES if (pathlib.Path(spec) / name).is_file()]
-    for name in copied:
-        shutil.copyfile(pathlib.Path(spec) / name, directory / name)
+    for name in copied:  # read locally, written through epath (``directory`` may be a gs:// URI)
+        (directory / name).write_bytes((pathlib.Path(spec) / name).read_bytes())
     return copied
 
 
-def write_atomically(out: pathlib.Path, write: Callable[[pathlib.Path], list[str]], replace: bool) -> list[str]:
+def write_atomically(
+    out: str | os.PathLike, write: Callable[[epath.Path], list[str]], replace: bool
+) -> list[str]:
     """``write(tmp)`` into a new sibling of ``out``, then the rename of that directory to ``out`` (an existing
-    ``out`` is replaced only when ``replace``, else it must be empty or absent)."""
-    out = out.absolute()
+    ``out`` is replaced only when ``replace``, else it must be empty or absent).
+
+    A ``gs://`` ``out`` is not atomic: an object store cannot rename a directory (a "rename" copies every object),
+    so the files are written straight into ``out`` (after any existing ``out`` is deleted) and a reader may see a
+    partial export until this returns; a failed export is deleted."""
+    out = run_path(out)
     if out.exists() and not replace and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"output directory {str(out)!r} exists and is not empty: choose another, or --overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    if is_remote(out):
+        if out.exists():
+            out.rmtree()
+        tmp = out
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = epath.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         files = write(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp's directory is private to its owner; an export is for other tools too
-        if out.exists():
-            old = tmp.with_name(tmp.name + "-old")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+        if tmp != out:
+            os.chmod(tmp, 0o755)  # mkdtemp's directory is private to its owner; an export is for other tools too
+            if out.exists():
+                old = tmp.with_name(tmp.name + "-old")
+                out.rename(old)
+                tmp.rename(out)
+                old.rmtree()
+            else:
+                tmp.rename(out)
         return files
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.rmtree(missing_ok=True)
         raise
 
 
 def export_policy(
-    model: CausalLM, cfg: TrainConfig, tokenizer: Tokenizer, out: str | pathlib.Path, *, dtype: Optional[str] = None,
+    model: CausalLM, cfg: TrainConfig, tokenizer: Tokenizer, out: str | os.PathLike, *, dtype: Optional[str] = None,
     max_shard_bytes: Optional[int] = None, replace: bool = True,
 ) -> list[str]:
     """Writes ``model`` (host arrays), its generation config and tokenizer into ``out`` atomically; returns the
@@ -193,13 +207,13 @@ def export_policy(
     spec = build.tokenizer_spec(cfg)
     source = pathlib.Path(cfg.model.path) if cfg.model.path else None
 
-    def write(directory: pathlib.Path) -> list[str]:
+    def write(directory: epath.Path) -> list[str]:
         files = save_pretrained(model, directory, dtype=dtype, max_shard_bytes=shard)
         gen = generation_config(tokenizer, model.config, source)
         (directory / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         return [*files, "generation_config.json", *write_tokenizer(tokenizer, spec, directory)]
 
-    return write_atomically(pathlib.Path(out), write, replace)
+    return write_atomically(out, write, replace)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -220,7 +234,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         max_shard_bytes = parse_size(args.max_shard_size)
-        checkpoint = find_checkpoint(pathlib.Path(args.source), args.step)
+        checkpoint = find_checkpoint(run_path(args.source), args.step)
         cfg = run_config(checkpoint)
         tokenizer = load_tokenizer(build.tokenizer_spec(cfg))
         model = restore_policy(checkpoint, cfg, tokenizer)

@@ -22,13 +22,13 @@ import dataclasses
 import math
 import os
 import sys
-from pathlib import Path
-
 import numpy as np
+from etils.epath import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from jppo.paths import run_path
 from jppo.runlog import METRICS_FILE, read_metrics
 
 PLOTS_DIR = "plots"
@@ -77,7 +77,7 @@ def load_series(run_dir: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.nd
 
     Raises ``FileNotFoundError`` (no directory or no ``metrics.jsonl``) or ``ValueError`` (no records), one line each.
     """
-    run_dir = Path(run_dir)
+    run_dir = run_path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
     path = run_dir / METRICS_FILE
@@ -97,7 +97,8 @@ def load_series(run_dir: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.nd
 def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     """Writes the :data:`FIGURES` whose metrics the run has into ``run_dir/plots/``; returns their paths."""
     series = load_series(run_dir)
-    out_dir = Path(run_dir) / PLOTS_DIR
+    run_dir = run_path(run_dir)
+    out_dir = run_dir / PLOTS_DIR
     written = []
     for file_name, chart_names in FIGURES.items():
         charts = [CHARTS[name] for name in chart_names if any(m in series for m in CHARTS[name].metrics())]
@@ -105,7 +106,9 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
             continue
         out_dir.mkdir(exist_ok=True)
         path = out_dir / file_name
-        _draw(charts, series, title=f"{Path(run_dir).resolve().name}: {file_name[:-4].replace('_', ' ')}").savefig(path)
+        figure = _draw(charts, series, title=f"{run_dir.name}: {file_name[:-4].replace('_', ' ')}")
+        with path.open("wb") as handle:  # through epath: a local file or a cloud object
+            figure.savefig(handle, format="png")
         written.append(path)
     return written
 

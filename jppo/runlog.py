@@ -18,6 +18,12 @@ TensorBoard is told to hide that run's events from ``start_step`` on, so each st
 
 ``metrics.jsonl`` holds one JSON object per line, ``{"step": 12, "actor/pg_loss": -0.01, ...}``, flushed as it is
 written. NaN and infinities are not valid JSON; they are written as ``null`` (TensorBoard still gets the float).
+
+``output_dir`` may be a cloud URI (``gs://bucket/run``). Objects there cannot be appended to, and TensorBoard's
+writer only writes local files, so the sinks then write into a local staging folder and, after every logged step
+and on close, the logger copies each staged file that changed (``metrics.jsonl``, ``generations/step_N.jsonl``,
+the event files, ``wandb_run_id``) over the object of the same name; wandb's own ``wandb/`` folder stays local
+(wandb syncs it itself). A resumed run first copies down the files the sinks resume from (:data:`RESUMED_FILES`).
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ import json
 import math
 import operator
 import os
+import shutil
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -34,11 +42,15 @@ from typing import Any, Mapping, Sequence, TextIO
 
 from tqdm import tqdm
 
+from jppo.paths import is_remote, run_path
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 GENERATIONS_DIR = "generations"
 WANDB_ID_FILE = "wandb_run_id"  # the wandb run a resumed run continues
 SINKS = ("console", "jsonl", "tensorboard", "wandb")
+RESUMED_FILES = (METRICS_FILE, WANDB_ID_FILE)  # what a sink reads back when a run resumes
+WANDB_FILES_DIR = "wandb"  # wandb's local files (when WANDB_DIR is unset), synced by wandb, not copied
 DEFAULT_SINKS = ("console", "jsonl", "tensorboard")
 # Shown next to the progress bar and in summary lines, under these short names, when a step reports them.
 KEY_METRICS: dict[str, str] = {
@@ -54,7 +66,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 
     A torn last line, left by a crash in the middle of a write, is skipped; any other unreadable line is an error.
     """
-    path = Path(path)
+    path = run_path(path)
     lines = path.read_text().splitlines()
     records = []
     for number, line in enumerate(lines, start=1):
@@ -102,15 +114,21 @@ class RunLogger:
         self._last_step: int | None = None
         self._closed = False
         self._sinks: list = []
+        self._remote = None
         if not self._active:
             return
+        run_name = experiment_name or run_path(output_dir).name
+        if is_remote(output_dir):  # a cloud URI: the sinks write into a local folder, copied up after each step
+            self._remote, self._uploaded = run_path(output_dir), {}
+            self._staging = output_dir = Path(tempfile.mkdtemp(prefix="jppo-runlog-"))
+            self._download()
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         makers = {
             "console": lambda: ConsoleSink(total_steps, start_step, summary_every, stream, progress_bar),
             "jsonl": lambda: JsonlSink(output_dir, start_step),
             "tensorboard": lambda: TensorBoardSink(output_dir, start_step),
-            "wandb": lambda: WandbSink(output_dir, project_name, experiment_name or output_dir.absolute().name, config),
+            "wandb": lambda: WandbSink(output_dir, project_name, run_name, config),
         }
         self._sinks = [makers[name]() for name in dict.fromkeys(sinks)]
 
@@ -126,6 +144,7 @@ class RunLogger:
         values = {name: _scalar(name, value) for name, value in metrics.items()}
         for sink in self._sinks:
             sink.log(step, values)
+        self._upload()
         self._last_step = step
 
     def log_generations(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
@@ -136,11 +155,37 @@ class RunLogger:
                 sink.log_generations(step, [dict(record) for record in records])
 
     def close(self) -> None:
-        """Flushes and closes every sink; closing twice is harmless."""
+        """Flushes and closes every sink (and, with a cloud ``output_dir``, uploads and removes the staging
+        folder); closing twice is harmless."""
         if not self._closed:
             for sink in self._sinks:
                 sink.close()
+            self._upload()
+            if self._remote is not None:
+                shutil.rmtree(self._staging, ignore_errors=True)
         self._closed = True
+
+    def _download(self) -> None:
+        """With a cloud ``output_dir``: the :data:`RESUMED_FILES` it holds, copied into the staging folder."""
+        for name in RESUMED_FILES:
+            if (self._remote / name).exists():
+                (self._staging / name).write_bytes((self._remote / name).read_bytes())
+
+    def _upload(self) -> None:
+        """With a cloud ``output_dir``: each staged file changed since the last upload (size or modification
+        time) written over the object of the same relative name."""
+        if self._remote is None:
+            return
+        for local in sorted(self._staging.rglob("*")):
+            relative = local.relative_to(self._staging)
+            if not local.is_file() or relative.parts[0] == WANDB_FILES_DIR:
+                continue
+            stamp = (local.stat().st_size, local.stat().st_mtime_ns)
+            if self._uploaded.get(relative) != stamp:
+                target = self._remote / relative.as_posix()
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(local.read_bytes())
+                self._uploaded[relative] = stamp
 
     def __enter__(self) -> RunLogger:
         return self

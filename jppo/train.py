@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import pathlib
 import sys
 from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
+from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
@@ -40,6 +40,7 @@ from jppo.export import export_policy
 from jppo.learn import Learner, learn
 from jppo.mesh import make_mesh
 from jppo.models import CheckpointError
+from jppo.paths import run_path
 from jppo.runlog import RunLogger
 from jppo.state import RunState, init_run_state
 from jppo.views import engine_view
@@ -82,7 +83,7 @@ def run(
 ) -> dict[str, float]:
     """Trains to ``trainer.total_steps`` on ``devices`` (default: all), resuming when a checkpoint exists; returns
     the last step's metrics."""
-    out = pathlib.Path(cfg.trainer.output_dir)
+    out = run_path(cfg.trainer.output_dir)  # a local folder or a cloud URI, shared by every host
     main = distributed.is_main_process()
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -150,7 +151,7 @@ def save(manager: CheckpointManager, state: RunState, cfg: TrainConfig) -> None:
 
 
 def export(
-    graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainConfig, tokenizer: Tokenizer, path: pathlib.Path
+    graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainConfig, tokenizer: Tokenizer, path: epath.Path
 ) -> None:
     """The policy as a Hugging Face directory, as ``python -m jppo.export`` writes it (parameters gathered tensor
     by tensor; the main process writes)."""

@@ -36,6 +36,7 @@ from jppo.losses import (
 from jppo.mesh import resolve_shape
 from jppo.rewards.verify import require_math_verify
 from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES
+from jppo.paths import is_remote, missing_backend, run_path
 from jppo.views import engine_view, rollout_sequences
 
 if TYPE_CHECKING:  # jppo.config runs this module's validate
@@ -220,6 +221,11 @@ def _check_output_dir(output_dir: str) -> None:
     """The run's directory must be one the trainer can create or write into (nothing is created here)."""
     if not output_dir.strip():
         raise ConfigError(f"trainer.output_dir={output_dir!r} must name a directory")
+    if is_remote(output_dir):  # a cloud URI: written through epath; whether the bucket exists is seen at run time
+        problem = missing_backend(output_dir)
+        if problem:
+            raise ConfigError(f"trainer.output_dir={output_dir!r}: {problem}")
+        return
     path = pathlib.Path(output_dir).absolute()
     existing = next(parent for parent in (path, *path.parents) if parent.exists())
     if not existing.is_dir():
@@ -243,7 +249,7 @@ def _check_trainer(cfg: TrainConfig) -> None:
     _check_logger(trainer.logger)
     _positive("trainer.log_val_generations", trainer.log_val_generations, allow_zero=True)
     try:
-        resolve_resume(trainer.resume, pathlib.Path(trainer.output_dir) / "checkpoints")
+        resolve_resume(trainer.resume, run_path(trainer.output_dir) / "checkpoints")
     except ValueError as error:
         raise ConfigError(one_line(error)) from None
 

@@ -23,6 +23,7 @@ from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES, ModelConfig
 from jppo.models.decoder import CausalLM, ValueHead, ValueModel
 from jppo.models.safetensors_io import SafetensorsFile, write_sharded_safetensors
 from jppo.models.sharding import variable_spec
+from jppo.paths import run_path
 
 Array = jax.Array
 PathLike = str | pathlib.Path
@@ -204,7 +205,7 @@ def save_pretrained(
     dtype = dtype or config.param_dtype
     if dtype not in DTYPES:
         raise CheckpointError(f"cannot save weights as dtype={dtype!r}; valid: {', '.join(DTYPES)}")
-    path = pathlib.Path(path)
+    path = run_path(path)  # a local folder or a gs:// URI
     path.mkdir(parents=True, exist_ok=True)
     table = HF_TENSOR_NAMES[config.model_type]
     layout, sources = [], {}

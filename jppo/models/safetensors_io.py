@@ -13,12 +13,14 @@ files plus ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import struct
 from typing import Callable, Iterable
 
 import ml_dtypes
 import numpy as np
+from etils import epath
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"),
@@ -83,7 +85,7 @@ def write_safetensors(
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the format pads the header so that the data starts 8-byte aligned
-    with open(path, "wb") as f:
+    with epath.Path(path).open("wb") as f:  # a local file or a cloud object
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for name, shape, dtype in layout:
@@ -116,7 +118,7 @@ def plan_shards(layout: Iterable[tuple[str, tuple[int, ...], np.dtype]], max_sha
 
 
 def write_sharded_safetensors(
-    directory: str | pathlib.Path,
+    directory: str | os.PathLike,
     layout: Iterable[tuple[str, tuple[int, ...], np.dtype]],
     fetch: Callable[[str], np.ndarray],
     max_shard_bytes: int | None = None,
@@ -124,7 +126,7 @@ def write_sharded_safetensors(
 ) -> list[str]:
     """Writes ``layout`` into ``directory`` as ``{prefix}.safetensors``, or, when it exceeds ``max_shard_bytes``,
     as numbered shards plus ``{prefix}.safetensors.index.json``; returns the file names written."""
-    directory = pathlib.Path(directory)
+    directory = epath.Path(directory)  # a local folder or a gs:// URI (pathlib would turn gs:// into gs:/)
     layout = list(layout)
     shards = plan_shards(layout, max_shard_bytes)
     if len(shards) == 1:
