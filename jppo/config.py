@@ -26,7 +26,7 @@ from jppo.engine.config import ActorSettings, CriticSettings
 from jppo.errors import ConfigError, one_line
 from jppo.models.config import model_settings
 from jppo.rewards import RewardConfig
-from jppo.validate import check_mesh, validate
+from jppo.validate import check_mesh, resolve_sources, validate
 
 # ConfigError (jppo.errors) and check_mesh (jppo.validate) are re-exported: callers import them from here too.
 __all__ = ["ConfigError", "TrainConfig", "check_mesh", "load_config", "save_config", "to_dict"]
@@ -254,6 +254,7 @@ def load_config(path: str | pathlib.Path | None, overrides: Sequence[str] = ()) 
         raise ConfigError(_omegaconf_message(error)) from None
     except ValueError as error:  # a section's own check (its message names the key)
         raise ConfigError(one_line(error)) from None
+    cfg = resolve_sources(cfg)  # Hugging Face repo ids -> cached snapshot directories
     validate(cfg)
     return cfg
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.data import BUILTIN_TASKS
 from jppo.data.datasets import file_list
+from jppo.data.tokenizer import BUILTIN_PREFIX
 from jppo.engine.config import check_update
 from jppo.engine.driver import check_batch_sizes
 from jppo.engine.optim import check_optim
@@ -36,6 +37,7 @@ from jppo.losses import (
 from jppo.mesh import resolve_shape
 from jppo.rewards.verify import require_math_verify
 from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES
+from jppo.models.hub import local_model_dir
 from jppo.paths import is_remote, missing_backend, run_path
 from jppo.views import engine_view, rollout_sequences
 
@@ -79,6 +81,27 @@ def _leaves(node: Any, prefix: str = ""):
             yield from _leaves(value, f"{prefix}{field.name}.")
         else:
             yield f"{prefix}{field.name}", value
+
+
+# Settings that name a model or tokenizer: a local directory or a Hugging Face repo id (jppo.models.hub).
+MODEL_SOURCE_KEYS = ("model.path", "model.tokenizer", "critic.model_path", "ref.model_path", "reward.model_path")
+
+
+def resolve_sources(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with every :data:`MODEL_SOURCE_KEYS` value that is a cached Hugging Face repo id replaced by its
+    local snapshot directory, so everything after this reads local directories only; an uncached id is a
+    :class:`ConfigError`. The one place a model source is resolved (run by :func:`jppo.config.load_config`)."""
+    sections: dict[str, dict[str, str]] = {}
+    for key in MODEL_SOURCE_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is None or value.startswith(BUILTIN_PREFIX):
+            continue
+        resolved = local_model_dir(key, value)
+        if resolved != value:
+            sections.setdefault(section, {})[name] = resolved
+    changes = {section: dataclasses.replace(getattr(cfg, section), **names) for section, names in sections.items()}
+    return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 def validate(cfg: TrainConfig) -> None:
