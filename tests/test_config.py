@@ -162,7 +162,7 @@ def test_a_task_given_on_the_command_line_starts_from_its_own_default_options():
 @pytest.mark.parametrize("overrides,message", [
     (["data.task_options={min_len: 4, max_len: 3}"], "data.task_options min_len=4, max_len=3 are invalid"),
     (["data.task_options={min_len: true}"], "data.task_options min_len=True"),
-    (["model.tokenizer=abc"], "tokenizer 'abc' (model.tokenizer"),
+    (["model.tokenizer=abc"], "model.tokenizer='abc': no such local directory, and Hugging Face repo 'abc' is not"),
     (["data.max_prompt_length=2"], "data.max_prompt_length=2"),
 ])
 def test_what_the_inputs_refuse_is_a_config_error(overrides, message):
