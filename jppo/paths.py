@@ -1,4 +1,4 @@
-"""Where a run writes: one path type for local folders and cloud URIs (``gs://``, ``s3://``, ``az://``).
+"""Where a run writes: one path type for local folders and Cloud Storage URIs (``gs://bucket/run``).
 
 Every run output (``trainer.output_dir`` and what lies under it: checkpoints, ``metrics.jsonl``, ``config.yaml``,
 TensorBoard events, plots, the Hugging Face export) goes through :func:`run_path`, an ``etils.epath.Path``, the
@@ -15,7 +15,8 @@ import os
 
 from etils import epath
 
-REMOTE_SCHEMES = ("gs", "s3", "az")
+# Schemes a run may write to: epath reads and writes them, and so does orbax's array writer (tensorstore).
+REMOTE_SCHEMES = ("gs",)
 
 
 def scheme(value: str | os.PathLike) -> str | None:
@@ -37,7 +38,7 @@ def run_path(value: str | os.PathLike) -> epath.Path:
 
 
 # The package epath reads each scheme through when TensorFlow's file system is absent (fsspec's implementations).
-_FSSPEC_PACKAGES = {"gs": "gcsfs", "s3": "s3fs", "az": "adlfs"}
+_FSSPEC_PACKAGES = {"gs": "gcsfs"}
 
 
 def missing_backend(value: str | os.PathLike) -> str | None:
