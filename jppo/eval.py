@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import pathlib
 import sys
 from typing import Optional, Sequence
 
 import jax
 import numpy as np
+from etils import epath
 from jax.experimental import multihost_utils
 
 from jppo import build, distributed
@@ -35,6 +35,7 @@ from jppo.config import ConfigError, TrainConfig, check_mesh, load_config, to_di
 from jppo.distributed import DistributedError
 from jppo.mesh import make_mesh
 from jppo.models import CheckpointError
+from jppo.paths import run_path
 from jppo.train import setup
 
 log = logging.getLogger("jppo.eval")
@@ -43,14 +44,14 @@ GENERATIONS_FILE = "generations.jsonl"
 
 
 def evaluate(
-    cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: build.RunInputs, out: pathlib.Path,
+    cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: build.RunInputs, out: epath.Path,
     devices: Optional[Sequence[jax.Device]] = None,
 ) -> dict:
     """Validates the config's policy, or the checkpoint ``trainer.resume`` points at, and writes ``eval.json`` and
     ``generations.jsonl`` into ``out`` (main process); returns what ``eval.json`` holds."""
     mesh = make_mesh(*mesh_shape, devices=devices)
     state, collector, _, _ = setup(cfg, mesh, inputs)
-    checkpoints = pathlib.Path(cfg.trainer.output_dir) / "checkpoints"
+    checkpoints = run_path(cfg.trainer.output_dir) / "checkpoints"  # a local folder or a gs:// URI
     resume = resolve_resume(cfg.trainer.resume, checkpoints)
     checkpoint = None
     if resume is not None:
@@ -102,7 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, CheckpointError, DistributedError, ValueError, KeyError, FileNotFoundError) as error:
         print(f"jppo.eval: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
-    out = pathlib.Path(args.out or cfg.trainer.output_dir)
+    out = run_path(args.out or cfg.trainer.output_dir)
     report = evaluate(cfg, mesh_shape, inputs, out)
     if distributed.is_main_process():
         summary = ", ".join(f"{k}={v:.4g}" for k, v in report["metrics"].items())
