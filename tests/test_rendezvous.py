@@ -154,7 +154,7 @@ def test_process_that_leaves_before_the_others_arrive_counts_as_missing(caplog):
     timeout = 1.5
     zero = Running(coordinator(port), 3, 0, timeout)
     with caplog.at_level(logging.WARNING, logger="jppo.distributed"):
-        with connect(port, b"jppo-rendezvous 3 1\n") as leaving:
+        with connect(port, b"jppo-rendezvous 3 1\n"):
             time.sleep(0.2)  # process 0 reads its line, then it hangs up
         two = Running(coordinator(port), 3, 2, 20)
         text = one_line(zero.outcome(timeout + 5))
