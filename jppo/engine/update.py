@@ -69,9 +69,10 @@ def init_train_state(params: nnx.State, cfg: UpdateConfig, mesh: Mesh, keep_grad
     its moments are kept in it, also for bfloat16 parameters (whose updates are rounded only when applied)."""
     dtype = _accumulator_dtype(params)
     tx = accumulating_optimizer(cfg.optim, 1, dtype, keep_gradient)
-    opt_state = jax.jit(lambda p: tx.init(jax.tree.map(lambda x: x.astype(dtype), p)))(params)
-    state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
     replicated = NamedSharding(mesh, PartitionSpec())
+    init = lambda p: tx.init(jax.tree.map(lambda x: x.astype(dtype), p))  # noqa: E731
+    opt_state = jax.jit(init, out_shardings=_opt_state_shardings(tx, init, params, replicated))(params)
+    state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
 
     def on_mesh(x: jax.Array) -> jax.Array:
         # jit propagates the parameters' shardings to moments and accumulators; leaves computed from nothing
@@ -82,6 +83,22 @@ def init_train_state(params: nnx.State, cfg: UpdateConfig, mesh: Mesh, keep_grad
         return jax.device_put(x, replicated)
 
     return jax.tree.map(on_mesh, state)
+
+
+def _opt_state_shardings(tx: optax.GradientTransformation, init: Callable, params: nnx.State, replicated: NamedSharding):
+    """Each per-parameter leaf of the optimizer state (moments, accumulator) sharded like its parameter, the
+    counters replicated. jit does not carry a parameter's sharding over to ``zeros_like(parameter)`` by itself: the
+    moments would come out whole on every device, and FSDP would shard only the parameters."""
+
+    def like(param: jax.Array):
+        sharding = getattr(param, "sharding", None)
+        return sharding if isinstance(sharding, NamedSharding) and sharding.mesh == replicated.mesh else replicated
+
+    shardings = jax.tree.map(like, params)
+    return optax.tree_map_params(
+        tx, lambda _, sharding: sharding, jax.eval_shape(init, params), shardings,
+        transform_non_params=lambda _: replicated,
+    )
 
 
 def _accumulator_dtype(params: nnx.State) -> jnp.dtype:

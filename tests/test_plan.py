@@ -1,0 +1,88 @@
+"""``jppo.plan``: the memory plan agrees with what the trainer builds, and scales with the rows per device."""
+
+import math
+import pathlib
+
+import jax
+import pytest
+from flax import nnx
+
+from jppo import build, plan
+from jppo.config import check_mesh, load_config
+from jppo.engine import init_train_state
+from jppo.mesh import make_mesh
+from jppo.views import engine_view
+
+QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+
+
+def quickstart(tmp_path, *overrides):
+    return load_config(QUICKSTART, [f"trainer.output_dir={tmp_path / 'run'}", *overrides])
+
+
+def device_bytes(tree, per_parameter_only: bool = False) -> int:
+    """Bytes that the first device holds of every array of ``tree`` (scalar counters left out on request)."""
+    leaves = [x for x in jax.tree.leaves(tree) if not (per_parameter_only and x.ndim == 0)]
+    return sum(x.addressable_shards[0].data.nbytes for x in leaves)
+
+
+@pytest.mark.parametrize("mesh_overrides", [("mesh.data=8",), ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")])
+def test_parameter_and_optimizer_bytes_equal_the_built_ones(tmp_path, mesh_overrides):
+    cfg = quickstart(tmp_path, *mesh_overrides)
+    shape = check_mesh(cfg, 8)
+    mesh = make_mesh(*shape)
+    tokenizer = build.load_inputs(cfg).tokenizer
+    policy = build.build_policy(cfg, tokenizer, mesh)
+    critic = build.build_critic(cfg, policy, mesh)
+    actor_params, critic_params = nnx.state(policy, nnx.Param), nnx.state(critic, nnx.Param)
+    actor_state = init_train_state(actor_params, engine_view(cfg, "actor"), mesh)
+    critic_state = init_train_state(critic_params, engine_view(cfg, "critic"), mesh)
+
+    planned = plan.make_plan(cfg, shape)
+
+    assert planned.term("parameters/actor") == device_bytes(actor_params)
+    assert planned.term("parameters/critic") == device_bytes(critic_params)
+    assert planned.term("optimizer_state/actor") == device_bytes(actor_state.opt_state, per_parameter_only=True)
+    assert planned.term("optimizer_state/critic") == device_bytes(critic_state.opt_state, per_parameter_only=True)
+
+
+def test_kv_cache_term_equals_the_sampler_cache(tmp_path):
+    cfg = quickstart(tmp_path, "mesh.data=1", "rollout.n=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+                     "critic.ppo_mini_batch_size=8", "trainer.val_every=0")
+    model_config = plan.model_config(cfg)
+    rows = cfg.data.train_batch_size * cfg.rollout.n
+    slots = plan.prompt_width(cfg) + cfg.rollout.max_response_length
+    cache = jax.eval_shape(lambda: build.CausalLM(model_config, rngs=nnx.Rngs(0)).init_cache(rows, slots))
+
+    planned = plan.make_plan(cfg, check_mesh(cfg, 1))
+
+    assert planned.term("kv_cache") == sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_half_the_rows_per_device_halves_activations_and_kv_cache(tmp_path, remat):
+    common = [f"model.remat={remat}", "actor.ppo_mini_batch_size=128", "critic.ppo_mini_batch_size=128"]
+    two = quickstart(tmp_path, *common, "mesh.data=2", "actor.ppo_micro_batch_size=8", "critic.ppo_micro_batch_size=8")
+    four = quickstart(tmp_path, *common, "mesh.data=4", "actor.ppo_micro_batch_size=4", "critic.ppo_micro_batch_size=4")
+
+    on_two, on_four = plan.make_plan(two, check_mesh(two, 2)), plan.make_plan(four, check_mesh(four, 4))
+
+    for term in ("kv_cache", "activations/actor", "activations/critic", "logits/actor"):
+        assert on_four.term(term) * 2 == on_two.term(term), term
+    assert on_four.term("parameters/actor") == on_two.term("parameters/actor")  # data replicates the parameters
+
+
+def test_remat_keeps_less_than_all_layers(tmp_path):
+    kept, recomputed = (plan.make_plan(quickstart(tmp_path, f"model.remat={r}", "mesh.data=1"), (1, 1, 1))
+                        for r in (False, True))
+    assert recomputed.term("activations/actor") < kept.term("activations/actor")
+
+
+def test_the_command_prints_a_table_and_refuses_a_bad_config(tmp_path, capsys):
+    output = f"trainer.output_dir={tmp_path / 'run'}"
+    assert plan.main(["--config", str(QUICKSTART), "--devices", "8", output]) == 0
+    assert "peak" in capsys.readouterr().out
+    assert plan.main(["--config", str(QUICKSTART), "--devices", "8", output, "actor.ppo_micro_batch_size=0"]) == 2
+    assert "actor.ppo_micro_batch_size" in capsys.readouterr().err
+    assert plan.main(["--config", str(QUICKSTART), "--devices", "3", output, "mesh.data=2"]) == 2
+    assert "mesh" in capsys.readouterr().err
