@@ -1,6 +1,6 @@
 """A real-size dry run on this machine: Qwen2.5-0.5B-Instruct's shape, initialised at random, trained 2 GRPO steps.
 
-    python -m bench.real_size [--workdir DIR] [--steps 2] [--keep]
+    python -m bench.real_size [--workdir DIR] [--steps 2] [--keep] [key.sub=value ...]
 
 Nothing is downloaded. In ``--workdir`` (default ``/tmp/jppo-real-size``) it writes
 
@@ -125,6 +125,7 @@ def main() -> int:
     parser.add_argument("--workdir", default="/tmp/jppo-real-size")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--keep", action="store_true", help="keep the model and the run's output")
+    parser.add_argument("overrides", nargs="*", help="more key.sub=value overrides, e.g. model.param_dtype=bfloat16")
     args = parser.parse_args()
     work = pathlib.Path(args.workdir)
     model, data, output = work / "model", work / "gsm8k_like.jsonl", work / "run"
@@ -134,13 +135,14 @@ def main() -> int:
     shutil.rmtree(output, ignore_errors=True)
     overrides = OVERRIDES + [
         f"model.path={model}", f"data.train_files={data}", f"trainer.output_dir={output}",
-        f"trainer.total_steps={args.steps}",
+        f"trainer.total_steps={args.steps}", *args.overrides,
     ]
     plan_status = subprocess.run(
         [sys.executable, "-m", "jppo.plan", "--config", CONFIG, "--devices", "1", "--json", *overrides],
         cwd=ROOT, capture_output=True, text=True,
     )
-    status, wall, peak = run_child([sys.executable, "-m", "jppo.train", "--config", CONFIG, *overrides], work / "train.log")
+    train = [sys.executable, "-m", "jppo.train", "--config", CONFIG, *overrides]
+    status, wall, peak = run_child(train, work / "train.log")
     metrics_file = output / "metrics.jsonl"
     steps = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     report = {

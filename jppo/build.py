@@ -65,7 +65,9 @@ def random_model_config(cfg: TrainConfig, tokenizer: Optional[Tokenizer]) -> Mod
 
 def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh) -> CausalLM:
     if cfg.model.path:
-        return load_pretrained(cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, mesh=mesh)
+        return load_pretrained(
+            cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat, mesh=mesh
+        )
     return create_model(CausalLM, random_model_config(cfg, tokenizer), mesh, seed=cfg.trainer.seed)
 
 
@@ -74,8 +76,8 @@ def build_critic(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> ValueModel:
     path = cfg.critic.model_path or cfg.model.path
     if path:
         return load_pretrained(
-            path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, head="value", mesh=mesh,
-            seed=cfg.trainer.seed + 1,
+            path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat, head="value",
+            mesh=mesh, seed=cfg.trainer.seed + 1,
         )
     return ValueModel.from_policy(policy, rngs=nnx.Rngs(cfg.trainer.seed + 1))
 

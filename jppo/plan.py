@@ -27,17 +27,22 @@ activations            ``r w (L s + x)`` for ``r`` rows of ``w`` tokens per devi
                        input only) with ``model.remat``, then one layer is recomputed at a time (``+ x``)
 log-prob logits        ``3 r k V' a`` (actor only): the float32 logits of one chunk of ``k = min(
                        log_prob_chunk_size, w)`` positions, their softmax and their gradient
+optimizer step         ``6 n a``: the temporaries of applying the accumulated gradient (the gradient, the
+                       accumulated sum, the clipped update, the new moments, the new parameters): XLA's own
+                       ``memory_analysis()`` of the update reports exactly ``6 n a`` of temporaries when the
+                       activations are small (Qwen2-shaped models on CPU, float32)
 KV cache               ``R (P + T) (2 L K' E c + 4)``: the sampler's keys and values (and int32 segment ids)
                        for ``R`` rollout rows per device (``train_batch_size x rollout.n / (data x fsdp)``, or the
                        validation batch if larger), ``P = bucket(max_prompt_length)``, ``T =
                        max_response_length``
 =====================  ====================================================================================
 
-The peak is what lives through the whole run (parameters, optimizer states) plus the larger of sampling (the KV
-cache) and the largest update (a role's gradients, weights in use, activations and logits). Forward-only passes
-(old and reference log-probs, values) keep no activations for a backward pass and stay below the update. The
-activation terms are an estimate of what XLA keeps (it may fuse or rematerialise more); ``bench/real_size.py``
-compares the plan with a measured run.
+The peak is what lives through the whole run (parameters, optimizer states) plus the largest of the phases that
+follow each other: sampling (the KV cache), a role's backward pass (its gradients, weights in use, activations and
+logits) and its optimizer step. Forward-only passes (old and reference log-probs, values) keep no activations for a
+backward pass and stay below the update. The activation terms are an estimate of what XLA keeps (against XLA's
+``memory_analysis()`` of an actor update without remat they came out 10-30% low); ``bench/real_size.py``
+compares the whole plan with a measured run.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from jppo.rollout.sampler import bucket_length
 
 ACCUMULATOR_BYTES = 4  # float32 moments and accumulator (float64 only for float64 exactness tests)
 LOGIT_COPIES = 3  # one chunk's logits, their softmax, and their gradient
+OPTIMIZER_STEP_COPIES = 6  # per-parameter float32 temporaries of applying the accumulated gradient (measured)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +79,7 @@ class Plan:
     mesh: dict[str, int]
     persistent: tuple[Term, ...]  # live through the whole run
     rollout: tuple[Term, ...]  # live while sampling
-    updates: dict[str, tuple[Term, ...]]  # live during one role's update
+    updates: dict[str, tuple[Term, ...]]  # live during one phase of a role's update (backward, optimizer step)
 
     @property
     def persistent_bytes(self) -> int:
@@ -158,10 +164,10 @@ def dtype_bytes(name: str) -> int:
 def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int]) -> int:
     """``x``: what one layer keeps for its backward pass per token (see the module docstring)."""
     c, a = dtype_bytes(m.dtype), ACCUMULATOR_BYTES
-    q, kv, f = split(m.num_heads, mesh) * m.head_dim, split(m.num_kv_heads, mesh) * m.head_dim, split(
-        m.intermediate_size, mesh)
-    heads = split(m.num_heads, mesh)
-    return c * (4 * m.hidden_size + 3 * q + 3 * kv + 4 * f) + a * (2 * m.hidden_size + q + kv) + (2 * a + c) * heads * width
+    heads, d = split(m.num_heads, mesh), m.hidden_size
+    q, kv, f = heads * m.head_dim, split(m.num_kv_heads, mesh) * m.head_dim, split(m.intermediate_size, mesh)
+    attention = (2 * a + c) * heads * width  # scores and probabilities (float32), probabilities cast back
+    return c * (4 * d + 3 * q + 3 * kv + 4 * f) + a * (2 * d + q + kv) + attention
 
 
 def activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int]) -> int:
@@ -243,7 +249,9 @@ def make_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> Plan:
         if role == "actor":
             chunk = cfg.actor.log_prob_chunk_size
             terms.append(Term("logits/actor", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={min(chunk, w)} V' a"))
-        updates[role] = tuple(terms)
+        updates[f"{role} backward"] = tuple(terms)
+        copies = OPTIMIZER_STEP_COPIES
+        updates[f"{role} optimizer step"] = (Term(f"optimizer_step/{role}", n * a * copies, f"n x a x {copies}"),)
     return Plan(mesh, tuple(persistent), rollout, updates)
 
 
@@ -258,7 +266,7 @@ def table(plan: Plan) -> str:
     mesh = " x ".join(f"{axis}={size}" for axis, size in plan.mesh.items())
     lines = [f"memory plan per device, mesh {mesh}", f"{'term':<26} {'bytes':>14} {'':>11}  formula"]
     sections = [("persistent", plan.persistent), ("rollout", plan.rollout)]
-    sections += [(f"{role} update", terms) for role, terms in plan.updates.items()]
+    sections += list(plan.updates.items())
     for title, terms in sections:
         lines.append(f"[{title}]")
         lines += [f"  {t.name:<24} {t.bytes:>14,} {human(t.bytes):>11}  {t.formula}" for t in terms]

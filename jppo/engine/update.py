@@ -85,7 +85,9 @@ def init_train_state(params: nnx.State, cfg: UpdateConfig, mesh: Mesh, keep_grad
     return jax.tree.map(on_mesh, state)
 
 
-def _opt_state_shardings(tx: optax.GradientTransformation, init: Callable, params: nnx.State, replicated: NamedSharding):
+def _opt_state_shardings(
+    tx: optax.GradientTransformation, init: Callable, params: nnx.State, replicated: NamedSharding
+):
     """Each per-parameter leaf of the optimizer state (moments, accumulator) sharded like its parameter, the
     counters replicated. jit does not carry a parameter's sharding over to ``zeros_like(parameter)`` by itself: the
     moments would come out whole on every device, and FSDP would shard only the parameters."""

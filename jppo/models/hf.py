@@ -151,11 +151,13 @@ def load_pretrained(
     head: str = "lm",
     mesh: Mesh | None = None,
     seed: int = 0,
+    remat: bool | None = None,
 ) -> CausalLM | ValueModel:
     """A :class:`CausalLM` (``head="lm"``) or :class:`ValueModel` (``head="value"``) from a Hugging Face
     checkpoint directory, each parameter placed straight onto its sharding over ``mesh`` when given.
 
-    ``dtype``/``param_dtype`` default to float32 (the checkpoint's own dtype is converted). For ``"value"`` the
+    ``dtype``/``param_dtype`` default to float32 (the checkpoint's own dtype is converted); ``remat`` (default
+    off) recomputes each layer in the backward pass. For ``"value"`` the
     decoder comes from the checkpoint and the value head too if it has ``score.weight`` (a critic checkpoint);
     otherwise (a policy checkpoint, as verl initialises critics) the head is new, drawn from ``seed``.
     Raises :class:`CheckpointError` naming the missing file or tensor, the mismatched shape, or the
@@ -164,7 +166,8 @@ def load_pretrained(
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; valid: {', '.join(HEADS)}")
     path = pathlib.Path(path)
-    overrides = {key: value for key, value in (("dtype", dtype), ("param_dtype", param_dtype)) if value is not None}
+    given = (("dtype", dtype), ("param_dtype", param_dtype), ("remat", remat))
+    overrides = {key: value for key, value in given if value is not None}
     config = read_config(path, **overrides)
     checkpoint = _Checkpoint(path)
     cls = HEADS[head]
