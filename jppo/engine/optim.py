@@ -6,10 +6,16 @@
 the accumulated gradient, which is therefore what the gradient-norm metric, clipping, the non-finite check and the
 learning-rate schedule all see:
 
-    inner = chain(record_gradient, apply_if_finite(chain(clip_by_global_norm, adamw(schedule))))
+    inner = chain(record_gradient, skip_if_not_finite(chain(clip_by_global_norm, adamw(schedule))))
 
-A mini-batch whose accumulated gradient holds NaN or Inf is skipped by ``apply_if_finite``: zero updates, the
-AdamW state kept as it was, the skip counted in its state.
+A mini-batch whose accumulated gradient holds NaN or Inf is skipped by :func:`skip_if_not_finite`: zero updates, the
+AdamW state kept as it was, the skip counted in its state (optax's ``ApplyIfFiniteState``).
+
+Memory: optax's ``apply_if_finite`` and ``MultiSteps.update`` compute the new state and then pick it or the old one
+with ``where``, so both are alive at once; XLA's ``memory_analysis()`` of a Qwen2-shaped update put the
+temporaries of applying the gradient at 6 float32 copies of the parameters (7 with K = 2). Here the finite check is a
+``lax.cond`` (the skipped branch computes nothing) and :func:`apply_accumulated` calls the inner optimizer directly
+on the K-th micro-step instead of going through ``MultiSteps.update``: 3 copies.
 
 ``record_gradient`` keeps the norm of the accumulated gradient in its state (the ``grad_norm`` metric) and, when
 asked (``jppo.audit`` and the tests), the accumulated gradient itself: the audit compares exactly what the
@@ -29,8 +35,6 @@ from jppo.errors import InvalidSetting
 
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
-# apply_if_finite gives up and applies a non-finite update after this many in a row; jppo never does.
-_NEVER_GIVE_UP = 2**31 - 1
 
 
 class GradientRecord(NamedTuple):
@@ -51,6 +55,36 @@ def record_gradient(keep: bool = False) -> optax.GradientTransformation:
         del params
         norm = optax.global_norm(updates).astype(state.grad_norm.dtype)
         return updates, GradientRecord(norm, updates if keep else None)
+
+    return optax.GradientTransformation(init, update)
+
+
+def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``inner`` on finite updates; on updates holding NaN or Inf, zero updates and ``inner``'s state unchanged.
+
+    The state is optax's ``ApplyIfFiniteState`` (consecutive and total non-finite counts, ``last_finite``). Unlike
+    ``optax.apply_if_finite`` it never gives up and applies a non-finite update, and the choice is a ``lax.cond``,
+    so a step computes one branch and the old and new optimizer states need not coexist."""
+
+    def init(params):
+        zero = jnp.zeros((), jnp.int32)
+        return optax.ApplyIfFiniteState(zero, jnp.array(True), zero, inner.init(params))
+
+    def update(updates, state, params=None):
+        finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(updates)]))
+
+        def apply(updates, inner_state):
+            return inner.update(updates, inner_state, params)
+
+        def skip(updates, inner_state):
+            return jax.tree.map(jnp.zeros_like, updates), inner_state
+
+        updates, inner_state = jax.lax.cond(finite, apply, skip, updates, state.inner_state)
+        not_finite = jnp.logical_not(finite).astype(jnp.int32)
+        return updates, optax.ApplyIfFiniteState(
+            notfinite_count=(state.notfinite_count + not_finite) * not_finite, last_finite=finite,
+            total_notfinite=state.total_notfinite + not_finite, inner_state=inner_state,
+        )
 
     return optax.GradientTransformation(init, update)
 
@@ -97,7 +131,7 @@ def inner_optimizer(cfg: OptimConfig, keep_gradient: bool = False) -> optax.Grad
     else:
         base = optax.sgd(schedule)
     guarded = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), base) if cfg.grad_clip > 0 else base
-    return optax.chain(record_gradient(keep_gradient), optax.apply_if_finite(guarded, _NEVER_GIVE_UP))
+    return optax.chain(record_gradient(keep_gradient), skip_if_not_finite(guarded))
 
 
 def accumulating_optimizer(
@@ -112,6 +146,22 @@ def accumulating_optimizer(
         inner_optimizer(cfg, keep_gradient), every_k_schedule=num_micro_batches, use_grad_mean=False,
         accumulator_dtype=accumulator_dtype,
     )
+
+
+def apply_accumulated(
+    inner: optax.GradientTransformation, grads: Any, opt_state: optax.MultiStepsState, params: Any
+) -> tuple[Any, optax.MultiStepsState]:
+    """The K-th micro-step of a ``MultiSteps`` state: ``inner`` on the accumulated gradient plus ``grads``, the
+    parameters updated, the accumulator emptied (zeros, not ``0 *`` it, which would keep a NaN) and the micro-step
+    count reset. This is what ``MultiSteps.update`` does on its K-th call, without computing the result of the
+    other calls beside it (see the module docstring)."""
+    total = jax.tree.map(jnp.add, opt_state.acc_grads, grads)
+    updates, inner_state = inner.update(total, opt_state.inner_opt_state, params)
+    new_state = opt_state._replace(
+        mini_step=jnp.zeros_like(opt_state.mini_step), gradient_step=opt_state.gradient_step + 1,
+        inner_opt_state=inner_state, acc_grads=jax.tree.map(jnp.zeros_like, total),
+    )
+    return optax.apply_updates(params, updates), new_state
 
 
 def step_report(opt_state: optax.MultiStepsState) -> dict[str, Any]:

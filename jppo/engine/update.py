@@ -37,7 +37,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jppo import metrics as metrics_lib
 from jppo.engine.config import ActorConfig, ActorSettings, CriticConfig, UpdateConfig, require_engine_config
 from jppo.engine.layout import flatten_shards, gather_slots, next_token_targets
-from jppo.engine.optim import accumulating_optimizer, learning_rate_schedule, step_report
+from jppo.engine.optim import (
+    accumulating_optimizer, apply_accumulated, inner_optimizer, learning_rate_schedule, step_report,
+)
 from jppo.experience import Experience
 from jppo.losses import actor_loss, value_loss
 from jppo.losses.policy import PolicyLossOptions, check_policy_options
@@ -279,7 +281,7 @@ def make_update_step(
 
     def step(state: TrainState, batch: Batch):
         k = batch.slots.response_mask.shape[0]
-        tx = accumulating_optimizer(cfg.optim, k, _accumulator_dtype(state.params), keep_gradient)
+        inner = inner_optimizer(cfg.optim, keep_gradient)
         differentiate = prepare(state.params, batch)
         metrics_shape = jax.eval_shape(differentiate, state.params, jax.tree.map(lambda x: x[0], batch))[1]
 
@@ -289,7 +291,7 @@ def make_update_step(
             # in the accumulator's dtype (float32 at least), so the summed gradient reaches the optimizer unrounded
             grads = jax.tree.map(lambda g, acc: g.astype(acc.dtype), grads, opt_state.acc_grads)
             params, opt_state = jax.lax.cond(
-                opt_state.mini_step == k - 1, apply_accumulated, accumulate, params, opt_state, grads
+                opt_state.mini_step == k - 1, apply_last, accumulate, params, opt_state, grads
             )
             return (params, opt_state, metrics_lib.combine(total, metrics)), None
 
@@ -299,16 +301,12 @@ def make_update_step(
             acc_grads = jax.tree.map(jnp.add, opt_state.acc_grads, grads)
             return params, opt_state._replace(acc_grads=acc_grads, mini_step=opt_state.mini_step + 1)
 
-        def apply_accumulated(params, opt_state, grads):
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+        def apply_last(params, opt_state, grads):
+            return apply_accumulated(inner, grads, opt_state, params)
 
         (params, opt_state, total), _ = jax.lax.scan(
             micro_step, (state.params, state.opt_state, _zeros(metrics_shape)), batch
         )
-        # After the K-th micro-step the accumulator is spent. MultiSteps clears it by multiplying by 0, which keeps
-        # NaN: one non-finite mini-batch would then poison (and skip) every later one. Clear it for real.
-        opt_state = opt_state._replace(acc_grads=jax.tree.map(jnp.zeros_like, opt_state.acc_grads))
         report = step_report(opt_state)
         applied = jnp.logical_not(report["skipped"])
         values = metrics_lib.finish(total)
