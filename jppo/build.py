@@ -57,10 +57,16 @@ def random_model_config(cfg: TrainConfig, tokenizer: Optional[Tokenizer]) -> Mod
     Without a tokenizer (checking the config before the vocabulary is loaded) the vocabulary is a placeholder."""
     m = cfg.model
     vocab = dict(vocab_size=1) if tokenizer is None else dict(
-        vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
+        vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id, eos_token_id=_eos_token_id(tokenizer),
         pad_token_id=tokenizer.pad_id,
     )
     return ModelConfig(**m.architecture(), **vocab)
+
+
+def _eos_token_id(tokenizer: Tokenizer) -> int | tuple[int, ...]:
+    """The model config's ``eos_token_id``: the one id, or every id when the tokenizer has several (as Hugging
+    Face writes it), so an exported model stops on each of them."""
+    return tokenizer.eos_ids[0] if len(tokenizer.eos_ids) == 1 else tuple(tokenizer.eos_ids)
 
 
 def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh) -> CausalLM:
@@ -96,7 +102,7 @@ def sampling_params(
     """How the trainer samples: training rollouts (``rollout.*``), validation (``rollout.val_*``) or the one
     greedy response per prompt whose reward is ReMax's baseline. Without a tokenizer (checking the config before
     the vocabulary is loaded) there is no EOS and padding is token 0."""
-    eos = (tokenizer.eos_id,) if tokenizer is not None and tokenizer.eos_id is not None else ()
+    eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()  # every id that ends a response
     tokens = dict(eos_token_ids=eos, pad_token_id=0 if tokenizer is None else tokenizer.pad_id)
     if greedy_baseline:
         return SamplingParams(max_new_tokens=cfg.rollout.max_response_length, greedy=True, n=1, **tokens)

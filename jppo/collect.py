@@ -365,11 +365,12 @@ def validate(c: Collector, params: nnx.State) -> Validation:
 
 
 def decode_responses(batch: Experience, tokenizer: Tokenizer) -> tuple[list[str], list[bool]]:
-    """Response texts (special tokens dropped) and whether each ended with EOS rather than the length limit."""
+    """Response texts (special tokens dropped) and whether each ended with one of the tokenizer's EOS ids rather
+    than at the length limit."""
     texts, finished = [], []
     for ids, mask in zip(batch.response_ids, batch.response_mask.astype(bool)):
         tokens = ids[mask].tolist()
-        finished.append(bool(tokens) and tokens[-1] == tokenizer.eos_id)
+        finished.append(bool(tokens) and tokens[-1] in tokenizer.eos_ids)
         texts.append(tokenizer.decode(tokens))
     return texts, finished
 

@@ -1,10 +1,48 @@
 """From scores to the rewards, KL penalty and advantages the engine trains on."""
 
+import json
+import pathlib
+
 import numpy as np
 import pytest
+import tokenizers
 
-from jppo.data import CharTokenizer, Example, get_task
-from jppo.collect import compute_advantages, kl_in_reward, last_token_scores, token_credit_rewards
+from jppo.build import sampling_params
+from jppo.config import load_config
+from jppo.data import CharTokenizer, Example, get_task, load_tokenizer
+from jppo.collect import compute_advantages, decode_responses, kl_in_reward, last_token_scores, token_credit_rewards
+from jppo.experience import Experience
+
+QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+
+
+def qwen_like_tokenizer(directory):
+    """A word-level tokenizer with Qwen's two EOS tokens: ``<|im_end|>`` (the tokenizer's eos_token) and
+    ``<|endoftext|>`` (added by generation_config.json)."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: i for i, token in enumerate(specials + ["<unk>", "hi", "there"])}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(specials)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": None}))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    return load_tokenizer(str(directory))
+
+
+def test_every_eos_id_stops_sampling_and_marks_the_response_finished(tmp_path):
+    tok = qwen_like_tokenizer(tmp_path)
+    im_end, endoftext, hi = tok.encode("<|im_end|> <|endoftext|> hi")
+    assert tok.eos_ids == (im_end, endoftext)
+    cfg = load_config(QUICKSTART, [])
+    for kind in ({}, {"validation": True}, {"greedy_baseline": True}):
+        assert set(sampling_params(cfg, tok, **kind).eos_token_ids) == {im_end, endoftext}
+    ids = np.array([[hi, im_end, 0], [hi, endoftext, 0], [hi, hi, hi]], np.int32)
+    mask = np.array([[1, 1, 0], [1, 1, 0], [1, 1, 1]], bool)
+    batch = Experience(np.full((3, 1), hi, np.int32), np.ones((3, 1), bool), ids, mask)
+    texts, finished = decode_responses(batch, tok)
+    assert finished == [True, True, False]
+    assert texts == ["hi", "hi", "hi hi hi"]
 
 
 def test_scores_go_on_the_last_valid_token_and_nowhere_for_empty_responses():
