@@ -170,7 +170,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m jppo.train", description="Train a language model with PPO / GRPO / RLOO / REINFORCE++."
     )
-    parser.add_argument("--config", help="YAML config (default: the embedded quickstart defaults)")
+    parser.add_argument(
+        "--config",
+        help="YAML config. Without one the run uses the config schema's defaults (jppo/config.py): verl-style "
+        "hyper-parameters (e.g. actor.optim.lr=1e-6) on the built-in reverse_digits task with a tiny random model. "
+        "They are not the quickstart, which is --config configs/quickstart.yaml",
+    )
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. trainer.total_steps=10")
     distributed.add_arguments(parser)
     return parser.parse_args(argv)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from jppo import build
 from jppo.config import check_mesh, load_config
 from jppo.collect import decode_responses, greedy_baselines
 from jppo.mesh import make_mesh
-from jppo.train import run, setup
+from jppo.train import parse_args, run, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -164,6 +165,19 @@ def test_resume_on_a_different_mesh_continues_as_the_run_would_have(tmp_path):
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jppo.train", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=120)
+
+
+def test_help_says_what_runs_without_a_config(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "quickstart defaults" not in text  # without --config the run is not the quickstart
+    assert "configs/quickstart.yaml" in text
+    defaults, quickstart = load_config(None), load_config(QUICKSTART)
+    stated_lr = re.search(r"actor\.optim\.lr=([0-9.e+-]+)\)", text)
+    assert stated_lr is not None and float(stated_lr.group(1)) == defaults.actor.optim.lr
+    assert defaults.data.task in text
+    assert defaults.actor.optim.lr != quickstart.actor.optim.lr
 
 
 @pytest.mark.parametrize(
