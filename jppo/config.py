@@ -51,10 +51,11 @@ class ModelSource:
 @dataclasses.dataclass(frozen=True)
 class ModelSection(model_settings(RANDOM_MODEL), ModelSource):
     """The policy. ``path``: a local Hugging Face checkpoint directory; without it a model of the shape given by
-    the other keys (:data:`RANDOM_MODEL`) is initialised at random (``trainer.seed``); ``dtype``,
-    ``param_dtype`` and ``remat`` apply to a checkpoint too. ``tokenizer``: a directory holding
-    ``tokenizer.json`` (default: ``path``), or ``builtin:<task>`` for a built-in task's character vocabulary (the
-    default without ``path``)."""
+    the other keys (:data:`RANDOM_MODEL`) is initialised at random (``trainer.seed``); ``dtype`` (compute),
+    ``param_dtype`` (stored weights) and ``remat`` apply to a checkpoint too, and to the critic built from it. Mixed precision is
+    ``param_dtype: float32`` with ``dtype: bfloat16``; half-precision weights are refused, as Adam's updates would
+    round away. ``tokenizer``: a directory holding ``tokenizer.json`` (default:
+    ``path``), or ``builtin:<task>`` for a built-in task's character vocabulary (the default without ``path``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -153,10 +153,26 @@ def _check_reward(cfg: TrainConfig) -> None:
             raise ConfigError(one_line(error)) from None
 
 
+# Parameter dtypes too coarse to train in: an Adam step moves a weight by about lr (1e-6 for a fine-tune) while a
+# weight of ~0.02 is stored with a spacing of ~1e-4 in bfloat16 (~1e-5 in float16), so the update rounds away.
+HALF_PRECISION = ("bfloat16", "float16")
+
+
+def _check_trained_param_dtype(param_dtype: str) -> None:
+    """``model.param_dtype`` is the dtype of every trained model's weights (the actor's, and the critic's, which is
+    built from the same section); mixed precision keeps them in float32 and computes in ``model.dtype``."""
+    if param_dtype in HALF_PRECISION:
+        raise ConfigError(
+            f"model.param_dtype={param_dtype!r}: trained weights (actor, critic) in {param_dtype} lose Adam's small "
+            "updates to rounding; use float32 master weights with model.dtype: bfloat16 (mixed precision)"
+        )
+
+
 def _check_model(cfg: TrainConfig) -> None:
     _choice("model.model_type", cfg.model.model_type, SUPPORTED_MODEL_TYPES)
     _choice("model.dtype", cfg.model.dtype, list(DTYPES))
     _choice("model.param_dtype", cfg.model.param_dtype, list(DTYPES))
+    _check_trained_param_dtype(cfg.model.param_dtype)
     if cfg.model.path is not None and not (pathlib.Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path={cfg.model.path!r}: no Hugging Face checkpoint (config.json) there")
     if cfg.model.path is None and cfg.model.tokenizer is None:

@@ -4,13 +4,17 @@ import pathlib
 import re
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from jppo.build import load_inputs
+from jppo.build import build_critic, build_policy, load_inputs
 from jppo.config import ActorSection, ConfigError, ModelSection, load_config, save_config
 from jppo.engine import ActorConfig, CriticConfig
 from jppo.engine.driver import mini_batches
+from jppo.mesh import make_mesh
 from jppo.models import ModelConfig
 from jppo.validate import check_mesh
 from jppo.views import engine_view
@@ -204,6 +208,29 @@ def test_math_verify_kind_needs_its_package(monkeypatch):
     with pytest.raises(ConfigError) as error:
         load_config(ROOT / "configs" / "quickstart.yaml", ["reward.kind=math_verify"])
     assert str(error.value) == "reward.kind='math_verify' needs the package math-verify: pip install 'jppo[math]'"
+@pytest.mark.parametrize("half", ["bfloat16", "float16"])
+@pytest.mark.parametrize("config", ["quickstart.yaml", "quickstart_grpo.yaml"])  # with and without a critic
+def test_half_precision_trained_weights_are_refused_for_float32_master_weights(config, half):
+    with pytest.raises(ConfigError) as error:
+        load_config(ROOT / "configs" / config, [f"model.param_dtype={half}"])
+    text = str(error.value)
+    assert text.startswith(f"model.param_dtype='{half}'") and "\n" not in text
+    assert "float32 master weights with model.dtype: bfloat16" in text
+    # the documented mixed-precision path loads
+    mixed = load_config(ROOT / "configs" / config, ["model.param_dtype=float32", "model.dtype=bfloat16"])
+    assert (mixed.model.param_dtype, mixed.model.dtype) == ("float32", "bfloat16")
+
+
+def test_mixed_precision_trains_float32_weights_of_actor_and_critic():
+    """The critic takes its dtypes from the model section, so refusing half-precision ``model.param_dtype`` covers
+    every trained model."""
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["model.param_dtype=float32", "model.dtype=bfloat16"])
+    mesh = make_mesh(devices=jax.devices()[:1])
+    policy = build_policy(cfg, load_inputs(cfg).tokenizer, mesh)
+    critic = build_critic(cfg, policy, mesh)
+    for model in (policy, critic):
+        assert model.config.dtype == "bfloat16"
+        assert {leaf.dtype for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype(jnp.float32)}
 
 
 def test_a_cosine_schedule_decays_over_the_run():
