@@ -37,7 +37,7 @@ from jppo.mesh import batch_shards, make_mesh
 from jppo.experience import Experience
 from jppo.models import CheckpointError, param_shardings
 from jppo.validate import check_mesh
-from jppo.views import engine_view, optimizer_steps_per_step, rollout_sequences
+from jppo.views import engine_view, optimizer_steps_per_training_step, rollout_sequences
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 WHOLE_STEP_FACTOR = 10  # later optimizer steps and metrics: see Worst.passes
@@ -181,7 +181,7 @@ def audit(cfg: TrainConfig, inputs: build.RunInputs, quick: bool = False, out=No
     longest = int(batch.lengths().max())
     reference_mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     worst = Worst()
-    steps = {role: optimizer_steps_per_step(cfg, role) for role in cfg.roles}
+    steps = {role: optimizer_steps_per_training_step(cfg, role) for role in cfg.roles}
     print(f"jppo.audit: one training step of {rows} sequences ({steps['actor']} actor optimizer steps"
           + (f", {steps['critic']} critic" if cfg.use_critic else "") + f"), {int(batch.response_mask.sum())} loss "
           f"tokens, {devices} devices, normalization actor={cfg.actor.normalization} critic={cfg.critic.normalization}",

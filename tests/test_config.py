@@ -14,6 +14,7 @@ from jppo.build import build_critic, build_policy, load_inputs
 from jppo.config import ActorSection, ConfigError, ModelSection, load_config, save_config
 from jppo.engine import ActorConfig, CriticConfig
 from jppo.engine.driver import mini_batches
+from jppo.engine.optim import learning_rate_schedule
 from jppo.mesh import make_mesh
 from jppo.models import ModelConfig
 from jppo.validate import check_mesh
@@ -234,17 +235,40 @@ def test_mixed_precision_trains_float32_weights_of_actor_and_critic():
 
 
 def test_a_cosine_schedule_decays_over_the_run():
-    """Without optim.decay_steps the cosine decay spans the role's optimizer steps after warm-up (it used to end
-    after one optimizer step)."""
+    """Without optim.decay_steps the cosine decay spans the role's training steps after warm-up, ending on the last
+    one (it used to end after one optimizer step; it then counted optimizer steps)."""
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", [
         "actor.optim.lr_schedule=cosine", "actor.optim.warmup_steps=10", "critic.optim.lr_schedule=cosine",
         "trainer.critic_warmup=4",
     ])
-    # 400 steps x 2 epochs x 128 / 64 mini-batches; the actor sits out 4 steps
-    assert engine_view(cfg, "critic").optim.decay_steps == 400 * 4
-    assert engine_view(cfg, "actor").optim.decay_steps == 396 * 4 - 10
+    # 400 training steps; the actor sits out 4 and warms up over 10; the last step is the floor
+    assert engine_view(cfg, "critic").optim.decay_steps == 400 - 1
+    assert engine_view(cfg, "actor").optim.decay_steps == 396 - 10 - 1
     explicit = load_config(None, ["actor.optim.lr_schedule=cosine", "actor.optim.decay_steps=7"])
     assert engine_view(explicit, "actor").optim.decay_steps == 7
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_the_learning_rate_schedule_counts_training_steps(role):
+    """As in verl (one scheduler step per training step): over a whole run, the LR is constant within a training
+    step, warm-up peaks on training step ``warmup_steps`` (1-based) and the cosine reaches its floor on the last."""
+    lr, floor, warmup = 0.01, 0.1, 3
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", [
+        "trainer.total_steps=12", "trainer.critic_warmup=2", f"{role}.optim.lr_schedule=cosine",
+        f"{role}.optim.lr={lr}", f"{role}.optim.warmup_steps={warmup}", f"{role}.optim.min_lr_ratio={floor}",
+    ])
+    section = getattr(cfg, role)
+    view = engine_view(cfg, role)
+    per_step = section.ppo_epochs * cfg.data.train_batch_size // section.ppo_mini_batch_size
+    assert view.optimizer_steps_per_training_step == per_step > 1
+    steps = cfg.trainer.total_steps - (cfg.trainer.critic_warmup if role == "actor" else 0)
+    schedule = learning_rate_schedule(view.optim, view.optimizer_steps_per_training_step)
+    rates = np.array([float(schedule(count)) for count in range(steps * per_step)]).reshape(steps, per_step)
+    assert (rates == rates[:, :1]).all()  # constant inside each training step
+    by_step = rates[:, 0]
+    assert (np.diff(by_step[:warmup]) > 0).all() and by_step[warmup - 1] == pytest.approx(lr)
+    assert (np.diff(by_step[warmup - 1:]) <= 1e-12).all() and by_step[-2] > floor * lr * (1 + 1e-6)
+    assert by_step[-1] == pytest.approx(floor * lr)
 
 
 def test_the_engine_gets_its_own_view_in_sequences_with_every_constant_resolved():

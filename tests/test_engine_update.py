@@ -367,3 +367,24 @@ def test_a_skipped_mini_batch_is_left_out_of_the_means_and_counted():
                                                   ppo_mini_batch_size=N // 2), mesh, first)
     for name in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
         np.testing.assert_allclose(metrics[name], alone[name], rtol=1e-9, err_msg=name)
+
+
+def test_warm_up_holds_one_learning_rate_over_the_optimizer_steps_of_a_training_step():
+    """``optimizer_steps_per_training_step`` (2 epochs x 2 mini-batches): with ``warmup_steps=2`` every SGD step of
+    the first training step moves the parameters by lr/2 times its gradient, and the second by lr."""
+    lr = 0.5
+    cfg = actor_cfg(optim=dataclasses.replace(SGD, warmup_steps=2), ppo_mini_batch_size=N // 2, ppo_epochs=2, ppo_micro_batch_size=4,
+                    optimizer_steps_per_training_step=4)
+    mesh = mesh_of((1, 1, 1))
+    model = create_model(CausalLM, tiny_config(), mesh, seed=0)
+    graphdef, params = nnx.split(model, nnx.Param)
+    state = init_train_state(params, cfg, mesh, keep_gradient=True)
+    step = UpdateStep(graphdef, actor_loss_fn(cfg), cfg, mesh, "actor", keep_gradient=True)
+    batch = ragged_batch(6)
+    for expected_lr in (lr / 2, lr):
+        before = jax.device_get(state.params)
+        state, metrics, gradients = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0))
+        assert metrics["actor/lr"] == pytest.approx(expected_lr, rel=1e-12)
+        summed = jax.tree.map(lambda g: np.asarray(g).sum(0), jax.device_get(gradients))  # 4 optimizer steps
+        moved = jax.tree.map(lambda a, b, g: a - b + expected_lr * g, jax.device_get(state.params), before, summed)
+        assert max(float(np.abs(leaf).max()) for leaf in jax.tree.leaves(moved)) < 1e-9

@@ -34,9 +34,11 @@ class OptimConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global norm of the accumulated gradient; <= 0 turns clipping off
-    warmup_steps: int = 0
+    # The schedule counts TRAINING steps (verl's unit: its LR scheduler steps once per training step), so the LR is
+    # constant over the optimizer steps of one training step (UpdateConfig.optimizer_steps_per_training_step).
+    warmup_steps: int = 0  # training steps of the linear warm-up; the LR reaches ``lr`` on the last of them
     lr_schedule: str = "constant"  # "constant" or "cosine"
-    decay_steps: int = 0  # optimizer steps of the cosine decay after warm-up; 0: the trainer's run after warm-up
+    decay_steps: int = 0  # training steps of the cosine decay after warm-up; 0: the trainer's run after warm-up
     min_lr_ratio: float = 0.0
 
 
@@ -89,9 +91,12 @@ class CriticSettings(UpdateSettings):
 
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig(UpdateSettings):
-    """The engine's config of one update: ``ppo_mini_batch_size`` *sequences* make one optimizer step."""
+    """The engine's config of one update: ``ppo_mini_batch_size`` *sequences* make one optimizer step, and
+    ``optimizer_steps_per_training_step`` of them (``ppo_epochs`` x mini-batches) make one training step, the unit
+    the learning-rate schedule counts (1: every optimizer step is a schedule step)."""
 
     ppo_mini_batch_size: int = 8
+    optimizer_steps_per_training_step: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +116,8 @@ def check_update(cfg: UpdateSettings) -> None:
     rules = {
         name: (getattr(cfg, name) > 0, "> 0")
         for name in ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_max_token_len", "ppo_epochs",
-                     "log_prob_chunk_size")
+                     "log_prob_chunk_size", "optimizer_steps_per_training_step")
+        if hasattr(cfg, name)
     }
     scale = cfg.loss_scale_factor
     rules["loss_scale_factor"] = (scale is None or scale > 0, "> 0")

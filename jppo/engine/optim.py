@@ -110,22 +110,35 @@ def check_optim(cfg: OptimConfig) -> None:
             raise InvalidSetting("optim.", name, getattr(cfg, name), valid)
 
 
-def learning_rate_schedule(cfg: OptimConfig) -> optax.Schedule:
-    """Linear warm-up to ``lr`` over ``warmup_steps``, then constant or cosine decay to ``min_lr_ratio * lr``."""
+def learning_rate_schedule(cfg: OptimConfig, optimizer_steps_per_training_step: int = 1) -> optax.Schedule:
+    """The learning rate of optimizer step ``count`` (0-based): the schedule of training step
+    ``t = count // optimizer_steps_per_training_step``, so it is constant within a training step, as verl's
+    scheduler (stepped once per training step) is. Over ``t``: a linear warm-up from ``lr / warmup_steps`` to
+    ``lr`` at ``t = warmup_steps - 1``, then ``lr`` constant, or a cosine from ``lr`` at ``t = warmup_steps`` down to
+    ``min_lr_ratio * lr`` at ``t = warmup_steps + decay_steps``."""
     check_optim(cfg)
+    if optimizer_steps_per_training_step < 1:
+        raise InvalidSetting("", "optimizer_steps_per_training_step", optimizer_steps_per_training_step, ">= 1")
     if cfg.lr_schedule == "constant":
         after = optax.constant_schedule(cfg.lr)
     else:
         after = optax.cosine_decay_schedule(cfg.lr, max(cfg.decay_steps, 1), alpha=cfg.min_lr_ratio)
     if cfg.warmup_steps <= 0:
-        return after
-    warmup = optax.linear_schedule(cfg.lr / cfg.warmup_steps, cfg.lr, cfg.warmup_steps - 1)
-    return optax.join_schedules([warmup, after], [cfg.warmup_steps])
+        per_training_step = after
+    else:
+        warmup = optax.linear_schedule(cfg.lr / cfg.warmup_steps, cfg.lr, cfg.warmup_steps - 1)
+        per_training_step = optax.join_schedules([warmup, after], [cfg.warmup_steps])
+    if optimizer_steps_per_training_step == 1:
+        return per_training_step
+    return lambda count: per_training_step(count // optimizer_steps_per_training_step)
 
 
-def inner_optimizer(cfg: OptimConfig, keep_gradient: bool = False) -> optax.GradientTransformation:
-    """What runs once per mini-batch on the accumulated gradient (kept in the state with ``keep_gradient``)."""
-    schedule = learning_rate_schedule(cfg)  # refuses what check_optim refuses
+def inner_optimizer(
+    cfg: OptimConfig, keep_gradient: bool = False, optimizer_steps_per_training_step: int = 1
+) -> optax.GradientTransformation:
+    """What runs once per mini-batch on the accumulated gradient (kept in the state with ``keep_gradient``); its
+    learning rate follows :func:`learning_rate_schedule`."""
+    schedule = learning_rate_schedule(cfg, optimizer_steps_per_training_step)  # refuses what check_optim refuses
     if cfg.name == "adamw":
         base = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)
     else:
@@ -135,7 +148,8 @@ def inner_optimizer(cfg: OptimConfig, keep_gradient: bool = False) -> optax.Grad
 
 
 def accumulating_optimizer(
-    cfg: OptimConfig, num_micro_batches: int, accumulator_dtype=jnp.float32, keep_gradient: bool = False
+    cfg: OptimConfig, num_micro_batches: int, accumulator_dtype=jnp.float32, keep_gradient: bool = False,
+    optimizer_steps_per_training_step: int = 1,
 ) -> optax.MultiSteps:
     """``MultiSteps`` over ``num_micro_batches`` summed micro-batch gradients.
 
@@ -143,7 +157,7 @@ def accumulating_optimizer(
     micro-batching may change K between steps).
     """
     return optax.MultiSteps(
-        inner_optimizer(cfg, keep_gradient), every_k_schedule=num_micro_batches, use_grad_mean=False,
+        inner_optimizer(cfg, keep_gradient, optimizer_steps_per_training_step), every_k_schedule=num_micro_batches, use_grad_mean=False,
         accumulator_dtype=accumulator_dtype,
     )
 

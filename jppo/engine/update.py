@@ -277,11 +277,11 @@ def make_update_step(
     keep_gradient=True)``), else None.
     """
     prepare = micro_batch_gradient(graphdef, loss, cfg, mesh)
-    schedule = learning_rate_schedule(cfg.optim)
+    schedule = learning_rate_schedule(cfg.optim, cfg.optimizer_steps_per_training_step)
 
     def step(state: TrainState, batch: Batch):
         k = batch.slots.response_mask.shape[0]
-        inner = inner_optimizer(cfg.optim, keep_gradient)
+        inner = inner_optimizer(cfg.optim, keep_gradient, cfg.optimizer_steps_per_training_step)
         differentiate = prepare(state.params, batch)
         metrics_shape = jax.eval_shape(differentiate, state.params, jax.tree.map(lambda x: x[0], batch))[1]
 
