@@ -4,9 +4,16 @@
 
 1. explicit flags ``--coordinator HOST:PORT --num-processes N --process-id I``;
 2. the standard environment variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``;
-3. a cluster JAX detects by itself (a Cloud TPU pod slice, a SLURM job with one task per process), when
-   ``--distributed auto`` is given or those environments are found;
+3. a cluster JAX detects by itself (a Cloud TPU pod slice, a SLURM job), when ``--distributed auto`` is given or
+   those environments are found;
 4. otherwise a single process (nothing to do).
+
+Under SLURM, JAX (0.10, ``jax._src.clusters.ClusterEnv``) makes each process see only the GPU numbered by its
+``SLURM_LOCALID`` unless ``local_device_ids`` is given: right for one task per GPU, but one task per node would
+drive one of its GPUs and the mesh would silently shrink. So jppo gives ``local_device_ids`` itself
+(:func:`slurm_local_device_ids`): every GPU the process sees when it is its node's only task, its share of them
+when several tasks see the same GPUs. ``--distributed dry-run`` prints what a process would start with (process
+count and id, coordinator, local device ids, the mesh) and exits without connecting.
 
 On CPU, processes talk through gloo collectives.
 
@@ -28,13 +35,14 @@ else within ``HANDSHAKE_TIMEOUT`` seconds does not count: it is closed with a lo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
 import selectors
 import socket
 import time
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
@@ -59,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--coordinator", help=f"HOST:PORT of process 0 (default: ${ENV_COORDINATOR})")
     group.add_argument("--num-processes", type=int, help=f"number of processes (default: ${ENV_NUM_PROCESSES})")
     group.add_argument("--process-id", type=int, help=f"this process's index (default: ${ENV_PROCESS_ID})")
-    group.add_argument("--distributed", choices=("auto", "off"), default=None,
-                       help="auto: let JAX detect a TPU pod or SLURM job; off: single process")
+    group.add_argument("--distributed", choices=("auto", "off", "dry-run"), default=None,
+                       help="auto: let JAX detect a TPU pod or SLURM job; off: single process; dry-run: print the "
+                            "process count, local device ids and mesh this process would use, and exit")
     group.add_argument("--init-timeout", type=int, default=300, help="seconds to wait for all processes (300)")
     group.add_argument("--rendezvous", choices=("on", "off"), default="on",
                        help="on (default): with --coordinator, the processes first meet on the rendezvous port, so "
@@ -72,6 +81,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default: the --coordinator PORT + 1)")
 
 
+# What JAX's SLURM detection needs (jax._src.clusters.slurm_cluster.SlurmCluster.is_env_present).
+SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+
+
+def _visible_gpus(environ: Mapping[str, str]) -> Optional[int]:
+    """GPUs this process can see: the entries of ``CUDA_VISIBLE_DEVICES`` (which SLURM sets for ``--gpus*``), else
+    ``SLURM_GPUS_ON_NODE``; None when neither says (no GPUs to share out)."""
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        count = len([item for item in listed.split(",") if item.strip()])
+    elif environ.get("SLURM_GPUS_ON_NODE", "").isdigit():
+        count = int(environ["SLURM_GPUS_ON_NODE"])
+    else:
+        return None
+    return count or None
+
+
+def _tasks_on_this_node(environ: Mapping[str, str]) -> Optional[int]:
+    """Tasks SLURM runs on this node: this node's entry of ``SLURM_STEP_TASKS_PER_NODE`` (or
+    ``SLURM_TASKS_PER_NODE``), written like ``2(x3),1`` in node order (``SLURM_NODEID``), else
+    ``SLURM_NTASKS_PER_NODE``."""
+    spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if spec:
+        per_node = []
+        for item in spec.split(","):
+            match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+            if match is None:
+                return None
+            per_node += [int(match[1])] * int(match[2] or 1)
+        node = int(environ.get("SLURM_NODEID", "0"))
+        return per_node[node] if node < len(per_node) else None
+    value = environ.get("SLURM_NTASKS_PER_NODE", "")
+    return int(value) if value.isdigit() else None
+
+
+def slurm_local_device_ids(environ: Mapping[str, str] = os.environ) -> Optional[list[int]]:
+    """The GPUs (indices among those it sees) a SLURM task should drive, or None outside SLURM or without GPUs.
+
+    With T tasks on the node and V visible GPUs: when V is a multiple of T, task ``SLURM_LOCALID`` = i takes the
+    block ``[i V/T, (i + 1) V/T)``: all V for one task per node, GPU i for one task per GPU (JAX's own choice).
+    When V < T, SLURM has bound each task to its own GPUs: all V."""
+    if not all(name in environ for name in SLURM_VARIABLES):
+        return None
+    visible, tasks = _visible_gpus(environ), _tasks_on_this_node(environ)
+    if visible is None or not tasks:
+        return None
+    if visible < tasks:
+        return list(range(visible))
+    if visible % tasks:
+        raise DistributedError(
+            f"SLURM runs {tasks} tasks on this node, which sees {visible} GPUs: run one task per node "
+            "(--ntasks-per-node=1) or one per GPU"
+        )
+    local, per_task = int(environ["SLURM_LOCALID"]), visible // tasks
+    return list(range(local * per_task, (local + 1) * per_task))
+
+
 def _cluster_detected() -> bool:
     return "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1 or (
         "TPU_WORKER_HOSTNAMES" in os.environ and "," in os.environ["TPU_WORKER_HOSTNAMES"]
@@ -79,8 +145,19 @@ def _cluster_detected() -> bool:
 
 
 def settings(args: argparse.Namespace) -> Optional[dict]:
-    """The ``jax.distributed.initialize`` arguments the flags and environment ask for (``{}``: auto-detect;
-    ``None``: single process). Checked before any connection is attempted."""
+    """The ``jax.distributed.initialize`` arguments the flags and environment ask for (no ``coordinator_address``:
+    JAX detects the cluster; ``None``: single process), with ``local_device_ids`` under SLURM
+    (:func:`slurm_local_device_ids`). Checked before any connection is attempted."""
+    kwargs = _process_settings(args)
+    if kwargs is not None:
+        given = os.environ.get("JAX_LOCAL_DEVICE_IDS")  # the user's own choice, which JAX would honour
+        local_device_ids = [int(i) for i in given.split(",")] if given else slurm_local_device_ids()
+        if local_device_ids is not None:
+            kwargs["local_device_ids"] = local_device_ids
+    return kwargs
+
+
+def _process_settings(args: argparse.Namespace) -> Optional[dict]:
     if args.distributed == "off":
         return None
     coordinator = args.coordinator or os.environ.get(ENV_COORDINATOR)
@@ -105,7 +182,7 @@ def settings(args: argparse.Namespace) -> Optional[dict]:
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise DistributedError(f"--coordinator={coordinator!r} must be HOST:PORT with a port in 1..65535")
         return {"coordinator_address": coordinator, "num_processes": num_processes, "process_id": process_id}
-    if args.distributed == "auto" or _cluster_detected():
+    if args.distributed in ("auto", "dry-run") or _cluster_detected():
         return {}
     return None
 
@@ -114,7 +191,7 @@ def rendezvous_port(args: argparse.Namespace) -> Optional[int]:
     """The TCP port on which the processes meet before JAX connects them, or None where they do not meet:
     ``--rendezvous off``, a single process, or a cluster JAX detects by itself (there is no coordinator to meet at)."""
     kwargs = settings(args)
-    if args.rendezvous == "off" or not kwargs:
+    if args.rendezvous == "off" or not kwargs or "coordinator_address" not in kwargs:
         return None
     if args.rendezvous_port is not None:
         port, what = args.rendezvous_port, f"--rendezvous-port={args.rendezvous_port}"
@@ -365,11 +442,52 @@ def _ask(address: tuple[str, int], message: bytes, deadline: float) -> Optional[
         return reply
 
 
+@dataclasses.dataclass(frozen=True)
+class StartPlan:
+    """What a process would start with (None: left to JAX's cluster detection, known only once it runs)."""
+
+    num_processes: Optional[int]
+    process_id: Optional[int]
+    coordinator: Optional[str]
+    local_device_ids: Optional[list[int]]
+
+    @property
+    def num_devices(self) -> Optional[int]:
+        """Devices of the whole job, assuming every process drives as many as this one."""
+        if self.num_processes is None or self.local_device_ids is None:
+            return None
+        return self.num_processes * len(self.local_device_ids)
+
+    def describe(self) -> str:
+        known = lambda value, what: what if value is None else str(value)  # noqa: E731
+        jax_decides = "decided by JAX at start-up"
+        ids = self.local_device_ids
+        coordinator = "none (one process)" if self.num_processes == 1 else known(self.coordinator, jax_decides)
+        return (f"processes: {known(self.num_processes, jax_decides)}; this process: "
+                f"{known(self.process_id, jax_decides)}; coordinator: {coordinator}; "
+                f"local device ids: {'all visible devices' if ids is None else ','.join(map(str, ids))}")
+
+
+def start_plan(args: argparse.Namespace) -> StartPlan:
+    """The :func:`settings` of this process, with what SLURM says of the rest (JAX reads the same variables)."""
+    kwargs = settings(args)
+    slurm = all(name in os.environ for name in SLURM_VARIABLES)
+    if kwargs is None or (not kwargs and not slurm and not _cluster_detected()):  # one process
+        return StartPlan(1, 0, None, None)
+    from_slurm = lambda name: int(os.environ[name]) if slurm else None  # noqa: E731
+    return StartPlan(
+        kwargs.get("num_processes", from_slurm("SLURM_NTASKS")), kwargs.get("process_id", from_slurm("SLURM_PROCID")),
+        kwargs.get("coordinator_address"), kwargs.get("local_device_ids"),
+    )
+
+
 def initialize(args: argparse.Namespace) -> None:
     """Starts the multi-controller runtime when the flags or environment ask for one (see the module docstring)."""
     kwargs = settings(args)
     if kwargs is None:
         return
+    if args.distributed == "dry-run":
+        raise DistributedError("--distributed dry-run only prints the start-up plan; it does not start processes")
     import jax
 
     port = rendezvous_port(args)

@@ -181,11 +181,29 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def dry_run(cfg: TrainConfig, args: argparse.Namespace) -> str:
+    """``--distributed dry-run``: how this process would start and the mesh it would train on, without starting.
+    A single process counts its own devices; several assume every process drives as many as this one."""
+    plan = distributed.start_plan(args)
+    devices = plan.num_devices
+    if devices is None and plan.num_processes == 1 and plan.local_device_ids is None:
+        devices = jax.device_count()
+    if devices is None:
+        mesh = "mesh: decided once JAX has started (the device count is not known before)"
+    else:
+        shape = check_mesh(cfg, devices, plan.num_processes)
+        mesh = f"mesh (data, fsdp, tensor): {shape} over {devices} devices"
+    return f"jppo.train: dry run: {plan.describe()}; {mesh}"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.distributed == "dry-run":
+            print(dry_run(cfg, args))
+            return 0
         distributed.initialize(args)
         mesh_shape = check_mesh(cfg, jax.device_count(), jax.process_count())
         inputs = build.load_inputs(cfg)

@@ -4,6 +4,7 @@ arguments fail fast with one line."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
@@ -13,6 +14,8 @@ import subprocess
 import sys
 
 import pytest
+
+from jppo import distributed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "quickstart.yaml")
@@ -160,3 +163,63 @@ def test_tpu_scripts_have_help():
     for name in ("create.sh", "setup.sh", "launch.sh", "delete.sh"):
         result = script(name, "--help")
         assert result.returncode == 0 and "usage:" in result.stdout and "--dry-run" in result.stdout
+
+
+def slurm_env(tasks_per_node: int, nodes: int = 4, node: int = 2, local: int = 0, gpus: str = "0,1,2,3,4,5,6,7"):
+    """What srun sets for a task (one of ``tasks_per_node`` on each of ``nodes``) on a node of 8 GPUs."""
+    return {
+        "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": f"gpu[001-{nodes:03d}]", "SLURM_NTASKS": str(nodes * tasks_per_node),
+        "SLURM_PROCID": str(node * tasks_per_node + local), "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node),
+        "SLURM_STEP_NUM_NODES": str(nodes), "SLURM_STEP_TASKS_PER_NODE": f"{tasks_per_node}(x{nodes})",
+        "SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": gpus,
+    }
+
+
+def start_args(*argv: str):
+    parser = argparse.ArgumentParser()
+    distributed.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_one_slurm_task_per_node_drives_all_eight_gpus(monkeypatch):
+    for name in [n for n in os.environ if n.startswith(("SLURM_", "JAX_"))] + ["CUDA_VISIBLE_DEVICES"]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in slurm_env(tasks_per_node=1).items():
+        monkeypatch.setenv(name, value)
+    kwargs = distributed.settings(start_args("--distributed", "auto"))
+    assert kwargs["local_device_ids"] == list(range(8))
+    # JAX's own SLURM detection keeps them; without them it gives the process GPU SLURM_LOCALID alone
+    from jax._src import clusters  # noqa: PLC0415 (what jax.distributed.initialize runs)
+
+    detected = clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, 10)
+    assert detected[1:] == (4, 2, [0])
+    detected = clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, kwargs["local_device_ids"], None, 10)
+    assert detected[1:] == (4, 2, list(range(8)))
+    # explicit flags inside SLURM: JAX would still narrow the process to one GPU, so jppo gives the ids there too
+    explicit = distributed.settings(start_args("--coordinator", "gpu001:8476", "--num-processes", "4", "--process-id", "2"))
+    assert explicit["local_device_ids"] == list(range(8))
+    monkeypatch.setenv("JAX_LOCAL_DEVICE_IDS", "2,3")  # the user's own choice stands
+    assert distributed.settings(start_args("--distributed", "auto"))["local_device_ids"] == [2, 3]
+    monkeypatch.delenv("JAX_LOCAL_DEVICE_IDS")
+    # one task per GPU: task 5 drives GPU 5 (JAX's own choice); a task bound to its own GPU drives it
+    for name, value in slurm_env(tasks_per_node=8, local=5).items():
+        monkeypatch.setenv(name, value)
+    assert distributed.settings(start_args("--distributed", "auto"))["local_device_ids"] == [5]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    assert distributed.settings(start_args("--distributed", "auto"))["local_device_ids"] == [0]
+    for name, value in slurm_env(tasks_per_node=3).items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(distributed.DistributedError, match="3 tasks on this node, which sees 8 GPUs"):
+        distributed.settings(start_args("--distributed", "auto"))
+
+
+def test_dry_run_prints_processes_local_devices_and_mesh():
+    clean = {k: v for k, v in env(1).items() if not k.startswith(("SLURM_", "JAX_COORD", "JAX_NUM", "JAX_PROCESS"))}
+    result = subprocess.run(
+        [sys.executable, "-m", "jppo.train", "--config", CONFIG, "--distributed", "dry-run", "mesh.data=-1", "mesh.tensor=8"],
+        cwd=ROOT, env={**clean, **slurm_env(tasks_per_node=1)}, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "processes: 4; this process: 2" in out and "local device ids: 0,1,2,3,4,5,6,7" in out
+    assert "mesh (data, fsdp, tensor): (4, 1, 8) over 32 devices" in out
