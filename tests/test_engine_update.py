@@ -310,8 +310,8 @@ def test_the_inner_optimizer_runs_once_per_mini_batch(monkeypatch):
     runs = []
     real = optim.inner_optimizer
 
-    def counted_inner(cfg, keep_gradient=False):
-        inner = real(cfg, keep_gradient)
+    def counted_inner(cfg, *args, **kwargs):
+        inner = real(cfg, *args, **kwargs)
 
         def update(updates, state, params=None):
             dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(updates)}
