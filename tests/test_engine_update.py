@@ -305,7 +305,7 @@ def test_the_inner_optimizer_runs_once_per_mini_batch(monkeypatch):
     """Clipping, the non-finite check and AdamW run on the accumulated gradient only: once per optimizer step, not
     on every micro-step (counted at run time inside the compiled step), and they receive it in float32."""
     import jppo.engine.optim as optim
-    import jppo.engine.update as update
+    import jppo.engine.update as update_module
 
     runs = []
     real = optim.inner_optimizer
@@ -320,7 +320,7 @@ def test_the_inner_optimizer_runs_once_per_mini_batch(monkeypatch):
 
         return optax.GradientTransformation(inner.init, update)
 
-    monkeypatch.setattr(update, "inner_optimizer", counted_inner)
+    monkeypatch.setattr(update_module, "inner_optimizer", counted_inner)
     mesh = mesh_of((2, 1, 1))
     cfg = actor_cfg(optim=ADAMW_CLIPPED, ppo_micro_batch_size=2, ppo_mini_batch_size=N // 2, ppo_epochs=2)
     state, metrics, _ = engine_step(CausalLM, cfg, mesh, ragged_batch(6), dtype="bfloat16")
