@@ -27,10 +27,12 @@ activations            ``r w (L s + x)`` for ``r`` rows of ``w`` tokens per devi
                        input only) with ``model.remat``, then one layer is recomputed at a time (``+ x``)
 log-prob logits        ``3 r k V' a`` (actor only): the float32 logits of one chunk of ``k = min(
                        log_prob_chunk_size, w)`` positions, their softmax and their gradient
-optimizer step         ``6 n a``: the temporaries of applying the accumulated gradient (the gradient, the
-                       accumulated sum, the clipped update, the new moments, the new parameters): XLA's own
-                       ``memory_analysis()`` of the update reports exactly ``6 n a`` of temporaries when the
-                       activations are small (Qwen2-shaped models on CPU, float32)
+optimizer step         ``4 n a``: the temporaries of applying the accumulated gradient (the last micro-batch's
+                       gradient, the accumulated sum, the update, the new moments one after the other): XLA's
+                       ``memory_analysis()`` of the update reports exactly ``4 n a`` of temporaries when the
+                       activations are small (Qwen2-shaped models on CPU, float32; ``tests/test_plan.py``). optax's
+                       where-based ``apply_if_finite`` and ``MultiSteps.update`` made it 6-7 (see
+                       :mod:`jppo.engine.optim`)
 KV cache               ``R (P + T) (2 L K' E c + 4)``: the sampler's keys and values (and int32 segment ids)
                        for ``R`` rollout rows per device (``train_batch_size x rollout.n / (data x fsdp)``, or the
                        validation batch if larger), ``P = bucket(max_prompt_length)``, ``T =
@@ -62,7 +64,7 @@ from jppo.rollout.sampler import bucket_length
 
 ACCUMULATOR_BYTES = 4  # float32 moments and accumulator (float64 only for float64 exactness tests)
 LOGIT_COPIES = 3  # one chunk's logits, their softmax, and their gradient
-OPTIMIZER_STEP_COPIES = 6  # per-parameter float32 temporaries of applying the accumulated gradient (measured)
+OPTIMIZER_STEP_COPIES = 4  # per-parameter float32 temporaries of applying the accumulated gradient (measured)
 
 
 @dataclasses.dataclass(frozen=True)
