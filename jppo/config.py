@@ -31,6 +31,13 @@ from jppo.validate import check_mesh, resolve_sources, validate
 # ConfigError (jppo.errors) and check_mesh (jppo.validate) are re-exported: callers import them from here too.
 __all__ = ["ConfigError", "TrainConfig", "check_mesh", "load_config", "save_config", "to_dict"]
 
+# The --config help of every command line (train, eval, plan): what runs without a file.
+CONFIG_HELP = (
+    "YAML config. Without one the run uses the config schema's defaults (jppo/config.py): verl-style "
+    "hyper-parameters (e.g. actor.optim.lr=1e-6) on the built-in reverse_digits task with a tiny random model. "
+    "They are not the quickstart, which is --config configs/quickstart.yaml"
+)
+
 # The ModelConfig fields a config gives for a model initialised at random, with the defaults of a small test model
 # (their types and meaning are ModelConfig's; a checkpoint brings its own shape).
 RANDOM_MODEL = dict(

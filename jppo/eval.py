@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 from jppo import build, distributed
 from jppo.checkpoint import resolve_resume, restore_checkpoint
 from jppo.collect import validate
-from jppo.config import ConfigError, TrainConfig, check_mesh, load_config, to_dict
+from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config, to_dict
 from jppo.distributed import DistributedError
 from jppo.mesh import make_mesh
 from jppo.models import CheckpointError
@@ -85,7 +85,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m jppo.eval", description="Evaluate a policy (a model or a checkpoint) on the held-out prompts."
     )
-    parser.add_argument("--config", help="YAML config (default: the embedded quickstart defaults)")
+    parser.add_argument("--config", help=CONFIG_HELP)
     parser.add_argument("--out", help="output directory (default: trainer.output_dir)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. trainer.resume=runs/quickstart")
     distributed.add_arguments(parser)

@@ -57,7 +57,7 @@ import pathlib
 import sys
 from typing import Optional, Sequence
 
-from jppo.config import ConfigError, TrainConfig, check_mesh, load_config
+from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config
 from jppo.mesh import MESH_AXES, fitted_spec
 from jppo.models.config import DTYPES, ModelConfig
 from jppo.rollout.sampler import bucket_length
@@ -290,7 +290,7 @@ def as_json(plan: Plan) -> dict:
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jppo.plan", description="Per-device memory of a training run.")
-    parser.add_argument("--config", help="YAML config (default: the embedded quickstart defaults)")
+    parser.add_argument("--config", help=CONFIG_HELP)
     parser.add_argument("--devices", type=int, help="plan for this many devices (default: this machine's)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. mesh.fsdp=8")

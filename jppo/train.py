@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from jppo import build, distributed
 from jppo.checkpoint import CheckpointManager, resolve_resume
 from jppo.collect import Collector, PhaseTimer, collect, kl_controller, validate
-from jppo.config import ConfigError, TrainConfig, check_mesh, load_config, save_config, to_dict
+from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config, save_config, to_dict
 from jppo.data import Tokenizer
 from jppo.distributed import DistributedError
 from jppo.engine import init_train_state
@@ -172,9 +172,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--config",
-        help="YAML config. Without one the run uses the config schema's defaults (jppo/config.py): verl-style "
-        "hyper-parameters (e.g. actor.optim.lr=1e-6) on the built-in reverse_digits task with a tiny random model. "
-        "They are not the quickstart, which is --config configs/quickstart.yaml",
+        help=CONFIG_HELP,
     )
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. trainer.total_steps=10")
     distributed.add_arguments(parser)

@@ -18,7 +18,7 @@ from jppo import build
 from jppo.config import check_mesh, load_config
 from jppo.collect import decode_responses, greedy_baselines
 from jppo.mesh import make_mesh
-from jppo.train import parse_args, run, setup
+from jppo.train import run, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -167,9 +167,12 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def test_help_says_what_runs_without_a_config(capsys):
+@pytest.mark.parametrize("command", ["jppo.train", "jppo.eval", "jppo.plan"])
+def test_help_says_what_runs_without_a_config(capsys, command):
+    import importlib
+
     with pytest.raises(SystemExit):
-        parse_args(["--help"])
+        importlib.import_module(command).parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "quickstart defaults" not in text  # without --config the run is not the quickstart
     assert "configs/quickstart.yaml" in text
