@@ -182,6 +182,36 @@ def _accelerator(result: dict) -> list[str]:
     ]
 
 
+def _transfers(result: dict) -> list[str]:
+    size, steps = result["size"], result["steps"]
+    first = next(iter(steps.values()))
+    lines = _table_section(
+        "Host <-> device bytes of one training step",
+        f"GRPO, {first['rows']} rows x ({first['prompt_length']} prompt + {first['response_length']} response) "
+        f"tokens (the GSM8K config's lengths / {size['scale']}), {size['layers']} layers d{size['hidden']}, "
+        f"{result['devices']} devices; one Experience = {first['experience_bytes'] / MIB:.2f} MiB. "
+        "MiB moved in the step after a warm-up, and as multiples of the Experience (x exp).",
+        ["phase"] + [f"{name} {column}" for name in steps for column in ("h2d MiB", "d2h MiB", "h2d x exp", "d2h x exp")],
+    )
+    phases = list(dict.fromkeys(phase for step in steps.values() for phase in step["phases"]))
+    for phase in phases + ["step"]:
+        cells = []
+        for step in steps.values():
+            unit = step["experience_bytes"]
+            moved = (step["h2d_bytes"], step["d2h_bytes"]) if phase == "step" else (
+                step["phases"].get(phase, {}).get("h2d", 0), step["phases"].get(phase, {}).get("d2h", 0))
+            cells += [f"{b / MIB:,.3f}" for b in moved] + [f"{b / unit:.2f}" for b in moved]
+        name = f"**{phase}**" if phase == "step" else phase
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    lines += ["", f"By field ({next(iter(steps))}):", "", "| phase | direction | field | MiB | crossings |",
+              "|---|---|---|---:|---:|"]
+    for row in first["crossings"]:
+        if row["bytes"] >= 1024:
+            lines.append(f"| {row['phase']} | {row['direction']} | `{row['field']}` ({row['site']}) | "
+                         f"{row['bytes'] / MIB:,.3f} | {row['crossings']} |")
+    return lines + [""]
+
+
 SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "accumulation": _accumulation,
     "update_vs_torch": _update_vs_torch,
@@ -189,6 +219,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "end_to_end": _end_to_end,
     "memory": _memory,
     "accelerator": _accelerator,
+    "transfers": _transfers,
 }
 
 

@@ -7,7 +7,8 @@
 Benchmarks (each a ratio of candidates measured side by side in this one run; see each module's docstring):
 ``memory`` (chunked log-probs vs full logits, in child processes), ``accumulation`` (K = 1..8 micro-batches,
 global vs legacy normalization), ``update_vs_torch`` (jppo vs PyTorch eager, tiny and small), ``sampler`` (KV
-cache vs recomputation vs transformers), ``end_to_end`` (the quickstart config), and ``accelerator`` (MFU, decode
+cache vs recomputation vs transformers), ``end_to_end`` (the quickstart config), ``transfers`` (host <-> device
+bytes of one GRPO step at a GSM8K-like shape, by phase and field), and ``accelerator`` (MFU, decode
 roofline, device memory), which runs by default only when JAX's backend is a GPU or TPU.
 
 ``--quick`` is CI's smoke mode: tiny sizes, two repeats, the quickstart for a few steps, and XLA's backend
@@ -31,14 +32,14 @@ from typing import Callable
 
 import jax
 
-from bench import accelerator, accumulation, end_to_end, memory, sampler, update_vs_torch
+from bench import accelerator, accumulation, end_to_end, memory, sampler, transfers, update_vs_torch
 from bench.environment import describe, match_torch_threads
 from bench.report import write_markdown
 from jppo.config import ConfigError
 
 # Smoke mode compiles with LLVM optimisation off: about half the compile time, the same programs.
 QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0"
-ORDER = ("memory", "accumulation", "update_vs_torch", "sampler", "end_to_end", "accelerator")
+ORDER = ("memory", "accumulation", "update_vs_torch", "sampler", "end_to_end", "transfers", "accelerator")
 RATIO_MEANINGS = {
     "accumulation_overhead_k8": "actor update time per token with K=8 micro-batches / with K=1 (goal <= 1.10)",
     "accumulation_compile_ratio_k8": "compile time of the update with K=8 / with K=1 (goal: about 1)",
@@ -53,6 +54,11 @@ RATIO_MEANINGS = {
     "memory_chunked_vs_full_xla_temp": "XLA temporary bytes, chunked / full logits (< 1: chunking saves)",
     "e2e_seconds_per_step": "median seconds per quickstart training step after the first (not a ratio)",
     "time_to_target_s": "wall seconds until the quickstart's reward/mean first reaches 0.9 (null: not reached)",
+    "transfers_h2d_per_experience": "host->device bytes of one GRPO step (ppo_epochs=1) / bytes of its Experience "
+    "(goal: about 1, the Experience sent once)",
+    "transfers_d2h_per_experience": "device->host bytes of one GRPO step (ppo_epochs=1) / bytes of its Experience",
+    "transfers_h2d_per_extra_epoch": "host->device bytes each further ppo_epoch adds / bytes of the Experience "
+    "(goal: 0)",
     "accelerator_mfu": "model FLOPs utilisation of the ~0.5B bf16 update step (accelerator mode)",
     "accelerator_decode_vs_roofline": "decode tokens/s / memory-bandwidth roofline (accelerator mode)",
 }
@@ -79,6 +85,13 @@ def _headlines(name: str, result: dict) -> dict:
         return {
             "e2e_seconds_per_step": result["seconds_per_step"],
             "time_to_target_s": result["time_to_target"].get("wall_s"),
+        }
+    if name == "transfers":
+        unit = next(iter(result["steps"].values()))["experience_bytes"]
+        return {
+            "transfers_h2d_per_experience": result["h2d_per_experience"],
+            "transfers_d2h_per_experience": result["d2h_per_experience"],
+            "transfers_h2d_per_extra_epoch": result["h2d_per_extra_epoch"] / unit,
         }
     if name == "accelerator":
         return {
@@ -117,6 +130,7 @@ def benchmarks(args: argparse.Namespace, out: pathlib.Path, names: list[str]) ->
         },
         "sampler": lambda: sampler.measure(args.quick, repeats),
         "end_to_end": lambda: end_to_end.measure(args.quick, out / "quickstart_run", extra_overrides=args.e2e_set),
+        "transfers": lambda: transfers.measure(args.quick),
         "accelerator": lambda: accelerator.measure(accelerator.STAND_IN_SIZE if stand_in else accelerator.FULL, *peaks),
     }
     order = ([name for name in names if name != "memory"] + ["memory"]) if memory_first else names

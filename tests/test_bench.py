@@ -15,7 +15,7 @@ import pytest
 import torch
 from flax import nnx
 
-from bench import accelerator, end_to_end, run as bench_run
+from bench import accelerator, end_to_end, run as bench_run, transfers
 from bench.timing import time_side_by_side
 from bench.torch_decoder import TorchCausalLM
 from jppo.models import CausalLM, ModelConfig, create_model
@@ -184,3 +184,30 @@ def test_end_to_end_refuses_a_bad_override_in_one_line(capsys):
     assert capsys.readouterr().err.strip() == (
         "bench.end_to_end: error: --set: actor.clip_ratio_c=0.5 is invalid: it must be > 1 (the dual-clip bound)"
     )
+
+
+def test_transfer_counter_sees_the_micro_batches_the_update_places():
+    """The counted host -> device bytes of ``update_actor`` are, field by field, the bytes of the stacked
+    micro-batch arrays the driver builds for the counted step (recorded by a spy of its own, not by the counter)."""
+    from unittest import mock
+
+    from jppo.engine import driver
+
+    stacked = []
+    stack = driver.stack_micro_batches
+
+    def spy(*args, **kwargs):
+        out = stack(*args, **kwargs)
+        stacked.append(out.device_arrays())
+        return out
+
+    with mock.patch.object(driver, "stack_micro_batches", spy):
+        result = transfers.measure_step(transfers.SIZES["quick"], epochs=2)
+    placed = {jax.tree_util.keystr(path, simple=True, separator="."): int(leaf.nbytes)
+              for path, leaf in jax.tree_util.tree_leaves_with_path(stacked[-1])}
+    update = result["phases"]["update_actor"]
+    assert update["h2d_fields"] == placed
+    assert update["h2d"] == sum(placed.values()) > 0
+    assert {"slots.old_log_prob", "slots.advantages", "slots.ref_log_prob", "input_ids"} <= set(placed)
+    assert result["experience_bytes"] == sum(result["experience_fields"].values())
+    assert result["h2d_bytes"] == sum(phase["h2d"] for phase in result["phases"].values())
