@@ -31,8 +31,8 @@ from jppo.engine.optim import check_optim
 from jppo.engine.update import policy_options
 from jppo.errors import ConfigError, InvalidSetting, one_line
 from jppo.losses import (
-    AGG_MODES, KL_KINDS, POLICY_LOSSES, AdaptiveKLController, check_policy_loss_mode, check_policy_options,
-    required_agg_mode,
+    AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTION_MODES, AdaptiveKLController, check_policy_loss_mode,
+    check_policy_options, required_agg_mode,
 )
 from jppo.mesh import resolve_shape
 from jppo.rewards.verify import require_math_verify
@@ -212,6 +212,9 @@ def _check_actor(cfg: TrainConfig) -> None:
     with _as_key({}, prefix="actor."):
         check_policy_options(actor.policy_loss, policy_options(actor))
     _choice("actor.kl_loss_type", actor.kl_loss_type, KL_KINDS)
+    _choice("actor.rollout_correction.mode", actor.rollout_correction.mode, ROLLOUT_CORRECTION_MODES)
+    with _as_key({}, prefix="actor.rollout_correction."):
+        actor.rollout_correction.check()
     _positive("actor.kl_loss_coef", actor.kl_loss_coef, allow_zero=True)
     _positive("critic.cliprange_value", cfg.critic.cliprange_value, allow_zero=True)
 

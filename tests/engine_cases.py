@@ -83,6 +83,7 @@ def reference_actor_loss(model, batch: Experience, cfg: ActorConfig, loss_scale_
         entropy=entropy if cfg.entropy_coeff else None, entropy_coeff=cfg.entropy_coeff,
         ref_log_prob=data.ref_log_prob if cfg.use_kl_loss else None,
         kl_loss_coef=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, kl_loss_type=cfg.kl_loss_type,
+        rollout_log_prob=data.rollout_log_prob, rollout_correction=cfg.rollout_correction,
     )
 
 

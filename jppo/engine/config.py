@@ -19,6 +19,7 @@ import dataclasses
 from typing import Optional
 
 from jppo.errors import InvalidSetting
+from jppo.losses.rollout_correction import RolloutCorrection
 
 NORMALIZATIONS = ("global", "per_micro_batch")
 
@@ -66,7 +67,8 @@ class UpdateSettings:
 
 @dataclasses.dataclass(frozen=True)
 class ActorSettings(UpdateSettings):
-    """The policy update: a registered policy loss, optional entropy bonus and KL loss to the reference."""
+    """The policy update: a registered policy loss, optional entropy bonus and KL loss to the reference, and the
+    correction of the sampler/trainer mismatch (:mod:`jppo.losses.rollout_correction`)."""
 
     policy_loss: str = "vanilla"
     clip_ratio: float = 0.2
@@ -80,6 +82,7 @@ class ActorSettings(UpdateSettings):
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    rollout_correction: RolloutCorrection = dataclasses.field(default_factory=RolloutCorrection)
 
 
 @dataclasses.dataclass(frozen=True)

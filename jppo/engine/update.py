@@ -128,7 +128,8 @@ def loss_inputs(cfg: UpdateConfig) -> tuple[str, ...]:
     """The per-token fields of the :class:`~jppo.experience.Experience` a role's loss reads (besides the response
     mask): only these travel to its update."""
     if isinstance(cfg, ActorConfig):
-        return ("old_log_prob", "advantages") + (("ref_log_prob",) if cfg.use_kl_loss else ())
+        # rollout_log_prob: the rollout_corr/* metrics are reported in every mode (None if a batch lacks it)
+        return ("old_log_prob", "advantages", "rollout_log_prob") + (("ref_log_prob",) if cfg.use_kl_loss else ())
     return ("values", "returns")
 
 
@@ -164,9 +165,10 @@ def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
     """The actor's micro-batch loss: policy loss, entropy bonus and KL loss, all with the same NormStats.
 
     ``temperature`` is the rollout's: log-probs are those of ``logits / temperature``, as sampled. Options the
-    policy loss cannot use are refused here, before anything is traced."""
+    policy loss or the rollout correction cannot use are refused here, before anything is traced."""
     options = policy_options(cfg)
     check_policy_options(cfg.policy_loss, options)
+    cfg.rollout_correction.check()
 
     def loss(model, batch, norm):
         log_probs, entropy = policy_outputs(
@@ -181,6 +183,7 @@ def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
             mode=cfg.loss_agg_mode, policy_loss_name=cfg.policy_loss, policy_options=options, entropy=entropy,
             entropy_coeff=cfg.entropy_coeff, ref_log_prob=data.ref_log_prob,
             kl_loss_coef=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, kl_loss_type=cfg.kl_loss_type,
+            rollout_log_prob=data.rollout_log_prob, rollout_correction=cfg.rollout_correction,
         )
 
     return loss

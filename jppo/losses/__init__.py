@@ -21,6 +21,7 @@ from jppo.losses.policy import (
     register_policy_loss,
     required_agg_mode,
 )
+from jppo.losses.rollout_correction import ROLLOUT_CORRECTION_MODES, RolloutCorrection, rollout_weights
 from jppo.losses.value import clipped_value_error, value_loss
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "OPTION_RULES",
     "POLICY_LOSSES",
     "REQUIRED_AGG_MODES",
+    "ROLLOUT_CORRECTION_MODES",
     "AdaptiveKLController",
     "FixedKLController",
     "KLControlState",
@@ -36,6 +38,7 @@ __all__ = [
     "PerToken",
     "PolicyLossFn",
     "PolicyLossOptions",
+    "RolloutCorrection",
     "actor_loss",
     "agg_loss",
     "check_kl_kind",
@@ -52,5 +55,6 @@ __all__ = [
     "policy_loss",
     "register_policy_loss",
     "required_agg_mode",
+    "rollout_weights",
     "value_loss",
 ]

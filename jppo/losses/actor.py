@@ -16,6 +16,7 @@ from jppo.losses.aggregate import check_mode
 from jppo.losses.entropy import entropy_loss
 from jppo.losses.kl import check_kl_kind, kl_loss
 from jppo.losses.policy import PolicyLossOptions, check_policy_loss_mode, policy_loss
+from jppo.losses.rollout_correction import RolloutCorrection, rollout_weights
 from jppo.masked import NormStats
 
 Array = jax.Array
@@ -40,11 +41,15 @@ def actor_loss(
     ref_log_prob: Array | None = None,
     kl_loss_coef: float | Array = 0.0,
     kl_loss_type: str = "low_var_kl",
+    rollout_log_prob: Array | None = None,
+    rollout_correction: RolloutCorrection = RolloutCorrection(),
 ) -> tuple[Array, dict[str, metrics_lib.Metric]]:
     """This micro-batch's share of ``pg - entropy_coeff * entropy + kl_loss_coef * kl``, and the merged metrics.
 
     The entropy term (metric ``actor/entropy``) is computed when ``entropy`` is given and the KL term (metric
-    ``actor/kl_loss``) when ``ref_log_prob`` is given; which terms exist is decided in Python, at trace time.
+    ``actor/kl_loss``) when ``ref_log_prob`` is given; with ``rollout_log_prob`` the policy-gradient term is weighted
+    by ``rollout_correction`` and the ``rollout_corr/*`` metrics are reported
+    (:mod:`jppo.losses.rollout_correction`); which terms exist is decided in Python, at trace time.
     A coefficient that is not the number 0 without its input is an error. Names (mode, variant, KL kind) and the
     variant's required mode (the sequence-level ``gspo`` and ``geo_mean`` need ``seq-mean-token-mean``) are
     checked before anything is computed.
@@ -60,6 +65,9 @@ def actor_loss(
         ref_log_prob: ``[batch, length]`` reference-policy log-probs.
         kl_loss_coef: weight of the KL loss.
         kl_loss_type: KL estimator (see :mod:`jppo.losses.kl`).
+        rollout_log_prob: ``[batch, length]`` the sampler's log-probs of its tokens.
+        rollout_correction: the correction of the sampler/trainer mismatch; any mode but ``none`` needs
+            ``rollout_log_prob``.
     """
     check_mode(mode)
     check_policy_loss_mode(policy_loss_name, mode)
@@ -69,6 +77,12 @@ def actor_loss(
         raise ValueError(f"entropy_coeff={entropy_coeff!r} needs the token entropy, but entropy is None")
     if ref_log_prob is None and not _is_zero(kl_loss_coef):
         raise ValueError(f"kl_loss_coef={kl_loss_coef!r} needs ref_log_prob, but it is None")
+    rollout_correction.check()
+    if rollout_log_prob is None and rollout_correction.mode != "none":
+        raise ValueError(f"rollout_correction.mode={rollout_correction.mode!r} needs rollout_log_prob, but it is None")
+    weights, correction_metrics = None, {}
+    if rollout_log_prob is not None:
+        weights, correction_metrics = rollout_weights(old_log_prob, rollout_log_prob, mask, rollout_correction)
     share, metrics = policy_loss(
         policy_loss_name,
         log_prob,
@@ -77,8 +91,10 @@ def actor_loss(
         mask,
         mode=mode,
         norm=norm,
+        weights=weights,
         **dataclasses.asdict(policy_options),
     )
+    metrics.update(correction_metrics)
     if entropy is not None:
         entropy_share, entropy_metrics = entropy_loss(entropy, mask, mode=mode, norm=norm)
         share = share - entropy_coeff * entropy_share

@@ -354,6 +354,7 @@ def policy_loss(
     *,
     mode: str,
     norm: NormStats,
+    weights: Array | None = None,
     **options: float | None,
 ) -> tuple[Array, dict[str, metrics_lib.Metric]]:
     """This call's share of the whole-mini-batch policy loss of variant ``name``, and its metrics.
@@ -364,6 +365,8 @@ def policy_loss(
         mask: ``[batch, length]`` response mask.
         mode: aggregation mode (see :data:`~jppo.losses.aggregate.AGG_MODES`).
         norm: whole-mini-batch normalizers (see :func:`~jppo.losses.aggregate.agg_loss`).
+        weights: optional ``[batch, length]`` stop-gradient factors of the per-token loss, applied before
+            aggregation (the rollout correction, :mod:`jppo.losses.rollout_correction`); ``None``: no factor.
         **options: fields of :class:`PolicyLossOptions`.
 
     Returns:
@@ -379,7 +382,8 @@ def policy_loss(
     )
     valid = mask.astype(bool)
     per_token = loss_fn(log_prob, old_log_prob, advantages, valid, parsed)
-    share = agg_loss(per_token.loss, valid, mode, norm)
+    loss = per_token.loss if weights is None else per_token.loss * jnp.where(valid, weights, 0)
+    share = agg_loss(loss, valid, mode, norm)
     dtype = per_token.loss.dtype
     return share, {
         "actor/pg_loss": metrics_lib.loss_share(share, valid, norm),

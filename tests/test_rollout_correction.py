@@ -1,0 +1,294 @@
+"""Rollout/trainer mismatch correction (``actor.rollout_correction``): every mode against a numpy reference, ``none``
+bit for bit the uncorrected loss, split invariance of every mode, the engine carrying it, and config errors.
+
+The numpy reference is written from the definitions alone (``jppo/losses/rollout_correction.py``'s docstring):
+``d = logp_old - logp_roll``; ``token_tis`` weighs token t by ``min(exp(d_t), tau)``, ``seq_tis`` every token of
+a row by ``min(g, tau)`` with ``g`` the geometric mean of the row's ratios, ``seq_mask`` zeroes rows with
+``g`` outside ``[1/tau, tau]`` (they stay in the denominators). Aggregation is written as one coefficient per
+token (``share = sum_t c_t m_t l_t``), so a loss linear in ``logp`` also gives the reference gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_cases import ragged_batch
+from test_engine_update import CUTS, actor_cfg, engine_step, mesh_of, per_shard, reference
+from test_losses_invariance import make_batch, padding_row, random_splits
+from jppo import metrics as metrics_lib
+from jppo.config import ConfigError, load_config
+from jppo.engine import ActorConfig
+from jppo.engine.update import loss_inputs
+from jppo.losses import AGG_MODES, PolicyLossOptions, RolloutCorrection, actor_loss
+from jppo.masked import global_norm_stats
+from jppo.models.decoder import CausalLM
+from jppo.views import engine_view
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+C = 7.0
+CORRECTIONS = {
+    "none": RolloutCorrection("none"),
+    "token_tis": RolloutCorrection("token_tis", 1.2),
+    "seq_tis": RolloutCorrection("seq_tis", 1.1),
+    "seq_mask": RolloutCorrection("seq_mask", 1.15),
+}
+OPTIONS = PolicyLossOptions(clip_ratio_high=0.28, clip_ratio_c=2.0)
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def ragged(seed: int, rows: int = 7, length: int = 6) -> dict[str, np.ndarray]:
+    """Uneven response lengths, an empty row, a one-token row; per-row offsets between the sampler's and the
+    trainer's log-probs wide enough that seq_mask rejects some rows and keeps others; NaN under the mask."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2, length + 1, rows)
+    lengths[0], lengths[1] = 0, 1
+    mask = np.arange(length) < lengths[:, None]
+    old = -rng.exponential(1.0, (rows, length))
+    rollout = old - rng.normal(0, 0.15, (rows, 1)) - rng.normal(0, 0.2, (rows, length))
+    batch = {
+        "mask": mask.astype(np.float64),
+        "log_prob": old + rng.normal(0, 0.3, (rows, length)),
+        "old_log_prob": old,
+        "rollout_log_prob": rollout,
+        "advantages": rng.normal(size=(rows, length)),
+    }
+    return {k: v if k == "mask" else np.where(mask, v, np.nan) for k, v in batch.items()}
+
+
+def np_coefficients(mask: np.ndarray, mode: str) -> np.ndarray:
+    """Per-token factor of each aggregation mode over the whole batch: N, S and C by their definitions."""
+    n_row = mask.sum(1, keepdims=True)
+    n, s = mask.sum(), (n_row > 0).sum()
+    per_token = {
+        "token-mean": np.full_like(mask, 1 / n),
+        "token-sum": np.ones_like(mask),
+        "seq-mean-token-sum": np.full_like(mask, 1 / s),
+        "seq-mean-token-mean": 1 / (np.maximum(n_row, 1) * s) * np.ones_like(mask),
+        "seq-mean-token-sum-norm": np.full_like(mask, 1 / (s * C)),
+    }[mode]
+    return per_token * mask
+
+
+def np_weights(b: dict[str, np.ndarray], correction: RolloutCorrection) -> np.ndarray:
+    mask = b["mask"].astype(bool)
+    d = np.where(mask, b["old_log_prob"] - b["rollout_log_prob"], 0.0)
+    n_row = mask.sum(1, keepdims=True)
+    geo = np.exp(np.where(n_row > 0, d.sum(1, keepdims=True) / np.maximum(n_row, 1), 0.0))
+    tau = correction.threshold
+    if correction.mode == "token_tis":
+        return np.minimum(np.exp(d), tau)
+    if correction.mode == "seq_tis":
+        return np.broadcast_to(np.minimum(geo, tau), d.shape)
+    if correction.mode == "seq_mask":
+        return np.broadcast_to(((geo >= 1 / tau) & (geo <= tau)).astype(float), d.shape)
+    return np.ones_like(d)
+
+
+def np_metrics(b: dict[str, np.ndarray], correction: RolloutCorrection) -> dict[str, float]:
+    mask = b["mask"].astype(bool)
+    d = (b["old_log_prob"] - b["rollout_log_prob"])[mask]
+    rows = mask.any(1)
+    rejected = (np_weights(b, correction)[:, 0] == 0) & rows if correction.mode == "seq_mask" else np.zeros_like(rows)
+    return {
+        "rollout_corr/kl": float(np.mean(-d)),
+        "rollout_corr/ratio_mean": float(np.mean(np.exp(d))),
+        "rollout_corr/masked_fraction": rejected.sum() / rows.sum(),
+    }
+
+
+def np_vanilla(b: dict[str, np.ndarray]) -> np.ndarray:
+    """PPO's per-token loss with asymmetric and dual clip (OPTIONS), 0 under the mask."""
+    a = np.nan_to_num(b["advantages"])
+    r = np.exp(np.nan_to_num(b["log_prob"] - b["old_log_prob"]))
+    loss = np.maximum(-a * r, -a * np.clip(r, 1 - OPTIONS.low, 1 + OPTIONS.high))
+    return np.where(a < 0, np.minimum(loss, -a * OPTIONS.clip_ratio_c), loss)
+
+
+def shares(batch, correction, policy_loss_name="vanilla"):
+    """``{mode: ((share, metrics), d share / d log_prob)}`` for every aggregation mode."""
+
+    @jax.jit
+    def run(x):
+        norm = global_norm_stats(x["mask"], C)
+        out = {}
+        for mode in AGG_MODES:
+            def share(log_prob, mode=mode):
+                return actor_loss(
+                    log_prob, x["old_log_prob"], x["advantages"], x["mask"], norm=norm, mode=mode,
+                    policy_loss_name=policy_loss_name, policy_options=OPTIONS, rollout_correction=correction,
+                    rollout_log_prob=x.get("rollout_log_prob"),
+                )
+
+            out[mode] = jax.value_and_grad(share, has_aux=True)(x["log_prob"])
+        return out
+
+    return run({k: jnp.asarray(v) for k, v in batch.items()})
+
+
+def test_the_test_batches_exercise_every_mode():
+    for seed in range(3):
+        b = ragged(seed)
+        rows = b["mask"].sum(1)
+        assert (rows == 0).sum() == 1 and len(set(rows)) > 2
+        assert 0 < np_metrics(b, CORRECTIONS["seq_mask"])["rollout_corr/masked_fraction"] < 1
+        for name in ("token_tis", "seq_tis"):
+            w = np_weights(b, CORRECTIONS[name])[b["mask"] > 0]
+            assert (w == CORRECTIONS[name].threshold).any() and (w < CORRECTIONS[name].threshold).any(), name
+
+
+@pytest.mark.parametrize("name", sorted(CORRECTIONS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_each_mode_matches_a_numpy_reference(name, seed):
+    b = ragged(seed)
+    correction = CORRECTIONS[name]
+    weights = np_weights(b, correction)
+    expected_metrics = np_metrics(b, correction)
+    vanilla = np_vanilla(b)
+    for mode, ((share, metrics), _) in shares(b, correction).items():
+        coefficients = np_coefficients(b["mask"], mode)
+        np.testing.assert_allclose(float(share), np.sum(coefficients * weights * vanilla), rtol=1e-12, err_msg=mode)
+        finished = metrics_lib.finish(metrics)
+        for key, value in expected_metrics.items():
+            np.testing.assert_allclose(float(finished[key]), value, rtol=1e-12, atol=1e-15, err_msg=f"{mode} {key}")
+    # gpg's loss -A logp is linear in logp: its gradient is -A w c, the weight under stop-gradient
+    advantages = np.nan_to_num(b["advantages"])
+    for mode, ((share, _), grad) in shares(b, correction, "gpg").items():
+        coefficients = np_coefficients(b["mask"], mode)
+        np.testing.assert_allclose(np.asarray(grad), -advantages * weights * coefficients, rtol=1e-12, atol=1e-15,
+                                   err_msg=mode)
+
+
+def test_none_is_the_uncorrected_loss_bit_for_bit():
+    b = ragged(0)
+    uncorrected = {k: v for k, v in b.items() if k != "rollout_log_prob"}
+    with_rollout = shares(b, CORRECTIONS["none"])
+    without = shares(uncorrected, RolloutCorrection())
+    for mode in AGG_MODES:
+        (share, metrics), grad = with_rollout[mode]
+        (share0, metrics0), grad0 = without[mode]
+        assert np.array_equal(np.asarray(share), np.asarray(share0)), mode
+        assert np.array_equal(np.asarray(grad), np.asarray(grad0)), mode
+        assert set(metrics) - set(metrics0) == {"rollout_corr/kl", "rollout_corr/ratio_mean",
+                                                "rollout_corr/masked_fraction"}
+        for key in metrics0:
+            assert np.array_equal(np.asarray(metrics[key].numerator), np.asarray(metrics0[key].numerator)), key
+
+
+def _invariance_batch(seed: int) -> dict[str, np.ndarray]:
+    """The invariance tests' ragged batch (garbage under the mask) with sampler log-probs whose per-row offsets
+    make seq_mask reject some rows."""
+    batch = make_batch(seed)
+    rng = np.random.default_rng(500 + seed)
+    mask = batch["mask"] > 0
+    rollout = batch["old_log_prob"] - rng.normal(0, 0.15, (mask.shape[0], 1)) - rng.normal(0, 0.2, mask.shape)
+    batch["rollout_log_prob"] = np.where(mask, rollout, np.nan)
+    return batch
+
+
+@pytest.mark.parametrize("name", sorted(CORRECTIONS))
+def test_every_mode_is_split_invariant(name):
+    """Shares, gradients and metrics summed over the pieces of random cuts equal the whole batch's (as in
+    test_losses_invariance, with the entropy and KL terms of the actor objective too)."""
+    correction = CORRECTIONS[name]
+    rows = 8
+
+    @jax.jit
+    def run(x, norm):
+        out = {}
+        for mode in AGG_MODES:
+            def share(log_prob, mode=mode):
+                return actor_loss(
+                    log_prob, x["old_log_prob"], x["advantages"], x["mask"], norm=norm, mode=mode,
+                    policy_loss_name="vanilla", policy_options=OPTIONS, entropy=x["entropy"], entropy_coeff=0.01,
+                    ref_log_prob=x["ref_log_prob"], kl_loss_coef=0.1, kl_loss_type="k3+",
+                    rollout_log_prob=x["rollout_log_prob"], rollout_correction=correction,
+                )
+
+            out[mode] = jax.value_and_grad(share, has_aux=True)(x["log_prob"])
+        return out
+
+    for seed in (0, 1):
+        batch = _invariance_batch(seed)
+        padded = padding_row(batch)
+        norm = global_norm_stats(jnp.asarray(batch["mask"]), C)
+        whole = run({k: jnp.asarray(v) for k, v in batch.items()}, norm)
+        for pieces in random_splits(seed):
+            total = {mode: [0.0, np.zeros_like(batch["log_prob"]), []] for mode in AGG_MODES}
+            for piece in pieces:
+                index = np.concatenate([piece, np.full(rows - len(piece), rows)])
+                out = run({k: jnp.asarray(v[index]) for k, v in padded.items()}, norm)
+                for mode, ((share, metrics), grad) in out.items():
+                    total[mode][0] += float(share)
+                    total[mode][1][piece] += np.asarray(grad)[: len(piece)]
+                    total[mode][2].append(metrics)
+            for mode, ((share, metrics), grad) in whole.items():
+                what = f"{name} {mode} seed={seed} pieces={[len(p) for p in pieces]}"
+                assert np.isfinite(np.asarray(grad)).all(), what
+                chex.assert_trees_all_close(total[mode][0], float(share), rtol=1e-10, atol=1e-12, custom_message=what)
+                chex.assert_trees_all_close(total[mode][1], np.asarray(grad), rtol=1e-10, atol=1e-12,
+                                            custom_message=what)
+                chex.assert_trees_all_close(metrics_lib.reduce(total[mode][2]), metrics_lib.finish(metrics),
+                                            rtol=1e-10, atol=1e-12, custom_message=what)
+
+
+def test_the_engine_applies_the_correction_whatever_the_cut():
+    """An actor step with seq_mask on 2 shards, one micro-batch vs token-budget packing: the same gradient as the
+    whole-batch reference (which passes the same sampler log-probs to the loss), and the same metrics."""
+    base = ragged_batch(3)
+    rng = np.random.default_rng(3)
+    offsets = rng.normal(0, 0.3, (base.num_sequences, 1))
+    batch = dataclasses.replace(base, rollout_log_prob=np.where(base.response_attention, base.old_log_prob - offsets, 0.0))
+    correction = RolloutCorrection("seq_mask", 1.2)
+    assert "rollout_log_prob" in loss_inputs(actor_cfg(rollout_correction=correction))
+    mesh = mesh_of((2, 1, 1))
+    results = [
+        engine_step(CausalLM, actor_cfg(rollout_correction=correction, **per_shard(CUTS[cut], 2)), mesh, batch)
+        for cut in ("K1", "token-budget")
+    ]
+    _, grads, _, ref_metrics = reference(CausalLM, actor_cfg(rollout_correction=correction), batch)
+    expected = metrics_lib.finish(ref_metrics)
+    assert 0 < float(expected["rollout_corr/masked_fraction"]) < 1
+    _, uncorrected, _, _ = reference(CausalLM, actor_cfg(), batch)
+    assert not np.allclose(jax.tree.leaves(grads)[0], jax.tree.leaves(uncorrected)[0])
+    for _, metrics, gradient in results:
+        chex.assert_trees_all_close(jax.device_get(gradient), jax.device_get(grads), rtol=1e-9)
+        for key in ("rollout_corr/kl", "rollout_corr/ratio_mean", "rollout_corr/masked_fraction", "actor/pg_loss"):
+            np.testing.assert_allclose(float(metrics[key]), float(expected[key]), rtol=1e-9, err_msg=key)
+
+
+def test_the_config_carries_it_to_the_engine():
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml",
+                      ["actor.rollout_correction.mode=seq_tis", "actor.rollout_correction.threshold=3"])
+    view = engine_view(cfg, "actor")
+    assert isinstance(view, ActorConfig) and view.rollout_correction == RolloutCorrection("seq_tis", 3.0)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["actor.rollout_correction.mode=tis"], "actor.rollout_correction.mode='tis' is not valid"),
+        (["actor.rollout_correction.mode=seq_mask", "actor.rollout_correction.threshold=1"],
+         "actor.rollout_correction.threshold=1.0 is invalid: it must be > 1 for mode 'seq_mask'"),
+        (["actor.rollout_correction.mode=token_tis", "actor.rollout_correction.threshold=0"],
+         "actor.rollout_correction.threshold=0.0 is invalid: it must be > 0 for mode 'token_tis'"),
+        (["actor.rollout_correction.mode=seq_tis", "actor.rollout_correction.threshold=-2"],
+         "actor.rollout_correction.threshold=-2.0 is invalid: it must be > 0 for mode 'seq_tis'"),
+    ],
+)
+def test_bad_settings_are_one_line_config_errors(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(ROOT / "configs" / "quickstart.yaml", overrides)
+    text = str(error.value)
+    assert message in text and "\n" not in text
