@@ -88,7 +88,9 @@ def test_take_rows_rejects_an_order_the_shards_do_not_divide():
 
 
 @pytest.mark.parametrize("role,use_kl_loss,expected", [
-    ("actor", False, {"old_log_prob", "advantages"}), ("actor", True, {"old_log_prob", "advantages", "ref_log_prob"}),
+    # rollout_log_prob: the actor reports the rollout_corr/* metrics in every rollout_correction mode
+    ("actor", False, {"old_log_prob", "advantages", "rollout_log_prob"}),
+    ("actor", True, {"old_log_prob", "advantages", "rollout_log_prob", "ref_log_prob"}),
     ("critic", False, {"values", "returns"}),
 ])
 def test_each_update_receives_only_the_arrays_its_loss_reads(role, use_kl_loss, expected):
