@@ -33,5 +33,7 @@ class InvalidSetting(ValueError):
 
 
 def one_line(error: Exception) -> str:
-    """An error's message on one line (what the command-line entry points print)."""
-    return " ".join(str(error).split())
+    """An error's message on one line (what the command-line entry points print). A ``KeyError``'s own ``str``
+    quotes its message; its message is taken as written."""
+    text = error.args[0] if isinstance(error, KeyError) and error.args else error
+    return " ".join(str(text).split())

@@ -33,6 +33,7 @@ from jppo.checkpoint import resolve_resume, restore_checkpoint
 from jppo.collect import validate
 from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config, to_dict
 from jppo.distributed import DistributedError
+from jppo.errors import one_line
 from jppo.mesh import make_mesh
 from jppo.models import CheckpointError
 from jppo.paths import run_path
@@ -101,7 +102,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mesh_shape = check_mesh(cfg, jax.device_count(), jax.process_count())
         inputs = build.load_inputs(cfg, validation=True)
     except (ConfigError, CheckpointError, DistributedError, ValueError, KeyError, FileNotFoundError) as error:
-        print(f"jppo.eval: error: {' '.join(str(error).split())}", file=sys.stderr)
+        print(f"jppo.eval: error: {one_line(error)}", file=sys.stderr)
         return 2
     out = run_path(args.out or cfg.trainer.output_dir)
     report = evaluate(cfg, mesh_shape, inputs, out)

@@ -35,6 +35,7 @@ from jppo.collect import Collector, PhaseTimer, collect, kl_controller, validate
 from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config, save_config, to_dict
 from jppo.data import Tokenizer
 from jppo.distributed import DistributedError
+from jppo.errors import one_line
 from jppo.engine import init_train_state
 from jppo.export import export_policy
 from jppo.learn import Learner, learn
@@ -206,7 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mesh_shape = check_mesh(cfg, jax.device_count(), jax.process_count())
         inputs = build.load_inputs(cfg)
     except (ConfigError, CheckpointError, DistributedError, ValueError, KeyError, FileNotFoundError) as error:
-        print(f"jppo.train: error: {' '.join(str(error).split())}", file=sys.stderr)
+        print(f"jppo.train: error: {one_line(error)}", file=sys.stderr)
         return 2
     final = run(cfg, mesh_shape, inputs)
     if not distributed.is_main_process():

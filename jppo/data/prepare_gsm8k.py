@@ -22,6 +22,7 @@ import sys
 from typing import Optional, Sequence
 
 from jppo.data.datasets import read_rows
+from jppo.errors import one_line
 
 INSTRUCTION = ' Think step by step, then give the final answer on the last line as "#### <number>".'
 
@@ -53,8 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         count = convert(args.source, args.output)
     except (ValueError, KeyError, OSError) as error:  # a missing or malformed source, an unwritable output
-        text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-        print(f"prepare_gsm8k: error: {' '.join(str(text).split())}", file=sys.stderr)
+        print(f"prepare_gsm8k: error: {one_line(error)}", file=sys.stderr)
         return 2
     print(f"wrote {count} examples to {args.output}")
     return 0
