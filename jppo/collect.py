@@ -34,12 +34,14 @@ from jppo import build
 from jppo.advantages import get_estimator
 from jppo.config import TrainConfig
 from jppo.data import Tokenizer
+from jppo.dynamic_sampling import DynamicSamplingError, Scored, concat, varied_groups
 from jppo.engine import forward_batch, log_prob_fn, value_fn
 from jppo.experience import Experience
 from jppo.hostlocal import local_rows, local_shards, max_over_processes, replicated_value, sum_over_processes, to_global, to_local
 from jppo.losses import AdaptiveKLController, FixedKLController, penalize_rewards
 from jppo.mesh import batch_shards
 from jppo.rewards.model import RewardModel
+from jppo.rewards.overlong import overlong_penalty
 from jppo.rollout import Sampler
 from jppo.state import RunState, advance
 
@@ -231,20 +233,63 @@ class Collector:
             scores = scores + self.reward_model(batch)
         return texts, finished, scores
 
+    def score_for_training(self, batch: Experience, examples: list, prompts: list) -> Scored:
+        """:meth:`score` of a training batch (``group_ids`` index ``examples``), and the training reward: the
+        score plus the overlong penalty when ``reward.overlong_buffer`` is on."""
+        texts, finished, scores = self.score(batch, [examples[i] for i in batch.group_ids])
+        rewards = scores
+        buffer = self.cfg.reward.overlong_buffer
+        if buffer.enable:
+            lengths = batch.response_attention.sum(axis=1)
+            penalty = overlong_penalty(lengths, self.cfg.rollout.max_response_length, buffer.len, buffer.penalty_factor)
+            rewards = (scores + penalty).astype(np.float32)
+        return Scored(batch, examples, prompts, texts, finished, scores, rewards)
+
+
+def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer) -> tuple[Scored, int, dict[str, float]]:
+    """The step's sampled and scored batch, the data position after the prompts it consumed, and the dynamic
+    sampling metrics. Without ``algorithm.filter_groups`` that is one batch of ``data.train_batch_size`` prompts;
+    with it, batches are drawn (batch ``g`` > 0 with the key ``fold_in(step key, g)``) until that many varied groups
+    are kept (:mod:`jppo.dynamic_sampling`). Every draw is a function of the seed, the step and the data position,
+    so a resumed run samples the same batches."""
+    cfg = c.cfg
+    groups, size = cfg.algorithm.filter_groups, cfg.data.train_batch_size
+    position, kept, num_varied, num_kept, gen = int(np.asarray(state.data_position)), [], 0, 0, 0
+    while True:
+        examples, prompts, position = c.inputs.train_data.batch_at(position, size, cfg.trainer.seed)
+        key = state.key(step) if gen == 0 else jax.random.fold_in(state.key(step), gen)
+        with timer("rollout"):
+            exp = c.sampler(state.actor.params, prompts, key)  # group_ids: each row's prompt
+        with timer("reward"):
+            scored = c.score_for_training(exp, examples, prompts)
+        gen += 1
+        if not groups.enable:
+            return scored, position, {}
+        varied = varied_groups(scored.rewards if groups.metric == "reward" else scored.scores, exp.group_ids)
+        num_varied += len(varied)
+        take = varied[: size - num_kept]
+        kept.append(scored.groups(take))
+        num_kept += len(take)
+        if num_kept == size:
+            break
+        if groups.max_num_gen_batches and gen >= groups.max_num_gen_batches:
+            raise DynamicSamplingError(
+                f"step {step}: {gen} prompt batches gave {num_kept} of data.train_batch_size={size} prompts with "
+                f"varied {groups.metric}s (algorithm.filter_groups.max_num_gen_batches={groups.max_num_gen_batches}); "
+                "the data may be too hard or too easy for the policy (0 samples without limit)"
+            )
+    metrics = {"filter_groups/num_gen_batches": float(gen), "filter_groups/kept_fraction": num_varied / (gen * size)}
+    return concat(kept, c.inputs.tokenizer.pad_id), position, metrics
+
 
 def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState, Experience, dict[str, float]]:
     """Step ``state.step + 1``'s experience (this process's rows), the state with the data position and KL
     controller advanced, and the rollout's metrics (whole batch, combined over processes)."""
     cfg, tokenizer = c.cfg, c.inputs.tokenizer
     step = state.steps_done + 1
-    examples, prompts, data_position = c.inputs.train_data.batch_at(
-        int(np.asarray(state.data_position)), cfg.data.train_batch_size, cfg.trainer.seed
-    )
-    with timer("rollout"):
-        exp = c.sampler(state.actor.params, prompts, state.key(step))  # group_ids: each row's prompt
-    with timer("reward"):
-        row_examples = [examples[i] for i in exp.group_ids]
-        texts, finished, scores = c.score(exp, row_examples)
+    scored, data_position, sampling_metrics = sample_and_score(c, state, step, timer)
+    exp, examples, prompts = scored.exp, scored.examples, scored.prompts
+    row_examples, texts, finished, scores = scored.row_examples, scored.texts, scored.finished, scored.rewards
     reward_baselines = None
     if c.baseline_sampler is not None:
         with timer("reward_baseline"):
@@ -289,13 +334,16 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
         returns=np.asarray(returns, np.float32),
     )
     metrics.update(rollout_metrics(exp, scores, cfg.rollout.max_response_length))
+    metrics.update(sampling_metrics)
+    if cfg.algorithm.overlong_filter:
+        exp = dataclasses.replace(exp, response_mask=finished_rows_only(exp.response_mask, finished))
     return advance(state, data_position=data_position, kl=kl), exp, metrics
 
 
 def greedy_baselines(c: Collector, state: RunState, examples: list, prompts: list, group_ids: np.ndarray, step: int) -> np.ndarray:
     """ReMax baselines: for every row, the reward of the current policy's greedy response to its prompt."""
     greedy = c.baseline_sampler(state.actor.params, prompts, state.key(step))  # greedy: the key is unused
-    _, _, greedy_scores = c.score(greedy, [examples[i] for i in greedy.group_ids])
+    greedy_scores = c.score_for_training(greedy, examples, prompts).rewards
     by_prompt = dict(zip(greedy.group_ids.tolist(), greedy_scores.tolist()))
     return np.asarray([by_prompt[i] for i in group_ids.tolist()], np.float32)
 
@@ -362,6 +410,12 @@ def validate(c: Collector, params: nnx.State) -> Validation:
         start += len(examples)
     metrics = validation_metrics(reward_sum, np.asarray(correct, np.int64), len(data), n)
     return Validation(metrics, records)
+
+
+def finished_rows_only(response_mask: np.ndarray, finished) -> np.ndarray:
+    """Overlong filtering: the response mask with the rows of unfinished (truncated) responses cleared, so every
+    loss skips them and the mini-batch normalizers (N tokens, S sequences) count the finished rows only."""
+    return np.where(np.asarray(finished, bool)[:, None], response_mask, False).astype(response_mask.dtype)
 
 
 def decode_responses(batch: Experience, tokenizer: Tokenizer) -> tuple[list[str], list[bool]]:

@@ -120,6 +120,18 @@ class KLControlSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class FilterGroupsSection:
+    """DAPO's dynamic sampling (:mod:`jppo.dynamic_sampling`): prompt groups whose ``rollout.n`` responses all
+    have the same ``metric`` (``reward``: the training reward, overlong shaping included; ``score``: without it)
+    are dropped, and prompt batches are sampled until ``data.train_batch_size`` prompts are kept. More than
+    ``max_num_gen_batches`` batches in one step (0: no limit) stops the run with an error, as verl does."""
+
+    enable: bool = False
+    metric: str = "reward"
+    max_num_gen_batches: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmSection:
     """Advantages and KL in the reward (verl's ``algorithm`` section)."""
 
@@ -130,6 +142,10 @@ class AlgorithmSection:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlSection = dataclasses.field(default_factory=KLControlSection)
+    # DAPO's overlong filtering: responses cut by the length limit (no EOS) are masked out of the update's losses
+    # (they still count in their group's advantage baseline); the normalizers then count the kept tokens only.
+    overlong_filter: bool = False
+    filter_groups: FilterGroupsSection = dataclasses.field(default_factory=FilterGroupsSection)
 
 
 @dataclasses.dataclass(frozen=True)

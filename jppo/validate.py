@@ -25,6 +25,7 @@ from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.data import BUILTIN_TASKS
 from jppo.data.datasets import file_list
 from jppo.data.tokenizer import BUILTIN_PREFIX
+from jppo.dynamic_sampling import FILTER_METRICS
 from jppo.engine.config import check_update
 from jppo.engine.driver import check_batch_sizes
 from jppo.engine.optim import check_optim
@@ -145,7 +146,14 @@ def _check_sources(cfg: TrainConfig) -> None:
 
 
 def _check_reward(cfg: TrainConfig) -> None:
-    """An optional package a reward kind needs must be installed."""
+    """An optional package a reward kind needs must be installed; the overlong buffer fits in the length limit."""
+    buffer, limit = cfg.reward.overlong_buffer, cfg.rollout.max_response_length
+    if buffer.enable and not 1 <= buffer.len < limit:
+        raise ConfigError(
+            f"reward.overlong_buffer.len={buffer.len!r} must be >= 1 and < rollout.max_response_length={limit}"
+        )
+    if buffer.enable:
+        _positive("reward.overlong_buffer.penalty_factor", buffer.penalty_factor, allow_zero=True)
     if cfg.reward.kind == "math_verify":
         try:
             require_math_verify()
@@ -231,6 +239,14 @@ def _check_algorithm(cfg: TrainConfig) -> None:
         ctrl = algorithm.kl_ctrl
         with _as_key({}, prefix="algorithm.kl_ctrl."):
             AdaptiveKLController(init_kl_coef=ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
+    groups = algorithm.filter_groups
+    _choice("algorithm.filter_groups.metric", groups.metric, FILTER_METRICS)
+    _positive("algorithm.filter_groups.max_num_gen_batches", groups.max_num_gen_batches, allow_zero=True)
+    if groups.enable and cfg.rollout.n < 2:
+        raise ConfigError(
+            f"rollout.n={cfg.rollout.n}: algorithm.filter_groups.enable=True drops groups whose responses agree, "
+            "so it needs rollout.n >= 2"
+        )
     estimator = ADVANTAGE_ESTIMATORS[algorithm.adv_estimator]
     if estimator.needs_critic and cfg.critic.enable is False:
         raise ConfigError(f"critic.enable=False but algorithm.adv_estimator={algorithm.adv_estimator!r} needs a critic")
@@ -343,6 +359,11 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
         raise ConfigError(
             f"data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n} = {sequences} sequences "
             f"do not split over {shards} batch shards (mesh.data x mesh.fsdp)"
+        )
+    if num_processes > 1 and cfg.algorithm.filter_groups.enable:
+        raise ConfigError(
+            f"algorithm.filter_groups.enable=True runs in one process only (this run has {num_processes}): each "
+            "process would keep different prompts"
         )
     if num_processes > 1 and cfg.data.train_batch_size % shards:
         raise ConfigError(

@@ -1,6 +1,7 @@
 """Rewards for the trainer: rule-based answer checks, task scorers, user plug-ins, and the batch reward function."""
 
 from jppo.rewards.adapters import FUNCTION_STYLES
+from jppo.rewards.overlong import OverlongBufferConfig, overlong_penalty
 from jppo.rewards.plugin import RewardFunctionError, RewardPlugin, load_reward_plugin
 from jppo.rewards.reward_fn import REWARD_KINDS, CreditFn, RewardConfig, RewardFn, build_credit_fn, build_reward_fn
 from jppo.rewards.rules import boxed_score, extract_boxed, extract_gsm8k_answer, gsm8k_score, math_equal
@@ -10,6 +11,7 @@ __all__ = [
     "REWARD_KINDS",
     "CreditFn",
     "FUNCTION_STYLES",
+    "OverlongBufferConfig",
     "RewardConfig",
     "RewardFn",
     "RewardFunctionError",
@@ -23,4 +25,5 @@ __all__ = [
     "load_reward_plugin",
     "math_equal",
     "math_verify_score",
+    "overlong_penalty",
 ]

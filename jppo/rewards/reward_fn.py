@@ -24,6 +24,7 @@ import numpy as np
 from jppo.data.tasks import Example, Task
 from jppo.rewards import rules
 from jppo.rewards.adapters import FUNCTION_STYLES
+from jppo.rewards.overlong import OverlongBufferConfig
 from jppo.rewards.plugin import RewardFunctionError, load_reward_plugin
 from jppo.rewards.verify import math_verify_score, require_math_verify
 
@@ -51,6 +52,8 @@ class RewardConfig:
     # prompt + response is added to the rule score (reward.kind: none for the model's score alone). It must share
     # the policy's tokenizer.
     model_path: Optional[str] = None
+    # DAPO's soft overlong punishment of training rewards (jppo.rewards.overlong); validation is not shaped.
+    overlong_buffer: OverlongBufferConfig = dataclasses.field(default_factory=OverlongBufferConfig)
 
     def __post_init__(self) -> None:
         if self.kind not in REWARD_KINDS:
