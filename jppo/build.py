@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from jppo.config import ConfigError, TrainConfig
 from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
 from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pretrained
+from jppo.models.lora import LoRAConfig, attach_lora, trainable_filter
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
 from jppo.rollout import SamplingParams
 
@@ -88,12 +89,38 @@ def build_critic(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> ValueModel:
     return ValueModel.from_policy(policy, rngs=nnx.Rngs(cfg.trainer.seed + 1))
 
 
-def build_reference(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> nnx.State:
-    """Parameters of the reference policy: ``ref.model_path``, or a copy of the policy's initial weights."""
+def build_reference(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> Optional[nnx.State]:
+    """Parameters of the reference policy: ``ref.model_path``, or a copy of the policy's initial weights. A policy
+    with LoRA adapters needs no copy: its reference is its own frozen base weights, read in place (None here)."""
     if cfg.ref.model_path:
         model = load_pretrained(cfg.ref.model_path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, mesh=mesh)
         return nnx.state(model, nnx.Param)
+    if has_adapters(policy):
+        return None
     return jax.tree.map(jnp.copy, nnx.state(policy, nnx.Param))
+
+
+def has_adapters(model: nnx.Module) -> bool:
+    return model.decoder.layers.lora is not None
+
+
+def add_adapters(model: nnx.Module, lora: LoRAConfig, seed: int) -> Optional[nnx.GraphDef]:
+    """Attaches ``lora``'s adapters to ``model`` when enabled; returns the structure of the model without them
+    (what reads the base weights alone: the reference policy, the merged export), or None without LoRA."""
+    if not lora.enabled:
+        return None
+    base = nnx.graphdef(model)
+    attach_lora(model, lora, seed)
+    return base
+
+
+def split_trained(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, Optional[nnx.State]]:
+    """``(graphdef, trained, frozen)``: every parameter trains (frozen None), or, with adapters, only the adapters
+    (and a critic's value head) while the base weights are frozen."""
+    if not has_adapters(model):
+        graphdef, params = nnx.split(model, nnx.Param)
+        return graphdef, params, None
+    return nnx.split(model, trainable_filter(model), nnx.Param)
 
 
 def sampling_params(

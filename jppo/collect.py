@@ -197,12 +197,16 @@ class Collector:
     values_of: Optional[object]
     ref_params: Optional[nnx.State]
     reward_model: Optional[RewardModel]
+    # LoRA: the reference is the actor's frozen base weights, read through the structure without adapters
+    ref_log_probs_of: Optional[object] = None
 
     @classmethod
     def create(
         cls, cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs, policy: nnx.GraphDef,
-        critic: Optional[nnx.GraphDef], ref_params: Optional[nnx.State],
+        critic: Optional[nnx.GraphDef], ref_params: Optional[nnx.State], base: Optional[nnx.GraphDef] = None,
     ) -> "Collector":
+        """``base``: the policy's structure without its LoRA adapters (None without LoRA); the reference log-probs
+        then run it on ``ref_params``, or on the actor's frozen base weights when there is no ``ref.model_path``."""
         tokenizer = inputs.tokenizer
 
         def sampler(**kind) -> Sampler:
@@ -222,6 +226,9 @@ class Collector:
             ),
             values_of=None if critic is None else value_fn(critic),
             ref_params=ref_params, reward_model=reward_model,
+            ref_log_probs_of=None if base is None or not cfg.use_reference else log_prob_fn(
+                base, temperature=cfg.rollout.temperature, chunk_size=cfg.actor.log_prob_chunk_size
+            ),
         )
 
     def score(self, batch: Experience, row_examples: list) -> tuple[list[str], list[bool], np.ndarray]:
@@ -259,7 +266,7 @@ def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer
         examples, prompts, position = c.inputs.train_data.batch_at(position, size, cfg.trainer.seed)
         key = state.key(step) if gen == 0 else jax.random.fold_in(state.key(step), gen)
         with timer("rollout"):
-            exp = c.sampler(state.actor.params, prompts, key)  # group_ids: each row's prompt
+            exp = c.sampler(state.actor.weights, prompts, key)  # group_ids: each row's prompt
         with timer("reward"):
             scored = c.score_for_training(exp, examples, prompts)
         gen += 1
@@ -297,14 +304,18 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
     mask = exp.response_mask
     actor_cut = build.forward_micro_batching(cfg, "actor")
     with timer("old_log_prob"):
-        exp = dataclasses.replace(exp, old_log_prob=forward_batch(c.log_probs_of, state.actor.params, exp, c.mesh, **actor_cut))
-    if c.ref_params is not None:
+        exp = dataclasses.replace(exp, old_log_prob=forward_batch(c.log_probs_of, state.actor.weights, exp, c.mesh, **actor_cut))
+    if c.ref_log_probs_of is not None:  # LoRA: the base weights with the adapters switched off
+        with timer("ref_log_prob"):
+            ref = c.ref_params if c.ref_params is not None else state.actor.frozen
+            exp = dataclasses.replace(exp, ref_log_prob=forward_batch(c.ref_log_probs_of, ref, exp, c.mesh, **actor_cut))
+    elif c.ref_params is not None:
         with timer("ref_log_prob"):
             exp = dataclasses.replace(exp, ref_log_prob=forward_batch(c.log_probs_of, c.ref_params, exp, c.mesh, **actor_cut))
     if state.critic is not None:
         with timer("values"):
             critic_cut = build.forward_micro_batching(cfg, "critic")
-            exp = dataclasses.replace(exp, values=forward_batch(c.values_of, state.critic.params, exp, c.mesh, **critic_cut))
+            exp = dataclasses.replace(exp, values=forward_batch(c.values_of, state.critic.weights, exp, c.mesh, **critic_cut))
     metrics: dict[str, float] = {}
     kl = state.kl
     with timer("advantages"):
@@ -342,7 +353,7 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
 
 def greedy_baselines(c: Collector, state: RunState, examples: list, prompts: list, group_ids: np.ndarray, step: int) -> np.ndarray:
     """ReMax baselines: for every row, the reward of the current policy's greedy response to its prompt."""
-    greedy = c.baseline_sampler(state.actor.params, prompts, state.key(step))  # greedy: the key is unused
+    greedy = c.baseline_sampler(state.actor.weights, prompts, state.key(step))  # greedy: the key is unused
     greedy_scores = c.score_for_training(greedy, examples, prompts).rewards
     by_prompt = dict(zip(greedy.group_ids.tolist(), greedy_scores.tolist()))
     return np.asarray([by_prompt[i] for i in group_ids.tolist()], np.float32)

@@ -25,6 +25,7 @@ from jppo.data import DataConfig
 from jppo.engine.config import ActorSettings, CriticSettings
 from jppo.errors import ConfigError, one_line
 from jppo.models.config import model_settings
+from jppo.models.lora import LoRAConfig
 from jppo.rewards import RewardConfig
 from jppo.validate import check_mesh, resolve_sources, validate
 
@@ -43,7 +44,7 @@ CONFIG_HELP = (
 RANDOM_MODEL = dict(
     model_type="qwen2", hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=None,
     rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=512, dtype="float32",
-    param_dtype="float32", remat=False,
+    param_dtype="float32", remat=False, initializer_range=0.02,
 )
 
 
@@ -74,7 +75,11 @@ class UpdateSection:
 
 @dataclasses.dataclass(frozen=True)
 class ActorSection(ActorSettings, UpdateSection):
-    """The policy update (:class:`~jppo.engine.config.ActorSettings`)."""
+    """The policy update (:class:`~jppo.engine.config.ActorSettings`). ``lora``: train low-rank adapters on the
+    policy's projections instead of all its weights (:class:`~jppo.models.lora.LoRAConfig`; ``rank: 0``, the
+    default, trains everything)."""
+
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +89,7 @@ class CriticSection(CriticSettings, UpdateSection):
 
     enable: Optional[bool] = None
     model_path: Optional[str] = None
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # adapters on the critic's backbone, new head trained
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,7 @@ from jppo.errors import one_line
 from jppo.mesh import make_mesh
 from jppo.models import CheckpointError
 from jppo.paths import run_path
+from jppo.state import checkpointed, with_frozen
 from jppo.train import setup
 
 log = logging.getLogger("jppo.eval")
@@ -57,9 +58,9 @@ def evaluate(
     checkpoint = None
     if resume is not None:
         checkpoint = str(checkpoints / str(resume) if isinstance(resume, int) else resume)
-        state, _ = restore_checkpoint(checkpoint, state)
+        state = with_frozen(restore_checkpoint(checkpoint, checkpointed(state))[0], state)
         log.info("evaluating %s (step %d)", checkpoint, state.steps_done)
-    result = validate(collector, state.actor.params)
+    result = validate(collector, state.actor.weights)
     records = sorted(all_processes(result.records), key=lambda r: (r["index"], r["sample"]))
     report = {"metrics": result.metrics, "checkpoint": checkpoint, "step": state.steps_done, "config": to_dict(cfg)}
     if distributed.is_main_process():

@@ -43,6 +43,7 @@ from jppo.data import CharTokenizer, Tokenizer, load_tokenizer
 from jppo.errors import ConfigError, one_line
 from jppo.models import CausalLM, CheckpointError, ModelConfig, read_config, save_pretrained
 from jppo.models.config import DTYPES
+from jppo.models.lora import merged, save_peft_adapter
 from jppo.paths import is_remote, run_path
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
@@ -115,10 +116,23 @@ def policy_config(cfg: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
 
 
 def restore_policy(checkpoint: epath.Path, cfg: TrainConfig, tokenizer: Tokenizer) -> CausalLM:
-    """The actor of ``checkpoint`` as a :class:`CausalLM` on the first CPU device: only ``actor.params`` is read."""
+    """The actor of ``checkpoint`` as a :class:`CausalLM` on the first CPU device: only ``actor.params`` is read.
+    With ``actor.lora`` those are the adapters: the base weights are rebuilt as the run built them (``model.path``
+    or the seed) and the adapters attached to them."""
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    if cfg.actor.lora.enabled:
+        with jax.default_device(jax.devices("cpu")[0]):
+            model = build.build_policy(cfg, tokenizer, mesh=None)
+            build.add_adapters(model, cfg.actor.lora, cfg.trainer.seed + 2)
+        graphdef, abstract, frozen = build.split_trained(model)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), abstract)
+        return nnx.merge(graphdef, frozen, _restore_actor_params(checkpoint, abstract, cpu))
     abstract_model = nnx.eval_shape(lambda: CausalLM(policy_config(cfg, tokenizer), rngs=nnx.Rngs(0)))
     graphdef, abstract = nnx.split(abstract_model, nnx.Param)
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    return nnx.merge(graphdef, _restore_actor_params(checkpoint, abstract, cpu))
+
+
+def _restore_actor_params(checkpoint: epath.Path, abstract: nnx.State, cpu) -> nnx.State:
     # orbax stores an nnx.Param as {"value": array}
     target = jax.tree.map(
         lambda leaf: {"value": jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=cpu)}, nnx.to_pure_dict(abstract)
@@ -128,7 +142,28 @@ def restore_policy(checkpoint: epath.Path, cfg: TrainConfig, tokenizer: Tokenize
         lambda leaf: leaf["value"], restored, is_leaf=lambda node: isinstance(node, dict) and "value" in node
     )
     nnx.replace_by_pure_dict(abstract, pure)
-    return nnx.merge(graphdef, abstract)
+    return abstract
+
+
+def merged_policy(model: CausalLM) -> CausalLM:
+    """The policy as plain weights: LoRA adapters merged into their kernels (``W + alpha / r A B``)."""
+    return merged(model)
+
+
+def export_adapters(
+    model: CausalLM, cfg: TrainConfig, out: str | os.PathLike, *, dtype: str = "float32", replace: bool = True
+) -> list[str]:
+    """The policy's LoRA adapters alone, as PEFT writes them: ``adapter_config.json`` and
+    ``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained(<the base model>, out)``."""
+    adapters = model.decoder.layers.lora
+    if adapters is None:
+        raise ExportError("--adapters: the run trained no LoRA adapters (actor.lora.rank is 0)")
+    if dtype not in ("float32", "float16"):
+        raise ExportError(f"--dtype={dtype!r}: adapters are written as float32 or float16")
+    return write_atomically(
+        out, lambda directory: save_peft_adapter(adapters, cfg.actor.lora, directory, dtype=dtype,
+                                                 base_model=cfg.model.path), replace,
+    )
 
 
 def generation_config(tokenizer: Tokenizer, config: ModelConfig, source: Optional[pathlib.Path]) -> dict:
@@ -227,6 +262,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help=f"largest safetensors file, e.g. 500MB, 1GiB (default: {DEFAULT_MAX_SHARD_SIZE})")
     parser.add_argument("--step", type=int, help="the checkpoint step of a run directory (default: the newest)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty OUT")
+    parser.add_argument("--adapters", action="store_true",
+                        help="write only the LoRA adapters, in PEFT's layout (default: weights with adapters merged)")
     return parser.parse_args(argv)
 
 
@@ -238,8 +275,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = run_config(checkpoint)
         tokenizer = load_tokenizer(build.tokenizer_spec(cfg))
         model = restore_policy(checkpoint, cfg, tokenizer)
-        files = export_policy(model, cfg, tokenizer, args.out, dtype=args.dtype, max_shard_bytes=max_shard_bytes,
-                              replace=args.overwrite)
+        if args.adapters:
+            files = export_adapters(model, cfg, args.out, dtype=args.dtype or "float32", replace=args.overwrite)
+        else:
+            files = export_policy(merged_policy(model), cfg, tokenizer, args.out, dtype=args.dtype,
+                                  max_shard_bytes=max_shard_bytes, replace=args.overwrite)
     except (ConfigError, CheckpointError, ValueError, KeyError, OSError) as error:
         print(f"jppo.export: error: {one_line(error)}", file=sys.stderr)
         return 2

@@ -12,10 +12,13 @@ width, layers, query heads, key-value heads, head size; ``H' K' F' V'`` those di
 divides them (as the rule table shards them). Bytes per device:
 
 =====================  ====================================================================================
-parameters             ``n p`` for the actor, the critic (when there is one) and the reference (KL terms)
-optimizer state        ``n a (2 + 1)``: AdamW's two moments and ``optax.MultiSteps``' gradient accumulator
-                       (SGD: the accumulator only); a few scalar counters are left out
-gradients              ``n p``: the gradient of one micro-batch, before it is added to the accumulator
+parameters             ``n p`` for the actor, the critic (when there is one) and the reference (KL terms); with
+                       LoRA (``actor.lora`` / ``critic.lora``) ``(n + t) p``, ``t`` the adapters' elements, and
+                       no reference copy (it reads the actor's frozen base)
+optimizer state        ``t a (2 + 1)``: AdamW's two moments and ``optax.MultiSteps``' gradient accumulator
+                       (SGD: the accumulator only) of the ``t`` trained parameters (``t = n`` without LoRA; the
+                       adapters, and a critic's value head, with it); a few scalar counters are left out
+gradients              ``t p``: the gradient of one micro-batch, before it is added to the accumulator
 weights in use         ``(V' D + one layer's weights / mesh.tensor) c``: the embedding table and a layer's
                        weights cast to the compute dtype (and gathered over ``fsdp``) while they are used
 activations            ``r w (L s + x)`` for ``r`` rows of ``w`` tokens per device in one micro-batch
@@ -27,7 +30,7 @@ activations            ``r w (L s + x)`` for ``r`` rows of ``w`` tokens per devi
                        input only) with ``model.remat``, then one layer is recomputed at a time (``+ x``)
 log-prob logits        ``3 r k V' a`` (actor only): the float32 logits of one chunk of ``k = min(
                        log_prob_chunk_size, w)`` positions, their softmax and their gradient
-optimizer step         ``4 n a``: the temporaries of applying the accumulated gradient (the last micro-batch's
+optimizer step         ``4 t a``: the temporaries of applying the accumulated gradient (the last micro-batch's
                        gradient, the accumulated sum, the update, the new moments one after the other): XLA's
                        ``memory_analysis()`` of the update reports exactly ``4 n a`` of temporaries when the
                        activations are small (Qwen2-shaped models on CPU, float32; ``tests/test_plan.py``). optax's
@@ -129,6 +132,39 @@ def abstract_params(config: ModelConfig, head: str = "lm"):
     return nnx.state(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))), nnx.Param)
 
 
+def adapter_params(config: ModelConfig, lora):
+    """The LoRA adapters of a model of ``config`` as shapes (empty without LoRA)."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jppo.models.lora import LoRAAdapters  # noqa: PLC0415
+
+    if not lora.enabled:
+        return nnx.State({})
+    return nnx.state(nnx.eval_shape(lambda: LoRAAdapters(config, lora, rngs=nnx.Rngs(0))), nnx.Param)
+
+
+def trained_elements(config: ModelConfig, role: str, lora, mesh: dict[str, int]) -> int:
+    """``t``: the parameters ``role`` trains on one device: all of them, or its adapters (and a critic's new
+    value head) with LoRA."""
+    from flax import nnx  # noqa: PLC0415
+
+    head = {"actor": "lm", "critic": "value"}[role]
+    if not lora.enabled:
+        return local_elements(abstract_params(config, head), mesh)
+    extra = 0
+    if role == "critic":
+        extra = local_elements(nnx.state(nnx.eval_shape(lambda: _value_head(config)), nnx.Param), mesh)
+    return local_elements(adapter_params(config, lora), mesh) + extra
+
+
+def _value_head(config: ModelConfig):
+    from flax import nnx  # noqa: PLC0415
+
+    from jppo.models.decoder import ValueHead  # noqa: PLC0415
+
+    return ValueHead(config, rngs=nnx.Rngs(0))
+
+
 def shards(shape: Sequence[int], names: Sequence[Optional[str]], mesh: dict[str, int]) -> int:
     """Into how many pieces the rule table cuts an array of ``shape`` whose dimensions carry logical ``names``."""
     count = 1
@@ -228,22 +264,29 @@ def make_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> Plan:
     p, a = dtype_bytes(policy.param_dtype), ACCUMULATOR_BYTES
     heads = {"actor": "lm", "critic": "value"}
     local = {role: local_elements(abstract_params(policy, heads[role]), mesh) for role in cfg.roles}
-    persistent = [Term(f"parameters/{role}", n * p, f"n={n:,} x p={p}") for role, n in local.items()]
-    if cfg.use_reference:
+    lora = {role: getattr(cfg, role).lora for role in cfg.roles}
+    adapters = {role: local_elements(adapter_params(policy, lora[role]), mesh) for role in cfg.roles}
+    trained = {role: trained_elements(policy, role, lora[role], mesh) for role in cfg.roles}
+    persistent = [
+        Term(f"parameters/{role}", (n + adapters[role]) * p, f"n={n:,} + adapters t={adapters[role]:,} x p={p}"
+             if adapters[role] else f"n={n:,} x p={p}")
+        for role, n in local.items()
+    ]
+    if cfg.use_reference and not (cfg.actor.lora.enabled and not cfg.ref.model_path):  # LoRA: the frozen base
         reference = model_config(cfg, cfg.ref.model_path) if cfg.ref.model_path else policy
         n = local_elements(abstract_params(reference), mesh)
         persistent.append(Term("parameters/reference", n * dtype_bytes(reference.param_dtype), f"n={n:,} x p"))
-    for role, n in local.items():
+    for role, n in trained.items():
         copies = 3 if getattr(cfg, role).optim.name == "adamw" else 1
-        persistent.append(Term(f"optimizer_state/{role}", n * a * copies, f"n x a={a} x {copies}"))
+        persistent.append(Term(f"optimizer_state/{role}", n * a * copies, f"t={n:,} x a={a} x {copies}"))
     rows = rollout_rows(cfg, mesh)
     length = prompt_width(cfg) + cfg.rollout.max_response_length
     rollout = (Term("kv_cache", kv_cache_bytes(policy, rows, length, mesh), f"R={rows} x (P+T)={length} x ..."),)
     updates = {}
-    for role, n in local.items():
+    for role, n in trained.items():
         r, w = micro_batch_shape(cfg, role)
         terms = [
-            Term(f"gradients/{role}", n * p, f"n x p={p}"),
+            Term(f"gradients/{role}", n * p, f"t x p={p}"),
             Term(f"weights_in_use/{role}", weights_in_use_bytes(policy, mesh), "(V'D + layer/tensor) x c"),
             Term(f"activations/{role}", activation_bytes(policy, r, w, mesh),
                  f"r={r} x w={w} x (L s + x){' remat' if policy.remat else ''}"),
@@ -253,7 +296,7 @@ def make_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> Plan:
             terms.append(Term("logits/actor", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={min(chunk, w)} V' a"))
         updates[f"{role} backward"] = tuple(terms)
         copies = OPTIMIZER_STEP_COPIES
-        updates[f"{role} optimizer step"] = (Term(f"optimizer_step/{role}", n * a * copies, f"n x a x {copies}"),)
+        updates[f"{role} optimizer step"] = (Term(f"optimizer_step/{role}", n * a * copies, f"t x a x {copies}"),)
     return Plan(mesh, tuple(persistent), rollout, updates)
 
 

@@ -76,3 +76,20 @@ def advance(state: RunState, **changes) -> RunState:
             value = like(old, value)
         fixed[name] = value
     return state.replace(**fixed)
+
+
+def checkpointed(state: RunState) -> RunState:
+    """What a checkpoint holds: ``state`` without frozen parameters (LoRA's base weights), which the run rebuilds
+    from its config (``model.path`` or the seed) as it built them the first time."""
+    return state.replace(
+        actor=state.actor.replace(frozen=None),
+        critic=None if state.critic is None else state.critic.replace(frozen=None),
+    )
+
+
+def with_frozen(restored: RunState, like: RunState) -> RunState:
+    """A restored :func:`checkpointed` state with the frozen parameters of ``like`` (the freshly built state)."""
+    return restored.replace(
+        actor=restored.actor.replace(frozen=like.actor.frozen),
+        critic=None if restored.critic is None else restored.critic.replace(frozen=like.critic.frozen),
+    )

@@ -37,13 +37,13 @@ from jppo.data import Tokenizer
 from jppo.distributed import DistributedError
 from jppo.errors import one_line
 from jppo.engine import init_train_state
-from jppo.export import export_policy
+from jppo.export import export_policy, merged_policy
 from jppo.learn import Learner, learn
 from jppo.mesh import make_mesh
 from jppo.models import CheckpointError
 from jppo.paths import run_path
 from jppo.runlog import RunLogger
-from jppo.state import RunState, init_run_state
+from jppo.state import RunState, checkpointed, init_run_state, with_frozen
 from jppo.views import engine_view
 
 log = logging.getLogger("jppo.train")
@@ -66,15 +66,18 @@ class Hook:
 def setup(cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs) -> tuple[RunState, Collector, Learner, nnx.GraphDef]:
     """The run's initial state, its collection and learning stages, and the policy's structure (for the export)."""
     policy = build.build_policy(cfg, inputs.tokenizer, mesh)
-    graphdef, params = nnx.split(policy, nnx.Param)
+    critic_model = build.build_critic(cfg, policy, mesh) if cfg.use_critic else None  # before the actor's adapters
+    base_graphdef = build.add_adapters(policy, cfg.actor.lora, cfg.trainer.seed + 2)
+    graphdef, params, frozen = build.split_trained(policy)
     ref_params = build.build_reference(cfg, policy, mesh) if cfg.use_reference else None
     critic_graphdef = critic = None
-    if cfg.use_critic:
-        critic_graphdef, critic_params = nnx.split(build.build_critic(cfg, policy, mesh), nnx.Param)
-        critic = init_train_state(critic_params, engine_view(cfg, "critic"), mesh)
-    actor = init_train_state(params, engine_view(cfg, "actor"), mesh)
+    if critic_model is not None:
+        build.add_adapters(critic_model, cfg.critic.lora, cfg.trainer.seed + 3)
+        critic_graphdef, critic_params, critic_frozen = build.split_trained(critic_model)
+        critic = init_train_state(critic_params, engine_view(cfg, "critic"), mesh, frozen=critic_frozen)
+    actor = init_train_state(params, engine_view(cfg, "actor"), mesh, frozen=frozen)
     state = init_run_state(actor, critic, kl_controller(cfg).init(), cfg.trainer.seed, mesh)
-    collector = Collector.create(cfg, mesh, inputs, graphdef, critic_graphdef, ref_params)
+    collector = Collector.create(cfg, mesh, inputs, graphdef, critic_graphdef, ref_params, base_graphdef)
     return state, collector, Learner.create(cfg, mesh, graphdef, critic_graphdef), graphdef
 
 
@@ -94,7 +97,7 @@ def run(
     manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep)
     resume = resolve_resume(cfg.trainer.resume, manager.directory)
     if resume is not None:
-        state, _ = manager.restore(resume, state)
+        state = with_frozen(manager.restore(resume, checkpointed(state))[0], state)
         log.info("resumed from %s at step %d", resume, state.steps_done)
     fresh, total, metrics = state.steps_done == 0, cfg.trainer.total_steps, {}
     with run_logger(cfg, start_step=0 if fresh else state.steps_done + 1) as logger:
@@ -117,7 +120,7 @@ def run(
                 hook(state.steps_done, total, state, metrics)
     manager.close()
     if cfg.trainer.export_hf:
-        export(policy, state.actor.params, cfg, inputs.tokenizer, out / "hf")
+        export(policy, state.actor.weights, cfg, inputs.tokenizer, out / "hf")
     if cfg.trainer.plots and main:
         from jppo.plot import plot_run
 
@@ -138,7 +141,7 @@ def run_logger(cfg: TrainConfig, start_step: int) -> RunLogger:
 def validate_and_log(collector: Collector, state: RunState, logger: RunLogger, step: int) -> dict[str, float]:
     """The policy's validation metrics; its first ``trainer.log_val_generations`` responses (the main process's
     rows, in validation-set order: the same prompts every time) go to the logger as step ``step``'s sample."""
-    result = validate(collector, state.actor.params)
+    result = validate(collector, state.actor.weights)
     sample = result.records[: collector.cfg.trainer.log_val_generations]
     logger.log_generations(step, [{k: r[k] for k in ("prompt", "response", "reward", "finished")} for r in sample])
     return result.metrics
@@ -148,17 +151,17 @@ def save(manager: CheckpointManager, state: RunState, cfg: TrainConfig) -> None:
     """Checkpoint of ``state`` (unless that step is already saved); the config travels along for humans."""
     step = state.steps_done
     if manager.latest_step() != step:
-        manager.save(step, state, {"step": step, "config": to_dict(cfg)})
+        manager.save(step, checkpointed(state), {"step": step, "config": to_dict(cfg)})
 
 
 def export(
     graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainConfig, tokenizer: Tokenizer, path: epath.Path
 ) -> None:
     """The policy as a Hugging Face directory, as ``python -m jppo.export`` writes it (parameters gathered tensor
-    by tensor; the main process writes)."""
+    by tensor; the main process writes; LoRA adapters merged into their kernels)."""
     params = jax.tree.map(gather_to_host, params)
     if jax.process_index() == 0:
-        export_policy(nnx.merge(graphdef, params), cfg, tokenizer, path)
+        export_policy(merged_policy(nnx.merge(graphdef, params)), cfg, tokenizer, path)
 
 
 def gather_to_host(array: jax.Array) -> np.ndarray:

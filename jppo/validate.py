@@ -38,6 +38,7 @@ from jppo.losses import (
 from jppo.mesh import resolve_shape
 from jppo.rewards.verify import require_math_verify
 from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES
+from jppo.models.lora import check_fits
 from jppo.models.hub import local_model_dir
 from jppo.paths import is_remote, missing_backend, run_path
 from jppo.views import engine_view, rollout_sequences
@@ -205,6 +206,12 @@ def _check_update(cfg: TrainConfig, section: str) -> None:
         check_update(update)
     with _as_key({}, prefix=f"{section}.optim."):
         check_optim(update.optim)
+    with _as_key({}, prefix=f"{section}.lora."):
+        update.lora.check()
+        if update.lora.enabled and not cfg.model.path:  # a checkpoint's shape is checked when it is loaded
+            from jppo.build import random_model_config  # noqa: PLC0415 (an import cycle through jppo.config)
+
+            check_fits(update.lora, random_model_config(cfg, None))
 
 
 def _check_actor(cfg: TrainConfig) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -56,16 +56,28 @@ LossFn = Callable[[nnx.Module, Batch, NormStats], tuple[jax.Array, dict[str, met
 
 @struct.dataclass
 class TrainState:
-    """Parameters and optimizer state of one model; ``step`` counts applied (not skipped) optimizer steps."""
+    """Trained parameters and their optimizer state; ``step`` counts applied (not skipped) optimizer steps.
+    ``frozen``: parameters the model reads but never trains (the base weights under LoRA adapters, whose ``params``
+    are then the adapters alone), None when everything trains; they get no gradient, moment or accumulator."""
 
     params: nnx.State
     opt_state: optax.MultiStepsState
     step: jax.Array
+    frozen: Optional[nnx.State] = None
+
+    @property
+    def weights(self) -> nnx.State:
+        """Every parameter of the model (frozen and trained), for forward passes: ``nnx.merge(graphdef, weights)``.
+        No array is copied."""
+        return self.params if self.frozen is None else nnx.merge_state(self.frozen, self.params)
 
 
-def init_train_state(params: nnx.State, cfg: UpdateConfig, mesh: Mesh, keep_gradient: bool = False) -> TrainState:
-    """Optimizer state laid out like the parameters; its scalars (step counters) replicated over ``mesh``.
+def init_train_state(
+    params: nnx.State, cfg: UpdateConfig, mesh: Mesh, keep_gradient: bool = False, frozen: Optional[nnx.State] = None
+) -> TrainState:
+    """Optimizer state laid out like the (trained) parameters; its scalars (step counters) replicated over ``mesh``.
     ``keep_gradient``: the state has room for the last accumulated gradient (for an update step that returns it).
+    ``frozen``: parameters that are read but not trained (kept as they are, see :class:`TrainState`).
 
     The optimizer works in the accumulator's dtype (float32 at least): it receives the summed gradient in it, and
     its moments are kept in it, also for bfloat16 parameters (whose updates are rounded only when applied)."""
@@ -84,7 +96,7 @@ def init_train_state(params: nnx.State, cfg: UpdateConfig, mesh: Mesh, keep_grad
             return x
         return jax.device_put(x, replicated)
 
-    return jax.tree.map(on_mesh, state)
+    return jax.tree.map(on_mesh, state).replace(frozen=frozen)
 
 
 def _opt_state_shardings(
@@ -221,8 +233,9 @@ def legacy_share_divisor(cfg: UpdateConfig, batch: Batch) -> jax.Array:
 def micro_batch_gradient(
     graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh
 ) -> Callable[[nnx.State, Batch], Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, metrics_lib.Metric]]]]:
-    """``prepare(params, micro_batches) -> differentiate``, where ``differentiate(params, micro)`` is the gradient
-    of one micro-batch's share of the mini-batch loss, with its metric pairs. C is ``cfg.loss_scale_factor``.
+    """``prepare(params, micro_batches, frozen=None) -> differentiate``, where ``differentiate(params, micro)`` is the
+    gradient (w.r.t. ``params`` only; ``frozen`` parameters are read as constants) of one micro-batch's share of the
+    mini-batch loss, with its metric pairs. C is ``cfg.loss_scale_factor``.
 
     ``prepare`` computes the whole mini-batch's NormStats once (psum over the batch axes), before any
     micro-batch is touched; every ``differentiate`` call then normalizes by them. A micro-batch without a single
@@ -234,15 +247,18 @@ def micro_batch_gradient(
     loss_scale_factor = float(cfg.loss_scale_factor)
     legacy = cfg.normalization == "per_micro_batch"
 
-    def prepare(params: nnx.State, batch: Batch):
+    def prepare(params: nnx.State, batch: Batch, frozen: Optional[nnx.State] = None):
+        def model_of(params):  # the frozen parameters enter as constants: no gradient flows to them
+            return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, frozen, params)
+
         whole = None if legacy else mini_batch_norm_stats(batch.slots.response_mask, loss_scale_factor, mesh)
         divisor = legacy_share_divisor(cfg, batch) if legacy else None
 
         def share_and_metrics(params, micro):
             if not legacy:
-                return loss(nnx.merge(graphdef, params), micro, whole)
+                return loss(model_of(params), micro, whole)
             own = global_norm_stats(flatten_shards(micro.slots.response_mask), loss_scale_factor)
-            share, metrics = loss(nnx.merge(graphdef, params), micro, own)
+            share, metrics = loss(model_of(params), micro, own)
             return share / divisor.astype(share.dtype), metrics
 
         grad_fn = jax.value_and_grad(share_and_metrics, has_aux=True)
@@ -285,7 +301,7 @@ def make_update_step(
     def step(state: TrainState, batch: Batch):
         k = batch.slots.response_mask.shape[0]
         inner = inner_optimizer(cfg.optim, keep_gradient, cfg.optimizer_steps_per_training_step)
-        differentiate = prepare(state.params, batch)
+        differentiate = prepare(state.params, batch, state.frozen)
         metrics_shape = jax.eval_shape(differentiate, state.params, jax.tree.map(lambda x: x[0], batch))[1]
 
         def micro_step(carry, micro):
@@ -316,7 +332,9 @@ def make_update_step(
         values[f"{prefix}/grad_norm"] = report["grad_norm"]
         values[f"{prefix}/lr"] = jnp.asarray(schedule(state.step), jnp.float32)
         values[f"{prefix}/skipped_updates"] = report["skipped"].astype(jnp.float32)
-        new_state = TrainState(params=params, opt_state=opt_state, step=state.step + applied.astype(jnp.int32))
+        new_state = TrainState(
+            params=params, opt_state=opt_state, step=state.step + applied.astype(jnp.int32), frozen=state.frozen
+        )
         return new_state, values, report["gradient"]
 
     return step
@@ -328,7 +346,8 @@ class UpdateStep:
     ``steps`` holds ``[M, K, D, ...]`` arrays (:func:`jppo.microbatch.stack_micro_batches`); ``lax.scan`` runs the
     M mini-batches one after another, so a whole ``ppo_epochs`` x mini-batches update is one dispatch, and the
     compiled program does not depend on M beyond its loop count. State buffers are donated and come back laid out
-    exactly as they went in; metrics come back per step, ``[M]``. ``gradients``: with ``keep_gradient`` (and a
+    exactly as they went in (frozen parameters are an input that is not donated: they come back as the same
+    arrays, so a reference policy may read them); metrics come back per step, ``[M]``. ``gradients``: with ``keep_gradient`` (and a
     state made with ``init_train_state(..., keep_gradient=True)``) the accumulated gradient of each optimizer step,
     stacked ``[M, ...]`` (what ``jppo.audit`` and the tests compare); otherwise None.
     """
@@ -349,10 +368,10 @@ class UpdateStep:
             )
         one_step = make_update_step(graphdef, loss, cfg, mesh, prefix, keep_gradient)
 
-        def steps(state: TrainState, batches: Batch):
+        def steps(state: TrainState, frozen: Optional[nnx.State], batches: Batch):
             def body(carry, batch):
-                carry, metrics, gradient = one_step(carry, batch)
-                return carry, (metrics, gradient)
+                carry, metrics, gradient = one_step(carry.replace(frozen=frozen), batch)
+                return carry.replace(frozen=None), (metrics, gradient)
 
             state, (metrics, gradients) = jax.lax.scan(body, state, batches)
             return state, metrics, gradients
@@ -362,8 +381,10 @@ class UpdateStep:
         self._jitted: Any = None
 
     def __call__(self, state: TrainState, steps: Batch) -> tuple[TrainState, dict[str, jax.Array], Any]:
+        frozen, trained = state.frozen, state.replace(frozen=None)
         if self._jitted is None:
-            state_shardings = jax.tree.map(lambda x: x.sharding, state)
+            state_shardings = jax.tree.map(lambda x: x.sharding, trained)
             self._jitted = jax.jit(self._steps, donate_argnums=(0,), out_shardings=(state_shardings, None, None))
         with jax.set_mesh(self._mesh):
-            return self._jitted(state, steps)
+            new, metrics, gradients = self._jitted(trained, frozen, steps)
+        return new.replace(frozen=frozen), metrics, gradients

@@ -150,7 +150,7 @@ class ModelConfig:
             raise InvalidSetting("", "head_dim", self.head_dim, "a positive even integer (RoPE rotates pairs)")
         if self.num_heads % self.num_kv_heads:
             raise InvalidSetting("", "num_kv_heads", self.num_kv_heads, f"a divisor of num_heads={self.num_heads}")
-        for name in ("rms_norm_eps", "rope_theta"):
+        for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
             if not getattr(self, name) > 0:
                 raise InvalidSetting("", name, getattr(self, name), "> 0")
         if isinstance(self.rope_scaling, Mapping):

@@ -88,6 +88,7 @@ class DecoderLayers(nnx.Module):
         self.gate_proj = param(_normal(rngs, (L, D, F), config), ("layers", "embed", "mlp"))
         self.up_proj = param(_normal(rngs, (L, D, F), config), ("layers", "embed", "mlp"))
         self.down_proj = param(_normal(rngs, (L, F, D), config), ("layers", "mlp", "embed"))
+        self.lora = None  # LoRA adapters (jppo.models.lora.attach_lora): y = x W + s (x A) B on their targets
 
     def _stacked_weights(self) -> dict[str, Array]:
         return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
@@ -107,8 +108,17 @@ class DecoderLayers(nnx.Module):
         batch, length, _ = hidden.shape
         cos, sin = rope
 
-        def project(x: Array, weights: dict[str, Array], name: str, heads: int, logical: str) -> Array:
-            y = x @ weights[f"{name}_proj"].astype(dtype)
+        scale = None if self.lora is None else self.lora.scale
+
+        def linear(x: Array, weights: dict[str, Array], adapters: dict, name: str) -> Array:
+            y = x @ weights[name].astype(dtype)
+            if name in adapters:
+                a, b = adapters[name]
+                y = y + (scale * ((x @ a.astype(dtype)) @ b.astype(dtype))).astype(y.dtype)
+            return y
+
+        def project(x: Array, weights: dict[str, Array], adapters: dict, name: str, heads: int, logical: str) -> Array:
+            y = linear(x, weights, adapters, f"{name}_proj")
             if weights.get(f"{name}_bias") is not None:
                 y = y + weights[f"{name}_bias"].astype(dtype)
             y = constrain(y.reshape(batch, length, heads, config.head_dim), ("batch", "length", logical, None))
@@ -118,11 +128,11 @@ class DecoderLayers(nnx.Module):
 
         def layer(carry, inputs):
             h, layer_cache = carry
-            weights, index = inputs
+            weights, adapters, index = inputs
             x = rms_norm(h, weights["input_norm"], config.rms_norm_eps)
-            q = apply_rope(project(x, weights, "q", config.num_heads, "q_heads"), cos, sin)
-            k = apply_rope(project(x, weights, "k", config.num_kv_heads, "kv_heads"), cos, sin)
-            v = project(x, weights, "v", config.num_kv_heads, "kv_heads")
+            q = apply_rope(project(x, weights, adapters, "q", config.num_heads, "q_heads"), cos, sin)
+            k = apply_rope(project(x, weights, adapters, "k", config.num_kv_heads, "kv_heads"), cos, sin)
+            v = project(x, weights, adapters, "v", config.num_kv_heads, "kv_heads")
             if layer_cache is not None:
                 keys, values = (
                     jax.lax.dynamic_update_slice(stack, new[None].astype(stack.dtype), (index, 0, cache_index, 0, 0))
@@ -131,18 +141,24 @@ class DecoderLayers(nnx.Module):
                 layer_cache = (keys, values)
                 k, v = keys[index], values[index]
             attended = attention(q, k, v, mask).reshape(batch, length, config.q_size)
-            out = attended @ weights["o_proj"].astype(dtype)
+            out = linear(attended, weights, adapters, "o_proj")
             if weights.get("o_bias") is not None:
                 out = out + weights["o_bias"].astype(dtype)
             h = h + out
             x = rms_norm(h, weights["post_attention_norm"], config.rms_norm_eps)
-            up, gate, down = (weights[name].astype(dtype) for name in ("up_proj", "gate_proj", "down_proj"))
-            h = constrain(h + swiglu(x, gate, up, down), HIDDEN)
+            if adapters:
+                mlp = linear(jax.nn.silu(linear(x, weights, adapters, "gate_proj")) * linear(x, weights, adapters, "up_proj"),
+                             weights, adapters, "down_proj")
+            else:
+                up, gate, down = (weights[name].astype(dtype) for name in ("up_proj", "gate_proj", "down_proj"))
+                mlp = swiglu(x, gate, up, down)
+            h = constrain(h + mlp, HIDDEN)
             return (h, layer_cache), None
 
         if config.remat:
             layer = jax.checkpoint(layer, prevent_cse=False)
-        inputs = (self._stacked_weights(), jnp.arange(config.num_layers))
+        adapters = {} if self.lora is None else self.lora.stacked()
+        inputs = (self._stacked_weights(), adapters, jnp.arange(config.num_layers))
         (hidden, cache), _ = jax.lax.scan(layer, (hidden, cache), inputs)
         return hidden, cache
 

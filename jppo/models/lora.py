@@ -1,0 +1,218 @@
+"""Low-rank adapters (LoRA) on the decoder's projections, their merge into the base weights, and PEFT's layout.
+
+For a target projection with kernel ``W [in, out]`` (every layer, stacked) the adapted layer computes
+``y = x W + s (x A) B`` with ``A [in, r]``, ``B [r, out]`` and ``s = alpha / r``. ``B`` starts at zero, so the
+adapted model starts equal to its base; ``A`` is drawn as PEFT draws it (Kaiming-uniform with ``a = sqrt(5)``:
+``U(-1/sqrt(in), 1/sqrt(in))``). The adapters are ``nnx.LoRAParam`` variables of a :class:`LoRAAdapters` module
+attached to ``decoder.layers.lora`` after the base model is built or loaded, so the base's parameters keep their
+paths: the base alone is the model with the adapters switched off (the reference policy reads the same arrays).
+
+Sharding: ``A`` carries ``(layers, <W's input name>, None)`` and ``B`` ``(layers, None, <W's output name>)``,
+mapped to the mesh by the same rule table as every parameter.
+
+PEFT stores ``lora_A.weight [r, in]`` and ``lora_B.weight [out, r]`` per layer (``Linear``'s ``[out, in]``
+layout): ``A = lora_A.weight^T`` and ``B = lora_B.weight^T``; the merged Hugging Face weight is
+``W_hf + s lora_B.weight @ lora_A.weight``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jppo.errors import InvalidSetting
+from jppo.models.config import ModelConfig
+from jppo.models.sharding import param_shardings
+
+Array = jax.Array
+
+# projection -> (jppo kernel attribute, Hugging Face module path within a layer)
+LORA_TARGETS: dict[str, str] = {
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """``rank`` 0 turns LoRA off (the whole model trains); ``rank >= 1`` trains only adapters on
+    ``target_modules`` (Hugging Face projection names), scaled by ``alpha / rank``. ``dropout`` must be 0."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+    dropout: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def check(self) -> None:
+        """:class:`InvalidSetting` for the first setting the adapters cannot use."""
+        if not isinstance(self.rank, int) or self.rank < 0:
+            raise InvalidSetting("lora.", "rank", self.rank, ">= 1 (0: LoRA off)")
+        if not self.alpha > 0:
+            raise InvalidSetting("lora.", "alpha", self.alpha, "> 0")
+        unknown = [name for name in self.target_modules if name not in LORA_TARGETS]
+        if unknown or not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
+            raise InvalidSetting(
+                "lora.", "target_modules", list(self.target_modules),
+                f"a non-empty list of distinct names among {', '.join(LORA_TARGETS)}",
+            )
+        if self.dropout != 0:
+            raise InvalidSetting("lora.", "dropout", self.dropout, "0 (dropout on adapters is not implemented)")
+
+
+def check_fits(lora: LoRAConfig, config: ModelConfig) -> None:
+    """:class:`InvalidSetting` when ``rank`` exceeds the narrowest side of a target kernel (such an adapter is no
+    longer low-rank: it only costs memory)."""
+    shapes = target_shapes(config)
+    limit = min(min(shapes[name][:2]) for name in lora.target_modules)
+    if lora.rank > limit:
+        raise InvalidSetting("lora.", "rank", lora.rank, f"<= {limit} (the narrowest side of a target projection)")
+
+
+def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int, str, str]]:
+    """``name -> (in, out, logical input name, logical output name)`` of each projection's kernel."""
+    D, F = config.hidden_size, config.intermediate_size
+    return {
+        "q_proj": (D, config.q_size, "embed", "q_heads"),
+        "k_proj": (D, config.kv_size, "embed", "kv_heads"),
+        "v_proj": (D, config.kv_size, "embed", "kv_heads"),
+        "o_proj": (config.q_size, D, "q_heads", "embed"),
+        "gate_proj": (D, F, "embed", "mlp"),
+        "up_proj": (D, F, "embed", "mlp"),
+        "down_proj": (F, D, "mlp", "embed"),
+    }
+
+
+def _lora_param(value: Array, names: tuple) -> nnx.LoRAParam:
+    from jppo.models.sharding import _RULES  # the one rule table
+
+    return nnx.LoRAParam(value, out_sharding=names, sharding_rules=_RULES, eager_sharding=False)
+
+
+class LoRAAdapters(nnx.Module):
+    """``{name}_a [L, in, r]`` and ``{name}_b [L, r, out]`` for every target ``name``; ``scale = alpha / r``."""
+
+    def __init__(self, config: ModelConfig, lora: LoRAConfig, *, rngs: nnx.Rngs):
+        self.scale = float(lora.scale)
+        self.targets = tuple(name for name in LORA_TARGETS if name in lora.target_modules)
+        L, r, dtype = config.num_layers, lora.rank, config.weight_dtype
+        for name in self.targets:
+            fan_in, fan_out, in_name, out_name = target_shapes(config)[name]
+            bound = 1.0 / math.sqrt(fan_in)
+            a = jax.random.uniform(rngs.params(), (L, fan_in, r), dtype, -bound, bound)
+            setattr(self, f"{name}_a", _lora_param(a, ("layers", in_name, None)))
+            setattr(self, f"{name}_b", _lora_param(jnp.zeros((L, r, fan_out), dtype), ("layers", None, out_name)))
+
+    def stacked(self) -> dict[str, tuple[Array, Array]]:
+        """``name -> (A, B)``, stacked over layers (what the layer scan slices)."""
+        return {name: (getattr(self, f"{name}_a")[...], getattr(self, f"{name}_b")[...]) for name in self.targets}
+
+
+def attach_lora(model: nnx.Module, lora: LoRAConfig, seed: int) -> nnx.Module:
+    """Adds adapters to ``model.decoder.layers`` (in place; returned for chaining), on the mesh of the base
+    weights when they are sharded: each adapter laid out by the rule table."""
+    lora.check()
+    layers = model.decoder.layers
+    check_fits(lora, layers.config)
+    adapters = LoRAAdapters(layers.config, lora, rngs=nnx.Rngs(seed))
+    sharding = layers.q_proj[...].sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        state = nnx.state(adapters)
+        nnx.update(adapters, jax.device_put(state, param_shardings(state, sharding.mesh)))
+    layers.lora = nnx.data(adapters)
+    return model
+
+
+def trainable_filter(model: nnx.Module):
+    """What trains when the model carries adapters: the adapters, and a value model's new head (PEFT's
+    ``modules_to_save``)."""
+    if hasattr(model, "value_head"):
+        return nnx.Any(nnx.LoRAParam, nnx.PathContains("value_head"))
+    return nnx.LoRAParam
+
+
+def delta(a: Array, b: Array, scale: float) -> Array:
+    """``s A B``: the change an adapter makes to its (stacked) kernel, ``[L, in, out]``, in float32 at least."""
+    wide = jnp.promote_types(a.dtype, jnp.float32)
+    return scale * jnp.einsum("lir,lro->lio", a.astype(wide), b.astype(wide))
+
+
+def merged(model: nnx.Module) -> nnx.Module:
+    """The model without adapters whose target kernels are ``W + s A B`` (in the kernels' dtype): what the
+    adapted model computes, as plain weights (host or device arrays alike). A model without adapters is returned
+    as it is."""
+    layers = model.decoder.layers
+    if getattr(layers, "lora", None) is None:
+        return model
+    base_graphdef = nnx.graphdef(nnx.eval_shape(lambda: type(model)(model.config, rngs=nnx.Rngs(0))))
+    adapters = getattr(layers, "lora", None)
+    base = nnx.state(model, nnx.Param)
+    flat = dict(nnx.to_flat_state(base))
+    kept = {path: variable for path, variable in flat.items() if "lora" not in path}
+    if adapters is not None:
+        for name, (a, b) in adapters.stacked().items():
+            path = ("decoder", "layers", name)
+            kernel = kept[path][...]
+            kept[path] = kept[path].replace(
+                (kernel.astype(jnp.promote_types(kernel.dtype, jnp.float32)) + delta(a, b, adapters.scale)).astype(
+                    kernel.dtype
+                )
+            )
+    return nnx.merge(base_graphdef, nnx.from_flat_state(kept))
+
+
+def peft_config(lora: LoRAConfig, base_model: str | None) -> dict:
+    """``adapter_config.json`` of a PEFT LoRA adapter for a causal LM."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout, "target_modules": sorted(lora.target_modules), "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+        "inference_mode": True, "modules_to_save": None, "base_model_name_or_path": base_model,
+    }
+
+
+def peft_tensors(adapters: LoRAAdapters, dtype: str | np.dtype) -> dict[str, np.ndarray]:
+    """PEFT's tensor names and ``[out, in]`` layouts of the adapters, one per layer, on the host."""
+    out = {}
+    for name, (a, b) in adapters.stacked().items():
+        a, b = np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b))
+        for i in range(a.shape[0]):
+            prefix = f"base_model.model.model.layers.{i}.{LORA_TARGETS[name]}"
+            out[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a[i].T).astype(dtype)
+            out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b[i].T).astype(dtype)
+    return out
+
+
+def save_peft_adapter(
+    adapters: LoRAAdapters, lora: LoRAConfig, path: str | pathlib.Path, *, dtype: str = "float32",
+    base_model: str | None = None,
+) -> list[str]:
+    """Writes ``adapter_config.json`` and ``adapter_model.safetensors`` (what ``peft.PeftModel.from_pretrained``
+    loads onto the base model); returns the file names."""
+    from safetensors.numpy import save_file
+
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps(peft_config(lora, base_model), indent=2) + "\n")
+    tensors = peft_tensors(adapters, np.dtype(jnp.dtype(dtype)))
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return ["adapter_config.json", "adapter_model.safetensors"]
