@@ -105,9 +105,13 @@ class Outcome:
 class Role:
     """One model under audit: its parameters, and the trainer's update path for it on any mesh and cut."""
 
-    def __init__(self, name: str, graphdef: nnx.GraphDef, params: nnx.State, loss_of, update_cfg, seed: int):
-        # kept on the host: every cut places its own copy (the update donates its state)
+    def __init__(
+        self, name: str, graphdef: nnx.GraphDef, params: nnx.State, loss_of, update_cfg, seed: int,
+        frozen: nnx.State | None = None,
+    ):
+        # kept on the host: every cut places its own copy (the update donates its state); ``frozen``: LoRA's base
         self.name, self.graphdef, self.params = name, graphdef, jax.device_get(params)
+        self.frozen = None if frozen is None else jax.device_get(frozen)
         self.loss_of, self.cfg = loss_of, update_cfg
         self.seed = seed
 
@@ -116,7 +120,8 @@ class Role:
         cfg = dataclasses.replace(self.cfg, **cut)
         check_batch_sizes(cfg, batch.num_sequences, batch_shards(mesh), self.name)
         params = jax.device_put(self.params, param_shardings(self.params, mesh))
-        state = init_train_state(params, cfg, mesh, keep_gradient=True)
+        frozen = None if self.frozen is None else jax.device_put(self.frozen, param_shardings(self.frozen, mesh))
+        state = init_train_state(params, cfg, mesh, keep_gradient=True, frozen=frozen)
         step = UpdateStep(self.graphdef, self.loss_of(cfg), cfg, mesh, self.name, keep_gradient=True)
         rng = lambda: np.random.default_rng([self.seed, 1])  # noqa: E731 (the trainer's draw for step 1)
         k = max(m.num_micro_batches for m in cut_steps(batch, cfg, mesh, rng()))
@@ -129,14 +134,17 @@ class Role:
 def build_roles(cfg: TrainConfig, inputs: build.RunInputs) -> list[Role]:
     cpu = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     policy = build.build_policy(cfg, inputs.tokenizer, cpu)
-    graphdef, params = nnx.split(policy, nnx.Param)
+    critic = build.build_critic(cfg, policy, cpu) if cfg.use_critic else None  # before the actor's adapters
     seed = cfg.trainer.seed
+    build.add_adapters(policy, cfg.actor.lora, seed + 2)  # as the trainer attaches them (jppo.train.setup)
+    graphdef, params, frozen = build.split_trained(policy)
     actor_loss = lambda update_cfg: actor_loss_fn(update_cfg, cfg.rollout.temperature)  # noqa: E731
-    roles = [Role("actor", graphdef, params, actor_loss, engine_view(cfg, "actor"), seed)]
-    if cfg.use_critic:
-        critic = build.build_critic(cfg, policy, cpu)
-        critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
-        roles.append(Role("critic", critic_graphdef, critic_params, critic_loss_fn, engine_view(cfg, "critic"), seed))
+    roles = [Role("actor", graphdef, params, actor_loss, engine_view(cfg, "actor"), seed, frozen)]
+    if critic is not None:
+        build.add_adapters(critic, cfg.critic.lora, seed + 3)
+        critic_graphdef, critic_params, critic_frozen = build.split_trained(critic)
+        roles.append(Role("critic", critic_graphdef, critic_params, critic_loss_fn, engine_view(cfg, "critic"), seed,
+                          critic_frozen))
     return roles
 
 

@@ -162,7 +162,9 @@ def test_peft_loads_the_exported_adapter_and_transformers_the_merged_weights(tmp
     [("actor.lora.rank=-1", "actor.lora.rank=-1"), ("critic.lora.alpha=0", "critic.lora.alpha=0"),
      ("actor.lora.target_modules=[q_proj,qkv]", "actor.lora.target_modules="),
      ("actor.lora.target_modules=[]", "actor.lora.target_modules="),
-     ("actor.lora.dropout=0.1", "actor.lora.dropout=0.1")],
+     ("actor.lora.dropout=0.1", "actor.lora.dropout=0.1"),
+     ("actor.lora.rank=65", "actor.lora.rank=65"),  # wider than the 64-wide model: not low-rank
+     ("model.initializer_range=0", "model.initializer_range=0")],
 )
 def test_bad_lora_settings_are_one_line_config_errors(override, key):
     with pytest.raises(ConfigError) as error:
@@ -219,10 +221,16 @@ def test_lora_runs_do_not_depend_on_the_mesh_or_the_cut_and_resume_exactly(tmp_p
     import orbax.checkpoint as ocp
 
     tree = ocp.PyTreeCheckpointer().metadata(tmp_path / "resumed" / "checkpoints" / "2" / "state").item_metadata
-    actor = {".".join(map(str, path)) for path, _ in jax.tree_util.tree_flatten_with_path(tree["actor"]["params"])[0]}
-    assert actor and all(".lora." in name for name in actor), actor
-    critic = {".".join(map(str, p)) for p, _ in jax.tree_util.tree_flatten_with_path(tree["critic"]["params"])[0]}
-    assert all(".lora." in name or "value_head" in name for name in critic), critic
+
+    def names(subtree) -> set[str]:
+        return {"/".join(str(getattr(key, "key", key)) for key in path)
+                for path, _ in jax.tree_util.tree_flatten_with_path(subtree)[0]}
+
+    actor, critic = names(tree["actor"]["params"]), names(tree["critic"]["params"])
+    assert actor and all("/lora/" in name for name in actor), actor
+    assert any("value_head" in name for name in critic)
+    assert all("/lora/" in name or "value_head" in name for name in critic), critic
+    assert "frozen" not in tree["actor"] or not names(tree["actor"]["frozen"])
 
     # the export CLI: merged weights (as the run's policy computes) or the adapter alone
     from jppo.export import main, restore_policy, run_config
