@@ -252,3 +252,21 @@ def test_lora_runs_do_not_depend_on_the_mesh_or_the_cut_and_resume_exactly(tmp_p
     np.testing.assert_allclose(np.asarray(exported(ids)), np.asarray(policy(ids)), rtol=1e-5, atol=1e-5)
     adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert adapter["r"] == 8 and adapter["lora_alpha"] == 16
+
+
+def test_the_memory_plan_counts_only_the_adapters_in_the_optimizer_and_no_reference_copy():
+    from jppo.plan import make_plan
+
+    overrides = ["actor.use_kl_loss=true", "mesh.data=1"]
+    cfg = load_config(QUICKSTART_LORA, overrides)
+    full = make_plan(load_config(QUICKSTART_LORA, [*overrides, "actor.lora.rank=0"]), (1, 1, 1))
+    plan = make_plan(cfg, (1, 1, 1))
+    model = create_model(CausalLM, build.random_model_config(cfg, build.load_inputs(cfg).tokenizer), seed=0)
+    base = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    attach_lora(model, cfg.actor.lora, seed=1)
+    adapters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+    assert plan.term("optimizer_state/actor") == adapters * 4 * 3  # AdamW's two moments and the accumulator, float32
+    assert plan.term("gradients/actor") == adapters * 4
+    assert plan.term("parameters/actor") == (base + adapters) * 4
+    assert full.term("parameters/reference") == base * 4 and plan.term("parameters/reference") == 0
+    assert plan.peak_bytes < full.peak_bytes
