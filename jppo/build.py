@@ -77,6 +77,15 @@ def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh) -> CausalLM
     return create_model(CausalLM, random_model_config(cfg, tokenizer), mesh, seed=cfg.trainer.seed)
 
 
+def sampling_graphdef(cfg: TrainConfig, policy: CausalLM) -> nnx.GraphDef:
+    """The structure the sampler runs the policy's parameters with: the policy's, computing in ``rollout.dtype``
+    (same parameters, same layout; only the compute dtype, a static attribute, differs)."""
+    dtype = cfg.rollout.dtype or policy.config.dtype
+    config = dataclasses.replace(policy.config, dtype=dtype)
+    abstract = nnx.eval_shape(lambda: type(policy)(config, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract, nnx.Param)[0]
+
+
 def build_critic(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> ValueModel:
     """The critic starts from the policy's backbone with a new value head (or from ``critic.model_path``)."""
     path = cfg.critic.model_path or cfg.model.path

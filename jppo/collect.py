@@ -201,13 +201,14 @@ class Collector:
     @classmethod
     def create(
         cls, cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs, policy: nnx.GraphDef,
-        critic: Optional[nnx.GraphDef], ref_params: Optional[nnx.State],
+        critic: Optional[nnx.GraphDef], ref_params: Optional[nnx.State], sampling: Optional[nnx.GraphDef] = None,
     ) -> "Collector":
+        """``sampling``: the policy's structure as the sampler runs it (``rollout.dtype``; default ``policy``)."""
         tokenizer = inputs.tokenizer
 
         def sampler(**kind) -> Sampler:
             params = build.sampling_params(cfg, tokenizer, **kind)
-            return Sampler(policy, tokenizer.pad_id, mesh, params, cfg.rollout.prompt_bucket)
+            return Sampler(sampling or policy, tokenizer.pad_id, mesh, params, cfg.rollout.prompt_bucket)
 
         needs_baselines = get_estimator(cfg.algorithm.adv_estimator).needs_reward_baselines
         reward_model = None

@@ -98,7 +98,9 @@ class RefSection:
 class RolloutSection:
     """Sampling with the KV-cache sampler. ``n`` responses per prompt; validation samples ``val_n`` per prompt
     at ``val_temperature`` (0: greedy). Prompt lengths are padded up to a multiple of ``prompt_bucket`` tokens so
-    the sampler compiles once per bucket."""
+    the sampler compiles once per bucket. ``dtype`` is the sampler's compute dtype (default: ``model.dtype``);
+    ``bfloat16`` sampling against float32 training is the rollout/trainer mismatch that
+    ``actor.rollout_correction`` corrects and its ``rollout_corr/*`` metrics show."""
 
     n: int = 1
     temperature: float = 1.0
@@ -109,6 +111,7 @@ class RolloutSection:
     val_n: int = 1
     val_temperature: float = 0.0
     log_prob_micro_batch_size: Optional[int] = None  # sequences per shard in forward passes; default: actor's
+    dtype: Optional[str] = None  # the sampler's compute dtype; default: model.dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -273,6 +273,8 @@ def _check_rollout(cfg: TrainConfig) -> None:
         with _as_key(keys):
             sampling_params(cfg, None, validation=use == "validation")
     _positive("rollout.prompt_bucket", cfg.rollout.prompt_bucket)
+    if cfg.rollout.dtype is not None:
+        _choice("rollout.dtype", cfg.rollout.dtype, [name for name in DTYPES if name != "float64"])
 
 
 def _check_output_dir(output_dir: str) -> None:
