@@ -19,6 +19,7 @@ from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, ta
 from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pretrained
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
 from jppo.rollout import SamplingParams
+from jppo.rollout.env import EnvFactory, load_env, stop_token_ids
 
 
 @dataclasses.dataclass
@@ -30,6 +31,8 @@ class RunInputs:
     val_data: Optional[PromptDataset]
     reward_fn: RewardFn
     credit_fn: Optional[CreditFn] = None
+    env_factory: Optional[EnvFactory] = None  # rollout.env: one environment per response
+    stop_ids: tuple[int, ...] = ()  # tokens that end a model turn besides EOS (the env's stop texts)
 
 
 def tokenizer_spec(cfg: TrainConfig) -> str:
@@ -46,7 +49,11 @@ def load_inputs(cfg: TrainConfig, validation: bool = False) -> RunInputs:
         has_val = validation or cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
         val = load_dataset(cfg.data, tokenizer, "val") if has_val else None
         task = task_of(cfg.data)
-        return RunInputs(tokenizer, train, val, build_reward_fn(cfg.reward, task), build_credit_fn(cfg.reward, task))
+        env = load_env(cfg.rollout.env) if cfg.rollout.env is not None else None
+        stop_ids = stop_token_ids(env, tokenizer, cfg.rollout.env) if env is not None else ()
+        return RunInputs(
+            tokenizer, train, val, build_reward_fn(cfg.reward, task), build_credit_fn(cfg.reward, task), env, stop_ids
+        )
     except (ValueError, KeyError, FileNotFoundError) as error:
         text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)  # KeyError quotes its text
         raise ConfigError(" ".join(str(text).split())) from None
