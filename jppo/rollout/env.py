@@ -53,6 +53,8 @@ def evaluate(expression: str) -> int | None:
 
     def value(node: ast.AST) -> int:
         if isinstance(node, ast.Constant) and type(node.value) is int:
+            if node.value >= _MAX_RESULT:
+                raise OverflowError
             return node.value
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             return -value(node.operand)
