@@ -5,9 +5,11 @@ cuts it into mini- and micro-batches, so batch-wide statistics (advantage whiten
 controller's measurement) are global by construction:
 
 1. take ``data.train_batch_size`` prompts at the saved data position;
-2. sample ``rollout.n`` responses per prompt with the KV-cache sampler;
+2. sample ``rollout.n`` responses per prompt with the KV-cache sampler (with ``rollout.env``, turn by turn with the
+   environment, :mod:`jppo.rollout.multiturn`);
 3. score them (task scorer, rule or plug-in, plus a reward model) and put each score on the response's last token
-   (or, with ``reward.token_level``, spread a built-in task's per-position credit over the tokens); for ReMax,
+   (or, with ``reward.token_level``, spread a built-in task's per-position credit over the tokens), and an
+   environment's per-turn rewards on their turns' last tokens; for ReMax,
    also decode one greedy response per prompt, whose reward is the prompt's baseline;
 4. recompute old log-probs (and reference log-probs, values) over the whole batch in micro-batches;
 5. optionally subtract ``kl_coef * KL(old || ref)`` from the rewards (fixed or adaptive controller);
@@ -196,9 +198,9 @@ class Collector:
     cfg: TrainConfig
     mesh: Mesh
     inputs: build.RunInputs
-    sampler: Sampler
-    val_sampler: Sampler
-    baseline_sampler: Optional[Sampler]  # ReMax: greedy responses, whose rewards are the baselines
+    sampler: Sampler | MultiTurnSampler  # multi-turn with rollout.env
+    val_sampler: Sampler | MultiTurnSampler
+    baseline_sampler: Optional[Sampler | MultiTurnSampler]  # ReMax: greedy responses, whose rewards are the baselines
     log_probs_of: object
     values_of: Optional[object]
     ref_params: Optional[nnx.State]

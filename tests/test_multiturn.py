@@ -257,3 +257,47 @@ def test_an_environment_that_does_not_load_is_a_config_error(tmp_path):
     cfg = load_config(None, ["data.task=tool_multiply", f"rollout.env={tmp_path}/missing.py:make"])
     with pytest.raises(ConfigError, match=r"^rollout.env=.*missing.py.* does not exist$"):
         load_inputs(cfg)
+
+
+class DigitStops:
+    """Ends a model turn at every digit and answers ``ab`` (so a random model takes many turns)."""
+
+    stop = tuple("0123456789")
+
+    def reset(self, prompt, example):
+        return ";"
+
+    def step(self, action):
+        return "ab", 0.0, False
+
+
+def test_sampler_log_probs_of_a_multi_turn_response_are_the_trainers():
+    """Each turn re-prefills prompt + response so far: the sampler's log-probs of the model tokens equal the
+    training forward pass's over the whole response (observations attended), to float32 rounding."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jppo.data.tasks import Example  # noqa: PLC0415
+    from jppo.engine import forward_batch, log_prob_fn  # noqa: PLC0415
+    from jppo.mesh import make_mesh  # noqa: PLC0415
+    from jppo.models import CausalLM, ModelConfig, create_model  # noqa: PLC0415
+    from jppo.rollout import Sampler, SamplingParams  # noqa: PLC0415
+    from jppo.rollout.multiturn import MultiTurnSampler  # noqa: PLC0415
+
+    config = ModelConfig(vocab_size=TOKENIZER.vocab_size, hidden_size=16, intermediate_size=32, num_layers=1,
+                         num_heads=2, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    mesh = make_mesh(devices=jax.devices()[:1])
+    graphdef, params = nnx.split(create_model(CausalLM, config, mesh, seed=0), nnx.Param)
+    stop_ids = tuple(ids("0123456789"))
+    turn = SamplingParams(max_new_tokens=12, n=1, eos_token_ids=(TOKENIZER.eos_id,) + stop_ids, pad_token_id=0)
+    sampler = MultiTurnSampler(Sampler(graphdef, 0, mesh, turn, 8), DigitStops, TOKENIZER, n=2, stop_ids=stop_ids,
+                               max_turns=4, max_length=12, bucket=8)
+    prompts = ["12=", "345="]
+    exp = sampler(params, [ids(p) for p in prompts], jax.random.key(0), [Example(p, "") for p in prompts])
+    assert exp.group_ids.tolist() == [0, 0, 1, 1] and exp.prompt_ids[0, -4:].tolist() == ids("12=;")
+    observation = exp.response_attention & ~exp.response_mask
+    assert observation.any(), "the random model took no second turn"
+    forward = forward_batch(log_prob_fn(graphdef, temperature=1.0, chunk_size=256), params, exp, mesh,
+                            micro_batch_size=4)
+    np.testing.assert_allclose(forward[exp.response_mask], exp.rollout_log_prob[exp.response_mask], atol=2e-5)
+    assert not exp.rollout_log_prob[observation].any()
+

@@ -193,7 +193,8 @@ class AddSmall(_DigitAnswerTask):
 
 @dataclasses.dataclass(frozen=True)
 class ToolMultiply:
-    """Multiply two numbers with a calculator tool: prompt ``"37*58="``, answer ``"2146"``.
+    """Multiply two numbers with a calculator tool: prompt ``"37*58="``, answer ``"2146"`` (operands of
+    ``left_digits`` and ``right_digits`` digits).
 
     The response the task expects is ``[37*58]`` (a tool call, ended by the calculator's stop token ``]``), the
     calculator's observation ``=2146;`` and the answer ``2146`` then EOS. The answer is the text after the last
@@ -203,18 +204,20 @@ class ToolMultiply:
     observation characters. Without the tool a random policy guesses a 4-digit product at ~1/10 per digit.
     """
 
-    min_operand: int = 10
-    max_operand: int = 99
-    call_weight: float = 0.25
+    left_digits: int = 2
+    right_digits: int = 2
+    call_weight: float = 0.5
     name: str = dataclasses.field(default="tool_multiply", init=False)
     alphabet: str = dataclasses.field(default="0123456789+-*=[];?", init=False)
 
     def __post_init__(self) -> None:
-        if not (_is_int(self.min_operand) and _is_int(self.max_operand) and 0 <= self.min_operand <= self.max_operand):
-            raise ValueError(
-                f"data.task_options min_operand={self.min_operand!r}, max_operand={self.max_operand!r} are invalid for "
-                "task 'tool_multiply': they must be integers with 0 <= min_operand <= max_operand"
-            )
+        for key in ("left_digits", "right_digits"):
+            value = getattr(self, key)
+            if not (_is_int(value) and 1 <= value <= 6):
+                raise ValueError(
+                    f"data.task_options {key}={value!r} is invalid for task 'tool_multiply': it must be an integer in "
+                    "[1, 6]"
+                )
         if not (isinstance(self.call_weight, (int, float)) and 0 <= self.call_weight <= 1):
             raise ValueError(
                 f"data.task_options call_weight={self.call_weight!r} is invalid for task 'tool_multiply': it must be "
@@ -222,7 +225,9 @@ class ToolMultiply:
             )
 
     def _draw(self, rng: random.Random) -> tuple[str, str]:
-        a, b = rng.randint(self.min_operand, self.max_operand), rng.randint(self.min_operand, self.max_operand)
+        """Operands of exactly ``left_digits`` and ``right_digits`` digits (so every prompt has the same length)."""
+        a = rng.randint(10 ** (self.left_digits - 1), 10**self.left_digits - 1)
+        b = rng.randint(10 ** (self.right_digits - 1), 10**self.right_digits - 1)
         return f"{a}*{b}=", str(a * b)
 
     def examples(self, split: str, n: int, seed: int) -> list[Example]:
