@@ -200,10 +200,10 @@ def test_token_credit_skips_observation_characters():
     assert task.score(text, example) == pytest.approx(1.0)
     out = token_credit_rewards(response, mask, [task.credit(text, example, True)], [True], np.array([1.0], np.float32),
                                TOKENIZER.decode, attention)
-    np.testing.assert_allclose(out[0, : len(call)], 0.25 / len(call), rtol=1e-6)
+    np.testing.assert_allclose(out[0, : len(call)], task.call_weight / len(call), rtol=1e-6)
     assert not out[0, len(call) : len(call) + len(observation)].any()
     answer = slice(len(call) + len(observation), width - 1)
-    np.testing.assert_allclose(out[0, answer], 0.75 / len(example.answer), rtol=1e-6)
+    np.testing.assert_allclose(out[0, answer], (1 - task.call_weight) / len(example.answer), rtol=1e-6)
     assert out.sum() == pytest.approx(1.0)
 
 
@@ -251,12 +251,18 @@ def test_bad_multi_turn_settings_are_one_line_config_errors(override, message):
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
-def test_an_environment_that_does_not_load_is_a_config_error(tmp_path):
+@pytest.mark.parametrize("override,message", [
+    ("rollout.env={tmp}/missing.py:make", r"^rollout.env=.*missing.py.* does not exist$"),
+    ("data.task_options.left_digits=0", r"^data.task_options left_digits=0 is invalid for task 'tool_multiply'"),
+    ("data.task=reverse_digits", r"^rollout.env='builtin:calculator': its stop text '\]' cannot be encoded"),
+])
+def test_an_environment_or_task_that_does_not_load_is_a_one_line_config_error(tmp_path, override, message):
     from jppo.build import load_inputs  # noqa: PLC0415
 
-    cfg = load_config(None, ["data.task=tool_multiply", f"rollout.env={tmp_path}/missing.py:make"])
-    with pytest.raises(ConfigError, match=r"^rollout.env=.*missing.py.* does not exist$"):
-        load_inputs(cfg)
+    overrides = ["data.task=tool_multiply", "rollout.env=builtin:calculator", override.format(tmp=tmp_path)]
+    with pytest.raises(ConfigError, match=message) as error:
+        load_inputs(load_config(None, overrides))
+    assert "\n" not in str(error.value)
 
 
 class DigitStops:
@@ -301,3 +307,16 @@ def test_sampler_log_probs_of_a_multi_turn_response_are_the_trainers():
     np.testing.assert_allclose(forward[exp.response_mask], exp.rollout_log_prob[exp.response_mask], atol=2e-5)
     assert not exp.rollout_log_prob[observation].any()
 
+
+
+def test_tool_multiply_scores_the_call_and_the_answer_after_the_calculators_result():
+    from jppo.data.tasks import Example  # noqa: PLC0415
+
+    task, example = get_task("tool_multiply"), Example("7*58=", "406")
+    weight = task.call_weight
+    assert task.score("[7*58]=406;406", example) == pytest.approx(1.0)
+    assert task.score("406", example) == pytest.approx(1 - weight)  # right without the tool: the answer's share
+    assert task.score("[7*59]=413;413", example) == pytest.approx(weight * 5 / 6 + (1 - weight) / 3)
+    assert task.score(";;406", example) == 0.0  # a typed ';' is no calculator result: the answer starts at 0
+    assert [len(e.prompt) for e in task.examples("train", 50, 0)] == [6] * 50  # default: 2 x 2 digits
+    assert all(len(e.answer) == 4 for e in task.examples("val", 20, 0))

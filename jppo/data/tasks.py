@@ -191,6 +191,9 @@ class AddSmall(_DigitAnswerTask):
 
 
 
+_CALCULATOR_RESULT = re.compile(r"\]=[-0-9?]*;")  # a call's end and the calculator's observation
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolMultiply:
     """Multiply two numbers with a calculator tool: prompt ``"37*58="``, answer ``"2146"`` (operands of
@@ -198,7 +201,7 @@ class ToolMultiply:
 
     The response the task expects is ``[37*58]`` (a tool call, ended by the calculator's stop token ``]``), the
     calculator's observation ``=2146;`` and the answer ``2146`` then EOS. The answer is the text after the last
-    ``;`` (all of it when there is none). Score: ``call_weight`` x the positional match of the text up to the first
+    calculator result (``]`` then ``=VALUE;``; all of the text when there is none). Score: ``call_weight`` x the positional match of the text up to the first
     ``]`` with ``[37*58]`` (the first model turn: observations only follow a ``]``) plus ``1 - call_weight`` x
     the positional match of the answer; credit is paid per character of those two spans, so nothing lands on
     observation characters. Without the tool a random policy guesses a 4-digit product at ~1/10 per digit.
@@ -225,10 +228,14 @@ class ToolMultiply:
             )
 
     def _draw(self, rng: random.Random) -> tuple[str, str]:
-        """Operands of exactly ``left_digits`` and ``right_digits`` digits (so every prompt has the same length)."""
-        a = rng.randint(10 ** (self.left_digits - 1), 10**self.left_digits - 1)
-        b = rng.randint(10 ** (self.right_digits - 1), 10**self.right_digits - 1)
-        return f"{a}*{b}=", str(a * b)
+        """Operands of exactly ``left_digits`` and ``right_digits`` digits whose product has exactly
+        ``left_digits + right_digits`` digits (redrawn until it does), so every prompt, call, observation and
+        answer of the task has the same length."""
+        while True:
+            a = rng.randint(10 ** (self.left_digits - 1), 10**self.left_digits - 1)
+            b = rng.randint(10 ** (self.right_digits - 1), 10**self.right_digits - 1)
+            if len(str(a * b)) == self.left_digits + self.right_digits:
+                return f"{a}*{b}=", str(a * b)
 
     def examples(self, split: str, n: int, seed: int) -> list[Example]:
         return _generate(self.name, split, n, seed, self._draw)
@@ -237,7 +244,8 @@ class ToolMultiply:
         """Per-character credit (plus one, 0, for the EOS when ``finished``) summing to :meth:`score`."""
         call, answer = f"[{example.prompt[:-1]}]", example.answer
         call_end = response_text.index("]") + 1 if "]" in response_text else 0
-        answer_start = response_text.rindex(";") + 1 if ";" in response_text else 0
+        results = list(_CALCULATOR_RESULT.finditer(response_text))
+        answer_start = results[-1].end() if results else 0
         credit = [0.0] * len(response_text)
         for i, c in enumerate(response_text[:call_end]):
             credit[i] = self.call_weight / len(call) if i < len(call) and c == call[i] else 0.0
@@ -250,7 +258,8 @@ class ToolMultiply:
         return sum(self.credit(response_text, example, finished))
 
     def follows_format(self, response_text: str) -> bool:
-        return _is_digits(response_text.rpartition(";")[2])
+        results = list(_CALCULATOR_RESULT.finditer(response_text))
+        return _is_digits(response_text[results[-1].end() if results else 0 :])
 
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
