@@ -277,6 +277,21 @@ def env_rewards(batch: Experience) -> np.ndarray:
     return np.asarray(batch.token_rewards, np.float32)
 
 
+def place_rewards(exp: Experience, scores: np.ndarray, finished: list[bool], credits, decode) -> np.ndarray:
+    """Per-token rewards ``[N, L]`` of rows whose total reward is ``scores``: an environment's per-turn rewards
+    stay on their turns' last tokens, and the rest of each row's reward goes on its last model token (or, with a
+    task's per-character ``credits``, on the tokens that earned it, :func:`token_credit_rewards`)."""
+    per_turn = env_rewards(exp)
+    outcome = (np.asarray(scores, np.float32) - per_turn.sum(axis=1)).astype(np.float32)
+    if credits is not None:
+        rewards = token_credit_rewards(
+            exp.response_ids, exp.response_mask, credits, finished, outcome, decode, exp.response_attention
+        )
+    else:
+        rewards = last_token_scores(outcome, exp.response_mask)
+    return rewards + per_turn
+
+
 def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer) -> tuple[Scored, int, dict[str, float]]:
     """The step's sampled and scored batch, the data position after the prompts it consumed, and the dynamic
     sampling metrics. Without ``algorithm.filter_groups`` that is one batch of ``data.train_batch_size`` prompts;
@@ -339,17 +354,8 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
     metrics: dict[str, float] = {}
     kl = state.kl
     with timer("advantages"):
-        # The environment's rewards stay on their turns' last tokens; the rest of the row's reward is placed as usual.
-        per_turn = env_rewards(exp)
-        outcome = (scores - per_turn.sum(axis=1)).astype(np.float32)
-        if c.inputs.credit_fn is not None:
-            rewards = token_credit_rewards(
-                exp.response_ids, mask, c.inputs.credit_fn(texts, row_examples, finished), finished, outcome,
-                tokenizer.decode, exp.response_attention,
-            )
-        else:
-            rewards = last_token_scores(outcome, mask)
-        rewards = rewards + per_turn
+        credits = c.inputs.credit_fn(texts, row_examples, finished) if c.inputs.credit_fn is not None else None
+        rewards = place_rewards(exp, scores, finished, credits, tokenizer.decode)
         if cfg.algorithm.use_kl_in_reward:
             coef = float(np.asarray(kl.coef))
             rewards, current_kl = kl_in_reward(

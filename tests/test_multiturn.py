@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jppo.collect import compute_advantages, decode_responses, token_credit_rewards
+from jppo.collect import compute_advantages, decode_responses, place_rewards, token_credit_rewards
 from jppo.config import ConfigError, load_config
 from jppo.data.tasks import get_task
 from jppo.data.tokenizer import CharTokenizer
@@ -94,6 +94,19 @@ def test_fixed_observations_give_the_expected_layout_and_per_turn_rewards():
     assert seen[2][0] == ids("5=[1]=1;[2]=22;")
     texts, finished = decode_responses(exp, TOKENIZER)
     assert texts == ["[1]=1;[2]=22;22", "7"] and finished == [True, True]
+
+
+def test_training_rewards_keep_per_turn_rewards_on_their_turns_and_the_outcome_on_the_last_model_token():
+    envs = [FixedEnv(), FixedEnv()]
+    turns = [[ids("[1]"), ids("7", eos=True)], [ids("[2]"), ids("0")], [ids("22", eos=True), ids("0")]]
+    exp, _ = rollout(turns, envs, [ids("5="), ids("6=")])
+    task_scores = np.array([1.0, 0.25], np.float32)
+    scores = task_scores + exp.token_rewards.sum(axis=1)  # what Collector.score reports per row
+    rewards = place_rewards(exp, scores, [True, True], None, TOKENIZER.decode)
+    expected = np.zeros_like(rewards)
+    expected[0, [2, 8, 15]] = [0.5, -0.25, 2.0 + 1.0]  # the last turn's env reward plus the outcome
+    expected[1, 1] = 0.5 + 0.25
+    np.testing.assert_allclose(rewards, expected, rtol=1e-6)
 
 
 def test_turn_and_length_limits_end_a_row_without_a_dangling_observation():
