@@ -181,7 +181,8 @@ def test_environment_tokens_receive_no_gradient_from_any_loss_term():
     assert float(norm.num_tokens) == exp.response_mask.sum()
 
     def loss(logits, mode):
-        log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(exp.response_ids)[..., None], -1)[..., 0]
+        tokens = jnp.asarray(exp.response_ids)[..., None]
+        log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens, -1)[..., 0]
         value, _ = actor_loss(
             log_probs, old, advantages, mask, norm=norm, mode=mode, policy_loss_name="vanilla",
             policy_options=PolicyLossOptions(), entropy=entropy_from_logits(logits, mask), entropy_coeff=0.1,

@@ -201,10 +201,11 @@ class ToolMultiply:
 
     The response the task expects is ``[37*58]`` (a tool call, ended by the calculator's stop token ``]``), the
     calculator's observation ``=2146;`` and the answer ``2146`` then EOS. The answer is the text after the last
-    calculator result (``]`` then ``=VALUE;``; all of the text when there is none). Score: ``call_weight`` x the positional match of the text up to the first
-    ``]`` with ``[37*58]`` (the first model turn: observations only follow a ``]``) plus ``1 - call_weight`` x
-    the positional match of the answer; credit is paid per character of those two spans, so nothing lands on
-    observation characters. Without the tool a random policy guesses a 4-digit product at ~1/10 per digit.
+    calculator result (``]`` then ``=VALUE;``; all of the text when there is none; a ``;`` the model types opens
+    nothing). Score: ``call_weight`` x the positional match of the text up to the first ``]`` with ``[37*58]``
+    (the first model turn: observations only follow a ``]``) plus ``1 - call_weight`` x the positional match of
+    the answer; credit is paid per character of those two spans, so nothing lands on observation characters.
+    Without the tool a random policy guesses a 4-digit product at ~1/10 per digit.
     """
 
     left_digits: int = 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import operator
 import re
 from typing import Any, Callable, Protocol
 
@@ -38,6 +39,7 @@ class Environment(Protocol):
 EnvFactory = Callable[[], Environment]
 
 _EXPRESSION = re.compile(r"[0-9+\-* ]{1,40}")
+_OPERATIONS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 _MAX_RESULT = 10**15
 
 
@@ -58,9 +60,9 @@ def evaluate(expression: str) -> int | None:
             return node.value
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             return -value(node.operand)
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATIONS:
             left, right = value(node.left), value(node.right)
-            result = left + right if isinstance(node.op, ast.Add) else left - right if isinstance(node.op, ast.Sub) else left * right
+            result = _OPERATIONS[type(node.op)](left, right)
             if abs(result) >= _MAX_RESULT:
                 raise OverflowError
             return result
@@ -99,7 +101,8 @@ def load_env(spec: str) -> EnvFactory:
     if spec.startswith(BUILTIN_PREFIX):
         name = spec[len(BUILTIN_PREFIX) :]
         if name not in BUILTIN_ENVS:
-            raise ValueError(f"{KEY}={spec!r} is unknown; built-in environments: {[BUILTIN_PREFIX + n for n in BUILTIN_ENVS]}")
+            valid = [BUILTIN_PREFIX + n for n in BUILTIN_ENVS]
+            raise ValueError(f"{KEY}={spec!r} is unknown; built-in environments: {valid}")
         factory = BUILTIN_ENVS[name]
     else:
         factory = load_function(spec, KEY)
