@@ -20,6 +20,7 @@ from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pr
 from jppo.models.lora import LoRAConfig, attach_lora, trainable_filter
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
 from jppo.rollout import SamplingParams
+from jppo.rollout.env import EnvFactory, load_env, stop_token_ids
 
 
 @dataclasses.dataclass
@@ -31,6 +32,8 @@ class RunInputs:
     val_data: Optional[PromptDataset]
     reward_fn: RewardFn
     credit_fn: Optional[CreditFn] = None
+    env_factory: Optional[EnvFactory] = None  # rollout.env: one environment per response
+    stop_ids: tuple[int, ...] = ()  # tokens that end a model turn besides EOS (the env's stop texts)
 
 
 def tokenizer_spec(cfg: TrainConfig) -> str:
@@ -47,7 +50,11 @@ def load_inputs(cfg: TrainConfig, validation: bool = False) -> RunInputs:
         has_val = validation or cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
         val = load_dataset(cfg.data, tokenizer, "val") if has_val else None
         task = task_of(cfg.data)
-        return RunInputs(tokenizer, train, val, build_reward_fn(cfg.reward, task), build_credit_fn(cfg.reward, task))
+        env = load_env(cfg.rollout.env) if cfg.rollout.env is not None else None
+        stop_ids = stop_token_ids(env, tokenizer, cfg.rollout.env) if env is not None else ()
+        return RunInputs(
+            tokenizer, train, val, build_reward_fn(cfg.reward, task), build_credit_fn(cfg.reward, task), env, stop_ids
+        )
     except (ValueError, KeyError, FileNotFoundError) as error:
         text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)  # KeyError quotes its text
         raise ConfigError(" ".join(str(text).split())) from None
@@ -76,6 +83,19 @@ def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh) -> CausalLM
             cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat, mesh=mesh
         )
     return create_model(CausalLM, random_model_config(cfg, tokenizer), mesh, seed=cfg.trainer.seed)
+
+
+def sampling_graphdef(cfg: TrainConfig, policy: CausalLM) -> nnx.GraphDef:
+    """The structure the sampler runs the policy's parameters with: the policy's, computing in ``rollout.dtype``
+    (same parameters, same layout; only the compute dtype, a static attribute, differs)."""
+    dtype = cfg.rollout.dtype or policy.config.dtype
+    config = dataclasses.replace(policy.config, dtype=dtype)
+
+    def structure():
+        model = type(policy)(config, rngs=nnx.Rngs(0))
+        return attach_lora(model, cfg.actor.lora, 0) if has_adapters(policy) else model  # the adapters too
+
+    return nnx.split(nnx.eval_shape(structure), nnx.Param)[0]
 
 
 def build_critic(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> ValueModel:

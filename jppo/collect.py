@@ -5,9 +5,11 @@ cuts it into mini- and micro-batches, so batch-wide statistics (advantage whiten
 controller's measurement) are global by construction:
 
 1. take ``data.train_batch_size`` prompts at the saved data position;
-2. sample ``rollout.n`` responses per prompt with the KV-cache sampler;
+2. sample ``rollout.n`` responses per prompt with the KV-cache sampler (with ``rollout.env``, turn by turn with the
+   environment, :mod:`jppo.rollout.multiturn`);
 3. score them (task scorer, rule or plug-in, plus a reward model) and put each score on the response's last token
-   (or, with ``reward.token_level``, spread a built-in task's per-position credit over the tokens); for ReMax,
+   (or, with ``reward.token_level``, spread a built-in task's per-position credit over the tokens), and an
+   environment's per-turn rewards on their turns' last tokens; for ReMax,
    also decode one greedy response per prompt, whose reward is the prompt's baseline;
 4. recompute old log-probs (and reference log-probs, values) over the whole batch in micro-batches;
 5. optionally subtract ``kl_coef * KL(old || ref)`` from the rewards (fixed or adaptive controller);
@@ -43,6 +45,7 @@ from jppo.mesh import batch_shards
 from jppo.rewards.model import RewardModel
 from jppo.rewards.overlong import overlong_penalty
 from jppo.rollout import Sampler
+from jppo.rollout.multiturn import MultiTurnSampler
 from jppo.state import RunState, advance
 
 
@@ -64,24 +67,29 @@ def token_credit_rewards(
     finished: list[bool],
     scores: np.ndarray,
     decode,
+    response_attention: np.ndarray | None = None,
 ) -> np.ndarray:
     """Dense rewards ``[N, L]`` from per-character credits (plus one for the EOS of a finished response).
 
     Each response token gets the credit of the characters it decodes to (``decode`` of that token alone), a
     finished response's EOS token gets the EOS credit, and whatever part of the score the credits do not cover
-    (a format bonus) goes on the last token, so every row still sums to its score.
+    (a format bonus) goes on the last token, so every row still sums to its score. Characters are counted over
+    ``response_attention`` (every response token, environment observations included, as the text was decoded),
+    and credit is placed only where ``response_mask`` is set: a task must give observation characters none.
     """
     mask = response_mask.astype(bool)
+    attention = mask if response_attention is None else response_attention.astype(bool)
     out = last_token_scores(scores - np.asarray([sum(c) for c in credits], np.float32), mask)
-    for row, (ids, valid, credit, done) in enumerate(zip(response_ids, mask, credits, finished)):
-        positions = np.flatnonzero(valid)
+    for row, (ids, seen, valid, credit, done) in enumerate(zip(response_ids, attention, mask, credits, finished)):
+        positions = np.flatnonzero(seen)
         if done and len(positions):
             out[row, positions[-1]] += credit[-1]
             positions = positions[:-1]
         char = 0
         for position in positions:
             width = len(decode([int(ids[position])]))
-            out[row, position] += sum(credit[char : char + width])
+            if valid[position]:
+                out[row, position] += sum(credit[char : char + width])
             char += width
     return out
 
@@ -190,9 +198,9 @@ class Collector:
     cfg: TrainConfig
     mesh: Mesh
     inputs: build.RunInputs
-    sampler: Sampler
-    val_sampler: Sampler
-    baseline_sampler: Optional[Sampler]  # ReMax: greedy responses, whose rewards are the baselines
+    sampler: Sampler | MultiTurnSampler  # multi-turn with rollout.env
+    val_sampler: Sampler | MultiTurnSampler
+    baseline_sampler: Optional[Sampler | MultiTurnSampler]  # ReMax: greedy responses, whose rewards are the baselines
     log_probs_of: object
     values_of: Optional[object]
     ref_params: Optional[nnx.State]
@@ -203,15 +211,24 @@ class Collector:
     @classmethod
     def create(
         cls, cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs, policy: nnx.GraphDef,
-        critic: Optional[nnx.GraphDef], ref_params: Optional[nnx.State], base: Optional[nnx.GraphDef] = None,
+        critic: Optional[nnx.GraphDef], ref_params: Optional[nnx.State], sampling: Optional[nnx.GraphDef] = None,
+        base: Optional[nnx.GraphDef] = None,
     ) -> "Collector":
-        """``base``: the policy's structure without its LoRA adapters (None without LoRA); the reference log-probs
+        """``sampling``: the policy's structure as the sampler runs it (``rollout.dtype``; default ``policy``).
+        ``base``: the policy's structure without its LoRA adapters (None without LoRA); the reference log-probs
         then run it on ``ref_params``, or on the actor's frozen base weights when there is no ``ref.model_path``."""
         tokenizer = inputs.tokenizer
 
-        def sampler(**kind) -> Sampler:
+        def sampler(**kind) -> Sampler | MultiTurnSampler:
             params = build.sampling_params(cfg, tokenizer, **kind)
-            return Sampler(policy, tokenizer.pad_id, mesh, params, cfg.rollout.prompt_bucket)
+            if inputs.env_factory is None:
+                return Sampler(sampling or policy, tokenizer.pad_id, mesh, params, cfg.rollout.prompt_bucket)
+            turn = dataclasses.replace(params, n=1, eos_token_ids=params.eos_token_ids + inputs.stop_ids)
+            return MultiTurnSampler(
+                Sampler(sampling or policy, tokenizer.pad_id, mesh, turn, cfg.rollout.prompt_bucket),
+                inputs.env_factory, tokenizer, n=params.n, stop_ids=inputs.stop_ids, max_turns=cfg.rollout.max_turns,
+                max_length=cfg.rollout.max_response_length, bucket=cfg.rollout.prompt_bucket,
+            )
 
         needs_baselines = get_estimator(cfg.algorithm.adv_estimator).needs_reward_baselines
         reward_model = None
@@ -232,10 +249,11 @@ class Collector:
         )
 
     def score(self, batch: Experience, row_examples: list) -> tuple[list[str], list[bool], np.ndarray]:
-        """Decoded responses, whether each ended, and each row's reward (rule/plug-in reward plus the reward
-        model's score when there is one)."""
+        """Decoded responses, whether each ended, and each row's reward (rule/plug-in reward, plus the reward
+        model's score when there is one, plus the environment's rewards of a multi-turn rollout)."""
         texts, finished = decode_responses(batch, self.inputs.tokenizer)
         scores = np.asarray(self.inputs.reward_fn(texts, row_examples, finished), np.float32)
+        scores = scores + env_rewards(batch).sum(axis=1)
         if self.reward_model is not None:
             scores = scores + self.reward_model(batch)
         return texts, finished, scores
@@ -253,6 +271,35 @@ class Collector:
         return Scored(batch, examples, prompts, texts, finished, scores, rewards)
 
 
+def sample(sampler, params, prompts: list, key: jax.Array, examples: list) -> Experience:
+    """One sampler's rows for ``prompts``; a multi-turn sampler also gets the prompts' ``examples`` (env.reset)."""
+    if isinstance(sampler, MultiTurnSampler):
+        return sampler(params, prompts, key, examples)
+    return sampler(params, prompts, key)
+
+
+def env_rewards(batch: Experience) -> np.ndarray:
+    """The environment's per-token rewards of a multi-turn batch (zeros for a single-turn one)."""
+    if batch.token_rewards is None:
+        return np.zeros(batch.response_mask.shape, np.float32)
+    return np.asarray(batch.token_rewards, np.float32)
+
+
+def place_rewards(exp: Experience, scores: np.ndarray, finished: list[bool], credits, decode) -> np.ndarray:
+    """Per-token rewards ``[N, L]`` of rows whose total reward is ``scores``: an environment's per-turn rewards
+    stay on their turns' last tokens, and the rest of each row's reward goes on its last model token (or, with a
+    task's per-character ``credits``, on the tokens that earned it, :func:`token_credit_rewards`)."""
+    per_turn = env_rewards(exp)
+    outcome = (np.asarray(scores, np.float32) - per_turn.sum(axis=1)).astype(np.float32)
+    if credits is not None:
+        rewards = token_credit_rewards(
+            exp.response_ids, exp.response_mask, credits, finished, outcome, decode, exp.response_attention
+        )
+    else:
+        rewards = last_token_scores(outcome, exp.response_mask)
+    return rewards + per_turn
+
+
 def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer) -> tuple[Scored, int, dict[str, float]]:
     """The step's sampled and scored batch, the data position after the prompts it consumed, and the dynamic
     sampling metrics. Without ``algorithm.filter_groups`` that is one batch of ``data.train_batch_size`` prompts;
@@ -266,7 +313,7 @@ def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer
         examples, prompts, position = c.inputs.train_data.batch_at(position, size, cfg.trainer.seed)
         key = state.key(step) if gen == 0 else jax.random.fold_in(state.key(step), gen)
         with timer("rollout"):
-            exp = c.sampler(state.actor.weights, prompts, key)  # group_ids: each row's prompt
+            exp = sample(c.sampler, state.actor.weights, prompts, key, examples)  # group_ids: each row's prompt
         with timer("reward"):
             scored = c.score_for_training(exp, examples, prompts)
         gen += 1
@@ -319,13 +366,8 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
     metrics: dict[str, float] = {}
     kl = state.kl
     with timer("advantages"):
-        if c.inputs.credit_fn is not None:
-            rewards = token_credit_rewards(
-                exp.response_ids, mask, c.inputs.credit_fn(texts, row_examples, finished), finished, scores,
-                tokenizer.decode,
-            )
-        else:
-            rewards = last_token_scores(scores, mask)
+        credits = c.inputs.credit_fn(texts, row_examples, finished) if c.inputs.credit_fn is not None else None
+        rewards = place_rewards(exp, scores, finished, credits, tokenizer.decode)
         if cfg.algorithm.use_kl_in_reward:
             coef = float(np.asarray(kl.coef))
             rewards, current_kl = kl_in_reward(
@@ -346,6 +388,8 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
     )
     metrics.update(rollout_metrics(exp, scores, cfg.rollout.max_response_length))
     metrics.update(sampling_metrics)
+    if c.inputs.env_factory is not None:
+        metrics.update(multi_turn_metrics(exp))
     if cfg.algorithm.overlong_filter:
         exp = dataclasses.replace(exp, response_mask=finished_rows_only(exp.response_mask, finished))
     return advance(state, data_position=data_position, kl=kl), exp, metrics
@@ -353,7 +397,7 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
 
 def greedy_baselines(c: Collector, state: RunState, examples: list, prompts: list, group_ids: np.ndarray, step: int) -> np.ndarray:
     """ReMax baselines: for every row, the reward of the current policy's greedy response to its prompt."""
-    greedy = c.baseline_sampler(state.actor.weights, prompts, state.key(step))  # greedy: the key is unused
+    greedy = sample(c.baseline_sampler, state.actor.weights, prompts, state.key(step), examples)  # greedy: key unused
     greedy_scores = c.score_for_training(greedy, examples, prompts).rewards
     by_prompt = dict(zip(greedy.group_ids.tolist(), greedy_scores.tolist()))
     return np.asarray([by_prompt[i] for i in group_ids.tolist()], np.float32)
@@ -408,7 +452,7 @@ def validate(c: Collector, params: nnx.State) -> Validation:
     reward_sum, correct, records, start = 0.0, [], [], 0
     for index, (examples, prompts) in enumerate(data.batches(cfg.data.val_batch_size)):
         key = jax.random.fold_in(jax.random.key(cfg.trainer.seed + 7), index)
-        batch = c.val_sampler(params, prompts, key)
+        batch = sample(c.val_sampler, params, prompts, key, examples)
         texts, finished, scores = c.score(batch, [examples[i] for i in batch.group_ids])
         solved = (scores >= 1.0 - 1e-6).reshape(-1, n)  # rows of one prompt are adjacent and on one process
         reward_sum += float(scores.sum())
@@ -430,14 +474,24 @@ def finished_rows_only(response_mask: np.ndarray, finished) -> np.ndarray:
 
 
 def decode_responses(batch: Experience, tokenizer: Tokenizer) -> tuple[list[str], list[bool]]:
-    """Response texts (special tokens dropped) and whether each ended with one of the tokenizer's EOS ids rather
-    than at the length limit."""
+    """Response texts (special tokens dropped; every response token, environment observations included) and
+    whether each ended with one of the tokenizer's EOS ids rather than at the length limit."""
     texts, finished = [], []
-    for ids, mask in zip(batch.response_ids, batch.response_mask.astype(bool)):
+    for ids, mask in zip(batch.response_ids, batch.response_attention.astype(bool)):
         tokens = ids[mask].tolist()
         finished.append(bool(tokens) and tokens[-1] in tokenizer.eos_ids)
         texts.append(tokenizer.decode(tokens))
     return texts, finished
+
+
+def multi_turn_metrics(exp: Experience) -> dict[str, float]:
+    """``multi_turn/observed_fraction``: responses holding an environment observation (a tool was called and
+    answered); ``multi_turn/observation_tokens``: observation tokens per response. One process (multi-turn's)."""
+    observation = exp.response_attention.astype(bool) & ~exp.response_mask.astype(bool)
+    return {
+        "multi_turn/observed_fraction": float(observation.any(axis=1).mean()),
+        "multi_turn/observation_tokens": float(observation.sum(axis=1).mean()),
+    }
 
 
 def rollout_metrics(exp: Experience, scores: np.ndarray, max_length: int) -> dict[str, float]:

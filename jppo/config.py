@@ -104,7 +104,13 @@ class RefSection:
 class RolloutSection:
     """Sampling with the KV-cache sampler. ``n`` responses per prompt; validation samples ``val_n`` per prompt
     at ``val_temperature`` (0: greedy). Prompt lengths are padded up to a multiple of ``prompt_bucket`` tokens so
-    the sampler compiles once per bucket."""
+    the sampler compiles once per bucket. ``dtype`` is the sampler's compute dtype (default: ``model.dtype``);
+    ``bfloat16`` sampling against float32 training is the rollout/trainer mismatch that
+    ``actor.rollout_correction`` corrects and its ``rollout_corr/*`` metrics show.
+
+    ``env``: a multi-turn environment (``builtin:calculator``, ``path/to/file.py:make_env`` or
+    ``package.module:make_env``, see :mod:`jppo.rollout.env`); each response then alternates up to ``max_turns``
+    model turns with the environment's observations, which are attended but masked out of every loss."""
 
     n: int = 1
     temperature: float = 1.0
@@ -115,6 +121,9 @@ class RolloutSection:
     val_n: int = 1
     val_temperature: float = 0.0
     log_prob_micro_batch_size: Optional[int] = None  # sequences per shard in forward passes; default: actor's
+    dtype: Optional[str] = None  # the sampler's compute dtype; default: model.dtype
+    env: Optional[str] = None  # multi-turn environment factory; None: single-turn
+    max_turns: int = 4  # model turns per response with an env
 
 
 @dataclasses.dataclass(frozen=True)

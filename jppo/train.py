@@ -77,7 +77,10 @@ def setup(cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs) -> tuple[RunSta
         critic = init_train_state(critic_params, engine_view(cfg, "critic"), mesh, frozen=critic_frozen)
     actor = init_train_state(params, engine_view(cfg, "actor"), mesh, frozen=frozen)
     state = init_run_state(actor, critic, kl_controller(cfg).init(), cfg.trainer.seed, mesh)
-    collector = Collector.create(cfg, mesh, inputs, graphdef, critic_graphdef, ref_params, base_graphdef)
+    collector = Collector.create(
+        cfg, mesh, inputs, graphdef, critic_graphdef, ref_params, sampling=build.sampling_graphdef(cfg, policy),
+        base=base_graphdef,
+    )
     return state, collector, Learner.create(cfg, mesh, graphdef, critic_graphdef), graphdef
 
 

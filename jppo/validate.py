@@ -41,6 +41,7 @@ from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES
 from jppo.models.lora import check_fits
 from jppo.models.hub import local_model_dir
 from jppo.paths import is_remote, missing_backend, run_path
+from jppo.rollout.env import BUILTIN_ENVS, BUILTIN_PREFIX
 from jppo.views import engine_view, rollout_sequences
 
 if TYPE_CHECKING:  # jppo.config runs this module's validate
@@ -280,6 +281,12 @@ def _check_rollout(cfg: TrainConfig) -> None:
         with _as_key(keys):
             sampling_params(cfg, None, validation=use == "validation")
     _positive("rollout.prompt_bucket", cfg.rollout.prompt_bucket)
+    _positive("rollout.max_turns", cfg.rollout.max_turns)
+    env = cfg.rollout.env
+    if env is not None and env.startswith(BUILTIN_PREFIX):
+        _choice("rollout.env", env, [BUILTIN_PREFIX + name for name in BUILTIN_ENVS])
+    if cfg.rollout.dtype is not None:
+        _choice("rollout.dtype", cfg.rollout.dtype, [name for name in DTYPES if name != "float64"])
 
 
 def _check_output_dir(output_dir: str) -> None:

@@ -207,6 +207,7 @@ def test_the_reference_is_the_frozen_base_read_in_place(tmp_path):
 def test_lora_runs_do_not_depend_on_the_mesh_or_the_cut_and_resume_exactly(tmp_path):
     straight = train(tmp_path / "straight", 1, "trainer.total_steps=2")
     assert straight[1]["actor/kl_loss"] > 0.0  # the reference stays the base while the adapters move away from it
+    assert straight[1]["rollout/log_prob_abs_diff"] < 1e-4  # the sampler runs the adapters as the trainer does
     other = train(tmp_path / "other", 4, "trainer.total_steps=2", "mesh.data=2", "mesh.fsdp=2",
                   "actor.ppo_micro_batch_size=1", "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len=16")
     for a, b in zip(other, straight):

@@ -285,6 +285,8 @@ def test_the_config_carries_it_to_the_engine():
          "actor.rollout_correction.threshold=0.0 is invalid: it must be > 0 for mode 'token_tis'"),
         (["actor.rollout_correction.mode=seq_tis", "actor.rollout_correction.threshold=-2"],
          "actor.rollout_correction.threshold=-2.0 is invalid: it must be > 0 for mode 'seq_tis'"),
+        (["rollout.dtype=bf16"], "rollout.dtype='bf16' is not valid (did you mean 'bfloat16'?)"),
+        (["rollout.dtype=float64"], "rollout.dtype='float64' is not valid"),
     ],
 )
 def test_bad_settings_are_one_line_config_errors(overrides, message):
@@ -292,3 +294,4 @@ def test_bad_settings_are_one_line_config_errors(overrides, message):
         load_config(ROOT / "configs" / "quickstart.yaml", overrides)
     text = str(error.value)
     assert message in text and "\n" not in text
+

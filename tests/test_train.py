@@ -3,6 +3,7 @@ and resumes exactly, also on another mesh (whole runs on other meshes and cuts: 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -216,3 +218,40 @@ def test_config_errors_are_one_line_with_exit_status_2(tmp_path, overrides, mess
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert message in lines[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rollout_dtype_samples_with_the_same_parameters_in_that_dtype(dtype, tmp_path):
+    """``rollout.dtype``: the sampler runs the policy's own parameters, computing in that dtype. In float32, as the
+    trainer, its log-probs are the recomputed ``old_log_prob`` (no mismatch: KL 0, ratio 1 to float32 rounding of
+    the two programs); in bfloat16 the rollout_corr metrics show the mismatch (|KL| ~1e-5 on this model: well
+    above float32 rounding, ~1e-7, and below bfloat16's 2^-8 relative step, as a logit rounding error averages)."""
+    rows = train(tmp_path, "trainer.total_steps=1", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+                 f"rollout.dtype={dtype}", config=GRPO)
+    kl, ratio = rows[0]["rollout_corr/kl"], rows[0]["rollout_corr/ratio_mean"]
+    if dtype == "float32":
+        assert abs(kl) < 1e-7 and abs(ratio - 1) < 1e-6
+    else:
+        assert 1e-7 < abs(kl) < 1e-2 and abs(ratio - 1) > 1e-7  # k1 estimate: either sign on a small sample
+
+
+def test_the_sampling_structure_differs_only_in_compute_dtype():
+    from flax import nnx
+
+    from jppo.build import sampling_graphdef
+    from jppo.models import CausalLM, ModelConfig, create_model
+
+    policy = create_model(CausalLM, ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                                                num_heads=2, num_kv_heads=1, model_type="qwen2"))
+    graphdef, params = nnx.split(policy, nnx.Param)
+    cfg = load_config(QUICKSTART, ["rollout.dtype=bfloat16"])
+    sampler_model = nnx.merge(sampling_graphdef(cfg, policy), params)
+    assert sampler_model.config == dataclasses.replace(policy.config, dtype="bfloat16")
+    # the same parameter arrays (no copy), and logits close to the float32 policy's at bfloat16's precision
+    assert all(a is b for a, b in zip(jax.tree.leaves(nnx.state(sampler_model, nnx.Param)), jax.tree.leaves(params)))
+    ids = jnp.arange(8, dtype=jnp.int32)[None]
+    bf16, fp32 = np.asarray(sampler_model(ids), np.float32), np.asarray(policy(ids), np.float32)
+    assert not np.array_equal(bf16, fp32)
+    np.testing.assert_allclose(bf16, fp32, atol=0.05 * np.abs(fp32).max())
+    default = nnx.merge(sampling_graphdef(load_config(QUICKSTART), policy), params)
+    assert default.config == policy.config

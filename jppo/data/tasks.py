@@ -10,6 +10,8 @@ so no validation prompt is ever trained on.
 
 - ``reverse_digits`` (the quickstart task): prompt ``"3051="``, answer ``"1503"``, reward the per-position match.
 - ``add_small``: prompt ``"17+5="``, answer ``"22"``, reward the per-digit-place match.
+- ``tool_multiply``: prompt ``"37*58="``, answer ``"2146"``, for a calculator environment (``rollout.env:
+  builtin:calculator``): the expected response ``[37*58]=2146;2146`` calls the tool, reads its result, answers.
 - ``reasoning_gym:<dataset>``: a dataset of the optional package ``reasoning-gym``, scored by its own
   ``score_answer`` on the text between the last ``<answer>`` and ``</answer>`` of the response.
 """
@@ -189,6 +191,78 @@ class AddSmall(_DigitAnswerTask):
 
 
 
+_CALCULATOR_RESULT = re.compile(r"\]=[-0-9?]*;")  # a call's end and the calculator's observation
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolMultiply:
+    """Multiply two numbers with a calculator tool: prompt ``"37*58="``, answer ``"2146"`` (operands of
+    ``left_digits`` and ``right_digits`` digits).
+
+    The response the task expects is ``[37*58]`` (a tool call, ended by the calculator's stop token ``]``), the
+    calculator's observation ``=2146;`` and the answer ``2146`` then EOS. The answer is the text after the last
+    calculator result (``]`` then ``=VALUE;``; all of the text when there is none; a ``;`` the model types opens
+    nothing). Score: ``call_weight`` x the positional match of the text up to the first ``]`` with ``[37*58]``
+    (the first model turn: observations only follow a ``]``) plus ``1 - call_weight`` x the positional match of
+    the answer; credit is paid per character of those two spans, so nothing lands on observation characters.
+    Without the tool a random policy guesses a 4-digit product at ~1/10 per digit.
+    """
+
+    left_digits: int = 2
+    right_digits: int = 2
+    call_weight: float = 0.5
+    name: str = dataclasses.field(default="tool_multiply", init=False)
+    alphabet: str = dataclasses.field(default="0123456789+-*=[];?", init=False)
+
+    def __post_init__(self) -> None:
+        for key in ("left_digits", "right_digits"):
+            value = getattr(self, key)
+            if not (_is_int(value) and 1 <= value <= 6):
+                raise ValueError(
+                    f"data.task_options {key}={value!r} is invalid for task 'tool_multiply': it must be an integer in "
+                    "[1, 6]"
+                )
+        if not (isinstance(self.call_weight, (int, float)) and 0 <= self.call_weight <= 1):
+            raise ValueError(
+                f"data.task_options call_weight={self.call_weight!r} is invalid for task 'tool_multiply': it must be "
+                "in [0, 1]"
+            )
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        """Operands of exactly ``left_digits`` and ``right_digits`` digits whose product has exactly
+        ``left_digits + right_digits`` digits (redrawn until it does), so every prompt, call, observation and
+        answer of the task has the same length."""
+        while True:
+            a = rng.randint(10 ** (self.left_digits - 1), 10**self.left_digits - 1)
+            b = rng.randint(10 ** (self.right_digits - 1), 10**self.right_digits - 1)
+            if len(str(a * b)) == self.left_digits + self.right_digits:
+                return f"{a}*{b}=", str(a * b)
+
+    def examples(self, split: str, n: int, seed: int) -> list[Example]:
+        return _generate(self.name, split, n, seed, self._draw)
+
+    def credit(self, response_text: str, example: Example, finished: bool = True) -> list[float]:
+        """Per-character credit (plus one, 0, for the EOS when ``finished``) summing to :meth:`score`."""
+        call, answer = f"[{example.prompt[:-1]}]", example.answer
+        call_end = response_text.index("]") + 1 if "]" in response_text else 0
+        results = list(_CALCULATOR_RESULT.finditer(response_text))
+        answer_start = results[-1].end() if results else 0
+        credit = [0.0] * len(response_text)
+        for i, c in enumerate(response_text[:call_end]):
+            credit[i] = self.call_weight / len(call) if i < len(call) and c == call[i] else 0.0
+        tail = positional_credit(response_text[answer_start:], answer, finished=False)
+        for i, value in enumerate(tail):
+            credit[answer_start + i] += (1.0 - self.call_weight) * value
+        return credit + [0.0] if finished else credit
+
+    def score(self, response_text: str, example: Example, finished: bool = True) -> float:
+        return sum(self.credit(response_text, example, finished))
+
+    def follows_format(self, response_text: str) -> bool:
+        results = list(_CALCULATOR_RESULT.finditer(response_text))
+        return _is_digits(response_text[results[-1].end() if results else 0 :])
+
+
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _REASONING_GYM_INSTRUCTION = "\nWrite only the final answer between <answer> and </answer>."
 
@@ -258,7 +332,7 @@ class ReasoningGymTask:
         return extract_answer_tag(response_text) is not None
 
 
-BUILTIN_TASKS: dict[str, type] = {"reverse_digits": ReverseDigits, "add_small": AddSmall}
+BUILTIN_TASKS: dict[str, type] = {"reverse_digits": ReverseDigits, "add_small": AddSmall, "tool_multiply": ToolMultiply}
 
 
 def get_task(name: str, options: Optional[dict[str, Any]] = None) -> Task:

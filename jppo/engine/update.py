@@ -6,8 +6,8 @@ Inside the step:
    the batch axes in a ``shard_map`` region (:func:`mini_batch_norm_stats`), before any micro-batch is touched;
 2. ``lax.scan`` runs the K micro-batches: each differentiates its share of the whole loss (every term through
    ``agg_loss`` with those same NormStats) and adds the gradient to the accumulator of
-   ``optax.MultiSteps(use_grad_mean=False)``; the K-th goes through ``MultiSteps.update``, which runs the optimizer
-   once, on the whole mini-batch gradient (the first K - 1 skip the optimizer's work entirely);
+   ``optax.MultiSteps(use_grad_mean=False)``'s state; the K-th runs the optimizer once, on the whole mini-batch
+   gradient (:func:`~jppo.engine.optim.apply_accumulated`), and the first K - 1 skip the optimizer's work entirely;
 3. metrics are :class:`~jppo.metrics.Metric` pairs summed over the scan (and, being sums over global arrays,
    over shards), divided once at the end.
 

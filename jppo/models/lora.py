@@ -129,12 +129,14 @@ class LoRAAdapters(nnx.Module):
 
 def attach_lora(model: nnx.Module, lora: LoRAConfig, seed: int) -> nnx.Module:
     """Adds adapters to ``model.decoder.layers`` (in place; returned for chaining), on the mesh of the base
-    weights when they are sharded: each adapter laid out by the rule table."""
+    weights when they are sharded: each adapter laid out by the rule table. Also under ``nnx.eval_shape`` (the
+    structure of an adapted model)."""
     lora.check()
     layers = model.decoder.layers
     check_fits(lora, layers.config)
     adapters = LoRAAdapters(layers.config, lora, rngs=nnx.Rngs(seed))
-    sharding = layers.q_proj[...].sharding
+    kernel = layers.q_proj[...]
+    sharding = None if isinstance(kernel, jax.core.Tracer) else kernel.sharding  # traced: an abstract model
     if isinstance(sharding, jax.sharding.NamedSharding):
         state = nnx.state(adapters)
         nnx.update(adapters, jax.device_put(state, param_shardings(state, sharding.mesh)))

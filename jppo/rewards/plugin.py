@@ -98,7 +98,7 @@ def load_reward_plugin(spec: str, style: str = "jppo") -> RewardPlugin:
     (``jppo``, ``verl`` or ``trl``); errors name ``reward.function`` and the value."""
     from jppo.rewards.adapters import ADAPTERS, check_signature  # noqa: PLC0415 (they import this module)
 
-    function = _load_function(spec)
+    function = load_function(spec)
     if style in ADAPTERS:
         check_signature(function, style, spec)
         return RewardPlugin(function=ADAPTERS[style](function, spec), spec=spec, pass_finished=False)
@@ -110,44 +110,46 @@ def load_reward_plugin(spec: str, style: str = "jppo") -> RewardPlugin:
     return RewardPlugin(function=function, spec=spec, pass_finished=pass_finished)
 
 
-def _load_function(spec: str) -> Callable[..., Any]:
+def load_function(spec: str, key: str = "reward.function") -> Callable[..., Any]:
+    """The callable ``fn`` of ``path/to/file.py:fn`` or ``package.module:fn``; errors name ``key`` and ``spec``
+    (reward plug-ins and rollout environments are named the same way)."""
     path_text, colon, name = spec.rpartition(":")
     if not colon or not path_text or not name:
-        raise ValueError(f"reward.function={spec!r} is invalid: expected 'path/to/file.py:function_name'")
+        raise ValueError(f"{key}={spec!r} is invalid: expected 'path/to/file.py:function_name'")
     if not path_text.endswith(".py") and not pathlib.Path(path_text).exists():
-        return _from_module(path_text, name, spec)
+        return _from_module(path_text, name, spec, key)
     path = pathlib.Path(path_text)
     if not path.is_file():
-        raise ValueError(f"reward.function={spec!r}: file {str(path)!r} does not exist")
+        raise ValueError(f"{key}={spec!r}: file {str(path)!r} does not exist")
     module_name = f"jppo_reward_plugin_{path.stem}_{zlib.crc32(str(path.resolve()).encode()):08x}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"reward.function={spec!r}: {str(path)!r} cannot be loaded as a Python module")
+        raise ValueError(f"{key}={spec!r}: {str(path)!r} cannot be loaded as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # dataclasses and typing look a class's module up there
     try:
         module_spec.loader.exec_module(module)
     except Exception as error:
         del sys.modules[module_name]
-        raise ValueError(f"reward.function={spec!r}: executing {str(path)!r} raised {_one_line(error)}") from error
+        raise ValueError(f"{key}={spec!r}: executing {str(path)!r} raised {_one_line(error)}") from error
     function = getattr(module, name, None)
     if not callable(function):
         problem = "is not callable" if hasattr(module, name) else "does not exist"
         functions = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-        raise ValueError(f"reward.function={spec!r}: {name!r} {problem} in {str(path)!r}; its functions: {functions}")
+        raise ValueError(f"{key}={spec!r}: {name!r} {problem} in {str(path)!r}; its functions: {functions}")
     return function
 
 
-def _from_module(module_name: str, name: str, spec: str) -> Callable[..., Any]:
+def _from_module(module_name: str, name: str, spec: str, key: str) -> Callable[..., Any]:
     """``fn`` of an importable module ``package.module`` (a name that is not a file)."""
     try:
         module = importlib.import_module(module_name)
     except Exception as error:
         raise ValueError(
-            f"reward.function={spec!r}: {module_name!r} is neither a file nor an importable module "
+            f"{key}={spec!r}: {module_name!r} is neither a file nor an importable module "
             f"({_one_line(error)})"
         ) from error
     function = getattr(module, name, None)
     if not callable(function):
-        raise ValueError(f"reward.function={spec!r}: module {module_name!r} has no function {name!r}")
+        raise ValueError(f"{key}={spec!r}: module {module_name!r} has no function {name!r}")
     return function

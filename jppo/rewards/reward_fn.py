@@ -121,7 +121,7 @@ def build_credit_fn(cfg: RewardConfig, task: Optional[Task]) -> Optional[CreditF
     ]
 
 
-_CREDIT_TASKS = ("reverse_digits", "add_small")
+_CREDIT_TASKS = ("reverse_digits", "add_small", "tool_multiply")
 
 
 def _kind_scorer(cfg: RewardConfig, task: Task) -> Callable[[str, Example, bool], float]:

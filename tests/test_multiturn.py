@@ -1,0 +1,336 @@
+"""Multi-turn rollouts with environments: token layout, per-turn rewards, masking out of every loss term, loading."""
+
+import dataclasses
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jppo.collect import compute_advantages, decode_responses, place_rewards, token_credit_rewards
+from jppo.config import ConfigError, load_config
+from jppo.data.tasks import get_task
+from jppo.data.tokenizer import CharTokenizer
+from jppo.losses import actor_loss
+from jppo.losses.entropy import entropy_from_logits
+from jppo.losses.policy import PolicyLossOptions
+from jppo.masked import global_norm_stats
+from jppo.rollout.env import Calculator, evaluate, load_env, stop_token_ids
+from jppo.rollout.multiturn import Trajectory, run_turns, to_experience
+
+TOKENIZER = CharTokenizer("0123456789+-*=[];?ab")
+
+
+def ids(text: str, eos: bool = False) -> list[int]:
+    return TOKENIZER.encode(text) + ([TOKENIZER.eos_id] if eos else [])
+
+
+class FixedEnv:
+    """Answers every call with the next of ``observations`` and rewards turn ``t`` with ``rewards[t]``."""
+
+    stop = ("]",)
+
+    def __init__(self, observations=("=1;", "=22;"), rewards=(0.5, -0.25, 2.0)):
+        self.observations, self.rewards, self.turn, self.actions = list(observations), rewards, 0, []
+
+    def reset(self, prompt, example):
+        return ""
+
+    def step(self, action):
+        self.actions.append(action)
+        reward = self.rewards[self.turn]
+        self.turn += 1
+        if not action.endswith("]"):
+            return "", reward, True
+        return self.observations.pop(0), reward, False
+
+
+def scripted(turns: list[list[list[int]]]):
+    """A turn sampler that returns ``turns[t][row]`` (log-prob -(position+1)/10 for each token) and records contexts."""
+    seen = []
+
+    def sample_turn(contexts, turn):
+        seen.append([list(c) for c in contexts])
+        tokens = turns[turn]
+        return tokens, [[-(i + 1) / 10 for i in range(len(t))] for t in tokens]
+
+    return sample_turn, seen
+
+
+def rollout(turns, envs, prompts, *, max_turns=4, max_length=16):
+    trajectories = [Trajectory(prompt=p) for p in prompts]
+    sample_turn, seen = scripted(turns)
+    run_turns(sample_turn, trajectories, envs, tokenizer=TOKENIZER, stop_ids=tuple(ids("]")), max_turns=max_turns,
+              max_length=max_length)
+    exp = to_experience(trajectories, np.arange(len(prompts)), pad_id=TOKENIZER.pad_id, max_length=max_length, bucket=4)
+    return exp, seen
+
+
+def test_fixed_observations_give_the_expected_layout_and_per_turn_rewards():
+    envs = [FixedEnv(), FixedEnv()]
+    turns = [
+        [ids("[1]"), ids("7", eos=True)],  # row 0 calls the tool; row 1 answers at once
+        [ids("[2]"), ids("0")],  # row 1 is done: its dummy sample is ignored
+        [ids("22", eos=True), ids("0")],
+    ]
+    exp, seen = rollout(turns, envs, [ids("5="), ids("6=")])
+    # row 0: [1] =1; [2] =22; 22<eos>  (model, env, model, env, model)
+    expected = ids("[1]=1;[2]=22;22", eos=True)
+    assert exp.response_ids[0, : len(expected)].tolist() == expected
+    model = [1] * 3 + [0] * 3 + [1] * 3 + [0] * 4 + [1] * 3
+    assert exp.response_mask[0, : len(model)].astype(int).tolist() == model
+    assert not exp.response_mask[0, len(model):].any() and exp.response_attention[0].sum() == len(model)
+    assert exp.response_ids[1, :2].tolist() == ids("7", eos=True) and exp.response_attention[1].sum() == 2
+    # the env saw each turn's text; each turn's reward is on that turn's last token
+    assert envs[0].actions == ["[1]", "[2]", "22"] and envs[1].actions == ["7"]
+    rewards = np.zeros(16, np.float32)
+    rewards[[2, 8, 15]] = [0.5, -0.25, 2.0]
+    np.testing.assert_array_equal(exp.token_rewards[0], rewards)
+    assert exp.token_rewards[1, 1] == 0.5 and exp.token_rewards[1].sum() == 0.5
+    # sampler log-probs on model tokens only; later turns saw prompt + response so far, finished rows a dummy
+    assert exp.rollout_log_prob[0, 3:6].tolist() == [0, 0, 0] and exp.rollout_log_prob[0, 6] == pytest.approx(-0.1)
+    assert seen[1] == [ids("5=[1]=1;"), [TOKENIZER.pad_id]]
+    assert seen[2][0] == ids("5=[1]=1;[2]=22;")
+    texts, finished = decode_responses(exp, TOKENIZER)
+    assert texts == ["[1]=1;[2]=22;22", "7"] and finished == [True, True]
+
+
+def test_training_rewards_keep_per_turn_rewards_on_their_turns_and_the_outcome_on_the_last_model_token():
+    envs = [FixedEnv(), FixedEnv()]
+    turns = [[ids("[1]"), ids("7", eos=True)], [ids("[2]"), ids("0")], [ids("22", eos=True), ids("0")]]
+    exp, _ = rollout(turns, envs, [ids("5="), ids("6=")])
+    task_scores = np.array([1.0, 0.25], np.float32)
+    scores = task_scores + exp.token_rewards.sum(axis=1)  # what Collector.score reports per row
+    rewards = place_rewards(exp, scores, [True, True], None, TOKENIZER.decode)
+    expected = np.zeros_like(rewards)
+    expected[0, [2, 8, 15]] = [0.5, -0.25, 2.0 + 1.0]  # the last turn's env reward plus the outcome
+    expected[1, 1] = 0.5 + 0.25
+    np.testing.assert_allclose(rewards, expected, rtol=1e-6)
+
+
+def test_turn_and_length_limits_end_a_row_without_a_dangling_observation():
+    # max_turns=1: the call is stepped (its reward counts) but its observation is not appended
+    exp, _ = rollout([[ids("[1]")]], [FixedEnv()], [ids("5=")], max_turns=1)
+    assert exp.response_attention[0].sum() == 3 and exp.token_rewards[0, 2] == 0.5
+    # an observation that would leave no slot for a model token is dropped; a turn cut by the limit is not stepped
+    env = FixedEnv(observations=("=123;",))
+    exp, _ = rollout([[ids("[1]")]], [env], [ids("5=")], max_length=8)
+    assert exp.response_attention[0].sum() == 3
+    env = FixedEnv()
+    exp, _ = rollout([[ids("[1]")], [ids("123456789")]], [env], [ids("5=")], max_length=8)
+    assert exp.response_attention[0].sum() == 8 and exp.response_mask[0].sum() == 5 and env.actions == ["[1]"]
+    _, finished = decode_responses(exp, TOKENIZER)
+    assert finished == [False]
+
+
+def _multi_turn_batch():
+    envs = [FixedEnv(), FixedEnv(), FixedEnv(), FixedEnv()]
+    turns = [
+        [ids("[1]"), ids("3", eos=True), ids("[12]"), ids("45", eos=True)],
+        [ids("1", eos=True), ids("0"), ids("5", eos=True), ids("0")],
+    ]
+    exp, _ = rollout(turns, envs, [ids("5="), ids("6="), ids("5="), ids("6=")], max_length=10)
+    return dataclasses.replace(exp, group_ids=np.array([0, 0, 1, 1]))
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "reinforce_plus_plus"])
+def test_environment_tokens_get_no_advantage_and_no_return(estimator):
+    exp = _multi_turn_batch()
+    observation = exp.response_attention & ~exp.response_mask
+    assert observation.sum() == 6
+    values = np.random.default_rng(0).normal(size=exp.response_mask.shape).astype(np.float32)
+    advantages, returns = compute_advantages(
+        estimator, token_level_rewards=exp.token_rewards, response_mask=exp.response_mask, values=values,
+        group_ids=exp.group_ids, gamma=0.9, lam=0.8,
+    )
+    assert not advantages[observation].any() and not returns[observation].any()
+    assert np.abs(advantages[exp.response_mask]).sum() > 0
+
+
+def test_gae_skips_an_observation_span_as_if_it_were_absent():
+    """GAE over a response with an observation span equals GAE over the same response with the span cut out."""
+    exp = _multi_turn_batch()
+    rng = np.random.default_rng(1)
+    values = rng.normal(size=exp.response_mask.shape).astype(np.float32)
+    rewards = rng.normal(size=exp.response_mask.shape).astype(np.float32)
+    advantages, returns = compute_advantages(
+        "gae", token_level_rewards=rewards, response_mask=exp.response_mask, values=values, gamma=0.9, lam=0.8
+    )
+    keep = exp.response_mask[0]
+    width = int(keep.sum())
+    squeezed = lambda x: x[:1, keep]  # noqa: E731
+    _, alone = compute_advantages(
+        "gae", token_level_rewards=squeezed(rewards), response_mask=np.ones((1, width), bool), values=squeezed(values),
+        gamma=0.9, lam=0.8,
+    )
+    np.testing.assert_allclose(returns[0, keep], alone[0], rtol=1e-5)
+
+
+def test_environment_tokens_receive_no_gradient_from_any_loss_term():
+    """d(actor loss)/d(logits) is 0 at observation tokens (policy, entropy and KL terms) and N counts model tokens."""
+    exp = _multi_turn_batch()
+    mask = jnp.asarray(exp.response_mask)
+    rng = np.random.default_rng(2)
+    shape = exp.response_mask.shape + (TOKENIZER.vocab_size,)
+    logits = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    old = jnp.asarray(rng.normal(size=exp.response_mask.shape) - 3, jnp.float32)
+    ref = jnp.asarray(rng.normal(size=exp.response_mask.shape) - 3, jnp.float32)
+    advantages = jnp.asarray(rng.normal(size=exp.response_mask.shape), jnp.float32)  # garbage off the mask too
+    norm = global_norm_stats(mask, loss_scale_factor=10.0)
+    assert float(norm.num_tokens) == exp.response_mask.sum()
+
+    def loss(logits, mode):
+        tokens = jnp.asarray(exp.response_ids)[..., None]
+        log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens, -1)[..., 0]
+        value, _ = actor_loss(
+            log_probs, old, advantages, mask, norm=norm, mode=mode, policy_loss_name="vanilla",
+            policy_options=PolicyLossOptions(), entropy=entropy_from_logits(logits, mask), entropy_coeff=0.1,
+            ref_log_prob=ref, kl_loss_coef=0.2,
+        )
+        return value
+
+    observation = exp.response_attention & ~exp.response_mask
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        grad = np.asarray(jax.grad(loss)(logits, mode))
+        assert not grad[observation].any(), mode
+        assert np.abs(grad[exp.response_mask]).sum(axis=-1).min() > 0, mode
+
+
+def test_token_credit_skips_observation_characters():
+    task = get_task("tool_multiply")
+    example = task.examples("train", 1, 0)[0]
+    call = f"[{example.prompt[:-1]}]"
+    observation = f"={example.answer};"
+    text = call + observation + example.answer
+    tokens = ids(text, eos=True)
+    width = len(tokens)
+    response = np.zeros((1, width + 2), np.int32)
+    response[0, :width] = tokens
+    attention = np.zeros((1, width + 2), bool)
+    attention[0, :width] = True
+    mask = attention.copy()
+    mask[0, len(call) : len(call) + len(observation)] = False
+    assert task.score(text, example) == pytest.approx(1.0)
+    out = token_credit_rewards(response, mask, [task.credit(text, example, True)], [True], np.array([1.0], np.float32),
+                               TOKENIZER.decode, attention)
+    np.testing.assert_allclose(out[0, : len(call)], task.call_weight / len(call), rtol=1e-6)
+    assert not out[0, len(call) : len(call) + len(observation)].any()
+    answer = slice(len(call) + len(observation), width - 1)
+    np.testing.assert_allclose(out[0, answer], (1 - task.call_weight) / len(example.answer), rtol=1e-6)
+    assert out.sum() == pytest.approx(1.0)
+
+
+def test_calculator_evaluates_calls_and_ends_on_an_answer():
+    calc = Calculator()
+    assert calc.step("[12*34]") == ("=408;", 0.0, False)
+    assert calc.step("7[2+3*4]") == ("=14;", 0.0, False)
+    assert calc.step("[2**99]") == ("=?;", 0.0, False)
+    assert calc.step("408") == ("", 0.0, True)
+    assert evaluate("__import__('os')") is None and evaluate("-3*-2") == 6 and evaluate("9" * 16) is None
+    assert stop_token_ids(Calculator, TOKENIZER) == tuple(ids("]"))
+
+
+def test_environment_is_loaded_by_path(tmp_path):
+    path = tmp_path / "my_env.py"
+    path.write_text(textwrap.dedent("""
+        class Echo:
+            stop = ("]",)
+            def reset(self, prompt, example):
+                return "a"
+            def step(self, action):
+                return "b", 1.0, True
+        def make():
+            return Echo()
+        def broken():
+            return object()
+    """))
+    factory = load_env(f"{path}:make")
+    assert factory().step("x") == ("b", 1.0, True)
+    with pytest.raises(ValueError, match=r"rollout.env=.*'nope' does not exist"):
+        load_env(f"{path}:nope")
+    with pytest.raises(ValueError, match=r"rollout.env=.*needs reset\(prompt, example\), step\(action\) and stop"):
+        load_env(f"{path}:broken")
+    with pytest.raises(ValueError, match=r"stop text 'ab' is 2 tokens"):
+        stop_token_ids(lambda: type("E", (), {"stop": ("ab",)})(), TOKENIZER, "x")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rollout.max_turns=0", "rollout.max_turns=0 must be > 0"),
+    ("rollout.env=builtin:calc", "rollout.env='builtin:calc' is not valid (did you mean 'builtin:calculator'?)"),
+])
+def test_bad_multi_turn_settings_are_one_line_config_errors(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["data.task=tool_multiply", override])
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rollout.env={tmp}/missing.py:make", r"^rollout.env=.*missing.py.* does not exist$"),
+    ("data.task_options.left_digits=0", r"^data.task_options left_digits=0 is invalid for task 'tool_multiply'"),
+    ("data.task=reverse_digits", r"^rollout.env='builtin:calculator': its stop text '\]' cannot be encoded"),
+])
+def test_an_environment_or_task_that_does_not_load_is_a_one_line_config_error(tmp_path, override, message):
+    from jppo.build import load_inputs  # noqa: PLC0415
+
+    overrides = ["data.task=tool_multiply", "rollout.env=builtin:calculator", override.format(tmp=tmp_path)]
+    with pytest.raises(ConfigError, match=message) as error:
+        load_inputs(load_config(None, overrides))
+    assert "\n" not in str(error.value)
+
+
+class DigitStops:
+    """Ends a model turn at every digit and answers ``ab`` (so a random model takes many turns)."""
+
+    stop = tuple("0123456789")
+
+    def reset(self, prompt, example):
+        return ";"
+
+    def step(self, action):
+        return "ab", 0.0, False
+
+
+def test_sampler_log_probs_of_a_multi_turn_response_are_the_trainers():
+    """Each turn re-prefills prompt + response so far: the sampler's log-probs of the model tokens equal the
+    training forward pass's over the whole response (observations attended), to float32 rounding."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jppo.data.tasks import Example  # noqa: PLC0415
+    from jppo.engine import forward_batch, log_prob_fn  # noqa: PLC0415
+    from jppo.mesh import make_mesh  # noqa: PLC0415
+    from jppo.models import CausalLM, ModelConfig, create_model  # noqa: PLC0415
+    from jppo.rollout import Sampler, SamplingParams  # noqa: PLC0415
+    from jppo.rollout.multiturn import MultiTurnSampler  # noqa: PLC0415
+
+    config = ModelConfig(vocab_size=TOKENIZER.vocab_size, hidden_size=16, intermediate_size=32, num_layers=1,
+                         num_heads=2, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    mesh = make_mesh(devices=jax.devices()[:1])
+    graphdef, params = nnx.split(create_model(CausalLM, config, mesh, seed=0), nnx.Param)
+    stop_ids = tuple(ids("0123456789"))
+    turn = SamplingParams(max_new_tokens=12, n=1, eos_token_ids=(TOKENIZER.eos_id,) + stop_ids, pad_token_id=0)
+    sampler = MultiTurnSampler(Sampler(graphdef, 0, mesh, turn, 8), DigitStops, TOKENIZER, n=2, stop_ids=stop_ids,
+                               max_turns=4, max_length=12, bucket=8)
+    prompts = ["12=", "345="]
+    exp = sampler(params, [ids(p) for p in prompts], jax.random.key(0), [Example(p, "") for p in prompts])
+    assert exp.group_ids.tolist() == [0, 0, 1, 1] and exp.prompt_ids[0, -4:].tolist() == ids("12=;")
+    observation = exp.response_attention & ~exp.response_mask
+    assert observation.any(), "the random model took no second turn"
+    forward = forward_batch(log_prob_fn(graphdef, temperature=1.0, chunk_size=256), params, exp, mesh,
+                            micro_batch_size=4)
+    np.testing.assert_allclose(forward[exp.response_mask], exp.rollout_log_prob[exp.response_mask], atol=2e-5)
+    assert not exp.rollout_log_prob[observation].any()
+
+
+
+def test_tool_multiply_scores_the_call_and_the_answer_after_the_calculators_result():
+    from jppo.data.tasks import Example  # noqa: PLC0415
+
+    task, example = get_task("tool_multiply"), Example("7*58=", "406")
+    weight = task.call_weight
+    assert task.score("[7*58]=406;406", example) == pytest.approx(1.0)
+    assert task.score("406", example) == pytest.approx(1 - weight)  # right without the tool: the answer's share
+    assert task.score("[7*59]=413;413", example) == pytest.approx(weight * 5 / 6 + (1 - weight) / 3)
+    assert task.score(";;406", example) == 0.0  # a typed ';' is no calculator result: the answer starts at 0
+    assert [len(e.prompt) for e in task.examples("train", 50, 0)] == [6] * 50  # default: 2 x 2 digits
+    assert all(len(e.answer) == 4 for e in task.examples("val", 20, 0))
