@@ -28,15 +28,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from bench.real_size import QWEN2_5_0_5B
 from bench.timing import time_side_by_side
 from jppo.engine import OptimConfig
 from jppo.engine.optim import accumulating_optimizer, apply_accumulated, inner_optimizer
 from jppo.models import CausalLM, ModelConfig
-
-QWEN2_5_0_5B = dict(
-    model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-    num_kv_heads=2, tie_word_embeddings=True,
-)
 
 
 def parameter_shapes(layers: int, dtype) -> tuple[dict, int, int]:
