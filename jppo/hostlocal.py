@@ -101,6 +101,17 @@ def _row_gather(mesh: Mesh):
     return jax.jit(lambda arrays, index: jax.tree.map(lambda a: jnp.take(a, index, axis=0), arrays), out_shardings=rows)
 
 
+def all_rows(local: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """The global ``[N, ...]`` host array of which each process holds its own rows ``local`` (small per-row
+    values, e.g. lengths: every process gets every row)."""
+    if jax.process_count() == 1:
+        return np.asarray(local)
+    start = local_rows(mesh, len(local) * batch_shards(mesh) // len(local_shards(mesh))).start
+    starts = multihost_utils.process_allgather(np.asarray(start))
+    parts = multihost_utils.process_allgather(np.asarray(local))
+    return np.concatenate([parts[i] for i in np.argsort(np.asarray(starts).reshape(-1), kind="stable")])
+
+
 def replicated_value(array: jax.Array) -> np.ndarray:
     """The value of a replicated (e.g. fully reduced) global array, read from a local replica."""
     return np.asarray(array.addressable_data(0)) if not array.is_fully_addressable else np.asarray(array)

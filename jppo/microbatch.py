@@ -88,12 +88,12 @@ def _slots(batch: Experience, row_ids: np.ndarray) -> Experience:
     return dataclasses.replace(slots, response_mask=slots.response_mask.astype(bool))
 
 
-def fixed_micro_batches(batch: Experience, num_shards: int, micro_batch_size: int) -> MicroBatches:
-    """``micro_batch_size`` sequences per shard per micro-batch, one sequence per row."""
-    n = batch.num_sequences
+def fixed_plan(num_sequences: int, num_shards: int, micro_batch_size: int) -> np.ndarray:
+    """``row_ids [K, D, m]`` of the fixed cut: micro-batch k of shard d is the k-th block of ``m`` of that shard's
+    rows (one sequence per token row, so every offset is 0)."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    shards = _shard_rows(n, num_shards)
+    shards = _shard_rows(num_sequences, num_shards)
     per_shard = shards.shape[1]
     if micro_batch_size > per_shard:
         raise ValueError(
@@ -105,25 +105,35 @@ def fixed_micro_batches(batch: Experience, num_shards: int, micro_batch_size: in
             f"{per_shard} sequences per shard cannot be cut into micro-batches of {micro_batch_size}"
         )
     k = per_shard // micro_batch_size
-    # [D, K, m] -> [K, D, m]: micro-batch k of shard d is the k-th block of that shard's rows.
-    row_ids = shards.reshape(num_shards, k, micro_batch_size).transpose(1, 0, 2)
+    # [D, K, m] -> [K, D, m]
+    return shards.reshape(num_shards, k, micro_batch_size).transpose(1, 0, 2).astype(np.int32)
+
+
+def fixed_micro_batches(batch: Experience, num_shards: int, micro_batch_size: int) -> MicroBatches:
+    """``micro_batch_size`` sequences per shard per micro-batch, one sequence per row."""
+    row_ids = fixed_plan(batch.num_sequences, num_shards, micro_batch_size)
+    k = row_ids.shape[0]
     p = batch.prompt_ids.shape[1]
     length = batch.response_ids.shape[1]
     ids = np.concatenate([batch.prompt_ids, batch.response_ids], axis=1)
     real = np.concatenate([batch.prompt_mask.astype(bool), batch.response_attention.astype(bool)], axis=1)
     positions = np.maximum(np.cumsum(real, axis=1) - 1, 0)
     segments = real.astype(np.int32)
-    width = p + length
-    slot_in_row = np.arange(micro_batch_size)[:, None] * width  # rows of a shard's micro-batch are laid out in order
-    gather = slot_in_row + (p - 1) + np.arange(length)[None, :]
     return MicroBatches(
         input_ids=np.where(real, ids, 0)[row_ids].astype(np.int32),
         positions=positions[row_ids].astype(np.int32),
         segment_ids=segments[row_ids],
-        gather_index=np.broadcast_to(gather, (k, num_shards, micro_batch_size, length)).astype(np.int32),
+        gather_index=np.broadcast_to(fixed_gather_index(micro_batch_size, p, length), (k, num_shards, micro_batch_size, length)).astype(np.int32),
         slots=_slots(batch, row_ids),
-        row_ids=row_ids.astype(np.int32),
+        row_ids=row_ids,
     )
+
+
+def fixed_gather_index(micro_batch_size: int, prompt_length: int, response_length: int) -> np.ndarray:
+    """``[m, L]`` of the fixed layout: rows of a shard's micro-batch lie one after another, ``P + L`` wide, and
+    response token j of row r is predicted at column ``P - 1 + j`` of that row."""
+    slot_in_row = np.arange(micro_batch_size)[:, None] * (prompt_length + response_length)
+    return slot_in_row + (prompt_length - 1) + np.arange(response_length)[None, :]
 
 
 def _first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
@@ -141,42 +151,51 @@ def _first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]
     return bins
 
 
-def packed_micro_batches(batch: Experience, num_shards: int, max_token_len: int) -> MicroBatches:
-    """Sequences packed into one row of ``max_token_len`` tokens per shard per micro-batch."""
-    lengths = batch.lengths()
+def packed_plan(lengths: np.ndarray, num_shards: int, max_token_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """``row_ids [K, D, S]`` and ``offsets [K, D, S]`` of the token-budget cut, from the sequences' real lengths
+    alone: each shard's sequences packed first-fit-decreasing into rows of ``max_token_len``, slot s of a row
+    starting at column ``offsets`` (the sum of the lengths before it); K and S rounded up to powers of two."""
     longest = int(lengths.max()) if len(lengths) else 0
     if max_token_len < longest:
         raise ValueError(
             f"ppo_max_token_len={max_token_len} is smaller than the longest sequence ({longest} tokens)"
         )
-    shards = _shard_rows(batch.num_sequences, num_shards)
+    shards = _shard_rows(len(lengths), num_shards)
     shard_bins = [[shards[d][b] for b in _first_fit_decreasing(lengths[shards[d]], max_token_len)] for d in range(num_shards)]
     k = next_power_of_two(max(len(bins) for bins in shard_bins))
     s = next_power_of_two(max(len(b) for bins in shard_bins for b in bins))
+    row_ids = np.full((k, num_shards, s), -1, np.int32)
+    offsets = np.zeros((k, num_shards, s), np.int32)
+    for d, bins in enumerate(shard_bins):
+        for b, members in enumerate(bins):
+            row_ids[b, d, : len(members)] = members
+            offsets[b, d, : len(members)] = np.cumsum([0] + [lengths[row] for row in members[:-1]])
+    return row_ids, offsets
+
+
+def packed_micro_batches(batch: Experience, num_shards: int, max_token_len: int) -> MicroBatches:
+    """Sequences packed into one row of ``max_token_len`` tokens per shard per micro-batch."""
+    row_ids, offsets = packed_plan(batch.lengths(), num_shards, max_token_len)
+    k, _, s = row_ids.shape
     length = batch.response_ids.shape[1]
     input_ids = np.zeros((k, num_shards, 1, max_token_len), np.int32)
     positions = np.zeros_like(input_ids)
     segment_ids = np.zeros_like(input_ids)
     gather = np.zeros((k, num_shards, s, length), np.int32)
-    row_ids = np.full((k, num_shards, s), -1, np.int32)
     prompt_mask = batch.prompt_mask.astype(bool)
     attention = batch.response_attention.astype(bool)
-    for d, bins in enumerate(shard_bins):
-        for b, members in enumerate(bins):
-            offset = 0
-            for slot, row in enumerate(members):
-                prompt = batch.prompt_ids[row][prompt_mask[row]]
-                response = batch.response_ids[row][attention[row]]
-                tokens = np.concatenate([prompt, response])
-                span = slice(offset, offset + len(tokens))
-                input_ids[b, d, 0, span] = tokens
-                positions[b, d, 0, span] = np.arange(len(tokens))
-                segment_ids[b, d, 0, span] = slot + 1
-                # Response token j (of those that exist) is predicted at position offset + len(prompt) + j - 1.
-                existing = np.flatnonzero(attention[row])
-                gather[b, d, slot, existing] = offset + len(prompt) - 1 + np.arange(len(existing))
-                row_ids[b, d, slot] = row
-                offset += len(tokens)
+    for b, d, slot in zip(*np.nonzero(row_ids >= 0)):
+        row, offset = row_ids[b, d, slot], offsets[b, d, slot]
+        prompt = batch.prompt_ids[row][prompt_mask[row]]
+        response = batch.response_ids[row][attention[row]]
+        tokens = np.concatenate([prompt, response])
+        span = slice(offset, offset + len(tokens))
+        input_ids[b, d, 0, span] = tokens
+        positions[b, d, 0, span] = np.arange(len(tokens))
+        segment_ids[b, d, 0, span] = slot + 1
+        # Response token j (of those that exist) is predicted at position offset + len(prompt) + j - 1.
+        existing = np.flatnonzero(attention[row])
+        gather[b, d, slot, existing] = offset + len(prompt) - 1 + np.arange(len(existing))
     return MicroBatches(input_ids, positions, segment_ids, gather, _slots(batch, row_ids), row_ids)
 
 
@@ -193,6 +212,19 @@ def make_micro_batches(
     if micro_batch_size is not None:
         return fixed_micro_batches(batch, num_shards, micro_batch_size)
     return packed_micro_batches(batch, num_shards, max_token_len)
+
+
+def plan_micro_batches(
+    lengths: np.ndarray, num_shards: int, *, micro_batch_size: int | None = None, max_token_len: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The cut of :func:`make_micro_batches` without its arrays: ``row_ids [K, D, S]`` and ``offsets [K, D, S]``,
+    from the sequences' real lengths (prompt + existing response tokens) alone."""
+    if (micro_batch_size is None) == (max_token_len is None):
+        raise ValueError("give exactly one of micro_batch_size (fixed) or max_token_len (token budget)")
+    if micro_batch_size is not None:
+        row_ids = fixed_plan(len(lengths), num_shards, micro_batch_size)
+        return row_ids, np.zeros_like(row_ids)
+    return packed_plan(np.asarray(lengths), num_shards, max_token_len)
 
 
 def scatter_back(values: np.ndarray, row_ids: np.ndarray, num_sequences: int) -> np.ndarray:

@@ -1,12 +1,14 @@
 """From a rollout batch to optimizer steps: epochs, shuffled mini-batches, micro-batches, metrics.
 
-Host-side orchestration only; everything per token runs inside the jitted :class:`~jppo.engine.update.UpdateStep`.
-All mini-batches of all epochs are cut on the host first, stacked, and run by ONE compiled call that scans over
-the optimizer steps, so the host neither dispatches nor waits between mini-batches.
+Host-side orchestration only; everything per token runs on the devices. The host plans the cut of all
+mini-batches of all epochs from the rows' lengths (which sequence goes to which slot); the rows cross to the
+devices once, the micro-batches of every step are assembled there (:mod:`jppo.engine.assemble`), and ONE compiled
+call (:class:`~jppo.engine.update.UpdateStep`) scans over the optimizer steps, so the host neither dispatches nor
+waits between mini-batches, and an extra epoch sends its plan, not a copy of the rows.
 
 Which rows share an optimizer step is decided over the global rows, from the seed and the step alone, so a run
 does not depend on the mesh or the number of processes; the rows of each step are then dealt to the batch shards
-in equal blocks, moving rows between shards (and hosts) where needed.
+in equal blocks, moving rows between shards (and hosts, inside the device program) where needed.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from jax.sharding import Mesh
 
 from jppo import metrics as metrics_lib
 from jppo.engine.config import UpdateConfig, require_engine_config
-from jppo.engine.layout import place
+from jppo.engine.assemble import assemble, device_rows
 from jppo.engine.update import TrainState, UpdateStep, loss_inputs
-from jppo.hostlocal import local_shards, max_over_processes, replicated_value, take_rows
+from jppo.hostlocal import all_rows, local_shards, max_over_processes, replicated_value, take_rows
 from jppo.mesh import batch_shards
 from jppo.experience import Experience
-from jppo.microbatch import MicroBatches, make_micro_batches, stack_micro_batches
+from jppo.microbatch import MicroBatches, make_micro_batches, plan_micro_batches
 
 
 class Updated(NamedTuple):
@@ -118,6 +120,34 @@ def cut_steps(batch: Experience, cfg: UpdateConfig, mesh: Mesh, rng: np.random.G
     return [micro_batches_for(mine.take(local[:, i].reshape(-1)), cfg, len(owned)) for i in range(len(steps))]
 
 
+def plan_steps(
+    lengths: np.ndarray, cfg: UpdateConfig, mesh: Mesh, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """The cut of every optimizer step of ``ppo_epochs`` passes, as :func:`cut_steps` makes it, without its arrays:
+    ``row_ids`` and ``offsets`` ``[M, K, D_local, S]`` of this process's shards (see
+    :func:`jppo.microbatch.plan_micro_batches`), whose slots name GLOBAL rows. ``lengths``: every global row's real
+    length (:func:`global_lengths`). K and S are padded to their largest over the steps and the processes."""
+    shards, owned = batch_shards(mesh), local_shards(mesh)
+    steps = mini_batches(len(lengths), cfg, rng)
+    layout = shard_layout(steps, shards)[owned.start : owned.stop]  # [D_local, M, B / D] global rows
+    cut = dict(max_token_len=cfg.ppo_max_token_len) if cfg.use_dynamic_bsz else dict(
+        micro_batch_size=cfg.ppo_micro_batch_size)
+    plans = []
+    for i in range(len(steps)):
+        rows = layout[:, i].reshape(-1)
+        row_ids, offsets = plan_micro_batches(lengths[rows], len(owned), **cut)
+        plans.append((np.where(row_ids >= 0, rows[np.maximum(row_ids, 0)], -1).astype(np.int32), offsets))
+    k, s = max_over_processes([max(p[0].shape[0] for p in plans), max(p[0].shape[2] for p in plans)])
+    pad = lambda array, value: np.pad(  # noqa: E731
+        array, ((0, int(k) - array.shape[0]), (0, 0), (0, int(s) - array.shape[2])), constant_values=value)
+    return (np.stack([pad(row_ids, -1) for row_ids, _ in plans]), np.stack([pad(offsets, 0) for _, offsets in plans]))
+
+
+def global_lengths(batch: Experience, mesh: Mesh) -> np.ndarray:
+    """The real length of every global row (prompt + existing response tokens), from each process's own rows."""
+    return all_rows(np.asarray(batch.lengths(), np.int32), mesh)
+
+
 def run_updates(
     step: UpdateStep,
     state: TrainState,
@@ -126,15 +156,20 @@ def run_updates(
     mesh: Mesh,
     rng: np.random.Generator,
 ) -> Updated:
-    """``ppo_epochs`` passes of mini-batch updates (:func:`cut_steps`) in one compiled call; metrics averaged over
-    the applied optimizer steps (:func:`summarize_steps`). The micro-batch counts are agreed across processes, so
-    their parts form one global array. ``cfg`` is ``step``'s config (C included), or one that cuts differently."""
-    micro = cut_steps(batch, cfg, mesh, rng)
-    k, s = max_over_processes([max(m.input_ids.shape[0] for m in micro), max(m.row_ids.shape[2] for m in micro)])
-    stacked = stack_micro_batches(micro, int(k), int(s))
-    state, per_step, gradients = step(state, place(stacked.device_arrays(), mesh, scanned=2))
+    """``ppo_epochs`` passes of mini-batch updates in one compiled call; metrics averaged over the applied optimizer
+    steps (:func:`summarize_steps`). ``cfg`` is ``step``'s config (C included), or one that cuts differently.
+
+    The rows cross to the devices once, with only the per-token fields the role's loss reads
+    (:func:`~jppo.engine.update.loss_inputs`); the micro-batches of every step of every epoch are then assembled
+    on the devices from the host's plan (:func:`plan_steps`, :func:`jppo.engine.assemble.assemble`): the same
+    arrays :func:`cut_steps` would build and send, so the update is the same, while an extra epoch sends only its
+    plan."""
+    rows = device_rows(batch, loss_inputs(cfg), mesh)
+    plan = plan_steps(global_lengths(batch, mesh), cfg, mesh, rng)
+    micro = assemble(rows, plan, mesh, cfg.ppo_max_token_len if cfg.use_dynamic_bsz else None)
+    state, per_step, gradients = step(state, micro)
     per_step = {name: replicated_value(values) for name, values in per_step.items()}
-    host = [{name: float(values[i]) for name, values in per_step.items()} for i in range(len(micro))]
+    host = [{name: float(values[i]) for name, values in per_step.items()} for i in range(plan[0].shape[0])]
     return Updated(state, summarize_steps(host), gradients)
 
 

@@ -1,0 +1,120 @@
+"""Micro-batches assembled on the devices, from batch rows that crossed to them once.
+
+The host decides a cut from the sequences' lengths alone (:func:`jppo.microbatch.plan_micro_batches`: which
+sequence sits in each slot, and at which column of its token row it starts); :func:`assemble` builds from that plan
+and the rows already on the devices exactly the arrays :func:`jppo.microbatch.make_micro_batches` builds on the
+host. So a batch's tokens and per-token fields cross to the devices once per use (:func:`device_rows`), and every
+further cut of the same rows (another epoch, another mini-batch order, another forward pass) costs its plan, two
+int32 arrays of one entry per slot, instead of a re-cut copy of the rows.
+
+The rows are sharded over the batch axes like any batch; the plan's slots name global rows, so a slot on shard d
+may read a row held by another shard (or host): the gather runs inside one jitted program, where XLA moves rows
+between the devices, never through a host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jppo.engine.layout import place
+from jppo.experience import Experience
+from jppo.mesh import BATCH_AXES
+from jppo.microbatch import MicroBatches, fixed_gather_index
+
+Plan = tuple[np.ndarray, np.ndarray]  # row_ids, offsets: [..., D, S] each
+
+
+def host_rows(batch: Experience, per_token: tuple[str, ...] | None) -> Experience:
+    """What :func:`device_rows` sends: the token arrays (ids as int32, masks as bool, as the token rows hold them)
+    and the per-token fields ``per_token`` plus the response mask, nothing else; ``per_token`` None: the token
+    arrays alone (what a forward pass reads)."""
+    kept = dataclasses.replace(batch.keep_per_token(per_token or ()), group_ids=None)
+    if per_token is None:
+        kept = dataclasses.replace(kept, response_mask=None)
+    return dataclasses.replace(
+        kept,
+        prompt_ids=np.asarray(kept.prompt_ids, np.int32), response_ids=np.asarray(kept.response_ids, np.int32),
+        prompt_mask=np.asarray(kept.prompt_mask, bool), response_attention=np.asarray(kept.response_attention, bool),
+    )
+
+
+def device_rows(batch: Experience, per_token: tuple[str, ...] | None, mesh: Mesh) -> Experience:
+    """This process's rows of :func:`host_rows` as global arrays ``[N, ...]`` sharded over the batch axes."""
+    return place(host_rows(batch, per_token), mesh, scanned=0)
+
+
+def assemble_rows(rows: Experience, row_ids: jax.Array, offsets: jax.Array, width: int | None) -> MicroBatches:
+    """The micro-batches of plan ``(row_ids, offsets)`` (``[..., S]``, -1: empty slot) over ``rows``: token rows
+    ``[..., R, W]`` and slots ``[..., S, L]`` (every per-token field ``rows`` carries besides its tokens).
+
+    ``width`` None: the fixed layout (one sequence per row, ``R = S``, ``W = P + L``, the rollout's own columns).
+    Otherwise the packed layout (``R = 1``, ``W = width``): the real tokens of slot s (prompt without its left
+    padding, then the existing response tokens) start at column ``offsets[s]``, positions restart at 0, segment id
+    s + 1. Empty slots and unused columns hold zeros, as on the host."""
+    body = functools.partial(_one_token_row, rows, width=width)
+    for _ in range(row_ids.ndim - 1):
+        body = jax.vmap(body)
+    return body(row_ids, offsets)
+
+
+def _one_token_row(rows: Experience, row_ids: jax.Array, offsets: jax.Array, *, width: int | None) -> MicroBatches:
+    """One shard's micro-batch: slots ``[S]`` -> token rows ``[R, W]``, gather index and slots ``[S, L]``."""
+    num_slots = row_ids.shape[0]
+    p, length = rows.prompt_ids.shape[1], rows.response_ids.shape[1]
+    present = row_ids >= 0
+    safe = jnp.where(present, row_ids, 0)
+    ids = jnp.concatenate([rows.prompt_ids[safe], rows.response_ids[safe]], axis=1)  # [S, P + L]
+    real = jnp.concatenate([rows.prompt_mask[safe], rows.response_attention[safe]], axis=1) & present[:, None]
+    if width is None:
+        gather = jnp.where(present[:, None], jnp.asarray(fixed_gather_index(num_slots, p, length)), 0)
+        token_rows = dict(
+            input_ids=jnp.where(real, ids, 0).astype(jnp.int32),
+            positions=jnp.maximum(jnp.cumsum(real, axis=1) - 1, 0).astype(jnp.int32),
+            segment_ids=real.astype(jnp.int32),
+        )
+    else:
+        prompt_len = jnp.sum(rows.prompt_mask[safe], axis=1, dtype=jnp.int32)
+        response_len = jnp.sum(rows.response_attention[safe], axis=1, dtype=jnp.int32)
+        # column c of the rollout layout is token c - (P - prompt_len) of its sequence (the prompt is left-padded)
+        position = jnp.arange(p + length, dtype=jnp.int32)[None, :] - (p - prompt_len)[:, None]
+        target = jnp.where(real, offsets[:, None] + position, width)  # width: out of the row, dropped
+        segment = jnp.broadcast_to(jnp.arange(1, num_slots + 1, dtype=jnp.int32)[:, None], real.shape)
+
+        def scatter(values):
+            return jnp.zeros((1, width), jnp.int32).at[0, target].set(values.astype(jnp.int32), mode="drop")
+
+        token_rows = dict(input_ids=scatter(ids), positions=scatter(position), segment_ids=scatter(segment))
+        column = jnp.arange(length, dtype=jnp.int32)[None, :]
+        exists = present[:, None] & (column < response_len[:, None])
+        gather = jnp.where(exists, offsets[:, None] + prompt_len[:, None] - 1 + column, 0)
+    return MicroBatches(**token_rows, gather_index=gather.astype(jnp.int32), slots=_slots(rows, safe, present),
+                        row_ids=None)
+
+
+def _slots(rows: Experience, safe: jax.Array, present: jax.Array) -> Experience | None:
+    fields = rows.per_token()
+    if fields.response_mask is None:  # token rows only (forward passes)
+        return None
+    slots = jax.tree.map(lambda v: jnp.where(present[:, None], v[safe], 0).astype(v.dtype), fields)
+    return dataclasses.replace(slots, response_mask=slots.response_mask.astype(bool))
+
+
+@functools.lru_cache(maxsize=32)
+def _assembler(mesh: Mesh, width: int | None, scanned: int):
+    sharding = NamedSharding(mesh, PartitionSpec(*([None] * scanned), BATCH_AXES))
+    return jax.jit(functools.partial(assemble_rows, width=width), out_shardings=sharding)
+
+
+def assemble(rows: Experience, plan: Plan, mesh: Mesh, width: int | None) -> MicroBatches:
+    """:func:`assemble_rows` of this process's part of a plan (``[..., D_local, S]``: its own shards' slots, naming
+    global rows), as global micro-batch arrays sharded over the batch axes like :func:`jppo.engine.layout.place`'s."""
+    scanned = plan[0].ndim - 2
+    placed = place({"row_ids": plan[0], "offsets": plan[1]}, mesh, scanned=scanned)
+    with jax.set_mesh(mesh):
+        return _assembler(mesh, width, scanned)(rows, placed["row_ids"], placed["offsets"])
