@@ -15,8 +15,8 @@ only; jppo's code is not changed. The shim wraps the functions through which dat
 
 Each crossing is filed under the trainer's phase running at the time (the phases of ``timing/<phase>``: rollout,
 reward, old_log_prob, ref_log_prob, values, advantages, update_critic, update_actor; ``other`` outside them), the
-jppo function that caused it, and a field: the pytree path inside ``place`` (``slots.advantages``,
-``input_ids``, ...), else the array's dtype and shape. What the shim does not see: a numpy array handed straight
+jppo function that caused it, and a field: the pytree path inside ``place`` when :mod:`jppo.engine.assemble`
+places rows or a plan (``advantages``, ``prompt_ids``, ``row_ids``, ...), else the array's dtype and shape. What the shim does not see: a numpy array handed straight
 to a jitted function (none in a training step at the time of writing) and device-to-device copies (not host
 crossings).
 
@@ -53,7 +53,7 @@ PHASES = ("rollout", "reward", "old_log_prob", "ref_log_prob", "values", "advant
           "update_actor", "other")
 JPPO = pathlib.Path(__file__).resolve().parents[1] / "jppo"
 # modules whose functions only relay a crossing; the site reported is the jppo function that called them
-RELAYS = ("hostlocal.py", "layout.py")
+RELAYS = ("hostlocal.py", "layout.py", "assemble.py")
 
 
 @dataclasses.dataclass
@@ -124,7 +124,7 @@ def counting(counter: Counter) -> Iterator[Counter]:
     import jax
     from jax._src.array import ArrayImpl
 
-    from jppo.engine import driver, forward, layout
+    from jppo.engine import assemble, layout
 
     make_array, device_put, place = jax.make_array_from_process_local_data, jax.device_put, layout.place
     value = ArrayImpl._value
@@ -170,7 +170,7 @@ def counting(counter: Counter) -> Iterator[Counter]:
 
     patches = [
         (jax, "make_array_from_process_local_data", counted_make_array), (jax, "device_put", counted_device_put),
-        (driver, "place", labelled_place), (forward, "place", labelled_place), (ArrayImpl, "_value", property(host_value)),
+        (assemble, "place", labelled_place), (ArrayImpl, "_value", property(host_value)),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, new in patches:

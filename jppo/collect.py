@@ -11,7 +11,8 @@ controller's measurement) are global by construction:
    (or, with ``reward.token_level``, spread a built-in task's per-position credit over the tokens), and an
    environment's per-turn rewards on their turns' last tokens; for ReMax,
    also decode one greedy response per prompt, whose reward is the prompt's baseline;
-4. recompute old log-probs (and reference log-probs, values) over the whole batch in micro-batches;
+4. recompute old log-probs (and reference log-probs, values) over the whole batch in micro-batches (its tokens
+   cross to the devices once for all these passes);
 5. optionally subtract ``kl_coef * KL(old || ref)`` from the rewards (fixed or adaptive controller);
 6. compute advantages and returns (``algorithm.adv_estimator``).
 
@@ -38,6 +39,7 @@ from jppo.config import TrainConfig
 from jppo.data import Tokenizer
 from jppo.dynamic_sampling import DynamicSamplingError, Scored, concat, varied_groups
 from jppo.engine import forward_batch, log_prob_fn, value_fn
+from jppo.engine.assemble import device_rows
 from jppo.experience import Experience
 from jppo.hostlocal import local_rows, local_shards, max_over_processes, replicated_value, sum_over_processes, to_global, to_local
 from jppo.losses import AdaptiveKLController, FixedKLController, penalize_rewards
@@ -351,18 +353,27 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
     mask = exp.response_mask
     actor_cut = build.forward_micro_batching(cfg, "actor")
     with timer("old_log_prob"):
-        exp = dataclasses.replace(exp, old_log_prob=forward_batch(c.log_probs_of, state.actor.weights, exp, c.mesh, **actor_cut))
+        tokens = device_rows(exp, None, c.mesh)  # the batch's tokens cross once for all forward passes
+        exp = dataclasses.replace(
+            exp, old_log_prob=forward_batch(c.log_probs_of, state.actor.weights, exp, c.mesh, rows=tokens, **actor_cut)
+        )
     if c.ref_log_probs_of is not None:  # LoRA: the base weights with the adapters switched off
         with timer("ref_log_prob"):
             ref = c.ref_params if c.ref_params is not None else state.actor.frozen
-            exp = dataclasses.replace(exp, ref_log_prob=forward_batch(c.ref_log_probs_of, ref, exp, c.mesh, **actor_cut))
+            exp = dataclasses.replace(
+                exp, ref_log_prob=forward_batch(c.ref_log_probs_of, ref, exp, c.mesh, rows=tokens, **actor_cut)
+            )
     elif c.ref_params is not None:
         with timer("ref_log_prob"):
-            exp = dataclasses.replace(exp, ref_log_prob=forward_batch(c.log_probs_of, c.ref_params, exp, c.mesh, **actor_cut))
+            exp = dataclasses.replace(
+                exp, ref_log_prob=forward_batch(c.log_probs_of, c.ref_params, exp, c.mesh, rows=tokens, **actor_cut)
+            )
     if state.critic is not None:
         with timer("values"):
             critic_cut = build.forward_micro_batching(cfg, "critic")
-            exp = dataclasses.replace(exp, values=forward_batch(c.values_of, state.critic.weights, exp, c.mesh, **critic_cut))
+            exp = dataclasses.replace(
+                exp, values=forward_batch(c.values_of, state.critic.weights, exp, c.mesh, rows=tokens, **critic_cut)
+            )
     metrics: dict[str, float] = {}
     kl = state.kl
     with timer("advantages"):

@@ -186,28 +186,29 @@ def test_end_to_end_refuses_a_bad_override_in_one_line(capsys):
     )
 
 
-def test_transfer_counter_sees_the_micro_batches_the_update_places():
-    """The counted host -> device bytes of ``update_actor`` are, field by field, the bytes of the stacked
-    micro-batch arrays the driver builds for the counted step (recorded by a spy of its own, not by the counter)."""
+def test_transfer_counter_sees_the_rows_and_plans_the_update_places():
+    """The counted host -> device bytes of ``update_actor`` are, field by field, the bytes of the rows the driver
+    sends (recorded by a spy of its own, not by the counter) and of the plans of its micro-batches."""
     from unittest import mock
 
-    from jppo.engine import driver
+    from jppo.engine import assemble
 
-    stacked = []
-    stack = driver.stack_micro_batches
+    sent = []
+    host_rows = assemble.host_rows
 
     def spy(*args, **kwargs):
-        out = stack(*args, **kwargs)
-        stacked.append(out.device_arrays())
+        out = host_rows(*args, **kwargs)
+        sent.append(out)
         return out
 
-    with mock.patch.object(driver, "stack_micro_batches", spy):
+    with mock.patch.object(assemble, "host_rows", spy):
         result = transfers.measure_step(transfers.SIZES["quick"], epochs=2)
-    placed = {jax.tree_util.keystr(path, simple=True, separator="."): int(leaf.nbytes)
-              for path, leaf in jax.tree_util.tree_leaves_with_path(stacked[-1])}
+    rows = {jax.tree_util.keystr(path, simple=True, separator="."): int(leaf.nbytes)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(sent[-1])}
     update = result["phases"]["update_actor"]
-    assert update["h2d_fields"] == placed
-    assert update["h2d"] == sum(placed.values()) > 0
-    assert {"slots.old_log_prob", "slots.advantages", "slots.ref_log_prob", "input_ids"} <= set(placed)
+    assert {name: b for name, b in update["h2d_fields"].items() if name not in ("row_ids", "offsets")} == rows
+    assert set(update["h2d_fields"]) == set(rows) | {"row_ids", "offsets"}
+    assert {"old_log_prob", "advantages", "ref_log_prob", "prompt_ids"} <= set(rows)
+    assert "values" not in rows and "token_rewards" not in rows
     assert result["experience_bytes"] == sum(result["experience_fields"].values())
     assert result["h2d_bytes"] == sum(phase["h2d"] for phase in result["phases"].values())

@@ -154,3 +154,24 @@ def test_an_update_sends_its_rows_once_and_each_epoch_only_its_plan(role, cut):
         with host_to_device_bytes() as sent:
             run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0))
         assert rows <= sent[0] < rows + field, (epochs, sent[0], rows)
+
+
+@pytest.mark.parametrize("cut", [dict(micro_batch_size=2), dict(max_token_len=24)])
+def test_forward_pass_on_assembled_micro_batches_equals_the_host_cut(cut):
+    """Log-probs through the device-assembled micro-batches and the on-device scatter to row order are those of the
+    host-built micro-batches scattered back on the host, bit for bit; the token rows may be shared by passes."""
+    from jppo.engine import forward_batch, log_prob_fn
+    from jppo.engine.layout import place
+    from jppo.microbatch import scatter_back
+
+    batch = float32_batch(3)
+    mesh = mesh_of(2)
+    graphdef, params = nnx.split(create_model(CausalLM, tiny_config("float32"), mesh, seed=1), nnx.Param)
+    fn = log_prob_fn(graphdef, temperature=0.7, chunk_size=4)
+    host = make_micro_batches(batch, 2, **cut)
+    with jax.set_mesh(mesh):
+        slots = np.asarray(fn(params, place(host.token_rows(), mesh)))
+    expected = np.where(batch.response_mask, scatter_back(slots, host.row_ids, batch.num_sequences), 0.0)
+    tokens = device_rows(batch, None, mesh)
+    for rows in (None, tokens, tokens):
+        np.testing.assert_array_equal(forward_batch(fn, params, batch, mesh, rows=rows, **cut), expected)

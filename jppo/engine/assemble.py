@@ -111,10 +111,16 @@ def _assembler(mesh: Mesh, width: int | None, scanned: int):
     return jax.jit(functools.partial(assemble_rows, width=width), out_shardings=sharding)
 
 
-def assemble(rows: Experience, plan: Plan, mesh: Mesh, width: int | None) -> MicroBatches:
-    """:func:`assemble_rows` of this process's part of a plan (``[..., D_local, S]``: its own shards' slots, naming
-    global rows), as global micro-batch arrays sharded over the batch axes like :func:`jppo.engine.layout.place`'s."""
-    scanned = plan[0].ndim - 2
-    placed = place({"row_ids": plan[0], "offsets": plan[1]}, mesh, scanned=scanned)
+def place_plan(plan: Plan, mesh: Mesh) -> dict[str, jax.Array]:
+    """This process's part of a plan (``[..., D_local, S]``: its own shards' slots, naming global rows) as global
+    arrays ``row_ids`` and ``offsets``, sharded over the batch axes."""
+    return place({"row_ids": plan[0], "offsets": plan[1]}, mesh, scanned=plan[0].ndim - 2)
+
+
+def assemble(rows: Experience, plan: Plan | dict[str, jax.Array], mesh: Mesh, width: int | None) -> MicroBatches:
+    """:func:`assemble_rows` of a plan (host arrays, or already placed by :func:`place_plan`), as global
+    micro-batch arrays sharded over the batch axes like :func:`jppo.engine.layout.place`'s."""
+    placed = place_plan(plan, mesh) if isinstance(plan, tuple) else plan
     with jax.set_mesh(mesh):
+        scanned = placed["row_ids"].ndim - 2
         return _assembler(mesh, width, scanned)(rows, placed["row_ids"], placed["offsets"])

@@ -2,24 +2,28 @@
 
 The same micro-batch layout as the updates (fixed or token-budget, see :mod:`jppo.microbatch`); ``lax.map`` runs
 the micro-batches one after another inside one compiled call, so peak memory is that of one micro-batch.
-Outputs come back response-aligned, ``[N, L]`` in the batch's own row order.
+The micro-batches are assembled on the devices from the batch's rows (:mod:`jppo.engine.assemble`), and the
+outputs are put back in the batch's row order there: they come back response-aligned, ``[N, L]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jppo.engine.layout import place
+from jppo.engine.assemble import assemble, device_rows, place_plan
 from jppo.engine.update import Batch, policy_outputs, value_outputs
-from jppo.hostlocal import local_shards, max_over_processes, to_local
+from jppo.hostlocal import local_rows, local_shards, max_over_processes, to_local
 from jppo.experience import Experience
-from jppo.microbatch import make_micro_batches, pad_micro_batches, scatter_back
+from jppo.mesh import BATCH_AXES, batch_shards
+from jppo.microbatch import plan_micro_batches
 
 
 def _per_micro_batch(fn: Callable[[nnx.Module, Batch], jax.Array], graphdef: nnx.GraphDef):
@@ -69,14 +73,48 @@ def forward_batch(
     *,
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
+    rows: Experience | None = None,
 ) -> np.ndarray:
     """Runs a forward pass from :func:`log_prob_fn` / :func:`value_fn` over ``batch`` (this process's rows);
-    returns ``[N_local, L]`` float32, 0 outside the response mask."""
-    owned = local_shards(mesh)
-    micro = make_micro_batches(batch, len(owned), micro_batch_size=micro_batch_size, max_token_len=max_token_len)
-    k, s = max_over_processes([micro.input_ids.shape[0], micro.row_ids.shape[2]])
-    micro = pad_micro_batches(micro, int(k), int(s))
+    returns ``[N_local, L]`` float32, 0 outside the response mask.
+
+    ``rows``: ``batch``'s token arrays already on the devices (:func:`jppo.engine.assemble.device_rows` with no
+    per-token fields), shared by several passes over the same batch; placed here when not given. Only the plan
+    of the cut crosses per pass; the micro-batches are assembled on the devices, and the outputs are put back in
+    row order there, so what comes back is ``[N_local, L]``, not the slots."""
+    if rows is None:
+        rows = device_rows(batch, None, mesh)
+    num_global = batch.num_sequences * batch_shards(mesh) // len(local_shards(mesh))
+    plan = local_plan(batch.lengths(), mesh, micro_batch_size=micro_batch_size, max_token_len=max_token_len)
+    plan = place_plan(plan, mesh)
     with jax.set_mesh(mesh):
-        slots = fn(params, place(micro.token_rows(), mesh))
-    out = scatter_back(to_local(slots, axis=1, rows=owned), micro.row_ids, batch.num_sequences)
+        slots = fn(params, assemble(rows, plan, mesh, max_token_len))
+        out = _in_row_order(mesh, num_global)(slots, plan["row_ids"])
+    out = to_local(out, rows=local_rows(mesh, num_global))
     return np.where(batch.response_mask.astype(bool), out, 0.0).astype(np.float32)
+
+
+def local_plan(lengths: np.ndarray, mesh: Mesh, **cut) -> tuple[np.ndarray, np.ndarray]:
+    """The cut of this process's rows (:func:`jppo.microbatch.plan_micro_batches` over its own shards), K and S
+    padded to their largest over the processes, its slots naming GLOBAL rows."""
+    owned = local_shards(mesh)
+    row_ids, offsets = plan_micro_batches(lengths, len(owned), **cut)
+    k, s = max_over_processes([row_ids.shape[0], row_ids.shape[2]])
+    widths = ((0, int(k) - row_ids.shape[0]), (0, 0), (0, int(s) - row_ids.shape[2]))
+    start = local_rows(mesh, len(lengths) * batch_shards(mesh) // len(owned)).start
+    row_ids = np.where(row_ids >= 0, row_ids + start, -1).astype(np.int32)
+    return np.pad(row_ids, widths, constant_values=-1), np.pad(offsets, widths, constant_values=0)
+
+
+@functools.lru_cache(maxsize=16)
+def _in_row_order(mesh: Mesh, num_rows: int):
+    """Jitted ``(slots [K, D, S, L], row_ids [K, D, S]) -> [num_rows, L]``: each slot's outputs written to its
+    global row (empty slots dropped), sharded over the batch axes like the rows."""
+
+    def scatter(slots, row_ids):
+        flat = row_ids.reshape(-1)
+        values = slots.reshape(flat.shape[0], slots.shape[-1])
+        target = jnp.where(flat >= 0, flat, num_rows)  # out of range: dropped
+        return jnp.zeros((num_rows, slots.shape[-1]), slots.dtype).at[target].set(values, mode="drop")
+
+    return jax.jit(scatter, out_shardings=NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
