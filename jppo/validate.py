@@ -41,7 +41,7 @@ from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES
 from jppo.models.lora import check_fits
 from jppo.models.hub import local_model_dir
 from jppo.paths import is_remote, missing_backend, run_path
-from jppo.rollout.env import BUILTIN_ENVS, BUILTIN_PREFIX
+from jppo.rollout.env import BUILTIN_ENVS
 from jppo.views import engine_view, rollout_sequences
 
 if TYPE_CHECKING:  # jppo.config runs this module's validate

@@ -22,9 +22,9 @@ import operator
 import re
 from typing import Any, Callable, Protocol
 
+from jppo.data.tokenizer import BUILTIN_PREFIX  # one spelling of built-in names, for tasks and environments
 from jppo.rewards.plugin import load_function
 
-BUILTIN_PREFIX = "builtin:"
 KEY = "rollout.env"
 
 
