@@ -80,7 +80,8 @@ def _eos_token_id(tokenizer: Tokenizer) -> int | tuple[int, ...]:
 def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh) -> CausalLM:
     if cfg.model.path:
         return load_pretrained(
-            cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat, mesh=mesh
+            cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat,
+            attention=cfg.model.attention, mesh=mesh
         )
     return create_model(CausalLM, random_model_config(cfg, tokenizer), mesh, seed=cfg.trainer.seed)
 
@@ -103,7 +104,8 @@ def build_critic(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> ValueModel:
     path = cfg.critic.model_path or cfg.model.path
     if path:
         return load_pretrained(
-            path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat, head="value",
+            path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat,
+            attention=cfg.model.attention, head="value",
             mesh=mesh, seed=cfg.trainer.seed + 1,
         )
     return ValueModel.from_policy(policy, rngs=nnx.Rngs(cfg.trainer.seed + 1))
@@ -113,7 +115,10 @@ def build_reference(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> Optional[
     """Parameters of the reference policy: ``ref.model_path``, or a copy of the policy's initial weights. A policy
     with LoRA adapters needs no copy: its reference is its own frozen base weights, read in place (None here)."""
     if cfg.ref.model_path:
-        model = load_pretrained(cfg.ref.model_path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, mesh=mesh)
+        model = load_pretrained(
+            cfg.ref.model_path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+            attention=cfg.model.attention, mesh=mesh,
+        )
         return nnx.state(model, nnx.Param)
     if has_adapters(policy):
         return None

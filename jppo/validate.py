@@ -37,7 +37,8 @@ from jppo.losses import (
 )
 from jppo.mesh import resolve_shape
 from jppo.rewards.verify import require_math_verify
-from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES
+from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, SUPPORTED_MODEL_TYPES
+from jppo.models.layers import HALF_PRECISION_ATTENTION
 from jppo.models.lora import check_fits
 from jppo.models.hub import local_model_dir
 from jppo.paths import is_remote, missing_backend, run_path
@@ -178,10 +179,24 @@ def _check_trained_param_dtype(param_dtype: str) -> None:
         )
 
 
+def _check_cudnn_dtype(key: str, dtype: str) -> None:
+    """cuDNN's fused attention computes in bfloat16 or float16 only; ``model.attention: auto`` falls back by itself."""
+    if dtype not in HALF_PRECISION_ATTENTION:
+        raise ConfigError(
+            f"{key}={dtype!r}: model.attention='cudnn' needs {' or '.join(HALF_PRECISION_ATTENTION)} compute "
+            "(use model.attention: auto to fall back)"
+        )
+
+
 def _check_model(cfg: TrainConfig) -> None:
     _choice("model.model_type", cfg.model.model_type, SUPPORTED_MODEL_TYPES)
     _choice("model.dtype", cfg.model.dtype, list(DTYPES))
     _choice("model.param_dtype", cfg.model.param_dtype, list(DTYPES))
+    _choice("model.attention", cfg.model.attention, ATTENTION_IMPLEMENTATIONS)
+    if cfg.model.attention == "cudnn":
+        _check_cudnn_dtype("model.dtype", cfg.model.dtype)
+        if cfg.rollout.dtype is not None:
+            _check_cudnn_dtype("rollout.dtype", cfg.rollout.dtype)
     _check_trained_param_dtype(cfg.model.param_dtype)
     if cfg.model.path is not None and not (pathlib.Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path={cfg.model.path!r}: no Hugging Face checkpoint (config.json) there")

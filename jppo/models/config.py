@@ -31,6 +31,9 @@ DTYPES: dict[str, jnp.dtype] = {
     "float64": jnp.dtype(jnp.float64),  # exactness tests (needs jax_enable_x64)
 }
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
+# How attention is computed (jppo.models.layers.attention): the masked float32 softmax, jax.nn.dot_product_attention
+# lowered by XLA or by cuDNN, or "auto" (cuDNN on a GPU for bfloat16/float16, else the faster one on this backend).
+ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = ("reference", "xla", "cudnn", "auto")
 
 _HF_ARCHITECTURE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 # transformers' own defaults where a config.json leaves the head size out
@@ -96,7 +99,8 @@ class ModelConfig:
     accepts the Hugging Face dict (``{"rope_type": "llama3", "factor": ..., ...}``) and is stored as a
     :class:`RopeScaling`. ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of the weights
     (softmax, norms and logits are float32 either way). ``remat`` recomputes each layer in the backward pass
-    instead of keeping its activations. Token ids are carried only to write them back to ``config.json``.
+    instead of keeping its activations. ``attention`` picks how attention is computed (one of
+    :data:`ATTENTION_IMPLEMENTATIONS`, see :func:`jppo.models.layers.attention`). Token ids are carried only to write them back to ``config.json``.
     """
 
     vocab_size: int
@@ -119,6 +123,7 @@ class ModelConfig:
     model_type: str = "llama"
     initializer_range: float = 0.02
     remat: bool = False
+    attention: str = "reference"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -131,6 +136,8 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(DTYPES)}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise InvalidSetting("", "attention", self.attention, f"one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         if self.num_kv_heads is None:
             self._set("num_kv_heads", self.num_heads)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -204,7 +211,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         """Reads a Hugging Face ``config.json`` dict (transformers 4.x ``rope_theta``/``rope_scaling`` or 5.x
-        ``rope_parameters``). ``overrides`` set jppo-only fields such as ``dtype``, ``param_dtype``, ``remat``.
+        ``rope_parameters``). ``overrides`` set jppo-only fields such as ``dtype``, ``param_dtype``, ``remat``,
+        ``attention``.
 
         Raises ``ValueError`` for families or features this decoder does not implement (naming them).
         """

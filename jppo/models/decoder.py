@@ -140,7 +140,7 @@ class DecoderLayers(nnx.Module):
                 )
                 layer_cache = (keys, values)
                 k, v = keys[index], values[index]
-            attended = attention(q, k, v, mask).reshape(batch, length, config.q_size)
+            attended = attention(q, k, v, mask, config.attention).reshape(batch, length, config.q_size)
             out = linear(attended, weights, adapters, "o_proj")
             if weights.get("o_bias") is not None:
                 out = out + weights["o_bias"].astype(dtype)
