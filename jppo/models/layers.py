@@ -72,8 +72,8 @@ def attention_mask(query_segments: Array, query_slots: Array, key_segments: Arra
     return causal[None] & same_segment & (query_segments != 0)[:, :, None]
 
 
-# Where ``auto`` does not pick cuDNN: the implementation measured faster for a small model's forward and backward
-# pass on CPU (README, Performance), used on every backend without cuDNN.
+# Where ``auto`` does not pick cuDNN: the faster on CPU for a small model's forward and backward pass
+# (``python -m bench.attention``; README, Performance: a tie with "xla", so the exact-in-float64 reference stays).
 AUTO_FALLBACK = "reference"
 HALF_PRECISION_ATTENTION = ("bfloat16", "float16")  # the dtypes cuDNN's fused attention takes
 
