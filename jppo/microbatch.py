@@ -245,6 +245,15 @@ def _pad_axis(array: np.ndarray, axis: int, size: int, value) -> np.ndarray:
     return np.pad(array, widths, constant_values=value)
 
 
+def pad_plan(
+    row_ids: np.ndarray, offsets: np.ndarray, num_micro_batches: int, num_slots: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """A ``[K, D, S]`` plan (:func:`plan_micro_batches`) padded to ``num_micro_batches`` x ``num_slots`` with empty
+    slots (row id -1, offset 0), so plans of several steps or processes stack into one array."""
+    widths = ((0, num_micro_batches - row_ids.shape[0]), (0, 0), (0, num_slots - row_ids.shape[2]))
+    return np.pad(row_ids, widths, constant_values=-1), np.pad(offsets, widths, constant_values=0)
+
+
 def pad_micro_batches(micro: MicroBatches, num_micro_batches: int, num_slots: int) -> MicroBatches:
     """``micro`` with K and S padded to the given sizes by empty micro-batches and empty slots (fully masked:
     they contribute exactly 0). Processes pad to the same sizes so that their parts form one global array."""

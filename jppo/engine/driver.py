@@ -26,7 +26,7 @@ from jppo.engine.update import TrainState, UpdateStep, loss_inputs
 from jppo.hostlocal import all_rows, local_shards, max_over_processes, replicated_value, take_rows
 from jppo.mesh import batch_shards
 from jppo.experience import Experience
-from jppo.microbatch import MicroBatches, make_micro_batches, plan_micro_batches
+from jppo.microbatch import MicroBatches, make_micro_batches, pad_plan, plan_micro_batches
 
 
 class Updated(NamedTuple):
@@ -138,9 +138,8 @@ def plan_steps(
         row_ids, offsets = plan_micro_batches(lengths[rows], len(owned), **cut)
         plans.append((np.where(row_ids >= 0, rows[np.maximum(row_ids, 0)], -1).astype(np.int32), offsets))
     k, s = max_over_processes([max(p[0].shape[0] for p in plans), max(p[0].shape[2] for p in plans)])
-    pad = lambda array, value: np.pad(  # noqa: E731
-        array, ((0, int(k) - array.shape[0]), (0, 0), (0, int(s) - array.shape[2])), constant_values=value)
-    return (np.stack([pad(row_ids, -1) for row_ids, _ in plans]), np.stack([pad(offsets, 0) for _, offsets in plans]))
+    padded = [pad_plan(row_ids, offsets, int(k), int(s)) for row_ids, offsets in plans]
+    return np.stack([row_ids for row_ids, _ in padded]), np.stack([offsets for _, offsets in padded])
 
 
 def global_lengths(batch: Experience, mesh: Mesh) -> np.ndarray:

@@ -23,7 +23,7 @@ from jppo.engine.update import Batch, policy_outputs, value_outputs
 from jppo.hostlocal import local_rows, local_shards, max_over_processes, to_local
 from jppo.experience import Experience
 from jppo.mesh import BATCH_AXES, batch_shards
-from jppo.microbatch import plan_micro_batches
+from jppo.microbatch import pad_plan, plan_micro_batches
 
 
 def _per_micro_batch(fn: Callable[[nnx.Module, Batch], jax.Array], graphdef: nnx.GraphDef):
@@ -100,10 +100,9 @@ def local_plan(lengths: np.ndarray, mesh: Mesh, **cut) -> tuple[np.ndarray, np.n
     owned = local_shards(mesh)
     row_ids, offsets = plan_micro_batches(lengths, len(owned), **cut)
     k, s = max_over_processes([row_ids.shape[0], row_ids.shape[2]])
-    widths = ((0, int(k) - row_ids.shape[0]), (0, 0), (0, int(s) - row_ids.shape[2]))
     start = local_rows(mesh, len(lengths) * batch_shards(mesh) // len(owned)).start
     row_ids = np.where(row_ids >= 0, row_ids + start, -1).astype(np.int32)
-    return np.pad(row_ids, widths, constant_values=-1), np.pad(offsets, widths, constant_values=0)
+    return pad_plan(row_ids, offsets, int(k), int(s))
 
 
 @functools.lru_cache(maxsize=16)
