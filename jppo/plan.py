@@ -227,10 +227,13 @@ def weights_in_use_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
     return (split(m.vocab_size, mesh) * d + layer // mesh["tensor"]) * dtype_bytes(m.dtype)
 
 
-def kv_cache_bytes(m: ModelConfig, rows: int, length: int, mesh: dict[str, int]) -> int:
-    """The sampler's :class:`~jppo.models.KVCache` for ``rows`` rows of ``length`` slots on one device."""
+def kv_cache_bytes(m: ModelConfig, prompts: int, prompt_len: int, rows: int, length: int,
+                   mesh: dict[str, int]) -> int:
+    """The sampler's caches on one device: a :class:`~jppo.models.PromptCache` of ``prompts`` prompts of
+    ``prompt_len`` slots (stored once for all samples of a prompt, plus its visibility mask) and a
+    :class:`~jppo.models.ResponseCache` of ``rows`` rows of ``length`` slots."""
     keys_and_values = 2 * m.num_layers * split(m.num_kv_heads, mesh) * m.head_dim * dtype_bytes(m.dtype)
-    return rows * length * (keys_and_values + 4)
+    return prompts * prompt_len * (keys_and_values + 1) + rows * length * keys_and_values
 
 
 def micro_batch_shape(cfg: TrainConfig, role: str) -> tuple[int, int]:
@@ -245,13 +248,16 @@ def prompt_width(cfg: TrainConfig) -> int:
     return bucket_length(cfg.data.max_prompt_length, cfg.rollout.prompt_bucket)
 
 
-def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> int:
-    """Rows one device samples at once: the training batch, or the validation batch when that is larger."""
+def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> tuple[int, int]:
+    """``(prompts, rows)`` one device samples at once: the training batch, or the validation batch when that has
+    more rows."""
     batch_shards = mesh["data"] * mesh["fsdp"]
-    rows = [cfg.data.train_batch_size * cfg.rollout.n]
+    batches = [(cfg.data.train_batch_size, cfg.rollout.n)]
     if cfg.trainer.val_every > 0 or cfg.trainer.val_before_train:
-        rows.append(cfg.data.val_batch_size * cfg.rollout.val_n)
-    return max(-(-r // batch_shards) for r in rows)
+        batches.append((cfg.data.val_batch_size, cfg.rollout.val_n))
+    prompts, n = max(batches, key=lambda batch: (-(-batch[0] // batch_shards) * batch[1], batch[0]))
+    prompts = -(-prompts // batch_shards)
+    return prompts, prompts * n
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -280,9 +286,9 @@ def make_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> Plan:
     for role, n in trained.items():
         copies = 3 if getattr(cfg, role).optim.name == "adamw" else 1
         persistent.append(Term(f"optimizer_state/{role}", n * a * copies, f"t={n:,} x a={a} x {copies}"))
-    rows = rollout_rows(cfg, mesh)
-    length = prompt_width(cfg) + cfg.rollout.max_response_length
-    rollout = (Term("kv_cache", kv_cache_bytes(policy, rows, length, mesh), f"R={rows} x (P+T)={length} x ..."),)
+    (prompts, rows), width, new = rollout_rows(cfg, mesh), prompt_width(cfg), cfg.rollout.max_response_length
+    rollout = (Term("kv_cache", kv_cache_bytes(policy, prompts, width, rows, new, mesh),
+                    f"B={prompts} x P={width} + R={rows} x T={new} x ..."),)
     updates = {}
     for role, n in trained.items():
         r, w = micro_batch_shape(cfg, role)

@@ -43,12 +43,19 @@ def lm():
         return nnx.merge(graphdef, state)(ids, positions, segments)
 
     @jax.jit
-    def cached_step(state, ids, positions, segments, cache, index):
+    def prefill(state, ids, positions, segments):
         model = nnx.merge(graphdef, state)
-        hidden, cache = model.hidden_states(ids, positions, segments, cache, index)
+        hidden, prompt = model.prefill(ids, positions, segments)
+        return model.logits(hidden), prompt
+
+    @jax.jit
+    def decode(state, tokens, positions, prompt, cache, slots):
+        model = nnx.merge(graphdef, state)
+        hidden, cache = model.decode(tokens, positions, prompt, cache, slots, model.decoding_layers())
         return model.logits(hidden), cache
 
-    return SimpleNamespace(model=model, graphdef=graphdef, state=state, forward=forward, cached_step=cached_step)
+    return SimpleNamespace(model=model, graphdef=graphdef, state=state, forward=forward, prefill=prefill,
+                           decode=decode)
 
 
 def assert_close(actual, expected, where=None):
@@ -70,22 +77,48 @@ def left_padded_batch(prompt_lengths, prompt_width, new_tokens, seed=0):
 
 
 def test_prefill_then_decode_matches_full_forward(lm):
-    prompt_width, new_tokens, max_len = 6, 5, 13  # two cache slots are never written
-    ids, positions, segments = left_padded_batch([6, 3, 1], prompt_width, new_tokens)
-    full = lm.forward(lm.state, ids, positions, segments)
+    # two samples per prompt share its cache; each continues with tokens of its own (rows prompt-major)
+    prompt_width, new_tokens, slots = 6, 5, 7  # two response slots are never written
+    prompt_lengths = [6, 3, 1]
+    ids, positions, segments = left_padded_batch(prompt_lengths * 2, prompt_width, new_tokens)
+    order = np.array([0, 3, 1, 4, 2, 5])  # samples 0 and 1 of prompt 0, then of prompt 1, ...
+    ids, positions, segments = ids[order], positions[order], segments[order]
+    ids[:, :prompt_width] = ids[::2, :prompt_width].repeat(2, axis=0)  # the two samples share the prompt
+    full = np.asarray(lm.forward(lm.state, ids, positions, segments))
     valid = segments.astype(bool)
 
-    cache = lm.model.init_cache(batch_size=3, max_len=max_len)
-    # the prompt in two calls (4 tokens at slot 0, 2 at slot 4), then one token per call
-    calls = [(0, 4), (4, 6)] + [(t, t + 1) for t in range(prompt_width, prompt_width + new_tokens)]
-    for begin, end in calls:
-        piece = (slice(None), slice(begin, end))
-        logits, cache = lm.cached_step(lm.state, ids[piece], positions[piece], segments[piece], cache, begin)
-        assert_close(logits, full[piece], where=valid[piece])
+    first = slice(None, None, 2)
+    logits, prompt = lm.prefill(lm.state, ids[first, :prompt_width], positions[first, :prompt_width],
+                                segments[first, :prompt_width])
+    assert_close(logits, full[first, :prompt_width], where=valid[first, :prompt_width])
+    assert prompt.keys[0].shape == (3, CONFIG.num_kv_heads, prompt_width, CONFIG.head_dim)  # one copy per prompt
+    cache = lm.model.init_response_cache(6, slots)
+    for t in range(new_tokens):
+        column = prompt_width + t
+        logits, cache = lm.decode(lm.state, ids[:, column], positions[:, column], prompt, cache, np.full(6, t))
+        assert_close(logits, full[:, column])
         assert np.isfinite(np.asarray(logits)).all()
-    np.testing.assert_array_equal(cache.segment_ids[:, :11], segments)
-    np.testing.assert_array_equal(cache.segment_ids[:, 11:], 0)
-    assert cache.keys.shape == (CONFIG.num_layers, 3, max_len, CONFIG.num_kv_heads, CONFIG.head_dim)
+    assert len(cache.keys) == CONFIG.num_layers
+    assert cache.keys[0].shape == (6, CONFIG.num_kv_heads, slots, CONFIG.head_dim)
+
+
+def test_decoding_rows_at_different_slots_matches_full_forward(lm):
+    # rows of one batch decode at response slots of their own (a refilled row starts over at slot 0)
+    prompt_width, new_tokens = 6, 4
+    ids, positions, segments = left_padded_batch([6, 3], prompt_width, new_tokens)
+    full = np.asarray(lm.forward(lm.state, ids, positions, segments))
+    _, prompt = lm.prefill(lm.state, ids[:, :prompt_width], positions[:, :prompt_width], segments[:, :prompt_width])
+    cache = lm.model.init_response_cache(2, new_tokens)
+    # row 1 first writes junk at slots 0-1 (a previous occupant), then starts over: row 0 runs two slots ahead
+    for t in range(2):
+        tokens, where = np.array([ids[0, prompt_width + t], 5]), np.array([positions[0, prompt_width + t], 9])
+        _, cache = lm.decode(lm.state, tokens, where, prompt, cache, np.array([t, t]))
+    for t in range(2, new_tokens):
+        row1 = t - 2
+        columns = np.array([prompt_width + t, prompt_width + row1])
+        tokens, where = ids[[0, 1], columns], positions[[0, 1], columns]
+        logits, cache = lm.decode(lm.state, tokens, where, prompt, cache, np.array([t, row1]))
+        assert_close(logits, full[[0, 1], columns])
 
 
 def test_packed_row_equals_each_sequence_alone(lm):
@@ -186,7 +219,7 @@ def test_value_model_from_policy_copies_the_decoder_and_adds_a_scalar_head(lm):
 
     @nnx.jit
     def run(policy, critic):
-        return (policy.hidden_states(ids, positions, segments)[0], critic.hidden_states(ids, positions, segments)[0],
+        return (policy.hidden_states(ids, positions, segments), critic.hidden_states(ids, positions, segments),
                 critic(ids, positions, segments))
 
     policy_hidden, critic_hidden, values = run(lm.model, critic)
@@ -206,11 +239,11 @@ def test_bfloat16_compute_keeps_float32_logits_close_to_float32_compute(lm):
     @jax.jit
     def run(state):
         model = nnx.merge(bf16_graphdef, state)
-        hidden, cache = model.hidden_states(ids, positions, segments, model.init_cache(3, 11), 0)
-        return hidden, cache, model.logits(hidden)
+        hidden, prompt = model.prefill(ids, positions, segments)
+        return hidden, prompt, model.logits(hidden)
 
-    hidden, cache, logits = run(lm.state)
-    assert hidden.dtype == cache.keys.dtype == jnp.bfloat16 and logits.dtype == jnp.float32
+    hidden, prompt, logits = run(lm.state)
+    assert hidden.dtype == prompt.keys[0].dtype == jnp.bfloat16 and logits.dtype == jnp.float32
     expected = np.asarray(lm.forward(lm.state, ids, positions, segments))
     valid = segments.astype(bool)
     # bfloat16 keeps 8 mantissa bits (relative step 2^-8 = 0.4%); two layers of rounding stay within 5%
@@ -222,10 +255,6 @@ def test_model_input_errors(lm):
     ids = jnp.zeros((2, 4), jnp.int32)
     with pytest.raises(ValueError, match="positions shape"):
         lm.model.hidden_states(ids, jnp.zeros((2, 3), jnp.int32), jnp.ones((2, 4), jnp.int32))
-    with pytest.raises(ValueError, match="cache_index was given without a cache"):
-        lm.model.hidden_states(ids, None, None, None, 2)
-    with pytest.raises(ValueError, match="cache_index=3 .* max_len=6"):
-        lm.model.hidden_states(ids, None, None, lm.model.init_cache(2, 6), 3)
 
 
 @pytest.mark.parametrize(

@@ -129,7 +129,7 @@ def test_value_model_from_policy_checkpoint_then_as_critic_checkpoint(checkpoint
     @nnx.jit
     def hidden(policy, critic):
         ids, positions, mask = left_padded_batch()
-        return policy.hidden_states(ids, positions, mask)[0], critic.hidden_states(ids, positions, mask)[0]
+        return policy.hidden_states(ids, positions, mask), critic.hidden_states(ids, positions, mask)
 
     policy_hidden, critic_hidden = hidden(policy, critic)
     np.testing.assert_array_equal(critic_hidden, policy_hidden)

@@ -137,7 +137,7 @@ def test_entropy_is_the_losses_one_and_safe_for_masked_vocabulary(model_class):
 
     log_probs, entropy = (np.asarray(x) for x in jax.jit(forward)(state))
     model = nnx.merge(graphdef, state)
-    scaled = model.logits(model.hidden_states(ids, positions, segments)[0]) / temperature
+    scaled = model.logits(model.hidden_states(ids, positions, segments)) / temperature
     assert np.isfinite(entropy).all() and np.isfinite(log_probs[allowed]).all()
     assert (log_probs[~allowed] == -np.inf).all()  # a banned target has probability 0
     # the same function on the same logits (computed in chunks here, whole there)

@@ -4,6 +4,7 @@ import math
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
@@ -50,9 +51,15 @@ def test_kv_cache_term_equals_the_sampler_cache(tmp_path):
     cfg = quickstart(tmp_path, "mesh.data=1", "rollout.n=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
                      "critic.ppo_mini_batch_size=8", "trainer.val_every=0")
     model_config = plan.model_config(cfg)
-    rows = cfg.data.train_batch_size * cfg.rollout.n
-    slots = plan.prompt_width(cfg) + cfg.rollout.max_response_length
-    cache = jax.eval_shape(lambda: build.CausalLM(model_config, rngs=nnx.Rngs(0)).init_cache(rows, slots))
+    prompts, width = cfg.data.train_batch_size, plan.prompt_width(cfg)
+
+    def caches():
+        model = build.CausalLM(model_config, rngs=nnx.Rngs(0))
+        ids = jnp.zeros((prompts, width), jnp.int32)
+        _, prompt = model.prefill(ids, ids, ids)
+        return prompt, model.init_response_cache(prompts * cfg.rollout.n, cfg.rollout.max_response_length)
+
+    cache = jax.eval_shape(caches)
 
     planned = plan.make_plan(cfg, check_mesh(cfg, 1))
 

@@ -31,10 +31,16 @@ LOG_PROB_ATOL = 2e-5
 
 
 @struct.dataclass
-class TinyCache:
-    keys: jax.Array  # [1, batch, max_len, 1, dim]
+class TinyPrompt:
+    keys: jax.Array  # [B, P, dim]
     values: jax.Array
-    segment_ids: jax.Array  # [batch, max_len]
+    visible: jax.Array  # [B, P]
+
+
+@struct.dataclass
+class TinyResponse:
+    keys: jax.Array  # [R, M, dim]
+    values: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,37 +59,45 @@ class TinyLM(nnx.Module):
         # A larger output scale spreads the next-token distribution, so temperature and filters matter.
         self.head = nnx.Linear(config.dim, config.vocab_size, kernel_init=nnx.initializers.normal(1.0), rngs=rngs)
 
-    def init_cache(self, batch_size: int, max_len: int) -> TinyCache:
-        zeros = jnp.zeros((1, batch_size, max_len, 1, self.config.dim), jnp.float32)
-        return TinyCache(keys=zeros, values=zeros, segment_ids=jnp.zeros((batch_size, max_len), jnp.int32))
-
-    def hidden_states(self, input_ids, positions, segment_ids, cache=None, cache_index=None):
+    def _qkv(self, input_ids, positions):
         dim = self.config.dim
         freqs = 1.0 / 10.0 ** (jnp.arange(dim) / dim)
         x = self.embed(input_ids) + jnp.sin(positions[..., None] * freqs)
-        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
-        length = input_ids.shape[1]
-        if cache is None:
-            keys, values, key_segments = k, v, segment_ids
-            query_slots = jnp.arange(length)
-        else:
-            start = (0, cache_index, 0)
-            cache = cache.replace(
-                keys=jax.lax.dynamic_update_slice(cache.keys[0, :, :, 0], k, start)[None, :, :, None],
-                values=jax.lax.dynamic_update_slice(cache.values[0, :, :, 0], v, start)[None, :, :, None],
-                segment_ids=jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids, (0, cache_index)),
-            )
-            keys, values, key_segments = cache.keys[0, :, :, 0], cache.values[0, :, :, 0], cache.segment_ids
-            query_slots = cache_index + jnp.arange(length)
-        key_slots = jnp.arange(keys.shape[1])
-        allowed = (
-            (key_slots[None, None, :] <= query_slots[None, :, None])
-            & (key_segments[:, None, :] == segment_ids[:, :, None])
-            & (segment_ids[:, :, None] != 0)
-        )
-        scores = jnp.where(allowed, jnp.einsum("bqd,bkd->bqk", q, keys) / np.sqrt(dim), -1e30)
-        hidden = jnp.tanh(x + jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores, axis=-1), values))
-        return hidden, cache
+        return (x, *jnp.split(self.qkv(x), 3, axis=-1))
+
+    def _attend(self, x, q, keys, values, allowed):
+        scores = jnp.where(allowed, jnp.einsum("bqd,bkd->bqk", q, keys) / np.sqrt(self.config.dim), -1e30)
+        return jnp.tanh(x + jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores, axis=-1), values))
+
+    def hidden_states(self, input_ids, positions, segment_ids):
+        x, q, k, v = self._qkv(input_ids, positions)
+        slots = jnp.arange(input_ids.shape[1])
+        allowed = ((slots[None, None, :] <= slots[None, :, None])
+                   & (segment_ids[:, None, :] == segment_ids[:, :, None]) & (segment_ids[:, :, None] != 0))
+        return self._attend(x, q, k, v, allowed)
+
+    def prefill(self, input_ids, positions, segment_ids):
+        _, _, k, v = self._qkv(input_ids, positions)
+        return self.hidden_states(input_ids, positions, segment_ids), TinyPrompt(k, v, segment_ids != 0)
+
+    def init_response_cache(self, rows, length):
+        zeros = jnp.zeros((rows, length, self.config.dim), jnp.float32)
+        return TinyResponse(zeros, zeros)
+
+    def decoding_layers(self):
+        return ()
+
+    def decode(self, tokens, positions, prompt, cache, slots, layers):
+        x, q, k, v = self._qkv(tokens[:, None], positions[:, None])
+        rows = tokens.shape[0]
+        cache = TinyResponse(cache.keys.at[jnp.arange(rows), slots].set(k[:, 0]),
+                             cache.values.at[jnp.arange(rows), slots].set(v[:, 0]))
+        n = rows // prompt.keys.shape[0]  # rows are prompt-major
+        keys = jnp.concatenate([jnp.repeat(prompt.keys, n, axis=0), cache.keys], axis=1)
+        values = jnp.concatenate([jnp.repeat(prompt.values, n, axis=0), cache.values], axis=1)
+        response_visible = jnp.arange(cache.keys.shape[1])[None, :] <= slots[:, None]
+        allowed = jnp.concatenate([jnp.repeat(prompt.visible, n, axis=0), response_visible], axis=1)[:, None, :]
+        return self._attend(x, q, keys, values, allowed)[:, 0], cache
 
     def logits(self, hidden):
         return self.head(hidden).astype(jnp.float32)
@@ -93,7 +107,7 @@ class TinyLM(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
         if segment_ids is None:
             segment_ids = jnp.ones(input_ids.shape, jnp.int32)
-        return self.logits(self.hidden_states(input_ids, positions, segment_ids)[0])
+        return self.logits(self.hidden_states(input_ids, positions, segment_ids))
 
 
 VOCAB = 16

@@ -1,7 +1,7 @@
 """Layer 3: the Flax NNX decoder with LM and value heads, KV cache, chunked log-probs and Hugging Face interop."""
 
 from jppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
-from jppo.models.decoder import CausalLM, KVCache, ValueModel
+from jppo.models.decoder import CausalLM, PromptCache, ResponseCache, ValueModel
 from jppo.models.hf import CheckpointError, load_pretrained, read_config, save_pretrained
 from jppo.models.log_probs import token_log_probs
 from jppo.models.sharding import create_model, param_shardings, partition_specs
@@ -10,7 +10,8 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "CausalLM",
     "CheckpointError",
-    "KVCache",
+    "PromptCache",
+    "ResponseCache",
     "ModelConfig",
     "RopeScaling",
     "ValueModel",

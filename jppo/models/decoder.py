@@ -1,8 +1,9 @@
-"""The decoder (embedding, stacked layers, final norm), its LM and value heads, and the KV cache.
+"""The decoder (embedding, stacked layers, final norm), its LM and value heads, and the sampler's caches.
 
 One layer, pre-norm: ``h += o(attention(rope(q(n1(h))), rope(k(n1(h))), v(n1(h))))``, then
 ``h += swiglu(n2(h))``. The ``num_layers`` layers are stored stacked (leading ``layers`` axis) and run by one
-``lax.scan``, so compile time does not grow with depth.
+``lax.scan``, so compile time does not grow with depth; decoding one token per row unrolls them instead, over
+per-layer caches (:meth:`DecoderLayers.decode` says why).
 
 Attention rule, for packed training rows and cached decoding alike: the query in slot ``i`` attends key slot
 ``j`` iff ``j <= i`` and ``segment_ids[j] == segment_ids[i] != 0``. Positions are explicit (RoPE reads
@@ -33,31 +34,51 @@ parameter                              shape                logical names
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
 from jppo.models.config import ModelConfig
-from jppo.models.layers import apply_rope, attention, attention_mask, rms_norm, rope_tables, swiglu, wide
+from jppo.models.layers import (
+    apply_rope,
+    attention,
+    attention_mask,
+    decode_attention,
+    rms_norm,
+    rope_tables,
+    swiglu,
+    wide,
+)
 from jppo.models.sharding import constrain, param, param_shardings
 
 Array = jax.Array
 
 HIDDEN = ("batch", "length", None)
-CACHE = ("layers", "batch", "length", "kv_heads", "head_dim")
+CACHE = ("batch", "kv_heads", "length", "head_dim")
 
 
 @struct.dataclass
-class KVCache:
-    """Keys and values of every layer for ``max_len`` slots per row, and the segment id of each slot.
+class PromptCache:
+    """Every layer's keys and values of a batch of prompts, stored once however many samples each prompt gets.
 
-    ``keys``/``values``: ``[num_layers, batch, max_len, num_kv_heads, head_dim]`` in the compute dtype, after
-    RoPE; ``segment_ids``: ``[batch, max_len]`` int32, 0 for a slot never written (or padding).
+    ``keys``/``values``: a tuple over layers of ``[B, K, P, E]`` arrays (compute dtype, after RoPE); ``visible``:
+    ``[B, P]`` bool, the real prompt tokens (padding is never attended).
     """
 
-    keys: Array
-    values: Array
-    segment_ids: Array
+    keys: tuple[Array, ...]
+    values: tuple[Array, ...]
+    visible: Array
+
+
+@struct.dataclass
+class ResponseCache:
+    """Every layer's keys and values of the generated tokens: a tuple over layers of ``[R, K, M, E]`` arrays for
+    ``R`` rows of ``M`` slots (slot ``t`` holds the ``t``-th generated token of the row)."""
+
+    keys: tuple[Array, ...]
+    values: tuple[Array, ...]
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], config: ModelConfig) -> Array:
@@ -93,32 +114,28 @@ class DecoderLayers(nnx.Module):
     def _stacked_weights(self) -> dict[str, Array]:
         return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
 
-    def __call__(
-        self,
-        hidden: Array,
-        rope: tuple[Array, Array],
-        mask: Array,
-        cache: tuple[Array, Array] | None = None,
-        cache_index: Array | int = 0,
-    ) -> tuple[Array, tuple[Array, Array] | None]:
-        """Runs all layers on ``hidden [B, T, D]``. With ``cache = (keys, values)`` each layer writes its new
-        keys/values at slots ``[cache_index, cache_index + T)`` and attends over all slots (``mask [B, T, S]``)."""
+    def _stacked_adapters(self) -> dict[str, tuple[Array, Array]]:
+        return {} if self.lora is None else self.lora.stacked()
+
+    def _block(self, h: Array, weights: dict, adapters: dict, rope: tuple[Array, Array], attend) -> tuple[Array, Any]:
+        """One layer on ``h [B, T, D]`` with that layer's ``weights`` and LoRA ``adapters``; ``attend(q, k, v)``
+        (``[B, T, heads, E]`` each, after RoPE) returns the attended values ``[B, T, H, E]`` and anything the
+        caller wants back from the layer (its keys and values, an updated cache)."""
         config = self.config
         dtype = config.compute_dtype
-        batch, length, _ = hidden.shape
+        batch, length, _ = h.shape
         cos, sin = rope
-
         scale = None if self.lora is None else self.lora.scale
 
-        def linear(x: Array, weights: dict[str, Array], adapters: dict, name: str) -> Array:
+        def linear(x: Array, name: str) -> Array:
             y = x @ weights[name].astype(dtype)
             if name in adapters:
                 a, b = adapters[name]
                 y = y + (scale * ((x @ a.astype(dtype)) @ b.astype(dtype))).astype(y.dtype)
             return y
 
-        def project(x: Array, weights: dict[str, Array], adapters: dict, name: str, heads: int, logical: str) -> Array:
-            y = linear(x, weights, adapters, f"{name}_proj")
+        def project(x: Array, name: str, heads: int, logical: str) -> Array:
+            y = linear(x, f"{name}_proj")
             if weights.get(f"{name}_bias") is not None:
                 y = y + weights[f"{name}_bias"].astype(dtype)
             y = constrain(y.reshape(batch, length, heads, config.head_dim), ("batch", "length", logical, None))
@@ -126,41 +143,90 @@ class DecoderLayers(nnx.Module):
                 y = rms_norm(y, weights[f"{name}_norm"], config.rms_norm_eps)
             return y
 
-        def layer(carry, inputs):
-            h, layer_cache = carry
-            weights, adapters, index = inputs
-            x = rms_norm(h, weights["input_norm"], config.rms_norm_eps)
-            q = apply_rope(project(x, weights, adapters, "q", config.num_heads, "q_heads"), cos, sin)
-            k = apply_rope(project(x, weights, adapters, "k", config.num_kv_heads, "kv_heads"), cos, sin)
-            v = project(x, weights, adapters, "v", config.num_kv_heads, "kv_heads")
-            if layer_cache is not None:
-                keys, values = (
-                    jax.lax.dynamic_update_slice(stack, new[None].astype(stack.dtype), (index, 0, cache_index, 0, 0))
-                    for stack, new in zip(layer_cache, (k, v))
-                )
-                layer_cache = (keys, values)
-                k, v = keys[index], values[index]
-            attended = attention(q, k, v, mask, config.attention).reshape(batch, length, config.q_size)
-            out = linear(attended, weights, adapters, "o_proj")
-            if weights.get("o_bias") is not None:
-                out = out + weights["o_bias"].astype(dtype)
-            h = h + out
-            x = rms_norm(h, weights["post_attention_norm"], config.rms_norm_eps)
-            if adapters:
-                mlp = linear(jax.nn.silu(linear(x, weights, adapters, "gate_proj")) * linear(x, weights, adapters, "up_proj"),
-                             weights, adapters, "down_proj")
-            else:
-                up, gate, down = (weights[name].astype(dtype) for name in ("up_proj", "gate_proj", "down_proj"))
-                mlp = swiglu(x, gate, up, down)
-            h = constrain(h + mlp, HIDDEN)
-            return (h, layer_cache), None
+        x = rms_norm(h, weights["input_norm"], config.rms_norm_eps)
+        q = apply_rope(project(x, "q", config.num_heads, "q_heads"), cos, sin)
+        k = apply_rope(project(x, "k", config.num_kv_heads, "kv_heads"), cos, sin)
+        v = project(x, "v", config.num_kv_heads, "kv_heads")
+        attended, extra = attend(q, k, v)
+        out = linear(attended.reshape(batch, length, config.q_size), "o_proj")
+        if weights.get("o_bias") is not None:
+            out = out + weights["o_bias"].astype(dtype)
+        h = h + out
+        x = rms_norm(h, weights["post_attention_norm"], config.rms_norm_eps)
+        if adapters:
+            mlp = linear(jax.nn.silu(linear(x, "gate_proj")) * linear(x, "up_proj"), "down_proj")
+        else:
+            up, gate, down = (weights[name].astype(dtype) for name in ("up_proj", "gate_proj", "down_proj"))
+            mlp = swiglu(x, gate, up, down)
+        return constrain(h + mlp, HIDDEN), extra
 
-        if config.remat:
+    def _scan(self, hidden: Array, rope: tuple[Array, Array], attend) -> tuple[Array, Any]:
+        """All layers by one ``lax.scan`` (compile time independent of depth); the ``extra`` of every layer's
+        ``attend`` comes back stacked over layers."""
+
+        def layer(h, inputs):
+            weights, adapters = inputs
+            return self._block(h, weights, adapters, rope, attend)
+
+        if self.config.remat:
             layer = jax.checkpoint(layer, prevent_cse=False)
-        adapters = {} if self.lora is None else self.lora.stacked()
-        inputs = (self._stacked_weights(), adapters, jnp.arange(config.num_layers))
-        (hidden, cache), _ = jax.lax.scan(layer, (hidden, cache), inputs)
-        return hidden, cache
+        return jax.lax.scan(layer, hidden, (self._stacked_weights(), self._stacked_adapters()))
+
+    def __call__(self, hidden: Array, rope: tuple[Array, Array], mask: Array) -> Array:
+        """Runs all layers on ``hidden [B, T, D]``, each query attending the keys of ``mask [B, T, T]``."""
+        attend = lambda q, k, v: (attention(q, k, v, mask, self.config.attention), None)  # noqa: E731
+        return self._scan(hidden, rope, attend)[0]
+
+    def prefill(self, hidden: Array, rope: tuple[Array, Array], mask: Array) -> tuple[Array, tuple[Array, Array]]:
+        """:meth:`__call__` that also returns every layer's keys and values, ``[L, B, K, T, E]`` each (heads
+        before slots, the layout :func:`decode_attention` contracts without a transpose)."""
+
+        def attend(q, k, v):
+            keep = tuple(x.transpose(0, 2, 1, 3) for x in (k, v))
+            return attention(q, k, v, mask, self.config.attention), keep
+
+        return self._scan(hidden, rope, attend)
+
+    def unstacked(self) -> tuple[tuple[dict, dict], ...]:
+        """Each layer's ``(weights, adapters)`` sliced out of the stacks: taken once before a decoding loop, since
+        XLA does not hoist the slices out of it (they cost a tenth of a small model's decode step)."""
+        weights, adapters = self._stacked_weights(), self._stacked_adapters()
+        return tuple(
+            ({name: w[index] for name, w in weights.items()},
+             {name: (a[index], b[index]) for name, (a, b) in adapters.items()})
+            for index in range(self.config.num_layers)
+        )
+
+    def decode(
+        self,
+        hidden: Array,
+        rope: tuple[Array, Array],
+        prompt: PromptCache,
+        cache: ResponseCache,
+        slots: Array,
+        layers: tuple[tuple[dict, dict], ...],
+    ) -> tuple[Array, ResponseCache]:
+        """One new token per row, ``hidden [R, 1, D]``: each layer writes the token's key and value at response
+        slot ``slots[r]`` of row ``r`` and attends to the row's prompt block and response slots ``<= slots[r]``.
+        ``layers`` is :meth:`unstacked`.
+
+        The layers are unrolled, each with its own cache arrays: a scan over stacked caches would copy a layer's
+        whole cache out of the stack at every step (the cost then grows with the cache, not the arithmetic).
+        """
+        rows = hidden.shape[0]
+        response_visible = jnp.arange(cache.keys[0].shape[2])[None, :] <= slots[:, None]
+        keys, values = list(cache.keys), list(cache.values)
+        for index, (layer_weights, layer_adapters) in enumerate(layers):
+
+            def attend(q, k, v, index=index):
+                for stack, new in ((keys, k), (values, v)):
+                    stack[index] = stack[index].at[jnp.arange(rows), :, slots].set(new[:, 0].astype(stack[index].dtype))
+                out = decode_attention(q[:, 0], prompt.keys[index], prompt.values[index], prompt.visible,
+                                       keys[index], values[index], response_visible)
+                return out[:, None], None
+
+            hidden, _ = self._block(hidden, layer_weights, layer_adapters, rope, attend)
+        return hidden, ResponseCache(keys=tuple(keys), values=tuple(values))
 
 
 class Decoder(nnx.Module):
@@ -173,40 +239,49 @@ class Decoder(nnx.Module):
         self.layers = DecoderLayers(config, rngs=rngs)
         self.norm = param(jnp.ones((config.hidden_size,), config.weight_dtype), (None,))
 
-    def __call__(
-        self,
-        input_ids: Array,
-        positions: Array | None = None,
-        segment_ids: Array | None = None,
-        cache: KVCache | None = None,
-        cache_index: Array | int | None = None,
-    ) -> tuple[Array, KVCache | None]:
-        positions, segment_ids = _check_inputs(input_ids, positions, segment_ids)
-        length = input_ids.shape[1]
+    def _embed(self, input_ids: Array, positions: Array) -> tuple[Array, tuple[Array, Array]]:
         # the table gathered over "embed" (as FSDP does for any weight in use), still split by vocabulary: a
         # lookup straight from the (vocab, embed)-sharded table makes XLA replicate it whole
         embedding = constrain(self.embed_tokens[...].astype(self.config.compute_dtype), ("vocab", None))
         # clip: a padding id outside the vocabulary must not turn into NaN (jnp.take fills those with NaN)
         hidden = constrain(jnp.take(embedding, input_ids, axis=0, mode="clip"), HIDDEN)
-        rope = rope_tables(positions, self.config)
-        if cache is None:
-            if cache_index is not None:
-                raise ValueError("cache_index was given without a cache")
-            mask = attention_mask(segment_ids, jnp.arange(length), segment_ids)
-            hidden, _ = self.layers(hidden, rope, mask)
-        else:
-            cache_index = _check_cache_index(cache_index, length, cache)
-            slots = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids, (0, cache_index))
-            mask = attention_mask(segment_ids, cache_index + jnp.arange(length), slots)
-            hidden, (keys, values) = self.layers(hidden, rope, mask, (cache.keys, cache.values), cache_index)
-            cache = KVCache(keys=constrain(keys, CACHE), values=constrain(values, CACHE), segment_ids=slots)
-        return rms_norm(hidden, self.norm[...], self.config.rms_norm_eps), cache
+        return hidden, rope_tables(positions, self.config)
 
-    def init_cache(self, batch_size: int, max_len: int) -> KVCache:
+    def _norm(self, hidden: Array) -> Array:
+        return rms_norm(hidden, self.norm[...], self.config.rms_norm_eps)
+
+    def __call__(self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
+        positions, segment_ids = _check_inputs(input_ids, positions, segment_ids)
+        hidden, rope = self._embed(input_ids, positions)
+        mask = attention_mask(segment_ids, jnp.arange(input_ids.shape[1]), segment_ids)
+        return self._norm(self.layers(hidden, rope, mask))
+
+    def prefill(self, input_ids: Array, positions: Array, segment_ids: Array) -> tuple[Array, PromptCache]:
+        """:meth:`__call__` on a prompt batch, plus its :class:`PromptCache`."""
+        positions, segment_ids = _check_inputs(input_ids, positions, segment_ids)
+        hidden, rope = self._embed(input_ids, positions)
+        mask = attention_mask(segment_ids, jnp.arange(input_ids.shape[1]), segment_ids)
+        hidden, (keys, values) = self.layers.prefill(hidden, rope, mask)
+        per_layer = lambda stack: tuple(constrain(layer, CACHE) for layer in stack)  # noqa: E731
+        return self._norm(hidden), PromptCache(keys=per_layer(keys), values=per_layer(values),
+                                               visible=segment_ids != 0)
+
+    def decode(
+        self, tokens: Array, positions: Array, prompt: PromptCache, cache: ResponseCache, slots: Array, layers: tuple
+    ) -> tuple[Array, ResponseCache]:
+        """``tokens [R]`` at ``positions [R]``, written at response slots ``slots [R]``: hidden ``[R, D]``."""
+        hidden, rope = self._embed(tokens[:, None], positions[:, None])
+        hidden, cache = self.layers.decode(hidden, rope, prompt, cache, slots, layers)
+        cache = ResponseCache(keys=tuple(constrain(k, CACHE) for k in cache.keys),
+                              values=tuple(constrain(v, CACHE) for v in cache.values))
+        return self._norm(hidden[:, 0]), cache
+
+    def init_response_cache(self, rows: int, length: int) -> ResponseCache:
         config = self.config
-        shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
-        keys, values = (constrain(jnp.zeros(shape, config.compute_dtype), CACHE) for _ in range(2))  # own buffers
-        return KVCache(keys=keys, values=values, segment_ids=jnp.zeros((batch_size, max_len), jnp.int32))
+        shape = (rows, config.num_kv_heads, length, config.head_dim)
+        zeros = lambda: tuple(constrain(jnp.zeros(shape, config.compute_dtype), CACHE)  # noqa: E731
+                              for _ in range(config.num_layers))  # own buffers, one per layer
+        return ResponseCache(keys=zeros(), values=zeros())
 
 
 def _check_inputs(input_ids: Array, positions: Array | None, segment_ids: Array | None) -> tuple[Array, Array]:
@@ -224,15 +299,6 @@ def _check_inputs(input_ids: Array, positions: Array | None, segment_ids: Array 
     return positions, segment_ids.astype(jnp.int32)
 
 
-def _check_cache_index(cache_index: Array | int | None, length: int, cache: KVCache) -> Array | int:
-    max_len = cache.segment_ids.shape[1]
-    cache_index = 0 if cache_index is None else cache_index
-    if isinstance(cache_index, int) and not 0 <= cache_index <= max_len - length:
-        # a traced index is not checked: dynamic_update_slice would clamp it and overwrite the last slots
-        raise ValueError(f"cache_index={cache_index} + {length} tokens does not fit a cache of max_len={max_len}")
-    return cache_index
-
-
 class CausalLM(nnx.Module):
     """Policy (and reference) model: the decoder and a language-model head (tied to the embedding or not)."""
 
@@ -245,24 +311,34 @@ class CausalLM(nnx.Module):
     def __call__(self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
         """Logits ``[B, T, V]`` float32. Defaults: ``positions = arange(T)``, ``segment_ids = 1`` (one sequence
         per row, no padding)."""
-        hidden, _ = self.hidden_states(input_ids, positions, segment_ids)
-        return self.logits(hidden)
+        return self.logits(self.hidden_states(input_ids, positions, segment_ids))
 
     def hidden_states(
-        self,
-        input_ids: Array,
-        positions: Array | None = None,
-        segment_ids: Array | None = None,
-        cache: KVCache | None = None,
-        cache_index: Array | int | None = None,
-    ) -> tuple[Array, KVCache | None]:
-        """Final-norm hidden states ``[B, T, D]`` (compute dtype) and the updated cache (``None`` without one).
+        self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None
+    ) -> Array:
+        """Final-norm hidden states ``[B, T, D]`` (compute dtype)."""
+        return self.decoder(input_ids, positions, segment_ids)
 
-        With a cache, the ``T`` tokens are written at slots ``[cache_index, cache_index + T)`` of every row
-        (``cache_index`` scalar, default 0) and each query attends to the cached slots up to its own that share
-        its non-zero segment id.
-        """
-        return self.decoder(input_ids, positions, segment_ids, cache, cache_index)
+    def prefill(self, input_ids: Array, positions: Array, segment_ids: Array) -> tuple[Array, PromptCache]:
+        """Hidden states of a prompt batch ``[B, P]`` and its :class:`PromptCache` (segment 0 is padding)."""
+        return self.decoder.prefill(input_ids, positions, segment_ids)
+
+    def decode(
+        self, tokens: Array, positions: Array, prompt: PromptCache, cache: ResponseCache, slots: Array, layers: tuple
+    ) -> tuple[Array, ResponseCache]:
+        """One token per row: ``tokens [R]`` at ``positions [R]``, its keys and values written at response slot
+        ``slots[r]`` of row ``r``, attending to the row's prompt (rows prompt-major, ``R / B`` per prompt of
+        ``prompt``) and its response slots ``<= slots[r]``. ``layers`` is :meth:`decoding_layers`, taken once
+        before the decoding loop. Returns hidden ``[R, D]`` and the updated cache."""
+        return self.decoder.decode(tokens, positions, prompt, cache, slots, layers)
+
+    def decoding_layers(self) -> tuple:
+        """Each layer's weights as arrays of their own, for :meth:`decode` (see ``DecoderLayers.unstacked``)."""
+        return self.decoder.layers.unstacked()
+
+    def init_response_cache(self, rows: int, length: int) -> ResponseCache:
+        """An empty :class:`ResponseCache` of ``rows`` rows and ``length`` slots."""
+        return self.decoder.init_response_cache(rows, length)
 
     def logits(self, hidden: Array) -> Array:
         """``hidden [..., D] -> logits [..., V]`` in float32."""
@@ -274,10 +350,6 @@ class CausalLM(nnx.Module):
             kernel = self.lm_head[...].astype(dtype)
             logits = jnp.einsum("...d,dv->...v", hidden, kernel, preferred_element_type=wide(dtype))
         return constrain(logits, ("batch", "length", "vocab")) if logits.ndim == 3 else logits
-
-    def init_cache(self, batch_size: int, max_len: int) -> KVCache:
-        """An empty cache (zeros, every slot segment 0) for ``batch_size`` rows of ``max_len`` slots."""
-        return self.decoder.init_cache(batch_size, max_len)
 
 
 class ValueHead(nnx.Module):
@@ -304,12 +376,11 @@ class ValueModel(nnx.Module):
         self.value_head = ValueHead(config, rngs=rngs)
 
     def __call__(self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
-        hidden, _ = self.hidden_states(input_ids, positions, segment_ids)
-        return self.value_head(hidden)
+        return self.value_head(self.hidden_states(input_ids, positions, segment_ids))
 
     def hidden_states(
         self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None
-    ) -> tuple[Array, None]:
+    ) -> Array:
         return self.decoder(input_ids, positions, segment_ids)
 
     @classmethod

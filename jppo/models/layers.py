@@ -139,6 +139,61 @@ def fused_attention(query: Array, key: Array, value: Array, mask: Array, impleme
     return jnp.where(sees_a_key, out, jnp.zeros_like(out))
 
 
+def decode_attention(
+    query: Array,
+    prompt_keys: Array,
+    prompt_values: Array,
+    prompt_visible: Array,
+    response_keys: Array,
+    response_values: Array,
+    response_visible: Array,
+) -> Array:
+    """One new token per row attending to its prompt's block and to its own response block: the softmax of
+    :func:`reference_attention` taken over the concatenation ``[prompt slots, response slots]``.
+
+    ``query [R, H, E]``; ``prompt_keys``/``prompt_values [B, K, P, E]`` with ``prompt_visible [B, P]``, shared by
+    the ``n = R / B`` consecutive rows of each prompt (rows prompt-major), so a prompt's keys are stored and read
+    once for its ``n`` samples: its scores are one ``[n G, E] x [E, P]`` product per (prompt, kv head) instead of
+    ``n`` matrix-vector products over ``n`` copies; ``response_keys``/``response_values [R, K, M, E]`` with
+    ``response_visible [R, M]``. Heads-before-slots layouts make every contraction a plain batched matmul.
+    Masked scores are replaced before the float32 softmax and their probabilities zeroed after it, as in the
+    reference, so a row with nothing visible gets 0.
+    """
+    rows, num_heads, head_dim = query.shape
+    prompts, num_kv_heads, prompt_len, _ = prompt_keys.shape
+    n, group = rows // prompts, num_heads // num_kv_heads
+    precision = wide(query.dtype)
+    scale = head_dim**-0.5
+
+    def by_prompt(x: Array) -> Array:  # [R, K, G, X] -> [B, K, n G, X]
+        x = x.reshape(prompts, n, num_kv_heads, group, x.shape[-1])
+        return x.transpose(0, 2, 1, 3, 4).reshape(prompts, num_kv_heads, n * group, x.shape[-1])
+
+    def by_row(x: Array) -> Array:  # [B, K, n G, X] -> [R, K, G, X]
+        x = x.reshape(prompts, num_kv_heads, n, group, x.shape[-1])
+        return x.transpose(0, 2, 1, 3, 4).reshape(rows, num_kv_heads, group, x.shape[-1])
+
+    grouped = query.reshape(rows, num_kv_heads, group, head_dim)
+    prompt_scores = by_row(jnp.einsum("bkqe,bkpe->bkqp", by_prompt(grouped), prompt_keys,
+                                      preferred_element_type=precision))
+    response_scores = jnp.einsum("rkge,rkme->rkgm", grouped, response_keys, preferred_element_type=precision)
+    # one softmax over both blocks, without concatenating them
+    prompt_visible = jnp.repeat(prompt_visible, n, axis=0)[:, None, None, :]
+    response_visible = response_visible[:, None, None, :]
+    lowest = jnp.finfo(precision).min
+    prompt_scores = jnp.where(prompt_visible, prompt_scores * scale, lowest)
+    response_scores = jnp.where(response_visible, response_scores * scale, lowest)
+    top = jnp.maximum(prompt_scores.max(axis=-1, keepdims=True), response_scores.max(axis=-1, keepdims=True))
+    prompt_weights = jnp.where(prompt_visible, jnp.exp(prompt_scores - top), 0.0)
+    response_weights = jnp.where(response_visible, jnp.exp(response_scores - top), 0.0)
+    total = prompt_weights.sum(axis=-1, keepdims=True) + response_weights.sum(axis=-1, keepdims=True)
+    total = jnp.where(total > 0, total, 1.0)  # nothing visible: every weight is 0, and so is the output
+    dtype = prompt_values.dtype
+    out = by_row(jnp.einsum("bkqp,bkpe->bkqe", by_prompt((prompt_weights / total).astype(dtype)), prompt_values))
+    out = out + jnp.einsum("rkgm,rkme->rkge", (response_weights / total).astype(dtype), response_values)
+    return out.reshape(rows, num_heads, head_dim)
+
+
 def swiglu(x: Array, gate: Array, up: Array, down: Array) -> Array:
     """``(silu(x W_gate) * (x W_up)) W_down`` with ``W_gate``, ``W_up [D, F]`` and ``W_down [F, D]``."""
     return (jax.nn.silu(x @ gate) * (x @ up)) @ down

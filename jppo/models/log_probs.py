@@ -50,7 +50,7 @@ def token_log_probs(
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     if isinstance(temperature, (int, float)) and temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    hidden, _ = model.hidden_states(input_ids, positions, segment_ids)
+    hidden = model.hidden_states(input_ids, positions, segment_ids)
     batch, length, width = hidden.shape
     chunk = min(chunk_size, length)
     num_chunks = -(-length // chunk)

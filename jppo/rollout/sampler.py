@@ -1,22 +1,23 @@
 """The generation loop: one prefill of the prompt batch, then token-by-token decoding from a KV cache.
 
-For a batch of ``B`` prompts padded to width ``P`` and ``n`` samples per prompt:
+For a batch of ``B`` prompts padded to width ``P`` and ``n`` samples per prompt (``R = B n`` rows, prompt-major):
 
 1. positions are ``cumsum(mask) - 1`` and segment ids are ``mask`` (padding is segment 0, so no real token ever
-   attends to it); the cache holds ``P + max_new_tokens`` slots;
-2. the whole prompt batch is prefilled in one call (cache slots ``[0, P)``), and the logits of each row's last real
-   prompt token give the first new token;
-3. the cache and those logits are repeated ``n`` times (prompt-major rows ``[p0s0, p0s1, ..., p1s0, ...]``), so a
-   prompt is encoded once however many samples it gets;
-4. step ``t >= 1`` feeds token ``t - 1`` at cache slot ``P + t - 1`` and position ``len(prompt) + t - 1`` and samples
-   token ``t``, inside ``lax.while_loop``, which stops once every row has finished.
+   attends to it);
+2. the whole prompt batch is prefilled in one call into a :class:`~jppo.models.PromptCache` holding each prompt's
+   keys and values once, however many samples it gets (its ``n`` samples read one shared block), and the logits
+   of each prompt's last real token give the first new token of each of its samples;
+3. step ``t >= 1`` feeds token ``t - 1`` of every row at response slot ``t - 1`` and position ``len(prompt) + t -
+   1`` of a :class:`~jppo.models.ResponseCache` (``R x max_new_tokens`` slots) and samples token ``t``, inside
+   ``lax.while_loop``, which stops once every row has finished.
 
 A row finishes at its first token in ``eos_token_ids`` (kept, and counted in the mask) or after
 ``max_new_tokens``; later slots hold ``pad_token_id`` with mask 0 and log-prob 0. A row whose prompt mask is all
 zero (e.g. a filler row that makes the batch divisible by the mesh) gets an empty response.
 
-Step ``t`` draws with ``fold_in(key, t)``: the same key gives the same tokens, whether or not the loop stops early.
-Nothing leaves the device inside the loop, so the program runs unchanged with rows sharded over a mesh.
+Row ``r`` draws token ``t`` with ``fold_in(fold_in(key, r), t)`` (:func:`row_keys`): a row's tokens depend on the
+key, its index and its own logits only, whether or not the loop stops early. Nothing leaves the device inside
+the loop, so the program runs unchanged with rows sharded over a mesh.
 
 Compilation depends on the shapes ``(B, P)`` and on :class:`SamplingParams`, never on the prompt contents: pad
 prompts to a few bucketed widths (:func:`pad_prompts`) and one compilation serves every batch in a bucket.
@@ -169,25 +170,28 @@ def _check_inputs(vocab_size: int, prompt_ids: Any, prompt_mask: Any, params: Sa
             raise ValueError(f"SamplingParams.{name}={ids} has ids outside the vocabulary of size {vocab_size}")
 
 
-def _repeat_cache(cache: Any, n: int) -> Any:
-    # KVCache layout: keys/values [layers, batch, ...], segment_ids [batch, ...].
-    return cache.replace(
-        keys=jnp.repeat(cache.keys, n, axis=1),
-        values=jnp.repeat(cache.values, n, axis=1),
-        segment_ids=jnp.repeat(cache.segment_ids, n, axis=0),
-    )
+def row_keys(key: Array, rows: Array) -> Array:
+    """The key of each row: ``fold_in(key, row)`` for global row indices ``rows``. Token ``t`` of a row is drawn
+    with ``fold_in(row key, t)``, so a row's sample depends only on its key, its index and its own logits: not on
+    the other rows, the batch size, the loop stopping early or the order rows are decoded in."""
+    return jax.vmap(lambda row: jax.random.fold_in(key, row))(rows)
 
 
-def _record(state: _DecodeState, logits: Array, key: Array, params: SamplingParams) -> _DecodeState:
+def draw(keys: Array, steps: Array, logits: Array, params: SamplingParams) -> tuple[Array, Array]:
+    """Token ``steps[r]`` of each row from ``logits [R, V]`` with the row keys ``keys [R]``: ``(tokens, log_probs)``."""
+
+    def one(key, step, row_logits):
+        tokens, log_probs = sample_tokens(jax.random.fold_in(key, step), row_logits[None],
+                                          temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                          greedy=params.greedy)
+        return tokens[0], log_probs[0]
+
+    return jax.vmap(one)(keys, steps, logits)
+
+
+def _record(state: _DecodeState, logits: Array, keys: Array, params: SamplingParams) -> _DecodeState:
     """Samples token ``state.step`` from ``logits`` and writes it (or padding, for finished rows) to the buffers."""
-    tokens, log_probs = sample_tokens(
-        jax.random.fold_in(key, state.step),
-        logits,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        greedy=params.greedy,
-    )
+    tokens, log_probs = draw(keys, jnp.broadcast_to(state.step, keys.shape), logits, params)
     live = ~state.done
     tokens = jnp.where(live, tokens, params.pad_token_id)
     is_eos = jnp.isin(tokens, jnp.asarray(params.eos_token_ids, dtype=jnp.int32)) & live
@@ -202,11 +206,24 @@ def _record(state: _DecodeState, logits: Array, key: Array, params: SamplingPara
     )
 
 
+def prefill(model: Any, prompt_ids: Array, prompt_mask: Array) -> tuple[Any, Array, Array]:
+    """Encodes the prompt batch once: its cache, each prompt's real token count, and the logits of each prompt's
+    last real token (which give the first new token)."""
+    counts = jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32)
+    positions = jnp.where(prompt_mask, counts - 1, 0)
+    hidden, prompt = model.prefill(prompt_ids, positions, prompt_mask.astype(jnp.int32))
+    # The first new token follows each row's last real prompt token (the last column for left-padded prompts).
+    prompt_len = prompt_ids.shape[1]
+    last_real = prompt_len - 1 - jnp.argmax(prompt_mask[:, ::-1], axis=1)
+    first_logits = model.logits(jnp.take_along_axis(hidden, last_real[:, None, None], axis=1)[:, 0])
+    return prompt, counts[:, -1], first_logits
+
+
 def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
     """Samples responses; a traceable function of arrays (call it under ``jax.jit``, or use :func:`generate`).
 
     Args:
-        model: a ``CausalLM`` (``hidden_states``/``logits``/``init_cache`` with a KV cache).
+        model: a ``CausalLM`` (``prefill``/``decode``/``init_response_cache``/``logits``).
         prompt_ids: ``[B, P]`` integer, padded (left-padded by :func:`pad_prompts`; any layout works, since
             each row continues after its last real token).
         prompt_mask: ``[B, P]`` bool (or 0/1), 1 on real prompt tokens.
@@ -214,45 +231,35 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         params: static :class:`SamplingParams`.
     """
     _check_inputs(model.config.vocab_size, prompt_ids, prompt_mask, params)
-    batch, prompt_len = prompt_ids.shape
+    batch = prompt_ids.shape[0]
     n, max_new = params.n, params.max_new_tokens
     prompt_ids = prompt_ids.astype(jnp.int32)
     prompt_mask = prompt_mask.astype(bool)
-
-    counts = jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32)
-    positions = jnp.where(prompt_mask, counts - 1, 0)
-    cache = model.init_cache(batch, prompt_len + max_new)
-    hidden, cache = model.hidden_states(prompt_ids, positions, prompt_mask.astype(jnp.int32), cache, 0)
-    # The first new token follows each row's last real prompt token (the last column for left-padded prompts).
-    last_real = prompt_len - 1 - jnp.argmax(prompt_mask[:, ::-1], axis=1)
-    first_logits = model.logits(jnp.take_along_axis(hidden, last_real[:, None, None], axis=1)[:, 0])
+    prompt, prompt_counts, first_logits = prefill(model, prompt_ids, prompt_mask)
 
     rows = batch * n
-    prompt_tokens = jnp.repeat(counts[:, -1], n)
+    layers = model.decoding_layers()
+    keys = row_keys(key, jnp.arange(rows))
+    prompt_tokens = jnp.repeat(prompt_counts, n)
     state = _DecodeState(
         step=jnp.zeros((), jnp.int32),
         last_tokens=jnp.zeros((rows,), jnp.int32),
         done=prompt_tokens == 0,
-        cache=_repeat_cache(cache, n),
+        cache=model.init_response_cache(rows, max_new),
         response_ids=jnp.full((rows, max_new), params.pad_token_id, jnp.int32),
         response_mask=jnp.zeros((rows, max_new), bool),
         log_probs=jnp.zeros((rows, max_new), jnp.float32),
     )
-    state = _record(state, jnp.repeat(first_logits, n, axis=0), key, params)
+    state = _record(state, jnp.repeat(first_logits, n, axis=0), keys, params)
 
     def unfinished(state: _DecodeState) -> Array:
         return (state.step < max_new) & ~jnp.all(state.done)
 
     def decode_step(state: _DecodeState) -> _DecodeState:
         fed = state.step - 1
-        hidden, cache = model.hidden_states(
-            state.last_tokens[:, None],
-            (prompt_tokens + fed)[:, None],
-            jnp.ones((rows, 1), jnp.int32),
-            state.cache,
-            prompt_len + fed,
-        )
-        return _record(state.replace(cache=cache), model.logits(hidden[:, 0]), key, params)
+        slots = jnp.full((rows,), fed)
+        hidden, cache = model.decode(state.last_tokens, prompt_tokens + fed, prompt, state.cache, slots, layers)
+        return _record(state.replace(cache=cache), model.logits(hidden), keys, params)
 
     state = jax.lax.while_loop(unfinished, decode_step, state)
     return RolloutBatch(
