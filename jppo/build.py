@@ -155,7 +155,8 @@ def sampling_params(
     greedy response per prompt whose reward is ReMax's baseline. Without a tokenizer (checking the config before
     the vocabulary is loaded) there is no EOS and padding is token 0."""
     eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()  # every id that ends a response
-    tokens = dict(eos_token_ids=eos, pad_token_id=0 if tokenizer is None else tokenizer.pad_id)
+    tokens = dict(eos_token_ids=eos, pad_token_id=0 if tokenizer is None else tokenizer.pad_id,
+                  max_num_seqs=cfg.rollout.max_num_seqs)
     if greedy_baseline:
         return SamplingParams(max_new_tokens=cfg.rollout.max_response_length, greedy=True, n=1, **tokens)
     if validation:

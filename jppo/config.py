@@ -108,6 +108,11 @@ class RolloutSection:
     ``bfloat16`` sampling against float32 training is the rollout/trainer mismatch that
     ``actor.rollout_correction`` corrects and its ``rollout_corr/*`` metrics show.
 
+    ``max_num_seqs``: rows the sampler decodes at once (0: all of a batch). Fewer rows than the batch turns on
+    continuous batching: a row that ends hands its slot to the next waiting row, so no decoding step is spent on
+    finished rows (responses with a long tail of lengths), at a cost in parallelism per step; each row's tokens
+    are the same either way (:mod:`jppo.rollout.sampler`).
+
     ``env``: a multi-turn environment (``builtin:calculator``, ``path/to/file.py:make_env`` or
     ``package.module:make_env``, see :mod:`jppo.rollout.env`); each response then alternates up to ``max_turns``
     model turns with the environment's observations, which are attended but masked out of every loss."""
@@ -124,6 +129,7 @@ class RolloutSection:
     dtype: Optional[str] = None  # the sampler's compute dtype; default: model.dtype
     env: Optional[str] = None  # multi-turn environment factory; None: single-turn
     max_turns: int = 4  # model turns per response with an env
+    max_num_seqs: int = 0  # rows decoded at once; 0: every row of the batch (continuous batching below that)
 
 
 @dataclasses.dataclass(frozen=True)

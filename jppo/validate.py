@@ -283,9 +283,10 @@ def _check_algorithm(cfg: TrainConfig) -> None:
 # The sampler's settings (SamplingParams fields) and the config keys that give them, per use.
 _SAMPLING_KEYS = {
     "training": {"n": "rollout.n", "temperature": "rollout.temperature", "top_k": "rollout.top_k",
-                 "top_p": "rollout.top_p", "max_new_tokens": "rollout.max_response_length"},
+                 "top_p": "rollout.top_p", "max_new_tokens": "rollout.max_response_length",
+                 "max_num_seqs": "rollout.max_num_seqs"},
     "validation": {"n": "rollout.val_n", "temperature": "rollout.val_temperature",
-                   "max_new_tokens": "rollout.max_response_length"},
+                   "max_new_tokens": "rollout.max_response_length", "max_num_seqs": "rollout.max_num_seqs"},
 }
 
 

@@ -70,6 +70,7 @@ def test_resolved_config_round_trips(tmp_path):
         (["algorithm.adv_estimator=grpo"], "rollout.n=1"),
         (["critic.enable=false"], "critic.enable=False"),
         (["rollout.top_p=0"], "rollout.top_p=0"),
+        (["rollout.max_num_seqs=-2"], "rollout.max_num_seqs=-2"),
         (["trainer.resume=/no/such/dir"], "trainer.resume='/no/such/dir'"),
         (["data.task=files"], "data.train_files"),
         (["data.train_batch_size=10", "actor.ppo_mini_batch_size=4"], "actor.ppo_mini_batch_size=4 (prompts) does not divide"),

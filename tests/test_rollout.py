@@ -87,16 +87,17 @@ class TinyLM(nnx.Module):
     def decoding_layers(self):
         return ()
 
-    def decode(self, tokens, positions, prompt, cache, slots, layers):
+    def decode(self, tokens, positions, prompt, cache, slots, layers, prompt_rows=None):
         x, q, k, v = self._qkv(tokens[:, None], positions[:, None])
         rows = tokens.shape[0]
         cache = TinyResponse(cache.keys.at[jnp.arange(rows), slots].set(k[:, 0]),
                              cache.values.at[jnp.arange(rows), slots].set(v[:, 0]))
-        n = rows // prompt.keys.shape[0]  # rows are prompt-major
-        keys = jnp.concatenate([jnp.repeat(prompt.keys, n, axis=0), cache.keys], axis=1)
-        values = jnp.concatenate([jnp.repeat(prompt.values, n, axis=0), cache.values], axis=1)
+        if prompt_rows is None:  # rows are prompt-major
+            prompt_rows = jnp.arange(rows) // (rows // prompt.keys.shape[0])
+        keys = jnp.concatenate([prompt.keys[prompt_rows], cache.keys], axis=1)
+        values = jnp.concatenate([prompt.values[prompt_rows], cache.values], axis=1)
         response_visible = jnp.arange(cache.keys.shape[1])[None, :] <= slots[:, None]
-        allowed = jnp.concatenate([jnp.repeat(prompt.visible, n, axis=0), response_visible], axis=1)[:, None, :]
+        allowed = jnp.concatenate([prompt.visible[prompt_rows], response_visible], axis=1)[:, None, :]
         return self._attend(x, q, keys, values, allowed)[:, 0], cache
 
     def logits(self, hidden):
@@ -271,6 +272,49 @@ def test_same_key_same_samples_other_key_other_samples(tiny):
     assert all(len({row.tobytes() for row in group}) > SAMPLED.n // 2 for group in groups)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Continuous batching (max_num_seqs): the same rows as decoding all at once, without steps on finished rows.
+
+# an empty prompt (a filler row gets an empty response) and EOS ids that end rows at different lengths
+RAGGED_PROMPTS = [[3, 1, 4, 1, 5], [9, 2], [], [11], [2, 7, 1, 8, 2, 8]]
+RAGGED = SamplingParams(max_new_tokens=10, temperature=1.1, n=3, eos_token_ids=(7, 9, 13))
+
+
+def useful_decode_slots(out: RolloutBatch) -> int:
+    """Row-steps that produced a token: every generated token but each row's first needs one forward pass."""
+    lengths = np.asarray(out.response_mask).sum(axis=1)
+    return int(np.maximum(lengths - 1, 0).sum())
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4, 7])
+def test_continuous_batching_gives_each_row_the_tokens_of_decoding_all_rows_at_once(model, max_num_seqs):
+    prompt_ids, prompt_mask = pad_prompts(RAGGED_PROMPTS, pad_id=0, multiple=8)
+    together = generate(model, prompt_ids, prompt_mask, jax.random.key(4), RAGGED)
+    params = dataclasses.replace(RAGGED, max_num_seqs=max_num_seqs)
+    slots = generate(model, prompt_ids, prompt_mask, jax.random.key(4), params)
+    lengths = np.asarray(together.response_mask).sum(axis=1)
+    assert len(set(lengths[lengths > 0])) > 2  # rows end at several lengths: slots are refilled mid-run
+    for field in ("response_ids", "response_mask", "prompt_ids", "prompt_mask"):
+        np.testing.assert_array_equal(np.asarray(getattr(slots, field)), np.asarray(getattr(together, field)))
+    # a row's logits come from a gathered prompt block instead of the shared one: summation order only
+    np.testing.assert_allclose(np.asarray(slots.log_probs), np.asarray(together.log_probs), atol=LOG_PROB_ATOL)
+
+
+def test_continuous_batching_spends_no_step_on_a_finished_row(tiny):
+    prompt_ids, prompt_mask = pad_prompts(RAGGED_PROMPTS, pad_id=0, multiple=8)
+    together = generate(tiny, prompt_ids, prompt_mask, jax.random.key(4), RAGGED)
+    one_slot = generate(tiny, prompt_ids, prompt_mask, jax.random.key(4), dataclasses.replace(RAGGED, max_num_seqs=1))
+    useful = useful_decode_slots(together)
+    rows = len(RAGGED_PROMPTS) * RAGGED.n
+    longest = int(np.asarray(together.response_mask).sum(axis=1).max())
+    # all rows together: every row is decoded until the longest ends
+    assert int(together.decode_slots) == (longest - 1) * rows > useful
+    # one slot: one step per generated token after a row's first, plus one for each row that ends at its first
+    # token (here the empty prompts' rows), whose slot is refilled at the next step
+    ended_at_once = int((np.asarray(together.response_mask).sum(axis=1) <= 1).sum())
+    assert int(one_slot.decode_slots) == useful + ended_at_once
+
+
 def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     """Bool [.., V]: the smallest most-likely set whose probability reaches top_p (float64 reference)."""
     order = np.argsort(-probs, axis=-1)
@@ -348,10 +392,11 @@ def test_bucket_length():
     assert [bucket_length(p, multiple=8) for p in (0, 1, 8, 9, 16, 17)] == [8, 8, 8, 16, 16, 24]
 
 
-def test_rows_sharded_over_a_mesh_give_the_same_samples(causal_lm):
+@pytest.mark.parametrize("max_num_seqs", [0, 3])
+def test_rows_sharded_over_a_mesh_give_the_same_samples(causal_lm, max_num_seqs):
     prompts = PROMPTS + [[2, 7], [1, 1, 1], [5], [4, 4, 8, 1]]
     prompt_ids, prompt_mask = pad_prompts(prompts, pad_id=0, multiple=8)
-    params = SamplingParams(max_new_tokens=8, temperature=1.3, top_k=8, n=2)
+    params = SamplingParams(max_new_tokens=8, temperature=1.3, top_k=8, n=2, max_num_seqs=max_num_seqs)
     want = generate(causal_lm, prompt_ids, prompt_mask, jax.random.key(5), params)
     mesh = make_mesh(data=4, fsdp=2)
     with jax.set_mesh(mesh):
@@ -377,6 +422,7 @@ def test_rows_sharded_over_a_mesh_give_the_same_samples(causal_lm):
         (dict(max_new_tokens=4, temperature=-1.0), "temperature"),
         (dict(max_new_tokens=4, n=0), "n"),
         (dict(max_new_tokens=2.5), "max_new_tokens"),
+        (dict(max_new_tokens=4, max_num_seqs=-1), "max_num_seqs"),
     ],
 )
 def test_bad_sampling_params_are_named(kwargs, name):

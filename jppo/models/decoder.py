@@ -205,23 +205,27 @@ class DecoderLayers(nnx.Module):
         cache: ResponseCache,
         slots: Array,
         layers: tuple[tuple[dict, dict], ...],
+        prompt_rows: Array | None = None,
     ) -> tuple[Array, ResponseCache]:
         """One new token per row, ``hidden [R, 1, D]``: each layer writes the token's key and value at response
         slot ``slots[r]`` of row ``r`` and attends to the row's prompt block and response slots ``<= slots[r]``.
-        ``layers`` is :meth:`unstacked`.
+        ``layers`` is :meth:`unstacked`. Row ``r``'s prompt is ``prompt_rows[r]``; without ``prompt_rows`` the rows
+        are prompt-major, ``R / B`` per prompt, and read the shared blocks in place (no gather).
 
         The layers are unrolled, each with its own cache arrays: a scan over stacked caches would copy a layer's
         whole cache out of the stack at every step (the cost then grows with the cache, not the arithmetic).
         """
         rows = hidden.shape[0]
         response_visible = jnp.arange(cache.keys[0].shape[2])[None, :] <= slots[:, None]
+        visible = prompt.visible if prompt_rows is None else prompt.visible[prompt_rows]
+        rows_of = (lambda x: x) if prompt_rows is None else (lambda x: x[prompt_rows])  # noqa: E731
         keys, values = list(cache.keys), list(cache.values)
         for index, (layer_weights, layer_adapters) in enumerate(layers):
 
             def attend(q, k, v, index=index):
                 for stack, new in ((keys, k), (values, v)):
                     stack[index] = stack[index].at[jnp.arange(rows), :, slots].set(new[:, 0].astype(stack[index].dtype))
-                out = decode_attention(q[:, 0], prompt.keys[index], prompt.values[index], prompt.visible,
+                out = decode_attention(q[:, 0], rows_of(prompt.keys[index]), rows_of(prompt.values[index]), visible,
                                        keys[index], values[index], response_visible)
                 return out[:, None], None
 
@@ -267,11 +271,12 @@ class Decoder(nnx.Module):
                                                visible=segment_ids != 0)
 
     def decode(
-        self, tokens: Array, positions: Array, prompt: PromptCache, cache: ResponseCache, slots: Array, layers: tuple
+        self, tokens: Array, positions: Array, prompt: PromptCache, cache: ResponseCache, slots: Array, layers: tuple,
+        prompt_rows: Array | None = None,
     ) -> tuple[Array, ResponseCache]:
         """``tokens [R]`` at ``positions [R]``, written at response slots ``slots [R]``: hidden ``[R, D]``."""
         hidden, rope = self._embed(tokens[:, None], positions[:, None])
-        hidden, cache = self.layers.decode(hidden, rope, prompt, cache, slots, layers)
+        hidden, cache = self.layers.decode(hidden, rope, prompt, cache, slots, layers, prompt_rows)
         cache = ResponseCache(keys=tuple(constrain(k, CACHE) for k in cache.keys),
                               values=tuple(constrain(v, CACHE) for v in cache.values))
         return self._norm(hidden[:, 0]), cache
@@ -324,13 +329,14 @@ class CausalLM(nnx.Module):
         return self.decoder.prefill(input_ids, positions, segment_ids)
 
     def decode(
-        self, tokens: Array, positions: Array, prompt: PromptCache, cache: ResponseCache, slots: Array, layers: tuple
+        self, tokens: Array, positions: Array, prompt: PromptCache, cache: ResponseCache, slots: Array, layers: tuple,
+        prompt_rows: Array | None = None,
     ) -> tuple[Array, ResponseCache]:
         """One token per row: ``tokens [R]`` at ``positions [R]``, its keys and values written at response slot
-        ``slots[r]`` of row ``r``, attending to the row's prompt (rows prompt-major, ``R / B`` per prompt of
-        ``prompt``) and its response slots ``<= slots[r]``. ``layers`` is :meth:`decoding_layers`, taken once
-        before the decoding loop. Returns hidden ``[R, D]`` and the updated cache."""
-        return self.decoder.decode(tokens, positions, prompt, cache, slots, layers)
+        ``slots[r]`` of row ``r``, attending to its prompt (``prompt_rows[r]`` of ``prompt``; by default rows are
+        prompt-major, ``R / B`` per prompt) and its response slots ``<= slots[r]``. ``layers`` is
+        :meth:`decoding_layers`, taken once before the decoding loop. Returns hidden ``[R, D]`` and the cache."""
+        return self.decoder.decode(tokens, positions, prompt, cache, slots, layers, prompt_rows)
 
     def decoding_layers(self) -> tuple:
         """Each layer's weights as arrays of their own, for :meth:`decode` (see ``DecoderLayers.unstacked``)."""

@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx, struct
 
 from jppo.errors import InvalidSetting
+from jppo.models.sharding import constrain
 from jppo.rollout.processors import sample_tokens
 
 Array = jax.Array
@@ -58,6 +59,8 @@ class SamplingParams:
         n: samples per prompt.
         eos_token_ids: tokens that end a response (included in it).
         pad_token_id: fills response slots after the end.
+        max_num_seqs: rows decoded at once (continuous batching: a finished row's slot is refilled with the next
+            waiting row); ``0``, or at least the number of rows, decodes every row together.
     """
 
     max_new_tokens: int
@@ -68,11 +71,12 @@ class SamplingParams:
     n: int = 1
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    max_num_seqs: int = 0
 
     def __post_init__(self) -> None:
         # A list would make the params unhashable and so unusable as a static argument.
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        for name in ("max_new_tokens", "top_k", "n", "pad_token_id"):
+        for name in ("max_new_tokens", "top_k", "n", "pad_token_id", "max_num_seqs"):
             if not isinstance(getattr(self, name), (int, np.integer)):
                 raise InvalidSetting("SamplingParams.", name, getattr(self, name), "an integer")
         problems = {
@@ -82,6 +86,7 @@ class SamplingParams:
             "top_p": (self.top_p, 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
             "n": (self.n, self.n >= 1, "an integer >= 1"),
             "pad_token_id": (self.pad_token_id, self.pad_token_id >= 0, "a token id >= 0"),
+            "max_num_seqs": (self.max_num_seqs, self.max_num_seqs >= 0, "an integer >= 0 (0 = every row at once)"),
             "eos_token_ids": (self.eos_token_ids, all(t >= 0 for t in self.eos_token_ids), "token ids >= 0"),
         }
         for name, (value, ok, valid) in problems.items():
@@ -100,6 +105,9 @@ class RolloutBatch:
         response_mask: ``[R, max_new_tokens]`` bool, generated tokens up to and including the first EOS.
         log_probs: ``[R, max_new_tokens]`` float32, ``log softmax(logits / T)`` of each sampled token under the
             unfiltered tempered distribution; 0 where the mask is 0.
+        decode_slots: int32 scalar, row-steps the decoding loop computed (steps x rows decoded at once); every
+            generated token but a row's first took one, so ``sum(response_mask) - rows with a token`` over this
+            is the fraction of decoding work that was useful.
     """
 
     prompt_ids: Array
@@ -107,6 +115,7 @@ class RolloutBatch:
     response_ids: Array
     response_mask: Array
     log_probs: Array
+    decode_slots: Array
 
 
 @struct.dataclass
@@ -236,6 +245,9 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
     prompt_ids = prompt_ids.astype(jnp.int32)
     prompt_mask = prompt_mask.astype(bool)
     prompt, prompt_counts, first_logits = prefill(model, prompt_ids, prompt_mask)
+    if 0 < params.max_num_seqs < batch * n:
+        out = continuous_rollout(model, prompt, prompt_counts, first_logits, key, params)
+        return out.replace(prompt_ids=jnp.repeat(prompt_ids, n, axis=0), prompt_mask=jnp.repeat(prompt_mask, n, axis=0))
 
     rows = batch * n
     layers = model.decoding_layers()
@@ -268,6 +280,101 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         response_ids=state.response_ids,
         response_mask=state.response_mask,
         log_probs=state.log_probs,
+        decode_slots=(state.step - 1) * rows,
+    )
+
+
+@struct.dataclass
+class _SlotState:
+    slot_row: Array  # [S] the row a slot decodes; R when the slot is idle
+    slot_step: Array  # [S] the index of the row's next token
+    slot_done: Array  # [S] the row finished at its first token: free the slot at the next refill
+    last_tokens: Array  # [S] the token to feed
+    next_row: Array  # the first row not yet given a slot
+    steps: Array  # decoding steps so far
+    cache: Any
+    response_ids: Array
+    response_mask: Array
+    log_probs: Array
+
+
+def continuous_rollout(
+    model: Any, prompt: Any, prompt_counts: Array, first_logits: Array, key: Array, params: SamplingParams
+) -> RolloutBatch:
+    """Continuous batching over ``S = params.max_num_seqs`` slots: rows (prompt-major, ``R = B n``) wait in order;
+    a slot whose row finished takes the next waiting row at once, so no decoding step is spent on a finished row
+    while rows wait. A slot's response cache restarts at slot 0 for its new row (older entries are masked, then
+    overwritten); its prompt block is read from the shared :class:`~jppo.models.PromptCache`. Row ``r`` draws its
+    tokens with the keys of :func:`row_keys` and so gets the same tokens as decoding every row at once. Returns
+    the response fields (the caller adds the prompts).
+    """
+    n, max_new, num_slots = params.n, params.max_new_tokens, params.max_num_seqs
+    rows = first_logits.shape[0] * n
+    keys = row_keys(key, jnp.arange(rows + 1))  # + an idle slot's key, never used
+    eos = jnp.asarray(params.eos_token_ids, dtype=jnp.int32)
+    layers = model.decoding_layers()
+
+    def write(state: _SlotState, rows_written: Array, steps: Array, tokens: Array, log_probs: Array, live: Array):
+        where = (jnp.where(live, rows_written, rows), steps)  # an out-of-range row: the write is dropped
+        return state.replace(
+            response_ids=state.response_ids.at[where].set(tokens, mode="drop"),
+            response_mask=state.response_mask.at[where].set(True, mode="drop"),
+            log_probs=state.log_probs.at[where].set(log_probs, mode="drop"),
+        )
+
+    def refill(state: _SlotState, free: Array) -> _SlotState:
+        """Gives each free slot the next waiting row and samples that row's first token from its prompt."""
+        new_row = state.next_row + jnp.cumsum(free) - 1
+        take = free & (new_row < rows)
+        row = jnp.where(take, new_row, rows)
+        prompt_rows = jnp.minimum(row, rows - 1) // n
+        tokens, log_probs = draw(keys[row], jnp.zeros_like(row), first_logits[prompt_rows], params)
+        live = take & (prompt_counts[prompt_rows] > 0)  # an empty prompt gets an empty response
+        state = write(state, row, jnp.zeros_like(row), tokens, log_probs, live)
+        done_at_once = take & (~live | jnp.isin(tokens, eos) | (max_new == 1))
+        return state.replace(
+            slot_row=jnp.where(free, row, state.slot_row),
+            slot_step=jnp.where(free, 1, state.slot_step),
+            slot_done=jnp.where(free, done_at_once, state.slot_done),
+            last_tokens=jnp.where(free, tokens, state.last_tokens),
+            next_row=state.next_row + jnp.sum(take),
+        )
+
+    def busy(state: _SlotState) -> Array:
+        return jnp.any(state.slot_row < rows)
+
+    def decode_step(state: _SlotState) -> _SlotState:
+        live = (state.slot_row < rows) & ~state.slot_done
+        row = jnp.minimum(state.slot_row, rows - 1)
+        fed = jnp.maximum(state.slot_step - 1, 0)
+        hidden, cache = model.decode(state.last_tokens, prompt_counts[row // n] + fed, prompt, state.cache,
+                                     fed, layers, prompt_rows=row // n)
+        step = jnp.minimum(state.slot_step, max_new - 1)
+        tokens, log_probs = draw(keys[state.slot_row], step, model.logits(hidden), params)
+        state = write(state.replace(cache=cache, steps=state.steps + 1), state.slot_row, step, tokens, log_probs, live)
+        finished = live & (jnp.isin(tokens, eos) | (state.slot_step + 1 >= max_new))
+        state = state.replace(slot_step=state.slot_step + 1, last_tokens=tokens)
+        return refill(state, finished | state.slot_done | (state.slot_row >= rows))
+
+    slots = jnp.full((num_slots,), rows, jnp.int32)
+    state = _SlotState(
+        slot_row=slots,
+        slot_step=jnp.zeros((num_slots,), jnp.int32),
+        slot_done=jnp.zeros((num_slots,), bool),
+        last_tokens=jnp.zeros((num_slots,), jnp.int32),
+        next_row=jnp.zeros((), jnp.int32),
+        steps=jnp.zeros((), jnp.int32),
+        cache=model.init_response_cache(num_slots, max_new),
+        response_ids=jnp.full((rows, max_new), params.pad_token_id, jnp.int32),
+        response_mask=jnp.zeros((rows, max_new), bool),
+        log_probs=jnp.zeros((rows, max_new), jnp.float32),
+    )
+    state = jax.lax.while_loop(busy, decode_step, refill(state, jnp.ones((num_slots,), bool)))
+    by_row = lambda x: constrain(x, ("batch", None))  # noqa: E731  (rows leave sharded like the prompts came)
+    return RolloutBatch(
+        prompt_ids=None, prompt_mask=None, response_ids=by_row(state.response_ids),
+        response_mask=by_row(state.response_mask), log_probs=by_row(state.log_probs),
+        decode_slots=state.steps * num_slots,
     )
 
 
