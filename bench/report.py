@@ -212,7 +212,41 @@ def _transfers(result: dict) -> list[str]:
     return lines + [""]
 
 
+def _batching(result: dict) -> list[str]:
+    cb, sp = result["continuous_batching"], result["shared_prefix"]
+    work = cb["workload"]
+    lengths = work["measured_lengths"]
+    lines = _table_section(
+        "Sampler batching: continuous batching on a long-tailed workload",
+        f"{work['rows']} rows ({work['prompts']} prompts x {work['n']}), lengths {work['length_distribution']} "
+        f"(measured: mean {lengths['mean']:.0f}, median {lengths['median']:.0f}, p90 {lengths['p90']:.0f}, "
+        f"{lengths['at_cap'] * 100:.1f}% at the cap); {work['model']['num_layers']} layers "
+        f"d{work['model']['hidden_size']}; continuous = {work['max_num_seqs']} slots. Same tokens both ways: "
+        f"{cb['same_tokens']}.",
+        ["mode", "useful row-steps", "row-steps decoded", "median s", "tokens/s"],
+    )
+    for name in ("all_rows", "continuous"):
+        m = cb[name]
+        lines.append(f"| {name} | {_num(m['useful_slot_fraction'])} | {m['decode_slots']:,} | "
+                     f"{_num(m['median_s'])} | {_num(m['tokens_per_s'], 0)} |")
+    shape = sp["shape"]
+    lines += [""] + _table_section(
+        "Sampler batching: one prompt block for n samples",
+        f"{shape['prompts']} prompts of {shape['prompt']:,} tokens x n = {shape['n']}, {shape['max_new']} new tokens "
+        f"(no EOS), {shape['layers']} layers d{shape['hidden']}; copied = each sample with a prompt block of its own. "
+        f"Same tokens: {sp['same_tokens']}.",
+        ["layout", "cache MiB", "prompt block MiB", "response block MiB", "XLA temp MiB", "median s"],
+    )
+    for name in ("shared", "copied"):
+        m = sp[name]
+        lines.append(f"| {name} | {m['cache_bytes'] / MIB:,.1f} | {m['prompt_cache_bytes'] / MIB:,.1f} | "
+                     f"{m['response_cache_bytes'] / MIB:,.1f} | {m['xla_temp_bytes'] / MIB:,.1f} | "
+                     f"{_num(m['median_s'])} |")
+    return lines + [""]
+
+
 SECTIONS: dict[str, Callable[[dict], list[str]]] = {
+    "batching": _batching,
     "accumulation": _accumulation,
     "update_vs_torch": _update_vs_torch,
     "sampler": _sampler,

@@ -5,7 +5,8 @@
                         [--e2e-set key.sub=value ...]
 
 Benchmarks (each a ratio of candidates measured side by side in this one run; see each module's docstring):
-``memory`` (chunked log-probs vs full logits, in child processes), ``accumulation`` (K = 1..8 micro-batches,
+``memory`` (chunked log-probs vs full logits, in child processes), ``batching`` (continuous batching on a
+long-tailed workload, one prompt block per prompt vs per sample), ``accumulation`` (K = 1..8 micro-batches,
 global vs legacy normalization), ``update_vs_torch`` (jppo vs PyTorch eager, tiny and small), ``sampler`` (KV
 cache vs recomputation vs transformers), ``end_to_end`` (the quickstart config), ``transfers`` (host <-> device
 bytes of one GRPO step at a GSM8K-like shape, by phase and field), and ``accelerator`` (MFU, decode
@@ -32,14 +33,16 @@ from typing import Callable
 
 import jax
 
-from bench import accelerator, accumulation, end_to_end, memory, sampler, transfers, update_vs_torch
+from bench import accelerator, accumulation, batching, end_to_end, memory, sampler, transfers, update_vs_torch
 from bench.environment import describe, match_torch_threads
 from bench.report import write_markdown
 from jppo.config import ConfigError
 
 # Smoke mode compiles with LLVM optimisation off: about half the compile time, the same programs.
 QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0"
-ORDER = ("memory", "accumulation", "update_vs_torch", "sampler", "end_to_end", "transfers", "accelerator")
+ORDER = (
+    "memory", "accumulation", "update_vs_torch", "sampler", "batching", "end_to_end", "transfers", "accelerator"
+)
 RATIO_MEANINGS = {
     "accumulation_overhead_k8": "actor update time per token with K=8 micro-batches / with K=1 (goal <= 1.10)",
     "accumulation_compile_ratio_k8": "compile time of the update with K=8 / with K=1 (goal: about 1)",
@@ -50,6 +53,13 @@ RATIO_MEANINGS = {
     "d512, T=256); > 1: jppo faster",
     "sampler_vs_recompute": "KV-cache sampler tokens/s / full-recomputation decoding tokens/s (> 1: sampler faster)",
     "sampler_vs_transformers": "KV-cache sampler tokens/s / transformers generate tokens/s (> 1: jppo faster)",
+    "rollout_useful_slot_fraction": "decoding row-steps that produced a token / row-steps decoded, continuous "
+    "batching on the long-tailed workload (goal >= 0.8)",
+    "rollout_all_rows_useful_slot_fraction": "the same fraction decoding every row at once until the longest ends",
+    "rollout_continuous_vs_all_rows": "tokens/s with continuous batching / every row at once, long-tailed workload",
+    "rollout_shared_prefix_memory_ratio": "sampler cache bytes with one prompt block per prompt / one per sample, "
+    "2048-token prompts, 256 new, n = 8 (goal <= 0.5)",
+    "rollout_shared_prefix_speedup": "seconds per rollout, prompt block per sample / shared, same shape",
     "memory_chunked_vs_full_rss": "peak RSS of the update, chunked log-probs / full logits (< 1: chunking saves)",
     "memory_chunked_vs_full_xla_temp": "XLA temporary bytes, chunked / full logits (< 1: chunking saves)",
     "e2e_seconds_per_step": "median seconds per quickstart training step after the first (not a ratio)",
@@ -76,9 +86,25 @@ def _headlines(name: str, result: dict) -> dict:
         return {f"update_vs_torch_{size}": result[size]["ratio"] for size in ("tiny", "small")}
     if name == "sampler":
         return {key: result[key] for key in ("sampler_vs_recompute", "sampler_vs_transformers")}
+    if name == "batching":
+        cb, sp = result["continuous_batching"], result["shared_prefix"]
+        return {
+            "rollout_useful_slot_fraction": cb["rollout_useful_slot_fraction"],
+            "rollout_all_rows_useful_slot_fraction": cb["all_rows"]["useful_slot_fraction"],
+            "rollout_continuous_vs_all_rows": cb["rollout_continuous_vs_all_rows"],
+            "rollout_shared_prefix_memory_ratio": sp["rollout_shared_prefix_memory_ratio"],
+            "rollout_shared_prefix_speedup": sp["speedup"],
+        }
     if name == "memory":
         return {
-            "memory_chunked_vs_full_rss": result["peak_rss_ratio"],
+            "rollout_useful_slot_fraction": "decoding row-steps that produced a token / row-steps decoded, continuous "
+    "batching on the long-tailed workload (goal >= 0.8)",
+    "rollout_all_rows_useful_slot_fraction": "the same fraction decoding every row at once until the longest ends",
+    "rollout_continuous_vs_all_rows": "tokens/s with continuous batching / every row at once, long-tailed workload",
+    "rollout_shared_prefix_memory_ratio": "sampler cache bytes with one prompt block per prompt / one per sample, "
+    "2048-token prompts, 256 new, n = 8 (goal <= 0.5)",
+    "rollout_shared_prefix_speedup": "seconds per rollout, prompt block per sample / shared, same shape",
+    "memory_chunked_vs_full_rss": result["peak_rss_ratio"],
             "memory_chunked_vs_full_xla_temp": result["xla_temp_ratio"],
         }
     if name == "end_to_end":
@@ -129,6 +155,7 @@ def benchmarks(args: argparse.Namespace, out: pathlib.Path, names: list[str]) ->
             size: update_vs_torch.measure(size, args.quick, repeats) for size in ("tiny", "small")
         },
         "sampler": lambda: sampler.measure(args.quick, repeats),
+        "batching": lambda: batching.measure(args.quick, repeats),
         "end_to_end": lambda: end_to_end.measure(args.quick, out / "quickstart_run", extra_overrides=args.e2e_set),
         "transfers": lambda: transfers.measure(args.quick),
         "accelerator": lambda: accelerator.measure(accelerator.STAND_IN_SIZE if stand_in else accelerator.FULL, *peaks),

@@ -24,7 +24,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 REQUIRED = (
     "accumulation_overhead_k8", "normalization_overhead", "update_vs_torch_tiny", "update_vs_torch_small",
-    "sampler_vs_recompute", "sampler_vs_transformers",
+    "sampler_vs_recompute", "sampler_vs_transformers", "rollout_useful_slot_fraction",
+    "rollout_continuous_vs_all_rows", "rollout_shared_prefix_memory_ratio",
 )
 
 
@@ -68,6 +69,15 @@ def test_quick_run_details_are_consistent(quick_run):
         assert math.isfinite(phases[phase]) and phases[phase] >= 0, phase
     assert details["end_to_end"]["time_to_target"]["steps_run"] == end_to_end.QUICK_STEPS
     assert set(details["accumulation"]["steps"]) == {"K=1", "K=8", "K=8 legacy"}
+    batching = details["batching"]
+    # both comparisons are of layouts that must sample the same tokens
+    assert batching["continuous_batching"]["same_tokens"] and batching["shared_prefix"]["same_tokens"]
+    # decoded row-steps are counted exactly: slots refilled as rows end never decode more than all rows at once
+    cb = batching["continuous_batching"]
+    assert cb["continuous"]["decode_slots"] < cb["all_rows"]["decode_slots"]
+    assert 0 < cb["all_rows"]["useful_slot_fraction"] < cb["continuous"]["useful_slot_fraction"] <= 1
+    sp = batching["shared_prefix"]
+    assert sp["shared"]["prompt_cache_bytes"] * sp["shape"]["n"] <= sp["copied"]["prompt_cache_bytes"] * 1.1
 
 
 def test_quick_run_markdown_names_machine_versions_and_sections(quick_run):
@@ -75,7 +85,7 @@ def test_quick_run_markdown_names_machine_versions_and_sections(quick_run):
     versions = results["environment"]["versions"]
     for text in (f"jax {versions['jax']}", f"torch {versions['torch']}", f"transformers {versions['transformers']}",
                  results["environment"]["cpu"], "## Headline ratios", "## Accumulation", "## Update step vs PyTorch",
-                 "## Rollout", "## End to end", "## Memory", "## Accelerator"):
+                 "## Rollout", "## Sampler batching", "## End to end", "## Memory", "## Accelerator"):
         assert text in markdown, text
 
 
