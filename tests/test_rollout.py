@@ -286,6 +286,18 @@ def useful_decode_slots(out: RolloutBatch) -> int:
     return int(np.maximum(lengths - 1, 0).sum())
 
 
+def test_samples_reading_one_shared_prompt_block_equal_samples_with_a_copy_each(causal_lm):
+    # n samples of a prompt attend to one prompt block; the same rows given a copy of the prompt each (n = 1 over
+    # the repeated prompts) keep their row indices, hence their keys, and must sample the same tokens
+    prompt_ids, prompt_mask = pad_prompts(RAGGED_PROMPTS, pad_id=0, multiple=8)
+    shared = generate(causal_lm, prompt_ids, prompt_mask, jax.random.key(6), RAGGED)
+    copied = generate(causal_lm, np.repeat(prompt_ids, RAGGED.n, axis=0), np.repeat(prompt_mask, RAGGED.n, axis=0),
+                      jax.random.key(6), dataclasses.replace(RAGGED, n=1))
+    np.testing.assert_array_equal(np.asarray(shared.response_ids), np.asarray(copied.response_ids))
+    np.testing.assert_array_equal(np.asarray(shared.response_mask), np.asarray(copied.response_mask))
+    np.testing.assert_allclose(np.asarray(shared.log_probs), np.asarray(copied.log_probs), atol=LOG_PROB_ATOL)
+
+
 @pytest.mark.parametrize("max_num_seqs", [1, 4, 7])
 def test_continuous_batching_gives_each_row_the_tokens_of_decoding_all_rows_at_once(model, max_num_seqs):
     prompt_ids, prompt_mask = pad_prompts(RAGGED_PROMPTS, pad_id=0, multiple=8)
