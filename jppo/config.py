@@ -205,6 +205,7 @@ class TrainerSection:
     progress_bar: bool = True
     plots: bool = True
     critic_warmup: int = 0  # steps that train only the critic
+    compilation_cache: str = "auto"  # auto | off | FOLDER: the persistent XLA cache (jppo.compile_cache)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jppo import build, distributed
+from jppo import build, compile_cache, distributed
 from jppo.checkpoint import resolve_resume, restore_checkpoint
 from jppo.collect import validate
 from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config, to_dict
@@ -99,6 +99,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        cache = compile_cache.apply(cfg.trainer.compilation_cache)  # before anything compiles
+        log.info("compilation cache: %s", cache or "off")
         distributed.initialize(args)
         mesh_shape = check_mesh(cfg, jax.device_count(), jax.process_count())
         inputs = build.load_inputs(cfg, validation=True)

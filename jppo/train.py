@@ -29,7 +29,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from jppo import build, distributed
+from jppo import build, compile_cache, distributed
 from jppo.checkpoint import CheckpointManager, resolve_resume
 from jppo.collect import Collector, PhaseTimer, collect, kl_controller, validate
 from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config, save_config, to_dict
@@ -209,6 +209,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.distributed == "dry-run":
             print(dry_run(cfg, args))
             return 0
+        cache = compile_cache.apply(cfg.trainer.compilation_cache)  # before anything compiles
+        log.info("compilation cache: %s", cache or "off")
         distributed.initialize(args)
         mesh_shape = check_mesh(cfg, jax.device_count(), jax.process_count())
         inputs = build.load_inputs(cfg)

@@ -21,6 +21,7 @@ import os
 import pathlib
 from typing import TYPE_CHECKING, Any, Sequence
 
+from jppo import compile_cache
 from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.data import BUILTIN_TASKS
 from jppo.data.datasets import file_list
@@ -314,12 +315,28 @@ def _check_output_dir(output_dir: str) -> None:
         if problem:
             raise ConfigError(f"trainer.output_dir={output_dir!r}: {problem}")
         return
-    path = pathlib.Path(output_dir).absolute()
+    _check_local_dir("trainer.output_dir", output_dir)
+
+
+def _check_local_dir(key: str, value: str) -> None:
+    """A local folder the run can create or write into: its nearest existing ancestor is a writable directory."""
+    path = pathlib.Path(os.path.expanduser(value)).absolute()
     existing = next(parent for parent in (path, *path.parents) if parent.exists())
     if not existing.is_dir():
-        raise ConfigError(f"trainer.output_dir={output_dir!r}: {str(existing)!r} is a file, not a directory")
+        raise ConfigError(f"{key}={value!r}: {str(existing)!r} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"trainer.output_dir={output_dir!r}: {str(existing)!r} is not writable")
+        raise ConfigError(f"{key}={value!r}: {str(existing)!r} is not writable")
+
+
+def _check_compilation_cache(value: str) -> None:
+    """``auto``, ``off`` or a local folder (JAX bounds the cache's size only on a local file system)."""
+    if value in (compile_cache.AUTO, compile_cache.OFF):
+        return
+    if not value.strip() or is_remote(value):
+        raise ConfigError(
+            f"trainer.compilation_cache={value!r} must be {compile_cache.AUTO!r}, {compile_cache.OFF!r} or a local folder"
+        )
+    _check_local_dir("trainer.compilation_cache", value)
 
 
 def _check_trainer(cfg: TrainConfig) -> None:
@@ -334,6 +351,7 @@ def _check_trainer(cfg: TrainConfig) -> None:
     if not 0 <= trainer.seed < 2**32:
         raise ConfigError(f"trainer.seed={trainer.seed!r} must be in [0, 2**32)")
     _check_output_dir(trainer.output_dir)
+    _check_compilation_cache(trainer.compilation_cache)
     _check_logger(trainer.logger)
     _positive("trainer.log_val_generations", trainer.log_val_generations, allow_zero=True)
     try:

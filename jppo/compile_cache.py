@@ -1,0 +1,76 @@
+"""The persistent XLA compilation cache of the command-line runs (``trainer.compilation_cache``).
+
+A run compiles each of its programs (sampler, forward passes, update step, ...) once, on the first step; at a
+GSM8K-like shape on CPU that is most of the first step's extra time. With the cache on, XLA's output is written
+to a folder keyed by the program and its shapes, and a later run of the same shapes (a restart, a resume, a second
+seed) reads it back instead of compiling: only tracing and lowering remain.
+
+``trainer.compilation_cache``:
+
+* ``auto`` (default): the JAX cache folder already configured (``JAX_COMPILATION_CACHE_DIR`` or the program's own
+  ``jax_compilation_cache_dir``), used as configured; otherwise ``$XDG_CACHE_HOME/jppo/xla`` (without
+  ``XDG_CACHE_HOME``: ``~/.cache/jppo/xla``);
+* ``off``: no persistent cache, even where JAX has one configured;
+* any other value: that local folder.
+
+A folder jppo chooses (the default or a path) caches every program, however quick to compile (JAX's own default
+skips those under a second, which at small shapes are most of them), and is bounded to :data:`MAX_BYTES`, the
+least recently used entries evicted first. Only the entry points (``python -m jppo.train`` / ``jppo.eval``) turn it
+on; the library functions leave JAX's settings as they find them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Mapping, Optional
+
+import jax
+
+AUTO = "auto"
+OFF = "off"
+MAX_BYTES = 4 * 2**30  # the chosen folder's bound; the least recently used entries go first
+
+
+@dataclasses.dataclass(frozen=True)
+class CachePlan:
+    """What to do with JAX's cache: ``folder`` None with ``enabled`` False turns it off; ``folder`` None with
+    ``enabled`` True leaves JAX's own configuration alone; a folder is jppo's choice (every program cached)."""
+
+    enabled: bool
+    folder: Optional[pathlib.Path] = None
+
+
+def default_folder(environ: Mapping[str, str]) -> pathlib.Path:
+    """``$XDG_CACHE_HOME/jppo/xla``, or ``~/.cache/jppo/xla`` when that variable is unset or empty."""
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "jppo" / "xla"
+
+
+def plan(setting: str, configured: Optional[str], environ: Mapping[str, str]) -> CachePlan:
+    """The cache ``trainer.compilation_cache = setting`` asks for, given JAX's configured folder (``configured``,
+    None when there is none) and the environment."""
+    if setting == OFF:
+        return CachePlan(enabled=False)
+    if setting == AUTO:
+        return CachePlan(enabled=True) if configured else CachePlan(True, default_folder(environ))
+    return CachePlan(True, pathlib.Path(os.path.expanduser(setting)).absolute())
+
+
+def apply(setting: str) -> Optional[str]:
+    """Configures JAX's persistent cache for ``setting`` (before the first compilation); returns the folder in use
+    (None: off)."""
+    configured = jax.config.jax_compilation_cache_dir
+    chosen = plan(setting, configured, os.environ)
+    if not chosen.enabled:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    if chosen.folder is None:
+        return configured
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(chosen.folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor either
+    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    return str(chosen.folder)
