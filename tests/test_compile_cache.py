@@ -1,0 +1,82 @@
+"""trainer.compilation_cache: where the entry points keep compiled programs between runs, and how it is switched."""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+from jppo import compile_cache
+from jppo.compile_cache import CachePlan, plan
+from jppo.config import ConfigError, load_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+JAX_KEYS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size")
+
+
+@pytest.fixture
+def restored_jax_cache():
+    """The test session's own cache settings (tests/conftest.py), put back after a test changes them."""
+    saved = {key: getattr(jax.config, key) for key in JAX_KEYS}
+    yield
+    for key, value in saved.items():
+        jax.config.update(key, value)
+    jax_cache.reset_cache()  # the next compilation opens the session's folder again
+
+
+def test_auto_is_the_users_cache_folder_unless_jax_has_one():
+    assert plan("auto", None, {"XDG_CACHE_HOME": "/x/cache", "HOME": "/home/u"}) == CachePlan(
+        True, pathlib.Path("/x/cache/jppo/xla"))
+    for environ in ({"HOME": "/home/u"}, {"XDG_CACHE_HOME": "", "HOME": "/home/u"}):
+        assert plan("auto", None, environ) == CachePlan(True, pathlib.Path("/home/u/.cache/jppo/xla"))
+    # a folder JAX was given (JAX_COMPILATION_CACHE_DIR, or the program's own setting) is left as configured
+    assert plan("auto", "/elsewhere", {"HOME": "/home/u"}) == CachePlan(True, None)
+
+
+def test_off_and_an_explicit_folder_win_over_jax_s_setting(tmp_path):
+    assert plan("off", "/elsewhere", {"HOME": "/home/u"}) == CachePlan(False, None)
+    assert plan(str(tmp_path / "xla"), "/elsewhere", {}) == CachePlan(True, tmp_path / "xla")
+    assert plan("~/xla", None, {}).folder == pathlib.Path("~/xla").expanduser()
+
+
+def test_a_chosen_folder_caches_even_a_program_that_compiles_at_once(tmp_path, restored_jax_cache):
+    folder = tmp_path / "xla"
+    assert compile_cache.apply(str(folder)) == str(folder)
+    jax_cache.reset_cache()  # this session already compiled into its own folder
+    jax.jit(lambda x: jnp.sin(x) * 3.25 + 0.125)(jnp.arange(7.0)).block_until_ready()  # milliseconds to compile
+    assert [entry for entry in folder.iterdir() if entry.name.startswith("jit_")]
+
+
+def test_off_turns_jax_s_cache_off(restored_jax_cache):
+    assert compile_cache.apply("off") is None
+    assert not jax.config.jax_enable_compilation_cache
+
+
+def test_auto_leaves_a_configured_jax_cache_alone(restored_jax_cache):
+    before = {key: getattr(jax.config, key) for key in JAX_KEYS}
+    assert before["jax_compilation_cache_dir"]  # conftest.py configures the session's folder
+    assert compile_cache.apply("auto") == before["jax_compilation_cache_dir"]
+    assert {key: getattr(jax.config, key) for key in JAX_KEYS} == before
+
+
+def test_the_config_key_defaults_to_auto_and_accepts_a_folder(tmp_path):
+    assert load_config(ROOT / "configs" / "quickstart.yaml").trainer.compilation_cache == "auto"
+    for value in ("off", str(tmp_path / "new" / "xla")):
+        assert load_config(ROOT / "configs" / "quickstart.yaml", [f"trainer.compilation_cache={value}"])
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("' '", "trainer.compilation_cache=' ' must be 'auto', 'off' or a local folder"),
+        ("gs://bucket/xla", "trainer.compilation_cache='gs://bucket/xla' must be 'auto', 'off' or a local folder"),
+        ("configs/quickstart.yaml/xla", "trainer.compilation_cache='configs/quickstart.yaml/xla': "),
+    ],
+)
+def test_a_bad_value_is_a_one_line_config_error(value, message, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ConfigError) as error:
+        load_config(ROOT / "configs" / "quickstart.yaml", [f"trainer.compilation_cache={value}"])
+    assert message in str(error.value) and "\n" not in str(error.value)
