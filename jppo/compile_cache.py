@@ -30,6 +30,9 @@ import jax
 
 AUTO = "auto"
 OFF = "off"
+# YAML reads an unquoted off / no / false (on / yes / true) as a boolean, which the string key then holds as "False"
+# ("True"): those spellings mean off (auto), not a folder of that name.
+BOOLEAN_SPELLINGS = {"False": OFF, "True": AUTO}
 MAX_BYTES = 4 * 2**30  # the chosen folder's bound; the least recently used entries go first
 
 
@@ -48,9 +51,15 @@ def default_folder(environ: Mapping[str, str]) -> pathlib.Path:
     return pathlib.Path(base) / "jppo" / "xla"
 
 
+def normalize(setting: str) -> str:
+    """``setting`` with YAML's booleans read as :data:`OFF` / :data:`AUTO` (see :data:`BOOLEAN_SPELLINGS`)."""
+    return BOOLEAN_SPELLINGS.get(setting, setting)
+
+
 def plan(setting: str, configured: Optional[str], environ: Mapping[str, str]) -> CachePlan:
     """The cache ``trainer.compilation_cache = setting`` asks for, given JAX's configured folder (``configured``,
     None when there is none) and the environment."""
+    setting = normalize(setting)
     if setting == OFF:
         return CachePlan(enabled=False)
     if setting == AUTO:

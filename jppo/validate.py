@@ -330,7 +330,7 @@ def _check_local_dir(key: str, value: str) -> None:
 
 def _check_compilation_cache(value: str) -> None:
     """``auto``, ``off`` or a local folder (JAX bounds the cache's size only on a local file system)."""
-    if value in (compile_cache.AUTO, compile_cache.OFF):
+    if compile_cache.normalize(value) in (compile_cache.AUTO, compile_cache.OFF):
         return
     if not value.strip() or is_remote(value):
         raise ConfigError(

@@ -61,6 +61,13 @@ def test_auto_leaves_a_configured_jax_cache_alone(restored_jax_cache):
     assert {key: getattr(jax.config, key) for key in JAX_KEYS} == before
 
 
+@pytest.mark.parametrize("written", ["off", "false", "no", "'off'"])
+def test_off_written_on_the_command_line_is_off_not_a_folder(written):
+    """YAML reads an unquoted ``off`` as the boolean false, which the string key holds as ``"False"``."""
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", [f"trainer.compilation_cache={written}"])
+    assert plan(cfg.trainer.compilation_cache, "/elsewhere", {"HOME": "/home/u"}) == CachePlan(False, None)
+
+
 def test_the_config_key_defaults_to_auto_and_accepts_a_folder(tmp_path):
     assert load_config(ROOT / "configs" / "quickstart.yaml").trainer.compilation_cache == "auto"
     for value in ("off", str(tmp_path / "new" / "xla")):
