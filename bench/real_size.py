@@ -55,6 +55,7 @@ OVERRIDES = [
     "actor.log_prob_chunk_size=32", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "trainer.val_every=0",
     "data.val_files=null", "trainer.export_hf=false", "trainer.logger=[console,jsonl]",
     "trainer.plots=false", "trainer.resume=never",
+    "trainer.compilation_cache=off",  # the first step includes compilation, every time
 ]
 
 
