@@ -1,5 +1,6 @@
 """trainer.compilation_cache: where the entry points keep compiled programs between runs, and how it is switched."""
 
+import importlib
 import pathlib
 
 import jax
@@ -87,3 +88,25 @@ def test_a_bad_value_is_a_one_line_config_error(value, message, monkeypatch):
     with pytest.raises(ConfigError) as error:
         load_config(ROOT / "configs" / "quickstart.yaml", [f"trainer.compilation_cache={value}"])
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+class _Started(Exception):
+    """Raised by the stand-in ``apply``: the entry point got as far as configuring the cache."""
+
+
+@pytest.mark.parametrize("entry", ["jppo.train", "jppo.eval"])
+def test_the_entry_points_configure_the_cache_from_the_config(entry, monkeypatch, tmp_path):
+    seen = []
+
+    def record(setting):
+        seen.append(setting)
+        raise _Started
+
+    monkeypatch.setattr(compile_cache, "apply", record)
+    with pytest.raises(_Started):
+        importlib.import_module(entry).main([
+            "--config", str(ROOT / "configs" / "quickstart.yaml"), f"trainer.compilation_cache={tmp_path / 'xla'}",
+            f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=1", "trainer.resume=never",
+            "trainer.logger=[jsonl]", "trainer.plots=false",
+        ])
+    assert seen == [str(tmp_path / "xla")]
