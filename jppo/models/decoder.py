@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from jppo.models.config import ModelConfig
-from jppo.models.layers import apply_rope, attention, attention_mask, rms_norm, rope_tables, swiglu, wide
+from jppo.models.layers import apply_rope, attention, attention_mask, dense, rms_norm, rope_tables, swiglu, wide
 from jppo.models.sharding import constrain, param, param_shardings
 
 Array = jax.Array
@@ -111,7 +111,7 @@ class DecoderLayers(nnx.Module):
         scale = None if self.lora is None else self.lora.scale
 
         def linear(x: Array, weights: dict[str, Array], adapters: dict, name: str) -> Array:
-            y = x @ weights[name].astype(dtype)
+            y = dense(x, weights[name].astype(dtype))
             if name in adapters:
                 a, b = adapters[name]
                 y = y + (scale * ((x @ a.astype(dtype)) @ b.astype(dtype))).astype(y.dtype)
@@ -268,11 +268,10 @@ class CausalLM(nnx.Module):
         """``hidden [..., D] -> logits [..., V]`` in float32."""
         dtype = self.config.compute_dtype
         if self.lm_head is None:
-            embedding = self.decoder.embed_tokens[...].astype(dtype)
-            logits = jnp.einsum("...d,vd->...v", hidden, embedding, preferred_element_type=wide(dtype))
+            kernel = self.decoder.embed_tokens[...].astype(dtype).T
         else:
             kernel = self.lm_head[...].astype(dtype)
-            logits = jnp.einsum("...d,dv->...v", hidden, kernel, preferred_element_type=wide(dtype))
+        logits = dense(hidden, kernel, preferred_element_type=wide(dtype))
         return constrain(logits, ("batch", "length", "vocab")) if logits.ndim == 3 else logits
 
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
