@@ -72,7 +72,7 @@ def token_log_probs(
         chosen = select_target(scaled, chunk_targets)
         if not with_entropy:
             return chosen - normalizer, jnp.zeros_like(normalizer)
-        # Inside the chunk (checkpointed when there are several): its [B, chunk, V] temporaries are never kept.
+        # With several chunks, the checkpoint recomputes these [B, chunk, V] temporaries in the backward pass.
         return chosen - normalizer, entropy_from_logits(scaled)
 
     if num_chunks == 1:
