@@ -1,5 +1,6 @@
 """Chunked log-probs and entropy: equal to the full-logits computation in value and gradient, smaller in memory."""
 
+import re
 from types import SimpleNamespace
 
 import jax
@@ -174,3 +175,54 @@ def test_bad_arguments(kwargs, message):
     arguments = dict(targets=ids) | kwargs
     with pytest.raises(ValueError, match=message):
         token_log_probs(model, ids, ids, ids + 1, **arguments)
+
+
+# distinctive sizes, so that an activation-gradient transpose [features, B, T] is recognisable in the compiled program
+SIZED = ModelConfig(vocab_size=200, hidden_size=16, intermediate_size=48, num_layers=2, num_heads=2, num_kv_heads=1,
+                    model_type="qwen2", tie_word_embeddings=False)
+SIZED_B, SIZED_T = 2, 12
+
+
+def one_chunk_gradient(chunk_size: int):
+    """The compiled value-and-gradient of the summed log-probs of SIZED, and its inputs."""
+    graphdef, state = nnx.split(create_model(CausalLM, SIZED, seed=0))
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, SIZED.vocab_size, (SIZED_B, SIZED_T)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(SIZED_T, dtype=np.int32), ids.shape)
+    segments = np.ones_like(ids)
+    segments[1, :3] = 0  # left padding
+    targets = np.roll(ids, -1, axis=1)
+
+    def loss(state):
+        log_probs, _ = token_log_probs(nnx.merge(graphdef, state), ids, positions, segments, targets,
+                                       temperature=TEMPERATURE, chunk_size=chunk_size)
+        return jnp.sum(jnp.where(segments > 0, log_probs, 0.0))
+
+    def full_logits(state):
+        scaled = nnx.merge(graphdef, state)(ids, positions, segments) / TEMPERATURE
+        log_probs = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), targets[..., None], axis=-1)[..., 0]
+        return jnp.sum(jnp.where(segments > 0, log_probs, 0.0))
+
+    compile_ = lambda fn: jax.jit(jax.value_and_grad(fn)).lower(state).compile()  # noqa: E731
+    return state, compile_(loss), compile_(full_logits)
+
+
+def test_one_chunk_row_equals_full_logits_and_runs_without_checkpoint():
+    """chunk_size >= T: one chunk, no checkpoint (nothing to save: the head's backward follows its forward)."""
+    state, one_chunk, full = one_chunk_gradient(chunk_size=SIZED_T + 5)
+    (value, grads), (ref_value, ref_grads) = one_chunk(state), full(state)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(np.asarray(want)).max())
+    assert not re.findall(r'op_name="[^"]*(?:checkpoint|rematted)', one_chunk.as_text())
+
+
+def test_gradient_has_no_activation_transposes_and_no_vocabulary_scatter_on_cpu():
+    """The weight gradients x^T dy are 2-D products over the B*T rows (jppo.models.layers.dense): XLA:CPU then
+    reads dy as it is, where from [B, T, F] activations it copied dy transposed to [F, B, T] for every weight; and
+    the target's log-prob is a select, whose gradient is not a scatter into a [B, T, V] zero array."""
+    _, one_chunk, _ = one_chunk_gradient(chunk_size=SIZED_T)
+    hlo = one_chunk.as_text()
+    transposed = re.findall(rf"= f32\[\d+,{SIZED_B},{SIZED_T}\]\S* (?:transpose|copy)\(", hlo)
+    scattered = re.findall(rf"= f32\[{SIZED_B},{SIZED_T},{SIZED.vocab_size}\]\S* scatter\(", hlo)
+    assert not transposed and not scattered, (transposed, scattered)

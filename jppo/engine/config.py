@@ -61,7 +61,7 @@ class UpdateSettings:
     # C of seq-mean-token-sum-norm. An update refuses None; in a trainer config None means rollout.max_response_length
     loss_scale_factor: Optional[float] = None
     normalization: str = "global"
-    log_prob_chunk_size: int = 256  # sequence chunk of the vocabulary projection in log-prob computations
+    log_prob_chunk_size: int = 256  # sequence chunk of the vocabulary projection in log-probs (>= T: one, no remat)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
 
 

@@ -46,6 +46,7 @@ from jppo.models.layers import (
     attention,
     attention_mask,
     decode_attention,
+    dense,
     rms_norm,
     rope_tables,
     swiglu,
@@ -128,7 +129,7 @@ class DecoderLayers(nnx.Module):
         scale = None if self.lora is None else self.lora.scale
 
         def linear(x: Array, name: str) -> Array:
-            y = x @ weights[name].astype(dtype)
+            y = dense(x, weights[name].astype(dtype))
             if name in adapters:
                 a, b = adapters[name]
                 y = y + (scale * ((x @ a.astype(dtype)) @ b.astype(dtype))).astype(y.dtype)
@@ -350,11 +351,10 @@ class CausalLM(nnx.Module):
         """``hidden [..., D] -> logits [..., V]`` in float32."""
         dtype = self.config.compute_dtype
         if self.lm_head is None:
-            embedding = self.decoder.embed_tokens[...].astype(dtype)
-            logits = jnp.einsum("...d,vd->...v", hidden, embedding, preferred_element_type=wide(dtype))
+            kernel = self.decoder.embed_tokens[...].astype(dtype).T
         else:
             kernel = self.lm_head[...].astype(dtype)
-            logits = jnp.einsum("...d,dv->...v", hidden, kernel, preferred_element_type=wide(dtype))
+        logits = dense(hidden, kernel, preferred_element_type=wide(dtype))
         return constrain(logits, ("batch", "length", "vocab")) if logits.ndim == 3 else logits
 
 

@@ -192,8 +192,20 @@ def decode_attention(
     out = by_row(jnp.einsum("bkqp,bkpe->bkqe", by_prompt((prompt_weights / total).astype(dtype)), prompt_values))
     out = out + jnp.einsum("rkgm,rkme->rkge", (response_weights / total).astype(dtype), response_values)
     return out.reshape(rows, num_heads, head_dim)
+def dense(x: Array, kernel: Array, preferred_element_type=None) -> Array:
+    """``x [..., I] @ kernel [I, O] -> [..., O]``, computed as one 2-D product ``[N, I] @ [I, O]`` over the
+    flattened leading axes (``N`` = their product).
+
+    The same numbers as ``x @ kernel``; the 2-D form is for the backward pass: the weight gradient is then
+    ``x^T dy`` with both ``[N, ...]`` operands contracted over their leading axis, which XLA:CPU hands to its matmul
+    as a transposed operand. From a 3-D ``x`` it instead contracts two axes, and XLA:CPU materialises a transposed
+    copy of ``dy`` (``[O, N]``) for every weight gradient (``python -m bench.update_vs_torch``; bench/README.md).
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    out = jnp.matmul(flat, kernel, preferred_element_type=preferred_element_type)
+    return out.reshape(*x.shape[:-1], kernel.shape[-1])
 
 
 def swiglu(x: Array, gate: Array, up: Array, down: Array) -> Array:
     """``(silu(x W_gate) * (x W_up)) W_down`` with ``W_gate``, ``W_up [D, F]`` and ``W_down [F, D]``."""
-    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+    return dense(jax.nn.silu(dense(x, gate)) * dense(x, up), down)

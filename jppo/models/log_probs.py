@@ -11,7 +11,10 @@ finite in value and gradient when some ``z_v = -inf`` (a masked vocabulary entry
 
 The vocabulary projection and the logsumexp run over sequence chunks of ``chunk_size`` positions (all rows at
 once, so sharded rows stay parallel), one chunk at a time under ``jax.checkpoint``: the backward pass recomputes
-a chunk's logits instead of keeping them, so the peak holds ``[B, chunk_size, V]``, not ``[B, T, V]``.
+a chunk's logits instead of keeping them, so the peak holds ``[B, chunk_size, V]``, not ``[B, T, V]``. When one
+chunk covers the whole row (``chunk_size >= T``) there is nothing to trade: the head's backward pass directly
+follows its forward pass, so keeping the logits costs the same peak as recomputing them, and the chunk runs
+without the checkpoint (one vocabulary projection fewer per step).
 """
 
 from __future__ import annotations
@@ -62,17 +65,30 @@ def token_log_probs(
     hidden = hidden.reshape(batch, num_chunks, chunk, width).swapaxes(0, 1)
     targets = targets.reshape(batch, num_chunks, chunk).swapaxes(0, 1)
 
-    @jax.checkpoint
     def one_chunk(chunk_inputs: tuple[Array, Array]) -> tuple[Array, Array]:
         chunk_hidden, chunk_targets = chunk_inputs
         scaled = model.logits(chunk_hidden) / temperature
         normalizer = jax.nn.logsumexp(scaled, axis=-1)
-        chosen = jnp.take_along_axis(scaled, chunk_targets[..., None], axis=-1)[..., 0]
+        chosen = select_target(scaled, chunk_targets)
         if not with_entropy:
             return chosen - normalizer, jnp.zeros_like(normalizer)
-        # Inside the checkpointed chunk, so its [B, chunk, V] temporaries are recomputed, never kept for backward.
+        # With several chunks, the checkpoint recomputes these [B, chunk, V] temporaries in the backward pass.
         return chosen - normalizer, entropy_from_logits(scaled)
 
-    log_probs, entropy = jax.lax.map(one_chunk, (hidden, targets))
+    if num_chunks == 1:
+        log_probs, entropy = jax.tree.map(lambda x: x[None], one_chunk((hidden[0], targets[0])))
+    else:
+        log_probs, entropy = jax.lax.map(jax.checkpoint(one_chunk), (hidden, targets))
     unchunk = lambda x: x.swapaxes(0, 1).reshape(batch, num_chunks * chunk)[:, :length]  # noqa: E731
     return unchunk(log_probs), (unchunk(entropy) if with_entropy else None)
+
+
+def select_target(values: Array, targets: Array) -> Array:
+    """``values[..., targets]`` of ``values [..., V]`` and integer ``targets [...]`` in ``[0, V)``, as a sum over
+    ``V`` of the values where the index equals the target and zeros elsewhere: exactly the target's value.
+
+    The same numbers as ``take_along_axis``; unlike a gather, its gradient is an elementwise select that XLA fuses
+    with the softmax's gradient, instead of a scatter into a zeroed ``[..., V]`` array.
+    """
+    index = jax.lax.broadcasted_iota(targets.dtype, values.shape, values.ndim - 1)
+    return jnp.sum(jnp.where(index == targets[..., None], values, jnp.zeros((), values.dtype)), axis=-1)
