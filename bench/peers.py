@@ -114,6 +114,7 @@ QUICK_SHAPES = {
     ),
 }
 FULL_STEPS, QUICK_STEPS = 12, 3
+FULL_ROUNDS = 2  # alternated jppo/TRL runs per shape in full mode (quick: 1)
 
 
 def trl_missing() -> Optional[str]:
@@ -355,7 +356,8 @@ def measure(quick: bool, shapes: Sequence[str] = tuple(SHAPES), steps: Optional[
         result["torch_threads"] = match_torch_threads()
         for name in shapes:
             result["shapes"][name] = measure_shape(
-                name, table[name], quick, steps or (QUICK_STEPS if quick else FULL_STEPS), rounds or 1
+                name, table[name], quick, steps or (QUICK_STEPS if quick else FULL_STEPS),
+                rounds or (1 if quick else FULL_ROUNDS),
             )
     ratios = {name: result["shapes"].get(name, {}).get("trl_over_jppo") for name in SHAPES}
     return result | {"e2e_vs_trl_grpo_quickstart": ratios["quickstart"],
@@ -367,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 3 steps (a smoke run)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
     parser.add_argument("--steps", type=int, help=f"training steps per run (default {FULL_STEPS}, quick {QUICK_STEPS})")
-    parser.add_argument("--rounds", type=int, default=1, help="alternated jppo/TRL runs per shape")
+    parser.add_argument("--rounds", type=int, help=f"alternated jppo/TRL runs per shape (default {FULL_ROUNDS}, quick 1)")
     args = parser.parse_args(argv)
     shapes = [name.strip() for name in args.shapes.split(",") if name.strip()]
     print(section("peers", measure(args.quick, shapes, args.steps, args.rounds)))

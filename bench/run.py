@@ -7,7 +7,9 @@
 Benchmarks (each a ratio of candidates measured side by side in this one run; see each module's docstring):
 ``memory`` (chunked log-probs vs full logits, in child processes), ``accumulation`` (K = 1..8 micro-batches,
 global vs legacy normalization), ``update_vs_torch`` (jppo vs PyTorch eager, tiny and small), ``sampler`` (KV
-cache vs recomputation vs transformers), ``end_to_end`` (the quickstart config), ``transfers`` (host <-> device
+cache vs recomputation vs transformers), ``rollout_shapes`` (the sampler vs transformers at a GSM8K-like shape),
+``end_to_end`` (the quickstart config), ``peers`` (seconds per GRPO step vs TRL's GRPOTrainer, when TRL is
+installed), ``transfers`` (host <-> device
 bytes of one GRPO step at a GSM8K-like shape, by phase and field), and ``accelerator`` (MFU, decode
 roofline, device memory), which runs by default only when JAX's backend is a GPU or TPU.
 
@@ -32,14 +34,19 @@ from typing import Callable
 
 import jax
 
-from bench import accelerator, accumulation, end_to_end, memory, sampler, transfers, update_vs_torch
+from bench import (
+    accelerator, accumulation, end_to_end, memory, peers, rollout_shapes, sampler, transfers, update_vs_torch
+)
 from bench.environment import describe, match_torch_threads
 from bench.report import write_markdown
 from jppo.config import ConfigError
 
 # Smoke mode compiles with LLVM optimisation off: about half the compile time, the same programs.
 QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0"
-ORDER = ("memory", "accumulation", "update_vs_torch", "sampler", "end_to_end", "transfers", "accelerator")
+ORDER = (
+    "memory", "accumulation", "update_vs_torch", "sampler", "rollout_shapes", "end_to_end", "peers", "transfers",
+    "accelerator",
+)
 RATIO_MEANINGS = {
     "accumulation_overhead_k8": "actor update time per token with K=8 micro-batches / with K=1 (goal <= 1.10)",
     "accumulation_compile_ratio_k8": "compile time of the update with K=8 / with K=1 (goal: about 1)",
@@ -50,10 +57,18 @@ RATIO_MEANINGS = {
     "d512, T=256); > 1: jppo faster",
     "sampler_vs_recompute": "KV-cache sampler tokens/s / full-recomputation decoding tokens/s (> 1: sampler faster)",
     "sampler_vs_transformers": "KV-cache sampler tokens/s / transformers generate tokens/s (> 1: jppo faster)",
+    "rollout_vs_transformers_gsm8k_shape": "KV-cache sampler tokens/s / transformers generate (KV cache) tokens/s "
+    "at a GSM8K-like shape: 4 layers d256, 8 prompts x n=8 of 64 tokens, 128 new tokens, EOS suppressed, sampling "
+    "(> 1: jppo faster)",
     "memory_chunked_vs_full_rss": "peak RSS of the update, chunked log-probs / full logits (< 1: chunking saves)",
     "memory_chunked_vs_full_xla_temp": "XLA temporary bytes, chunked / full logits (< 1: chunking saves)",
     "e2e_seconds_per_step": "median seconds per quickstart training step after the first (not a ratio)",
     "time_to_target_s": "wall seconds until the quickstart's reward/mean first reaches 0.9 (null: not reached)",
+    "e2e_vs_trl_grpo": "= e2e_vs_trl_grpo_gsm8k_shape",
+    "e2e_vs_trl_grpo_quickstart": "TRL GRPOTrainer s/step / jppo s/step, quickstart GRPO shape (2 layers d64, 16 "
+    "prompts x 8, responses <= 5); > 1: jppo faster; null without TRL (reason: e2e_vs_trl_grpo_reason)",
+    "e2e_vs_trl_grpo_gsm8k_shape": "TRL GRPOTrainer s/step / jppo s/step, GSM8K-like shape (4 layers d256, 8 "
+    "prompts x 8, prompts 64 tokens, responses <= 128); > 1: jppo faster; null without TRL",
     "transfers_h2d_per_experience": "host->device bytes of one GRPO step (ppo_epochs=1) / bytes of its Experience "
     "(goal: about 1, the Experience sent once)",
     "transfers_d2h_per_experience": "device->host bytes of one GRPO step (ppo_epochs=1) / bytes of its Experience",
@@ -76,9 +91,21 @@ def _headlines(name: str, result: dict) -> dict:
         return {f"update_vs_torch_{size}": result[size]["ratio"] for size in ("tiny", "small")}
     if name == "sampler":
         return {key: result[key] for key in ("sampler_vs_recompute", "sampler_vs_transformers")}
+    if name == "rollout_shapes":
+        return {"rollout_vs_transformers_gsm8k_shape": result["rollout_vs_transformers"]}
+    if name == "peers":
+        return {
+            "e2e_vs_trl_grpo": result["e2e_vs_trl_grpo_gsm8k_shape"],
+            "e2e_vs_trl_grpo_quickstart": result["e2e_vs_trl_grpo_quickstart"],
+            "e2e_vs_trl_grpo_gsm8k_shape": result["e2e_vs_trl_grpo_gsm8k_shape"],
+            "e2e_vs_trl_grpo_reason": result["trl_missing"],
+        }
     if name == "memory":
         return {
-            "memory_chunked_vs_full_rss": result["peak_rss_ratio"],
+            "rollout_vs_transformers_gsm8k_shape": "KV-cache sampler tokens/s / transformers generate (KV cache) tokens/s "
+    "at a GSM8K-like shape: 4 layers d256, 8 prompts x n=8 of 64 tokens, 128 new tokens, EOS suppressed, sampling "
+    "(> 1: jppo faster)",
+    "memory_chunked_vs_full_rss": result["peak_rss_ratio"],
             "memory_chunked_vs_full_xla_temp": result["xla_temp_ratio"],
         }
     if name == "end_to_end":
@@ -89,7 +116,12 @@ def _headlines(name: str, result: dict) -> dict:
     if name == "transfers":
         unit = next(iter(result["steps"].values()))["experience_bytes"]
         return {
-            "transfers_h2d_per_experience": result["h2d_per_experience"],
+            "e2e_vs_trl_grpo": "= e2e_vs_trl_grpo_gsm8k_shape",
+    "e2e_vs_trl_grpo_quickstart": "TRL GRPOTrainer s/step / jppo s/step, quickstart GRPO shape (2 layers d64, 16 "
+    "prompts x 8, responses <= 5); > 1: jppo faster; null without TRL (reason: e2e_vs_trl_grpo_reason)",
+    "e2e_vs_trl_grpo_gsm8k_shape": "TRL GRPOTrainer s/step / jppo s/step, GSM8K-like shape (4 layers d256, 8 "
+    "prompts x 8, prompts 64 tokens, responses <= 128); > 1: jppo faster; null without TRL",
+    "transfers_h2d_per_experience": result["h2d_per_experience"],
             "transfers_d2h_per_experience": result["d2h_per_experience"],
             "transfers_h2d_per_extra_epoch": result["h2d_per_extra_epoch"] / unit,
         }
@@ -129,6 +161,8 @@ def benchmarks(args: argparse.Namespace, out: pathlib.Path, names: list[str]) ->
             size: update_vs_torch.measure(size, args.quick, repeats) for size in ("tiny", "small")
         },
         "sampler": lambda: sampler.measure(args.quick, repeats),
+        "rollout_shapes": lambda: rollout_shapes.measure(args.quick, repeats),
+        "peers": lambda: peers.measure(args.quick),
         "end_to_end": lambda: end_to_end.measure(args.quick, out / "quickstart_run", extra_overrides=args.e2e_set),
         "transfers": lambda: transfers.measure(args.quick),
         "accelerator": lambda: accelerator.measure(accelerator.STAND_IN_SIZE if stand_in else accelerator.FULL, *peaks),
