@@ -102,10 +102,7 @@ def _headlines(name: str, result: dict) -> dict:
         }
     if name == "memory":
         return {
-            "rollout_vs_transformers_gsm8k_shape": "KV-cache sampler tokens/s / transformers generate (KV cache) tokens/s "
-    "at a GSM8K-like shape: 4 layers d256, 8 prompts x n=8 of 64 tokens, 128 new tokens, EOS suppressed, sampling "
-    "(> 1: jppo faster)",
-    "memory_chunked_vs_full_rss": result["peak_rss_ratio"],
+            "memory_chunked_vs_full_rss": result["peak_rss_ratio"],
             "memory_chunked_vs_full_xla_temp": result["xla_temp_ratio"],
         }
     if name == "end_to_end":
@@ -116,12 +113,7 @@ def _headlines(name: str, result: dict) -> dict:
     if name == "transfers":
         unit = next(iter(result["steps"].values()))["experience_bytes"]
         return {
-            "e2e_vs_trl_grpo": "= e2e_vs_trl_grpo_gsm8k_shape",
-    "e2e_vs_trl_grpo_quickstart": "TRL GRPOTrainer s/step / jppo s/step, quickstart GRPO shape (2 layers d64, 16 "
-    "prompts x 8, responses <= 5); > 1: jppo faster; null without TRL (reason: e2e_vs_trl_grpo_reason)",
-    "e2e_vs_trl_grpo_gsm8k_shape": "TRL GRPOTrainer s/step / jppo s/step, GSM8K-like shape (4 layers d256, 8 "
-    "prompts x 8, prompts 64 tokens, responses <= 128); > 1: jppo faster; null without TRL",
-    "transfers_h2d_per_experience": result["h2d_per_experience"],
+            "transfers_h2d_per_experience": result["h2d_per_experience"],
             "transfers_d2h_per_experience": result["d2h_per_experience"],
             "transfers_h2d_per_extra_epoch": result["h2d_per_extra_epoch"] / unit,
         }
