@@ -131,7 +131,8 @@ def trl_missing() -> Optional[str]:
 
 def wide_alphabet(task_alphabet: str, vocab_size: int) -> str:
     """The task's characters followed by other printable ones, ``vocab_size`` tokens with the 3 special ones."""
-    extra = (chr(c) for c in range(0x100, 0x100 + 4 * vocab_size) if chr(c).isprintable() and chr(c) not in task_alphabet)
+    codes = range(0x100, 0x100 + 4 * vocab_size)
+    extra = (chr(c) for c in codes if chr(c).isprintable() and chr(c) not in task_alphabet)
     wanted = vocab_size - len(CharTokenizer.SPECIAL_TOKENS) - len(task_alphabet)
     return task_alphabet + "".join(next(extra) for _ in range(wanted))
 
@@ -139,7 +140,8 @@ def wide_alphabet(task_alphabet: str, vocab_size: int) -> str:
 def trl_arguments(cfg: TrainConfig) -> dict:
     """TRL's batch settings for one jppo training step (see the module docstring), in sequences."""
     n = cfg.rollout.n
-    batch, mini, micro = cfg.data.train_batch_size * n, cfg.actor.ppo_mini_batch_size * n, cfg.actor.ppo_micro_batch_size
+    batch, mini = cfg.data.train_batch_size * n, cfg.actor.ppo_mini_batch_size * n
+    micro = cfg.actor.ppo_micro_batch_size
     if batch % mini or mini % micro:
         raise ValueError(f"batch {batch}, mini-batch {mini}, micro-batch {micro} sequences: each must divide the last")
     return {
@@ -171,7 +173,7 @@ def logits_max_abs_diff(export_dir: str | pathlib.Path, ids: np.ndarray) -> floa
     return float(np.abs(ours - theirs).max())
 
 
-def shape_config(shape: Shape, quick: bool, steps: int, out: pathlib.Path) -> tuple[TrainConfig, list[str]]:
+def shape_config(shape: Shape, steps: int, out: pathlib.Path) -> tuple[TrainConfig, list[str]]:
     """The exported initial policy of ``shape`` in ``out / "model"`` and the config jppo trains it with."""
     base = [*COMMON, *shape.overrides, f"trainer.total_steps={steps}", f"trainer.output_dir={out / 'jppo'}"]
     if shape.vocab_size is not None:
@@ -215,7 +217,6 @@ def run_trl(cfg: TrainConfig, steps: int, out: pathlib.Path) -> dict:
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.model.path)
     eos = set(inputs.tokenizer.eos_ids)
-    max_len = cfg.rollout.max_response_length
     lengths: list[int] = []
 
     def reward(prompts, completions, completion_ids, **_):
@@ -308,38 +309,53 @@ def summarize(jppo_runs: list[dict], trl_runs: list[dict], first: int) -> dict:
     }
 
 
-def measure_shape(name: str, shape: Shape, quick: bool, steps: int, rounds: int) -> dict:
+def prompt_ids(cfg: TrainConfig, count: int) -> list[list[int]]:
+    """The ids of the task's first ``count`` training prompts, as both trainers encode them (BOS first)."""
+    tokenizer = build.load_inputs(cfg).tokenizer
+    examples = build.task_of(cfg.data).examples("train", count, cfg.trainer.seed)
+    return [tokenizer.encode(example.prompt, add_special_tokens=True) for example in examples]
+
+
+def check_logits(name: str, cfg: TrainConfig) -> float:
+    """The largest logit difference of the two models on 4 of the task's prompts (cut to the shortest); an error
+    above :data:`LOGITS_ATOL`."""
+    rows = prompt_ids(cfg, 4)
+    width = min(len(row) for row in rows)
+    diff = logits_max_abs_diff(cfg.model.path, np.array([row[:width] for row in rows]))
+    if diff > LOGITS_ATOL:
+        raise RuntimeError(f"{name}: jppo and transformers logits differ by {diff:.2e} > {LOGITS_ATOL}")
+    return diff
+
+
+def describe(cfg: TrainConfig, overrides: Sequence[str]) -> dict:
+    """The shape of one comparison, for the report."""
+    batch = trl_arguments(cfg)
+    lengths = [len(row) for row in prompt_ids(cfg, 64)]
+    return {
+        "overrides": [item for item in overrides if not item.startswith(("trainer.output_dir", "model.path"))],
+        "layers": cfg.model.num_layers, "hidden": cfg.model.hidden_size, "prompts": cfg.data.train_batch_size,
+        "n": cfg.rollout.n, "max_response_length": cfg.rollout.max_response_length,
+        "prompt_tokens": f"{min(lengths)}-{max(lengths)}", "vocab_size": build.load_inputs(cfg).tokenizer.vocab_size,
+        "optimizer_steps_per_training_step": batch.pop("optimizer_steps_per_generation"),
+        "ppo_epochs": cfg.actor.ppo_epochs, "trl_settings": batch,
+    }
+
+
+def measure_shape(name: str, shape: Shape, steps: int, rounds: int) -> dict:
+    """``rounds`` alternated runs of jppo and TRL at ``shape``, ``steps`` training steps each, summarized."""
     with tempfile.TemporaryDirectory() as scratch:
         out = pathlib.Path(scratch)
-        cfg, overrides = shape_config(shape, quick, steps, out)
-        tokenizer = build.load_inputs(cfg).tokenizer
-        task = build.task_of(cfg.data)
-        rows = [tokenizer.encode(e.prompt, add_special_tokens=True) for e in task.examples("train", 4, 0)]
-        # the check's batch: the task's prompts (BOS first), cut to the shortest
-        width = min(len(row) for row in rows)
-        prompt_lengths = [len(tokenizer.encode(e.prompt, add_special_tokens=True))
-                          for e in task.examples("train", 64, cfg.trainer.seed)]
-        diff = logits_max_abs_diff(cfg.model.path, np.array([row[:width] for row in rows]))
-        if diff > LOGITS_ATOL:
-            raise RuntimeError(f"{name}: jppo and transformers logits differ by {diff:.2e} > {LOGITS_ATOL}")
+        cfg, overrides = shape_config(shape, steps, out)
+        diff = check_logits(name, cfg)
         jppo_runs, trl_runs = [], []
         for index in range(rounds):
             run_dir = out / f"jppo_{index}"
             jppo_runs.append(run_jppo(load_config(QUICKSTART_GRPO, overrides + [f"trainer.output_dir={run_dir}"])))
             trl_runs.append(run_trl(cfg, steps, out / f"trl_{index}"))
-        batch = trl_arguments(cfg)
-    m = cfg
-    return summarize(jppo_runs, trl_runs, MEDIAN_FROM if steps >= MEDIAN_FROM + 1 else 2) | {
-        "shape": {
-            "overrides": [o for o in overrides if not o.startswith(("trainer.output_dir", "model.path"))],
-            "layers": m.model.num_layers, "hidden": m.model.hidden_size, "prompts": m.data.train_batch_size,
-            "n": m.rollout.n, "max_response_length": m.rollout.max_response_length,
-            "prompt_tokens": f"{min(prompt_lengths)}-{max(prompt_lengths)}", "vocab_size": tokenizer.vocab_size,
-            "optimizer_steps_per_training_step": batch["optimizer_steps_per_generation"],
-            "micro_batch": batch["per_device_train_batch_size"], "ppo_epochs": m.actor.ppo_epochs,
-        },
-        "trl_settings": {k: v for k, v in batch.items() if k != "optimizer_steps_per_generation"},
-        "logits_max_abs_diff": diff, "steps": steps, "rounds": rounds,
+        shape_info = describe(cfg, overrides)
+    first = MEDIAN_FROM if steps > MEDIAN_FROM else 2
+    return summarize(jppo_runs, trl_runs, first) | {
+        "shape": shape_info, "logits_max_abs_diff": diff, "steps": steps, "rounds": rounds, "median_from_step": first,
     }
 
 
@@ -356,7 +372,7 @@ def measure(quick: bool, shapes: Sequence[str] = tuple(SHAPES), steps: Optional[
         result["torch_threads"] = match_torch_threads()
         for name in shapes:
             result["shapes"][name] = measure_shape(
-                name, table[name], quick, steps or (QUICK_STEPS if quick else FULL_STEPS),
+                name, table[name], steps or (QUICK_STEPS if quick else FULL_STEPS),
                 rounds or (1 if quick else FULL_ROUNDS),
             )
     ratios = {name: result["shapes"].get(name, {}).get("trl_over_jppo") for name in SHAPES}
@@ -369,7 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 3 steps (a smoke run)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
     parser.add_argument("--steps", type=int, help=f"training steps per run (default {FULL_STEPS}, quick {QUICK_STEPS})")
-    parser.add_argument("--rounds", type=int, help=f"alternated jppo/TRL runs per shape (default {FULL_ROUNDS}, quick 1)")
+    parser.add_argument(
+        "--rounds", type=int, help=f"alternated jppo/TRL runs per shape (default {FULL_ROUNDS}, quick 1)"
+    )
     args = parser.parse_args(argv)
     shapes = [name.strip() for name in args.shapes.split(",") if name.strip()]
     print(section("peers", measure(args.quick, shapes, args.steps, args.rounds)))

@@ -179,11 +179,11 @@ def _peers(result: dict) -> list[str]:
     for name, shape in result["shapes"].items():
         s = shape["shape"]
         lengths = f"{_num(shape['jppo_mean_response_length'], 1)}, {_num(shape['trl_mean_response_length'], 1)}"
-        firsts = f"{', '.join(f'{x:.1f}' for x in shape['jppo_first_step_s'])}; " + \
-            ", ".join(f"{x:.1f}" for x in shape["trl_first_step_s"])
+        firsts = "; ".join(", ".join(f"{x:.1f}" for x in shape[f"{side}_first_step_s"]) for side in ("jppo", "trl"))
         lines.append(
             f"| {name} | {s['layers']}L d{s['hidden']} V{s['vocab_size']} | {s['prompts']} x {s['n']} | "
-            f"{s['prompt_tokens']} / {s['max_response_length']} ({lengths}) | {s['optimizer_steps_per_training_step']} | "
+            f"{s['prompt_tokens']} / {s['max_response_length']} ({lengths}) | "
+            f"{s['optimizer_steps_per_training_step']} | "
             f"{shape['logits_max_abs_diff']:.1e} | {_num(shape['jppo_s_per_step'], 3)} | "
             f"{_num(shape['trl_s_per_step'], 3)} | {_num(shape['trl_over_jppo'], 2)} | {firsts} |"
         )

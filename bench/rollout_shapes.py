@@ -90,8 +90,10 @@ def measure(quick: bool, repeats: int, size: dict | None = None) -> dict:
     rows = prompts * n
     for name, got in lengths.items():
         if got.shape != (rows,) or not (got == new).all():
-            raise RuntimeError(f"{name} produced response lengths {sorted(set(got.tolist()))}, not {new} for all {rows}")
-    methods = {name: timing.to_dict() | {"tokens_per_s": rows * new / timing.median_s} for name, timing in timings.items()}
+            raise RuntimeError(f"{name} gave response lengths {sorted(set(got.tolist()))}, not {new} for all {rows}")
+    methods = {
+        name: timing.to_dict() | {"tokens_per_s": rows * new / timing.median_s} for name, timing in timings.items()
+    }
     return {
         "model": {"model_type": "qwen2", **{key: size[key] for key in ("hidden", "intermediate", "layers", "heads",
                                                                      "vocab")}},

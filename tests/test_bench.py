@@ -241,7 +241,7 @@ def test_peer_gets_jppo_initial_weights_and_prompt_ids(tmp_path):
     import transformers
 
     shape = peers.QUICK_SHAPES["gsm8k_shape"]
-    cfg, overrides = peers.shape_config(shape, True, 2, tmp_path)
+    cfg, overrides = peers.shape_config(shape, 2, tmp_path)
     assert f"model.path={tmp_path / 'model'}" in overrides
     tokenizer = peers.build.load_inputs(cfg).tokenizer
     assert tokenizer.vocab_size == shape.vocab_size
