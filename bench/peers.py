@@ -15,7 +15,8 @@ size and lengths, alternated (jppo, TRL, jppo, TRL, ... for ``--rounds``):
 - **the step**: ``rollout.n`` samples per prompt at temperature 1 (no top-k / top-p), responses up to
   ``rollout.max_response_length``; no KL (``beta = 0``, no KL loss or reward), no entropy bonus, clip 0.2,
   AdamW at a constant learning rate, gradient clipping at the actor's ``grad_clip``, token-mean loss (TRL's
-  ``loss_type="dapo"``), advantages normalized by the group's std. One jppo training step (sampling, the
+  ``loss_type="dapo"``), advantages normalized by the group's std, no activation recomputation (TRL's
+  ``gradient_checkpointing`` defaults to on; jppo's ``model.remat`` to off). One jppo training step (sampling, the
   old-log-prob pass, ``ppo_epochs`` x mini-batches optimizer steps of ``ppo_micro_batch_size``-sequence
   micro-batches) is TRL's ``steps_per_generation = batch / micro``, ``gradient_accumulation_steps = mini-batch /
   micro``, ``per_device_train_batch_size = micro``, ``num_iterations = ppo_epochs`` (:func:`trl_arguments`): one
@@ -268,7 +269,7 @@ def run_trl(cfg: TrainConfig, steps: int, out: pathlib.Path) -> dict:
         learning_rate=optim.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=optim.weight_decay,
         max_grad_norm=optim.grad_clip, max_steps=steps * per_step, logging_steps=10**6, save_strategy="no",
         disable_tqdm=True, seed=cfg.trainer.seed, log_completions=False, dataloader_num_workers=0,
-        mask_truncated_completions=False,
+        mask_truncated_completions=False, gradient_checkpointing=False,  # TRL's default recomputes; jppo's does not
     )
     model = transformers.Qwen2ForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
     trainer = TimedGRPOTrainer(
