@@ -123,6 +123,25 @@ def _sampler(result: dict) -> list[str]:
     return lines + [""]
 
 
+def _rollout_shapes(result: dict) -> list[str]:
+    model = result["model"]
+    lines = _table_section(
+        "Rollout at a GSM8K-like shape (sampling)",
+        f"{result['prompts']} prompts of {result['prompt_length']} tokens x n = {result['n']} ({result['rows']} rows), "
+        f"{result['new_tokens']} new tokens (EOS {result['eos']}), {result['sampling']}; random Qwen2 "
+        f"{model['layers']} layers d{model['hidden']} ff{model['intermediate']} h{model['heads']} V{model['vocab']}; "
+        f"transformers {result['versions']['transformers']} `generate` (KV cache) on CPU torch with "
+        f"{result['torch_threads']} threads.",
+        ["method", "median s", "min s", "max s", "first call s", "tokens/s"],
+    )
+    for name, method in result["methods"].items():
+        lines.append(
+            f"| {name} | {method['median_s']:.3f} | {method['min_s']:.3f} | {method['max_s']:.3f} | "
+            f"{method['first_s']:.2f} | {method['tokens_per_s']:,.0f} |"
+        )
+    return lines + ["", f"jppo / transformers tokens/s: {_num(result['rollout_vs_transformers'], 2)}.", ""]
+
+
 def _end_to_end(result: dict) -> list[str]:
     per_step = result["seconds_per_step"]
     lines = _table_section(
@@ -144,6 +163,36 @@ def _end_to_end(result: dict) -> list[str]:
     else:
         outcome = f"not reached in {target['steps_run']} steps (best {target['best_reward']:.3f})"
     return lines + ["", f"Time to target: reward/mean >= {target['target_reward']} {outcome}.", ""]
+
+
+def _peers(result: dict) -> list[str]:
+    if result["trl_missing"] is not None:
+        return ["## End to end vs TRL GRPOTrainer", "", f"Not measured: {result['trl_missing']}.", ""]
+    lines = _table_section(
+        "End to end vs TRL GRPOTrainer",
+        f"Seconds per GRPO training step, jppo vs TRL {result['versions']['trl']} on the same exported weights, "
+        f"prompts, reward, batch and lengths, float32 on CPU (torch with {result['torch_threads']} threads); medians "
+        "of the steps after the warm-up, runs alternated.",
+        ["shape", "model", "prompts x n", "prompt / max response (mean jppo, TRL)", "optimizer steps",
+         "logits max diff", "jppo s/step", "TRL s/step", "TRL / jppo", "first step jppo, TRL s"],
+    )
+    for name, shape in result["shapes"].items():
+        s = shape["shape"]
+        lengths = f"{_num(shape['jppo_mean_response_length'], 1)}, {_num(shape['trl_mean_response_length'], 1)}"
+        firsts = "; ".join(", ".join(f"{x:.1f}" for x in shape[f"{side}_first_step_s"]) for side in ("jppo", "trl"))
+        lines.append(
+            f"| {name} | {s['layers']}L d{s['hidden']} V{s['vocab_size']} | {s['prompts']} x {s['n']} | "
+            f"{s['prompt_tokens']} / {s['max_response_length']} ({lengths}) | "
+            f"{s['optimizer_steps_per_training_step']} | "
+            f"{shape['logits_max_abs_diff']:.1e} | {_num(shape['jppo_s_per_step'], 3)} | "
+            f"{_num(shape['trl_s_per_step'], 3)} | {_num(shape['trl_over_jppo'], 2)} | {firsts} |"
+        )
+    lines += ["", "Phases, medians (s):", "", "| shape | side | phases |", "|---|---|---|"]
+    for name, shape in result["shapes"].items():
+        for side in ("jppo", "trl"):
+            phases = ", ".join(f"{k} {_num(v, 3)}" for k, v in shape[f"{side}_phases_s"].items())
+            lines.append(f"| {name} | {side} | {phases} |")
+    return lines + [""]
 
 
 def _memory(result: dict) -> list[str]:
@@ -250,7 +299,9 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "accumulation": _accumulation,
     "update_vs_torch": _update_vs_torch,
     "sampler": _sampler,
+    "rollout_shapes": _rollout_shapes,
     "end_to_end": _end_to_end,
+    "peers": _peers,
     "memory": _memory,
     "accelerator": _accelerator,
     "transfers": _transfers,

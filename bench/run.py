@@ -8,7 +8,9 @@ Benchmarks (each a ratio of candidates measured side by side in this one run; se
 ``memory`` (chunked log-probs vs full logits, in child processes), ``batching`` (continuous batching on a
 long-tailed workload, one prompt block per prompt vs per sample), ``accumulation`` (K = 1..8 micro-batches,
 global vs legacy normalization), ``update_vs_torch`` (jppo vs PyTorch eager, tiny and small), ``sampler`` (KV
-cache vs recomputation vs transformers), ``end_to_end`` (the quickstart config), ``transfers`` (host <-> device
+cache vs recomputation vs transformers), ``rollout_shapes`` (the sampler vs transformers at a GSM8K-like shape),
+``end_to_end`` (the quickstart config), ``peers`` (seconds per GRPO step vs TRL's GRPOTrainer, when TRL is
+installed), ``transfers`` (host <-> device
 bytes of one GRPO step at a GSM8K-like shape, by phase and field), and ``accelerator`` (MFU, decode
 roofline, device memory), which runs by default only when JAX's backend is a GPU or TPU.
 
@@ -33,7 +35,10 @@ from typing import Callable
 
 import jax
 
-from bench import accelerator, accumulation, batching, end_to_end, memory, sampler, transfers, update_vs_torch
+from bench import (
+    accelerator, accumulation, batching, end_to_end, memory, peers, rollout_shapes, sampler, transfers,
+    update_vs_torch,
+)
 from bench.environment import describe, match_torch_threads
 from bench.report import write_markdown
 from jppo.config import ConfigError
@@ -41,7 +46,8 @@ from jppo.config import ConfigError
 # Smoke mode compiles with LLVM optimisation off: about half the compile time, the same programs.
 QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0"
 ORDER = (
-    "memory", "accumulation", "update_vs_torch", "sampler", "batching", "end_to_end", "transfers", "accelerator"
+    "memory", "accumulation", "update_vs_torch", "sampler", "rollout_shapes", "batching", "end_to_end", "peers",
+    "transfers", "accelerator",
 )
 RATIO_MEANINGS = {
     "accumulation_overhead_k8": "actor update time per token with K=8 micro-batches / with K=1 (goal <= 1.10)",
@@ -60,10 +66,18 @@ RATIO_MEANINGS = {
     "rollout_shared_prefix_memory_ratio": "sampler cache bytes with one prompt block per prompt / one per sample, "
     "2048-token prompts, 256 new, n = 8 (goal <= 0.5)",
     "rollout_shared_prefix_speedup": "seconds per rollout, prompt block per sample / shared, same shape",
+    "rollout_vs_transformers_gsm8k_shape": "KV-cache sampler tokens/s / transformers generate (KV cache) tokens/s "
+    "at a GSM8K-like shape: 4 layers d256, 8 prompts x n=8 of 64 tokens, 128 new tokens, EOS suppressed, sampling "
+    "(> 1: jppo faster)",
     "memory_chunked_vs_full_rss": "peak RSS of the update, chunked log-probs / full logits (< 1: chunking saves)",
     "memory_chunked_vs_full_xla_temp": "XLA temporary bytes, chunked / full logits (< 1: chunking saves)",
     "e2e_seconds_per_step": "median seconds per quickstart training step after the first (not a ratio)",
     "time_to_target_s": "wall seconds until the quickstart's reward/mean first reaches 0.9 (null: not reached)",
+    "e2e_vs_trl_grpo": "= e2e_vs_trl_grpo_gsm8k_shape",
+    "e2e_vs_trl_grpo_quickstart": "TRL GRPOTrainer s/step / jppo s/step, quickstart GRPO shape (2 layers d64, 16 "
+    "prompts x 8, responses <= 5); > 1: jppo faster; null without TRL (reason: e2e_vs_trl_grpo_reason)",
+    "e2e_vs_trl_grpo_gsm8k_shape": "TRL GRPOTrainer s/step / jppo s/step, GSM8K-like shape (4 layers d256, 8 "
+    "prompts x 8, prompts 64 tokens, responses <= 128); > 1: jppo faster; null without TRL",
     "transfers_h2d_per_experience": "host->device bytes of one GRPO step (ppo_epochs=1) / bytes of its Experience "
     "(goal: about 1, the Experience sent once)",
     "transfers_d2h_per_experience": "device->host bytes of one GRPO step (ppo_epochs=1) / bytes of its Experience",
@@ -94,6 +108,15 @@ def _headlines(name: str, result: dict) -> dict:
             "rollout_continuous_vs_all_rows": cb["rollout_continuous_vs_all_rows"],
             "rollout_shared_prefix_memory_ratio": sp["rollout_shared_prefix_memory_ratio"],
             "rollout_shared_prefix_speedup": sp["speedup"],
+        }
+    if name == "rollout_shapes":
+        return {"rollout_vs_transformers_gsm8k_shape": result["rollout_vs_transformers"]}
+    if name == "peers":
+        return {
+            "e2e_vs_trl_grpo": result["e2e_vs_trl_grpo_gsm8k_shape"],
+            "e2e_vs_trl_grpo_quickstart": result["e2e_vs_trl_grpo_quickstart"],
+            "e2e_vs_trl_grpo_gsm8k_shape": result["e2e_vs_trl_grpo_gsm8k_shape"],
+            "e2e_vs_trl_grpo_reason": result["trl_missing"],
         }
     if name == "memory":
         return {
@@ -156,6 +179,8 @@ def benchmarks(args: argparse.Namespace, out: pathlib.Path, names: list[str]) ->
         },
         "sampler": lambda: sampler.measure(args.quick, repeats),
         "batching": lambda: batching.measure(args.quick, repeats),
+        "rollout_shapes": lambda: rollout_shapes.measure(args.quick, repeats),
+        "peers": lambda: peers.measure(args.quick),
         "end_to_end": lambda: end_to_end.measure(args.quick, out / "quickstart_run", extra_overrides=args.e2e_set),
         "transfers": lambda: transfers.measure(args.quick),
         "accelerator": lambda: accelerator.measure(accelerator.STAND_IN_SIZE if stand_in else accelerator.FULL, *peaks),

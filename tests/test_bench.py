@@ -4,6 +4,7 @@ end-to-end bookkeeping)."""
 
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import torch
 from flax import nnx
 
-from bench import accelerator, end_to_end, run as bench_run, transfers
+from bench import accelerator, end_to_end, peers, run as bench_run, transfers
 from bench.timing import time_side_by_side
 from bench.torch_decoder import TorchCausalLM
 from jppo.models import CausalLM, ModelConfig, create_model
@@ -24,9 +25,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 REQUIRED = (
     "accumulation_overhead_k8", "normalization_overhead", "update_vs_torch_tiny", "update_vs_torch_small",
-    "sampler_vs_recompute", "sampler_vs_transformers", "rollout_useful_slot_fraction",
-    "rollout_continuous_vs_all_rows", "rollout_shared_prefix_memory_ratio",
+    "sampler_vs_recompute", "sampler_vs_transformers", "rollout_vs_transformers_gsm8k_shape",
+    "rollout_useful_slot_fraction", "rollout_continuous_vs_all_rows", "rollout_shared_prefix_memory_ratio",
 )
+TRL_KEYS = ("e2e_vs_trl_grpo", "e2e_vs_trl_grpo_quickstart", "e2e_vs_trl_grpo_gsm8k_shape")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,9 @@ def quick_run(tmp_path_factory):
         sys.executable, "-m", "bench.run", "--quick", "--out", str(out), "--accelerator", "stand-in",
         "--peak-tflops", "1", "--bandwidth-gbs", "100",
     ]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # CI does not install TRL: the run must pass without it (hidden here, whether or not this venv has it)
+    env = os.environ | {peers.HIDE_TRL_ENV: "1"}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
 
@@ -50,6 +54,9 @@ def test_quick_run_reports_every_headline_ratio_finite(quick_run):
         assert isinstance(results[key], float) and math.isfinite(results[key]) and results[key] > 0, key
         assert key in results["ratio_meanings"]
     assert "time_to_target_s" in results  # null in quick mode: three steps never reach the target
+    for key in TRL_KEYS:  # null without TRL, with the reason
+        assert key in results["ratio_meanings"] and results[key] is None, key
+    assert peers.HIDE_TRL_ENV in results["e2e_vs_trl_grpo_reason"]
     assert results["mode"] == "quick"
     assert set(results["benchmarks"]) == set(bench_run.ORDER)
 
@@ -85,7 +92,8 @@ def test_quick_run_markdown_names_machine_versions_and_sections(quick_run):
     versions = results["environment"]["versions"]
     for text in (f"jax {versions['jax']}", f"torch {versions['torch']}", f"transformers {versions['transformers']}",
                  results["environment"]["cpu"], "## Headline ratios", "## Accumulation", "## Update step vs PyTorch",
-                 "## Rollout", "## Sampler batching", "## End to end", "## Memory", "## Accelerator"):
+                 "## Rollout", "## Rollout at a GSM8K-like shape", "## Sampler batching", "## End to end",
+                 "## End to end vs TRL", "Not measured: TRL hidden", "## Memory", "## Accelerator"):
         assert text in markdown, text
 
 
@@ -222,3 +230,51 @@ def test_transfer_counter_sees_the_rows_and_plans_the_update_places():
     assert "values" not in rows and "token_rewards" not in rows
     assert result["experience_bytes"] == sum(result["experience_fields"].values())
     assert result["h2d_bytes"] == sum(phase["h2d"] for phase in result["phases"].values())
+
+
+def test_trl_settings_make_one_jppo_training_step():
+    cfg = peers.load_config(peers.QUICKSTART_GRPO, [*peers.COMMON, *peers.SHAPES["gsm8k_shape"].overrides])
+    got = peers.trl_arguments(cfg)
+    # 8 prompts x 8 = 64 sequences per step, mini-batches of 4 prompts = 32 sequences, micro-batches of 8, 1 epoch
+    assert got == {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "steps_per_generation": 8,
+                   "num_iterations": 1, "num_generations": 8, "max_completion_length": 128,
+                   "optimizer_steps_per_generation": 2}
+    quickstart = peers.trl_arguments(peers.load_config(peers.QUICKSTART_GRPO, list(peers.COMMON)))
+    # 16 x 8 = 128 sequences, mini-batches of 64, 2 epochs: 4 optimizer steps of 8 micro-batches
+    assert (quickstart["steps_per_generation"], quickstart["gradient_accumulation_steps"],
+            quickstart["num_iterations"], quickstart["optimizer_steps_per_generation"]) == (16, 8, 2, 4)
+
+
+def test_peer_gets_jppo_initial_weights_and_prompt_ids(tmp_path):
+    """The exported initial policy computes jppo's logits in transformers, and the exported tokenizer gives the
+    prompt ids jppo samples from (the wide vocabulary of the GSM8K-like shape, at its smoke size)."""
+    import transformers
+
+    shape = peers.QUICK_SHAPES["gsm8k_shape"]
+    cfg, overrides = peers.shape_config(shape, 2, tmp_path)
+    assert f"model.path={tmp_path / 'model'}" in overrides
+    tokenizer = peers.build.load_inputs(cfg).tokenizer
+    assert tokenizer.vocab_size == shape.vocab_size
+    prompts = [e.prompt for e in peers.build.task_of(cfg.data).examples("train", 3, 0)]
+    ours = np.array([tokenizer.encode(p, add_special_tokens=True) for p in prompts])
+    theirs = transformers.AutoTokenizer.from_pretrained(cfg.model.path)(prompts)["input_ids"]
+    np.testing.assert_array_equal(ours, np.array(theirs))
+    assert peers.logits_max_abs_diff(cfg.model.path, ours) <= peers.LOGITS_ATOL
+
+
+def test_peer_step_bookkeeping():
+    assert peers.per_step_seconds([1.0, 3.0, 3.5, 6.0]) == [2.0, 0.5, 2.5]
+    jppo = [{"records": [{"step": s, "timing/step": t, "timing/rollout": t / 2} for s, t in
+                         enumerate([9.0, 5.0, 1.0, 3.0], start=1)]}]
+    trl = [{"steps": [{"step": t, "generate": 1.0} for t in (7.0, 6.0, 2.0, 4.0)], "mean_response_length": 4.0}]
+    result = peers.summarize(jppo, trl, first=3)
+    assert result["jppo_s_per_step"] == 2.0 and result["trl_s_per_step"] == 3.0  # medians of steps 3 and 4
+    assert result["trl_over_jppo"] == 1.5 and result["jppo_phases_s"]["rollout"] == 1.0
+    assert result["jppo_first_step_s"] == [9.0] and result["trl_first_step_s"] == [7.0]
+
+
+def test_peers_without_trl_reports_null_with_the_reason(monkeypatch):
+    monkeypatch.setenv(peers.HIDE_TRL_ENV, "1")
+    result = peers.measure(quick=True)
+    assert result["e2e_vs_trl_grpo_quickstart"] is None and result["e2e_vs_trl_grpo_gsm8k_shape"] is None
+    assert peers.HIDE_TRL_ENV in result["trl_missing"] and result["shapes"] == {}

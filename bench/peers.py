@@ -1,0 +1,399 @@
+"""End to end against a peer trainer: seconds per GRPO training step of jppo vs TRL's ``GRPOTrainer``.
+
+    python -m bench.peers [--quick] [--shapes quickstart,gsm8k_shape] [--steps N] [--rounds R]
+
+Both trainers run in this process, on this CPU, in float32, on the same model, task, prompts, reward, batch, group
+size and lengths, alternated (jppo, TRL, jppo, TRL, ... for ``--rounds``):
+
+- **weights**: jppo's initial policy (built from the config as the trainer builds it) is written as a Hugging
+  Face directory by :func:`jppo.export.export_policy` (float32, with the tokenizer); jppo trains from it
+  (``model.path``) and TRL loads it as ``transformers.Qwen2ForCausalLM``. Their logits on the task's prompts are
+  compared before anything is timed (``logits_max_abs_diff``; the run stops above ``LOGITS_ATOL``).
+- **task and reward**: the config's task; TRL's dataset holds the task's training prompts and answers and its
+  reward function calls jppo's own reward function (``jppo.build.load_inputs``) with the decoded completions.
+  The prompt ids are the same on both sides (the tokenizer files of the export, BOS first).
+- **the step**: ``rollout.n`` samples per prompt at temperature 1 (no top-k / top-p), responses up to
+  ``rollout.max_response_length``; no KL (``beta = 0``, no KL loss or reward), no entropy bonus, clip 0.2,
+  AdamW at a constant learning rate, gradient clipping at the actor's ``grad_clip``, token-mean loss (TRL's
+  ``loss_type="dapo"``), advantages normalized by the group's std, no activation recomputation (TRL's
+  ``gradient_checkpointing`` defaults to on; jppo's ``model.remat`` to off). One jppo training step (sampling, the
+  old-log-prob pass, ``ppo_epochs`` x mini-batches optimizer steps of ``ppo_micro_batch_size``-sequence
+  micro-batches) is TRL's ``steps_per_generation = batch / micro``, ``gradient_accumulation_steps = mini-batch /
+  micro``, ``per_device_train_batch_size = micro``, ``num_iterations = ppo_epochs`` (:func:`trl_arguments`): one
+  generation, one old-log-prob pass (TRL computes it when ``num_iterations > 1`` or ``steps_per_generation >
+  gradient_accumulation_steps``, as here), and the same optimizer steps over the same micro-batches.
+
+Two shapes (:data:`SHAPES`): ``quickstart`` (``configs/quickstart_grpo.yaml``: 2 layers d64, 16 prompts x 8,
+responses <= 5 tokens, 2 epochs of 2 mini-batches) and ``gsm8k_shape`` (4 layers d256, intermediate 1024, 4
+heads, 8 prompts x 8, prompts of 64 tokens, responses up to 128, one epoch of 2 mini-batches of 32 sequences).
+At the GSM8K-like shape the task is ``reverse_digits`` over 62 digits with a vocabulary of 1024 characters (the
+task's 11 plus unused ones), so that an untrained policy rarely samples EOS and responses run long (mean length
+reported), as GSM8K's do; with the task's own 14-symbol vocabulary they would end after ~14 tokens.
+
+Seconds per step: jppo's ``timing/step`` from ``metrics.jsonl``; TRL's is the wall time between the ends of the
+last optimizer steps of two successive generations (a ``TrainerCallback``), the first one measured from the start
+of training. Medians over steps ``MEDIAN_FROM``..``steps`` of every round. Phases: jppo's ``timing/*`` metrics;
+TRL's from wrappers around its methods: ``generate`` (``_generate_single_turn``: tokenization and
+``transformers`` ``generate``), ``old_log_prob`` (``_get_per_token_logps_and_entropies`` without gradients),
+``score_and_rest`` (the rest of ``_generate_and_score_completions``: decoding, reward, advantages) and ``update``
+(the rest of the step: the optimizer steps, with their forward and backward passes).
+
+TRL is a benchmark-only tool, never a dependency of jppo: without it (or with ``JPPO_BENCH_NO_TRL=1`` set) the
+ratios are ``None`` with the reason, and nothing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+import torch
+
+from bench.environment import match_torch_threads
+from bench.report import section
+from jppo import build, train
+from jppo.config import TrainConfig, check_mesh, load_config
+from jppo.data import CharTokenizer
+from jppo.export import export_policy
+from jppo.runlog import METRICS_FILE, read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+QUICKSTART_GRPO = ROOT / "configs" / "quickstart_grpo.yaml"
+HIDE_TRL_ENV = "JPPO_BENCH_NO_TRL"  # set (to anything but "" or "0") to measure as if TRL were not installed
+LOGITS_ATOL = 1e-5
+MEDIAN_FROM = 3  # first step of the medians (steps 1-2: compilation on jppo's side, warm-up on both)
+# the same step on both sides: no KL, no entropy bonus, nothing run between the steps
+COMMON = (
+    "actor.entropy_coeff=0.0", "actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false",
+    "rollout.temperature=1.0", "rollout.top_k=0", "rollout.top_p=1.0", "actor.clip_ratio=0.2",
+    "trainer.val_every=0", "trainer.save_every=0", "trainer.logger=[jsonl]", "trainer.plots=false",
+    "trainer.progress_bar=false", "trainer.resume=never",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One comparison: config overrides on ``configs/quickstart_grpo.yaml`` and, where the task's own vocabulary
+    is not used, the size of a character vocabulary (the task's alphabet first)."""
+
+    overrides: tuple[str, ...]
+    vocab_size: Optional[int] = None
+
+
+GSM8K_MODEL = ("model.hidden_size=256", "model.intermediate_size=1024", "model.num_layers=4", "model.num_heads=4")
+SHAPES = {
+    "quickstart": Shape(()),
+    "gsm8k_shape": Shape(
+        GSM8K_MODEL + (
+            "data.train_batch_size=8", "data.task_options={min_len: 62, max_len: 62}", "data.max_prompt_length=64",
+            "rollout.prompt_bucket=64", "rollout.max_response_length=128", "actor.ppo_mini_batch_size=4",
+            "actor.ppo_micro_batch_size=8", "actor.ppo_epochs=1",
+        ),
+        vocab_size=1024,
+    ),
+}
+# smoke sizes for CI: the same code paths, numbers that mean nothing
+QUICK_SHAPES = {
+    "quickstart": Shape(("data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2",
+                         "actor.ppo_micro_batch_size=4")),
+    "gsm8k_shape": Shape(
+        ("model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1", "model.num_heads=4",
+         "data.train_batch_size=2", "rollout.n=4", "data.task_options={min_len: 7, max_len: 7}",
+         "data.max_prompt_length=16", "rollout.max_response_length=8", "actor.ppo_mini_batch_size=1",
+         "actor.ppo_micro_batch_size=4", "actor.ppo_epochs=1"),
+        vocab_size=64,
+    ),
+}
+FULL_STEPS, QUICK_STEPS = 12, 3
+FULL_ROUNDS = 2  # alternated jppo/TRL runs per shape in full mode (quick: 1)
+
+
+def trl_missing() -> Optional[str]:
+    """Why TRL cannot be used here (``None``: it can)."""
+    if os.environ.get(HIDE_TRL_ENV, "") not in ("", "0"):
+        return f"TRL hidden by {HIDE_TRL_ENV}={os.environ[HIDE_TRL_ENV]}"
+    try:
+        importlib.import_module("trl")
+        importlib.import_module("datasets")
+    except ImportError as error:
+        return f"TRL is not installed ({error}); it is a benchmark-only tool: pip install trl"
+    return None
+
+
+def wide_alphabet(task_alphabet: str, vocab_size: int) -> str:
+    """The task's characters followed by other printable ones, ``vocab_size`` tokens with the 3 special ones."""
+    codes = range(0x100, 0x100 + 4 * vocab_size)
+    extra = (chr(c) for c in codes if chr(c).isprintable() and chr(c) not in task_alphabet)
+    wanted = vocab_size - len(CharTokenizer.SPECIAL_TOKENS) - len(task_alphabet)
+    return task_alphabet + "".join(next(extra) for _ in range(wanted))
+
+
+def trl_arguments(cfg: TrainConfig) -> dict:
+    """TRL's batch settings for one jppo training step (see the module docstring), in sequences."""
+    n = cfg.rollout.n
+    batch, mini = cfg.data.train_batch_size * n, cfg.actor.ppo_mini_batch_size * n
+    micro = cfg.actor.ppo_micro_batch_size
+    if batch % mini or mini % micro:
+        raise ValueError(f"batch {batch}, mini-batch {mini}, micro-batch {micro} sequences: each must divide the last")
+    return {
+        "per_device_train_batch_size": micro,
+        "gradient_accumulation_steps": mini // micro,
+        "steps_per_generation": batch // micro,
+        "num_iterations": cfg.actor.ppo_epochs,
+        "num_generations": n,
+        "max_completion_length": cfg.rollout.max_response_length,
+        "optimizer_steps_per_generation": cfg.actor.ppo_epochs * batch // mini,
+    }
+
+
+def per_step_seconds(boundaries: Sequence[float]) -> list[float]:
+    """Seconds of each training step from the clock at the start and at the end of every step."""
+    return [after - before for before, after in zip(boundaries, boundaries[1:])]
+
+
+def logits_max_abs_diff(export_dir: str | pathlib.Path, ids: np.ndarray) -> float:
+    """Largest |jppo logit - transformers logit| of the exported model on ``ids`` ([B, T], no padding)."""
+    import transformers
+
+    from jppo.models import load_pretrained
+
+    ours = np.asarray(load_pretrained(str(export_dir))(jax.numpy.asarray(ids, jax.numpy.int32)))
+    peer = transformers.Qwen2ForCausalLM.from_pretrained(str(export_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = peer(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
+    return float(np.abs(ours - theirs).max())
+
+
+def shape_config(shape: Shape, steps: int, out: pathlib.Path) -> tuple[TrainConfig, list[str]]:
+    """The exported initial policy of ``shape`` in ``out / "model"`` and the config jppo trains it with."""
+    base = [*COMMON, *shape.overrides, f"trainer.total_steps={steps}", f"trainer.output_dir={out / 'jppo'}"]
+    if shape.vocab_size is not None:
+        task_cfg = load_config(QUICKSTART_GRPO, base)
+        alphabet = wide_alphabet(build.task_of(task_cfg.data).alphabet, shape.vocab_size)
+        (out / "tokenizer").mkdir(parents=True, exist_ok=True)
+        for name, text in CharTokenizer(alphabet).hf_files().items():
+            (out / "tokenizer" / name).write_text(text, encoding="utf-8")
+        base.append(f"model.tokenizer={out / 'tokenizer'}")
+    initial = load_config(QUICKSTART_GRPO, base)
+    tokenizer = build.load_inputs(initial).tokenizer
+    with jax.default_device(jax.devices("cpu")[0]):
+        policy = build.build_policy(initial, tokenizer, mesh=None)
+    export_policy(policy, initial, tokenizer, out / "model", dtype="float32")
+    overrides = [item for item in base if not item.startswith("model.tokenizer=")] + [f"model.path={out / 'model'}"]
+    return load_config(QUICKSTART_GRPO, overrides), overrides
+
+
+def run_jppo(cfg: TrainConfig) -> dict:
+    """One in-process training run; its ``metrics.jsonl`` records of steps >= 1."""
+    inputs = build.load_inputs(cfg)
+    train.run(cfg, check_mesh(cfg, jax.device_count()), inputs)
+    return {"records": [r for r in read_metrics(pathlib.Path(cfg.trainer.output_dir) / METRICS_FILE) if r["step"] >= 1]}
+
+
+def run_trl(cfg: TrainConfig, steps: int, out: pathlib.Path) -> dict:
+    """``steps`` training steps of TRL's ``GRPOTrainer`` matching ``cfg``; per-step seconds and phases."""
+    import datasets
+    import transformers
+    from trl import GRPOConfig, GRPOTrainer
+
+    inputs = build.load_inputs(cfg)
+    task = build.task_of(cfg.data)
+    batch = trl_arguments(cfg)
+    per_step = batch.pop("optimizer_steps_per_generation")
+    prompts = cfg.data.train_batch_size * steps
+    examples = task.examples("train", prompts, cfg.trainer.seed)
+    answers = {example.prompt: example for example in examples}
+    dataset = datasets.Dataset.from_dict(
+        {"prompt": [e.prompt for e in examples], "answer": [e.answer for e in examples]}
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.model.path)
+    eos = set(inputs.tokenizer.eos_ids)
+    lengths: list[int] = []
+
+    def reward(prompts, completions, completion_ids, **_):
+        finished = [len(ids) > 0 and ids[-1] in eos for ids in completion_ids]
+        lengths.extend(len(ids) for ids in completion_ids)
+        rows = [answers[prompt] for prompt in prompts]
+        return [float(x) for x in inputs.reward_fn(list(completions), rows, finished)]
+
+    phases: list[dict[str, float]] = []
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """Notes the seconds of the step's parts (see the module docstring)."""
+
+        def _generate_and_score_completions(self, *args, **kwargs):
+            phases.append({"generate": 0.0, "old_log_prob": 0.0})
+            start = time.perf_counter()
+            result = super()._generate_and_score_completions(*args, **kwargs)
+            phases[-1]["generate_and_score"] = time.perf_counter() - start
+            return result
+
+        def _generate_single_turn(self, *args, **kwargs):
+            start = time.perf_counter()
+            result = super()._generate_single_turn(*args, **kwargs)
+            phases[-1]["generate"] += time.perf_counter() - start
+            return result
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            start = time.perf_counter()
+            result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            if not torch.is_grad_enabled() and phases:
+                phases[-1]["old_log_prob"] += time.perf_counter() - start
+            return result
+
+    marks: list[float] = []
+
+    class StepClock(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            marks.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % per_step == 0:
+                marks.append(time.perf_counter())
+
+    optim = cfg.actor.optim
+    args = GRPOConfig(
+        output_dir=str(out / "trl"), use_vllm=False, report_to=[], bf16=False, fp16=False, use_cpu=True,
+        **batch, temperature=cfg.rollout.temperature, top_k=0, top_p=1.0, beta=0.0, epsilon=cfg.actor.clip_ratio,
+        loss_type="dapo", scale_rewards="group" if cfg.algorithm.norm_adv_by_std_in_grpo else "none",
+        learning_rate=optim.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=optim.weight_decay,
+        max_grad_norm=optim.grad_clip, max_steps=steps * per_step, logging_steps=10**6, save_strategy="no",
+        disable_tqdm=True, seed=cfg.trainer.seed, log_completions=False, dataloader_num_workers=0,
+        mask_truncated_completions=False, gradient_checkpointing=False,  # TRL's default recomputes; jppo's does not
+    )
+    model = transformers.Qwen2ForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    trainer = TimedGRPOTrainer(
+        model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
+    trainer.train()
+    seconds = per_step_seconds(marks)
+    for record, total in zip(phases, seconds):
+        record["score_and_rest"] = record["generate_and_score"] - record["generate"] - record["old_log_prob"]
+        record["update"] = total - record.pop("generate_and_score")
+        record["step"] = total
+    return {"steps": phases[: len(seconds)], "mean_response_length": float(np.mean(lengths)) if lengths else None}
+
+
+def _median(values: list[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def summarize(jppo_runs: list[dict], trl_runs: list[dict], first: int) -> dict:
+    """Medians over steps ``first``.. of every run, per phase and for the whole step, and the ratio."""
+    jppo_steps = [r for run in jppo_runs for r in run["records"] if r["step"] >= first]
+    trl_steps = [s for run in trl_runs for s in run["steps"][first - 1:]]
+    jppo_phases = sorted({k for r in jppo_steps for k in r if k.startswith("timing/")})
+    ours = {k.removeprefix("timing/"): _median([r[k] for r in jppo_steps if r.get(k) is not None]) for k in jppo_phases}
+    theirs = {k: _median([s[k] for s in trl_steps]) for k in (trl_steps[0] if trl_steps else {})}
+    ratio = theirs["step"] / ours["step"] if theirs.get("step") and ours.get("step") else None
+    return {
+        "jppo_s_per_step": ours.get("step"), "trl_s_per_step": theirs.get("step"), "trl_over_jppo": ratio,
+        "jppo_phases_s": ours, "trl_phases_s": theirs,
+        "jppo_first_step_s": [run["records"][0]["timing/step"] for run in jppo_runs if run["records"]],
+        "trl_first_step_s": [run["steps"][0]["step"] for run in trl_runs if run["steps"]],
+        "steps_in_medians": {"jppo": len(jppo_steps), "trl": len(trl_steps)},
+        "jppo_mean_response_length": _median([r["response_length/mean"] for r in jppo_steps
+                                              if r.get("response_length/mean") is not None]),
+        "trl_mean_response_length": _median([run["mean_response_length"] for run in trl_runs
+                                             if run["mean_response_length"] is not None]),
+    }
+
+
+def prompt_ids(cfg: TrainConfig, count: int) -> list[list[int]]:
+    """The ids of the task's first ``count`` training prompts, as both trainers encode them (BOS first)."""
+    tokenizer = build.load_inputs(cfg).tokenizer
+    examples = build.task_of(cfg.data).examples("train", count, cfg.trainer.seed)
+    return [tokenizer.encode(example.prompt, add_special_tokens=True) for example in examples]
+
+
+def check_logits(name: str, cfg: TrainConfig) -> float:
+    """The largest logit difference of the two models on 4 of the task's prompts (cut to the shortest); an error
+    above :data:`LOGITS_ATOL`."""
+    rows = prompt_ids(cfg, 4)
+    width = min(len(row) for row in rows)
+    diff = logits_max_abs_diff(cfg.model.path, np.array([row[:width] for row in rows]))
+    if diff > LOGITS_ATOL:
+        raise RuntimeError(f"{name}: jppo and transformers logits differ by {diff:.2e} > {LOGITS_ATOL}")
+    return diff
+
+
+def describe(cfg: TrainConfig, overrides: Sequence[str]) -> dict:
+    """The shape of one comparison, for the report."""
+    batch = trl_arguments(cfg)
+    lengths = [len(row) for row in prompt_ids(cfg, 64)]
+    return {
+        "overrides": [item for item in overrides if not item.startswith(("trainer.output_dir", "model.path"))],
+        "layers": cfg.model.num_layers, "hidden": cfg.model.hidden_size, "prompts": cfg.data.train_batch_size,
+        "n": cfg.rollout.n, "max_response_length": cfg.rollout.max_response_length,
+        "prompt_tokens": f"{min(lengths)}-{max(lengths)}", "vocab_size": build.load_inputs(cfg).tokenizer.vocab_size,
+        "optimizer_steps_per_training_step": batch.pop("optimizer_steps_per_generation"),
+        "ppo_epochs": cfg.actor.ppo_epochs, "trl_settings": batch,
+    }
+
+
+def measure_shape(name: str, shape: Shape, steps: int, rounds: int) -> dict:
+    """``rounds`` alternated runs of jppo and TRL at ``shape``, ``steps`` training steps each, summarized."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = pathlib.Path(scratch)
+        cfg, overrides = shape_config(shape, steps, out)
+        diff = check_logits(name, cfg)
+        jppo_runs, trl_runs = [], []
+        for index in range(rounds):
+            run_dir = out / f"jppo_{index}"
+            jppo_runs.append(run_jppo(load_config(QUICKSTART_GRPO, overrides + [f"trainer.output_dir={run_dir}"])))
+            trl_runs.append(run_trl(cfg, steps, out / f"trl_{index}"))
+        shape_info = describe(cfg, overrides)
+    first = MEDIAN_FROM if steps > MEDIAN_FROM else 2
+    return summarize(jppo_runs, trl_runs, first) | {
+        "shape": shape_info, "logits_max_abs_diff": diff, "steps": steps, "rounds": rounds, "median_from_step": first,
+    }
+
+
+def measure(quick: bool, shapes: Sequence[str] = tuple(SHAPES), steps: Optional[int] = None,
+            rounds: Optional[int] = None) -> dict:
+    """Every shape's comparison (see the module docstring); ``None`` ratios and the reason without TRL."""
+    missing = trl_missing()
+    table = QUICK_SHAPES if quick else SHAPES
+    result: dict = {"trl_missing": missing, "shapes": {}}
+    if missing is None:
+        import trl
+
+        result["versions"] = {"trl": trl.__version__, "torch": torch.__version__}
+        result["torch_threads"] = match_torch_threads()
+        for name in shapes:
+            result["shapes"][name] = measure_shape(
+                name, table[name], steps or (QUICK_STEPS if quick else FULL_STEPS),
+                rounds or (1 if quick else FULL_ROUNDS),
+            )
+    ratios = {name: result["shapes"].get(name, {}).get("trl_over_jppo") for name in SHAPES}
+    return result | {"e2e_vs_trl_grpo_quickstart": ratios["quickstart"],
+                     "e2e_vs_trl_grpo_gsm8k_shape": ratios["gsm8k_shape"]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, 3 steps (a smoke run)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
+    parser.add_argument("--steps", type=int, help=f"training steps per run (default {FULL_STEPS}, quick {QUICK_STEPS})")
+    parser.add_argument(
+        "--rounds", type=int, help=f"alternated jppo/TRL runs per shape (default {FULL_ROUNDS}, quick 1)"
+    )
+    args = parser.parse_args(argv)
+    shapes = [name.strip() for name in args.shapes.split(",") if name.strip()]
+    print(section("peers", measure(args.quick, shapes, args.steps, args.rounds)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
