@@ -120,14 +120,7 @@ def _headlines(name: str, result: dict) -> dict:
         }
     if name == "memory":
         return {
-            "rollout_useful_slot_fraction": "decoding row-steps that produced a token / row-steps decoded, continuous "
-    "batching on the long-tailed workload (goal >= 0.8)",
-    "rollout_all_rows_useful_slot_fraction": "the same fraction decoding every row at once until the longest ends",
-    "rollout_continuous_vs_all_rows": "tokens/s with continuous batching / every row at once, long-tailed workload",
-    "rollout_shared_prefix_memory_ratio": "sampler cache bytes with one prompt block per prompt / one per sample, "
-    "2048-token prompts, 256 new, n = 8 (goal <= 0.5)",
-    "rollout_shared_prefix_speedup": "seconds per rollout, prompt block per sample / shared, same shape",
-    "memory_chunked_vs_full_rss": result["peak_rss_ratio"],
+            "memory_chunked_vs_full_rss": result["peak_rss_ratio"],
             "memory_chunked_vs_full_xla_temp": result["xla_temp_ratio"],
         }
     if name == "end_to_end":
