@@ -123,8 +123,8 @@ def shared_prefix(quick: bool, repeats: int) -> dict:
     graphdef, state = nnx.split(model)
     prompts = random_prompts(size["prompts"], size["prompt"], size["prompt"], vocab, ())
     ids, mask = pad_prompts(prompts, pad_id=0, multiple=size["prompt"])
-    inputs = {"shared": (jnp.asarray(ids), jnp.asarray(mask), n),
-              "copied": (jnp.asarray(np.repeat(ids, n, axis=0)), jnp.asarray(np.repeat(mask, n, axis=0)), 1)}
+    inputs = {"one_block": (jnp.asarray(ids), jnp.asarray(mask), n),
+              "block_per_sample": (jnp.asarray(np.repeat(ids, n, axis=0)), jnp.asarray(np.repeat(mask, n, axis=0)), 1)}
     key = jax.random.key(0)
     outputs, result = {}, {}
 
@@ -145,7 +145,8 @@ def shared_prefix(quick: bool, repeats: int) -> dict:
         fn = make_generate_fn(graphdef, SamplingParams(max_new_tokens=size["max_new"], n=samples))
         compiled = fn.lower(state, prompt_ids, prompt_mask, key).compile()
         prompt_cache, response_cache = caches(prompt_ids, samples)
-        result[name] = {"prompt_cache_bytes": tree_bytes(prompt_cache), "response_cache_bytes": tree_bytes(response_cache),
+        result[name] = {"prompt_cache_bytes": tree_bytes(prompt_cache),
+                        "response_cache_bytes": tree_bytes(response_cache),
                         "xla_temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes)}
         result[name]["cache_bytes"] = result[name]["prompt_cache_bytes"] + result[name]["response_cache_bytes"]
 
@@ -157,12 +158,14 @@ def shared_prefix(quick: bool, repeats: int) -> dict:
     timings = time_side_by_side({name: runner(name) for name in inputs}, repeats)
     for name, timing in timings.items():
         result[name] |= timing.to_dict()
-    shared, copied = outputs["shared"], outputs["copied"]
-    result["same_tokens"] = bool(np.array_equal(np.asarray(shared.response_ids), np.asarray(copied.response_ids)))
+    one_block, per_sample = outputs["one_block"], outputs["block_per_sample"]
+    result["same_tokens"] = bool(np.array_equal(np.asarray(one_block.response_ids),
+                                                np.asarray(per_sample.response_ids)))
     result["shape"] = {key: size[key] for key in ("prompts", "n", "prompt", "max_new", "hidden", "layers", "vocab")}
-    result["rollout_shared_prefix_memory_ratio"] = result["shared"]["cache_bytes"] / result["copied"]["cache_bytes"]
-    result["xla_temp_ratio"] = result["shared"]["xla_temp_bytes"] / result["copied"]["xla_temp_bytes"]
-    result["speedup"] = result["copied"]["median_s"] / result["shared"]["median_s"]
+    one, each = result["one_block"], result["block_per_sample"]
+    result["rollout_shared_prefix_memory_ratio"] = one["cache_bytes"] / each["cache_bytes"]
+    result["xla_temp_ratio"] = one["xla_temp_bytes"] / each["xla_temp_bytes"]
+    result["speedup"] = each["median_s"] / one["median_s"]
     return result
 
 

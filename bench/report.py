@@ -286,7 +286,7 @@ def _batching(result: dict) -> list[str]:
         f"Same tokens: {sp['same_tokens']}.",
         ["layout", "cache MiB", "prompt block MiB", "response block MiB", "XLA temp MiB", "median s"],
     )
-    for name in ("shared", "copied"):
+    for name in ("one_block", "block_per_sample"):
         m = sp[name]
         lines.append(f"| {name} | {m['cache_bytes'] / MIB:,.1f} | {m['prompt_cache_bytes'] / MIB:,.1f} | "
                      f"{m['response_cache_bytes'] / MIB:,.1f} | {m['xla_temp_bytes'] / MIB:,.1f} | "

@@ -84,7 +84,8 @@ def test_quick_run_details_are_consistent(quick_run):
     assert cb["continuous"]["decode_slots"] < cb["all_rows"]["decode_slots"]
     assert 0 < cb["all_rows"]["useful_slot_fraction"] < cb["continuous"]["useful_slot_fraction"] <= 1
     sp = batching["shared_prefix"]
-    assert sp["shared"]["prompt_cache_bytes"] * sp["shape"]["n"] <= sp["copied"]["prompt_cache_bytes"] * 1.1
+    one, each = sp["one_block"], sp["block_per_sample"]
+    assert one["prompt_cache_bytes"] * sp["shape"]["n"] <= each["prompt_cache_bytes"] * 1.1
 
 
 def test_quick_run_markdown_names_machine_versions_and_sections(quick_run):
