@@ -81,7 +81,7 @@ def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh) -> CausalLM
     if cfg.model.path:
         return load_pretrained(
             cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat,
-            attention=cfg.model.attention, mesh=mesh
+            attention=cfg.model.attention, layer_loop=cfg.model.layer_loop, mesh=mesh
         )
     return create_model(CausalLM, random_model_config(cfg, tokenizer), mesh, seed=cfg.trainer.seed)
 
@@ -105,7 +105,7 @@ def build_critic(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> ValueModel:
     if path:
         return load_pretrained(
             path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat,
-            attention=cfg.model.attention, head="value",
+            attention=cfg.model.attention, layer_loop=cfg.model.layer_loop, head="value",
             mesh=mesh, seed=cfg.trainer.seed + 1,
         )
     return ValueModel.from_policy(policy, rngs=nnx.Rngs(cfg.trainer.seed + 1))

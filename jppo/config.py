@@ -45,6 +45,7 @@ RANDOM_MODEL = dict(
     model_type="qwen2", hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=None,
     rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=512, dtype="float32",
     param_dtype="float32", remat=False, initializer_range=0.02, attention="reference",
+    layer_loop="auto",
 )
 
 
@@ -60,7 +61,7 @@ class ModelSource:
 class ModelSection(model_settings(RANDOM_MODEL), ModelSource):
     """The policy. ``path``: a local Hugging Face checkpoint directory; without it a model of the shape given by
     the other keys (:data:`RANDOM_MODEL`) is initialised at random (``trainer.seed``); ``dtype`` (compute),
-    ``param_dtype`` (stored weights), ``remat`` and ``attention`` apply to a checkpoint too, and to the critic built from it. Mixed precision is
+    ``param_dtype`` (stored weights), ``remat``, ``attention`` and ``layer_loop`` apply to a checkpoint too, and to the critic built from it. Mixed precision is
     ``param_dtype: float32`` with ``dtype: bfloat16``; half-precision weights are refused, as Adam's updates would
     round away. ``tokenizer``: a directory holding ``tokenizer.json`` (default:
     ``path``), or ``builtin:<task>`` for a built-in task's character vocabulary (the default without ``path``)."""

@@ -10,7 +10,9 @@ import pytest
 from flax import nnx
 
 from jppo.models import CausalLM, ModelConfig, ValueModel, create_model
-from jppo.models.layers import attention
+from jppo.models import layers
+from jppo.models.config import AUTO_UNROLL_LAYERS
+from jppo.models.layers import attention, response_blocks
 
 # qwen3 with attention_bias: every optional parameter (q/k/v/o biases, q/k norms) is present
 CONFIG = ModelConfig(
@@ -99,7 +101,43 @@ def test_prefill_then_decode_matches_full_forward(lm):
         assert_close(logits, full[:, column])
         assert np.isfinite(np.asarray(logits)).all()
     assert len(cache.keys) == CONFIG.num_layers
-    assert cache.keys[0].shape == (6, CONFIG.num_kv_heads, slots, CONFIG.head_dim)
+    assert [block.shape for block in cache.keys[0]] == [(6, CONFIG.num_kv_heads, size, CONFIG.head_dim)
+                                                        for size in response_blocks(slots)]
+    assert sum(response_blocks(slots)) == slots
+
+
+@pytest.mark.parametrize("block", [1, 2, 3])
+def test_decoding_over_small_response_blocks_matches_full_forward(lm, monkeypatch, block):
+    # blocks of 1-3 slots: each step reads some blocks and skips the empty ones (lax.cond), the new token lands in
+    # one block; rows at different slots see different blocks, and a row's junk entries past its slot stay unseen
+    monkeypatch.setattr(layers, "MIN_RESPONSE_BLOCK", block)
+    monkeypatch.setattr(layers, "RESPONSE_BLOCKS", 64)
+    prompt_width, new_tokens = 6, 7
+    ids, positions, segments = left_padded_batch([6, 3], prompt_width, new_tokens)
+    full = np.asarray(lm.forward(lm.state, ids, positions, segments))
+    _, prompt = lm.prefill(lm.state, ids[:, :prompt_width], positions[:, :prompt_width], segments[:, :prompt_width])
+    cache = lm.model.init_response_cache(2, new_tokens)
+    assert len(cache.keys[0]) == -(-new_tokens // block)
+    for t in range(2):  # row 1 first writes junk at slots 0-1, then starts over two slots behind row 0
+        tokens, where = np.array([ids[0, prompt_width + t], 5]), np.array([positions[0, prompt_width + t], 9])
+        _, cache = lm.decode(lm.state, tokens, where, prompt, cache, np.array([t, t]))
+    for t in range(2, new_tokens):
+        columns = np.array([prompt_width + t, prompt_width + t - 2])
+        logits, cache = lm.decode(lm.state, ids[[0, 1], columns], positions[[0, 1], columns], prompt, cache,
+                                  np.array([t, t - 2]))
+        assert_close(logits, full[[0, 1], columns])
+
+
+@pytest.mark.parametrize("length, minimum, count, expected", [
+    (1, 32, 8, (1,)), (32, 32, 8, (32,)), (33, 32, 8, (32, 1)), (128, 32, 8, (32, 32, 32, 32)),
+    (512, 32, 8, (64,) * 8), (500, 32, 8, (63,) * 7 + (59,)), (7, 2, 64, (2, 2, 2, 1)),
+])
+def test_response_blocks_cover_the_slots_in_at_most_the_block_count(monkeypatch, length, minimum, count, expected):
+    monkeypatch.setattr(layers, "MIN_RESPONSE_BLOCK", minimum)
+    monkeypatch.setattr(layers, "RESPONSE_BLOCKS", count)
+    assert response_blocks(length) == expected
+    with pytest.raises(ValueError, match="length=0"):
+        response_blocks(0)
 
 
 def test_decoding_rows_at_different_slots_matches_full_forward(lm):
@@ -251,6 +289,39 @@ def test_bfloat16_compute_keeps_float32_logits_close_to_float32_compute(lm):
     assert error < 0.05, error
 
 
+@pytest.mark.parametrize("remat", [False, True])
+def test_unrolled_layers_give_the_scanned_logits_and_gradient(lm, remat):
+    # the same layers, rolled into one lax.scan or unrolled: only XLA's fusion (summation order) may differ
+    ids, positions, segments = left_padded_batch([6, 3, 1], 6, 5)
+    targets = jnp.asarray(np.roll(ids, -1, axis=1))
+
+    def run(layer_loop):
+        config = dataclasses.replace(CONFIG, layer_loop=layer_loop, remat=remat)
+        graphdef = nnx.split(nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0))))[0]
+
+        def loss(state):
+            logits = nnx.merge(graphdef, state)(ids, positions, segments)
+            picked = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+            return -jnp.sum(jnp.where(segments > 0, picked, 0.0)), logits
+
+        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(lm.state)
+        return logits, grads
+
+    scanned, unrolled = run("scan"), run("unroll")
+    assert_close(unrolled[0], scanned[0])
+    for got, want in zip(jax.tree.leaves(unrolled[1]), jax.tree.leaves(scanned[1])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                                   atol=TOLERANCE * max(np.abs(np.asarray(want)).max(), 1e-30))
+
+
+def test_auto_layer_loop_unrolls_shallow_models_and_scans_deep_ones():
+    shallow = dataclasses.replace(CONFIG, num_layers=AUTO_UNROLL_LAYERS)
+    deep = dataclasses.replace(CONFIG, num_layers=AUTO_UNROLL_LAYERS + 1)
+    assert (shallow.resolved_layer_loop, deep.resolved_layer_loop) == ("unroll", "scan")
+    assert dataclasses.replace(deep, layer_loop="unroll").resolved_layer_loop == "unroll"
+    assert dataclasses.replace(shallow, layer_loop="scan").resolved_layer_loop == "scan"
+
+
 def test_model_input_errors(lm):
     ids = jnp.zeros((2, 4), jnp.int32)
     with pytest.raises(ValueError, match="positions shape"):
@@ -272,6 +343,7 @@ def test_model_input_errors(lm):
         (dict(model_type="llama", qk_norm=True), "requires qk_norm=False"),
         (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "unsupported rope_scaling type 'yarn'"),
         (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "missing low_freq_factor"),
+        (dict(layer_loop="unrolled"), "layer_loop='unrolled' is invalid: it must be one of auto, scan, unroll"),
     ],
 )
 def test_bad_config_is_a_clear_error(changes, message):

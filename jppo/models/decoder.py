@@ -47,6 +47,7 @@ from jppo.models.layers import (
     attention_mask,
     decode_attention,
     dense,
+    response_blocks,
     rms_norm,
     rope_tables,
     swiglu,
@@ -75,8 +76,10 @@ class PromptCache:
 
 @struct.dataclass
 class ResponseCache:
-    """Every layer's keys and values of the generated tokens: a tuple over layers of ``[R, K, M, E]`` arrays for
-    ``R`` rows of ``M`` slots (slot ``t`` holds the ``t``-th generated token of the row)."""
+    """Every layer's keys and values of the generated tokens, ``R`` rows of ``M`` slots (slot ``t`` holds the
+    ``t``-th generated token of the row): a tuple over layers of tuples over the blocks of
+    :func:`~jppo.models.layers.response_blocks`, ``[R, K, M_b, E]`` each, so that a decoding step reads only the
+    blocks that hold a visible slot."""
 
     keys: tuple[Array, ...]
     values: tuple[Array, ...]
@@ -162,7 +165,8 @@ class DecoderLayers(nnx.Module):
         return constrain(h + mlp, HIDDEN), extra
 
     def _scan(self, hidden: Array, rope: tuple[Array, Array], attend) -> tuple[Array, Any]:
-        """All layers by one ``lax.scan`` (compile time independent of depth); the ``extra`` of every layer's
+        """All layers by one ``lax.scan``, rolled (compile time independent of depth) or unrolled (``layer_loop``:
+        no stacked activations to zero-fill and copy for the backward pass); the ``extra`` of every layer's
         ``attend`` comes back stacked over layers."""
 
         def layer(h, inputs):
@@ -171,7 +175,8 @@ class DecoderLayers(nnx.Module):
 
         if self.config.remat:
             layer = jax.checkpoint(layer, prevent_cse=False)
-        return jax.lax.scan(layer, hidden, (self._stacked_weights(), self._stacked_adapters()))
+        unroll = self.config.resolved_layer_loop == "unroll"
+        return jax.lax.scan(layer, hidden, (self._stacked_weights(), self._stacked_adapters()), unroll=unroll)
 
     def __call__(self, hidden: Array, rope: tuple[Array, Array], mask: Array) -> Array:
         """Runs all layers on ``hidden [B, T, D]``, each query attending the keys of ``mask [B, T, T]``."""
@@ -217,15 +222,23 @@ class DecoderLayers(nnx.Module):
         whole cache out of the stack at every step (the cost then grows with the cache, not the arithmetic).
         """
         rows = hidden.shape[0]
-        response_visible = jnp.arange(cache.keys[0].shape[2])[None, :] <= slots[:, None]
+        sizes = tuple(block.shape[2] for block in cache.keys[0])
+        response_visible = jnp.arange(sum(sizes))[None, :] <= slots[:, None]
         visible = prompt.visible if prompt_rows is None else prompt.visible[prompt_rows]
         rows_of = (lambda x: x) if prompt_rows is None else (lambda x: x[prompt_rows])  # noqa: E731
+        starts = [sum(sizes[:b]) for b in range(len(sizes))]
+        # each row's slot within each block; out of range (the write is dropped) outside it
+        local = [jnp.where((slots >= start) & (slots < start + size), slots - start, size)
+                 for start, size in zip(starts, sizes)]
         keys, values = list(cache.keys), list(cache.values)
         for index, (layer_weights, layer_adapters) in enumerate(layers):
 
             def attend(q, k, v, index=index):
                 for stack, new in ((keys, k), (values, v)):
-                    stack[index] = stack[index].at[jnp.arange(rows), :, slots].set(new[:, 0].astype(stack[index].dtype))
+                    stack[index] = tuple(
+                        block.at[jnp.arange(rows), :, where].set(new[:, 0].astype(block.dtype), mode="drop")
+                        for block, where in zip(stack[index], local)
+                    )
                 out = decode_attention(q[:, 0], rows_of(prompt.keys[index]), rows_of(prompt.values[index]), visible,
                                        keys[index], values[index], response_visible)
                 return out[:, None], None
@@ -278,15 +291,17 @@ class Decoder(nnx.Module):
         """``tokens [R]`` at ``positions [R]``, written at response slots ``slots [R]``: hidden ``[R, D]``."""
         hidden, rope = self._embed(tokens[:, None], positions[:, None])
         hidden, cache = self.layers.decode(hidden, rope, prompt, cache, slots, layers, prompt_rows)
-        cache = ResponseCache(keys=tuple(constrain(k, CACHE) for k in cache.keys),
-                              values=tuple(constrain(v, CACHE) for v in cache.values))
+        by_block = lambda layers: tuple(tuple(constrain(b, CACHE) for b in layer) for layer in layers)  # noqa: E731
+        cache = ResponseCache(keys=by_block(cache.keys), values=by_block(cache.values))
         return self._norm(hidden[:, 0]), cache
 
     def init_response_cache(self, rows: int, length: int) -> ResponseCache:
         config = self.config
-        shape = (rows, config.num_kv_heads, length, config.head_dim)
-        zeros = lambda: tuple(constrain(jnp.zeros(shape, config.compute_dtype), CACHE)  # noqa: E731
-                              for _ in range(config.num_layers))  # own buffers, one per layer
+        zeros = lambda: tuple(  # noqa: E731  (own buffers, one per layer and block)
+            tuple(constrain(jnp.zeros((rows, config.num_kv_heads, size, config.head_dim), config.compute_dtype),
+                            CACHE) for size in response_blocks(length))
+            for _ in range(config.num_layers)
+        )
         return ResponseCache(keys=zeros(), values=zeros())
 
 

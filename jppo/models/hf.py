@@ -153,13 +153,14 @@ def load_pretrained(
     seed: int = 0,
     remat: bool | None = None,
     attention: str | None = None,
+    layer_loop: str | None = None,
 ) -> CausalLM | ValueModel:
     """A :class:`CausalLM` (``head="lm"``) or :class:`ValueModel` (``head="value"``) from a Hugging Face
     checkpoint directory, each parameter placed straight onto its sharding over ``mesh`` when given.
 
     ``dtype``/``param_dtype`` default to float32 (the checkpoint's own dtype is converted); ``remat`` (default
-    off) recomputes each layer in the backward pass; ``attention`` (default ``reference``) is
-    ModelConfig's. For ``"value"`` the
+    off) recomputes each layer in the backward pass; ``attention`` (default ``reference``) and ``layer_loop``
+    (default ``auto``) are ModelConfig's. For ``"value"`` the
     decoder comes from the checkpoint and the value head too if it has ``score.weight`` (a critic checkpoint);
     otherwise (a policy checkpoint, as verl initialises critics) the head is new, drawn from ``seed``.
     Raises :class:`CheckpointError` naming the missing file or tensor, the mismatched shape, or the
@@ -168,7 +169,8 @@ def load_pretrained(
     if head not in HEADS:
         raise ValueError(f"unknown head {head!r}; valid: {', '.join(HEADS)}")
     path = pathlib.Path(path)
-    given = (("dtype", dtype), ("param_dtype", param_dtype), ("remat", remat), ("attention", attention))
+    given = (("dtype", dtype), ("param_dtype", param_dtype), ("remat", remat), ("attention", attention),
+             ("layer_loop", layer_loop))
     overrides = {key: value for key, value in given if value is not None}
     config = read_config(path, **overrides)
     checkpoint = _Checkpoint(path)

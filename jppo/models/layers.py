@@ -7,6 +7,8 @@ heads (``H = K G``), ``E`` head size, ``F`` MLP width.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,31 +141,56 @@ def fused_attention(query: Array, key: Array, value: Array, mask: Array, impleme
     return jnp.where(sees_a_key, out, jnp.zeros_like(out))
 
 
+def response_blocks(length: int) -> tuple[int, ...]:
+    """The slot counts of the blocks a response cache of ``length`` slots is stored in: at most
+    :data:`RESPONSE_BLOCKS` blocks of at least :data:`MIN_RESPONSE_BLOCK` slots (the last may be shorter).
+
+    A decoding step reads only the blocks that hold a slot some row can see (:func:`decode_attention`), so early
+    steps, when most slots are still empty, read a fraction of the cache: reading it was most of a small model's
+    decode step on CPU (``python -m bench.rollout_shapes``; bench/README.md).
+    """
+    if length < 1:
+        raise ValueError(f"response cache length={length} is invalid: it must be an integer >= 1")
+    size = max(MIN_RESPONSE_BLOCK, -(-length // RESPONSE_BLOCKS))
+    return tuple(min(size, length - start) for start in range(0, length, size))
+
+
+RESPONSE_BLOCKS = 8  # more blocks skip more empty slots; each costs a conditional and two small products
+MIN_RESPONSE_BLOCK = 32
+
+
 def decode_attention(
     query: Array,
     prompt_keys: Array,
     prompt_values: Array,
     prompt_visible: Array,
-    response_keys: Array,
-    response_values: Array,
+    response_keys: tuple[Array, ...],
+    response_values: tuple[Array, ...],
     response_visible: Array,
 ) -> Array:
-    """One new token per row attending to its prompt's block and to its own response block: the softmax of
+    """One new token per row attending to its prompt's block and to its own response slots: the softmax of
     :func:`reference_attention` taken over the concatenation ``[prompt slots, response slots]``.
 
     ``query [R, H, E]``; ``prompt_keys``/``prompt_values [B, K, P, E]`` with ``prompt_visible [B, P]``, shared by
     the ``n = R / B`` consecutive rows of each prompt (rows prompt-major), so a prompt's keys are stored and read
     once for its ``n`` samples: its scores are one ``[n G, E] x [E, P]`` product per (prompt, kv head) instead of
-    ``n`` matrix-vector products over ``n`` copies; ``response_keys``/``response_values [R, K, M, E]`` with
-    ``response_visible [R, M]``. Heads-before-slots layouts make every contraction a plain batched matmul.
-    Masked scores are replaced before the float32 softmax and their probabilities zeroed after it, as in the
-    reference, so a row with nothing visible gets 0.
+    ``n`` matrix-vector products over ``n`` copies. The response slots come in blocks (:func:`response_blocks`):
+    ``response_keys``/``response_values`` hold ``[R, K, M_b, E]`` per block, ``response_visible [R, M]`` the
+    visible slots of all blocks in order. Heads-before-slots layouts make every contraction a plain batched matmul.
+
+    Each block ``b`` gives its partial softmax: its scores' maximum ``m_b``, ``s_b = sum exp(score - m_b)`` and
+    ``o_b = sum exp(score - m_b) v``; a block no row can see is skipped (``lax.cond``: its ``m_b`` is the lowest
+    float, ``s_b = o_b = 0``). With ``m = max_b m_b`` the output is ``sum_b e^(m_b - m) o_b / sum_b e^(m_b - m)
+    s_b``, the single softmax up to rounding. Masked scores are replaced before the float32 exponentials and
+    their weights zeroed, as in the reference, so a row with nothing visible gets 0.
     """
     rows, num_heads, head_dim = query.shape
     prompts, num_kv_heads, prompt_len, _ = prompt_keys.shape
     n, group = rows // prompts, num_heads // num_kv_heads
     precision = wide(query.dtype)
     scale = head_dim**-0.5
+    lowest = jnp.finfo(precision).min
+    dtype = prompt_values.dtype
 
     def by_prompt(x: Array) -> Array:  # [R, K, G, X] -> [B, K, n G, X]
         x = x.reshape(prompts, n, num_kv_heads, group, x.shape[-1])
@@ -173,25 +200,46 @@ def decode_attention(
         x = x.reshape(prompts, num_kv_heads, n, group, x.shape[-1])
         return x.transpose(0, 2, 1, 3, 4).reshape(rows, num_kv_heads, group, x.shape[-1])
 
+    def partial(scores: Array, visible: Array) -> tuple[Array, Array, Array]:
+        """``(m, exp weights, s)`` of ``scores [R, K, G, S]`` over the ``visible [R, 1, 1, S]`` slots."""
+        scores = jnp.where(visible, scores * scale, lowest)
+        top = scores.max(axis=-1, keepdims=True)
+        weights = jnp.where(visible, jnp.exp(scores - top), 0.0)
+        return top, weights, weights.sum(axis=-1, keepdims=True)
+
     grouped = query.reshape(rows, num_kv_heads, group, head_dim)
     prompt_scores = by_row(jnp.einsum("bkqe,bkpe->bkqp", by_prompt(grouped), prompt_keys,
                                       preferred_element_type=precision))
-    response_scores = jnp.einsum("rkge,rkme->rkgm", grouped, response_keys, preferred_element_type=precision)
-    # one softmax over both blocks, without concatenating them
-    prompt_visible = jnp.repeat(prompt_visible, n, axis=0)[:, None, None, :]
-    response_visible = response_visible[:, None, None, :]
-    lowest = jnp.finfo(precision).min
-    prompt_scores = jnp.where(prompt_visible, prompt_scores * scale, lowest)
-    response_scores = jnp.where(response_visible, response_scores * scale, lowest)
-    top = jnp.maximum(prompt_scores.max(axis=-1, keepdims=True), response_scores.max(axis=-1, keepdims=True))
-    prompt_weights = jnp.where(prompt_visible, jnp.exp(prompt_scores - top), 0.0)
-    response_weights = jnp.where(response_visible, jnp.exp(response_scores - top), 0.0)
-    total = prompt_weights.sum(axis=-1, keepdims=True) + response_weights.sum(axis=-1, keepdims=True)
-    total = jnp.where(total > 0, total, 1.0)  # nothing visible: every weight is 0, and so is the output
-    dtype = prompt_values.dtype
-    out = by_row(jnp.einsum("bkqp,bkpe->bkqe", by_prompt((prompt_weights / total).astype(dtype)), prompt_values))
-    out = out + jnp.einsum("rkgm,rkme->rkge", (response_weights / total).astype(dtype), response_values)
-    return out.reshape(rows, num_heads, head_dim)
+    top, weights, total = partial(prompt_scores, jnp.repeat(prompt_visible, n, axis=0)[:, None, None, :])
+    out = by_row(jnp.einsum("bkqp,bkpe->bkqe", by_prompt(weights.astype(dtype)), prompt_values,
+                            preferred_element_type=precision))
+    parts = [(top, total, out)]
+
+    def block(keys: Array, values: Array, visible: Array) -> tuple[Array, Array, Array]:
+        scores = jnp.einsum("rkge,rkme->rkgm", grouped, keys, preferred_element_type=precision)
+        top, weights, total = partial(scores, visible[:, None, None, :])
+        out = jnp.einsum("rkgm,rkme->rkge", weights.astype(dtype), values, preferred_element_type=precision)
+        return top, total, out
+
+    def skipped(keys: Array, values: Array, visible: Array) -> tuple[Array, Array, Array]:
+        del keys, values, visible
+        shape = (rows, num_kv_heads, group, 1)
+        return jnp.full(shape, lowest, precision), jnp.zeros(shape, precision), jnp.zeros(shape[:-1] + (head_dim,),
+                                                                                          precision)
+
+    start = 0
+    for keys, values in zip(response_keys, response_values):
+        visible = response_visible[:, start:start + keys.shape[2]]
+        start += keys.shape[2]
+        parts.append(jax.lax.cond(jnp.any(visible), block, skipped, keys, values, visible))
+    top = functools.reduce(jnp.maximum, [m for m, _, _ in parts])
+    rescale = [jnp.exp(m - top) for m, _, _ in parts]
+    total = sum(r * s for r, (_, s, _) in zip(rescale, parts))
+    out = sum(r * o for r, (_, _, o) in zip(rescale, parts))
+    out = out / jnp.where(total > 0, total, 1.0)  # nothing visible: every weight is 0, and so is the output
+    return out.astype(query.dtype).reshape(rows, num_heads, head_dim)
+
+
 def dense(x: Array, kernel: Array, preferred_element_type=None) -> Array:
     """``x [..., I] @ kernel [I, O] -> [..., O]``, computed as one 2-D product ``[N, I] @ [I, O]`` over the
     flattened leading axes (``N`` = their product).
