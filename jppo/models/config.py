@@ -38,7 +38,7 @@ ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = ("reference", "xla", "cudnn", "auto
 LAYER_LOOPS: tuple[str, ...] = ("auto", "scan", "unroll")
 # "auto" unrolls up to this depth: at 4 layers an unrolled actor update compiled as fast as the scan and stepped
 # ~9% faster on CPU (the scan zero-fills and copies its stacked activations every step); at 24 layers it compiled
-# in twice the time (bench/README.md, "Layer loop").
+# in twice the time (bench/README.md, issue 15 after, "Update step").
 AUTO_UNROLL_LAYERS = 8
 
 _HF_ARCHITECTURE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}

@@ -141,6 +141,10 @@ def fused_attention(query: Array, key: Array, value: Array, mask: Array, impleme
     return jnp.where(sees_a_key, out, jnp.zeros_like(out))
 
 
+RESPONSE_BLOCKS = 8  # more blocks skip more empty slots; each costs a conditional and two small products
+MIN_RESPONSE_BLOCK = 32
+
+
 def response_blocks(length: int) -> tuple[int, ...]:
     """The slot counts of the blocks a response cache of ``length`` slots is stored in: at most
     :data:`RESPONSE_BLOCKS` blocks of at least :data:`MIN_RESPONSE_BLOCK` slots (the last may be shorter).
@@ -153,10 +157,6 @@ def response_blocks(length: int) -> tuple[int, ...]:
         raise ValueError(f"response cache length={length} is invalid: it must be an integer >= 1")
     size = max(MIN_RESPONSE_BLOCK, -(-length // RESPONSE_BLOCKS))
     return tuple(min(size, length - start) for start in range(0, length, size))
-
-
-RESPONSE_BLOCKS = 8  # more blocks skip more empty slots; each costs a conditional and two small products
-MIN_RESPONSE_BLOCK = 32
 
 
 def decode_attention(
