@@ -77,12 +77,18 @@ def _eos_token_id(tokenizer: Tokenizer) -> int | tuple[int, ...]:
     return tokenizer.eos_ids[0] if len(tokenizer.eos_ids) == 1 else tuple(tokenizer.eos_ids)
 
 
+# The model keys of a config that apply to a checkpoint's architecture too (jppo.config.ModelSection)
+CHECKPOINT_OVERRIDES = ("dtype", "param_dtype", "remat", "attention", "layer_loop")
+
+
+def checkpoint_overrides(cfg: TrainConfig) -> dict:
+    """The jppo-only ModelConfig fields the config sets on every checkpoint it loads (policy, critic, reference)."""
+    return {name: getattr(cfg.model, name) for name in CHECKPOINT_OVERRIDES}
+
+
 def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh) -> CausalLM:
     if cfg.model.path:
-        return load_pretrained(
-            cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat,
-            attention=cfg.model.attention, layer_loop=cfg.model.layer_loop, mesh=mesh
-        )
+        return load_pretrained(cfg.model.path, mesh=mesh, **checkpoint_overrides(cfg))
     return create_model(CausalLM, random_model_config(cfg, tokenizer), mesh, seed=cfg.trainer.seed)
 
 
@@ -103,11 +109,7 @@ def build_critic(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> ValueModel:
     """The critic starts from the policy's backbone with a new value head (or from ``critic.model_path``)."""
     path = cfg.critic.model_path or cfg.model.path
     if path:
-        return load_pretrained(
-            path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat,
-            attention=cfg.model.attention, layer_loop=cfg.model.layer_loop, head="value",
-            mesh=mesh, seed=cfg.trainer.seed + 1,
-        )
+        return load_pretrained(path, head="value", mesh=mesh, seed=cfg.trainer.seed + 1, **checkpoint_overrides(cfg))
     return ValueModel.from_policy(policy, rngs=nnx.Rngs(cfg.trainer.seed + 1))
 
 
@@ -115,10 +117,7 @@ def build_reference(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> Optional[
     """Parameters of the reference policy: ``ref.model_path``, or a copy of the policy's initial weights. A policy
     with LoRA adapters needs no copy: its reference is its own frozen base weights, read in place (None here)."""
     if cfg.ref.model_path:
-        model = load_pretrained(
-            cfg.ref.model_path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-            attention=cfg.model.attention, mesh=mesh,
-        )
+        model = load_pretrained(cfg.ref.model_path, mesh=mesh, **checkpoint_overrides(cfg))
         return nnx.state(model, nnx.Param)
     if has_adapters(policy):
         return None

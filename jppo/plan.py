@@ -117,8 +117,7 @@ def model_config(cfg: TrainConfig, path: Optional[str] = None) -> ModelConfig:
         return build.random_model_config(cfg, load_tokenizer(build.tokenizer_spec(cfg)))
     try:
         hf = json.loads((pathlib.Path(path) / "config.json").read_text())
-        return ModelConfig.from_hf(hf, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, remat=cfg.model.remat,
-                                  attention=cfg.model.attention, layer_loop=cfg.model.layer_loop)
+        return ModelConfig.from_hf(hf, **build.checkpoint_overrides(cfg))
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}/config.json: {error}") from None
 

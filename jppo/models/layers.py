@@ -200,7 +200,7 @@ def decode_attention(
         x = x.reshape(prompts, num_kv_heads, n, group, x.shape[-1])
         return x.transpose(0, 2, 1, 3, 4).reshape(rows, num_kv_heads, group, x.shape[-1])
 
-    def partial(scores: Array, visible: Array) -> tuple[Array, Array, Array]:
+    def block_softmax(scores: Array, visible: Array) -> tuple[Array, Array, Array]:
         """``(m, exp weights, s)`` of ``scores [R, K, G, S]`` over the ``visible [R, 1, 1, S]`` slots."""
         scores = jnp.where(visible, scores * scale, lowest)
         top = scores.max(axis=-1, keepdims=True)
@@ -210,14 +210,14 @@ def decode_attention(
     grouped = query.reshape(rows, num_kv_heads, group, head_dim)
     prompt_scores = by_row(jnp.einsum("bkqe,bkpe->bkqp", by_prompt(grouped), prompt_keys,
                                       preferred_element_type=precision))
-    top, weights, total = partial(prompt_scores, jnp.repeat(prompt_visible, n, axis=0)[:, None, None, :])
+    top, weights, total = block_softmax(prompt_scores, jnp.repeat(prompt_visible, n, axis=0)[:, None, None, :])
     out = by_row(jnp.einsum("bkqp,bkpe->bkqe", by_prompt(weights.astype(dtype)), prompt_values,
                             preferred_element_type=precision))
     parts = [(top, total, out)]
 
     def block(keys: Array, values: Array, visible: Array) -> tuple[Array, Array, Array]:
         scores = jnp.einsum("rkge,rkme->rkgm", grouped, keys, preferred_element_type=precision)
-        top, weights, total = partial(scores, visible[:, None, None, :])
+        top, weights, total = block_softmax(scores, visible[:, None, None, :])
         out = jnp.einsum("rkgm,rkme->rkge", weights.astype(dtype), values, preferred_element_type=precision)
         return top, total, out
 
