@@ -37,7 +37,7 @@ from jppo import build
 from jppo.advantages import get_estimator
 from jppo.config import TrainConfig
 from jppo.data import Tokenizer
-from jppo.dynamic_sampling import DynamicSamplingError, Scored, concat, varied_groups
+from jppo.dynamic_sampling import DynamicSamplingError, Scored, concat, sampling_metrics, varied_groups
 from jppo.engine import forward_batch, log_prob_fn, value_fn
 from jppo.engine.assemble import device_rows
 from jppo.experience import Experience
@@ -310,7 +310,7 @@ def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer
     so a resumed run samples the same batches."""
     cfg = c.cfg
     groups, size = cfg.algorithm.filter_groups, cfg.data.train_batch_size
-    position, kept, num_varied, num_kept, gen = int(np.asarray(state.data_position)), [], 0, 0, 0
+    position, kept, num_varied, num_kept, gen = int(np.asarray(state.data_position)), [], [], 0, 0
     while True:
         examples, prompts, position = c.inputs.train_data.batch_at(position, size, cfg.trainer.seed)
         key = state.key(step) if gen == 0 else jax.random.fold_in(state.key(step), gen)
@@ -322,7 +322,7 @@ def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer
         if not groups.enable:
             return scored, position, {}
         varied = varied_groups(scored.rewards if groups.metric == "reward" else scored.scores, exp.group_ids)
-        num_varied += len(varied)
+        num_varied.append(len(varied))
         take = varied[: size - num_kept]
         kept.append(scored.groups(take))
         num_kept += len(take)
@@ -334,8 +334,7 @@ def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer
                 f"varied {groups.metric}s (algorithm.filter_groups.max_num_gen_batches={groups.max_num_gen_batches}); "
                 "the data may be too hard or too easy for the policy (0 samples without limit)"
             )
-    metrics = {"filter_groups/num_gen_batches": float(gen), "filter_groups/kept_fraction": num_varied / (gen * size)}
-    return concat(kept, c.inputs.tokenizer.pad_id), position, metrics
+    return concat(kept, c.inputs.tokenizer.pad_id), position, sampling_metrics(num_varied, size)
 
 
 def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState, Experience, dict[str, float]]:

@@ -32,6 +32,20 @@ def varied_groups(values: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
     return np.asarray([g for g in order if np.ptp(values[group_ids == g]) > 0], np.int64)
 
 
+def sampling_metrics(num_varied: list[int], batch_size: int) -> dict[str, float]:
+    """The metrics of one step's dynamic sampling, from the number of varied groups in each prompt batch drawn.
+
+    Of the ``D = len(num_varied) * batch_size`` groups drawn, ``varied_fraction = sum(num_varied) / D`` had responses
+    that disagree and ``kept_fraction = min(sum(num_varied), batch_size) / D`` entered the batch: the last batch may
+    hold more varied groups than the batch still needed, and its surplus is dropped."""
+    drawn, varied = len(num_varied) * batch_size, int(sum(num_varied))
+    return {
+        "filter_groups/num_gen_batches": float(len(num_varied)),
+        "filter_groups/varied_fraction": varied / drawn,
+        "filter_groups/kept_fraction": min(varied, batch_size) / drawn,
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class Scored:
     """A sampled, scored batch: the sequences (``group_ids`` index ``examples``/``prompts``), and per row the

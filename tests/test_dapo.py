@@ -14,7 +14,7 @@ from engine_cases import ragged_batch
 from jppo import build
 from jppo.collect import finished_rows_only
 from jppo.config import ConfigError, check_mesh, load_config
-from jppo.dynamic_sampling import DynamicSamplingError, Scored, concat, varied_groups
+from jppo.dynamic_sampling import DynamicSamplingError, Scored, concat, sampling_metrics, varied_groups
 from jppo.experience import Experience
 from jppo.models.decoder import CausalLM
 from jppo.rewards import overlong_penalty
@@ -105,6 +105,14 @@ def test_selected_and_joined_groups_keep_their_rows_and_are_renumbered():
     assert joined.row_examples[4] == "ex100.0-1"
 
 
+def test_kept_fraction_counts_the_groups_kept_not_those_that_varied():
+    """Two batches of 4 prompts: 3 groups vary in the first, 4 in the second, of which 1 is still needed."""
+    metrics = sampling_metrics([3, 4], batch_size=4)
+    assert metrics == {"filter_groups/num_gen_batches": 2.0, "filter_groups/varied_fraction": 7 / 8,
+                       "filter_groups/kept_fraction": 4 / 8}
+    assert sampling_metrics([4], batch_size=4)["filter_groups/kept_fraction"] == 1.0
+
+
 def train(tmp: pathlib.Path, *overrides: str) -> list[dict]:
     cfg = load_config(DAPO, [*SMALL, f"trainer.output_dir={tmp}", *overrides])
     run(cfg, check_mesh(cfg, jax.device_count()), build.load_inputs(cfg))
@@ -131,7 +139,9 @@ def test_dapo_smoke_keeps_a_full_batch_of_varied_groups_and_advances_the_data_by
         rewards = exp.token_rewards.sum(axis=1)
         assert all(np.ptp(rewards[exp.group_ids == g]) > 0 for g in range(4))
     for row in rows:
-        assert 0 < row["filter_groups/kept_fraction"] <= 1
+        # every batch is drawn at train_batch_size prompts and exactly that many groups are kept
+        assert row["filter_groups/kept_fraction"] == 1 / row["filter_groups/num_gen_batches"]
+        assert row["filter_groups/kept_fraction"] <= row["filter_groups/varied_fraction"] <= 1
 
 
 def test_dynamic_sampling_stops_with_an_error_after_max_num_gen_batches(tmp_path):
