@@ -92,11 +92,16 @@ def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh) -> CausalLM
     return create_model(CausalLM, random_model_config(cfg, tokenizer), mesh, seed=cfg.trainer.seed)
 
 
+def sampling_config(cfg: TrainConfig, config: ModelConfig) -> ModelConfig:
+    """The policy's architecture ``config`` as the sampler runs it: computing (and caching keys and values) in
+    ``rollout.dtype``, by default the policy's own compute dtype."""
+    return dataclasses.replace(config, dtype=cfg.rollout.dtype or config.dtype)
+
+
 def sampling_graphdef(cfg: TrainConfig, policy: CausalLM) -> nnx.GraphDef:
     """The structure the sampler runs the policy's parameters with: the policy's, computing in ``rollout.dtype``
     (same parameters, same layout; only the compute dtype, a static attribute, differs)."""
-    dtype = cfg.rollout.dtype or policy.config.dtype
-    config = dataclasses.replace(policy.config, dtype=dtype)
+    config = sampling_config(cfg, policy.config)
 
     def structure():
         model = type(policy)(config, rngs=nnx.Rngs(0))

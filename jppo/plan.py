@@ -7,9 +7,10 @@ from ``nnx.eval_shape`` of the model, and each array is divided by the number of
 config's ``mesh.*`` on ``--devices`` devices (default: this machine's), so a plan can be made for another machine.
 
 Symbols: ``n`` a model's parameters on one device (each tensor divided by its shards), ``p`` / ``c`` / ``a`` the
-bytes of the parameter, compute and accumulator (float32) dtypes, ``V D F L H K E`` vocabulary, hidden size, MLP
-width, layers, query heads, key-value heads, head size; ``H' K' F' V'`` those divided by ``mesh.tensor`` where it
-divides them (as the rule table shards them). Bytes per device:
+bytes of the parameter, compute and accumulator (float32) dtypes, ``c_s`` those of the sampler's compute dtype
+(``rollout.dtype``, default ``model.dtype``), ``V D F L H K E`` vocabulary, hidden size, MLP width, layers, query
+heads, key-value heads, head size; ``H' K' F' V'`` those divided by ``mesh.tensor`` where it divides them (as the
+rule table shards them). Bytes per device:
 
 =====================  ====================================================================================
 parameters             ``n p`` for the actor, the critic (when there is one) and the reference (KL terms); with
@@ -36,10 +37,14 @@ optimizer step         ``4 t a``: the temporaries of applying the accumulated gr
                        activations are small (Qwen2-shaped models on CPU, float32; ``tests/test_plan.py``). optax's
                        where-based ``apply_if_finite`` and ``MultiSteps.update`` made it 6-7 (see
                        :mod:`jppo.engine.optim`)
-KV cache               ``R (P + T) (2 L K' E c + 4)``: the sampler's keys and values (and int32 segment ids)
-                       for ``R`` rollout rows per device (``train_batch_size x rollout.n / (data x fsdp)``, or the
-                       validation batch if larger), ``P = bucket(max_prompt_length)``, ``T =
-                       max_response_length``
+KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sampler's prompt cache (each prompt's
+                       keys and values held once for its ``n`` samples, and a bool mask of its real tokens) and
+                       response cache for ``B`` prompts and ``R = B n`` rows per device (``B = train_batch_size /
+                       (data x fsdp)``, or the validation batch when its caches are larger), of which ``S =
+                       min(rollout.max_num_seqs, R)`` are decoded at once (``S = R`` when it is 0); ``P =
+                       bucket(max_prompt_length)``, ``T = max_response_length``. With ``rollout.env`` every turn
+                       prefills each row's own context, which grows to prompt + response: ``B = R =
+                       train_batch_size x n / (data x fsdp)``, ``P = bucket(max_prompt_length + T - 1)``
 =====================  ====================================================================================
 
 The peak is what lives through the whole run (parameters, optimizer states) plus the largest of the phases that
@@ -63,7 +68,8 @@ from typing import Optional, Sequence
 from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config
 from jppo.mesh import MESH_AXES, fitted_spec
 from jppo.models.config import DTYPES, ModelConfig
-from jppo.rollout.sampler import bucket_length
+from jppo.rollout.multiturn import longest_context
+from jppo.rollout.sampler import bucket_length, decode_rows
 
 ACCUMULATOR_BYTES = 4  # float32 moments and accumulator (float64 only for float64 exactness tests)
 LOGIT_COPIES = 3  # one chunk's logits, their softmax, and their gradient
@@ -228,9 +234,10 @@ def weights_in_use_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
 
 def kv_cache_bytes(m: ModelConfig, prompts: int, prompt_len: int, rows: int, length: int,
                    mesh: dict[str, int]) -> int:
-    """The sampler's caches on one device: a :class:`~jppo.models.PromptCache` of ``prompts`` prompts of
-    ``prompt_len`` slots (stored once for all samples of a prompt, plus its visibility mask) and a
-    :class:`~jppo.models.ResponseCache` of ``rows`` rows of ``length`` slots."""
+    """The sampler's caches on one device for a model computing in ``m.dtype``: a
+    :class:`~jppo.models.PromptCache` of ``prompts`` prompts of ``prompt_len`` slots (stored once for all samples
+    of a prompt, plus its bool visibility mask) and a :class:`~jppo.models.ResponseCache` of ``rows`` rows (the
+    rows decoded at once) of ``length`` slots."""
     keys_and_values = 2 * m.num_layers * split(m.num_kv_heads, mesh) * m.head_dim * dtype_bytes(m.dtype)
     return prompts * prompt_len * (keys_and_values + 1) + rows * length * keys_and_values
 
@@ -247,16 +254,39 @@ def prompt_width(cfg: TrainConfig) -> int:
     return bucket_length(cfg.data.max_prompt_length, cfg.rollout.prompt_bucket)
 
 
-def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> tuple[int, int]:
-    """``(prompts, rows)`` one device samples at once: the training batch, or the validation batch when that has
-    more rows."""
+def sampler_prompt_width(cfg: TrainConfig) -> int:
+    """``P``: the widest prompt batch the sampler prefills; with ``rollout.env``, a turn's context (prompt and
+    response so far)."""
+    if cfg.rollout.env is None:
+        return prompt_width(cfg)
+    longest = longest_context(cfg.data.max_prompt_length, cfg.rollout.max_response_length)
+    return bucket_length(longest, cfg.rollout.prompt_bucket)
+
+
+def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]]:
+    """``(prompts, rows)`` one device samples at once, for the training batch and (when the run validates) the
+    validation batch. The sampler fills a batch up to a multiple of the batch shards; a multi-turn rollout calls
+    it on every row's own context (``n = 1``), so each row is a prompt."""
     batch_shards = mesh["data"] * mesh["fsdp"]
     batches = [(cfg.data.train_batch_size, cfg.rollout.n)]
     if cfg.trainer.val_every > 0 or cfg.trainer.val_before_train:
         batches.append((cfg.data.val_batch_size, cfg.rollout.val_n))
-    prompts, n = max(batches, key=lambda batch: (-(-batch[0] // batch_shards) * batch[1], batch[0]))
-    prompts = -(-prompts // batch_shards)
-    return prompts, prompts * n
+    if cfg.rollout.env is not None:
+        batches = [(prompts * n, 1) for prompts, n in batches]
+    return [(-(-prompts // batch_shards), -(-prompts // batch_shards) * n) for prompts, n in batches]
+
+
+def sampler_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
+    """The sampler's caches (the KV cache line of the module docstring) for the batch whose caches are largest."""
+    from jppo.build import sampling_config  # noqa: PLC0415 (build imports the models; keep `--help` light)
+
+    sampler, width, new = sampling_config(cfg, policy), sampler_prompt_width(cfg), cfg.rollout.max_response_length
+    terms = []
+    for prompts, rows in rollout_rows(cfg, mesh):
+        decoded = decode_rows(rows, cfg.rollout.max_num_seqs)
+        terms.append(Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
+                          f"B={prompts} x P={width} + S={decoded} x T={new} x ..., c_s={dtype_bytes(sampler.dtype)}"))
+    return max(terms, key=lambda term: term.bytes)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -285,9 +315,7 @@ def make_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> Plan:
     for role, n in trained.items():
         copies = 3 if getattr(cfg, role).optim.name == "adamw" else 1
         persistent.append(Term(f"optimizer_state/{role}", n * a * copies, f"t={n:,} x a={a} x {copies}"))
-    (prompts, rows), width, new = rollout_rows(cfg, mesh), prompt_width(cfg), cfg.rollout.max_response_length
-    rollout = (Term("kv_cache", kv_cache_bytes(policy, prompts, width, rows, new, mesh),
-                    f"B={prompts} x P={width} + R={rows} x T={new} x ..."),)
+    rollout = (sampler_term(cfg, policy, mesh),)
     updates = {}
     for role, n in trained.items():
         r, w = micro_batch_shape(cfg, role)

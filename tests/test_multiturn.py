@@ -17,7 +17,7 @@ from jppo.losses.entropy import entropy_from_logits
 from jppo.losses.policy import PolicyLossOptions
 from jppo.masked import global_norm_stats
 from jppo.rollout.env import Calculator, evaluate, load_env, stop_token_ids
-from jppo.rollout.multiturn import Trajectory, run_turns, to_experience
+from jppo.rollout.multiturn import Trajectory, longest_context, run_turns, to_experience
 
 TOKENIZER = CharTokenizer("0123456789+-*=[];?ab")
 
@@ -65,6 +65,17 @@ def rollout(turns, envs, prompts, *, max_turns=4, max_length=16):
               max_length=max_length)
     exp = to_experience(trajectories, np.arange(len(prompts)), pad_id=TOKENIZER.pad_id, max_length=max_length, bucket=4)
     return exp, seen
+
+
+def test_a_turn_starts_from_at_most_the_longest_context_and_can_reach_it():
+    """``jppo.plan`` sizes a multi-turn sampler's prompt cache by :func:`longest_context`: a row whose tool answer
+    leaves one response slot free takes another turn from prompt + 15 of its 16 slots; one whose answer would
+    fill the last slot ends instead."""
+    envs = [FixedEnv(observations=("=" + "1" * 10 + ";",)), FixedEnv(observations=("=" + "1" * 11 + ";",))]
+    turns = [[ids("[1]"), ids("[1]")], [ids("2", eos=True), ids("0")]]
+    _, seen = rollout(turns, envs, [ids("5="), ids("6=")], max_length=16)
+    assert [len(context) for context in seen[1]] == [2 + 3 + 12, 1]  # row 1 ended (a one-token dummy context)
+    assert longest_context(2, 16) == 2 + 15 == max(len(c) for turn in seen for c in turn)
 
 
 def test_fixed_observations_give_the_expected_layout_and_per_turn_rewards():

@@ -15,6 +15,7 @@ from jppo.mesh import make_mesh
 from jppo.views import engine_view
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+TOOLS = QUICKSTART.parent / "quickstart_tools.yaml"
 
 
 def quickstart(tmp_path, *overrides):
@@ -47,23 +48,57 @@ def test_parameter_and_optimizer_bytes_equal_the_built_ones(tmp_path, mesh_overr
     assert planned.term("optimizer_state/critic") == device_bytes(critic_state.opt_state, per_parameter_only=True)
 
 
-def test_kv_cache_term_equals_the_sampler_cache(tmp_path):
-    cfg = quickstart(tmp_path, "mesh.data=1", "rollout.n=2", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
-                     "critic.ppo_mini_batch_size=8", "trainer.val_every=0")
-    model_config = plan.model_config(cfg)
-    prompts, width = cfg.data.train_batch_size, plan.prompt_width(cfg)
+def sampler_cache_bytes(cfg, prompt_tokens: int) -> int:
+    """Bytes of the keys and values the trainer's training sampler holds on one device for a batch of the longest
+    prompts it can be given (``prompt_tokens`` tokens each): the sampler the Collector builds, running the policy in
+    ``rollout.dtype`` as train.py sets it up, fed the prompts padded as its ``Sampler`` pads them, and the caches of
+    the sampler's own prefill and response-cache functions, as shapes (nothing is computed)."""
+    from jppo.collect import Collector
+    from jppo.rollout import sampler as sampling
 
-    def caches():
-        model = build.CausalLM(model_config, rngs=nnx.Rngs(0))
-        ids = jnp.zeros((prompts, width), jnp.int32)
-        _, prompt = model.prefill(ids, ids, ids)
-        return prompt, model.init_response_cache(prompts * cfg.rollout.n, cfg.rollout.max_response_length)
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    inputs = build.load_inputs(cfg)
+    policy = nnx.eval_shape(lambda: build.CausalLM(build.random_model_config(cfg, inputs.tokenizer), rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(policy, nnx.Param)
+    collector = Collector.create(cfg, mesh, inputs, graphdef, None, None, sampling=build.sampling_graphdef(cfg, policy))
+    # a multi-turn rollout calls its one-sample sampler on every row's own context, train_batch_size x n of them
+    multi_turn = cfg.rollout.env is not None
+    sampler = collector.sampler.sampler if multi_turn else collector.sampler
+    contexts = cfg.data.train_batch_size * (cfg.rollout.n if multi_turn else 1)
+    ids, mask = sampling.pad_prompts([[1] * prompt_tokens] * contexts, inputs.tokenizer.pad_id,
+                                     multiple=cfg.rollout.prompt_bucket)
 
-    cache = jax.eval_shape(caches)
+    def caches(params, ids, mask):
+        model = nnx.merge(build.sampling_graphdef(cfg, policy), params)
+        prompt, _, _ = sampling.prefill(model, ids, mask)
+        return prompt, sampling.response_cache(model, len(ids) * sampler.params.n, sampler.params)
+
+    shapes = jax.eval_shape(caches, params, jnp.asarray(ids), jnp.asarray(mask))
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+SMALL_BATCH = ("data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
+               "trainer.val_every=0", "mesh.data=1")
+
+
+@pytest.mark.parametrize("config, overrides", [
+    (QUICKSTART, ("rollout.n=2",)),
+    (QUICKSTART, ("rollout.n=2", "model.dtype=float32", "rollout.dtype=bfloat16")),
+    (QUICKSTART, ("rollout.n=2", "rollout.max_num_seqs=4")),  # 16 rows, 4 decoded at once
+    (TOOLS, ()),  # rollout.env: 8 prompts x 4 rows, each row's context prefilled on its own
+    (TOOLS, ("rollout.max_num_seqs=8",)),
+], ids=["default", "bfloat16-rollout", "continuous-batching", "multi-turn", "multi-turn-continuous"])
+def test_kv_cache_term_equals_the_sampler_caches(tmp_path, config, overrides):
+    cfg = load_config(config, [f"trainer.output_dir={tmp_path / 'run'}", *SMALL_BATCH, *overrides])
+    # the longest prompt the sampler is given: data.max_prompt_length, or in a multi-turn rollout a context that
+    # holds every response slot but the last (a row with no slot left takes no more turns)
+    longest = cfg.data.max_prompt_length
+    if cfg.rollout.env is not None:
+        longest += cfg.rollout.max_response_length - 1
 
     planned = plan.make_plan(cfg, check_mesh(cfg, 1))
 
-    assert planned.term("kv_cache") == sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    assert planned.term("kv_cache") == sampler_cache_bytes(cfg, longest)
 
 
 @pytest.mark.parametrize("remat", [False, True])

@@ -75,6 +75,13 @@ def take_turn(
     traj.add(observed, False)
 
 
+def longest_context(max_prompt_tokens: int, max_length: int) -> int:
+    """The most tokens a turn can start from (a row's prompt, ``env.reset``'s observation included, plus its
+    response so far): ``max_prompt_tokens + max_length - 1``, since a row takes another turn only while at least
+    one of its ``max_length`` response slots is left (:func:`take_turn`)."""
+    return max_prompt_tokens + max_length - 1
+
+
 def run_turns(
     sample_turn: TurnSampler, trajectories: list[Trajectory], envs: list[Environment], *, tokenizer,
     stop_ids: tuple[int, ...], max_turns: int, max_length: int,

@@ -228,6 +228,19 @@ def prefill(model: Any, prompt_ids: Array, prompt_mask: Array) -> tuple[Any, Arr
     return prompt, counts[:, -1], first_logits
 
 
+def decode_rows(rows: int, max_num_seqs: int) -> int:
+    """How many of a batch's ``rows`` are decoded at once, and so the rows of its response cache: the
+    ``max_num_seqs`` slots of continuous batching when that is fewer, else every row (``0`` means every row)."""
+    return max_num_seqs if 0 < max_num_seqs < rows else rows
+
+
+def response_cache(model: Any, rows: int, params: SamplingParams) -> Any:
+    """The empty response cache the decoding loop fills for a batch of ``rows`` rows: one row per row decoded at
+    once (:func:`decode_rows`), ``params.max_new_tokens`` slots each. With the prompt cache of :func:`prefill` it
+    is all the sampler keeps of keys and values."""
+    return model.init_response_cache(decode_rows(rows, params.max_num_seqs), params.max_new_tokens)
+
+
 def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
     """Samples responses; a traceable function of arrays (call it under ``jax.jit``, or use :func:`generate`).
 
@@ -245,7 +258,7 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
     prompt_ids = prompt_ids.astype(jnp.int32)
     prompt_mask = prompt_mask.astype(bool)
     prompt, prompt_counts, first_logits = prefill(model, prompt_ids, prompt_mask)
-    if 0 < params.max_num_seqs < batch * n:
+    if decode_rows(batch * n, params.max_num_seqs) < batch * n:
         out = continuous_rollout(model, prompt, prompt_counts, first_logits, key, params)
         return out.replace(prompt_ids=jnp.repeat(prompt_ids, n, axis=0), prompt_mask=jnp.repeat(prompt_mask, n, axis=0))
 
@@ -257,7 +270,7 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         step=jnp.zeros((), jnp.int32),
         last_tokens=jnp.zeros((rows,), jnp.int32),
         done=prompt_tokens == 0,
-        cache=model.init_response_cache(rows, max_new),
+        cache=response_cache(model, rows, params),
         response_ids=jnp.full((rows, max_new), params.pad_token_id, jnp.int32),
         response_mask=jnp.zeros((rows, max_new), bool),
         log_probs=jnp.zeros((rows, max_new), jnp.float32),
@@ -364,7 +377,7 @@ def continuous_rollout(
         last_tokens=jnp.zeros((num_slots,), jnp.int32),
         next_row=jnp.zeros((), jnp.int32),
         steps=jnp.zeros((), jnp.int32),
-        cache=model.init_response_cache(num_slots, max_new),
+        cache=response_cache(model, rows, params),
         response_ids=jnp.full((rows, max_new), params.pad_token_id, jnp.int32),
         response_mask=jnp.zeros((rows, max_new), bool),
         log_probs=jnp.zeros((rows, max_new), jnp.float32),
