@@ -8,8 +8,10 @@ For a batch of ``B`` prompts padded to width ``P`` and ``n`` samples per prompt 
    keys and values once, however many samples it gets (its ``n`` samples read one shared block), and the logits
    of each prompt's last real token give the first new token of each of its samples;
 3. step ``t >= 1`` feeds token ``t - 1`` of every row at response slot ``t - 1`` and position ``len(prompt) + t -
-   1`` of a :class:`~jppo.models.ResponseCache` (``R x max_new_tokens`` slots) and samples token ``t``, inside
-   ``lax.while_loop``, which stops once every row has finished.
+   1`` of a :class:`~jppo.models.ResponseCache` (``R x max_new_tokens`` slots; with continuous batching
+   ``S = max_num_seqs`` rows decode at once and a finished row's slot takes the next waiting row, so the cache has
+   ``S x max_new_tokens`` slots) and samples token ``t``, inside ``lax.while_loop``, which stops once every row
+   has finished.
 
 A row finishes at its first token in ``eos_token_ids`` (kept, and counted in the mask) or after
 ``max_new_tokens``; later slots hold ``pad_token_id`` with mask 0 and log-prob 0. A row whose prompt mask is all
