@@ -230,6 +230,7 @@ class Collector:
                 Sampler(sampling or policy, tokenizer.pad_id, mesh, turn, cfg.rollout.prompt_bucket),
                 inputs.env_factory, tokenizer, n=params.n, stop_ids=inputs.stop_ids, max_turns=cfg.rollout.max_turns,
                 max_length=cfg.rollout.max_response_length, bucket=cfg.rollout.prompt_bucket,
+                max_prompt_length=cfg.data.max_prompt_length, env=cfg.rollout.env,
             )
 
         needs_baselines = get_estimator(cfg.algorithm.adv_estimator).needs_reward_baselines
@@ -401,7 +402,7 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
     if c.inputs.env_factory is not None:
         metrics.update(multi_turn_metrics(exp))
     if cfg.algorithm.overlong_filter:
-        exp = dataclasses.replace(exp, response_mask=finished_rows_only(exp.response_mask, finished))
+        exp = overlong_filtered(exp, finished)
     return advance(state, data_position=data_position, kl=kl), exp, metrics
 
 
@@ -417,7 +418,8 @@ def greedy_baselines(c: Collector, state: RunState, examples: list, prompts: lis
 class Validation:
     """One pass of the policy over the held-out prompts: the metrics (whole validation set, combined over
     processes) and this process's responses as records ``{index, sample, prompt, response, reward, finished}``
-    (``index``: the prompt's position in the validation set, ``sample``: which of its ``rollout.val_n``)."""
+    (``index``: the prompt's position in the validation set, ``sample``: which of its ``rollout.val_n``,
+    ``finished``: not cut by the length limit, :func:`truncated_rows`)."""
 
     metrics: dict[str, float]
     records: list[dict]
@@ -464,13 +466,14 @@ def validate(c: Collector, params: nnx.State) -> Validation:
         key = jax.random.fold_in(jax.random.key(cfg.trainer.seed + 7), index)
         batch = sample(c.val_sampler, params, prompts, key, examples)
         texts, finished, scores = c.score(batch, [examples[i] for i in batch.group_ids])
+        truncated = truncated_rows(batch, finished).tolist()
         solved = (scores >= 1.0 - 1e-6).reshape(-1, n)  # rows of one prompt are adjacent and on one process
         reward_sum += float(scores.sum())
         correct.extend(solved.sum(axis=1).tolist())
         for row, group in enumerate(batch.group_ids.tolist()):
             records.append({
                 "index": start + group, "sample": row % n, "prompt": examples[group].prompt, "response": texts[row],
-                "reward": float(scores[row]), "finished": bool(finished[row]),
+                "reward": float(scores[row]), "finished": not truncated[row],
             })
         start += len(examples)
     metrics = validation_metrics(reward_sum, np.asarray(correct, np.int64), len(data), n)
@@ -483,9 +486,29 @@ def finished_rows_only(response_mask: np.ndarray, finished) -> np.ndarray:
     return np.where(np.asarray(finished, bool)[:, None], response_mask, False).astype(response_mask.dtype)
 
 
+def overlong_filtered(exp: Experience, ended_eos) -> Experience:
+    """``algorithm.overlong_filter``: ``exp`` with the truncated rows (:func:`truncated_rows`) out of the loss
+    mask (:func:`finished_rows_only`). DAPO masks them because a response cut by the length limit is scored on an
+    answer it never finished: its reward says nothing about its tokens."""
+    kept = ~truncated_rows(exp, ended_eos)
+    return dataclasses.replace(exp, response_mask=finished_rows_only(exp.response_mask, kept))
+
+
+def truncated_rows(batch: Experience, ended_eos) -> np.ndarray:
+    """Which rows ``rollout.max_response_length`` cut before they ended (``[N]`` bool; what the overlong filter
+    masks and validation records report as not ``finished``). A multi-turn batch says so itself
+    (``batch.truncated``: an episode ended by the environment or the turn limit is not truncated, even without
+    EOS); a single-turn response stops only at EOS or at the limit, so it was cut iff it has no EOS
+    (``ended_eos``, :func:`decode_responses`)."""
+    if batch.truncated is not None:
+        return np.asarray(batch.truncated, bool)
+    return ~np.asarray(ended_eos, bool)
+
+
 def decode_responses(batch: Experience, tokenizer: Tokenizer) -> tuple[list[str], list[bool]]:
     """Response texts (special tokens dropped; every response token, environment observations included) and
-    whether each ended with one of the tokenizer's EOS ids rather than at the length limit."""
+    whether each ended with one of the tokenizer's EOS ids (a single-turn response that did not was cut at the
+    length limit; a multi-turn one may also have ended at the environment's word, :func:`truncated_rows`)."""
     texts, finished = [], []
     for ids, mask in zip(batch.response_ids, batch.response_attention.astype(bool)):
         tokens = ids[mask].tolist()

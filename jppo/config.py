@@ -164,8 +164,9 @@ class AlgorithmSection:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlSection = dataclasses.field(default_factory=KLControlSection)
-    # DAPO's overlong filtering: responses cut by the length limit (no EOS) are masked out of the update's losses
-    # (they still count in their group's advantage baseline); the normalizers then count the kept tokens only.
+    # DAPO's overlong filtering: responses cut by rollout.max_response_length before they ended are masked out of
+    # the update's losses (they still count in their group's advantage baseline); the normalizers then count the
+    # kept tokens only. A multi-turn episode ended by the environment or by rollout.max_turns is not cut.
     overlong_filter: bool = False
     filter_groups: FilterGroupsSection = dataclasses.field(default_factory=FilterGroupsSection)
 

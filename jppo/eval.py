@@ -108,7 +108,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"jppo.eval: error: {one_line(error)}", file=sys.stderr)
         return 2
     out = run_path(args.out or cfg.trainer.output_dir)
-    report = evaluate(cfg, mesh_shape, inputs, out)
+    try:
+        report = evaluate(cfg, mesh_shape, inputs, out)
+    except ConfigError as error:  # a limit only the data can break (a reset observation's length)
+        print(f"jppo.eval: error: {one_line(error)}", file=sys.stderr)
+        return 2
     if distributed.is_main_process():
         summary = ", ".join(f"{k}={v:.4g}" for k, v in report["metrics"].items())
         print(f"jppo.eval: {report['checkpoint'] or 'config model'}: {summary}, output in {out}")

@@ -23,6 +23,7 @@ import numpy as np
 Array = np.ndarray | jax.Array
 
 TOKEN_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_attention")
+ROW_FIELDS = ("group_ids", "truncated")  # per-row facts the host uses and the devices never read
 PER_TOKEN_FIELDS = (
     "response_mask", "rollout_log_prob", "old_log_prob", "ref_log_prob", "values", "token_rewards", "advantages",
     "returns",
@@ -48,6 +49,9 @@ class Experience:
         advantages: ``[N, L]``.
         returns: ``[N, L]`` the critic's regression targets.
         group_ids: ``[N]`` which prompt each row answers (rows of a group share a baseline).
+        truncated: ``[N]`` rows cut by ``rollout.max_response_length`` before they ended, as a multi-turn rollout
+            decides (:mod:`jppo.rollout.multiturn`); ``None`` for a single-turn batch, whose rows end at EOS or
+            at the limit. Like ``group_ids`` a host-side fact of the row: it never goes to the devices.
     """
 
     prompt_ids: Optional[Array] = None
@@ -63,6 +67,7 @@ class Experience:
     advantages: Optional[Array] = None
     returns: Optional[Array] = None
     group_ids: Optional[Array] = None
+    truncated: Optional[Array] = None
 
     def __post_init__(self) -> None:
         # Host batches (numpy) are checked when made; the same type inside jit (tracers) or as micro-batch slots
@@ -84,16 +89,16 @@ class Experience:
 
     def per_token(self) -> "Experience":
         """Only the response-aligned ``[N, L]`` fields (what micro-batching carries into the losses' slots)."""
-        return dataclasses.replace(self, **{name: None for name in TOKEN_FIELDS + ("group_ids",)})
+        return dataclasses.replace(self, **{name: None for name in TOKEN_FIELDS + ROW_FIELDS})
 
     def keep_per_token(self, names: tuple[str, ...]) -> "Experience":
-        """The same batch carrying only the per-token fields ``names`` (plus the response mask) besides its tokens."""
+        """The same batch carrying only the per-token fields ``names`` (plus the response mask) besides its tokens,
+        and no row fields (what the devices are sent)."""
         unknown = set(names) - set(PER_TOKEN_FIELDS)
         if unknown:
             raise ValueError(f"not per-token fields of Experience: {sorted(unknown)}")
-        return dataclasses.replace(
-            self, **{name: None for name in PER_TOKEN_FIELDS if name not in names and name != "response_mask"}
-        )
+        dropped = [name for name in PER_TOKEN_FIELDS if name not in names and name != "response_mask"]
+        return dataclasses.replace(self, **{name: None for name in dropped + list(ROW_FIELDS)})
 
 
 jax.tree_util.register_dataclass(
@@ -117,8 +122,10 @@ def _check_host_batch(exp: Experience) -> None:
         array = getattr(exp, name)
         if array is not None and array.shape != (n, length):
             raise ValueError(f"per-token array {name!r} has shape {array.shape}, expected {(n, length)}")
-    if exp.group_ids is not None and exp.group_ids.shape != (n,):
-        raise ValueError(f"group_ids has shape {exp.group_ids.shape}, expected {(n,)}")
+    for name in ROW_FIELDS:
+        array = getattr(exp, name)
+        if array is not None and array.shape != (n,):
+            raise ValueError(f"{name} has shape {array.shape}, expected {(n,)}")
     if np.any(exp.response_mask.astype(bool) & ~exp.response_attention.astype(bool)):
         raise ValueError("response_mask marks tokens that response_attention says do not exist")
     # The fixed layout puts the response right after the prompt's last column and predicts response token j at

@@ -217,7 +217,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, CheckpointError, DistributedError, ValueError, KeyError, FileNotFoundError) as error:
         print(f"jppo.train: error: {one_line(error)}", file=sys.stderr)
         return 2
-    final = run(cfg, mesh_shape, inputs)
+    try:
+        final = run(cfg, mesh_shape, inputs)
+    except ConfigError as error:  # a limit only the data can break, met in the run (a reset observation's length)
+        print(f"jppo.train: error: {one_line(error)}", file=sys.stderr)
+        return 2
     if not distributed.is_main_process():
         return 0
     summary = ", ".join(f"{k}={final[k]:.4g}" for k in ("reward/mean", "actor/pg_loss", "critic/vf_loss") if k in final)

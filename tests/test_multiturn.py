@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jppo.collect import compute_advantages, decode_responses, place_rewards, token_credit_rewards
+from jppo.collect import (
+    compute_advantages, decode_responses, overlong_filtered, place_rewards, token_credit_rewards, truncated_rows,
+)
 from jppo.config import ConfigError, load_config
 from jppo.data.tasks import get_task
 from jppo.data.tokenizer import CharTokenizer
@@ -134,6 +136,38 @@ def test_turn_and_length_limits_end_a_row_without_a_dangling_observation():
     _, finished = decode_responses(exp, TOKENIZER)
     assert finished == [False]
 
+
+
+class Submit(Calculator):
+    """Ends the episode at the first bracketed action (a one-shot submission): ``done`` without EOS."""
+
+    def step(self, action):
+        return "", 1.0, True
+
+
+def test_overlong_filter_masks_only_episodes_the_length_limit_cut():
+    """An episode ended by the environment (done) or by rollout.max_turns keeps its loss tokens without EOS; one
+    cut by rollout.max_response_length (a turn cut, or an observation with no room left) loses them."""
+    cases = [  # (env, turns, max_turns, max_length) -> truncated
+        (Submit(), [[ids("[7*58]")]], 4, 16, False),  # the environment said done
+        (Calculator(), [[ids("[7*58]")]], 1, 16, False),  # the turn limit ended it
+        (Calculator(), [[ids("[7*58]")], [ids("406", eos=True)]], 4, 16, False),  # answered at EOS
+        (Calculator(), [[ids("[7*58]")]], 4, 10, True),  # "=406;" would leave no slot for the answer
+        (Calculator(), [[ids("7*58*9*9*9*9")]], 4, 8, True),  # the turn was cut at 8 tokens
+    ]
+    for env, turns, max_turns, max_length, truncated in cases:
+        exp, _ = rollout(turns, [env], [ids("7*58=")], max_turns=max_turns, max_length=max_length)
+        _, ended_eos = decode_responses(exp, TOKENIZER)
+        assert truncated_rows(exp, ended_eos).tolist() == [truncated], (env, turns, max_turns, max_length)
+        tokens = int(exp.response_mask.sum())
+        assert tokens >= 6
+        assert int(overlong_filtered(exp, ended_eos).response_mask.sum()) == (0 if truncated else tokens)
+    # a single-turn batch (no flags) is cut exactly where it has no EOS: it stops only there or at the limit
+    exp, _ = rollout([[ids("406", eos=True), ids("12345678")]], [Submit(), Submit()], [ids("7*58="), ids("7*58=")],
+                     max_turns=1, max_length=8)
+    single = dataclasses.replace(exp, truncated=None)
+    _, ended_eos = decode_responses(single, TOKENIZER)
+    assert ended_eos == [True, False] and truncated_rows(single, ended_eos).tolist() == [False, True]
 
 def _multi_turn_batch():
     envs = [FixedEnv(), FixedEnv(), FixedEnv(), FixedEnv()]
@@ -302,13 +336,10 @@ class DigitStops:
         return "ab", 0.0, False
 
 
-def test_sampler_log_probs_of_a_multi_turn_response_are_the_trainers():
-    """Each turn re-prefills prompt + response so far: the sampler's log-probs of the model tokens equal the
-    training forward pass's over the whole response (observations attended), to float32 rounding."""
+def tiny_multi_turn_sampler(env_factory, stops: str, max_prompt_length: int):
+    """A 1-layer random policy sampling ``n = 2`` multi-turn responses of up to 12 tokens on one device."""
     from flax import nnx  # noqa: PLC0415
 
-    from jppo.data.tasks import Example  # noqa: PLC0415
-    from jppo.engine import forward_batch, log_prob_fn  # noqa: PLC0415
     from jppo.mesh import make_mesh  # noqa: PLC0415
     from jppo.models import CausalLM, ModelConfig, create_model  # noqa: PLC0415
     from jppo.rollout import Sampler, SamplingParams  # noqa: PLC0415
@@ -318,10 +349,22 @@ def test_sampler_log_probs_of_a_multi_turn_response_are_the_trainers():
                          num_heads=2, pad_token_id=0, eos_token_id=2, bos_token_id=1)
     mesh = make_mesh(devices=jax.devices()[:1])
     graphdef, params = nnx.split(create_model(CausalLM, config, mesh, seed=0), nnx.Param)
-    stop_ids = tuple(ids("0123456789"))
+    stop_ids = tuple(ids(stops))
     turn = SamplingParams(max_new_tokens=12, n=1, eos_token_ids=(TOKENIZER.eos_id,) + stop_ids, pad_token_id=0)
-    sampler = MultiTurnSampler(Sampler(graphdef, 0, mesh, turn, 8), DigitStops, TOKENIZER, n=2, stop_ids=stop_ids,
-                               max_turns=4, max_length=12, bucket=8)
+    sampler = MultiTurnSampler(Sampler(graphdef, 0, mesh, turn, 8), env_factory, TOKENIZER, n=2, stop_ids=stop_ids,
+                               max_turns=4, max_length=12, bucket=8, max_prompt_length=max_prompt_length,
+                               env=env_factory.__name__)
+    return sampler, graphdef, params, mesh
+
+
+def test_sampler_log_probs_of_a_multi_turn_response_are_the_trainers():
+    """Each turn re-prefills prompt + response so far: the sampler's log-probs of the model tokens equal the
+    training forward pass's over the whole response (observations attended), to float32 rounding."""
+    from jppo.data.tasks import Example  # noqa: PLC0415
+    from jppo.engine import forward_batch, log_prob_fn  # noqa: PLC0415
+
+    # "345=" + the reset observation ";" is 5 tokens: a prompt may fill data.max_prompt_length with it
+    sampler, graphdef, params, mesh = tiny_multi_turn_sampler(DigitStops, "0123456789", max_prompt_length=5)
     prompts = ["12=", "345="]
     exp = sampler(params, [ids(p) for p in prompts], jax.random.key(0), [Example(p, "") for p in prompts])
     assert exp.group_ids.tolist() == [0, 0, 1, 1] and exp.prompt_ids[0, -4:].tolist() == ids("12=;")
@@ -332,6 +375,54 @@ def test_sampler_log_probs_of_a_multi_turn_response_are_the_trainers():
     np.testing.assert_allclose(forward[exp.response_mask], exp.rollout_log_prob[exp.response_mask], atol=2e-5)
     assert not exp.rollout_log_prob[observation].any()
 
+
+
+class HintedCalculator(Calculator):
+    """The calculator, whose reset shows a worked call after the prompt."""
+
+    def reset(self, prompt, example):
+        return "[9*9]=81;"
+
+
+def test_a_reset_observation_that_overflows_data_max_prompt_length_is_a_one_line_config_error():
+    """Prompt + reset observation is what the sequence bounds (ppo_max_token_len, the memory plan) assume is at most
+    data.max_prompt_length; a longer one is refused at the reset, before any turn is sampled."""
+    from jppo.data.tasks import Example  # noqa: PLC0415
+
+    sampler, _, params, _ = tiny_multi_turn_sampler(HintedCalculator, "]", max_prompt_length=13)
+    with pytest.raises(ConfigError) as error:
+        sampler(params, [ids("7*58=")], jax.random.key(0), [Example("7*58=", "406")])
+    assert str(error.value) == (
+        "rollout.env='HintedCalculator': reset on the prompt '7*58=' returned a 9-token observation, so the prompt is "
+        "5 + 9 = 14 tokens > data.max_prompt_length=13; the limit bounds the prompt with its reset observation: raise "
+        "it or shorten the observation"
+    )
+
+
+
+def test_the_trainer_exits_2_with_that_line_instead_of_failing_mid_run(tmp_path, capsys):
+    """With token-budget micro-batching at exactly data.max_prompt_length + rollout.max_response_length tokens, a
+    reset observation used to lengthen the sequences past ppo_max_token_len and fail the first forward pass."""
+    from jppo.train import main  # noqa: PLC0415
+
+    env = tmp_path / "hinted.py"
+    env.write_text(textwrap.dedent("""
+        from jppo.rollout.env import Calculator
+        class Hinted(Calculator):
+            def reset(self, prompt, example):
+                return "[9*9]=81;"
+    """))
+    overrides = [
+        f"rollout.env={env}:Hinted", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len=24",
+        "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "trainer.total_steps=1",
+        "model.hidden_size=16", "model.intermediate_size=32", "model.num_layers=1", "model.num_heads=2",
+        "trainer.val_every=0", "trainer.plots=false", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
+        f"trainer.output_dir={tmp_path / 'run'}",
+    ]
+    assert main(["--config", "configs/quickstart_tools.yaml", *overrides]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"jppo.train: error: rollout.env='{env}:Hinted': reset on the prompt ")
+    assert "returned a 9-token observation" in line and "> data.max_prompt_length=8" in line
 
 
 def test_tool_multiply_scores_the_call_and_the_answer_after_the_calculators_result():

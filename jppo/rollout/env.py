@@ -5,7 +5,8 @@ environment per response (``path/to/file.py:make_env``, ``package.module:make_en
 or ``builtin:calculator``). An environment has::
 
     stop: tuple[str, ...]                      # texts that end a model turn (each must be ONE token), e.g. ("]",)
-    reset(prompt: str, example) -> str         # called once; its observation is appended to the prompt
+    reset(prompt: str, example) -> str         # called once; its observation is appended to the prompt (both
+                                               # within data.max_prompt_length tokens)
     step(action: str) -> (str, float, bool)    # a model turn's text -> (observation, reward, done)
 
 A model turn ends at EOS or at a ``stop`` token; either way its text (special tokens dropped) goes to ``step``,
