@@ -62,7 +62,9 @@ def stock_mini_batch(tx: optax.MultiSteps, k: int):
     def run(params, opt_state):
         def micro(carry, index):
             params, opt_state = carry
-            updates, opt_state = tx.update(fake_gradient(params, index), opt_state, params)
+            updates, opt_state = tx.update(
+                fake_gradient(params, index), opt_state, params, optimizer_step=opt_state.gradient_step
+            )
             return (optax.apply_updates(params, updates), opt_state), None
 
         return jax.lax.scan(micro, (params, opt_state), jnp.arange(k))[0]

@@ -33,6 +33,7 @@ from jppo.engine import (
     UpdateStep, actor_loss_fn, check_batch_sizes, critic_loss_fn, cut_steps, init_train_state, run_updates,
 )
 from jppo.errors import ConfigError
+from jppo.learn import mini_batch_rng
 from jppo.mesh import batch_shards, make_mesh
 from jppo.experience import Experience
 from jppo.models import CheckpointError, param_shardings
@@ -123,7 +124,7 @@ class Role:
         frozen = None if self.frozen is None else jax.device_put(self.frozen, param_shardings(self.frozen, mesh))
         state = init_train_state(params, cfg, mesh, keep_gradient=True, frozen=frozen)
         step = UpdateStep(self.graphdef, self.loss_of(cfg), cfg, mesh, self.name, keep_gradient=True)
-        rng = lambda: np.random.default_rng([self.seed, 1])  # noqa: E731 (the trainer's draw for step 1)
+        rng = lambda: mini_batch_rng(self.seed, 1, self.name)  # noqa: E731 (the trainer's draw for step 1)
         k = max(m.num_micro_batches for m in cut_steps(batch, cfg, mesh, rng()))
         updated = run_updates(step, state, batch, cfg, mesh, rng())
         gradients = jax.device_get(updated.gradients)

@@ -10,8 +10,10 @@ seed) reads it back instead of compiling: only tracing and lowering remain.
 * ``auto`` (default): the JAX cache folder already configured (``JAX_COMPILATION_CACHE_DIR`` or the program's own
   ``jax_compilation_cache_dir``), used as configured; otherwise ``$XDG_CACHE_HOME/jppo/xla`` (without
   ``XDG_CACHE_HOME``: ``~/.cache/jppo/xla``);
-* ``off``: no persistent cache, even where JAX has one configured;
-* any other value: that local folder.
+* ``off`` (also ``none``, ``null``, YAML's null and false, in any case): no persistent cache, even where JAX has one
+  configured;
+* any other value: that local folder, absolute or under ``~``. A relative folder is refused: it would be created in
+  whichever directory the command happens to run from.
 
 A folder jppo chooses (the default or a path) caches every program, however quick to compile (JAX's own default
 skips those under a second, which at small shapes are most of them), and is bounded to :data:`MAX_BYTES`, the
@@ -28,11 +30,15 @@ from typing import Mapping, Optional
 
 import jax
 
+from jppo.errors import InvalidSetting
+
 AUTO = "auto"
 OFF = "off"
-# YAML reads an unquoted off / no / false (on / yes / true) as a boolean, which the string key then holds as "False"
-# ("True"): those spellings mean off (auto), not a folder of that name.
-BOOLEAN_SPELLINGS = {"False": OFF, "True": AUTO}
+# The words a setting may be written as, compared without case. YAML reads an unquoted off / no / false (on / yes /
+# true) as a boolean, which the string key then holds as "False" ("True"); none and null (YAML's null reaches the
+# key as None) are how many users write "off". None of them is a folder's name.
+SPELLINGS = {"auto": AUTO, "true": AUTO, "off": OFF, "false": OFF, "none": OFF, "null": OFF}
+VALID = f"{AUTO!r}, {OFF!r} or an absolute local folder (~/... allowed)"
 MAX_BYTES = 4 * 2**30  # the chosen folder's bound; the least recently used entries go first
 
 
@@ -51,12 +57,24 @@ def default_folder(environ: Mapping[str, str]) -> pathlib.Path:
     return pathlib.Path(base) / "jppo" / "xla"
 
 
-def normalize(setting: str) -> str:
-    """``setting`` with YAML's booleans read as :data:`OFF` / :data:`AUTO` (see :data:`BOOLEAN_SPELLINGS`)."""
-    return BOOLEAN_SPELLINGS.get(setting, setting)
+def normalize(setting: Optional[str]) -> str:
+    """:data:`AUTO` or :data:`OFF` for any of their :data:`SPELLINGS` (None: off), else ``setting`` as written."""
+    if setting is None:
+        return OFF
+    return SPELLINGS.get(setting.strip().lower(), setting)
 
 
-def plan(setting: str, configured: Optional[str], environ: Mapping[str, str]) -> CachePlan:
+def folder(setting: str) -> pathlib.Path:
+    """The folder a setting other than auto / off names, ``~`` expanded. :class:`~jppo.errors.InvalidSetting` unless
+    it is an absolute path (an empty value, a relative folder or a URI such as ``gs://...`` is not: JAX bounds its
+    cache only on a local file system)."""
+    path = pathlib.Path(os.path.expanduser(setting))
+    if not setting.strip() or not path.is_absolute():
+        raise InvalidSetting("trainer.", "compilation_cache", setting, VALID)
+    return path
+
+
+def plan(setting: Optional[str], configured: Optional[str], environ: Mapping[str, str]) -> CachePlan:
     """The cache ``trainer.compilation_cache = setting`` asks for, given JAX's configured folder (``configured``,
     None when there is none) and the environment."""
     setting = normalize(setting)
@@ -64,10 +82,10 @@ def plan(setting: str, configured: Optional[str], environ: Mapping[str, str]) ->
         return CachePlan(enabled=False)
     if setting == AUTO:
         return CachePlan(enabled=True) if configured else CachePlan(True, default_folder(environ))
-    return CachePlan(True, pathlib.Path(os.path.expanduser(setting)).absolute())
+    return CachePlan(True, folder(setting))
 
 
-def apply(setting: str) -> Optional[str]:
+def apply(setting: Optional[str]) -> Optional[str]:
     """Configures JAX's persistent cache for ``setting`` (before the first compilation); returns the folder in use
     (None: off)."""
     configured = jax.config.jax_compilation_cache_dir

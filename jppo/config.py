@@ -207,7 +207,8 @@ class TrainerSection:
     progress_bar: bool = True
     plots: bool = True
     critic_warmup: int = 0  # steps that train only the critic
-    compilation_cache: str = "auto"  # auto | off | FOLDER: the persistent XLA cache (jppo.compile_cache)
+    # auto | off (also none, null) | an absolute FOLDER: the persistent XLA cache (jppo.compile_cache)
+    compilation_cache: Optional[str] = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

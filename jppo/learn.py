@@ -20,6 +20,18 @@ from jppo.experience import Experience
 from jppo.state import RunState, advance
 from jppo.views import engine_view
 
+# Each role's place in its mini-batch key, fixed for good (another number would change every run's batches). The
+# actor's 0 adds nothing to the key: numpy's SeedSequence pads its entropy with zeros, so [seed, step, 0] draws what
+# [seed, step] drew, and a run without a critic cuts its mini-batches as it always has.
+SHUFFLE_STREAMS = {"actor": 0, "critic": 1}
+
+
+def mini_batch_rng(seed: int, step: int, role: str) -> np.random.Generator:
+    """The generator of ``role``'s mini-batch order in training step ``step`` (1-based): a function of the seed, the
+    step and the role alone. Each role draws from its own key, so the actor's batches do not depend on whether a
+    critic exists (nor, as for any draw of the update, on the mesh or the processes: CONTRACT.md section 8)."""
+    return np.random.default_rng([seed, step, SHUFFLE_STREAMS[role]])
+
 
 @dataclasses.dataclass(frozen=True)
 class Learner:
@@ -47,21 +59,23 @@ def learn(
     learner: Learner, state: RunState, experience: Experience, timer: Callable
 ) -> tuple[RunState, dict[str, float]]:
     """Step ``state.step + 1``'s updates: the critic's, then (after ``trainer.critic_warmup`` steps) the actor's,
-    each over the same mini-batch order (drawn from the seed and the step); returns the state one step on."""
+    each over its own mini-batch order (:func:`mini_batch_rng`: the seed, the step and the role; the actor's is the
+    same with or without a critic); returns the state one step on."""
     cfg, metrics = learner.cfg, {}
     step = state.steps_done + 1
-    update_rng = np.random.default_rng([cfg.trainer.seed, step])
     critic, actor = state.critic, state.actor
     if learner.critic_step is not None:
         with timer("update_critic"):
             critic, critic_metrics, _ = run_updates(
-                learner.critic_step, critic, experience, learner.critic_cfg, learner.mesh, update_rng
+                learner.critic_step, critic, experience, learner.critic_cfg, learner.mesh,
+                mini_batch_rng(cfg.trainer.seed, step, "critic"),
             )
         metrics.update(critic_metrics)
     if step > cfg.trainer.critic_warmup:
         with timer("update_actor"):
             actor, actor_metrics, _ = run_updates(
-                learner.actor_step, actor, experience, learner.actor_cfg, learner.mesh, update_rng
+                learner.actor_step, actor, experience, learner.actor_cfg, learner.mesh,
+                mini_batch_rng(cfg.trainer.seed, step, "actor"),
             )
         metrics.update(actor_metrics)
     return advance(state, actor=actor, critic=critic, step=step), metrics

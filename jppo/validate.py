@@ -19,7 +19,7 @@ import difflib
 import math
 import os
 import pathlib
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from jppo import compile_cache
 from jppo.advantages import ADVANTAGE_ESTIMATORS
@@ -328,14 +328,13 @@ def _check_local_dir(key: str, value: str) -> None:
         raise ConfigError(f"{key}={value!r}: {str(existing)!r} is not writable")
 
 
-def _check_compilation_cache(value: str) -> None:
-    """``auto``, ``off`` or a local folder (JAX bounds the cache's size only on a local file system)."""
+def _check_compilation_cache(value: Optional[str]) -> None:
+    """``auto``, ``off`` (or one of their spellings) or an absolute local folder the run can create
+    (:func:`jppo.compile_cache.folder`)."""
     if compile_cache.normalize(value) in (compile_cache.AUTO, compile_cache.OFF):
         return
-    if not value.strip() or is_remote(value):
-        raise ConfigError(
-            f"trainer.compilation_cache={value!r} must be {compile_cache.AUTO!r}, {compile_cache.OFF!r} or a local folder"
-        )
+    with _as_key({}, prefix="trainer."):
+        compile_cache.folder(value)
     _check_local_dir("trainer.compilation_cache", value)
 
 

@@ -110,5 +110,5 @@ def reference_step(model, batch: Experience, cfg, loss_scale_factor: float):
         lambda p: loss(nnx.merge(graphdef, p), batch, cfg, loss_scale_factor), has_aux=True
     )(params)
     tx = inner_optimizer(cfg.optim)
-    updates, _ = tx.update(grads, tx.init(params), params)
+    updates, _ = tx.update(grads, tx.init(params), params, optimizer_step=0)  # the first optimizer step
     return optax.apply_updates(params, updates), grads, value, metrics

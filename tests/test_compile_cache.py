@@ -69,6 +69,37 @@ def test_off_written_on_the_command_line_is_off_not_a_folder(written):
     assert plan(cfg.trainer.compilation_cache, "/elsewhere", {"HOME": "/home/u"}) == CachePlan(False, None)
 
 
+@pytest.mark.parametrize("written", ["none", "null", "None", "NULL", "'null'", "' Off '"])
+def test_none_and_null_are_off_not_a_folder(written, monkeypatch, tmp_path, restored_jax_cache):
+    """``none`` / ``null`` (YAML's null among them) switch the cache off, as ``off`` does: no folder of that name
+    appears in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", [f"trainer.compilation_cache={written}"])
+    assert compile_cache.apply(cfg.trainer.compilation_cache) is None
+    assert not jax.config.jax_enable_compilation_cache
+    jax.jit(lambda x: jnp.cos(x) * 1.75 - 0.5)(jnp.arange(5.0)).block_until_ready()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", ["xla", "./xla", "runs/xla", "none/xla"])
+def test_a_relative_folder_is_refused_before_anything_runs(value, monkeypatch, tmp_path, capsys):
+    """A relative folder would be created in whichever directory the command ran from: the CLI refuses it in one
+    line, exit status 2, and creates nothing."""
+    from jppo import train
+
+    monkeypatch.chdir(tmp_path)
+    status = train.main([
+        "--config", str(ROOT / "configs" / "quickstart.yaml"), f"trainer.compilation_cache={value}",
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=1", "trainer.resume=never",
+    ])
+    err = capsys.readouterr().err
+    assert status == 2 and err == (
+        f"jppo.train: error: trainer.compilation_cache={value!r} is invalid: it must be 'auto', 'off' or an absolute "
+        "local folder (~/... allowed)\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_config_key_defaults_to_auto_and_accepts_a_folder(tmp_path):
     assert load_config(ROOT / "configs" / "quickstart.yaml").trainer.compilation_cache == "auto"
     for value in ("off", str(tmp_path / "new" / "xla")):
@@ -78,9 +109,10 @@ def test_the_config_key_defaults_to_auto_and_accepts_a_folder(tmp_path):
 @pytest.mark.parametrize(
     "value, message",
     [
-        ("' '", "trainer.compilation_cache=' ' must be 'auto', 'off' or a local folder"),
-        ("gs://bucket/xla", "trainer.compilation_cache='gs://bucket/xla' must be 'auto', 'off' or a local folder"),
-        ("configs/quickstart.yaml/xla", "trainer.compilation_cache='configs/quickstart.yaml/xla': "),
+        ("' '", "trainer.compilation_cache=' ' is invalid: it must be 'auto', 'off' or an absolute local folder"),
+        ("gs://bucket/xla", "trainer.compilation_cache='gs://bucket/xla' is invalid: it must be 'auto', 'off' or an "
+                            "absolute local folder"),
+        (f"{ROOT}/configs/quickstart.yaml/xla", f"trainer.compilation_cache='{ROOT}/configs/quickstart.yaml/xla': "),
     ],
 )
 def test_a_bad_value_is_a_one_line_config_error(value, message, monkeypatch):

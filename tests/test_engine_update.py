@@ -313,12 +313,12 @@ def test_the_inner_optimizer_runs_once_per_mini_batch(monkeypatch):
     def counted_inner(cfg, *args, **kwargs):
         inner = real(cfg, *args, **kwargs)
 
-        def update(updates, state, params=None):
+        def update(updates, state, params=None, **extra_args):
             dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(updates)}
             jax.debug.callback(lambda: runs.append(dtypes))
-            return inner.update(updates, state, params)
+            return inner.update(updates, state, params, **extra_args)
 
-        return optax.GradientTransformation(inner.init, update)
+        return optax.GradientTransformationExtraArgs(inner.init, update)
 
     monkeypatch.setattr(update_module, "inner_optimizer", counted_inner)
     mesh = mesh_of((2, 1, 1))
@@ -388,3 +388,62 @@ def test_warm_up_holds_one_learning_rate_over_the_optimizer_steps_of_a_training_
         summed = jax.tree.map(lambda g: np.asarray(g).sum(0), jax.device_get(gradients))  # 4 optimizer steps
         moved = jax.tree.map(lambda a, b, g: a - b + expected_lr * g, jax.device_get(state.params), before, summed)
         assert max(float(np.abs(leaf).max()) for leaf in jax.tree.leaves(moved)) < 1e-9
+
+
+def spoiled(batch, row: int):
+    """``batch`` with a NaN advantage on the first valid token of ``row``: its mini-batch's update is skipped."""
+    advantages = batch.advantages.copy()
+    advantages[row, np.flatnonzero(batch.response_mask[row])[0]] = np.nan
+    return dataclasses.replace(batch, advantages=advantages)
+
+
+def test_a_skipped_step_does_not_shift_the_schedule_and_the_counter_survives_a_checkpoint(tmp_path):
+    """The schedule counts every optimizer step, skipped or not (verl steps its scheduler once per training step
+    whatever the gradient). Two unshuffled mini-batches per training step, warm-up over 2 training steps (lr/2,
+    then lr): training step 1 skips its second mini-batch (a NaN); training step 2, resumed from a checkpoint of
+    step 1, takes both its SGD steps at lr, reports lr, and moves the parameters by lr times its gradients. (Read
+    from the count of applied steps, training step 2 would take one step at lr/2 and one at lr.)"""
+    from jppo.checkpoint import CheckpointManager
+
+    lr = SGD.lr
+    cfg = actor_cfg(optim=dataclasses.replace(SGD, warmup_steps=2), ppo_mini_batch_size=N // 2,
+                    ppo_micro_batch_size=8, optimizer_steps_per_training_step=2)
+    mesh = mesh_of((1, 1, 1))
+    graphdef, params = nnx.split(create_model(CausalLM, tiny_config(), mesh, seed=0), nnx.Param)
+    step = UpdateStep(graphdef, actor_loss_fn(cfg), cfg, mesh, "actor", keep_gradient=True)
+    batch = ragged_batch(8)
+    state, metrics, _ = run_updates(step, init_train_state(params, cfg, mesh, keep_gradient=True), spoiled(batch, 12),
+                                    cfg, mesh, np.random.default_rng(0))
+    assert metrics["actor/skipped_updates"] == 1.0 and metrics["actor/lr"] == pytest.approx(lr / 2, rel=1e-12)
+    assert (int(state.step), int(state.opt_state.gradient_step)) == (1, 2)  # applied / taken optimizer steps
+
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, state, {})
+        state, _ = manager.restore(1, init_train_state(params, cfg, mesh, keep_gradient=True))
+    assert int(state.opt_state.gradient_step) == 2
+    before = jax.device_get(state.params)
+    state, metrics, gradients = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0))
+    assert metrics["actor/lr"] == pytest.approx(lr, rel=1e-12)
+    summed = jax.tree.map(lambda g: np.asarray(g).sum(0), jax.device_get(gradients))  # both optimizer steps
+    moved = jax.tree.map(lambda a, b, g: a - b + lr * g, jax.device_get(state.params), before, summed)
+    assert max(float(np.abs(leaf).max()) for leaf in jax.tree.leaves(moved)) < 1e-9  # float64, SGD: rounding only
+
+
+def test_checkpoints_of_optax_s_own_adamw_chain_restore_with_their_counter(tmp_path):
+    """The optimizer state keeps optax's ``adamw`` layout (the one checkpoints written before the schedule read
+    ``gradient_step`` hold): such a checkpoint restores into today's state, ``gradient_step`` included."""
+    from jppo.checkpoint import CheckpointManager
+    from jppo.engine.optim import record_gradient, skip_if_not_finite
+
+    cfg = actor_cfg(optim=ADAMW_CLIPPED)
+    mesh = mesh_of((1, 1, 1))
+    _, params = nnx.split(create_model(CausalLM, tiny_config(), mesh, seed=0), nnx.Param)
+    optax_chain = optax.chain(record_gradient(), skip_if_not_finite(optax.chain(
+        optax.clip_by_global_norm(ADAMW_CLIPPED.grad_clip), optax.adamw(optax.constant_schedule(ADAMW_CLIPPED.lr)))))
+    earlier = optax.MultiSteps(optax_chain, every_k_schedule=1, use_grad_mean=False).init(params)
+    earlier = earlier._replace(gradient_step=jnp.asarray(7, jnp.int32))
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(3, earlier, {})
+        restored, _ = manager.restore(3, init_train_state(params, cfg, mesh).opt_state)
+    assert int(restored.gradient_step) == 7
+    assert jax.tree.structure(restored) == jax.tree.structure(init_train_state(params, cfg, mesh).opt_state)

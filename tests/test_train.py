@@ -255,3 +255,26 @@ def test_the_sampling_structure_differs_only_in_compute_dtype():
     np.testing.assert_allclose(bf16, fp32, atol=0.05 * np.abs(fp32).max())
     default = nnx.merge(sampling_graphdef(load_config(QUICKSTART), policy), params)
     assert default.config == policy.config
+
+
+def test_the_actor_s_mini_batches_do_not_depend_on_whether_a_critic_exists(tmp_path):
+    """Same seed, same experience: the actor's update (two epochs of two shuffled mini-batches, so which rows share
+    an optimizer step matters) is the same whether or not a critic updates before it in the step."""
+    from jppo.collect import PhaseTimer, collect
+    from jppo.learn import learn
+
+    cfg = load_config(QUICKSTART, [*SMALL, f"trainer.output_dir={tmp_path}", "mesh.data=1"])
+    assert cfg.use_critic and cfg.actor.shuffle
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    state, collector, with_critic, _ = setup(cfg, mesh, build.load_inputs(cfg))
+    state, experience, _ = collect(collector, state, PhaseTimer())
+    copy = jax.tree.map(jnp.copy, state)  # the updates donate their state
+    without_critic = dataclasses.replace(with_critic, critic_cfg=None, critic_step=None)
+    alone, alone_metrics = learn(without_critic, copy, experience, PhaseTimer())
+    both, both_metrics = learn(with_critic, state, experience, PhaseTimer())
+    assert "critic/vf_loss" in both_metrics and "critic/vf_loss" not in alone_metrics
+    for name, value in alone_metrics.items():
+        assert both_metrics[name] == value, name
+    actor_params = [jax.tree.leaves(jax.device_get(run.actor.params)) for run in (alone, both)]
+    for a, b in zip(*actor_params):
+        np.testing.assert_array_equal(a, b)  # the same compiled update on the same rows: bit for bit

@@ -3,13 +3,19 @@
 ``optax.MultiSteps(inner, every_k_schedule=K, use_grad_mean=False)`` receives the gradient of each micro-batch's
 *share* of the mini-batch loss. The shares sum to the whole loss, so their gradients are summed (the optax default,
 ``use_grad_mean=True``, would divide the step by K). Only on the K-th micro-step does ``inner`` run for real, on
-the accumulated gradient, which is therefore what the gradient-norm metric, clipping, the non-finite check and the
-learning-rate schedule all see:
+the accumulated gradient, which is therefore what the gradient-norm metric, clipping and the non-finite check see:
 
     inner = chain(record_gradient, skip_if_not_finite(chain(clip_by_global_norm, adamw(schedule))))
 
 A mini-batch whose accumulated gradient holds NaN or Inf is skipped by :func:`skip_if_not_finite`: zero updates, the
 AdamW state kept as it was, the skip counted in its state (optax's ``ApplyIfFiniteState``).
+
+The learning rate is NOT read from a counter inside ``inner`` (optax's own ``count`` stops on a skipped step, which
+would shift every later training step's rates): :func:`scale_by_schedule_at` evaluates the schedule at the
+optimizer step ``MultiStepsState.gradient_step``, which :func:`apply_accumulated` advances on every optimizer step,
+applied or skipped, and passes in. It is part of the optimizer state, so a checkpoint carries it, and the state's
+layout is optax's ``adamw``/``sgd`` one (checkpoints written before this change restore as they are; their
+``gradient_step`` already counted every optimizer step).
 
 Memory: optax's ``apply_if_finite`` and ``MultiSteps.update`` compute the new state and then pick it or the old one
 with ``where``, so both are alive at once; XLA's ``memory_analysis()`` of a Qwen2-shaped update put the
@@ -59,22 +65,25 @@ def record_gradient(keep: bool = False) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
-def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
     """``inner`` on finite updates; on updates holding NaN or Inf, zero updates and ``inner``'s state unchanged.
 
     The state is optax's ``ApplyIfFiniteState`` (consecutive and total non-finite counts, ``last_finite``). Unlike
     ``optax.apply_if_finite`` it never gives up and applies a non-finite update, and the choice is a ``lax.cond``,
-    so a step computes one branch and the old and new optimizer states need not coexist."""
+    so a step computes one branch and the old and new optimizer states need not coexist. Extra arguments
+    (``optimizer_step``) are passed on to ``inner``."""
 
     def init(params):
         zero = jnp.zeros((), jnp.int32)
         return optax.ApplyIfFiniteState(zero, jnp.array(True), zero, inner.init(params))
 
-    def update(updates, state, params=None):
+    inner = optax.with_extra_args_support(inner)
+
+    def update(updates, state, params=None, **extra_args):
         finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(updates)]))
 
         def apply(updates, inner_state):
-            return inner.update(updates, inner_state, params)
+            return inner.update(updates, inner_state, params, **extra_args)
 
         def skip(updates, inner_state):
             return jax.tree.map(jnp.zeros_like, updates), inner_state
@@ -86,7 +95,7 @@ def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTra
             total_notfinite=state.total_notfinite + not_finite, inner_state=inner_state,
         )
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def check_optim(cfg: OptimConfig) -> None:
@@ -111,11 +120,12 @@ def check_optim(cfg: OptimConfig) -> None:
 
 
 def learning_rate_schedule(cfg: OptimConfig, optimizer_steps_per_training_step: int = 1) -> optax.Schedule:
-    """The learning rate of optimizer step ``count`` (0-based): the schedule of training step
+    """The learning rate of optimizer step ``count`` (0-based, counting every optimizer step the role has taken,
+    skipped ones included: see :func:`scale_by_schedule_at`): the schedule of training step
     ``t = count // optimizer_steps_per_training_step``, so it is constant within a training step, as verl's
-    scheduler (stepped once per training step) is. Over ``t``: a linear warm-up from ``lr / warmup_steps`` to
-    ``lr`` at ``t = warmup_steps - 1``, then ``lr`` constant, or a cosine from ``lr`` at ``t = warmup_steps`` down to
-    ``min_lr_ratio * lr`` at ``t = warmup_steps + decay_steps``."""
+    scheduler (stepped once per training step, whatever the gradient) is. Over ``t``: a linear warm-up from
+    ``lr / warmup_steps`` to ``lr`` at ``t = warmup_steps - 1``, then ``lr`` constant, or a cosine from ``lr`` at
+    ``t = warmup_steps`` down to ``min_lr_ratio * lr`` at ``t = warmup_steps + decay_steps``."""
     check_optim(cfg)
     if optimizer_steps_per_training_step < 1:
         raise InvalidSetting("", "optimizer_steps_per_training_step", optimizer_steps_per_training_step, ">= 1")
@@ -133,16 +143,47 @@ def learning_rate_schedule(cfg: OptimConfig, optimizer_steps_per_training_step: 
     return lambda count: per_training_step(count // optimizer_steps_per_training_step)
 
 
+def scale_by_schedule_at(schedule: optax.Schedule) -> optax.GradientTransformationExtraArgs:
+    """Updates times ``-schedule(optimizer_step)``, where ``optimizer_step`` is an argument of ``update``.
+
+    optax's ``scale_by_learning_rate`` reads its own ``count``, which advances only when the step is applied: behind
+    :func:`skip_if_not_finite` a skipped step would leave it one behind for the rest of the run, so with M optimizer
+    steps per training step every later training step would take its M steps at two rates, and warm-up and decay
+    would end late. The caller passes the counter of every optimizer step instead (:func:`apply_accumulated`:
+    ``MultiStepsState.gradient_step``, before this step). The state is optax's ``ScaleByScheduleState``, counting
+    applied steps as optax does; it is not read, and kept so the optimizer state has optax's own layout."""
+
+    def init(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros((), jnp.int32))
+
+    def update(updates, state, params=None, *, optimizer_step=None, **extra_args):
+        del params, extra_args
+        if optimizer_step is None:
+            raise TypeError("scale_by_schedule_at: update() needs optimizer_step= (every optimizer step so far)")
+        rate = schedule(optimizer_step)
+        updates = jax.tree.map(lambda u: jnp.asarray(-rate, u.dtype) * u, updates)  # as optax rounds it
+        return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
 def inner_optimizer(
     cfg: OptimConfig, keep_gradient: bool = False, optimizer_steps_per_training_step: int = 1
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """What runs once per mini-batch on the accumulated gradient (kept in the state with ``keep_gradient``); its
-    learning rate follows :func:`learning_rate_schedule`."""
+    learning rate follows :func:`learning_rate_schedule` at the ``optimizer_step`` its ``update`` is given.
+
+    AdamW and SGD are optax's own chains (``adamw``: Adam's moments, decoupled weight decay, the rate; ``sgd``
+    without momentum: the rate) with the rate from :func:`scale_by_schedule_at`: the same state layout."""
     schedule = learning_rate_schedule(cfg, optimizer_steps_per_training_step)  # refuses what check_optim refuses
     if cfg.name == "adamw":
-        base = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        base = optax.chain(
+            optax.scale_by_adam(b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps),
+            optax.add_decayed_weights(cfg.weight_decay), scale_by_schedule_at(schedule),
+        )
     else:
-        base = optax.sgd(schedule)
+        base = optax.chain(optax.identity(), scale_by_schedule_at(schedule))
     guarded = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), base) if cfg.grad_clip > 0 else base
     return optax.chain(record_gradient(keep_gradient), skip_if_not_finite(guarded))
 
@@ -168,9 +209,15 @@ def apply_accumulated(
     """The K-th micro-step of a ``MultiSteps`` state: ``inner`` on the accumulated gradient plus ``grads``, the
     parameters updated, the accumulator emptied (zeros, not ``0 *`` it, which would keep a NaN) and the micro-step
     count reset. This is what ``MultiSteps.update`` does on its K-th call, without computing the result of the
-    other calls beside it (see the module docstring)."""
+    other calls beside it (see the module docstring).
+
+    ``inner`` is given ``optimizer_step=gradient_step`` (the optimizer steps before this one, skipped ones
+    included), the counter its learning rate is evaluated at (:func:`scale_by_schedule_at`); ``gradient_step``
+    then advances whether or not the step was applied."""
     total = jax.tree.map(jnp.add, opt_state.acc_grads, grads)
-    updates, inner_state = inner.update(total, opt_state.inner_opt_state, params)
+    updates, inner_state = inner.update(
+        total, opt_state.inner_opt_state, params, optimizer_step=opt_state.gradient_step
+    )
     new_state = opt_state._replace(
         mini_step=jnp.zeros_like(opt_state.mini_step), gradient_step=opt_state.gradient_step + 1,
         inner_opt_state=inner_state, acc_grads=jax.tree.map(jnp.zeros_like, total),

@@ -56,7 +56,8 @@ LossFn = Callable[[nnx.Module, Batch, NormStats], tuple[jax.Array, dict[str, met
 
 @struct.dataclass
 class TrainState:
-    """Trained parameters and their optimizer state; ``step`` counts applied (not skipped) optimizer steps.
+    """Trained parameters and their optimizer state; ``step`` counts applied (not skipped) optimizer steps (the
+    learning-rate schedule counts every optimizer step: ``opt_state.gradient_step``, see :mod:`jppo.engine.optim`).
     ``frozen``: parameters the model reads but never trains (the base weights under LoRA adapters, whose ``params``
     are then the adapters alone), None when everything trains; they get no gradient, moment or accumulator."""
 
@@ -330,7 +331,8 @@ def make_update_step(
         applied = jnp.logical_not(report["skipped"])
         values = metrics_lib.finish(total)
         values[f"{prefix}/grad_norm"] = report["grad_norm"]
-        values[f"{prefix}/lr"] = jnp.asarray(schedule(state.step), jnp.float32)
+        # the rate this step was given (apply_accumulated evaluates the schedule at the same counter)
+        values[f"{prefix}/lr"] = jnp.asarray(schedule(state.opt_state.gradient_step), jnp.float32)
         values[f"{prefix}/skipped_updates"] = report["skipped"].astype(jnp.float32)
         new_state = TrainState(
             params=params, opt_state=opt_state, step=state.step + applied.astype(jnp.int32), frozen=state.frozen
