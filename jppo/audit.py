@@ -1,17 +1,19 @@
 """``python -m jppo.audit --config CFG [key.sub=value ...]``: does this configuration keep the contract?
 
 Builds the configured model(s) and the rollout batch of one training step (the configured prompts, ragged random
-responses, an empty response among them, random advantages, log-probs, values and returns), then runs that whole
-step's updates (every mini-batch of every epoch) through the trainer's own path, ``run_updates`` and the compiled
-``UpdateStep``, under many cuts: fixed micro-batches of several sizes, token-budget packing, and every mesh shape
-the local devices allow. Each cut is compared with the reference (one device, one micro-batch per mini-batch):
-the accumulated gradient of every optimizer step, as the optimizer itself recorded it, as ``||g - g_ref|| /
-||g_ref||`` (the first step's alone, and all steps'), and every reported metric (losses, clip fractions, KL,
-entropy, value means, gradient norms, learning rate, skipped updates), as the largest relative difference. The
-last lines read ``max_rel_first_step_grad_diff=<v>``, ``max_rel_grad_diff=<v>`` and ``max_rel_metric_diff=<v>``;
-the exit status is 0 when the first step's gradients are within tolerance (1e-5 in float32) and the rest within
-ten times that (see :meth:`Worst.passes`), 1 otherwise. A legacy ``normalization=per_micro_batch`` config shows
-its split-dependence here instead of hiding it.
+responses, an empty response among them, random advantages, log-probs, values and returns; sampler log-probs that
+differ from the old ones, so ``actor.rollout_correction`` weighs or rejects rows, its rejection applied as
+collection applies it, before the cut), then runs that whole step's updates (every mini-batch of every epoch)
+through the trainer's own path, ``run_updates`` and the compiled ``UpdateStep``, under many cuts: fixed
+micro-batches of several sizes, token-budget packing, and every mesh shape the local devices allow. Each cut is
+compared with the reference (one device, one micro-batch per mini-batch): the accumulated gradient of every
+optimizer step, as the optimizer itself recorded it, as ``||g - g_ref|| / ||g_ref||`` (the first step's alone, and
+all steps'), and every reported metric (losses, clip fractions, KL, entropy, value means, gradient norms, learning
+rate, skipped updates, ``rollout_corr/*``), as the largest relative difference. The last lines read
+``max_rel_first_step_grad_diff=<v>``, ``max_rel_grad_diff=<v>`` and ``max_rel_metric_diff=<v>``; the exit status is
+0 when the first step's gradients are within tolerance (1e-5 in float32) and the rest within ten times that (see
+:meth:`Worst.passes`), 1 otherwise, 2 for a bad setting (one line on stderr, found before or while the audit runs).
+A legacy ``normalization=per_micro_batch`` config shows its split-dependence here instead of hiding it.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import numpy as np
 from flax import nnx
 
 from jppo import build
+from jppo.collect import rejected_rows_cleared
 from jppo.config import TrainConfig, load_config
 from jppo.engine import (
     UpdateStep, actor_loss_fn, check_batch_sizes, critic_loss_fn, cut_steps, init_train_state, run_updates,
 )
-from jppo.errors import ConfigError
+from jppo.errors import ConfigError, one_line
 from jppo.learn import mini_batch_rng
 from jppo.mesh import batch_shards, make_mesh
 from jppo.experience import Experience
@@ -55,7 +58,8 @@ def mesh_shapes(num_devices: int, rows: int) -> list[tuple[int, int, int]]:
 
 def audit_batch(cfg: TrainConfig, inputs: build.RunInputs, rows: int, seed: int = 0) -> Experience:
     """``rows`` sequences: configured prompts, random responses of random lengths (one empty), random
-    advantages, old/ref log-probs, values and returns (what the losses need; their values do not matter here)."""
+    advantages, old/ref/sampler log-probs, values and returns (what the losses need; their values do not matter
+    here, but the sampler's differ from the old ones, so the rollout correction weighs or rejects rows)."""
     rng = np.random.default_rng(seed)
     prompts = inputs.train_data.batch_at(0, rows, cfg.trainer.seed)[1]
     width = max(len(p) for p in prompts)
@@ -71,9 +75,15 @@ def audit_batch(cfg: TrainConfig, inputs: build.RunInputs, rows: int, seed: int 
     vocab = inputs.tokenizer.vocab_size
     response_ids = np.where(attention, rng.integers(0, vocab, (rows, length)), 0).astype(np.int32)
     noise = lambda scale: np.where(attention, rng.normal(scale=scale, size=(rows, length)), 0.0).astype(np.float32)
+    old_log_prob, ref_log_prob, advantages, values, returns = noise(0.3) - 2.5, noise(0.3) - 2.5, *map(noise, [1.0] * 3)
+    # the sampler's log-probs: a per-row offset and per-token noise, so that every rollout-correction mode clips
+    # or rejects some rows and keeps others at its default threshold
+    offsets = rng.normal(scale=0.5, size=(rows, 1)).astype(np.float32)
+    rollout_log_prob = np.where(attention, old_log_prob - offsets, 0.0) - noise(0.3)
     return Experience(
-        prompt_ids, prompt_mask, response_ids, attention, attention, old_log_prob=noise(0.3) - 2.5,
-        ref_log_prob=noise(0.3) - 2.5, advantages=noise(1.0), values=noise(1.0), returns=noise(1.0),
+        prompt_ids, prompt_mask, response_ids, attention, attention, old_log_prob=old_log_prob,
+        ref_log_prob=ref_log_prob, advantages=advantages, values=values, returns=returns,
+        rollout_log_prob=rollout_log_prob,
     )
 
 
@@ -186,15 +196,17 @@ def audit(cfg: TrainConfig, inputs: build.RunInputs, quick: bool = False, out=No
     out = sys.stdout if out is None else out
     devices = jax.device_count()
     rows = rollout_sequences(cfg)
-    batch = audit_batch(cfg, inputs, rows)
+    # verl's rejection modes clear rows' masks at collection, before the batch is cut: the audit does the same
+    batch, rejection = rejected_rows_cleared(audit_batch(cfg, inputs, rows), cfg.actor.rollout_correction)
     longest = int(batch.lengths().max())
     reference_mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     worst = Worst()
     steps = {role: optimizer_steps_per_training_step(cfg, role) for role in cfg.roles}
     print(f"jppo.audit: one training step of {rows} sequences ({steps['actor']} actor optimizer steps"
           + (f", {steps['critic']} critic" if cfg.use_critic else "") + f"), {int(batch.response_mask.sum())} loss "
-          f"tokens, {devices} devices, normalization actor={cfg.actor.normalization} critic={cfg.critic.normalization}",
-          file=out)
+          f"tokens, {devices} devices, normalization actor={cfg.actor.normalization} critic={cfg.critic.normalization}, "
+          f"rollout correction {cfg.actor.rollout_correction.mode}"
+          + "".join(f" ({name} {value:.3g})" for name, value in rejection.items()), file=out)
     header = (f"{'model':<7} {'mesh (d,f,t)':<13} {'cut':<16} {'K':>3} {'grad step 1':>12} {'grad all steps':>14} "
               f"{'metrics':>10}  {'worst metric':<22}")
     print(header, file=out)
@@ -202,6 +214,7 @@ def audit(cfg: TrainConfig, inputs: build.RunInputs, quick: bool = False, out=No
     for role in build_roles(cfg, inputs):
         mini = role.cfg.ppo_mini_batch_size
         reference = role.run(reference_mesh, batch, {"use_dynamic_bsz": False, "ppo_micro_batch_size": mini})
+        print(f"compared ({role.name}): {', '.join(sorted(reference.metrics))}", file=out)
         meshes = [(1, 1, 1)] + [shape for shape in mesh_shapes(devices, mini) if shape != (1, 1, 1)]
         if quick:
             meshes = [shape for shape in meshes if shape in {(1, 1, 1), (devices, 1, 1), (2, 2, devices // 4)}]
@@ -228,15 +241,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     parser.add_argument("--quick", action="store_true", help="fewer meshes: data-parallel and one 3-D mesh")
     args = parser.parse_args(argv)
-    try:
+    started = time.perf_counter()
+    try:  # a bad setting found while building or running the updates is a one-line error too, not a traceback
         cfg = load_config(args.config, args.overrides)
         check_mesh(cfg, jax.device_count())
         inputs = build.load_inputs(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, val_every=0)))
+        worst = audit(cfg, inputs, quick=args.quick)
     except (ConfigError, CheckpointError, ValueError, KeyError, FileNotFoundError) as error:
-        print(f"jppo.audit: error: {' '.join(str(error).split())}", file=sys.stderr)
+        print(f"jppo.audit: error: {one_line(error)}", file=sys.stderr)
         return 2
-    started = time.perf_counter()
-    worst = audit(cfg, inputs, quick=args.quick)
     tolerance = TOLERANCE.get(cfg.model.dtype, 1e-5)
     passed = worst.passes(tolerance)
     print(f"jppo.audit: {'within' if passed else 'OUTSIDE'} tolerance (first step {tolerance:g}, whole step "

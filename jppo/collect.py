@@ -42,7 +42,9 @@ from jppo.engine import forward_batch, log_prob_fn, value_fn
 from jppo.engine.assemble import device_rows
 from jppo.experience import Experience
 from jppo.hostlocal import local_rows, local_shards, max_over_processes, replicated_value, sum_over_processes, to_global, to_local
-from jppo.losses import AdaptiveKLController, FixedKLController, penalize_rewards
+from jppo.losses import (
+    REJECTION_MODES, AdaptiveKLController, FixedKLController, RolloutCorrection, penalize_rewards, rejected_rows,
+)
 from jppo.mesh import batch_shards
 from jppo.rewards.model import RewardModel
 from jppo.rewards.overlong import overlong_penalty
@@ -403,6 +405,8 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
         metrics.update(multi_turn_metrics(exp))
     if cfg.algorithm.overlong_filter:
         exp = overlong_filtered(exp, finished)
+    exp, rejection_metrics = rejected_rows_cleared(exp, cfg.actor.rollout_correction)
+    metrics.update(rejection_metrics)
     return advance(state, data_position=data_position, kl=kl), exp, metrics
 
 
@@ -557,3 +561,19 @@ def rollout_metrics(exp: Experience, scores: np.ndarray, max_length: int) -> dic
     if exp.values is not None:
         out["values/mean"] = sums[8] / tokens
     return {k: float(v) for k, v in out.items()}
+
+
+def rejected_rows_cleared(exp: Experience, correction: RolloutCorrection) -> tuple[Experience, dict[str, float]]:
+    """verl's rejection sampling (``seq_rs`` / ``geo_rs``, :mod:`jppo.losses.rollout_correction`): the batch with
+    the response mask of every rejected row cleared, so every loss term and the normalizers N and S skip those rows
+    (as the overlong filter does), and ``rollout_corr/rejected_fraction``, the fraction of non-empty rows removed
+    (whole batch, combined over processes). Other modes: the batch as it is, no metric."""
+    if correction.mode not in REJECTION_MODES:
+        return exp, {}
+    mask = np.asarray(exp.response_mask)
+    rejected = np.asarray(rejected_rows(exp.old_log_prob, exp.rollout_log_prob, mask, correction))
+    sequences = mask.astype(bool).any(axis=1)
+    removed, total = sum_over_processes(np.array([(rejected & sequences).sum(), sequences.sum()], np.float64))
+    cleared = np.where(rejected[:, None], 0, mask).astype(mask.dtype)
+    fraction = float(removed / max(total, 1))
+    return dataclasses.replace(exp, response_mask=cleared), {"rollout_corr/rejected_fraction": fraction}

@@ -244,6 +244,9 @@ def _check_actor(cfg: TrainConfig) -> None:
     with _as_key({}, prefix="actor."):
         check_policy_options(actor.policy_loss, policy_options(actor))
     _choice("actor.kl_loss_type", actor.kl_loss_type, KL_KINDS)
+    if actor.rollout_correction.mode == "seq_mask":  # renamed when seq_* came to mean verl's product of ratios
+        raise ConfigError("actor.rollout_correction.mode='seq_mask' was renamed 'geo_mask' (geometric mean, the rows "
+                          "stay in N and S); verl's sequence rejection, which removes the rows, is 'seq_rs'")
     _choice("actor.rollout_correction.mode", actor.rollout_correction.mode, ROLLOUT_CORRECTION_MODES)
     with _as_key({}, prefix="actor.rollout_correction."):
         actor.rollout_correction.check()

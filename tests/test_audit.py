@@ -80,3 +80,31 @@ def test_odd_arguments_are_refused_in_one_line(capsys, overrides, message):
     assert main(["--config", CONFIG, *overrides]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jppo.audit: error: ") and message in lines[0], lines
+
+
+GRPO = ["critic.enable=false", "algorithm.adv_estimator=grpo", "rollout.n=2"]
+
+
+def test_audit_covers_rollout_correction(capsys):
+    """The audit batch carries sampler log-probs unlike the old ones: verl's rejection (rows cleared before the
+    cut, as collection does) audits clean and the rollout_corr/* metrics are compared (every mode's weights and
+    metrics are split-invariant in test_rollout_correction; a single audit keeps this file's time down)."""
+    mode = "seq_rs"
+    assert main(["--config", CONFIG, "--quick", *SMALL, *GRPO, f"actor.rollout_correction.mode={mode}"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    compared = [line for line in lines if line.startswith("compared (actor): ")]
+    assert len(compared) == 1
+    for name in ("rollout_corr/kl", "rollout_corr/ratio_mean", "rollout_corr/masked_fraction", "actor/pg_loss"):
+        assert name in compared[0], name
+    assert f"rollout correction {mode}" in lines[0]
+    fraction = float(lines[0].split("rollout_corr/rejected_fraction ")[1].rstrip(")"))
+    assert 0 < fraction < 1  # some rows rejected, not all
+
+
+def test_an_error_inside_the_audit_is_one_line(capsys, tmp_path):
+    """A critic checkpoint that cannot be read fails while the audit builds its models, after the config checks:
+    still one line on stderr and exit status 2, no traceback."""
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["--config", CONFIG, "--quick", *SMALL, f"critic.model_path={tmp_path}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jppo.audit: error: ") and "config.json" in lines[0], lines

@@ -21,7 +21,9 @@ from jppo.losses.policy import (
     register_policy_loss,
     required_agg_mode,
 )
-from jppo.losses.rollout_correction import ROLLOUT_CORRECTION_MODES, RolloutCorrection, rollout_weights
+from jppo.losses.rollout_correction import (
+    REJECTION_MODES, ROLLOUT_CORRECTION_MODES, RolloutCorrection, rejected_rows, rollout_weights,
+)
 from jppo.losses.value import clipped_value_error, value_loss
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "KL_KINDS",
     "OPTION_RULES",
     "POLICY_LOSSES",
+    "REJECTION_MODES",
     "REQUIRED_AGG_MODES",
     "ROLLOUT_CORRECTION_MODES",
     "AdaptiveKLController",
@@ -54,6 +57,7 @@ __all__ = [
     "penalize_rewards",
     "policy_loss",
     "register_policy_loss",
+    "rejected_rows",
     "required_agg_mode",
     "rollout_weights",
     "value_loss",
