@@ -7,20 +7,23 @@ here, before anything is compiled, with a one-line message.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import logging
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jppo.config import ConfigError, TrainConfig
+from jppo.config import RANDOM_MODEL, ConfigError, TrainConfig
 from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
-from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pretrained
+from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pretrained, read_config
 from jppo.models.lora import LoRAConfig, attach_lora, trainable_filter
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
 from jppo.rollout import SamplingParams
 from jppo.rollout.env import EnvFactory, load_env, stop_token_ids
+
+log = logging.getLogger("jppo.build")
 
 
 @dataclasses.dataclass
@@ -86,10 +89,12 @@ def checkpoint_overrides(cfg: TrainConfig) -> dict:
     return {name: getattr(cfg.model, name) for name in CHECKPOINT_OVERRIDES}
 
 
-def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh) -> CausalLM:
+def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh, seed: Optional[int] = None) -> CausalLM:
+    """``model.path``, or a model drawn from ``seed`` (default ``trainer.seed``; a checkpoint's: its recorded one)."""
     if cfg.model.path:
         return load_pretrained(cfg.model.path, mesh=mesh, **checkpoint_overrides(cfg))
-    return create_model(CausalLM, random_model_config(cfg, tokenizer), mesh, seed=cfg.trainer.seed)
+    seed = cfg.trainer.seed if seed is None else seed
+    return create_model(CausalLM, random_model_config(cfg, tokenizer), mesh, seed=seed)
 
 
 def sampling_config(cfg: TrainConfig, config: ModelConfig) -> ModelConfig:
@@ -110,12 +115,14 @@ def sampling_graphdef(cfg: TrainConfig, policy: CausalLM) -> nnx.GraphDef:
     return nnx.split(nnx.eval_shape(structure), nnx.Param)[0]
 
 
-def build_critic(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> ValueModel:
-    """The critic starts from the policy's backbone with a new value head (or from ``critic.model_path``)."""
+def build_critic(cfg: TrainConfig, policy: CausalLM, mesh: Mesh, seed: Optional[int] = None) -> ValueModel:
+    """The critic starts from the policy's backbone with a new value head (or from ``critic.model_path``), the
+    head drawn from ``seed + 1`` (``seed`` as :func:`build_policy`'s)."""
     path = cfg.critic.model_path or cfg.model.path
+    seed = cfg.trainer.seed if seed is None else seed
     if path:
-        return load_pretrained(path, head="value", mesh=mesh, seed=cfg.trainer.seed + 1, **checkpoint_overrides(cfg))
-    return ValueModel.from_policy(policy, rngs=nnx.Rngs(cfg.trainer.seed + 1))
+        return load_pretrained(path, head="value", mesh=mesh, seed=seed + 1, **checkpoint_overrides(cfg))
+    return ValueModel.from_policy(policy, rngs=nnx.Rngs(seed + 1))
 
 
 def build_reference(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> Optional[nnx.State]:
@@ -150,6 +157,102 @@ def split_trained(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, Optional[
         graphdef, params = nnx.split(model, nnx.Param)
         return graphdef, params, None
     return nnx.split(model, trainable_filter(model), nnx.Param)
+
+
+# The model keys of a policy's shape and initialisation (CHECKPOINT_OVERRIDES apply to any checkpoint: not its origin)
+SHAPE_KEYS = tuple(f"model.{name}" for name in RANDOM_MODEL if name not in CHECKPOINT_OVERRIDES)
+MODELS_META = "models"  # the entry of a checkpoint's meta that records what its models were built from
+ROLES = ("actor", "critic")
+
+
+def model_record(cfg: TrainConfig, seed: int, checksums: Optional[dict[str, Optional[str]]] = None) -> dict:
+    """What the models of a run are built from, by config key: a checkpoint's meta records it (``models``), since
+    a checkpoint leaves out what the run can rebuild (LoRA's frozen base weights; a KL reference copied from the
+    initial policy). ``trainer.seed``: the seed the random weights were drawn from; the policy's shape (the
+    ``model.*`` keys of a random model, of ``model.path``'s ``config.json`` for a loaded one); whether a critic
+    trains; each role's adapters; and ``<role>.base_checksum``, the :func:`jppo.checkpoint.fingerprint` of a LoRA
+    role's frozen base when it is loaded from a file (``checksums``; a random base is the seed and the keys)."""
+    record = {"trainer.seed": seed, "model.path": cfg.model.path, "critic.enable": cfg.use_critic,
+              "critic.model_path": cfg.critic.model_path}
+    shape = read_config(cfg.model.path) if cfg.model.path else random_model_config(cfg, None)
+    record.update({key: getattr(shape, key.split(".")[1]) for key in SHAPE_KEYS})
+    for role in ROLES:
+        lora = getattr(cfg, role).lora
+        record.update({f"{role}.lora.rank": lora.rank, f"{role}.lora.alpha": lora.alpha,
+                       f"{role}.lora.target_modules": sorted(lora.target_modules)})
+        record[f"{role}.base_checksum"] = (checksums or {}).get(role)
+    return record
+
+
+def saved_model_record(meta: dict) -> Optional[dict]:
+    """The :func:`model_record` of a checkpoint's meta. A checkpoint written before jppo recorded it has only the
+    config of the run that wrote it: the record is that config's (its ``trainer.seed`` drew the weights, unless
+    that run was itself resumed with another seed), without checksums; None when that config no longer reads."""
+    if MODELS_META in meta:
+        return meta[MODELS_META]
+    from omegaconf import OmegaConf  # noqa: PLC0415 (only an old checkpoint needs it)
+
+    try:
+        saved = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), meta["config"]))
+        record = model_record(saved, saved.trainer.seed)
+    except Exception:  # noqa: BLE001 (a meta of another jppo version: nothing to compare)
+        return None
+    return {key: value for key, value in record.items() if not key.endswith("_checksum")}  # unknown, not "random"
+
+
+def checkpoint_models(cfg: TrainConfig, meta: dict, source: str) -> tuple[int, Optional[dict]]:
+    """``(seed, record)`` for rebuilding the models of the checkpoint ``source`` (its ``meta``): the seed its record
+    holds (so a resume, an evaluation or an export with another ``trainer.seed`` gets the trained policy), once
+    :func:`check_model_record` let this config through; ``trainer.seed`` and None when it records nothing."""
+    saved = saved_model_record(meta)
+    if saved is None:
+        log.warning("%s records no model origin: its models are built from this config", source)
+        return cfg.trainer.seed, None
+    check_model_record(saved, model_record(cfg, cfg.trainer.seed), source)
+    if saved["trainer.seed"] != cfg.trainer.seed:
+        log.info("%s: models drawn from its seed %d (trainer.seed=%d drives the data order and sampling)",
+                 source, saved["trainer.seed"], cfg.trainer.seed)
+    return saved["trainer.seed"], saved
+
+
+def check_model_record(saved: dict, current: dict, source: str) -> None:
+    """A :class:`ConfigError` naming the first key on which this config builds other models than the checkpoint
+    ``source`` holds (the arrays would not fit, or the adapters would sit on another base), before anything is
+    built. ``trainer.seed`` is not compared (the random weights are drawn from the checkpoint's seed), nor a
+    path as such (a base that moved is the same base: its checksum decides, see :func:`check_base_checksums`);
+    a role's keys only when both train it."""
+    for key, value in saved.items():
+        role = key.split(".")[0]
+        if key not in current or key == "trainer.seed" or key.endswith(("model_path", ".path", "_checksum")):
+            continue
+        if role == "critic" and key != "critic.enable" and not (saved["critic.enable"] and current["critic.enable"]):
+            continue
+        if current[key] != value:
+            origin = f" (in model.path={current['model.path']!r})" if role == "model" and current["model.path"] else ""
+            raise ConfigError(
+                f"{source} was trained with {key}={value!r}, but this config has {key}={current[key]!r}{origin}"
+            )
+
+
+def check_base_checksums(saved: dict, current: dict, source: str, roles: Sequence[str] = ROLES) -> None:
+    """A :class:`ConfigError` when a LoRA role's frozen base (not in the checkpoint) differs from the one its
+    adapters were trained on: other weights at ``model.path`` / ``critic.model_path``, or a loaded base where the
+    checkpoint's was drawn at random (or the reverse). A checkpoint without checksums (written before jppo
+    recorded them) is not checked; only ``roles`` (those built)."""
+    for role in roles:
+        key, lora = f"{role}.base_checksum", f"{role}.lora.rank"
+        if key not in saved or not current.get(lora) or (role == "critic" and not current["critic.enable"]):
+            continue
+        path_key = "model.path" if role == "actor" or not current["critic.model_path"] else "critic.model_path"
+        if saved[key] is None and current[key] is None:
+            continue  # both drawn at random: from the same seed and keys (check_model_record)
+        if saved[key] != current[key]:
+            was = "drawn at random" if saved[key] is None else f"loaded from {saved.get(path_key)!r}"
+            now = "draws it at random" if current[key] is None else f"loads {current.get(path_key)!r}"
+            raise ConfigError(
+                f"{source}: {role}.lora adapters were trained on a frozen base {was} (checksum {saved[key]}), but "
+                f"this config's {path_key} {now} (checksum {current[key]}): other base weights"
+            )
 
 
 def sampling_params(

@@ -4,7 +4,7 @@ Layout of a checkpoint directory ``DIRECTORY/<step>/``:
 
 - ``state/``: the arrays (any pytree: ``TrainState`` s, ``nnx.State``, optax states, raw PRNG key data), written by
   every process for the shards it holds (orbax ``StandardSave``);
-- ``meta/``: one JSON object (data position, KL controller value, config, metrics of the step, ...);
+- ``meta/``: one JSON object (the step, what its models were built from, the config, ...);
 - ``commit_success.txt`` and ``_CHECKPOINT_METADATA``: orbax's bookkeeping.
 
 Atomicity: orbax 0.12.8 writes everything into ``DIRECTORY/<step>.orbax-checkpoint-tmp`` and, once all items are
@@ -23,6 +23,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils.epath import Path
 
@@ -129,6 +130,11 @@ def restore_checkpoint(path: str | os.PathLike, target: PyTree) -> tuple[PyTree,
     return restored[STATE_ITEM], restored[META_ITEM]
 
 
+def read_meta(path: str | os.PathLike) -> dict:
+    """Only the JSON ``meta`` of the checkpoint directory ``path`` (no array is read), without a manager."""
+    return _read_path(path, ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
+
+
 def _restore_args(target: PyTree) -> ocp.args.Composite:
     abstract = jax.tree_util.tree_map_with_path(_abstract_leaf, target)
     return ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract), META_ITEM: ocp.args.JsonRestore()})
@@ -212,3 +218,26 @@ def _abstract_leaf(path: tuple, leaf: Any) -> jax.ShapeDtypeStruct:
             "as a jax.ShapeDtypeStruct with the sharding the new run wants (or as an array laid out that way)"
         )
     return leaf
+
+
+def fingerprint(tree: PyTree) -> str:
+    """16 hex digits that change with any bit of any array of ``tree`` (what a checkpoint leaves out, such as
+    LoRA's frozen base, is compared through it): two sums over every element's bits times a weight drawn from its
+    position, ``sum_i bits_i * (c * (i + offset) + 1) mod 2^32`` with two odd constants ``c``. Integer sums wrap
+    exactly and in any order, so the value does not depend on the arrays' sharding, the mesh or the backend."""
+    leaves = [jnp.asarray(leaf) for leaf in jax.tree.leaves(tree)]
+    return "".join(f"{int(lane):08x}" for lane in _fingerprint(leaves))
+
+
+@jax.jit
+def _fingerprint(leaves: list[jax.Array]) -> jax.Array:
+    lanes, offset = jnp.zeros(2, jnp.uint32), 0
+    for leaf in leaves:
+        width = jnp.dtype(leaf.dtype).itemsize * 8
+        bits = jax.lax.bitcast_convert_type(leaf, jnp.dtype(f"uint{width}")).ravel().astype(jnp.uint32)
+        position = jnp.arange(bits.size, dtype=jnp.uint32) + jnp.uint32(offset % 2**32)
+        for lane, constant in enumerate((0x9E3779B1, 0x85EBCA77)):
+            weight = position * jnp.uint32(constant) + jnp.uint32(1)
+            lanes = lanes.at[lane].add(jnp.sum(bits * weight, dtype=jnp.uint32))
+        offset += bits.size
+    return lanes

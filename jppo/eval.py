@@ -1,6 +1,7 @@
 """``python -m jppo.eval --config CFG [key=value ...] [--out DIR]``: evaluation only, on the held-out prompts.
 
-The policy is the config's model (``model.path``, or random initialisation from ``trainer.seed``) or a trained one:
+The policy is the config's model (``model.path``, or random initialisation from ``trainer.seed``) or a trained one
+(its models rebuilt as the checkpoint records them, whatever ``trainer.seed`` says):
 ``trainer.resume`` as in training (``auto``: the newest checkpoint of ``trainer.output_dir``, if any; a checkpoint
 directory; or a run's output directory, meaning its newest checkpoint). It samples ``rollout.val_n`` responses per
 prompt of the validation set (``data.val_files``, or the built-in task's held-out split) and scores them through
@@ -29,7 +30,6 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from jppo import build, compile_cache, distributed
-from jppo.checkpoint import resolve_resume, restore_checkpoint
 from jppo.collect import validate
 from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config, to_dict
 from jppo.distributed import DistributedError
@@ -37,8 +37,7 @@ from jppo.errors import one_line
 from jppo.mesh import make_mesh
 from jppo.models import CheckpointError
 from jppo.paths import run_path
-from jppo.state import checkpointed, with_frozen
-from jppo.train import setup
+from jppo.train import plan_resume, restore
 
 log = logging.getLogger("jppo.eval")
 EVAL_FILE = "eval.json"
@@ -52,13 +51,10 @@ def evaluate(
     """Validates the config's policy, or the checkpoint ``trainer.resume`` points at, and writes ``eval.json`` and
     ``generations.jsonl`` into ``out`` (main process); returns what ``eval.json`` holds."""
     mesh = make_mesh(*mesh_shape, devices=devices)
-    state, collector, _, _ = setup(cfg, mesh, inputs)
-    checkpoints = run_path(cfg.trainer.output_dir) / "checkpoints"  # a local folder or a gs:// URI
-    resume = resolve_resume(cfg.trainer.resume, checkpoints)
-    checkpoint = None
-    if resume is not None:
-        checkpoint = str(checkpoints / str(resume) if isinstance(resume, int) else resume)
-        state = with_frozen(restore_checkpoint(checkpoint, checkpointed(state))[0], state)
+    resume = plan_resume(cfg, run_path(cfg.trainer.output_dir) / "checkpoints")  # a local folder or a gs:// URI
+    state, collector, _, _, _ = restore(cfg, mesh, inputs, resume)
+    checkpoint = resume.checkpoint
+    if checkpoint is not None:
         log.info("evaluating %s (step %d)", checkpoint, state.steps_done)
     result = validate(collector, state.actor.weights)
     records = sorted(all_processes(result.records), key=lambda r: (r["index"], r["sample"]))
@@ -110,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = run_path(args.out or cfg.trainer.output_dir)
     try:
         report = evaluate(cfg, mesh_shape, inputs, out)
-    except ConfigError as error:  # a limit only the data can break (a reset observation's length)
+    except ConfigError as error:  # a checkpoint that does not match the config, or a limit only the data can break
         print(f"jppo.eval: error: {one_line(error)}", file=sys.stderr)
         return 2
     if distributed.is_main_process():

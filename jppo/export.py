@@ -37,7 +37,7 @@ from etils import epath
 from flax import nnx
 
 from jppo import build
-from jppo.checkpoint import committed_steps, restore_part
+from jppo.checkpoint import committed_steps, fingerprint, read_meta, restore_part
 from jppo.config import TrainConfig, load_config
 from jppo.data import CharTokenizer, Tokenizer, load_tokenizer
 from jppo.errors import ConfigError, one_line
@@ -117,14 +117,20 @@ def policy_config(cfg: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
 
 def restore_policy(checkpoint: epath.Path, cfg: TrainConfig, tokenizer: Tokenizer) -> CausalLM:
     """The actor of ``checkpoint`` as a :class:`CausalLM` on the first CPU device: only ``actor.params`` is read.
-    With ``actor.lora`` those are the adapters: the base weights are rebuilt as the run built them (``model.path``
-    or the seed) and the adapters attached to them."""
+    With ``actor.lora`` those are the adapters: the base weights are rebuilt as the checkpoint records them
+    (``model.path``, or the seed it was drawn from, whatever ``trainer.seed`` the run's config says now) and the
+    adapters attached to them; a config that would build another base is refused in one line."""
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     if cfg.actor.lora.enabled:
+        source = f"checkpoint {str(checkpoint)!r}"
+        seed, saved = build.checkpoint_models(cfg, read_meta(checkpoint), source)
         with jax.default_device(jax.devices("cpu")[0]):
-            model = build.build_policy(cfg, tokenizer, mesh=None)
-            build.add_adapters(model, cfg.actor.lora, cfg.trainer.seed + 2)
+            model = build.build_policy(cfg, tokenizer, mesh=None, seed=seed)
+            build.add_adapters(model, cfg.actor.lora, seed + 2)
         graphdef, abstract, frozen = build.split_trained(model)
+        if saved is not None:
+            checksums = {"actor": fingerprint(frozen)} if cfg.model.path else {}
+            build.check_base_checksums(saved, build.model_record(cfg, seed, checksums), source, roles=("actor",))
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), abstract)
         return nnx.merge(graphdef, frozen, _restore_actor_params(checkpoint, abstract, cpu))
     abstract_model = nnx.eval_shape(lambda: CausalLM(policy_config(cfg, tokenizer), rngs=nnx.Rngs(0)))

@@ -30,7 +30,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jppo import build, compile_cache, distributed
-from jppo.checkpoint import CheckpointManager, resolve_resume
+from jppo.checkpoint import CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint
 from jppo.collect import Collector, PhaseTimer, collect, kl_controller, validate
 from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config, save_config, to_dict
 from jppo.data import Tokenizer
@@ -63,16 +63,21 @@ class Hook:
             self.fn(step, state, metrics)
 
 
-def setup(cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs) -> tuple[RunState, Collector, Learner, nnx.GraphDef]:
-    """The run's initial state, its collection and learning stages, and the policy's structure (for the export)."""
-    policy = build.build_policy(cfg, inputs.tokenizer, mesh)
-    critic_model = build.build_critic(cfg, policy, mesh) if cfg.use_critic else None  # before the actor's adapters
-    base_graphdef = build.add_adapters(policy, cfg.actor.lora, cfg.trainer.seed + 2)
+def setup(
+    cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs, seed: Optional[int] = None
+) -> tuple[RunState, Collector, Learner, nnx.GraphDef]:
+    """The run's initial state, its collection and learning stages, and the policy's structure (for the export).
+    ``seed``: what the models' random weights are drawn from (default ``trainer.seed``; a checkpoint's models:
+    the seed it records, :func:`plan_resume`)."""
+    seed = cfg.trainer.seed if seed is None else seed
+    policy = build.build_policy(cfg, inputs.tokenizer, mesh, seed)
+    critic_model = build.build_critic(cfg, policy, mesh, seed) if cfg.use_critic else None  # before the adapters
+    base_graphdef = build.add_adapters(policy, cfg.actor.lora, seed + 2)
     graphdef, params, frozen = build.split_trained(policy)
     ref_params = build.build_reference(cfg, policy, mesh) if cfg.use_reference else None
     critic_graphdef = critic = None
     if critic_model is not None:
-        build.add_adapters(critic_model, cfg.critic.lora, cfg.trainer.seed + 3)
+        build.add_adapters(critic_model, cfg.critic.lora, seed + 3)
         critic_graphdef, critic_params, critic_frozen = build.split_trained(critic_model)
         critic = init_train_state(critic_params, engine_view(cfg, "critic"), mesh, frozen=critic_frozen)
     actor = init_train_state(params, engine_view(cfg, "actor"), mesh, frozen=frozen)
@@ -84,6 +89,50 @@ def setup(cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs) -> tuple[RunSta
     return state, collector, Learner.create(cfg, mesh, graphdef, critic_graphdef), graphdef
 
 
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """The checkpoint a run continues from (None: a fresh run), the seed its models are drawn from and the
+    :func:`jppo.build.model_record` the checkpoint holds (None without one)."""
+
+    checkpoint: Optional[str]
+    seed: int
+    saved: Optional[dict]
+
+
+def plan_resume(cfg: TrainConfig, checkpoints: epath.Path) -> Resume:
+    """What ``trainer.resume`` continues from, with ``checkpoints`` the run's checkpoint directory. Reads only the
+    checkpoint's meta: a config that would build other models is refused here (:class:`ConfigError`), before
+    anything is written, built or compiled."""
+    resume = resolve_resume(cfg.trainer.resume, checkpoints)
+    if resume is None:
+        return Resume(None, cfg.trainer.seed, None)
+    checkpoint = str(checkpoints / str(resume) if isinstance(resume, int) else resume)
+    seed, saved = build.checkpoint_models(cfg, read_meta(checkpoint), f"trainer.resume: checkpoint {checkpoint!r}")
+    return Resume(checkpoint, seed, saved)
+
+
+def run_model_record(cfg: TrainConfig, state: RunState, seed: int) -> dict:
+    """:func:`jppo.build.model_record` of a built run, with the checksums of its LoRA bases loaded from files."""
+    loaded = {"actor": cfg.model.path, "critic": cfg.critic.model_path or cfg.model.path}
+    frozen = {"actor": state.actor.frozen, "critic": None if state.critic is None else state.critic.frozen}
+    checksums = {role: fingerprint(frozen[role]) for role in build.ROLES if loaded[role] and frozen[role] is not None}
+    return build.model_record(cfg, seed, checksums)
+
+
+def restore(
+    cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs, resume: Resume
+) -> tuple[RunState, Collector, Learner, nnx.GraphDef, dict]:
+    """:func:`setup` with the models ``resume`` says, the checkpoint's state restored into it (after its LoRA
+    bases were checked against their recorded checksums), and the run's :func:`run_model_record`."""
+    state, collector, learner, graphdef = setup(cfg, mesh, inputs, resume.seed)
+    record = run_model_record(cfg, state, resume.seed)
+    if resume.checkpoint is not None:
+        if resume.saved is not None:
+            build.check_base_checksums(resume.saved, record, f"trainer.resume: checkpoint {resume.checkpoint!r}")
+        state = with_frozen(restore_checkpoint(resume.checkpoint, checkpointed(state))[0], state)
+    return state, collector, learner, graphdef, record
+
+
 def run(
     cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: build.RunInputs,
     devices: Optional[Sequence[jax.Device]] = None,
@@ -91,17 +140,16 @@ def run(
     """Trains to ``trainer.total_steps`` on ``devices`` (default: all), resuming when a checkpoint exists; returns
     the last step's metrics."""
     out = run_path(cfg.trainer.output_dir)  # a local folder or a cloud URI, shared by every host
+    resume = plan_resume(cfg, out / "checkpoints")  # a checkpoint the config does not fit: refused, nothing written
     main = distributed.is_main_process()
     if main:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
     mesh = make_mesh(*mesh_shape, devices=devices)
-    state, collector, learner, policy = setup(cfg, mesh, inputs)
     manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep)
-    resume = resolve_resume(cfg.trainer.resume, manager.directory)
-    if resume is not None:
-        state = with_frozen(manager.restore(resume, checkpointed(state))[0], state)
-        log.info("resumed from %s at step %d", resume, state.steps_done)
+    state, collector, learner, policy, record = restore(cfg, mesh, inputs, resume)
+    if resume.checkpoint is not None:
+        log.info("resumed from %s at step %d", resume.checkpoint, state.steps_done)
     fresh, total, metrics = state.steps_done == 0, cfg.trainer.total_steps, {}
     with run_logger(cfg, start_step=0 if fresh else state.steps_done + 1) as logger:
         has_val = inputs.val_data is not None
@@ -109,7 +157,7 @@ def run(
             Hook(cfg.trainer.val_every if has_val else 0,
                  lambda step, s, m: m.update(validate_and_log(collector, s, logger, step))),
             Hook(1, lambda step, s, m: logger.log(step, m)),
-            Hook(cfg.trainer.save_every, lambda step, s, m: save(manager, s, cfg), at_end=True),
+            Hook(cfg.trainer.save_every, lambda step, s, m: save(manager, s, cfg, record), at_end=True),
         ]
         if cfg.trainer.val_before_train and has_val and fresh:
             # the initial policy's validation, at step 0 (verl's global step 0); a resumed run does not repeat it
@@ -150,11 +198,14 @@ def validate_and_log(collector: Collector, state: RunState, logger: RunLogger, s
     return result.metrics
 
 
-def save(manager: CheckpointManager, state: RunState, cfg: TrainConfig) -> None:
-    """Checkpoint of ``state`` (unless that step is already saved); the config travels along for humans."""
+def save(manager: CheckpointManager, state: RunState, cfg: TrainConfig, record: Optional[dict] = None) -> None:
+    """Checkpoint of ``state`` (unless that step is already saved) with what its models were built from
+    (``record``, default: :func:`run_model_record` with ``trainer.seed``; how to rebuild what it leaves out); the
+    config travels along for humans."""
     step = state.steps_done
     if manager.latest_step() != step:
-        manager.save(step, checkpointed(state), {"step": step, "config": to_dict(cfg)})
+        record = run_model_record(cfg, state, cfg.trainer.seed) if record is None else record
+        manager.save(step, checkpointed(state), {"step": step, build.MODELS_META: record, "config": to_dict(cfg)})
 
 
 def export(
@@ -219,7 +270,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         final = run(cfg, mesh_shape, inputs)
-    except ConfigError as error:  # a limit only the data can break, met in the run (a reset observation's length)
+    except ConfigError as error:  # a checkpoint that does not match the config, or a limit only the data can break
         print(f"jppo.train: error: {one_line(error)}", file=sys.stderr)
         return 2
     if not distributed.is_main_process():

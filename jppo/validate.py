@@ -39,6 +39,7 @@ from jppo.losses import (
 from jppo.mesh import resolve_shape
 from jppo.rewards.verify import require_math_verify
 from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, SUPPORTED_MODEL_TYPES
+from jppo.models.hf import read_config
 from jppo.models.layers import HALF_PRECISION_ATTENTION
 from jppo.models.lora import check_fits
 from jppo.models.hub import local_model_dir
@@ -225,10 +226,17 @@ def _check_update(cfg: TrainConfig, section: str) -> None:
         check_optim(update.optim)
     with _as_key({}, prefix=f"{section}.lora."):
         update.lora.check()
-        if update.lora.enabled and not cfg.model.path:  # a checkpoint's shape is checked when it is loaded
-            from jppo.build import random_model_config  # noqa: PLC0415 (an import cycle through jppo.config)
+        if update.lora.enabled:
+            check_fits(update.lora, _adapted_model_config(cfg, section))
 
-            check_fits(update.lora, random_model_config(cfg, None))
+
+def _adapted_model_config(cfg: TrainConfig, section: str):
+    """The shape of the model ``section``'s adapters sit on: a checkpoint's ``config.json`` (``critic.model_path``
+    for the critic, else ``model.path``; only the file is read), or the config's random model."""
+    from jppo.build import random_model_config  # noqa: PLC0415 (an import cycle through jppo.config)
+
+    path = (cfg.critic.model_path if section == "critic" else None) or cfg.model.path
+    return read_config(path) if path else random_model_config(cfg, None)
 
 
 def _check_actor(cfg: TrainConfig) -> None:

@@ -271,3 +271,137 @@ def test_the_memory_plan_counts_only_the_adapters_in_the_optimizer_and_no_refere
     assert plan.term("parameters/actor") == (base + adapters) * 4
     assert full.term("parameters/reference") == base * 4 and plan.term("parameters/reference") == 0
     assert plan.peak_bytes < full.peak_bytes
+
+
+# --- a checkpoint's models are rebuilt as it records them (issue 25, items 1 and 6) ---
+EVAL = ["data.num_val_examples=8", "data.val_batch_size=8", "mesh.data=-1", "actor.ppo_micro_batch_size=1",
+        "critic.ppo_micro_batch_size=1"]  # the CLI sees the 8 test devices  # greedy validation (rollout.val_temperature 0)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> pathlib.Path:
+    """One training step of the LoRA quickstart (LoRA actor and critic, random base from trainer.seed 0), saved."""
+    out = tmp_path_factory.mktemp("lora_run")
+    train(out, 1, "trainer.total_steps=1", "trainer.save_every=1", "trainer.seed=0")
+    return out
+
+
+def evaluate_with(run_dir: pathlib.Path, out: pathlib.Path, *overrides: str) -> list[dict]:
+    from jppo.eval import main
+
+    assert main(["--config", str(QUICKSTART_LORA), "--out", str(out), *SMALL, *EVAL, f"trainer.output_dir={run_dir}",
+                 f"trainer.resume={run_dir}", *overrides]) == 0
+    return [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+
+
+def test_a_lora_checkpoint_evaluates_and_exports_the_trained_policy_whatever_trainer_seed_says(lora_run, tmp_path):
+    from etils import epath
+
+    from jppo.data import load_tokenizer
+    from jppo.export import restore_policy
+
+    checkpoint = lora_run / "checkpoints" / "1"
+    seed0 = evaluate_with(lora_run, tmp_path / "seed0", "trainer.seed=0")
+    seed1 = evaluate_with(lora_run, tmp_path / "seed1", "trainer.seed=1")
+    assert seed1 == seed0  # the base drawn from the checkpoint's seed: the same greedy responses and rewards
+
+    # the run's config.yaml after a resume with another seed: the export still rebuilds the base from seed 0
+    cfg = load_config(QUICKSTART_LORA, [*SMALL, f"trainer.output_dir={lora_run}", "mesh.data=1", "trainer.seed=5"])
+    policy = restore_policy(epath.Path(checkpoint), cfg, load_tokenizer(build.tokenizer_spec(cfg)))
+    drawn = create_model(CausalLM, build.random_model_config(cfg, load_tokenizer(build.tokenizer_spec(cfg))), seed=0)
+    got = dict(nnx.to_flat_state(nnx.state(policy, nnx.Param)))
+    for path, want in nnx.to_flat_state(nnx.state(drawn, nnx.Param)):  # every base weight: seed 0's, not seed 5's
+        np.testing.assert_array_equal(np.asarray(got[path][...]), np.asarray(want[...]), err_msg=str(path))
+
+
+def test_a_resume_with_another_seed_keeps_the_checkpoints_base(lora_run, tmp_path):
+    import shutil
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(lora_run, resumed)
+    train(resumed, 1, "trainer.total_steps=2", "trainer.seed=1")
+    assert evaluate_with(resumed, tmp_path / "seed1", "trainer.seed=1") == evaluate_with(
+        resumed, tmp_path / "seed0", "trainer.seed=0")
+    from jppo.checkpoint import read_meta
+
+    models = read_meta(resumed / "checkpoints" / "2")["models"]
+    assert models["trainer.seed"] == 0  # drawn from seed 0 at step 0: step 2's adapters sit on that base
+
+
+def test_a_checkpoint_written_before_the_record_rebuilds_its_base_from_the_config_it_saved(lora_run, tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(lora_run, old)
+    file = old / "checkpoints" / "1" / "meta" / "metadata"  # orbax's JsonSave file
+    meta = json.loads(file.read_text())
+    del meta["models"]  # the meta as jppo wrote it before it recorded the models
+    file.write_text(json.dumps(meta))
+    from jppo.checkpoint import read_meta
+
+    assert "models" not in read_meta(old / "checkpoints" / "1")
+    seed0 = evaluate_with(old, tmp_path / "seed0", "trainer.seed=0")
+    assert evaluate_with(old, tmp_path / "seed1", "trainer.seed=1") == seed0
+
+
+@pytest.mark.parametrize("override, key", [
+    ("actor.lora.rank=4", "actor.lora.rank"),
+    ("actor.lora.rank=0", "actor.lora.rank"),  # LoRA off: the checkpoint holds adapters, not the full weights
+    ("critic.lora.rank=0", "critic.lora.rank"),
+    ("actor.lora.target_modules=[q_proj]", "actor.lora.target_modules"),
+    ("model.hidden_size=32", "model.hidden_size"),
+    ("algorithm.adv_estimator=reinforce_plus_plus", "critic.enable"),  # a critic-free run of a checkpoint with one
+])
+def test_a_checkpoint_of_other_models_than_the_config_is_refused_in_one_line(lora_run, tmp_path, capsys, override,
+                                                                             key):
+    from jppo.eval import main
+
+    code = main(["--config", str(QUICKSTART_LORA), "--out", str(tmp_path), *SMALL, *EVAL,
+                 f"trainer.output_dir={lora_run}", f"trainer.resume={lora_run}", override])
+    error = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in error, error
+    assert error.startswith("jppo.eval: error: trainer.resume: checkpoint ") and f"with {key}=" in error, error
+    assert f"this config has {key}=" in error, error
+
+
+def test_a_lora_rank_too_large_for_a_model_path_checkpoint_names_the_key(tmp_path):
+    config = qwen2_config()  # narrowest projection side: the 16-wide k/v projections (2 kv heads x 8)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": 40, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2,
+    }))
+    assert config.kv_size == 16
+    for section in ("actor", "critic"):
+        with pytest.raises(ConfigError) as error:
+            load_config(QUICKSTART_LORA, [f"model.path={tmp_path}", f"{section}.lora.rank=17"])
+        assert str(error.value) == f"{section}.lora.rank=17 is invalid: it must be <= 16 (the narrowest side of a target projection)"
+    load_config(QUICKSTART_LORA, [f"model.path={tmp_path}", "actor.lora.rank=16", "critic.lora.rank=16"])
+
+
+def test_a_lora_base_loaded_from_model_path_is_checked_by_its_checksum(tmp_path, capsys):
+    import shutil
+
+    from jppo.data import load_tokenizer
+    from jppo.eval import main
+    from jppo.models import save_pretrained
+
+    cfg = load_config(QUICKSTART_LORA, ["mesh.data=1"])
+    shape = build.random_model_config(cfg, load_tokenizer(build.tokenizer_spec(cfg)))
+    base, other, moved = tmp_path / "base", tmp_path / "other", tmp_path / "moved"
+    save_pretrained(create_model(CausalLM, shape, seed=3), base)
+    save_pretrained(create_model(CausalLM, shape, seed=4), other)  # the same shape, other weights
+    source = ["model.tokenizer=builtin:reverse_digits"]
+    train(tmp_path / "run", 1, "trainer.total_steps=1", "trainer.save_every=1", f"model.path={base}", *source)
+    shutil.copytree(base, moved)
+
+    def evaluate(path: pathlib.Path) -> int:
+        return main(["--config", str(QUICKSTART_LORA), "--out", str(tmp_path / "eval"), *SMALL, *EVAL, *source,
+                     f"trainer.output_dir={tmp_path / 'run'}", f"trainer.resume={tmp_path / 'run'}",
+                     f"model.path={path}"])
+
+    assert evaluate(moved) == 0  # the same weights elsewhere: the same base
+    capsys.readouterr()
+    assert evaluate(other) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "actor.lora adapters were trained on a frozen base loaded from" in error, error
+    assert f"this config's model.path loads {str(other)!r}" in error, error
