@@ -276,6 +276,60 @@ def test_calculator_evaluates_calls_and_ends_on_an_answer():
     assert stop_token_ids(Calculator, TOKENIZER) == tuple(ids("]"))
 
 
+def test_calculator_closes_a_call_the_prompt_opened_and_the_hinted_task_pays_only_the_answer_read_back():
+    """``call_hint``: the prompt opens the call, the policy's ``]`` closes it, the calculator answers with the
+    product, and with ``call_weight: 0`` only the answer's digits (copied from that result) earn credit."""
+    task = get_task("tool_multiply", {"call_hint": True, "call_weight": 0.0})
+    example = task.examples("val", 1, 0)[0]
+    a, b = example.prompt[: example.prompt.index("=")].split("*")
+    assert example.prompt == f"{a}*{b}=[{a}*{b}" and example.answer == str(int(a) * int(b))
+    rows = [Trajectory(prompt=ids(example.prompt)) for _ in range(3)]
+    envs = [Calculator() for _ in rows]
+    assert all(env.reset(example.prompt, example) == "" for env in envs)
+    wrong = str(int(example.answer) + 1)
+    turns = [[ids("]"), ids(example.answer, eos=True), ids("]")], [ids(example.answer, eos=True), [], ids(wrong, eos=True)]]
+    run_turns(scripted(turns)[0], rows, envs, tokenizer=TOKENIZER, stop_ids=tuple(ids("]")), max_turns=2,
+              max_length=16)
+    texts = [TOKENIZER.decode(row.ids) for row in rows]
+    observation = f"={example.answer};"
+    assert texts == ["]" + observation + example.answer, example.answer, "]" + observation + wrong]
+    assert rows[0].from_model == [True] + [False] * len(observation) + [True] * (len(example.answer) + 1)
+    # read back: 1; answered without the tool but right: 1 (the call itself earns nothing); misread: not 1
+    assert [task.score(text, example) for text in texts[:2]] == [1.0, 1.0] and task.score(texts[2], example) < 1
+    credit = task.credit(texts[0], example)
+    assert credit[: 1 + len(observation)] == [0.0] * (1 + len(observation)) and credit[-1] == 0.0
+    assert credit[1 + len(observation) : -1] == pytest.approx([1 / len(example.answer)] * len(example.answer))
+
+
+def test_the_tools_quickstart_pays_in_full_only_for_a_call_whose_result_is_read_back():
+    """configs/quickstart_tools.yaml, its real prompts, calculator and reward: on every held-out prompt the policy's
+    ``]`` gets the product from the calculator, and copying it is the only way to the full reward."""
+    import pathlib  # noqa: PLC0415
+
+    from jppo.build import load_inputs  # noqa: PLC0415
+
+    config = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart_tools.yaml"
+    cfg = load_config(config, [])
+    inputs = load_inputs(cfg)
+    examples = inputs.val_data.examples
+    tokenizer = inputs.tokenizer
+    rows = [Trajectory(prompt=list(p)) for p in inputs.val_data.prompt_ids]
+    envs = [inputs.env_factory() for _ in rows]
+    assert all(env.reset(e.prompt, e) == "" for env, e in zip(envs, examples))
+    turns = [[tokenizer.encode("]")] * len(rows), [tokenizer.encode(e.answer) + [tokenizer.eos_id] for e in examples]]
+    run_turns(scripted(turns)[0], rows, envs, tokenizer=tokenizer, stop_ids=inputs.stop_ids,
+              max_turns=cfg.rollout.max_turns, max_length=cfg.rollout.max_response_length)
+    texts = [tokenizer.decode(row.ids) for row in rows]
+    assert texts == [f"]={e.answer};{e.answer}" for e in examples]
+    every = [True] * len(rows)
+    np.testing.assert_array_equal(inputs.reward_fn(texts, examples, every), 1.0)
+    call_only = inputs.reward_fn([text[: text.index(";") + 1] for text in texts], examples, every)
+    answer_only = inputs.reward_fn([e.answer for e in examples], examples, every)
+    weight = cfg.data.task_options["call_weight"]
+    np.testing.assert_allclose(call_only, weight, rtol=1e-6)  # float32 of the call's share
+    np.testing.assert_allclose(answer_only, 1 - weight, rtol=1e-6)
+
+
 def test_environment_is_loaded_by_path(tmp_path):
     path = tmp_path / "my_env.py"
     path.write_text(textwrap.dedent("""
@@ -313,6 +367,7 @@ def test_bad_multi_turn_settings_are_one_line_config_errors(override, message):
 @pytest.mark.parametrize("override,message", [
     ("rollout.env={tmp}/missing.py:make", r"^rollout.env=.*missing.py.* does not exist$"),
     ("data.task_options.left_digits=0", r"^data.task_options left_digits=0 is invalid for task 'tool_multiply'"),
+    ("data.task_options.call_hint=3", r"^data.task_options call_hint=3 is invalid for task 'tool_multiply'"),
     ("data.task=reverse_digits", r"^rollout.env='builtin:calculator': its stop text '\]' cannot be encoded"),
 ])
 def test_an_environment_or_task_that_does_not_load_is_a_one_line_config_error(tmp_path, override, message):

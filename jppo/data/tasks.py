@@ -11,7 +11,8 @@ so no validation prompt is ever trained on.
 - ``reverse_digits`` (the quickstart task): prompt ``"3051="``, answer ``"1503"``, reward the per-position match.
 - ``add_small``: prompt ``"17+5="``, answer ``"22"``, reward the per-digit-place match.
 - ``tool_multiply``: prompt ``"37*58="``, answer ``"2146"``, for a calculator environment (``rollout.env:
-  builtin:calculator``): the expected response ``[37*58]=2146;2146`` calls the tool, reads its result, answers.
+  builtin:calculator``): the expected response ``[37*58]=2146;2146`` calls the tool, reads its result, answers;
+  with ``call_hint`` the prompt opens the call (``"37*58=[37*58"``) and the expected response is ``]=2146;2146``.
 - ``reasoning_gym:<dataset>``: a dataset of the optional package ``reasoning-gym``, scored by its own
   ``score_answer`` on the text between the last ``<answer>`` and ``</answer>`` of the response.
 """
@@ -202,15 +203,23 @@ class ToolMultiply:
     The response the task expects is ``[37*58]`` (a tool call, ended by the calculator's stop token ``]``), the
     calculator's observation ``=2146;`` and the answer ``2146`` then EOS. The answer is the text after the last
     calculator result (``]`` then ``=VALUE;``; all of the text when there is none; a ``;`` the model types opens
-    nothing). Score: ``call_weight`` x the positional match of the text up to the first ``]`` with ``[37*58]``
-    (the first model turn: observations only follow a ``]``) plus ``1 - call_weight`` x the positional match of
-    the answer; credit is paid per character of those two spans, so nothing lands on observation characters.
+    nothing). Score: ``call_weight`` x the positional match of the text up to the first ``]`` with the expected
+    call (the first model turn: observations only follow a ``]``) plus ``1 - call_weight`` x the positional match
+    of the answer; credit is paid per character of those two spans, so nothing lands on observation characters.
     Without the tool a random policy guesses a 4-digit product at ~1/10 per digit.
+
+    ``call_hint``: the prompt suggests the call by opening it, ``"37*58=[37*58"``; the expected call is then the
+    ``]`` that closes it (the calculator reads a call that opens in the prompt), so the expected response is
+    ``]=2146;2146``: one token calls the tool, and its result is read back by copying each digit of the
+    observation from a fixed distance back. A small ``call_weight`` is needed as a start: with 0 (the answer's
+    digits only) a direct answer pays as much as a call until copying is learnt, and its leading digit is learnt
+    first, so the policy drops the call before it can learn to read it back (measured, README's multi-turn part).
     """
 
     left_digits: int = 2
     right_digits: int = 2
     call_weight: float = 0.5
+    call_hint: bool = False
     name: str = dataclasses.field(default="tool_multiply", init=False)
     alphabet: str = dataclasses.field(default="0123456789+-*=[];?", init=False)
 
@@ -227,6 +236,11 @@ class ToolMultiply:
                 f"data.task_options call_weight={self.call_weight!r} is invalid for task 'tool_multiply': it must be "
                 "in [0, 1]"
             )
+        if not isinstance(self.call_hint, bool):
+            raise ValueError(
+                f"data.task_options call_hint={self.call_hint!r} is invalid for task 'tool_multiply': it must be true "
+                "or false"
+            )
 
     def _draw(self, rng: random.Random) -> tuple[str, str]:
         """Operands of exactly ``left_digits`` and ``right_digits`` digits whose product has exactly
@@ -236,14 +250,20 @@ class ToolMultiply:
             a = rng.randint(10 ** (self.left_digits - 1), 10**self.left_digits - 1)
             b = rng.randint(10 ** (self.right_digits - 1), 10**self.right_digits - 1)
             if len(str(a * b)) == self.left_digits + self.right_digits:
-                return f"{a}*{b}=", str(a * b)
+                question = f"{a}*{b}="
+                return (question + f"[{a}*{b}" if self.call_hint else question), str(a * b)
+
+    def expected_call(self, example: Example) -> str:
+        """The call the first model turn should be: ``[37*58]``, or with ``call_hint`` the ``]`` closing the prompt's
+        open call."""
+        return "]" if self.call_hint else f"[{example.prompt[: example.prompt.index('=')]}]"
 
     def examples(self, split: str, n: int, seed: int) -> list[Example]:
         return _generate(self.name, split, n, seed, self._draw)
 
     def credit(self, response_text: str, example: Example, finished: bool = True) -> list[float]:
         """Per-character credit (plus one, 0, for the EOS when ``finished``) summing to :meth:`score`."""
-        call, answer = f"[{example.prompt[:-1]}]", example.answer
+        call, answer = self.expected_call(example), example.answer
         call_end = response_text.index("]") + 1 if "]" in response_text else 0
         results = list(_CALCULATOR_RESULT.finditer(response_text))
         answer_start = results[-1].end() if results else 0

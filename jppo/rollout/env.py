@@ -79,18 +79,30 @@ def evaluate(expression: str) -> int | None:
 class Calculator:
     """A calculator tool: a turn ending in ``[EXPR]`` is a call, answered with ``=VALUE;`` (``=?;`` when ``EXPR``
     is not an integer expression of ``+ - *``). A turn that ends otherwise (EOS) is the final answer: done.
-    Rewards are 0; the task's reward scores the answer."""
+    Rewards are 0; the task's reward scores the answer.
+
+    The ``[`` may come before the turn, in the prompt or an earlier turn (a prompt may open the call for the model
+    to close: ``"7*58=[7*58"`` then ``"]"``): the call is the text between the last ``[`` and the ``]`` that
+    ends the turn, read over the prompt and the response so far, which the calculator keeps. A ``]`` with no
+    ``[`` since the previous ``]`` calls nothing: done."""
 
     stop: tuple[str, ...] = ("]",)
+    context: str = ""  # the prompt and the response so far (model turns and observations)
 
     def reset(self, prompt: str, example: Any) -> str:
+        self.context = prompt
         return ""
 
     def step(self, action: str) -> tuple[str, float, bool]:
-        if not action.endswith("]") or "[" not in action:
+        self.context += action
+        end = len(self.context) - 1
+        opened = self.context.rfind("[", 0, end)
+        if not action.endswith("]") or opened < 0 or opened < self.context.rfind("]", 0, end):
             return "", 0.0, True
-        result = evaluate(action[action.rindex("[") + 1 : -1])
-        return f"={'?' if result is None else result};", 0.0, False
+        result = evaluate(self.context[opened + 1 : -1])
+        observation = f"={'?' if result is None else result};"
+        self.context += observation
+        return observation, 0.0, False
 
 
 BUILTIN_ENVS: dict[str, EnvFactory] = {"calculator": Calculator}
