@@ -468,6 +468,8 @@ def test_the_trainer_exits_2_with_that_line_instead_of_failing_mid_run(tmp_path,
                 return "[9*9]=81;"
     """))
     overrides = [
+        # the task without its call hint, at the bound the test was written for: 8 + 16 = 24 tokens is the budget
+        "data.max_prompt_length=8", "data.task_options.call_hint=false",
         f"rollout.env={env}:Hinted", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len=24",
         "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "trainer.total_steps=1",
         "model.hidden_size=16", "model.intermediate_size=32", "model.num_layers=1", "model.num_heads=2",
