@@ -484,18 +484,19 @@ def validate(c: Collector, params: nnx.State) -> Validation:
     return Validation(metrics, records)
 
 
-def finished_rows_only(response_mask: np.ndarray, finished) -> np.ndarray:
-    """Overlong filtering: the response mask with the rows of unfinished (truncated) responses cleared, so every
-    loss skips them and the mini-batch normalizers (N tokens, S sequences) count the finished rows only."""
-    return np.where(np.asarray(finished, bool)[:, None], response_mask, False).astype(response_mask.dtype)
+def kept_rows_only(response_mask: np.ndarray, keep) -> np.ndarray:
+    """The response mask with the rows not in ``keep`` (``[N]`` bool) cleared, so every loss term skips them and
+    the mini-batch normalizers (N tokens, S sequences) count the kept rows only: how the overlong filter and the
+    rollout-correction rejection remove rows, before the batch is cut (so the contract holds)."""
+    return np.where(np.asarray(keep, bool)[:, None], response_mask, False).astype(response_mask.dtype)
 
 
 def overlong_filtered(exp: Experience, ended_eos) -> Experience:
     """``algorithm.overlong_filter``: ``exp`` with the truncated rows (:func:`truncated_rows`) out of the loss
-    mask (:func:`finished_rows_only`). DAPO masks them because a response cut by the length limit is scored on an
+    mask (:func:`kept_rows_only`). DAPO masks them because a response cut by the length limit is scored on an
     answer it never finished: its reward says nothing about its tokens."""
     kept = ~truncated_rows(exp, ended_eos)
-    return dataclasses.replace(exp, response_mask=finished_rows_only(exp.response_mask, kept))
+    return dataclasses.replace(exp, response_mask=kept_rows_only(exp.response_mask, kept))
 
 
 def truncated_rows(batch: Experience, ended_eos) -> np.ndarray:
@@ -574,6 +575,6 @@ def rejected_rows_cleared(exp: Experience, correction: RolloutCorrection) -> tup
     rejected = np.asarray(rejected_rows(exp.old_log_prob, exp.rollout_log_prob, mask, correction))
     sequences = mask.astype(bool).any(axis=1)
     removed, total = sum_over_processes(np.array([(rejected & sequences).sum(), sequences.sum()], np.float64))
-    cleared = np.where(rejected[:, None], 0, mask).astype(mask.dtype)
     fraction = float(removed / max(total, 1))
-    return dataclasses.replace(exp, response_mask=cleared), {"rollout_corr/rejected_fraction": fraction}
+    exp = dataclasses.replace(exp, response_mask=kept_rows_only(mask, ~rejected))
+    return exp, {"rollout_corr/rejected_fraction": fraction}

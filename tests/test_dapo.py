@@ -12,7 +12,7 @@ import pytest
 
 from engine_cases import ragged_batch
 from jppo import build
-from jppo.collect import finished_rows_only
+from jppo.collect import kept_rows_only
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.dynamic_sampling import DynamicSamplingError, Scored, concat, sampling_metrics, varied_groups
 from jppo.experience import Experience
@@ -64,7 +64,7 @@ def test_overlong_filter_trains_as_if_the_truncated_rows_were_not_there(mesh_sha
         batch = ragged_batch(0)
         finished = np.random.default_rng(1).random(16) < 0.6
         finished[3] = False
-        filtered = dataclasses.replace(batch, response_mask=finished_rows_only(batch.response_mask, finished))
+        filtered = dataclasses.replace(batch, response_mask=kept_rows_only(batch.response_mask, finished))
         cfg = actor_cfg(ppo_micro_batch_size=micro)
         _, metrics, gradient = engine_step(CausalLM, cfg, mesh_of(mesh_shape), filtered)
         kept = batch.take(np.flatnonzero(finished))
