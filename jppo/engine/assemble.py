@@ -34,7 +34,7 @@ def host_rows(batch: Experience, per_token: tuple[str, ...] | None) -> Experienc
     """What :func:`device_rows` sends: the token arrays (ids as int32, masks as bool, as the token rows hold them)
     and the per-token fields ``per_token`` plus the response mask, nothing else; ``per_token`` None: the token
     arrays alone (what a forward pass reads)."""
-    kept = dataclasses.replace(batch.keep_per_token(per_token or ()), group_ids=None)
+    kept = batch.keep_per_token(per_token or ())  # no row fields: the devices never read them
     if per_token is None:
         kept = dataclasses.replace(kept, response_mask=None)
     return dataclasses.replace(

@@ -13,7 +13,6 @@ in equal blocks, moving rows between shards (and hosts, inside the device progra
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -112,7 +111,7 @@ def cut_steps(batch: Experience, cfg: UpdateConfig, mesh: Mesh, rng: np.random.G
     """
     shards, owned = batch_shards(mesh), local_shards(mesh)
     num_global = batch.num_sequences * shards // len(owned)
-    batch = dataclasses.replace(batch.keep_per_token(loss_inputs(cfg)), group_ids=None)
+    batch = batch.keep_per_token(loss_inputs(cfg))  # no row fields: the devices never read them
     steps = mini_batches(num_global, cfg, rng)
     layout = shard_layout(steps, shards)  # [D, M, B / D]
     mine = regroup(batch, layout.reshape(-1), mesh)  # this process's shards' rows, [D_local * M * B / D]
