@@ -32,7 +32,8 @@ from unittest import mock
 import jax
 
 from bench.report import section
-from jppo import build, train
+from jppo.run import build
+from jppo import train
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.runlog import METRICS_FILE, RunLogger, read_metrics
 

@@ -34,8 +34,8 @@ from bench.actor_update import BatchShape, synthetic_batch
 from bench.report import section
 from jppo.engine import ActorConfig, actor_loss_fn, init_train_state, make_update_step
 from jppo.engine.layout import place
-from jppo.mesh import make_mesh
-from jppo.microbatch import make_micro_batches
+from jppo.parallel.mesh import make_mesh
+from jppo.engine.microbatch import make_micro_batches
 from jppo.models import CausalLM, ModelConfig, create_model
 
 SIZES = {

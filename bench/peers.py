@@ -10,7 +10,7 @@ size and lengths, alternated (jppo, TRL, jppo, TRL, ... for ``--rounds``):
   (``model.path``) and TRL loads it as ``transformers.Qwen2ForCausalLM``. Their logits on the task's prompts are
   compared before anything is timed (``logits_max_abs_diff``; the run stops above ``LOGITS_ATOL``).
 - **task and reward**: the config's task; TRL's dataset holds the task's training prompts and answers and its
-  reward function calls jppo's own reward function (``jppo.build.load_inputs``) with the decoded completions.
+  reward function calls jppo's own reward function (``jppo.run.build.load_inputs``) with the decoded completions.
   The prompt ids are the same on both sides (the tokenizer files of the export, BOS first).
 - **the step**: ``rollout.n`` samples per prompt at temperature 1 (no top-k / top-p), responses up to
   ``rollout.max_response_length``; no KL (``beta = 0``, no KL loss or reward), no entropy bonus, clip 0.2,
@@ -61,7 +61,8 @@ import torch
 
 from bench.environment import match_torch_threads
 from bench.report import section
-from jppo import build, train
+from jppo.run import build
+from jppo import train
 from jppo.config import TrainConfig, check_mesh, load_config
 from jppo.data import CharTokenizer
 from jppo.export import export_policy

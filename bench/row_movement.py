@@ -9,7 +9,7 @@ Measured side by side in this process, on ``--devices`` simulated CPU devices, a
 - ``per_shard_cut``: the cut before it (each shard shuffled its own rows, mini-batch m took the m-th block of every
   shard: no row moved, but the mini-batches depended on the number of shards), reproduced here as the baseline;
 - ``global_cut``: :func:`jppo.engine.cut_steps` in one process (the rows are all on the host: one numpy take);
-- ``device_row_move``: the row movement alone as several processes do it (:func:`jppo.hostlocal.take_rows` through
+- ``device_row_move``: the row movement alone as several processes do it (:func:`jppo.parallel.hostlocal.take_rows` through
   the devices: host -> global arrays -> one jitted gather -> this process's rows back on the host);
 - ``actor_update``: the actor's compiled update of the same batch (every mini-batch of every epoch), for scale.
 
@@ -52,11 +52,11 @@ def measure(quick: bool, repeats: int) -> dict:
     from bench.timing import time_side_by_side
     from jppo.engine import ActorConfig, UpdateStep, actor_loss_fn, cut_steps, init_train_state
     from jppo.engine.driver import micro_batches_for, mini_batches, shard_layout
-    from jppo.hostlocal import take_rows
-    from jppo.mesh import batch_shards, make_mesh
+    from jppo.parallel.hostlocal import take_rows
+    from jppo.parallel.mesh import batch_shards, make_mesh
     from jppo.engine.layout import place
-    from jppo.experience import Experience
-    from jppo.microbatch import stack_micro_batches
+    from jppo.core.experience import Experience
+    from jppo.engine.microbatch import stack_micro_batches
     from jppo.models import CausalLM, ModelConfig, create_model
 
     size = SIZES["quick" if quick else "full"]

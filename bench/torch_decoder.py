@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jppo.engine import ActorConfig
-from jppo.experience import Experience
+from jppo.core.experience import Experience
 from jppo.models import ModelConfig
 
 

@@ -2,11 +2,11 @@
 
     python -m bench.transfers [--quick] [--devices 8] [--scale 4]
 
-Runs the trainer's own stages in this process (:func:`jppo.train.setup`, then :func:`jppo.collect.collect` and
-:func:`jppo.learn.learn` for a warm-up step and one measured step) with a counting shim installed by this module
+Runs the trainer's own stages in this process (:func:`jppo.train.setup`, then :func:`jppo.run.collect.collect` and
+:func:`jppo.run.learn.learn` for a warm-up step and one measured step) with a counting shim installed by this module
 only; jppo's code is not changed. The shim wraps the functions through which data crosses:
 
-- host -> device: ``jax.make_array_from_process_local_data`` (every :func:`jppo.hostlocal.to_global`, so the
+- host -> device: ``jax.make_array_from_process_local_data`` (every :func:`jppo.parallel.hostlocal.to_global`, so the
   sampler's prompts, the micro-batches :func:`jppo.engine.layout.place` puts on the mesh, the advantage and
   KL-in-reward inputs) and ``jax.device_put`` of host values (numpy arrays, Python and numpy scalars); the bytes
   counted are those that land on the devices (the sum over the result's addressable shards);
@@ -20,7 +20,7 @@ places rows or a plan (``advantages``, ``prompt_ids``, ``row_ids``, ...), else t
 to a jitted function (none in a training step at the time of writing) and device-to-device copies (not host
 crossings).
 
-The unit is the step's :class:`~jppo.experience.Experience` as :func:`~jppo.collect.collect` returns it (every
+The unit is the step's :class:`~jppo.core.experience.Experience` as :func:`~jppo.run.collect.collect` returns it (every
 field, rows x length), so ``bytes moved / experience bytes`` says how many times the step moves its own data.
 
 Shape: the GSM8K GRPO config (``configs/qwen2_5_0_5b_gsm8k_grpo.yaml``: 128 prompts x 5 responses, prompts up to
@@ -183,8 +183,8 @@ def counting(counter: Counter) -> Iterator[Counter]:
 
 
 def phase_timer(counter: Counter):
-    """The trainer's :class:`~jppo.collect.PhaseTimer` that also tells ``counter`` which phase runs."""
-    from jppo.collect import PhaseTimer
+    """The trainer's :class:`~jppo.run.collect.PhaseTimer` that also tells ``counter`` which phase runs."""
+    from jppo.run.collect import PhaseTimer
 
     class CountingTimer(PhaseTimer):
         @contextlib.contextmanager
@@ -229,11 +229,12 @@ def measure_step(size: dict, epochs: int) -> dict:
 
     import jax
 
-    from jppo import build, train
-    from jppo.collect import collect
+    from jppo.run import build
+    from jppo import train
+    from jppo.run.collect import collect
     from jppo.config import check_mesh, load_config
-    from jppo.learn import learn
-    from jppo.mesh import make_mesh
+    from jppo.run.learn import learn
+    from jppo.parallel.mesh import make_mesh
 
     cfg = load_config(None, overrides(size, epochs))
     mesh = make_mesh(*check_mesh(cfg, jax.device_count()))

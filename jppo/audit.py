@@ -29,19 +29,19 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jppo import build
-from jppo.collect import rejected_rows_cleared
+from jppo.run import build
+from jppo.run.collect import rejected_rows_cleared
 from jppo.config import TrainConfig, load_config
 from jppo.engine import (
     UpdateStep, actor_loss_fn, check_batch_sizes, critic_loss_fn, cut_steps, init_train_state, run_updates,
 )
-from jppo.errors import ConfigError, one_line
-from jppo.learn import mini_batch_rng
-from jppo.mesh import batch_shards, make_mesh
-from jppo.experience import Experience
+from jppo.core.errors import ConfigError, one_line
+from jppo.run.learn import mini_batch_rng
+from jppo.parallel.mesh import batch_shards, make_mesh
+from jppo.core.experience import Experience
 from jppo.models import CheckpointError, param_shardings
-from jppo.validate import check_mesh
-from jppo.views import engine_view, optimizer_steps_per_training_step, rollout_sequences
+from jppo.config.check import check_mesh
+from jppo.config.views import engine_view, optimizer_steps_per_training_step, rollout_sequences
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 WHOLE_STEP_FACTOR = 10  # later optimizer steps and metrics: see Worst.passes

@@ -5,7 +5,7 @@ The policy is the config's model (``model.path``, or random initialisation from 
 ``trainer.resume`` as in training (``auto``: the newest checkpoint of ``trainer.output_dir``, if any; a checkpoint
 directory; or a run's output directory, meaning its newest checkpoint). It samples ``rollout.val_n`` responses per
 prompt of the validation set (``data.val_files``, or the built-in task's held-out split) and scores them through
-:func:`jppo.collect.validate`, the function the trainer's validation runs, so for one checkpoint and seed the
+:func:`jppo.run.collect.validate`, the function the trainer's validation runs, so for one checkpoint and seed the
 numbers are those the training run logged. Written into ``--out`` (default ``trainer.output_dir``):
 
 - ``eval.json``: ``metrics`` (``val/reward/mean``; ``val/accuracy``, the fraction of responses solved, which is
@@ -29,14 +29,15 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from jppo import build, compile_cache, distributed
-from jppo.collect import validate
+from jppo.run import build, compile_cache
+from jppo.parallel import distributed
+from jppo.run.collect import validate
 from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config, to_dict
-from jppo.distributed import DistributedError
-from jppo.errors import one_line
-from jppo.mesh import make_mesh
+from jppo.parallel.distributed import DistributedError
+from jppo.core.errors import one_line
+from jppo.parallel.mesh import make_mesh
 from jppo.models import CheckpointError
-from jppo.paths import run_path
+from jppo.core.paths import run_path
 from jppo.train import plan_resume, restore
 
 log = logging.getLogger("jppo.eval")

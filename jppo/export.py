@@ -36,15 +36,15 @@ import jax
 from etils import epath
 from flax import nnx
 
-from jppo import build
-from jppo.checkpoint import committed_steps, fingerprint, read_meta, restore_part
+from jppo.run import build
+from jppo.run.checkpoint import committed_steps, fingerprint, read_meta, restore_part
 from jppo.config import TrainConfig, load_config
 from jppo.data import CharTokenizer, Tokenizer, load_tokenizer
-from jppo.errors import ConfigError, one_line
+from jppo.core.errors import ConfigError, one_line
 from jppo.models import CausalLM, CheckpointError, ModelConfig, read_config, save_pretrained
 from jppo.models.config import DTYPES
 from jppo.models.lora import merged, save_peft_adapter
-from jppo.paths import is_remote, run_path
+from jppo.core.paths import is_remote, run_path
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 # transformers' spelling of sizes: decimal KB/MB/GB, binary KiB/MiB/GiB
@@ -109,7 +109,7 @@ def source_dtype(cfg: TrainConfig) -> str:
 
 
 def policy_config(cfg: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
-    """The policy's architecture, as the trainer built it (``jppo.build.build_policy``)."""
+    """The policy's architecture, as the trainer built it (``jppo.run.build.build_policy``)."""
     if cfg.model.path:
         return read_config(cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
     return build.random_model_config(cfg, tokenizer)

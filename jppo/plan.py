@@ -3,7 +3,7 @@ device, computed from the config and the model's shapes before anything is alloc
 
 No weights are read (with ``model.path`` only its ``config.json``) and nothing is compiled: parameter shapes come
 from ``nnx.eval_shape`` of the model, and each array is divided by the number of shards the one rule table
-(:data:`jppo.mesh.LOGICAL_RULES`, through :func:`jppo.mesh.fitted_spec`) gives it on the mesh. The mesh is the
+(:data:`jppo.parallel.mesh.LOGICAL_RULES`, through :func:`jppo.parallel.mesh.fitted_spec`) gives it on the mesh. The mesh is the
 config's ``mesh.*`` on ``--devices`` devices (default: this machine's), so a plan can be made for another machine.
 
 Symbols: ``n`` a model's parameters on one device (each tensor divided by its shards), ``p`` / ``c`` / ``a`` the
@@ -66,10 +66,10 @@ import sys
 from typing import Optional, Sequence
 
 from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config
-from jppo.mesh import MESH_AXES, fitted_spec
+from jppo.parallel.mesh import MESH_AXES, fitted_spec
 from jppo.models.config import DTYPES, ModelConfig
 from jppo.rollout.multiturn import longest_context
-from jppo.rollout.sampler import bucket_length, decode_rows
+from jppo.rollout.decode import bucket_length, decode_rows
 
 ACCUMULATOR_BYTES = 4  # float32 moments and accumulator (float64 only for float64 exactness tests)
 LOGIT_COPIES = 3  # one chunk's logits, their softmax, and their gradient
@@ -114,7 +114,7 @@ class Plan:
 def model_config(cfg: TrainConfig, path: Optional[str] = None) -> ModelConfig:
     """The policy's architecture: ``config.json`` of ``path`` (default ``model.path``), else the config's own
     shape with the tokenizer's vocabulary. Only the config and tokenizer files are read."""
-    from jppo import build  # noqa: PLC0415 (build imports the models; keep `--help` light)
+    from jppo.run import build  # noqa: PLC0415 (build imports the models; keep `--help` light)
     from jppo.data import load_tokenizer  # noqa: PLC0415
     from jppo.models import CheckpointError  # noqa: PLC0415
 
@@ -278,7 +278,7 @@ def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]
 
 def sampler_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
     """The sampler's caches (the KV cache line of the module docstring) for the batch whose caches are largest."""
-    from jppo.build import sampling_config  # noqa: PLC0415 (build imports the models; keep `--help` light)
+    from jppo.run.build import sampling_config  # noqa: PLC0415 (build imports the models; keep `--help` light)
 
     sampler, width, new = sampling_config(cfg, policy), sampler_prompt_width(cfg), cfg.rollout.max_response_length
     terms = []

@@ -28,7 +28,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from jppo.paths import run_path
+from jppo.core.paths import run_path
 from jppo.runlog import METRICS_FILE, read_metrics
 
 PLOTS_DIR = "plots"

@@ -8,9 +8,9 @@ The loop, as :func:`run` reads::
         state, metrics = learn(state, experience)         # ppo_epochs x mini-batches: critic, then actor
         for hook in hooks: hook(state, metrics)           # validate, log, checkpoint, each every N steps
 
-Collection (:mod:`jppo.collect`) works on the whole rollout batch; learning (:mod:`jppo.learn`) cuts it into
+Collection (:mod:`jppo.run.collect`) works on the whole rollout batch; learning (:mod:`jppo.run.learn`) cuts it into
 mini- and micro-batches in the engine. Restarting the same command resumes from the newest complete checkpoint
-(``trainer.resume: auto``): the whole :class:`~jppo.state.RunState` is restored, and every random draw is a
+(``trainer.resume: auto``): the whole :class:`~jppo.run.state.RunState` is restored, and every random draw is a
 function of (seed, step), so the resumed run continues exactly as an uninterrupted one would.
 """
 
@@ -29,22 +29,23 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from jppo import build, compile_cache, distributed
-from jppo.checkpoint import CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint
-from jppo.collect import Collector, PhaseTimer, collect, kl_controller, validate
+from jppo.run import build, compile_cache
+from jppo.parallel import distributed
+from jppo.run.checkpoint import CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint
+from jppo.run.collect import Collector, PhaseTimer, collect, kl_controller, validate
 from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config, save_config, to_dict
 from jppo.data import Tokenizer
-from jppo.distributed import DistributedError
-from jppo.errors import one_line
+from jppo.parallel.distributed import DistributedError
+from jppo.core.errors import one_line
 from jppo.engine import init_train_state
 from jppo.export import export_policy, merged_policy
-from jppo.learn import Learner, learn
-from jppo.mesh import make_mesh
+from jppo.run.learn import Learner, learn
+from jppo.parallel.mesh import make_mesh
 from jppo.models import CheckpointError
-from jppo.paths import run_path
+from jppo.core.paths import run_path
 from jppo.runlog import RunLogger
-from jppo.state import RunState, checkpointed, init_run_state, with_frozen
-from jppo.views import engine_view
+from jppo.run.state import RunState, checkpointed, init_run_state, with_frozen
+from jppo.config.views import engine_view
 
 log = logging.getLogger("jppo.train")
 
@@ -92,7 +93,7 @@ def setup(
 @dataclasses.dataclass(frozen=True)
 class Resume:
     """The checkpoint a run continues from (None: a fresh run), the seed its models are drawn from and the
-    :func:`jppo.build.model_record` the checkpoint holds (None without one)."""
+    :func:`jppo.run.build.model_record` the checkpoint holds (None without one)."""
 
     checkpoint: Optional[str]
     seed: int
@@ -112,7 +113,7 @@ def plan_resume(cfg: TrainConfig, checkpoints: epath.Path) -> Resume:
 
 
 def run_model_record(cfg: TrainConfig, state: RunState, seed: int) -> dict:
-    """:func:`jppo.build.model_record` of a built run, with the checksums of its LoRA bases loaded from files."""
+    """:func:`jppo.run.build.model_record` of a built run, with the checksums of its LoRA bases loaded from files."""
     loaded = {"actor": cfg.model.path, "critic": cfg.critic.model_path or cfg.model.path}
     frozen = {"actor": state.actor.frozen, "critic": None if state.critic is None else state.critic.frozen}
     checksums = {role: fingerprint(frozen[role]) for role in build.ROLES if loaded[role] and frozen[role] is not None}

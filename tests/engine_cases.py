@@ -17,7 +17,7 @@ from jppo.engine import ActorConfig, CriticConfig
 from jppo.engine.optim import inner_optimizer
 from jppo.engine.update import policy_options
 from jppo.losses import actor_loss, value_loss
-from jppo.experience import Experience
+from jppo.core.experience import Experience
 from jppo.models.config import ModelConfig
 
 VOCAB = 48
@@ -74,7 +74,7 @@ def reference_actor_loss(model, batch: Experience, cfg: ActorConfig, loss_scale_
     data = jax.tree.map(lambda v: jnp.asarray(v, log_prob.dtype), batch.per_token())
     mask = jnp.asarray(batch.response_mask)
     options = policy_options(cfg)
-    from jppo.masked import global_norm_stats
+    from jppo.core.masked import global_norm_stats
 
     norm = global_norm_stats(mask, loss_scale_factor, dtype=log_prob.dtype)
     return actor_loss(
@@ -93,7 +93,7 @@ def reference_critic_loss(model, batch: Experience, cfg: CriticConfig, loss_scal
     vpreds = model(ids, positions, segments)[:, p - 1 : p - 1 + length]
     data = jax.tree.map(lambda v: jnp.asarray(v, vpreds.dtype), batch.per_token())
     mask = jnp.asarray(batch.response_mask)
-    from jppo.masked import global_norm_stats
+    from jppo.core.masked import global_norm_stats
 
     norm = global_norm_stats(mask, loss_scale_factor, dtype=vpreds.dtype)
     return value_loss(

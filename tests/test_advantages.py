@@ -17,7 +17,7 @@ import pytest
 from golden import load_golden
 
 from jppo.advantages import ADVANTAGE_ESTIMATORS, run_estimator
-from jppo.masked import masked_mean, masked_var, masked_whiten
+from jppo.core.masked import masked_mean, masked_var, masked_whiten
 
 CASES = ("case0", "case1", "case2", "case3")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")

@@ -51,7 +51,7 @@ def test_audit_reports_the_legacy_split_dependence(capsys, role):
 def test_audit_exit_status_depends_on_every_metric(capsys, monkeypatch):
     """A metric that changes with the mesh fails the audit even when every gradient agrees."""
     import jppo.audit as audit_module
-    from jppo.mesh import batch_shards
+    from jppo.parallel.mesh import batch_shards
 
     real = audit_module.run_updates
 

@@ -1,10 +1,10 @@
-"""``jppo.build``: models built from a checkpoint take the config's own settings."""
+"""``jppo.run.build``: models built from a checkpoint take the config's own settings."""
 
 import pathlib
 
-from jppo import build
+from jppo.run import build
 from jppo.config import load_config
-from jppo.mesh import make_mesh
+from jppo.parallel.mesh import make_mesh
 from jppo.models import CausalLM, ModelConfig, create_model, save_pretrained
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"

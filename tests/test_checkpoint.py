@@ -20,9 +20,9 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from jppo.checkpoint import CheckpointManager, resolve_resume
+from jppo.run.checkpoint import CheckpointManager, resolve_resume
 from jppo.engine.update import TrainState
-from jppo.mesh import make_mesh
+from jppo.parallel.mesh import make_mesh
 
 REPO = Path(__file__).resolve().parents[1]
 META = {"data_position": 96, "kl_coef": 0.0012, "config": {"actor": {"lr": 1e-2}}, "metrics": {"reward/mean": 0.25}}
@@ -185,7 +185,7 @@ KILLED_MID_SAVE = textwrap.dedent(
     import os, signal, sys
     import jax.numpy as jnp
     from orbax.checkpoint._src.path import atomicity
-    from jppo.checkpoint import CheckpointManager
+    from jppo.run.checkpoint import CheckpointManager
 
     manager = CheckpointManager(sys.argv[1])
     manager.save(1, {"x": jnp.arange(3.0)}, {"step": 1})

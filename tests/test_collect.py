@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import tokenizers
 
-from jppo.build import sampling_params
+from jppo.run.build import sampling_params
 from jppo.config import load_config
 from jppo.data import CharTokenizer, Example, get_task, load_tokenizer
-from jppo.collect import compute_advantages, decode_responses, kl_in_reward, last_token_scores, token_credit_rewards
-from jppo.experience import Experience
+from jppo.run.collect import compute_advantages, decode_responses, kl_in_reward, last_token_scores, token_credit_rewards
+from jppo.core.experience import Experience
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 

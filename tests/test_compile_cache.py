@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-from jppo import compile_cache
-from jppo.compile_cache import CachePlan, plan
+from jppo.run import compile_cache
+from jppo.run.compile_cache import CachePlan, plan
 from jppo.config import ConfigError, load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jppo.build import build_critic, build_policy, load_inputs
+from jppo.run.build import build_critic, build_policy, load_inputs
 from jppo.config import ActorSection, ConfigError, ModelSection, load_config, save_config
 from jppo.engine import ActorConfig, CriticConfig
 from jppo.engine.driver import mini_batches
 from jppo.engine.optim import learning_rate_schedule
-from jppo.mesh import make_mesh
+from jppo.parallel.mesh import make_mesh
 from jppo.models import ModelConfig
-from jppo.validate import check_mesh
-from jppo.views import engine_view
+from jppo.config.check import check_mesh
+from jppo.config.views import engine_view
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -28,7 +28,7 @@ import jax
 from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import strategies as st
 
-from jppo import build
+from jppo.run import build
 from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.config import ConfigError, TrainConfig, check_mesh, load_config
 from jppo.data import BUILTIN_TASKS

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from jppo import distributed
+from jppo.parallel import distributed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "quickstart.yaml")

@@ -18,9 +18,9 @@ from engine_cases import ragged_batch, tiny_config
 from jppo.engine import ActorConfig, CriticConfig, UpdateStep, actor_loss_fn, critic_loss_fn, cut_steps, init_train_state, run_updates
 from jppo.engine.assemble import assemble, device_rows, host_rows
 from jppo.engine.update import loss_inputs
-from jppo.experience import PER_TOKEN_FIELDS
-from jppo.mesh import make_mesh
-from jppo.microbatch import make_micro_batches, plan_micro_batches, stack_micro_batches
+from jppo.core.experience import PER_TOKEN_FIELDS
+from jppo.parallel.mesh import make_mesh
+from jppo.engine.microbatch import make_micro_batches, plan_micro_batches, stack_micro_batches
 from jppo.models.decoder import CausalLM, ValueModel
 from jppo.models.sharding import create_model
 
@@ -162,7 +162,7 @@ def test_forward_pass_on_assembled_micro_batches_equals_the_host_cut(cut):
     host-built micro-batches scattered back on the host, bit for bit; the token rows may be shared by passes."""
     from jppo.engine import forward_batch, log_prob_fn
     from jppo.engine.layout import place
-    from jppo.microbatch import scatter_back
+    from jppo.engine.microbatch import scatter_back
 
     batch = float32_batch(3)
     mesh = mesh_of(2)

@@ -10,11 +10,11 @@ import pytest
 
 from jppo.engine import ActorConfig
 from jppo.engine.driver import mini_batches, regroup, shard_layout
-from jppo.hostlocal import take_rows
-from jppo.mesh import make_mesh
+from jppo.parallel.hostlocal import take_rows
+from jppo.parallel.mesh import make_mesh
 import dataclasses
 
-from jppo.experience import PER_TOKEN_FIELDS, Experience
+from jppo.core.experience import PER_TOKEN_FIELDS, Experience
 
 
 @pytest.mark.parametrize("shuffle", [True, False])

@@ -35,9 +35,9 @@ from jppo.engine import (
 )
 from jppo.engine.layout import place
 from jppo.losses import AGG_MODES
-from jppo.masked import global_norm_stats
-from jppo.mesh import batch_shards, make_mesh
-from jppo.microbatch import make_micro_batches
+from jppo.core.masked import global_norm_stats
+from jppo.parallel.mesh import batch_shards, make_mesh
+from jppo.engine.microbatch import make_micro_batches
 from jppo.models.decoder import CausalLM, ValueModel
 from jppo.models.sharding import create_model
 
@@ -136,7 +136,7 @@ def test_sgd_step_equals_whole_batch_reference(role, mesh_shape, cut):
     assert_params_close(state.params, params)
     grad_norm = float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads))))
     np.testing.assert_allclose(metrics[f"{role}/grad_norm"], grad_norm, rtol=1e-9)
-    from jppo.metrics import finish
+    from jppo.core.metrics import finish
 
     for name, value in finish(ref_metrics).items():
         np.testing.assert_allclose(metrics[name], float(value), rtol=1e-9, atol=1e-12, err_msg=name)
@@ -342,7 +342,7 @@ def test_entropy_is_reported_without_a_bonus_and_adds_no_gradient():
     _, grads, _, _ = reference(CausalLM, actor_cfg(entropy_coeff=0.0), batch)
     assert_params_close(gradient, grads)
     _, _, _, with_bonus = reference(CausalLM, actor_cfg(entropy_coeff=0.01), batch)
-    from jppo.metrics import finish
+    from jppo.core.metrics import finish
 
     np.testing.assert_allclose(metrics["actor/entropy"], float(finish(with_bonus)["actor/entropy"]), rtol=1e-9)
 
@@ -403,7 +403,7 @@ def test_a_skipped_step_does_not_shift_the_schedule_and_the_counter_survives_a_c
     then lr): training step 1 skips its second mini-batch (a NaN); training step 2, resumed from a checkpoint of
     step 1, takes both its SGD steps at lr, reports lr, and moves the parameters by lr times its gradients. (Read
     from the count of applied steps, training step 2 would take one step at lr/2 and one at lr.)"""
-    from jppo.checkpoint import CheckpointManager
+    from jppo.run.checkpoint import CheckpointManager
 
     lr = SGD.lr
     cfg = actor_cfg(optim=dataclasses.replace(SGD, warmup_steps=2), ppo_mini_batch_size=N // 2,
@@ -432,7 +432,7 @@ def test_a_skipped_step_does_not_shift_the_schedule_and_the_counter_survives_a_c
 def test_checkpoints_of_optax_s_own_adamw_chain_restore_with_their_counter(tmp_path):
     """The optimizer state keeps optax's ``adamw`` layout (the one checkpoints written before the schedule read
     ``gradient_step`` hold): such a checkpoint restores into today's state, ``gradient_step`` included."""
-    from jppo.checkpoint import CheckpointManager
+    from jppo.run.checkpoint import CheckpointManager
     from jppo.engine.optim import record_gradient, skip_if_not_finite
 
     cfg = actor_cfg(optim=ADAMW_CLIPPED)

@@ -11,7 +11,7 @@ import pathlib
 import jax
 import pytest
 
-from jppo import build
+from jppo.run import build
 from jppo.config import check_mesh, load_config
 from jppo.eval import main
 from jppo.train import run

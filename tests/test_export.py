@@ -14,12 +14,12 @@ import torch
 import transformers
 from flax import nnx
 
-from jppo import build
-from jppo.checkpoint import CheckpointManager
+from jppo.run import build
+from jppo.run.checkpoint import CheckpointManager
 from jppo.config import check_mesh, load_config, save_config
 from jppo.data import load_tokenizer
 from jppo.export import main
-from jppo.mesh import make_mesh
+from jppo.parallel.mesh import make_mesh
 from jppo.models import load_pretrained
 from jppo.rollout import SamplingParams, generate, pad_prompts
 from jppo.train import run, save, setup

@@ -16,13 +16,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from engine_cases import ragged_batch, reference_actor_loss, reference_critic_loss, tiny_config
-from jppo import build
+from jppo.run import build
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.engine import (
     ActorConfig, CriticConfig, UpdateStep, actor_loss_fn, critic_loss_fn, init_train_state, run_updates,
 )
 from jppo.engine.config import OptimConfig
-from jppo.mesh import batch_shards, make_mesh
+from jppo.parallel.mesh import batch_shards, make_mesh
 from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, token_log_probs
 from jppo.models.lora import LoRAConfig, attach_lora, merged, save_peft_adapter
 from jppo.models.sharding import variable_spec
@@ -187,8 +187,8 @@ def train(out: pathlib.Path, devices: int, *overrides: str) -> list[dict]:
 
 
 def test_the_reference_is_the_frozen_base_read_in_place(tmp_path):
-    from jppo.collect import PhaseTimer, collect
-    from jppo.learn import learn
+    from jppo.run.collect import PhaseTimer, collect
+    from jppo.run.learn import learn
     from jppo.train import setup
 
     cfg = load_config(QUICKSTART_LORA, [*SMALL, f"trainer.output_dir={tmp_path}", "mesh.data=2"])
@@ -322,7 +322,7 @@ def test_a_resume_with_another_seed_keeps_the_checkpoints_base(lora_run, tmp_pat
     train(resumed, 1, "trainer.total_steps=2", "trainer.seed=1")
     assert evaluate_with(resumed, tmp_path / "seed1", "trainer.seed=1") == evaluate_with(
         resumed, tmp_path / "seed0", "trainer.seed=0")
-    from jppo.checkpoint import read_meta
+    from jppo.run.checkpoint import read_meta
 
     models = read_meta(resumed / "checkpoints" / "2")["models"]
     assert models["trainer.seed"] == 0  # drawn from seed 0 at step 0: step 2's adapters sit on that base
@@ -337,7 +337,7 @@ def test_a_checkpoint_written_before_the_record_rebuilds_its_base_from_the_confi
     meta = json.loads(file.read_text())
     del meta["models"]  # the meta as jppo wrote it before it recorded the models
     file.write_text(json.dumps(meta))
-    from jppo.checkpoint import read_meta
+    from jppo.run.checkpoint import read_meta
 
     assert "models" not in read_meta(old / "checkpoints" / "1")
     seed0 = evaluate_with(old, tmp_path / "seed0", "trainer.seed=0")

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 from golden import load_golden
 
-from jppo import metrics as metrics_lib
+from jppo.core import metrics as metrics_lib
 from jppo.losses import (
     AGG_MODES,
     KL_KINDS,
@@ -50,7 +50,7 @@ from jppo.losses import (
     policy_loss,
     value_loss,
 )
-from jppo.masked import NormStats, global_norm_stats
+from jppo.core.masked import NormStats, global_norm_stats
 
 CASES = ("case0", "case1", "case2", "case3")
 WIDTH = 16  # L of the golden data: verl's default loss_scale_factor

@@ -26,9 +26,9 @@ import optax
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jppo import metrics as metrics_lib
+from jppo.core import metrics as metrics_lib
 from jppo.losses import AGG_MODES, PolicyLossOptions, actor_loss, value_loss
-from jppo.masked import global_norm_stats
+from jppo.core.masked import global_norm_stats
 
 ROWS, LENGTH, FEATURES = 8, 5, 3
 LOSS_SCALE_FACTOR = 7.0

@@ -16,7 +16,7 @@ from absl.testing import parameterized
 from test_losses_invariance import LENGTH, ROWS, VARIANT_OPTIONS
 from test_losses_invariance import make_batch as ragged_batch
 
-from jppo import metrics as metrics_lib
+from jppo.core import metrics as metrics_lib
 from jppo.losses import (
     AGG_MODES,
     KL_KINDS,
@@ -30,7 +30,7 @@ from jppo.losses import (
     policy_loss,
     value_loss,
 )
-from jppo.masked import global_norm_stats
+from jppo.core.masked import global_norm_stats
 
 CUT = (3, 0, 1, 4)  # piece sizes; the empty row is placed in the 1-row piece
 LOSS_SCALE_FACTOR = 10.0

@@ -1,8 +1,8 @@
-"""The bottom layer of the numerics (``jppo.masked``): its statistics at the edges, and the import layering above it.
+"""The bottom layer of the numerics (``jppo.core.masked``): its statistics at the edges, and the import layering above it.
 
-Layering (checked on the source, without importing it): ``jppo.masked`` imports nothing from jppo but
-``jppo.errors``; ``jppo.metrics`` builds on ``jppo.masked`` only; ``jppo.losses`` on ``jppo.masked`` and
-``jppo.metrics``; ``jppo.advantages`` on ``jppo.masked`` only; and no import cycle runs through these modules.
+Layering (checked on the source, without importing it): ``jppo.core.masked`` imports nothing from jppo but
+``jppo.core.errors``; ``jppo.core.metrics`` builds on ``jppo.core.masked`` only; ``jppo.losses`` on ``jppo.core.masked`` and
+``jppo.core.metrics``; ``jppo.advantages`` on ``jppo.core.masked`` only; and no import cycle runs through these modules.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jppo.masked import masked_mean, masked_var, masked_whiten
+from jppo.core.masked import masked_mean, masked_var, masked_whiten
 
 PACKAGE = Path(__file__).resolve().parent.parent / "jppo"
 
@@ -103,24 +103,24 @@ def _numerics(graph: dict[str, set[str]]) -> set[str]:
     return {
         name
         for name in graph
-        if name in ("jppo.masked", "jppo.metrics") or name.startswith(("jppo.losses", "jppo.advantages"))
+        if name in ("jppo.core.masked", "jppo.core.metrics") or name.startswith(("jppo.losses", "jppo.advantages"))
     }
 
 
 def test_numerics_have_no_import_cycle() -> None:
     graph = import_graph()
     numerics = _numerics(graph)
-    assert {"jppo.masked", "jppo.metrics", "jppo.losses.aggregate", "jppo.advantages.group"} <= numerics
+    assert {"jppo.core.masked", "jppo.core.metrics", "jppo.losses.aggregate", "jppo.advantages.group"} <= numerics
     assert cycles(graph, numerics) == []
 
 
 @pytest.mark.parametrize(
     "layer, allowed",
     [
-        ("jppo.masked", ("jppo.errors",)),
-        ("jppo.metrics", ("jppo.masked",)),
-        ("jppo.advantages", ("jppo.masked", "jppo.advantages")),
-        ("jppo.losses", ("jppo.masked", "jppo.metrics", "jppo.errors", "jppo.losses")),
+        ("jppo.core.masked", ("jppo.core.errors",)),
+        ("jppo.core.metrics", ("jppo.core.masked",)),
+        ("jppo.advantages", ("jppo.core.masked", "jppo.advantages")),
+        ("jppo.losses", ("jppo.core.masked", "jppo.core.metrics", "jppo.core.errors", "jppo.losses")),
     ],
 )
 def test_numerics_import_only_the_layers_below(layer: str, allowed: tuple[str, ...]) -> None:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jppo import metrics as metrics_lib
-from jppo.masked import NormStats, global_norm_stats
-from jppo.metrics import Metric
+from jppo.core import metrics as metrics_lib
+from jppo.core.masked import NormStats, global_norm_stats
+from jppo.core.metrics import Metric
 
 RTOL = 1e-6
 

@@ -5,8 +5,8 @@ import pytest
 
 import jax
 
-from jppo.experience import Experience
-from jppo.microbatch import (
+from jppo.core.experience import Experience
+from jppo.engine.microbatch import (
     fixed_micro_batches,
     make_micro_batches,
     next_power_of_two,

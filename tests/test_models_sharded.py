@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jppo.mesh import batch_spec, make_mesh
+from jppo.parallel.mesh import batch_spec, make_mesh
 from jppo.models import (CausalLM, ModelConfig, ValueModel, create_model, load_pretrained, param_shardings,
                          partition_specs, save_pretrained, token_log_probs)
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jppo.collect import (
+from jppo.run.collect import (
     compute_advantages, decode_responses, overlong_filtered, place_rewards, token_credit_rewards, truncated_rows,
 )
 from jppo.config import ConfigError, load_config
@@ -17,7 +17,7 @@ from jppo.data.tokenizer import CharTokenizer
 from jppo.losses import actor_loss
 from jppo.losses.entropy import entropy_from_logits
 from jppo.losses.policy import PolicyLossOptions
-from jppo.masked import global_norm_stats
+from jppo.core.masked import global_norm_stats
 from jppo.rollout.env import Calculator, evaluate, load_env, stop_token_ids
 from jppo.rollout.multiturn import Trajectory, longest_context, run_turns, to_experience
 
@@ -306,7 +306,7 @@ def test_the_tools_quickstart_pays_in_full_only_for_a_call_whose_result_is_read_
     ``]`` gets the product from the calculator, and copying it is the only way to the full reward."""
     import pathlib  # noqa: PLC0415
 
-    from jppo.build import load_inputs  # noqa: PLC0415
+    from jppo.run.build import load_inputs  # noqa: PLC0415
 
     config = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart_tools.yaml"
     cfg = load_config(config, [])
@@ -371,7 +371,7 @@ def test_bad_multi_turn_settings_are_one_line_config_errors(override, message):
     ("data.task=reverse_digits", r"^rollout.env='builtin:calculator': its stop text '\]' cannot be encoded"),
 ])
 def test_an_environment_or_task_that_does_not_load_is_a_one_line_config_error(tmp_path, override, message):
-    from jppo.build import load_inputs  # noqa: PLC0415
+    from jppo.run.build import load_inputs  # noqa: PLC0415
 
     overrides = ["data.task=tool_multiply", "rollout.env=builtin:calculator", override.format(tmp=tmp_path)]
     with pytest.raises(ConfigError, match=message) as error:
@@ -395,7 +395,7 @@ def tiny_multi_turn_sampler(env_factory, stops: str, max_prompt_length: int):
     """A 1-layer random policy sampling ``n = 2`` multi-turn responses of up to 12 tokens on one device."""
     from flax import nnx  # noqa: PLC0415
 
-    from jppo.mesh import make_mesh  # noqa: PLC0415
+    from jppo.parallel.mesh import make_mesh  # noqa: PLC0415
     from jppo.models import CausalLM, ModelConfig, create_model  # noqa: PLC0415
     from jppo.rollout import Sampler, SamplingParams  # noqa: PLC0415
     from jppo.rollout.multiturn import MultiTurnSampler  # noqa: PLC0415

@@ -11,9 +11,9 @@ import pytest
 from etils import epath
 from etils.epath import testing as epath_testing
 
-from jppo import paths
-from jppo import build
-from jppo.checkpoint import committed_steps, resolve_resume
+from jppo.core import paths
+from jppo.run import build
+from jppo.run.checkpoint import committed_steps, resolve_resume
 from jppo.config import ConfigError, load_config, save_config
 from jppo.data import load_tokenizer
 from jppo.export import export_policy
@@ -117,7 +117,7 @@ def test_checkpoint_helpers_read_a_run_directory_by_its_uri(bucket):
 def test_config_accepts_a_cloud_output_dir_and_refuses_what_cannot_be_written(bucket, monkeypatch):
     with pytest.raises(ConfigError, match=r"^trainer.output_dir='http://host/run': unsupported URI scheme http://"):
         load_config(None, ["trainer.output_dir=http://host/run"])
-    monkeypatch.setattr("jppo.validate.missing_backend", lambda value: None)  # as if gcsfs were installed
+    monkeypatch.setattr("jppo.config.check.missing_backend", lambda value: None)  # as if gcsfs were installed
     assert load_config(None, [f"trainer.output_dir={URI}"]).trainer.output_dir == URI
 
 

@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jppo import build, plan
+from jppo.run import build
+from jppo import plan
 from jppo.config import check_mesh, load_config
 from jppo.engine import init_train_state
-from jppo.mesh import make_mesh
-from jppo.views import engine_view
+from jppo.parallel.mesh import make_mesh
+from jppo.config.views import engine_view
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 TOOLS = QUICKSTART.parent / "quickstart_tools.yaml"
@@ -53,8 +54,8 @@ def sampler_cache_bytes(cfg, prompt_tokens: int) -> int:
     prompts it can be given (``prompt_tokens`` tokens each): the sampler the Collector builds, running the policy in
     ``rollout.dtype`` as train.py sets it up, fed the prompts padded as its ``Sampler`` pads them, and the caches of
     the sampler's own prefill and response-cache functions, as shapes (nothing is computed)."""
-    from jppo.collect import Collector
-    from jppo.rollout import sampler as sampling
+    from jppo.run.collect import Collector
+    from jppo.rollout import decode as sampling
 
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     inputs = build.load_inputs(cfg)
@@ -139,7 +140,7 @@ def test_applying_the_gradient_takes_the_planned_float32_copies_of_the_parameter
     from bench.actor_update import BatchShape, synthetic_batch
     from jppo.engine import ActorConfig, actor_loss_fn, make_update_step
     from jppo.engine.layout import place
-    from jppo.microbatch import make_micro_batches
+    from jppo.engine.microbatch import make_micro_batches
     from jppo.models import CausalLM, ModelConfig, create_model
 
     shape = BatchShape(2, 4, 4)

@@ -3,10 +3,10 @@
 import jax.numpy as jnp
 import numpy as np
 
-from jppo import build
+from jppo.run import build
 from jppo.config import load_config
-from jppo.mesh import make_mesh
-from jppo.experience import Experience
+from jppo.parallel.mesh import make_mesh
+from jppo.core.experience import Experience
 from jppo.rewards.model import RewardModel
 from jppo.models import ValueModel, create_model, save_pretrained
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx, struct
 
-from jppo.mesh import batch_spec, make_mesh
+from jppo.parallel.mesh import batch_spec, make_mesh
 from jppo.models import CausalLM, ModelConfig, create_model, layers, param_shardings
 from jppo.rollout import RolloutBatch, SamplingParams, bucket_length, generate, make_generate_fn, pad_prompts
 

@@ -25,19 +25,19 @@ import pytest
 from engine_cases import ragged_batch
 from test_engine_update import CUTS, actor_cfg, engine_step, mesh_of, per_shard, reference
 from test_losses_invariance import make_batch, padding_row, random_splits
-from jppo import metrics as metrics_lib
+from jppo.core import metrics as metrics_lib
 from jppo.config import ConfigError, load_config
 from jppo.engine import ActorConfig
-from jppo.collect import rejected_rows_cleared
+from jppo.run.collect import rejected_rows_cleared
 from jppo.engine.update import loss_inputs
-from jppo.experience import Experience
+from jppo.core.experience import Experience
 from jppo.losses import (
     AGG_MODES, REJECTION_MODES, ROLLOUT_CORRECTION_MODES, PolicyLossOptions, RolloutCorrection, actor_loss,
     rollout_weights,
 )
-from jppo.masked import global_norm_stats
+from jppo.core.masked import global_norm_stats
 from jppo.models.decoder import CausalLM
-from jppo.views import engine_view
+from jppo.config.views import engine_view
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 C = 7.0
@@ -317,9 +317,9 @@ def test_collection_clears_the_rejected_rows_of_a_bfloat16_sampler(tmp_path):
     """The trainer's own collect() with a bfloat16 sampler beside the float32 trainer (the mismatch verl's
     rejection is for): the rows whose product of ratios, from the batch's own log-probs, leaves [1/tau, tau] have
     their response mask cleared, the others keep theirs, and rollout_corr/rejected_fraction counts them."""
-    from jppo import build
-    from jppo.collect import PhaseTimer, collect
-    from jppo.mesh import make_mesh
+    from jppo.run import build
+    from jppo.run.collect import PhaseTimer, collect
+    from jppo.parallel.mesh import make_mesh
     from jppo.train import setup
 
     tau = 1.001  # the mismatch moves a row's log-ratio sum by 1e-4 to 4e-3 here: some rows go, some stay

@@ -13,7 +13,7 @@ import sys
 import jax
 import pytest
 
-from jppo import build
+from jppo.run import build
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.train import run
 

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jppo import build
+from jppo.run import build
 from jppo.config import check_mesh, load_config
-from jppo.collect import decode_responses, greedy_baselines
-from jppo.mesh import make_mesh
+from jppo.run.collect import decode_responses, greedy_baselines
+from jppo.parallel.mesh import make_mesh
 from jppo.train import run, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_validation_before_training_is_logged_at_step_zero_and_plotted(tmp_path)
 
 
 def test_grpo_config_trains_without_a_critic_on_group_relative_advantages(tmp_path, monkeypatch):
-    import jppo.collect as collect_module
+    import jppo.run.collect as collect_module
 
     seen = []
     real = collect_module.compute_advantages
@@ -238,7 +238,7 @@ def test_rollout_dtype_samples_with_the_same_parameters_in_that_dtype(dtype, tmp
 def test_the_sampling_structure_differs_only_in_compute_dtype():
     from flax import nnx
 
-    from jppo.build import sampling_graphdef
+    from jppo.run.build import sampling_graphdef
     from jppo.models import CausalLM, ModelConfig, create_model
 
     policy = create_model(CausalLM, ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
@@ -260,8 +260,8 @@ def test_the_sampling_structure_differs_only_in_compute_dtype():
 def test_the_actor_s_mini_batches_do_not_depend_on_whether_a_critic_exists(tmp_path):
     """Same seed, same experience: the actor's update (two epochs of two shuffled mini-batches, so which rows share
     an optimizer step matters) is the same whether or not a critic updates before it in the step."""
-    from jppo.collect import PhaseTimer, collect
-    from jppo.learn import learn
+    from jppo.run.collect import PhaseTimer, collect
+    from jppo.run.learn import learn
 
     cfg = load_config(QUICKSTART, [*SMALL, f"trainer.output_dir={tmp_path}", "mesh.data=1"])
     assert cfg.use_critic and cfg.actor.shuffle

@@ -17,11 +17,11 @@ import jax
 import numpy as np
 import pytest
 
-from jppo import build
+from jppo.run import build
 from jppo.config import check_mesh, load_config
-from jppo.collect import PhaseTimer, collect
-from jppo.learn import learn
-from jppo.mesh import make_mesh
+from jppo.run.collect import PhaseTimer, collect
+from jppo.run.learn import learn
+from jppo.parallel.mesh import make_mesh
 from jppo.train import run, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ def counted(traces: collections.Counter, name: str, fn):
 
 def test_a_short_run_compiles_the_update_steps_and_the_sampler_once(tmp_path, monkeypatch):
     """Three training steps trace each compiled program once: a recompilation per step would fail here."""
-    import jppo.rollout.sampler as sampler_module
+    import jppo.rollout.decode as sampler_module
 
     chex.clear_trace_counter()
     traces = collections.Counter()

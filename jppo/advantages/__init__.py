@@ -13,7 +13,7 @@ Rules jppo applies to every estimator:
 - **Masked positions hold 0** in both outputs.
 - **Scores are summed under the mask**: ``s_i = sum_t m_it r_it``; a score written at a masked position does not
   count.
-- **Rows without valid tokens belong to no group**: they are not sequences (as in :class:`~jppo.masked.NormStats`),
+- **Rows without valid tokens belong to no group**: they are not sequences (as in :class:`~jppo.core.masked.NormStats`),
   get 0 and do not shift the mean, std or size of the group they were sampled in.
 - **A group of fewer than two rows has no peer, so its group-relative advantage is 0**, for every group
   estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++-baseline, OPO, GPG, pass@k). It is what the formulas give with the
@@ -21,7 +21,7 @@ Rules jppo applies to every estimator:
   it does for a group whose rows all tied.
 - **Group ids** (``group_ids``, one per row) are any integers (negative, large, not contiguous). Without x64 they
   are cast to int32, so ids must fit in it.
-- Masked statistics divide exactly (:mod:`jppo.masked`); whitening uses ``epsilon = 1e-8`` and GRPO
+- Masked statistics divide exactly (:mod:`jppo.core.masked`); whitening uses ``epsilon = 1e-8`` and GRPO
   ``epsilon = 1e-6``.
 
 How these rules differ from verl's estimators: ``tests/golden_verl/PARITY.md``.

@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jppo.masked import check_row_arrays, check_token_arrays, masked_whiten, safe_divide, safe_sqrt, sanitize
+from jppo.core.masked import check_row_arrays, check_token_arrays, masked_whiten, safe_divide, safe_sqrt, sanitize
 
 Array = jax.Array
 

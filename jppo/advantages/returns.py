@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jppo.masked import check_row_arrays, check_token_arrays, masked_whiten, sanitize
+from jppo.core.masked import check_row_arrays, check_token_arrays, masked_whiten, sanitize
 
 Array = jax.Array
 

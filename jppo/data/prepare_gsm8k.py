@@ -22,7 +22,7 @@ import sys
 from typing import Optional, Sequence
 
 from jppo.data.datasets import read_rows
-from jppo.errors import one_line
+from jppo.core.errors import one_line
 
 INSTRUCTION = ' Think step by step, then give the final answer on the last line as "#### <number>".'
 

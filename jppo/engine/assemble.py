@@ -1,8 +1,8 @@
 """Micro-batches assembled on the devices, from batch rows that crossed to them once.
 
-The host decides a cut from the sequences' lengths alone (:func:`jppo.microbatch.plan_micro_batches`: which
+The host decides a cut from the sequences' lengths alone (:func:`jppo.engine.microbatch.plan_micro_batches`: which
 sequence sits in each slot, and at which column of its token row it starts); :func:`assemble` builds from that plan
-and the rows already on the devices exactly the arrays :func:`jppo.microbatch.make_micro_batches` builds on the
+and the rows already on the devices exactly the arrays :func:`jppo.engine.microbatch.make_micro_batches` builds on the
 host. So a batch's tokens and per-token fields cross to the devices once per use (:func:`device_rows`), and every
 further cut of the same rows (another epoch, another mini-batch order, another forward pass) costs its plan, two
 int32 arrays of one entry per slot, instead of a re-cut copy of the rows.
@@ -23,9 +23,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jppo.engine.layout import place
-from jppo.experience import Experience
-from jppo.mesh import BATCH_AXES
-from jppo.microbatch import MicroBatches, fixed_gather_index
+from jppo.core.experience import Experience
+from jppo.parallel.mesh import BATCH_AXES
+from jppo.engine.microbatch import MicroBatches, fixed_gather_index
 
 Plan = tuple[np.ndarray, np.ndarray]  # row_ids, offsets: [..., D, S] each
 

@@ -9,7 +9,7 @@ sizes; token budgets; epochs; losses; the optimizer) is declared once, in :class
 - the trainer's config sections (:mod:`jppo.config`): ``ppo_mini_batch_size`` counts *prompts* (verl's
   convention), and ``loss_scale_factor`` may be left to the trainer.
 
-The trainer derives the first from the second once per run (:func:`jppo.views.engine_view`); the engine refuses
+The trainer derives the first from the second once per run (:func:`jppo.config.views.engine_view`); the engine refuses
 a config that is not an :class:`UpdateConfig`, so a count of prompts never reaches it.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from jppo.errors import InvalidSetting
+from jppo.core.errors import InvalidSetting
 from jppo.losses.rollout_correction import RolloutCorrection
 
 NORMALIZATIONS = ("global", "per_micro_batch")
@@ -113,7 +113,7 @@ class CriticConfig(UpdateConfig, CriticSettings):
 
 
 def check_update(cfg: UpdateSettings) -> None:
-    """:class:`~jppo.errors.InvalidSetting` for the first setting of an update the engine cannot use (the
+    """:class:`~jppo.core.errors.InvalidSetting` for the first setting of an update the engine cannot use (the
     optimizer's: :func:`jppo.engine.optim.check_optim`). Sizes are checked whatever they count; the trainer's
     validator runs the same check on its config sections."""
     rules = {
@@ -136,7 +136,7 @@ def require_engine_config(cfg: UpdateSettings, *, for_update: bool = False) -> N
     if not isinstance(cfg, UpdateConfig):
         raise TypeError(
             f"the update engine takes an ActorConfig or CriticConfig (mini-batches in sequences), got "
-            f"{type(cfg).__name__}; jppo.views.engine_view derives one from a trainer config"
+            f"{type(cfg).__name__}; jppo.config.views.engine_view derives one from a trainer config"
         )
     if for_update:
         check_update(cfg)

@@ -18,14 +18,14 @@ from typing import Any, NamedTuple
 import numpy as np
 from jax.sharding import Mesh
 
-from jppo import metrics as metrics_lib
+from jppo.core import metrics as metrics_lib
 from jppo.engine.config import UpdateConfig, require_engine_config
 from jppo.engine.assemble import assemble, device_rows
 from jppo.engine.update import TrainState, UpdateStep, loss_inputs
-from jppo.hostlocal import all_rows, local_shards, max_over_processes, replicated_value, take_rows
-from jppo.mesh import batch_shards
-from jppo.experience import Experience
-from jppo.microbatch import MicroBatches, make_micro_batches, pad_plan, plan_micro_batches
+from jppo.parallel.hostlocal import all_rows, local_shards, max_over_processes, replicated_value, take_rows
+from jppo.parallel.mesh import batch_shards
+from jppo.core.experience import Experience
+from jppo.engine.microbatch import MicroBatches, make_micro_batches, pad_plan, plan_micro_batches
 
 
 class Updated(NamedTuple):
@@ -83,7 +83,7 @@ def shard_layout(steps: list[np.ndarray], num_shards: int) -> np.ndarray:
 
     Every step's ``B`` rows are split into ``D`` consecutive blocks of ``B / D``, block d to shard d: every shard
     holds the same number of rows of every step, and no shard pads. Flattened, it is the row order of a global
-    array whose shard d (a contiguous block, as :mod:`jppo.hostlocal` lays rows out) holds shard d's rows of every
+    array whose shard d (a contiguous block, as :mod:`jppo.parallel.hostlocal` lays rows out) holds shard d's rows of every
     step, step after step.
     """
     stacked = np.stack(steps)  # [M, B]
@@ -91,7 +91,7 @@ def shard_layout(steps: list[np.ndarray], num_shards: int) -> np.ndarray:
 
 
 def regroup(batch: Experience, order: np.ndarray, mesh: Mesh) -> Experience:
-    """This process's rows of the global batch taken in ``order`` (see :func:`jppo.hostlocal.take_rows`)."""
+    """This process's rows of the global batch taken in ``order`` (see :func:`jppo.parallel.hostlocal.take_rows`)."""
     return take_rows(batch, order, mesh)
 
 
@@ -124,7 +124,7 @@ def plan_steps(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The cut of every optimizer step of ``ppo_epochs`` passes, as :func:`cut_steps` makes it, without its arrays:
     ``row_ids`` and ``offsets`` ``[M, K, D_local, S]`` of this process's shards (see
-    :func:`jppo.microbatch.plan_micro_batches`), whose slots name GLOBAL rows. ``lengths``: every global row's real
+    :func:`jppo.engine.microbatch.plan_micro_batches`), whose slots name GLOBAL rows. ``lengths``: every global row's real
     length (:func:`global_lengths`). K and S are padded to their largest over the steps and the processes."""
     shards, owned = batch_shards(mesh), local_shards(mesh)
     steps = mini_batches(len(lengths), cfg, rng)

@@ -1,6 +1,6 @@
 """Forward-only passes over a whole rollout batch, in micro-batches: old and reference log-probs, values.
 
-The same micro-batch layout as the updates (fixed or token-budget, see :mod:`jppo.microbatch`); ``lax.map`` runs
+The same micro-batch layout as the updates (fixed or token-budget, see :mod:`jppo.engine.microbatch`); ``lax.map`` runs
 the micro-batches one after another inside one compiled call, so peak memory is that of one micro-batch.
 The micro-batches are assembled on the devices from the batch's rows (:mod:`jppo.engine.assemble`), and the
 outputs are put back in the batch's row order there: they come back response-aligned, ``[N, L]``.
@@ -20,10 +20,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jppo.engine.assemble import assemble, device_rows, place_plan
 from jppo.engine.update import Batch, policy_outputs, value_outputs
-from jppo.hostlocal import local_rows, local_shards, max_over_processes, to_local
-from jppo.experience import Experience
-from jppo.mesh import BATCH_AXES, batch_shards
-from jppo.microbatch import pad_plan, plan_micro_batches
+from jppo.parallel.hostlocal import local_rows, local_shards, max_over_processes, to_local
+from jppo.core.experience import Experience
+from jppo.parallel.mesh import BATCH_AXES, batch_shards
+from jppo.engine.microbatch import pad_plan, plan_micro_batches
 
 
 def _per_micro_batch(fn: Callable[[nnx.Module, Batch], jax.Array], graphdef: nnx.GraphDef):
@@ -95,7 +95,7 @@ def forward_batch(
 
 
 def local_plan(lengths: np.ndarray, mesh: Mesh, **cut) -> tuple[np.ndarray, np.ndarray]:
-    """The cut of this process's rows (:func:`jppo.microbatch.plan_micro_batches` over its own shards), K and S
+    """The cut of this process's rows (:func:`jppo.engine.microbatch.plan_micro_batches` over its own shards), K and S
     padded to their largest over the processes, its slots naming GLOBAL rows."""
     owned = local_shards(mesh)
     row_ids, offsets = plan_micro_batches(lengths, len(owned), **cut)

@@ -1,6 +1,6 @@
 """Micro-batch arrays on the mesh, and the gather from token rows to sequence slots.
 
-Every array of a :class:`jppo.microbatch.MicroBatches` is ``[K, D, ...]`` (or ``[M, K, D, ...]`` for M optimizer
+Every array of a :class:`jppo.engine.microbatch.MicroBatches` is ``[K, D, ...]`` (or ``[M, K, D, ...]`` for M optimizer
 steps): K micro-batches (scanned over inside one compiled step) and D batch shards (sharded over the batch axes
 ``data`` x ``fsdp``). Slicing micro-batch k therefore takes the k-th block of every shard's own rows: nothing
 moves between devices.
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jppo.hostlocal import to_global
+from jppo.parallel.hostlocal import to_global
 
 T = TypeVar("T")
 

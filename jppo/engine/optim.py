@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from jppo.engine.config import OptimConfig
-from jppo.errors import InvalidSetting
+from jppo.core.errors import InvalidSetting
 
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
@@ -99,7 +99,7 @@ def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTra
 
 
 def check_optim(cfg: OptimConfig) -> None:
-    """:class:`~jppo.errors.InvalidSetting` for the first setting the optimizer cannot use as documented (optax
+    """:class:`~jppo.core.errors.InvalidSetting` for the first setting the optimizer cannot use as documented (optax
     itself accepts them and quietly diverges or stalls); the trainer's config runs the same check."""
     adam = cfg.name == "adamw"
     rules = {

@@ -2,13 +2,13 @@
 
 Inside the step:
 
-1. the whole mini-batch's :class:`~jppo.masked.NormStats` are computed ONCE, by ``psum`` of shard-local counts over
+1. the whole mini-batch's :class:`~jppo.core.masked.NormStats` are computed ONCE, by ``psum`` of shard-local counts over
    the batch axes in a ``shard_map`` region (:func:`mini_batch_norm_stats`), before any micro-batch is touched;
 2. ``lax.scan`` runs the K micro-batches: each differentiates its share of the whole loss (every term through
    ``agg_loss`` with those same NormStats) and adds the gradient to the accumulator of
    ``optax.MultiSteps(use_grad_mean=False)``'s state; the K-th runs the optimizer once, on the whole mini-batch
    gradient (:func:`~jppo.engine.optim.apply_accumulated`), and the first K - 1 skip the optimizer's work entirely;
-3. metrics are :class:`~jppo.metrics.Metric` pairs summed over the scan (and, being sums over global arrays,
+3. metrics are :class:`~jppo.core.metrics.Metric` pairs summed over the scan (and, being sums over global arrays,
    over shards), divided once at the end.
 
 Micro-batches without a single response token (padding to a common K) skip the forward and backward pass: their
@@ -34,18 +34,18 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jppo import metrics as metrics_lib
+from jppo.core import metrics as metrics_lib
 from jppo.engine.config import ActorConfig, ActorSettings, CriticConfig, UpdateConfig, require_engine_config
 from jppo.engine.layout import flatten_shards, gather_slots, next_token_targets
 from jppo.engine.optim import (
     accumulating_optimizer, apply_accumulated, inner_optimizer, learning_rate_schedule, step_report,
 )
-from jppo.experience import Experience
+from jppo.core.experience import Experience
 from jppo.losses import actor_loss, value_loss
 from jppo.losses.policy import PolicyLossOptions, check_policy_options
-from jppo.masked import NormStats, global_norm_stats
-from jppo.mesh import BATCH_AXES
-from jppo.microbatch import MicroBatches
+from jppo.core.masked import NormStats, global_norm_stats
+from jppo.parallel.mesh import BATCH_AXES
+from jppo.engine.microbatch import MicroBatches
 from jppo.models.log_probs import token_log_probs
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def mini_batch_norm_stats(response_mask: jax.Array, loss_scale_factor: float, me
 
 
 def loss_inputs(cfg: UpdateConfig) -> tuple[str, ...]:
-    """The per-token fields of the :class:`~jppo.experience.Experience` a role's loss reads (besides the response
+    """The per-token fields of the :class:`~jppo.core.experience.Experience` a role's loss reads (besides the response
     mask): only these travel to its update."""
     if isinstance(cfg, ActorConfig):
         # rollout_log_prob: the rollout_corr/* metrics are reported in every mode (None if a batch lacks it)
@@ -290,7 +290,7 @@ def make_update_step(
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array], Any]]:
     """A pure ``(state, micro_batches) -> (state, metrics, gradient)`` for one mini-batch (C: ``cfg``'s).
 
-    ``micro_batches`` holds ``[K, D, ...]`` arrays (see :mod:`jppo.microbatch`); K is read from their shape. Each
+    ``micro_batches`` holds ``[K, D, ...]`` arrays (see :mod:`jppo.engine.microbatch`); K is read from their shape. Each
     micro-batch's gradient goes to ``optax.MultiSteps(every_k_schedule=K, use_grad_mean=False)``, which sums them
     and applies the optimizer once, on the K-th. ``gradient`` is the accumulated gradient the optimizer received,
     as recorded by the optimizer itself (``keep_gradient``, with a state from ``init_train_state(...,
@@ -345,7 +345,7 @@ def make_update_step(
 class UpdateStep:
     """The jitted update: ``(state, steps) -> (state, metrics, gradients)`` for M optimizer steps in one call.
 
-    ``steps`` holds ``[M, K, D, ...]`` arrays (:func:`jppo.microbatch.stack_micro_batches`); ``lax.scan`` runs the
+    ``steps`` holds ``[M, K, D, ...]`` arrays (:func:`jppo.engine.microbatch.stack_micro_batches`); ``lax.scan`` runs the
     M mini-batches one after another, so a whole ``ppo_epochs`` x mini-batches update is one dispatch, and the
     compiled program does not depend on M beyond its loop count. State buffers are donated and come back laid out
     exactly as they went in (frozen parameters are an input that is not donated: they come back as the same

@@ -1,5 +1,5 @@
 """Pure, jittable loss terms. Every term builds a per-token matrix that goes through :func:`agg_loss`, normalized
-by the whole mini-batch's :class:`~jppo.masked.NormStats` (a required argument of every term)."""
+by the whole mini-batch's :class:`~jppo.core.masked.NormStats` (a required argument of every term)."""
 
 from jppo.losses.actor import actor_loss
 from jppo.losses.aggregate import AGG_MODES, agg_loss, check_mode

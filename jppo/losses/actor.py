@@ -1,7 +1,7 @@
 """The actor's loss for one micro-batch.
 
 ``actor = pg - entropy_coeff * entropy + kl_loss_coef * kl``: every term is aggregated with the SAME mode and
-:class:`~jppo.masked.NormStats`, so the sum of the micro-batch shares is the whole-mini-batch objective whatever the
+:class:`~jppo.core.masked.NormStats`, so the sum of the micro-batch shares is the whole-mini-batch objective whatever the
 cut. The critic's loss is :func:`~jppo.losses.value.value_loss`.
 """
 
@@ -11,13 +11,13 @@ import dataclasses
 
 import jax
 
-from jppo import metrics as metrics_lib
+from jppo.core import metrics as metrics_lib
 from jppo.losses.aggregate import check_mode
 from jppo.losses.entropy import entropy_loss
 from jppo.losses.kl import check_kl_kind, kl_loss
 from jppo.losses.policy import PolicyLossOptions, check_policy_loss_mode, policy_loss
 from jppo.losses.rollout_correction import RolloutCorrection, rollout_weights
-from jppo.masked import NormStats
+from jppo.core.masked import NormStats
 
 Array = jax.Array
 

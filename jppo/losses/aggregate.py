@@ -3,7 +3,7 @@
 A mini-batch is cut into micro-batches (and over data-parallel shards). Each call of :func:`agg_loss` returns the
 *share* of one piece; the shares of all pieces sum exactly to the whole-mini-batch loss, so their gradients sum to
 the whole-mini-batch gradient whatever the cut. This holds because every denominator comes from
-:class:`~jppo.masked.NormStats`, computed once over the whole mini-batch, never from the piece being aggregated.
+:class:`~jppo.core.masked.NormStats`, computed once over the whole mini-batch, never from the piece being aggregated.
 
 With ``m`` the mask, ``l`` the loss matrix, ``n_i = sum_t m_it`` the valid tokens of row ``i``, and
 ``N = sum_i n_i``, ``S = #{i : n_i > 0}``, ``C`` the constant ``loss_scale_factor`` of the mini-batch:
@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jppo.masked import NormStats, check_token_arrays, masked_sum, safe_divide
+from jppo.core.masked import NormStats, check_token_arrays, masked_sum, safe_divide
 
 Array = jax.Array
 
@@ -53,7 +53,7 @@ def agg_loss(loss_mat: Array, mask: Array, mode: str, norm: NormStats) -> Array:
         loss_mat: ``[batch, length]`` per-token loss. Values under ``mask == 0`` are ignored, even NaN/Inf.
         mask: ``[batch, length]`` response mask.
         mode: one of :data:`AGG_MODES`.
-        norm: whole-mini-batch normalizers (:func:`~jppo.masked.global_norm_stats` of the whole mini-batch, before
+        norm: whole-mini-batch normalizers (:func:`~jppo.core.masked.global_norm_stats` of the whole mini-batch, before
             it is cut). Only a call that sees the whole mini-batch, or the legacy per-micro-batch mode, passes the
             counts of its own mask; ``C`` of ``seq-mean-token-sum-norm`` is always the configured constant.
 

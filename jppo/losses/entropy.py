@@ -9,9 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jppo import metrics as metrics_lib
+from jppo.core import metrics as metrics_lib
 from jppo.losses.aggregate import agg_loss, check_mode
-from jppo.masked import NormStats, select_valid
+from jppo.core.masked import NormStats, select_valid
 
 Array = jax.Array
 

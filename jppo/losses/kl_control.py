@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jppo.errors import InvalidSetting
+from jppo.core.errors import InvalidSetting
 
 Array = jax.Array
 

@@ -59,10 +59,10 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jppo import metrics as metrics_lib
-from jppo.errors import InvalidSetting
+from jppo.core import metrics as metrics_lib
+from jppo.core.errors import InvalidSetting
 from jppo.losses.aggregate import agg_loss, check_mode
-from jppo.masked import NormStats, masked_mean, select_valid
+from jppo.core.masked import NormStats, masked_mean, select_valid
 
 Array = jax.Array
 
@@ -180,7 +180,7 @@ def register_policy_loss(
 
 
 def check_policy_options(name: str, options: PolicyLossOptions) -> None:
-    """:class:`~jppo.errors.InvalidSetting` naming the first option of ``options`` that variant ``name`` cannot
+    """:class:`~jppo.core.errors.InvalidSetting` naming the first option of ``options`` that variant ``name`` cannot
     use; the trainer's config runs the same check, so a bad value is refused before anything compiles."""
     get_policy_loss(name)
     for rule in OPTION_RULES[name]:

@@ -22,7 +22,7 @@ level does. Modes (``tau`` is ``threshold``; weights are stop-gradient):
 - ``seq_rs`` / ``geo_rs`` (rejection, verl's ``rollout_rs: sequence`` / ``geometric``): a row whose
   ``exp(D_i)`` / ``g_i`` lies outside ``[1/tau, tau]`` (compared in log space, ``|clip(D_i, -20, 20)| > log tau``)
   is removed from the batch at collection: its response mask is cleared (:func:`rejected_rows`, applied by
-  :func:`jppo.collect.rejected_rows_cleared` after the advantages, as the overlong filter is), so every loss term
+  :func:`jppo.run.collect.rejected_rows_cleared` after the advantages, as the overlong filter is), so every loss term
   and both normalizers N and S exclude it, as in verl. No weight in the loss. ``tau > 1``.
 - ``geo_mask`` (rejection inside the policy term): ``w_t = 0`` on a row whose ``g_i`` lies outside
   ``[1/tau, tau]``, else 1, ``tau > 1``. The row stays in N and S and in the entropy and KL terms (a rejected
@@ -30,11 +30,11 @@ level does. Modes (``tau`` is ``threshold``; weights are stop-gradient):
   uncorrected one; ``geo_rs`` is the same test with the row removed everywhere.
 
 The policy loss multiplies its per-token loss by ``w`` before :func:`~jppo.losses.aggregate.agg_loss`, with the same
-:class:`~jppo.masked.NormStats` as every other term. Each weight and each rejection is a function of one row's data
+:class:`~jppo.core.masked.NormStats` as every other term. Each weight and each rejection is a function of one row's data
 only, and rows are never split across micro-batches; the rejections are applied to the mask before the batch is
 cut, so N and S are whole-batch counts of the kept rows: the corrected loss is split-invariant like the plain one.
 
-Metrics (whenever rollout log-probs are given, whatever the mode), whole-batch :class:`~jppo.metrics.Metric` pairs:
+Metrics (whenever rollout log-probs are given, whatever the mode), whole-batch :class:`~jppo.core.metrics.Metric` pairs:
 ``rollout_corr/kl`` the k1 estimate of KL(pi_roll || pi_old), ``mean_t (logp_roll_t - logp_old_t)`` over the
 response tokens (tokens are sampled from pi_roll); ``rollout_corr/ratio_mean`` the token mean of ``r_t``;
 ``rollout_corr/masked_fraction`` the fraction of non-empty sequences ``geo_mask`` weighs 0 (0 in other modes).
@@ -49,9 +49,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jppo import metrics as metrics_lib
-from jppo.errors import InvalidSetting
-from jppo.masked import masked_mean, masked_sum, select_valid
+from jppo.core import metrics as metrics_lib
+from jppo.core.errors import InvalidSetting
+from jppo.core.masked import masked_mean, masked_sum, select_valid
 
 Array = jax.Array
 
@@ -77,7 +77,7 @@ class RolloutCorrection:
     threshold: float = 2.0
 
     def check(self) -> None:
-        """:class:`~jppo.errors.InvalidSetting` naming the first setting the mode cannot use."""
+        """:class:`~jppo.core.errors.InvalidSetting` naming the first setting the mode cannot use."""
         if self.mode not in ROLLOUT_CORRECTION_MODES:
             raise InvalidSetting("rollout_correction.", "mode", self.mode, f"one of {', '.join(ROLLOUT_CORRECTION_MODES)}")
         if self.mode in REJECTION_MODES + ("geo_mask",) and not self.threshold > 1:

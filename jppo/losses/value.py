@@ -6,7 +6,7 @@ value clip range::
     e = max((v - R)^2, (clip(v, v_old - eps, v_old + eps) - R)^2)
 
 The loss is ``0.5 * agg(e)`` through :func:`~jppo.losses.aggregate.agg_loss` with the caller's mode and
-:class:`~jppo.masked.NormStats`: the same normalization as every actor term, so the critic gradient does not
+:class:`~jppo.core.masked.NormStats`: the same normalization as every actor term, so the critic gradient does not
 depend on the micro-batch count.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jppo import metrics as metrics_lib
+from jppo.core import metrics as metrics_lib
 from jppo.losses.aggregate import agg_loss, check_mode
-from jppo.masked import NormStats, select_valid
+from jppo.core.masked import NormStats, select_valid
 
 Array = jax.Array
 

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-from jppo.errors import InvalidSetting
+from jppo.core.errors import InvalidSetting
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 DTYPES: dict[str, jnp.dtype] = {

@@ -23,7 +23,7 @@ from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES, ModelConfig
 from jppo.models.decoder import CausalLM, ValueHead, ValueModel
 from jppo.models.safetensors_io import SafetensorsFile, write_sharded_safetensors
 from jppo.models.sharding import variable_spec
-from jppo.paths import run_path
+from jppo.core.paths import run_path
 
 Array = jax.Array
 PathLike = str | pathlib.Path

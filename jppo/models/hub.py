@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 
-from jppo.errors import ConfigError
+from jppo.core.errors import ConfigError
 
 # ``name`` or ``namespace/name`` (the Hub's own rule: letters, digits, ``-``, ``_``, ``.``; no ``--``/``..``).
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jppo.errors import InvalidSetting
+from jppo.core.errors import InvalidSetting
 from jppo.models.config import ModelConfig
 from jppo.models.sharding import param_shardings
 

@@ -1,9 +1,9 @@
 """Logical axis names on parameters and activations, and sharded model creation.
 
 Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds one logical name per dimension (names
-of :data:`jppo.mesh.LOGICAL_RULES`, ``None`` for replicated); ``sharding_rules`` points at the same table, so
+of :data:`jppo.parallel.mesh.LOGICAL_RULES`, ``None`` for replicated); ``sharding_rules`` points at the same table, so
 flax's own ``nnx.get_partition_spec`` agrees with :func:`partition_specs`. The mapping to mesh axes is made only
-by :func:`jppo.mesh.logical_to_spec`. Parameters are never sharded eagerly at construction: that is
+by :func:`jppo.parallel.mesh.logical_to_spec`. Parameters are never sharded eagerly at construction: that is
 :func:`create_model`'s job, inside one jit with the shardings as outputs.
 
 Activation hints (:func:`constrain`) apply only while a mesh is set with ``jax.set_mesh(mesh)`` at trace time;
@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jppo.mesh import LOGICAL_RULES, fitted_spec, logical_to_spec
+from jppo.parallel.mesh import LOGICAL_RULES, fitted_spec, logical_to_spec
 from jppo.models.config import ModelConfig
 
 Array = jax.Array
@@ -73,7 +73,7 @@ def partition_specs(model_or_state: nnx.Module | nnx.State) -> nnx.State:
 def param_shardings(model_or_state: nnx.Module | nnx.State, mesh: Mesh) -> nnx.State:
     """The state's structure with each variable's value replaced by its ``NamedSharding`` on ``mesh``: usable as
     jit ``in_shardings``/``out_shardings`` for ``nnx.state(model)``. Dimensions the mesh does not divide stay
-    replicated (:func:`jppo.mesh.fitted_spec`)."""
+    replicated (:func:`jppo.parallel.mesh.fitted_spec`)."""
     return jax.tree.map(
         lambda variable: variable.replace(NamedSharding(mesh, variable_spec(variable, mesh))),
         _state(model_or_state),

@@ -7,7 +7,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jppo.engine import forward_batch, reward_model_fn
-from jppo.experience import Experience
+from jppo.core.experience import Experience
 from jppo.models import load_pretrained
 
 

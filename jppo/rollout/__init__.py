@@ -1,8 +1,8 @@
 """Rollout: sampling responses from a policy with a KV cache, compiled once per prompt-shape bucket."""
 
-from jppo.rollout.batched import Sampler
+from jppo.rollout.sampler import Sampler
 from jppo.rollout.processors import sample_tokens, tempered_log_prob
-from jppo.rollout.sampler import (
+from jppo.rollout.decode import (
     RolloutBatch,
     SamplingParams,
     bucket_length,

@@ -1,419 +1,50 @@
-"""The generation loop: one prefill of the prompt batch, then token-by-token decoding from a KV cache.
-
-For a batch of ``B`` prompts padded to width ``P`` and ``n`` samples per prompt (``R = B n`` rows, prompt-major):
-
-1. positions are ``cumsum(mask) - 1`` and segment ids are ``mask`` (padding is segment 0, so no real token ever
-   attends to it);
-2. the whole prompt batch is prefilled in one call into a :class:`~jppo.models.PromptCache` holding each prompt's
-   keys and values once, however many samples it gets (its ``n`` samples read one shared block), and the logits
-   of each prompt's last real token give the first new token of each of its samples;
-3. step ``t >= 1`` feeds token ``t - 1`` of every row at response slot ``t - 1`` and position ``len(prompt) + t -
-   1`` of a :class:`~jppo.models.ResponseCache` (``R x max_new_tokens`` slots; with continuous batching
-   ``S = max_num_seqs`` rows decode at once and a finished row's slot takes the next waiting row, so the cache has
-   ``S x max_new_tokens`` slots) and samples token ``t``, inside ``lax.while_loop``, which stops once every row
-   has finished.
-
-A row finishes at its first token in ``eos_token_ids`` (kept, and counted in the mask) or after
-``max_new_tokens``; later slots hold ``pad_token_id`` with mask 0 and log-prob 0. A row whose prompt mask is all
-zero (e.g. a filler row that makes the batch divisible by the mesh) gets an empty response.
-
-Row ``r`` draws token ``t`` with ``fold_in(fold_in(key, r), t)`` (:func:`row_keys`): a row's tokens depend on the
-key, its index and its own logits only, whether or not the loop stops early. Nothing leaves the device inside
-the loop, so the program runs unchanged with rows sharded over a mesh.
-
-Compilation depends on the shapes ``(B, P)`` and on :class:`SamplingParams`, never on the prompt contents: pad
-prompts to a few bucketed widths (:func:`pad_prompts`) and one compilation serves every batch in a bucket.
-
-Deliberate differences from verl's vLLM/SGLang rollout: log-probs are always those of the unfiltered tempered
-distribution (vLLM can return them after top-k/top-p), and ``temperature <= 0`` is accepted only with
-``greedy=True`` instead of silently meaning greedy.
-"""
+"""The sampler as a training run calls it: a list of prompts in, this process's rows of an ``Experience`` out."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
-from typing import Any, Callable, Sequence
-
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
+from jax.sharding import Mesh
 
-from jppo.errors import InvalidSetting
-from jppo.models.sharding import constrain
-from jppo.rollout.processors import sample_tokens
+from jppo.core.experience import Experience
+from jppo.parallel.hostlocal import local_rows, to_global, to_local
+from jppo.parallel.mesh import batch_shards
+from jppo.rollout.decode import SamplingParams, make_generate_fn, pad_prompts
 
-Array = jax.Array
 
+class Sampler:
+    """Samples ``params.n`` responses per prompt, rows sharded over the batch axes of ``mesh``.
 
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How to sample; hashable, so it is a static argument of the compiled program.
-
-    Attributes:
-        max_new_tokens: response slots per row (at least 1).
-        temperature: logits are divided by it; must be positive unless ``greedy``.
-        top_k: keep the ``k`` most likely tokens; ``0`` switches the filter off.
-        top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p``; ``1`` is off.
-        greedy: take the most likely token (the key, ``top_k`` and ``top_p`` are then unused).
-        n: samples per prompt.
-        eos_token_ids: tokens that end a response (included in it).
-        pad_token_id: fills response slots after the end.
-        max_num_seqs: rows decoded at once (continuous batching: a finished row's slot is refilled with the next
-            waiting row); ``0``, or at least the number of rows, decodes every row together.
+    Prompts are left-padded to a multiple of ``bucket`` tokens and the batch is filled up to a multiple of the
+    batch shards with empty rows (dropped again), so the sampler compiles once per bucket. Every process passes the
+    same prompt list and gets back the rows of its own shards.
     """
 
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    greedy: bool = False
-    n: int = 1
-    eos_token_ids: tuple[int, ...] = ()
-    pad_token_id: int = 0
-    max_num_seqs: int = 0
+    def __init__(self, graphdef: nnx.GraphDef, pad_id: int, mesh: Mesh, params: SamplingParams, bucket: int):
+        self._fn = make_generate_fn(graphdef, params)
+        self._mesh = mesh
+        self._pad = pad_id
+        self._bucket = bucket
+        self.params = params
 
-    def __post_init__(self) -> None:
-        # A list would make the params unhashable and so unusable as a static argument.
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        for name in ("max_new_tokens", "top_k", "n", "pad_token_id", "max_num_seqs"):
-            if not isinstance(getattr(self, name), (int, np.integer)):
-                raise InvalidSetting("SamplingParams.", name, getattr(self, name), "an integer")
-        problems = {
-            "max_new_tokens": (self.max_new_tokens, self.max_new_tokens >= 1, "an integer >= 1"),
-            "temperature": (self.temperature, self.greedy or self.temperature > 0, "> 0 (or greedy=True)"),
-            "top_k": (self.top_k, self.top_k >= 0, "an integer >= 0 (0 = off)"),
-            "top_p": (self.top_p, 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
-            "n": (self.n, self.n >= 1, "an integer >= 1"),
-            "pad_token_id": (self.pad_token_id, self.pad_token_id >= 0, "a token id >= 0"),
-            "max_num_seqs": (self.max_num_seqs, self.max_num_seqs >= 0, "an integer >= 0 (0 = every row at once)"),
-            "eos_token_ids": (self.eos_token_ids, all(t >= 0 for t in self.eos_token_ids), "token ids >= 0"),
-        }
-        for name, (value, ok, valid) in problems.items():
-            if not ok:
-                raise InvalidSetting("SamplingParams.", name, value, valid)
+    def __call__(self, state: nnx.State, prompts: list[list[int]], key: jax.Array) -> Experience:
+        """This process's sequences; ``group_ids`` holds each row's index in ``prompts``."""
+        filler = (-len(prompts)) % batch_shards(self._mesh)
+        ids, mask = pad_prompts(list(prompts) + [[]] * filler, self._pad, multiple=self._bucket)
+        mine = local_rows(self._mesh, len(ids))
+        with jax.set_mesh(self._mesh):
+            out = self._fn(state, to_global(ids[mine.start : mine.stop], self._mesh),
+                           to_global(mask[mine.start : mine.stop], self._mesh), key)
+        group_ids = np.repeat(np.arange(mine.start, mine.stop), self.params.n)
+        keep = group_ids < len(prompts)  # filler prompts come last
+        rows = range(mine.start * self.params.n, mine.stop * self.params.n)
 
+        def local(array: jax.Array) -> np.ndarray:
+            return to_local(array, rows=rows)[keep]
 
-@struct.dataclass
-class RolloutBatch:
-    """What a rollout produced; ``R = B * n`` rows, prompt-major (``[p0s0, p0s1, ..., p1s0, ...]``).
-
-    Attributes:
-        prompt_ids: ``[R, P]`` the prompts as given (left-padded), each repeated ``n`` times.
-        prompt_mask: ``[R, P]`` bool.
-        response_ids: ``[R, max_new_tokens]`` int32, ``pad_token_id`` after the end.
-        response_mask: ``[R, max_new_tokens]`` bool, generated tokens up to and including the first EOS.
-        log_probs: ``[R, max_new_tokens]`` float32, ``log softmax(logits / T)`` of each sampled token under the
-            unfiltered tempered distribution; 0 where the mask is 0.
-        decode_slots: int32 scalar, row-steps the decoding loop computed (steps x rows decoded at once); every
-            generated token but a row's first took one, so ``sum(response_mask) - rows with a token`` over this
-            is the fraction of decoding work that was useful.
-    """
-
-    prompt_ids: Array
-    prompt_mask: Array
-    response_ids: Array
-    response_mask: Array
-    log_probs: Array
-    decode_slots: Array
-
-
-@struct.dataclass
-class _DecodeState:
-    step: Array  # index of the next token to sample
-    last_tokens: Array  # [R] the token sampled at step - 1
-    done: Array  # [R] finished before this step
-    cache: Any
-    response_ids: Array
-    response_mask: Array
-    log_probs: Array
-
-
-def bucket_length(length: int, multiple: int = 64) -> int:
-    """The smallest positive multiple of ``multiple`` that is ``>= length``: the padded prompt width."""
-    if multiple < 1:
-        raise ValueError(f"bucket multiple={multiple} is invalid: it must be an integer >= 1")
-    if length < 0:
-        raise ValueError(f"prompt length={length} is invalid: it must be >= 0")
-    return max(1, math.ceil(length / multiple)) * multiple
-
-
-def pad_prompts(
-    prompts: Sequence[Sequence[int]], pad_id: int, length: int | None = None, *, multiple: int = 64
-) -> tuple[np.ndarray, np.ndarray]:
-    """Left-pads token lists into ``(ids [B, L] int32, mask [B, L] bool)`` on the host.
-
-    ``L`` is ``length`` if given, else ``bucket_length(longest prompt, multiple)``, so batches whose longest prompt
-    falls in the same bucket share one compiled sampler. An empty prompt gives an all-padding row (and an empty
-    response).
-    """
-    if not prompts:
-        raise ValueError("pad_prompts got no prompts: pass at least one token list")
-    longest = max(len(p) for p in prompts)
-    width = bucket_length(longest, multiple) if length is None else length
-    ids = np.full((len(prompts), width), pad_id, dtype=np.int32)
-    mask = np.zeros((len(prompts), width), dtype=bool)
-    for row, tokens in enumerate(prompts):
-        if len(tokens) > width:
-            raise ValueError(f"prompt {row} has {len(tokens)} tokens, more than the padded length {width}")
-        if len(tokens):
-            ids[row, width - len(tokens) :] = tokens
-            mask[row, width - len(tokens) :] = True
-    return ids, mask
-
-
-def _check_inputs(vocab_size: int, prompt_ids: Any, prompt_mask: Any, params: SamplingParams) -> None:
-    """Shape and id checks: they need only static information, so they run before anything is compiled."""
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-    ids_shape, mask_shape = tuple(np.shape(prompt_ids)), tuple(np.shape(prompt_mask))
-    if len(ids_shape) != 2 or ids_shape != mask_shape:
-        raise ValueError(
-            f"prompt_ids and prompt_mask must both be [batch, prompt_len]; got prompt_ids {ids_shape} and "
-            f"prompt_mask {mask_shape}"
+        return Experience(
+            prompt_ids=local(out.prompt_ids), prompt_mask=local(out.prompt_mask), response_ids=local(out.response_ids),
+            response_mask=local(out.response_mask), rollout_log_prob=np.asarray(local(out.log_probs), np.float32),
+            group_ids=group_ids[keep],
         )
-    if ids_shape[0] == 0 or ids_shape[1] == 0:
-        raise ValueError(f"prompt_ids of shape {ids_shape} is empty: need at least one row and one column")
-    for name, ids in (("eos_token_ids", params.eos_token_ids), ("pad_token_id", (params.pad_token_id,))):
-        if any(t >= vocab_size for t in ids):
-            raise ValueError(f"SamplingParams.{name}={ids} has ids outside the vocabulary of size {vocab_size}")
-
-
-def row_keys(key: Array, rows: Array) -> Array:
-    """The key of each row: ``fold_in(key, row)`` for global row indices ``rows``. Token ``t`` of a row is drawn
-    with ``fold_in(row key, t)``, so a row's sample depends only on its key, its index and its own logits: not on
-    the other rows, the batch size, the loop stopping early or the order rows are decoded in."""
-    return jax.vmap(lambda row: jax.random.fold_in(key, row))(rows)
-
-
-def draw(keys: Array, steps: Array, logits: Array, params: SamplingParams) -> tuple[Array, Array]:
-    """Token ``steps[r]`` of each row from ``logits [R, V]`` with the row keys ``keys [R]``: ``(tokens, log_probs)``."""
-
-    def one(key, step, row_logits):
-        tokens, log_probs = sample_tokens(jax.random.fold_in(key, step), row_logits[None],
-                                          temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                          greedy=params.greedy)
-        return tokens[0], log_probs[0]
-
-    return jax.vmap(one)(keys, steps, logits)
-
-
-def _record(state: _DecodeState, logits: Array, keys: Array, params: SamplingParams) -> _DecodeState:
-    """Samples token ``state.step`` from ``logits`` and writes it (or padding, for finished rows) to the buffers."""
-    tokens, log_probs = draw(keys, jnp.broadcast_to(state.step, keys.shape), logits, params)
-    live = ~state.done
-    tokens = jnp.where(live, tokens, params.pad_token_id)
-    is_eos = jnp.isin(tokens, jnp.asarray(params.eos_token_ids, dtype=jnp.int32)) & live
-    column = state.step
-    return state.replace(
-        step=state.step + 1,
-        last_tokens=tokens,
-        done=state.done | is_eos,
-        response_ids=state.response_ids.at[:, column].set(tokens),
-        response_mask=state.response_mask.at[:, column].set(live),
-        log_probs=state.log_probs.at[:, column].set(jnp.where(live, log_probs, 0.0)),
-    )
-
-
-def prefill(model: Any, prompt_ids: Array, prompt_mask: Array) -> tuple[Any, Array, Array]:
-    """Encodes the prompt batch once: its cache, each prompt's real token count, and the logits of each prompt's
-    last real token (which give the first new token)."""
-    counts = jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32)
-    positions = jnp.where(prompt_mask, counts - 1, 0)
-    hidden, prompt = model.prefill(prompt_ids, positions, prompt_mask.astype(jnp.int32))
-    # The first new token follows each row's last real prompt token (the last column for left-padded prompts).
-    prompt_len = prompt_ids.shape[1]
-    last_real = prompt_len - 1 - jnp.argmax(prompt_mask[:, ::-1], axis=1)
-    first_logits = model.logits(jnp.take_along_axis(hidden, last_real[:, None, None], axis=1)[:, 0])
-    return prompt, counts[:, -1], first_logits
-
-
-def decode_rows(rows: int, max_num_seqs: int) -> int:
-    """How many of a batch's ``rows`` are decoded at once, and so the rows of its response cache: the
-    ``max_num_seqs`` slots of continuous batching when that is fewer, else every row (``0`` means every row)."""
-    return max_num_seqs if 0 < max_num_seqs < rows else rows
-
-
-def response_cache(model: Any, rows: int, params: SamplingParams) -> Any:
-    """The empty response cache the decoding loop fills for a batch of ``rows`` rows: one row per row decoded at
-    once (:func:`decode_rows`), ``params.max_new_tokens`` slots each. With the prompt cache of :func:`prefill` it
-    is all the sampler keeps of keys and values."""
-    return model.init_response_cache(decode_rows(rows, params.max_num_seqs), params.max_new_tokens)
-
-
-def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
-    """Samples responses; a traceable function of arrays (call it under ``jax.jit``, or use :func:`generate`).
-
-    Args:
-        model: a ``CausalLM`` (``prefill``/``decode``/``init_response_cache``/``logits``).
-        prompt_ids: ``[B, P]`` integer, padded (left-padded by :func:`pad_prompts`; any layout works, since
-            each row continues after its last real token).
-        prompt_mask: ``[B, P]`` bool (or 0/1), 1 on real prompt tokens.
-        key: PRNG key.
-        params: static :class:`SamplingParams`.
-    """
-    _check_inputs(model.config.vocab_size, prompt_ids, prompt_mask, params)
-    batch = prompt_ids.shape[0]
-    n, max_new = params.n, params.max_new_tokens
-    prompt_ids = prompt_ids.astype(jnp.int32)
-    prompt_mask = prompt_mask.astype(bool)
-    prompt, prompt_counts, first_logits = prefill(model, prompt_ids, prompt_mask)
-    if decode_rows(batch * n, params.max_num_seqs) < batch * n:
-        out = continuous_rollout(model, prompt, prompt_counts, first_logits, key, params)
-        return out.replace(prompt_ids=jnp.repeat(prompt_ids, n, axis=0), prompt_mask=jnp.repeat(prompt_mask, n, axis=0))
-
-    rows = batch * n
-    layers = model.decoding_layers()
-    keys = row_keys(key, jnp.arange(rows))
-    prompt_tokens = jnp.repeat(prompt_counts, n)
-    state = _DecodeState(
-        step=jnp.zeros((), jnp.int32),
-        last_tokens=jnp.zeros((rows,), jnp.int32),
-        done=prompt_tokens == 0,
-        cache=response_cache(model, rows, params),
-        response_ids=jnp.full((rows, max_new), params.pad_token_id, jnp.int32),
-        response_mask=jnp.zeros((rows, max_new), bool),
-        log_probs=jnp.zeros((rows, max_new), jnp.float32),
-    )
-    state = _record(state, jnp.repeat(first_logits, n, axis=0), keys, params)
-
-    def unfinished(state: _DecodeState) -> Array:
-        return (state.step < max_new) & ~jnp.all(state.done)
-
-    def decode_step(state: _DecodeState) -> _DecodeState:
-        fed = state.step - 1
-        slots = jnp.full((rows,), fed)
-        hidden, cache = model.decode(state.last_tokens, prompt_tokens + fed, prompt, state.cache, slots, layers)
-        return _record(state.replace(cache=cache), model.logits(hidden), keys, params)
-
-    state = jax.lax.while_loop(unfinished, decode_step, state)
-    return RolloutBatch(
-        prompt_ids=jnp.repeat(prompt_ids, n, axis=0),
-        prompt_mask=jnp.repeat(prompt_mask, n, axis=0),
-        response_ids=state.response_ids,
-        response_mask=state.response_mask,
-        log_probs=state.log_probs,
-        decode_slots=(state.step - 1) * rows,
-    )
-
-
-@struct.dataclass
-class _SlotState:
-    slot_row: Array  # [S] the row a slot decodes; R when the slot is idle
-    slot_step: Array  # [S] the index of the row's next token
-    slot_done: Array  # [S] the row finished at its first token: free the slot at the next refill
-    last_tokens: Array  # [S] the token to feed
-    next_row: Array  # the first row not yet given a slot
-    steps: Array  # decoding steps so far
-    cache: Any
-    response_ids: Array
-    response_mask: Array
-    log_probs: Array
-
-
-def continuous_rollout(
-    model: Any, prompt: Any, prompt_counts: Array, first_logits: Array, key: Array, params: SamplingParams
-) -> RolloutBatch:
-    """Continuous batching over ``S = params.max_num_seqs`` slots: rows (prompt-major, ``R = B n``) wait in order;
-    a slot whose row finished takes the next waiting row at once, so no decoding step is spent on a finished row
-    while rows wait. A slot's response cache restarts at slot 0 for its new row (older entries are masked, then
-    overwritten); its prompt block is read from the shared :class:`~jppo.models.PromptCache`. Row ``r`` draws its
-    tokens with the keys of :func:`row_keys` and so gets the same tokens as decoding every row at once. Returns
-    the response fields (the caller adds the prompts).
-    """
-    n, max_new, num_slots = params.n, params.max_new_tokens, params.max_num_seqs
-    rows = first_logits.shape[0] * n
-    keys = row_keys(key, jnp.arange(rows + 1))  # + an idle slot's key, never used
-    eos = jnp.asarray(params.eos_token_ids, dtype=jnp.int32)
-    layers = model.decoding_layers()
-
-    def write(state: _SlotState, rows_written: Array, steps: Array, tokens: Array, log_probs: Array, live: Array):
-        where = (jnp.where(live, rows_written, rows), steps)  # an out-of-range row: the write is dropped
-        return state.replace(
-            response_ids=state.response_ids.at[where].set(tokens, mode="drop"),
-            response_mask=state.response_mask.at[where].set(True, mode="drop"),
-            log_probs=state.log_probs.at[where].set(log_probs, mode="drop"),
-        )
-
-    def refill(state: _SlotState, free: Array) -> _SlotState:
-        """Gives each free slot the next waiting row and samples that row's first token from its prompt."""
-        new_row = state.next_row + jnp.cumsum(free) - 1
-        take = free & (new_row < rows)
-        row = jnp.where(take, new_row, rows)
-        prompt_rows = jnp.minimum(row, rows - 1) // n
-        tokens, log_probs = draw(keys[row], jnp.zeros_like(row), first_logits[prompt_rows], params)
-        live = take & (prompt_counts[prompt_rows] > 0)  # an empty prompt gets an empty response
-        state = write(state, row, jnp.zeros_like(row), tokens, log_probs, live)
-        done_at_once = take & (~live | jnp.isin(tokens, eos) | (max_new == 1))
-        return state.replace(
-            slot_row=jnp.where(free, row, state.slot_row),
-            slot_step=jnp.where(free, 1, state.slot_step),
-            slot_done=jnp.where(free, done_at_once, state.slot_done),
-            last_tokens=jnp.where(free, tokens, state.last_tokens),
-            next_row=state.next_row + jnp.sum(take),
-        )
-
-    def busy(state: _SlotState) -> Array:
-        return jnp.any(state.slot_row < rows)
-
-    def decode_step(state: _SlotState) -> _SlotState:
-        live = (state.slot_row < rows) & ~state.slot_done
-        row = jnp.minimum(state.slot_row, rows - 1)
-        fed = jnp.maximum(state.slot_step - 1, 0)
-        hidden, cache = model.decode(state.last_tokens, prompt_counts[row // n] + fed, prompt, state.cache,
-                                     fed, layers, prompt_rows=row // n)
-        step = jnp.minimum(state.slot_step, max_new - 1)
-        tokens, log_probs = draw(keys[state.slot_row], step, model.logits(hidden), params)
-        state = write(state.replace(cache=cache, steps=state.steps + 1), state.slot_row, step, tokens, log_probs, live)
-        finished = live & (jnp.isin(tokens, eos) | (state.slot_step + 1 >= max_new))
-        state = state.replace(slot_step=state.slot_step + 1, last_tokens=tokens)
-        return refill(state, finished | state.slot_done | (state.slot_row >= rows))
-
-    slots = jnp.full((num_slots,), rows, jnp.int32)
-    state = _SlotState(
-        slot_row=slots,
-        slot_step=jnp.zeros((num_slots,), jnp.int32),
-        slot_done=jnp.zeros((num_slots,), bool),
-        last_tokens=jnp.zeros((num_slots,), jnp.int32),
-        next_row=jnp.zeros((), jnp.int32),
-        steps=jnp.zeros((), jnp.int32),
-        cache=response_cache(model, rows, params),
-        response_ids=jnp.full((rows, max_new), params.pad_token_id, jnp.int32),
-        response_mask=jnp.zeros((rows, max_new), bool),
-        log_probs=jnp.zeros((rows, max_new), jnp.float32),
-    )
-    state = jax.lax.while_loop(busy, decode_step, refill(state, jnp.ones((num_slots,), bool)))
-    by_row = lambda x: constrain(x, ("batch", None))  # noqa: E731  (rows leave sharded like the prompts came)
-    return RolloutBatch(
-        prompt_ids=None, prompt_mask=None, response_ids=by_row(state.response_ids),
-        response_mask=by_row(state.response_mask), log_probs=by_row(state.log_probs),
-        decode_slots=state.steps * num_slots,
-    )
-
-
-@functools.lru_cache(maxsize=32)
-def make_generate_fn(graphdef: nnx.GraphDef, params: SamplingParams) -> Callable[..., RolloutBatch]:
-    """A jitted ``fn(state, prompt_ids, prompt_mask, key) -> RolloutBatch`` for ``graphdef, state = nnx.split(model)``.
-
-    Calls with the same ``(graphdef, params)`` return the same function, so a training loop that splits its policy
-    every step still compiles once per prompt shape. Shape errors are raised at trace time, before compilation.
-    """
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-
-    @jax.jit
-    def generate_fn(state: nnx.State, prompt_ids: Array, prompt_mask: Array, key: Array) -> RolloutBatch:
-        return rollout(nnx.merge(graphdef, state), prompt_ids, prompt_mask, key, params)
-
-    return generate_fn
-
-
-def generate(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
-    """Samples ``params.n`` responses per prompt with ``model``; see :class:`RolloutBatch` for the layout.
-
-    Compiles once per ``(model structure, params, prompt shape)``; inputs are checked while tracing, before that.
-    """
-    graphdef, state = nnx.split(model)
-    return make_generate_fn(graphdef, params)(state, prompt_ids, prompt_mask, key)

@@ -33,24 +33,24 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jppo import build
+from jppo.run import build
 from jppo.advantages import get_estimator
 from jppo.config import TrainConfig
 from jppo.data import Tokenizer
-from jppo.dynamic_sampling import DynamicSamplingError, Scored, concat, sampling_metrics, varied_groups
+from jppo.run.dynamic_sampling import DynamicSamplingError, Scored, concat, sampling_metrics, varied_groups
 from jppo.engine import forward_batch, log_prob_fn, value_fn
 from jppo.engine.assemble import device_rows
-from jppo.experience import Experience
-from jppo.hostlocal import local_rows, local_shards, max_over_processes, replicated_value, sum_over_processes, to_global, to_local
+from jppo.core.experience import Experience
+from jppo.parallel.hostlocal import local_rows, local_shards, max_over_processes, replicated_value, sum_over_processes, to_global, to_local
 from jppo.losses import (
     REJECTION_MODES, AdaptiveKLController, FixedKLController, RolloutCorrection, penalize_rewards, rejected_rows,
 )
-from jppo.mesh import batch_shards
+from jppo.parallel.mesh import batch_shards
 from jppo.rewards.model import RewardModel
 from jppo.rewards.overlong import overlong_penalty
 from jppo.rollout import Sampler
 from jppo.rollout.multiturn import MultiTurnSampler
-from jppo.state import RunState, advance
+from jppo.run.state import RunState, advance
 
 
 def last_token_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
@@ -309,7 +309,7 @@ def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer
     """The step's sampled and scored batch, the data position after the prompts it consumed, and the dynamic
     sampling metrics. Without ``algorithm.filter_groups`` that is one batch of ``data.train_batch_size`` prompts;
     with it, batches are drawn (batch ``g`` > 0 with the key ``fold_in(step key, g)``) until that many varied groups
-    are kept (:mod:`jppo.dynamic_sampling`). Every draw is a function of the seed, the step and the data position,
+    are kept (:mod:`jppo.run.dynamic_sampling`). Every draw is a function of the seed, the step and the data position,
     so a resumed run samples the same batches."""
     cfg = c.cfg
     groups, size = cfg.algorithm.filter_groups, cfg.data.train_batch_size

@@ -3,8 +3,8 @@
 The schema is a tree of frozen dataclasses with verl's section and key names (``data``, ``model``, ``actor``,
 ``critic``, ``ref``, ``rollout``, ``reward``, ``algorithm``, ``mesh``, ``trainer``); the values are in the units a
 user writes (``ppo_mini_batch_size`` counts prompts). OmegaConf merges the file and the overrides onto it and
-checks keys and types; :func:`jppo.validate.validate` then checks every value, and :func:`jppo.views.engine_view`
-derives what the engine is given, in its own units. Every problem is a :class:`~jppo.errors.ConfigError` (one
+checks keys and types; :func:`jppo.config.check.validate` then checks every value, and :func:`jppo.config.views.engine_view`
+derives what the engine is given, in its own units. Every problem is a :class:`~jppo.core.errors.ConfigError` (one
 line naming the key and the value); the command-line entry points print it and exit with status 2, before anything
 is compiled.
 """
@@ -23,18 +23,18 @@ from omegaconf.errors import OmegaConfBaseException
 from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.data import DataConfig
 from jppo.engine.config import ActorSettings, CriticSettings
-from jppo.errors import ConfigError, one_line
+from jppo.core.errors import ConfigError, one_line
 from jppo.models.config import model_settings
 from jppo.models.lora import LoRAConfig
 from jppo.rewards import RewardConfig
-from jppo.validate import check_mesh, resolve_sources, validate
+from jppo.config.check import check_mesh, resolve_sources, validate
 
-# ConfigError (jppo.errors) and check_mesh (jppo.validate) are re-exported: callers import them from here too.
+# ConfigError (jppo.core.errors) and check_mesh (jppo.config.check) are re-exported: callers import them from here too.
 __all__ = ["ConfigError", "TrainConfig", "check_mesh", "load_config", "save_config", "to_dict"]
 
 # The --config help of every command line (train, eval, plan): what runs without a file.
 CONFIG_HELP = (
-    "YAML config. Without one the run uses the config schema's defaults (jppo/config.py): verl-style "
+    "YAML config. Without one the run uses the config schema's defaults (jppo/config/__init__.py): verl-style "
     "hyper-parameters (e.g. actor.optim.lr=1e-6) on the built-in reverse_digits task with a tiny random model. "
     "They are not the quickstart, which is --config configs/quickstart.yaml"
 )
@@ -112,7 +112,7 @@ class RolloutSection:
     ``max_num_seqs``: rows the sampler decodes at once (0: all of a batch). Fewer rows than the batch turns on
     continuous batching: a row that ends hands its slot to the next waiting row, so no decoding step is spent on
     finished rows (responses with a long tail of lengths), at a cost in parallelism per step; each row's tokens
-    are the same either way (:mod:`jppo.rollout.sampler`).
+    are the same either way (:mod:`jppo.rollout.decode`).
 
     ``env``: a multi-turn environment (``builtin:calculator``, ``path/to/file.py:make_env`` or
     ``package.module:make_env``, see :mod:`jppo.rollout.env`); each response then alternates up to ``max_turns``
@@ -143,7 +143,7 @@ class KLControlSection:
 
 @dataclasses.dataclass(frozen=True)
 class FilterGroupsSection:
-    """DAPO's dynamic sampling (:mod:`jppo.dynamic_sampling`): prompt groups whose ``rollout.n`` responses all
+    """DAPO's dynamic sampling (:mod:`jppo.run.dynamic_sampling`): prompt groups whose ``rollout.n`` responses all
     have the same ``metric`` (``reward``: the training reward, overlong shaping included; ``score``: without it)
     are dropped, and prompt batches are sampled until ``data.train_batch_size`` prompts are kept. More than
     ``max_num_gen_batches`` batches in one step (0: no limit) stops the run with an error, as verl does."""
@@ -207,7 +207,7 @@ class TrainerSection:
     progress_bar: bool = True
     plots: bool = True
     critic_warmup: int = 0  # steps that train only the critic
-    # auto | off (also none, null) | an absolute FOLDER: the persistent XLA cache (jppo.compile_cache)
+    # auto | off (also none, null) | an absolute FOLDER: the persistent XLA cache (jppo.run.compile_cache)
     compilation_cache: Optional[str] = "auto"
 
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jppo.masked import NormStats, masked_sum, safe_divide
+from jppo.core.masked import NormStats, masked_sum, safe_divide
 
 Array = jax.Array
 Metrics = dict[str, "Metric"]

@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jppo.mesh import BATCH_AXES, batch_shards
+from jppo.parallel.mesh import BATCH_AXES, batch_shards
 
 T = TypeVar("T")
 

@@ -1,14 +1,14 @@
 """The trainer's config validator: every value of a :class:`~jppo.config.TrainConfig` checked before anything is
-built or compiled, each problem a :class:`~jppo.errors.ConfigError` of one line naming the key and the value as
+built or compiled, each problem a :class:`~jppo.core.errors.ConfigError` of one line naming the key and the value as
 the user wrote them.
 
 :func:`validate` (run by :func:`jppo.config.load_config`) checks names against the registries, numbers against
 the ranges only the trainer gives them, and every setting against the limits of the component that uses it, by
 running that component's own check (the sampler's, the policy loss's, the optimizer's, the update engine's, the
-model's, the KL controller's) on it: its :class:`~jppo.errors.InvalidSetting` is reported under the config key
+model's, the KL controller's) on it: its :class:`~jppo.core.errors.InvalidSetting` is reported under the config key
 (:func:`_as_key`), so each limit is stated once, in the component that relies on it. Batch sizes are checked in
 prompts, as written. :func:`check_mesh` checks them against the batch shards of a mesh by the engine's own check
-on :func:`jppo.views.engine_view`, its messages again naming the prompts the user wrote.
+on :func:`jppo.config.views.engine_view`, its messages again naming the prompts the user wrote.
 """
 
 from __future__ import annotations
@@ -21,31 +21,31 @@ import os
 import pathlib
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from jppo import compile_cache
+from jppo.run import compile_cache
 from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.data import BUILTIN_TASKS
 from jppo.data.datasets import file_list
 from jppo.data.tokenizer import BUILTIN_PREFIX
-from jppo.dynamic_sampling import FILTER_METRICS
+from jppo.run.dynamic_sampling import FILTER_METRICS
 from jppo.engine.config import check_update
 from jppo.engine.driver import check_batch_sizes
 from jppo.engine.optim import check_optim
 from jppo.engine.update import policy_options
-from jppo.errors import ConfigError, InvalidSetting, one_line
+from jppo.core.errors import ConfigError, InvalidSetting, one_line
 from jppo.losses import (
     AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTION_MODES, AdaptiveKLController, check_policy_loss_mode,
     check_policy_options, required_agg_mode,
 )
-from jppo.mesh import resolve_shape
+from jppo.parallel.mesh import resolve_shape
 from jppo.rewards.verify import require_math_verify
 from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, SUPPORTED_MODEL_TYPES
 from jppo.models.hf import read_config
 from jppo.models.layers import HALF_PRECISION_ATTENTION
 from jppo.models.lora import check_fits
 from jppo.models.hub import local_model_dir
-from jppo.paths import is_remote, missing_backend, run_path
+from jppo.core.paths import is_remote, missing_backend, run_path
 from jppo.rollout.env import BUILTIN_ENVS
-from jppo.views import engine_view, rollout_sequences
+from jppo.config.views import engine_view, rollout_sequences
 
 if TYPE_CHECKING:  # jppo.config runs this module's validate
     from jppo.config import TrainConfig
@@ -114,7 +114,7 @@ def validate(cfg: TrainConfig) -> None:
     """Names against the registries, sizes against each other, and every setting against the limits of the
     component that uses it (the sampler's, the policy loss's, the optimizer's, the model's, ...), so a value a
     component would refuse at run time is refused here, before anything compiles. The mesh against the device
-    count is checked by :func:`check_mesh`; files and plug-ins are read by :func:`jppo.build.load_inputs`."""
+    count is checked by :func:`check_mesh`; files and plug-ins are read by :func:`jppo.run.build.load_inputs`."""
     for key, value in _leaves(cfg):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value!r} must be a finite number")
@@ -210,7 +210,7 @@ def _check_model(cfg: TrainConfig) -> None:
                 f"exist for: {', '.join(BUILTIN_TASKS)})"
             )
     if cfg.model.path is None:  # a model built from this section: its own checks (a checkpoint brings its shape)
-        from jppo.build import random_model_config  # noqa: PLC0415 (an import cycle through jppo.config)
+        from jppo.run.build import random_model_config  # noqa: PLC0415 (an import cycle through jppo.config)
 
         with _as_key({}, prefix="model."):
             random_model_config(cfg, None)
@@ -233,7 +233,7 @@ def _check_update(cfg: TrainConfig, section: str) -> None:
 def _adapted_model_config(cfg: TrainConfig, section: str):
     """The shape of the model ``section``'s adapters sit on: a checkpoint's ``config.json`` (``critic.model_path``
     for the critic, else ``model.path``; only the file is read), or the config's random model."""
-    from jppo.build import random_model_config  # noqa: PLC0415 (an import cycle through jppo.config)
+    from jppo.run.build import random_model_config  # noqa: PLC0415 (an import cycle through jppo.config)
 
     path = (cfg.critic.model_path if section == "critic" else None) or cfg.model.path
     return read_config(path) if path else random_model_config(cfg, None)
@@ -303,7 +303,7 @@ _SAMPLING_KEYS = {
 
 
 def _check_rollout(cfg: TrainConfig) -> None:
-    from jppo.build import sampling_params  # noqa: PLC0415 (an import cycle through jppo.config)
+    from jppo.run.build import sampling_params  # noqa: PLC0415 (an import cycle through jppo.config)
 
     for use, keys in _SAMPLING_KEYS.items():
         with _as_key(keys):
@@ -341,7 +341,7 @@ def _check_local_dir(key: str, value: str) -> None:
 
 def _check_compilation_cache(value: Optional[str]) -> None:
     """``auto``, ``off`` (or one of their spellings) or an absolute local folder the run can create
-    (:func:`jppo.compile_cache.folder`)."""
+    (:func:`jppo.run.compile_cache.folder`)."""
     if compile_cache.normalize(value) in (compile_cache.AUTO, compile_cache.OFF):
         return
     with _as_key({}, prefix="trainer."):
@@ -350,7 +350,7 @@ def _check_compilation_cache(value: Optional[str]) -> None:
 
 
 def _check_trainer(cfg: TrainConfig) -> None:
-    from jppo.checkpoint import resolve_resume  # noqa: PLC0415 (orbax: imported when a config is checked)
+    from jppo.run.checkpoint import resolve_resume  # noqa: PLC0415 (orbax: imported when a config is checked)
 
     trainer = cfg.trainer
     _positive("trainer.total_steps", trainer.total_steps)

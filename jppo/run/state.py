@@ -80,7 +80,7 @@ def advance(state: RunState, **changes) -> RunState:
 
 def checkpointed(state: RunState) -> RunState:
     """What a checkpoint holds: ``state`` without frozen parameters (LoRA's base weights), which a run rebuilds as
-    the checkpoint's meta records them (``model.path`` or the seed, :func:`jppo.build.model_record`)."""
+    the checkpoint's meta records them (``model.path`` or the seed, :func:`jppo.run.build.model_record`)."""
     return state.replace(
         actor=state.actor.replace(frozen=None),
         critic=None if state.critic is None else state.critic.replace(frozen=None),

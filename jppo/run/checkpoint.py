@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils.epath import Path
 
-from jppo.paths import run_path
+from jppo.core.paths import run_path
 
 PyTree = Any
 

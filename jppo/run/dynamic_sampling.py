@@ -7,7 +7,7 @@ adds nothing to the policy gradient but still counts in the normalizers (it dilu
 is dropped, as verl does), so the kept batch has the usual fixed shape of ``train_batch_size x n`` rows.
 
 This module holds the batch arithmetic (which groups vary, selecting and joining groups); the sampling loop is
-:func:`jppo.collect.sample_and_score`.
+:func:`jppo.run.collect.sample_and_score`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from jppo.experience import Experience
+from jppo.core.experience import Experience
 
 FILTER_METRICS = ("reward", "score")
 

@@ -30,7 +30,7 @@ from typing import Mapping, Optional
 
 import jax
 
-from jppo.errors import InvalidSetting
+from jppo.core.errors import InvalidSetting
 
 AUTO = "auto"
 OFF = "off"
@@ -65,7 +65,7 @@ def normalize(setting: Optional[str]) -> str:
 
 
 def folder(setting: str) -> pathlib.Path:
-    """The folder a setting other than auto / off names, ``~`` expanded. :class:`~jppo.errors.InvalidSetting` unless
+    """The folder a setting other than auto / off names, ``~`` expanded. :class:`~jppo.core.errors.InvalidSetting` unless
     it is an absolute path (an empty value, a relative folder or a URI such as ``gs://...`` is not: JAX bounds its
     cache only on a local file system)."""
     path = pathlib.Path(os.path.expanduser(setting))

@@ -8,7 +8,7 @@ not produce (no critic: ``values``; no reference: ``ref_log_prob``) is ``None``,
 Every per-token field is response-aligned ``[N, L]``: column ``j`` is response token ``j``. Micro-batching cuts an
 ``Experience`` generically: the rows of every present field move together (:meth:`Experience.take`,
 ``jax.tree.map``), and the per-token fields travel into the losses as the ``slots`` of
-:class:`jppo.microbatch.MicroBatches`, an ``Experience`` whose per-token arrays are ``[K, D, S, L]`` and whose
+:class:`jppo.engine.microbatch.MicroBatches`, an ``Experience`` whose per-token arrays are ``[K, D, S, L]`` and whose
 token arrays are ``None`` (the model reads packed token rows instead).
 """
 

@@ -23,7 +23,7 @@ from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
 from jppo.rollout import SamplingParams
 from jppo.rollout.env import EnvFactory, load_env, stop_token_ids
 
-log = logging.getLogger("jppo.build")
+log = logging.getLogger("jppo.run.build")
 
 
 @dataclasses.dataclass
@@ -170,7 +170,7 @@ def model_record(cfg: TrainConfig, seed: int, checksums: Optional[dict[str, Opti
     a checkpoint leaves out what the run can rebuild (LoRA's frozen base weights; a KL reference copied from the
     initial policy). ``trainer.seed``: the seed the random weights were drawn from; the policy's shape (the
     ``model.*`` keys of a random model, of ``model.path``'s ``config.json`` for a loaded one); whether a critic
-    trains; each role's adapters; and ``<role>.base_checksum``, the :func:`jppo.checkpoint.fingerprint` of a LoRA
+    trains; each role's adapters; and ``<role>.base_checksum``, the :func:`jppo.run.checkpoint.fingerprint` of a LoRA
     role's frozen base when it is loaded from a file (``checksums``; a random base is the seed and the keys)."""
     record = {"trainer.seed": seed, "model.path": cfg.model.path, "critic.enable": cfg.use_critic,
               "critic.model_path": cfg.critic.model_path}

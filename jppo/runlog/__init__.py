@@ -42,7 +42,7 @@ from typing import Any, Mapping, Sequence, TextIO
 
 from tqdm import tqdm
 
-from jppo.paths import is_remote, run_path
+from jppo.core.paths import is_remote, run_path
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

@@ -2,7 +2,7 @@
 
 :class:`InvalidSetting` is what a component raises for one setting outside its valid range. It carries the
 setting's name, its value and the valid range as well as the one-line message, so the trainer's config validator
-(:mod:`jppo.validate`) can run a component's own check before anything is built and report the failure under the
+(:mod:`jppo.config.check`) can run a component's own check before anything is built and report the failure under the
 config key that holds the setting (``rollout.val_n`` for the validation sampler's ``SamplingParams.n``): one
 limit, stated once, in the component that relies on it.
 

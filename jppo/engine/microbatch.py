@@ -6,7 +6,7 @@ the losses see:
 - token rows ``input_ids, positions, segment_ids``: ``[K, D, R, W]`` (K micro-batches, D batch shards, R rows of
   width W per shard). Segment ids mark which sequence a token belongs to (0 = padding), so several sequences
   packed in one row never attend to each other, and positions restart at 0 for each sequence;
-- sequence slots ``slots``: the per-token fields of the :class:`~jppo.experience.Experience` (response mask, old
+- sequence slots ``slots``: the per-token fields of the :class:`~jppo.core.experience.Experience` (response mask, old
   log-probs, advantages, ...) as ``[K, D, S, L]``, one response per slot, response-aligned as in the rollout;
 - ``gather_index [K, D, S, L]``: for response token ``j`` of slot ``s``, the flat index in the shard's ``R * W``
   token grid of the position whose next-token prediction is that token. The engine gathers per-token model
@@ -35,14 +35,14 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jppo.experience import Experience
+from jppo.core.experience import Experience
 
 
 @dataclasses.dataclass(frozen=True)
 class MicroBatches:
     """Fixed-shape micro-batches of one mini-batch (see the module docstring for the layout); a pytree.
 
-    ``slots`` is an :class:`~jppo.experience.Experience` holding only per-token fields, ``[K, D, S, L]``.
+    ``slots`` is an :class:`~jppo.core.experience.Experience` holding only per-token fields, ``[K, D, S, L]``.
     """
 
     input_ids: np.ndarray

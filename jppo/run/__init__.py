@@ -1,0 +1,1 @@
+"""A training run: its state, models and inputs, the collect and learn phases, checkpoints."""
