@@ -1,7 +1,7 @@
 """Micro-batches assembled on the devices: the same arrays as the host cut, and rows that cross to the devices once.
 
 An update (and a forward pass) sends the batch's rows once, carrying only what its loss reads; every cut of those
-rows (each epoch's mini-batches, each forward pass) then costs only its plan, one int32 row id and offset per slot.
+rows (each epoch's mini-batches, each forward pass) then costs only its cut: one int32 row id and offset per slot.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from jppo.engine.assemble import assemble, device_rows, host_rows
 from jppo.engine.update import loss_inputs
 from jppo.core.experience import PER_TOKEN_FIELDS
 from jppo.parallel.mesh import make_mesh
-from jppo.engine.microbatch import make_micro_batches, plan_micro_batches, stack_micro_batches
+from jppo.engine.microbatch import make_micro_batches, cut_micro_batches, stack_micro_batches
 from jppo.models.decoder import CausalLM, ValueModel
 from jppo.models.sharding import create_model
 
@@ -50,44 +50,44 @@ def assert_same_arrays(device, host):
 
 
 @pytest.mark.parametrize("shards", [1, 2, 4])
-@pytest.mark.parametrize("cut", [dict(micro_batch_size=1), dict(micro_batch_size=4), dict(max_token_len=11),
+@pytest.mark.parametrize("sizes", [dict(micro_batch_size=1), dict(micro_batch_size=4), dict(max_token_len=11),
                                  dict(max_token_len=40)])
-def test_assembled_micro_batches_equal_the_host_cut(shards, cut):
+def test_assembled_micro_batches_equal_the_host_cut(shards, sizes):
     batch = float32_batch(shards)
     mesh = mesh_of(shards)
     fields = ("old_log_prob", "advantages")
-    plan = plan_micro_batches(batch.lengths(), shards, **cut)
-    micro = assemble(device_rows(batch, fields, mesh), plan, mesh, cut.get("max_token_len"))
-    host = make_micro_batches(dataclasses.replace(batch.keep_per_token(fields), group_ids=None), shards, **cut)
+    cut = cut_micro_batches(batch.lengths(), shards, **sizes)
+    micro = assemble(device_rows(batch, fields, mesh), cut, mesh, sizes.get("max_token_len"))
+    host = make_micro_batches(dataclasses.replace(batch.keep_per_token(fields), group_ids=None), shards, **sizes)
     assert_same_arrays(micro, host)
-    np.testing.assert_array_equal(plan[0], host.row_ids)
+    np.testing.assert_array_equal(cut[0], host.row_ids)
 
 
 def test_forward_pass_rows_carry_the_tokens_alone():
     batch = float32_batch(0)
     mesh = mesh_of(2)
-    plan = plan_micro_batches(batch.lengths(), 2, max_token_len=16)
-    micro = assemble(device_rows(batch, None, mesh), plan, mesh, 16)
+    cut = cut_micro_batches(batch.lengths(), 2, max_token_len=16)
+    micro = assemble(device_rows(batch, None, mesh), cut, mesh, 16)
     assert micro.slots is None
     assert_same_arrays(micro, make_micro_batches(batch, 2, max_token_len=16).token_rows())
 
 
 @pytest.mark.parametrize("shards", [2, 4])
-@pytest.mark.parametrize("role,cut", [
+@pytest.mark.parametrize("role,sizes", [
     ("actor", dict(ppo_micro_batch_size=2)), ("actor", dict(use_dynamic_bsz=True, ppo_max_token_len=13)),
     ("critic", dict(use_dynamic_bsz=True, ppo_max_token_len=24)),
 ])
-def test_planned_steps_assemble_to_the_stacked_host_cut_of_every_epoch(shards, role, cut):
+def test_cut_steps_assemble_to_the_stacked_host_cut_of_every_epoch(shards, role, sizes):
     """Shuffled mini-batches of three epochs: rows move between shards, and each step is the host's cut."""
-    from jppo.engine.driver import global_lengths, plan_steps
+    from jppo.engine.driver import global_lengths, step_cuts
 
     batch = float32_batch(7)
     mesh = mesh_of(shards)
     config = ActorConfig if role == "actor" else CriticConfig
-    cfg = config(ppo_mini_batch_size=8, ppo_epochs=3, use_kl_loss=True, **cut) if role == "actor" else config(
-        ppo_mini_batch_size=8, ppo_epochs=3, **cut)
-    plan = plan_steps(global_lengths(batch, mesh), cfg, mesh, np.random.default_rng(3))
-    micro = assemble(device_rows(batch, loss_inputs(cfg), mesh), plan, mesh,
+    cfg = config(ppo_mini_batch_size=8, ppo_epochs=3, use_kl_loss=True, **sizes) if role == "actor" else config(
+        ppo_mini_batch_size=8, ppo_epochs=3, **sizes)
+    cut = step_cuts(global_lengths(batch, mesh), cfg, mesh, np.random.default_rng(3))
+    micro = assemble(device_rows(batch, loss_inputs(cfg), mesh), cut, mesh,
                      cfg.ppo_max_token_len if cfg.use_dynamic_bsz else None)
     assert_same_arrays(micro, stack_micro_batches(cut_steps(batch, cfg, mesh, np.random.default_rng(3))))
 
@@ -134,10 +134,10 @@ def host_to_device_bytes():
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
-@pytest.mark.parametrize("cut", [dict(ppo_micro_batch_size=2), dict(use_dynamic_bsz=True, ppo_max_token_len=48)])
-def test_an_update_sends_its_rows_once_and_each_epoch_only_its_plan(role, cut):
+@pytest.mark.parametrize("sizes", [dict(ppo_micro_batch_size=2), dict(use_dynamic_bsz=True, ppo_max_token_len=48)])
+def test_an_update_sends_its_rows_once_and_each_epoch_only_its_plan(role, sizes):
     """The bytes an update sends to the devices are the rows with the loss's fields (computed here from the batch's
-    shape) plus less than one per-token field for the plans of ALL its epochs: an extra epoch re-sends no rows."""
+    shape) plus less than one per-token field for the cuts of ALL its epochs: an extra epoch re-sends no rows."""
     shards, n, p, length = 2, 16, 5, 40
     batch = float32_batch(1, n=n, length=length)
     mesh = mesh_of(shards)
@@ -146,7 +146,7 @@ def test_an_update_sends_its_rows_once_and_each_epoch_only_its_plan(role, cut):
     field = n * length * 4  # one float32 per-token field
     tokens = n * p * (4 + 1) + n * length * (4 + 1)  # int32 ids and bool masks of prompts and responses
     for epochs in (1, 3):
-        cfg = config(ppo_mini_batch_size=8, ppo_epochs=epochs, loss_scale_factor=float(length), **cut)
+        cfg = config(ppo_mini_batch_size=8, ppo_epochs=epochs, loss_scale_factor=float(length), **sizes)
         graphdef, params = nnx.split(create_model(model_cls, tiny_config("float32"), mesh, seed=0), nnx.Param)
         step = UpdateStep(graphdef, loss_fn(cfg), cfg, mesh, role)
         state = init_train_state(params, cfg, mesh)
@@ -156,8 +156,8 @@ def test_an_update_sends_its_rows_once_and_each_epoch_only_its_plan(role, cut):
         assert rows <= sent[0] < rows + field, (epochs, sent[0], rows)
 
 
-@pytest.mark.parametrize("cut", [dict(micro_batch_size=2), dict(max_token_len=24)])
-def test_forward_pass_on_assembled_micro_batches_equals_the_host_cut(cut):
+@pytest.mark.parametrize("sizes", [dict(micro_batch_size=2), dict(max_token_len=24)])
+def test_forward_pass_on_assembled_micro_batches_equals_the_host_cut(sizes):
     """Log-probs through the device-assembled micro-batches and the on-device scatter to row order are those of the
     host-built micro-batches scattered back on the host, bit for bit; the token rows may be shared by passes."""
     from jppo.engine import forward_batch, log_prob_fn
@@ -168,10 +168,10 @@ def test_forward_pass_on_assembled_micro_batches_equals_the_host_cut(cut):
     mesh = mesh_of(2)
     graphdef, params = nnx.split(create_model(CausalLM, tiny_config("float32"), mesh, seed=1), nnx.Param)
     fn = log_prob_fn(graphdef, temperature=0.7, chunk_size=4)
-    host = make_micro_batches(batch, 2, **cut)
+    host = make_micro_batches(batch, 2, **sizes)
     with jax.set_mesh(mesh):
         slots = np.asarray(fn(params, place(host.token_rows(), mesh)))
     expected = np.where(batch.response_mask, scatter_back(slots, host.row_ids, batch.num_sequences), 0.0)
     tokens = device_rows(batch, None, mesh)
     for rows in (None, tokens, tokens):
-        np.testing.assert_array_equal(forward_batch(fn, params, batch, mesh, rows=rows, **cut), expected)
+        np.testing.assert_array_equal(forward_batch(fn, params, batch, mesh, rows=rows, **sizes), expected)

@@ -61,9 +61,9 @@ def engine_step(model_cls, cfg, mesh, batch, seed=0, dtype="float64"):
     model = create_model(model_cls, tiny_config(dtype), mesh, seed=seed)
     graphdef, params = nnx.split(model, nnx.Param)
     loss = actor_loss_fn(cfg) if isinstance(cfg, ActorConfig) else critic_loss_fn(cfg)
-    prefix = "actor" if isinstance(cfg, ActorConfig) else "critic"
+    role = "actor" if isinstance(cfg, ActorConfig) else "critic"
     state = init_train_state(params, cfg, mesh, keep_gradient=True)
-    step = UpdateStep(graphdef, loss, cfg, mesh, prefix, keep_gradient=True)
+    step = UpdateStep(graphdef, loss, cfg, mesh, role, keep_gradient=True)
     state, metrics, gradients = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0))
     return state, metrics, jax.tree.map(lambda g: g[0], jax.device_get(gradients))
 

@@ -1,13 +1,13 @@
 """Micro-batches assembled on the devices, from batch rows that crossed to them once.
 
-The host decides a cut from the sequences' lengths alone (:func:`jppo.engine.microbatch.plan_micro_batches`: which
-sequence sits in each slot, and at which column of its token row it starts); :func:`assemble` builds from that plan
+The host decides a cut from the sequences' lengths alone (:func:`jppo.engine.microbatch.cut_micro_batches`: which
+sequence sits in each slot, and at which column of its token row it starts); :func:`assemble` builds from that cut
 and the rows already on the devices exactly the arrays :func:`jppo.engine.microbatch.make_micro_batches` builds on the
 host. So a batch's tokens and per-token fields cross to the devices once per use (:func:`device_rows`), and every
-further cut of the same rows (another epoch, another mini-batch order, another forward pass) costs its plan, two
+further cut of the same rows (another epoch, another mini-batch order, another forward pass) costs its cut, two
 int32 arrays of one entry per slot, instead of a re-cut copy of the rows.
 
-The rows are sharded over the batch axes like any batch; the plan's slots name global rows, so a slot on shard d
+The rows are sharded over the batch axes like any batch; the cut's slots name global rows, so a slot on shard d
 may read a row held by another shard (or host): the gather runs inside one jitted program, where XLA moves rows
 between the devices, never through a host.
 """
@@ -27,7 +27,7 @@ from jppo.core.experience import Experience
 from jppo.parallel.mesh import BATCH_AXES
 from jppo.engine.microbatch import MicroBatches, fixed_gather_index
 
-Plan = tuple[np.ndarray, np.ndarray]  # row_ids, offsets: [..., D, S] each
+Cut = tuple[np.ndarray, np.ndarray]  # row_ids, offsets: [..., D, S] each
 
 
 def host_rows(batch: Experience, per_token: tuple[str, ...] | None) -> Experience:
@@ -50,7 +50,7 @@ def device_rows(batch: Experience, per_token: tuple[str, ...] | None, mesh: Mesh
 
 
 def assemble_rows(rows: Experience, row_ids: jax.Array, offsets: jax.Array, width: int | None) -> MicroBatches:
-    """The micro-batches of plan ``(row_ids, offsets)`` (``[..., S]``, -1: empty slot) over ``rows``: token rows
+    """The micro-batches of cut ``(row_ids, offsets)`` (``[..., S]``, -1: empty slot) over ``rows``: token rows
     ``[..., R, W]`` and slots ``[..., S, L]`` (every per-token field ``rows`` carries besides its tokens).
 
     ``width`` None: the fixed layout (one sequence per row, ``R = S``, ``W = P + L``, the rollout's own columns).
@@ -111,16 +111,16 @@ def _assembler(mesh: Mesh, width: int | None, scanned: int):
     return jax.jit(functools.partial(assemble_rows, width=width), out_shardings=sharding)
 
 
-def place_plan(plan: Plan, mesh: Mesh) -> dict[str, jax.Array]:
-    """This process's part of a plan (``[..., D_local, S]``: its own shards' slots, naming global rows) as global
+def place_cut(cut: Cut, mesh: Mesh) -> dict[str, jax.Array]:
+    """This process's part of a cut (``[..., D_local, S]``: its own shards' slots, naming global rows) as global
     arrays ``row_ids`` and ``offsets``, sharded over the batch axes."""
-    return place({"row_ids": plan[0], "offsets": plan[1]}, mesh, scanned=plan[0].ndim - 2)
+    return place({"row_ids": cut[0], "offsets": cut[1]}, mesh, scanned=cut[0].ndim - 2)
 
 
-def assemble(rows: Experience, plan: Plan | dict[str, jax.Array], mesh: Mesh, width: int | None) -> MicroBatches:
-    """:func:`assemble_rows` of a plan (host arrays, or already placed by :func:`place_plan`), as global
+def assemble(rows: Experience, cut: Cut | dict[str, jax.Array], mesh: Mesh, width: int | None) -> MicroBatches:
+    """:func:`assemble_rows` of a cut (host arrays, or already placed by :func:`place_cut`), as global
     micro-batch arrays sharded over the batch axes like :func:`jppo.engine.layout.place`'s."""
-    placed = place_plan(plan, mesh) if isinstance(plan, tuple) else plan
+    placed = place_cut(cut, mesh) if isinstance(cut, tuple) else cut
     with jax.set_mesh(mesh):
         scanned = placed["row_ids"].ndim - 2
         return _assembler(mesh, width, scanned)(rows, placed["row_ids"], placed["offsets"])

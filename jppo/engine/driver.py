@@ -1,10 +1,10 @@
 """From a rollout batch to optimizer steps: epochs, shuffled mini-batches, micro-batches, metrics.
 
-Host-side orchestration only; everything per token runs on the devices. The host plans the cut of all
+Host-side orchestration only; everything per token runs on the devices. The host decides the cut of all
 mini-batches of all epochs from the rows' lengths (which sequence goes to which slot); the rows cross to the
 devices once, the micro-batches of every step are assembled there (:mod:`jppo.engine.assemble`), and ONE compiled
 call (:class:`~jppo.engine.update.UpdateStep`) scans over the optimizer steps, so the host neither dispatches nor
-waits between mini-batches, and an extra epoch sends its plan, not a copy of the rows.
+waits between mini-batches, and an extra epoch sends its cut, not a copy of the rows.
 
 Which rows share an optimizer step is decided over the global rows, from the seed and the step alone, so a run
 does not depend on the mesh or the number of processes; the rows of each step are then dealt to the batch shards
@@ -25,7 +25,7 @@ from jppo.engine.update import TrainState, UpdateStep, loss_inputs
 from jppo.parallel.hostlocal import all_rows, local_shards, max_over_processes, replicated_value, take_rows
 from jppo.parallel.mesh import batch_shards
 from jppo.core.experience import Experience
-from jppo.engine.microbatch import MicroBatches, make_micro_batches, pad_plan, plan_micro_batches
+from jppo.engine.microbatch import MicroBatches, make_micro_batches, pad_cut, cut_micro_batches
 
 
 class Updated(NamedTuple):
@@ -38,15 +38,16 @@ class Updated(NamedTuple):
 
 
 def check_batch_sizes(
-    cfg: UpdateConfig, num_sequences: int, num_shards: int, section: str, mini_batch: str | None = None
+    cfg: UpdateConfig, num_sequences: int, num_shards: int, role: str, mini_batch: str | None = None
 ) -> None:
-    """One-line errors for batch sizes that cannot be cut evenly (raised before anything compiles).
+    """One-line errors for batch sizes of ``role`` (``actor``/``critic``) that cannot be cut evenly (raised before
+    anything compiles).
 
     ``mini_batch`` is how the messages state the mini-batch size: by default in the engine's unit
     (``actor.ppo_mini_batch_size=64 sequences``); the trainer's validator states it as its user wrote it
     (``actor.ppo_mini_batch_size=8 (prompts) x rollout.n=8 = 64 sequences``)."""
     mini = cfg.ppo_mini_batch_size
-    mini_batch = mini_batch or f"{section}.ppo_mini_batch_size={mini} sequences"
+    mini_batch = mini_batch or f"{role}.ppo_mini_batch_size={mini} sequences"
     if mini < 1 or num_sequences % mini:
         raise ValueError(f"{mini_batch} does not divide the rollout batch of {num_sequences} sequences")
     if mini % num_shards:
@@ -57,7 +58,7 @@ def check_batch_sizes(
         if micro < 1 or micro > per_shard or per_shard % micro:
             problem = "must be between 1 and" if micro < 1 or micro > per_shard else "does not divide"
             raise ValueError(
-                f"{section}.ppo_micro_batch_size={micro} {problem} the {per_shard} sequences per batch shard of a "
+                f"{role}.ppo_micro_batch_size={micro} {problem} the {per_shard} sequences per batch shard of a "
                 f"mini-batch ({mini_batch} over {num_shards} shards)"
             )
 
@@ -119,25 +120,25 @@ def cut_steps(batch: Experience, cfg: UpdateConfig, mesh: Mesh, rng: np.random.G
     return [micro_batches_for(mine.take(local[:, i].reshape(-1)), cfg, len(owned)) for i in range(len(steps))]
 
 
-def plan_steps(
+def step_cuts(
     lengths: np.ndarray, cfg: UpdateConfig, mesh: Mesh, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
     """The cut of every optimizer step of ``ppo_epochs`` passes, as :func:`cut_steps` makes it, without its arrays:
     ``row_ids`` and ``offsets`` ``[M, K, D_local, S]`` of this process's shards (see
-    :func:`jppo.engine.microbatch.plan_micro_batches`), whose slots name GLOBAL rows. ``lengths``: every global row's real
+    :func:`jppo.engine.microbatch.cut_micro_batches`), whose slots name GLOBAL rows. ``lengths``: every global row's real
     length (:func:`global_lengths`). K and S are padded to their largest over the steps and the processes."""
     shards, owned = batch_shards(mesh), local_shards(mesh)
     steps = mini_batches(len(lengths), cfg, rng)
     layout = shard_layout(steps, shards)[owned.start : owned.stop]  # [D_local, M, B / D] global rows
-    cut = dict(max_token_len=cfg.ppo_max_token_len) if cfg.use_dynamic_bsz else dict(
+    sizes = dict(max_token_len=cfg.ppo_max_token_len) if cfg.use_dynamic_bsz else dict(
         micro_batch_size=cfg.ppo_micro_batch_size)
-    plans = []
+    cuts = []
     for i in range(len(steps)):
         rows = layout[:, i].reshape(-1)
-        row_ids, offsets = plan_micro_batches(lengths[rows], len(owned), **cut)
-        plans.append((np.where(row_ids >= 0, rows[np.maximum(row_ids, 0)], -1).astype(np.int32), offsets))
-    k, s = max_over_processes([max(p[0].shape[0] for p in plans), max(p[0].shape[2] for p in plans)])
-    padded = [pad_plan(row_ids, offsets, int(k), int(s)) for row_ids, offsets in plans]
+        row_ids, offsets = cut_micro_batches(lengths[rows], len(owned), **sizes)
+        cuts.append((np.where(row_ids >= 0, rows[np.maximum(row_ids, 0)], -1).astype(np.int32), offsets))
+    k, s = max_over_processes([max(p[0].shape[0] for p in cuts), max(p[0].shape[2] for p in cuts)])
+    padded = [pad_cut(row_ids, offsets, int(k), int(s)) for row_ids, offsets in cuts]
     return np.stack([row_ids for row_ids, _ in padded]), np.stack([offsets for _, offsets in padded])
 
 
@@ -159,15 +160,15 @@ def run_updates(
 
     The rows cross to the devices once, with only the per-token fields the role's loss reads
     (:func:`~jppo.engine.update.loss_inputs`); the micro-batches of every step of every epoch are then assembled
-    on the devices from the host's plan (:func:`plan_steps`, :func:`jppo.engine.assemble.assemble`): the same
+    on the devices from the host's cut (:func:`step_cuts`, :func:`jppo.engine.assemble.assemble`): the same
     arrays :func:`cut_steps` would build and send, so the update is the same, while an extra epoch sends only its
-    plan."""
+    cut."""
     rows = device_rows(batch, loss_inputs(cfg), mesh)
-    plan = plan_steps(global_lengths(batch, mesh), cfg, mesh, rng)
-    micro = assemble(rows, plan, mesh, cfg.ppo_max_token_len if cfg.use_dynamic_bsz else None)
+    cut = step_cuts(global_lengths(batch, mesh), cfg, mesh, rng)
+    micro = assemble(rows, cut, mesh, cfg.ppo_max_token_len if cfg.use_dynamic_bsz else None)
     state, per_step, gradients = step(state, micro)
     per_step = {name: replicated_value(values) for name, values in per_step.items()}
-    host = [{name: float(values[i]) for name, values in per_step.items()} for i in range(plan[0].shape[0])]
+    host = [{name: float(values[i]) for name, values in per_step.items()} for i in range(cut[0].shape[0])]
     return Updated(state, summarize_steps(host), gradients)
 
 

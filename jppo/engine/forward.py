@@ -18,12 +18,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jppo.engine.assemble import assemble, device_rows, place_plan
+from jppo.engine.assemble import assemble, device_rows, place_cut
 from jppo.engine.update import Batch, policy_outputs, value_outputs
 from jppo.parallel.hostlocal import local_rows, local_shards, max_over_processes, to_local
 from jppo.core.experience import Experience
 from jppo.parallel.mesh import BATCH_AXES, batch_shards
-from jppo.engine.microbatch import pad_plan, plan_micro_batches
+from jppo.engine.microbatch import pad_cut, cut_micro_batches
 
 
 def _per_micro_batch(fn: Callable[[nnx.Module, Batch], jax.Array], graphdef: nnx.GraphDef):
@@ -79,30 +79,30 @@ def forward_batch(
     returns ``[N_local, L]`` float32, 0 outside the response mask.
 
     ``rows``: ``batch``'s token arrays already on the devices (:func:`jppo.engine.assemble.device_rows` with no
-    per-token fields), shared by several passes over the same batch; placed here when not given. Only the plan
-    of the cut crosses per pass; the micro-batches are assembled on the devices, and the outputs are put back in
+    per-token fields), shared by several passes over the same batch; placed here when not given. Only the cut
+    (row ids and offsets) crosses per pass; the micro-batches are assembled on the devices, and the outputs are put back in
     row order there, so what comes back is ``[N_local, L]``, not the slots."""
     if rows is None:
         rows = device_rows(batch, None, mesh)
     num_global = batch.num_sequences * batch_shards(mesh) // len(local_shards(mesh))
-    plan = local_plan(batch.lengths(), mesh, micro_batch_size=micro_batch_size, max_token_len=max_token_len)
-    plan = place_plan(plan, mesh)
+    cut = local_cut(batch.lengths(), mesh, micro_batch_size=micro_batch_size, max_token_len=max_token_len)
+    cut = place_cut(cut, mesh)
     with jax.set_mesh(mesh):
-        slots = fn(params, assemble(rows, plan, mesh, max_token_len))
-        out = _in_row_order(mesh, num_global)(slots, plan["row_ids"])
+        slots = fn(params, assemble(rows, cut, mesh, max_token_len))
+        out = _in_row_order(mesh, num_global)(slots, cut["row_ids"])
     out = to_local(out, rows=local_rows(mesh, num_global))
     return np.where(batch.response_mask.astype(bool), out, 0.0).astype(np.float32)
 
 
-def local_plan(lengths: np.ndarray, mesh: Mesh, **cut) -> tuple[np.ndarray, np.ndarray]:
-    """The cut of this process's rows (:func:`jppo.engine.microbatch.plan_micro_batches` over its own shards), K and S
+def local_cut(lengths: np.ndarray, mesh: Mesh, **sizes) -> tuple[np.ndarray, np.ndarray]:
+    """The cut of this process's rows (:func:`jppo.engine.microbatch.cut_micro_batches` over its own shards), K and S
     padded to their largest over the processes, its slots naming GLOBAL rows."""
     owned = local_shards(mesh)
-    row_ids, offsets = plan_micro_batches(lengths, len(owned), **cut)
+    row_ids, offsets = cut_micro_batches(lengths, len(owned), **sizes)
     k, s = max_over_processes([row_ids.shape[0], row_ids.shape[2]])
     start = local_rows(mesh, len(lengths) * batch_shards(mesh) // len(owned)).start
     row_ids = np.where(row_ids >= 0, row_ids + start, -1).astype(np.int32)
-    return pad_plan(row_ids, offsets, int(k), int(s))
+    return pad_cut(row_ids, offsets, int(k), int(s))
 
 
 @functools.lru_cache(maxsize=16)

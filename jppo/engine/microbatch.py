@@ -88,7 +88,7 @@ def _slots(batch: Experience, row_ids: np.ndarray) -> Experience:
     return dataclasses.replace(slots, response_mask=slots.response_mask.astype(bool))
 
 
-def fixed_plan(num_sequences: int, num_shards: int, micro_batch_size: int) -> np.ndarray:
+def fixed_cut(num_sequences: int, num_shards: int, micro_batch_size: int) -> np.ndarray:
     """``row_ids [K, D, m]`` of the fixed cut: micro-batch k of shard d is the k-th block of ``m`` of that shard's
     rows (one sequence per token row, so every offset is 0)."""
     if micro_batch_size < 1:
@@ -111,7 +111,7 @@ def fixed_plan(num_sequences: int, num_shards: int, micro_batch_size: int) -> np
 
 def fixed_micro_batches(batch: Experience, num_shards: int, micro_batch_size: int) -> MicroBatches:
     """``micro_batch_size`` sequences per shard per micro-batch, one sequence per row."""
-    row_ids = fixed_plan(batch.num_sequences, num_shards, micro_batch_size)
+    row_ids = fixed_cut(batch.num_sequences, num_shards, micro_batch_size)
     k = row_ids.shape[0]
     p = batch.prompt_ids.shape[1]
     length = batch.response_ids.shape[1]
@@ -151,7 +151,7 @@ def _first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]
     return bins
 
 
-def packed_plan(lengths: np.ndarray, num_shards: int, max_token_len: int) -> tuple[np.ndarray, np.ndarray]:
+def packed_cut(lengths: np.ndarray, num_shards: int, max_token_len: int) -> tuple[np.ndarray, np.ndarray]:
     """``row_ids [K, D, S]`` and ``offsets [K, D, S]`` of the token-budget cut, from the sequences' real lengths
     alone: each shard's sequences packed first-fit-decreasing into rows of ``max_token_len``, slot s of a row
     starting at column ``offsets`` (the sum of the lengths before it); K and S rounded up to powers of two."""
@@ -175,7 +175,7 @@ def packed_plan(lengths: np.ndarray, num_shards: int, max_token_len: int) -> tup
 
 def packed_micro_batches(batch: Experience, num_shards: int, max_token_len: int) -> MicroBatches:
     """Sequences packed into one row of ``max_token_len`` tokens per shard per micro-batch."""
-    row_ids, offsets = packed_plan(batch.lengths(), num_shards, max_token_len)
+    row_ids, offsets = packed_cut(batch.lengths(), num_shards, max_token_len)
     k, _, s = row_ids.shape
     length = batch.response_ids.shape[1]
     input_ids = np.zeros((k, num_shards, 1, max_token_len), np.int32)
@@ -214,7 +214,7 @@ def make_micro_batches(
     return packed_micro_batches(batch, num_shards, max_token_len)
 
 
-def plan_micro_batches(
+def cut_micro_batches(
     lengths: np.ndarray, num_shards: int, *, micro_batch_size: int | None = None, max_token_len: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """The cut of :func:`make_micro_batches` without its arrays: ``row_ids [K, D, S]`` and ``offsets [K, D, S]``,
@@ -222,9 +222,9 @@ def plan_micro_batches(
     if (micro_batch_size is None) == (max_token_len is None):
         raise ValueError("give exactly one of micro_batch_size (fixed) or max_token_len (token budget)")
     if micro_batch_size is not None:
-        row_ids = fixed_plan(len(lengths), num_shards, micro_batch_size)
+        row_ids = fixed_cut(len(lengths), num_shards, micro_batch_size)
         return row_ids, np.zeros_like(row_ids)
-    return packed_plan(np.asarray(lengths), num_shards, max_token_len)
+    return packed_cut(np.asarray(lengths), num_shards, max_token_len)
 
 
 def scatter_back(values: np.ndarray, row_ids: np.ndarray, num_sequences: int) -> np.ndarray:
@@ -245,11 +245,11 @@ def _pad_axis(array: np.ndarray, axis: int, size: int, value) -> np.ndarray:
     return np.pad(array, widths, constant_values=value)
 
 
-def pad_plan(
+def pad_cut(
     row_ids: np.ndarray, offsets: np.ndarray, num_micro_batches: int, num_slots: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A ``[K, D, S]`` plan (:func:`plan_micro_batches`) padded to ``num_micro_batches`` x ``num_slots`` with empty
-    slots (row id -1, offset 0), so plans of several steps or processes stack into one array."""
+    """A ``[K, D, S]`` cut (:func:`cut_micro_batches`) padded to ``num_micro_batches`` x ``num_slots`` with empty
+    slots (row id -1, offset 0), so cuts of several steps or processes stack into one array."""
     widths = ((0, num_micro_batches - row_ids.shape[0]), (0, 0), (0, num_slots - row_ids.shape[2]))
     return np.pad(row_ids, widths, constant_values=-1), np.pad(offsets, widths, constant_values=0)
 

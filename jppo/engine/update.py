@@ -286,9 +286,10 @@ def _zeros(tree):
 
 
 def make_update_step(
-    graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh, prefix: str, keep_gradient: bool = False
+    graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh, role: str, keep_gradient: bool = False
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array], Any]]:
-    """A pure ``(state, micro_batches) -> (state, metrics, gradient)`` for one mini-batch (C: ``cfg``'s).
+    """A pure ``(state, micro_batches) -> (state, metrics, gradient)`` for one mini-batch (C: ``cfg``'s) of
+    ``role`` (``actor``/``critic``, the prefix of its metric names).
 
     ``micro_batches`` holds ``[K, D, ...]`` arrays (see :mod:`jppo.engine.microbatch`); K is read from their shape. Each
     micro-batch's gradient goes to ``optax.MultiSteps(every_k_schedule=K, use_grad_mean=False)``, which sums them
@@ -330,10 +331,10 @@ def make_update_step(
         report = step_report(opt_state)
         applied = jnp.logical_not(report["skipped"])
         values = metrics_lib.finish(total)
-        values[f"{prefix}/grad_norm"] = report["grad_norm"]
+        values[f"{role}/grad_norm"] = report["grad_norm"]
         # the rate this step was given (apply_accumulated evaluates the schedule at the same counter)
-        values[f"{prefix}/lr"] = jnp.asarray(schedule(state.opt_state.gradient_step), jnp.float32)
-        values[f"{prefix}/skipped_updates"] = report["skipped"].astype(jnp.float32)
+        values[f"{role}/lr"] = jnp.asarray(schedule(state.opt_state.gradient_step), jnp.float32)
+        values[f"{role}/skipped_updates"] = report["skipped"].astype(jnp.float32)
         new_state = TrainState(
             params=params, opt_state=opt_state, step=state.step + applied.astype(jnp.int32), frozen=state.frozen
         )
@@ -355,7 +356,7 @@ class UpdateStep:
     """
 
     def __init__(
-        self, graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh, prefix: str,
+        self, graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh, role: str,
         keep_gradient: bool = False,
     ):
         if cfg.normalization == "per_micro_batch":
@@ -366,9 +367,9 @@ class UpdateStep:
             log.warning(
                 "%s.normalization=per_micro_batch: each micro-batch is normalized by its own token counts and %s; "
                 "gradients then depend on the micro-batch split (legacy behaviour, for comparison with old curves only)",
-                prefix, how,
+                role, how,
             )
-        one_step = make_update_step(graphdef, loss, cfg, mesh, prefix, keep_gradient)
+        one_step = make_update_step(graphdef, loss, cfg, mesh, role, keep_gradient)
 
         def steps(state: TrainState, frozen: Optional[nnx.State], batches: Batch):
             def body(carry, batch):
