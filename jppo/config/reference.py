@@ -10,7 +10,8 @@ A key's meaning is read from the source, in this order:
 1. the comment of the field in the class that declares it (the first class of the MRO whose own annotations
    name it): the comment at the end of its line, else the comment lines right above it;
 2. its entry under ``Attributes:`` in the docstring of a class of the MRO;
-3. the first sentence of such a docstring that names the key in double backticks (````lr````).
+3. the first sentence of such a docstring that names the key as a literal: ``lr`` (or ``lr: 1e-6``) in
+   double backticks.
 
 A class without source (one built by ``dataclasses.make_dataclass``) gives no comment and no docstring.
 """
@@ -35,6 +36,8 @@ from jppo.config import TrainConfig
 
 COMMAND = "python -m jppo.config.reference"
 DEFAULT_PATH = pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+# Where a docstring's sentence ends: after . ? or ! and before what can start the next one (a capital, a literal).
+_SENTENCE_BREAK = re.compile(r"(?<=[.?!])\s+(?=[A-Z`(:])")
 
 
 class Key(NamedTuple):
@@ -59,11 +62,15 @@ def keys(schema: type = TrainConfig, prefix: str = "") -> list[Key]:
     found = []
     for field in dataclasses.fields(schema):
         kind, name = hints[field.name], prefix + field.name
-        if dataclasses.is_dataclass(kind) and isinstance(kind, type):
+        if _is_section(kind):
             found += keys(kind, name + ".")
         else:
             found.append(Key(name, type_name(kind), default_text(field), meaning(schema, field.name)))
     return found
+
+
+def _is_section(kind: Any) -> bool:
+    return isinstance(kind, type) and dataclasses.is_dataclass(kind)
 
 
 def type_name(kind: Any) -> str:
@@ -177,7 +184,7 @@ def _naming_sentence(docstring: str, name: str) -> str:
     """The first sentence of ``docstring`` that names ``name`` in double backticks."""
     for paragraph in re.split(r"\n\s*\n", docstring):
         flat = " ".join(paragraph.split())
-        for sentence in re.split(r"(?<=[.?!])\s+(?=[A-Z`(:])", flat):
+        for sentence in _SENTENCE_BREAK.split(flat):
             if re.search(rf"``{re.escape(name)}(:[^`]*)?``", sentence):
                 return sentence
     return ""
@@ -195,7 +202,7 @@ def _markdown(text: str) -> str:
 
 def _first_sentence(docstring: str) -> str:
     flat = " ".join(docstring.split("\n\n")[0].split())
-    return _markdown(re.split(r"(?<=[.?!])\s+(?=[A-Z`(:])", flat)[0]) if flat else ""
+    return _markdown(_SENTENCE_BREAK.split(flat)[0]) if flat else ""
 
 
 def render(schema: type = TrainConfig) -> str:
@@ -206,14 +213,14 @@ def render(schema: type = TrainConfig) -> str:
         f"Generated from the schema by `{COMMAND}`; edit the schema's comments and docstrings, not this file.",
         "Every key can be set in the YAML file or on the command line as `section.key=value`.",
     ]
-    hints = typing.get_type_hints(schema)
+    hints, every = typing.get_type_hints(schema), keys(schema)
     for field in dataclasses.fields(schema):
         section = hints[field.name]
         out += ["", f"## `{field.name}`", ""]
-        intro = _first_sentence(_class_source(section).docstring)
+        intro = _first_sentence(_class_source(section).docstring) if _is_section(section) else ""
         out += [intro, ""] if intro else []
         out += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-        for key in keys(section, field.name + "."):
+        for key in (key for key in every if key.name.split(".")[0] == field.name):
             cells = [f"`{key.name}`", f"`{_cell(key.type)}`", f"`{_cell(key.default)}`", key.meaning]
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
