@@ -45,22 +45,22 @@ class DataConfig:
     prompt is an error at load time, or with ``truncation: left`` loses its first tokens.
     """
 
-    task: str = "reverse_digits"
+    task: str = "reverse_digits"  # a built-in task, "reasoning_gym:<dataset>", or "files" (train_files/val_files)
     train_files: Any = None  # Files: one path, "a.jsonl,b.jsonl", or a list of paths
-    val_files: Any = None
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    train_batch_size: int = 32
-    val_batch_size: int = 64
-    num_train_examples: int = 20000
-    num_val_examples: int = 256
+    val_files: Any = None  # the held-out prompts of task "files", given as train_files is
+    prompt_key: str = "prompt"  # a file row's prompt column (dotted for a nested one): a string or chat messages
+    answer_key: str = "answer"  # a file row's answer column (dotted, e.g. reward_model.ground_truth)
+    train_batch_size: int = 32  # prompts per training step (each sampled rollout.n times)
+    val_batch_size: int = 64  # prompts per validation batch
+    num_train_examples: int = 20000  # examples a generated task draws for training (not used by "files")
+    num_val_examples: int = 256  # held-out examples a generated task draws
     max_prompt_length: int = 32
-    truncation: str = "error"
-    apply_chat_template: bool = False
-    apply_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
-    shuffle: bool = True
+    truncation: str = "error"  # a prompt over max_prompt_length: "error" at load time, or "left" drops its first tokens
+    apply_chat_template: bool = False  # wrap each prompt in the tokenizer's chat template (a string as a user turn)
+    apply_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # variables of the chat template
+    shuffle: bool = True  # a new order of the training prompts every epoch (validation keeps the stored order)
     seed: int = 0
-    task_options: dict = dataclasses.field(default_factory=dict)
+    task_options: dict = dataclasses.field(default_factory=dict)  # the task's own options (reverse_digits: min_len)
 
     def __post_init__(self) -> None:
         if self.truncation not in TRUNCATIONS:

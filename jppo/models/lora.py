@@ -51,7 +51,7 @@ class LoRAConfig:
     ``target_modules`` (Hugging Face projection names), scaled by ``alpha / rank``. ``dropout`` must be 0."""
 
     rank: int = 0
-    alpha: float = 16.0
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (> 0)
     target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
     dropout: float = 0.0
 

@@ -41,9 +41,9 @@ class RewardConfig:
     # How reward.function is called: jppo's fn(responses, examples), verl's compute_score, or a TRL reward function
     # (see jppo.rewards.adapters).
     function_style: str = "jppo"
-    kind: str = "task"
+    kind: str = "task"  # the scorer without reward.function: task | gsm8k | boxed | math_verify | none
     gsm8k_flexible: bool = False  # gsm8k: the last number of the response instead of the one after "####"
-    format_weight: float = 0.0
+    format_weight: float = 0.0  # weight of the format term added to the score (module docstring); 0: off
     # Spread a built-in task's per-position credit over the response tokens (a dense reward that sums to the
     # score) instead of putting the whole score on the last token. Needs a task with a ``credit`` method.
     token_level: bool = False
