@@ -2,7 +2,7 @@
 
     python -m bench.end_to_end [--quick] [--run-dir DIR] [--set key.sub=value ...]
 
-Runs ``jppo.train.run`` in this process on a fresh output directory and reads back what the trainer itself
+Runs ``jppo.run.loop.run`` in this process on a fresh output directory and reads back what the trainer itself
 measures, ``timing/<phase>`` per step in ``metrics.jsonl`` (rollout, reward, old_log_prob, values, advantages,
 update_critic, update_actor). Two things the trainer does not time are observed from outside, by handing
 ``run`` a :class:`~jppo.runlog.RunLogger` subclass that notes the clock around each ``log`` call: the logging
@@ -33,7 +33,7 @@ import jax
 
 from bench.report import section
 from jppo.run import build
-from jppo import train
+from jppo.run import loop
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.runlog import METRICS_FILE, RunLogger, read_metrics
 
@@ -98,7 +98,7 @@ def measure(
         started = time.perf_counter()
         inputs = build.load_inputs(cfg)
         with mock.patch.object(train, "RunLogger", _timed_logger(marks)):
-            train.run(cfg, mesh_shape, inputs)
+            loop.run(cfg, mesh_shape, inputs)
         total_s = time.perf_counter() - started
         records = [record for record in read_metrics(out / METRICS_FILE) if record["step"] >= 1]
     return summarize(records, marks, started, total_s, quick, str(config), list(overrides))

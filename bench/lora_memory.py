@@ -16,7 +16,7 @@ import tempfile
 from bench.real_size import QWEN2_5_0_5B
 from jppo.config import check_mesh, load_config
 from jppo.models import ModelConfig
-from jppo.plan import human, make_plan
+from jppo.run.memory import human, memory_plan
 
 CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "qwen2_5_0_5b_gsm8k_grpo.yaml"
 TERMS = ("parameters/actor", "parameters/reference", "optimizer_state/actor", "gradients/actor",
@@ -35,7 +35,7 @@ def plans(devices: int, rank: int) -> dict[str, dict[str, int]]:
         for name, lora in (("full", ["actor.lora.rank=0"]), (f"lora r={rank}",
                            [f"actor.lora.rank={rank}", f"actor.lora.alpha={2 * rank}"])):
             cfg = load_config(CONFIG, [*base, *lora])
-            plan = make_plan(cfg, check_mesh(cfg, devices))
+            plan = memory_plan(cfg, check_mesh(cfg, devices))
             out[name] = {term: plan.term(term) for term in TERMS} | {"peak": plan.peak_bytes}
         return out
 

@@ -6,7 +6,7 @@ Both trainers run in this process, on this CPU, in float32, on the same model, t
 size and lengths, alternated (jppo, TRL, jppo, TRL, ... for ``--rounds``):
 
 - **weights**: jppo's initial policy (built from the config as the trainer builds it) is written as a Hugging
-  Face directory by :func:`jppo.export.export_policy` (float32, with the tokenizer); jppo trains from it
+  Face directory by :func:`jppo.run.export.export_policy` (float32, with the tokenizer); jppo trains from it
   (``model.path``) and TRL loads it as ``transformers.Qwen2ForCausalLM``. Their logits on the task's prompts are
   compared before anything is timed (``logits_max_abs_diff``; the run stops above ``LOGITS_ATOL``).
 - **task and reward**: the config's task; TRL's dataset holds the task's training prompts and answers and its
@@ -62,10 +62,10 @@ import torch
 from bench.environment import match_torch_threads
 from bench.report import section
 from jppo.run import build
-from jppo import train
+from jppo.run import loop
 from jppo.config import TrainConfig, check_mesh, load_config
 from jppo.data import CharTokenizer
-from jppo.export import export_policy
+from jppo.run.export import export_policy
 from jppo.runlog import METRICS_FILE, read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -197,7 +197,7 @@ def shape_config(shape: Shape, steps: int, out: pathlib.Path) -> tuple[TrainConf
 def run_jppo(cfg: TrainConfig) -> dict:
     """One in-process training run; its ``metrics.jsonl`` records of steps >= 1."""
     inputs = build.load_inputs(cfg)
-    train.run(cfg, check_mesh(cfg, jax.device_count()), inputs)
+    loop.run(cfg, check_mesh(cfg, jax.device_count()), inputs)
     return {"records": [r for r in read_metrics(pathlib.Path(cfg.trainer.output_dir) / METRICS_FILE) if r["step"] >= 1]}
 
 

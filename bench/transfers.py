@@ -2,7 +2,7 @@
 
     python -m bench.transfers [--quick] [--devices 8] [--scale 4]
 
-Runs the trainer's own stages in this process (:func:`jppo.train.setup`, then :func:`jppo.run.collect.collect` and
+Runs the trainer's own stages in this process (:func:`jppo.run.loop.setup`, then :func:`jppo.run.collect.collect` and
 :func:`jppo.run.learn.learn` for a warm-up step and one measured step) with a counting shim installed by this module
 only; jppo's code is not changed. The shim wraps the functions through which data crosses:
 
@@ -230,7 +230,7 @@ def measure_step(size: dict, epochs: int) -> dict:
     import jax
 
     from jppo.run import build
-    from jppo import train
+    from jppo.run import loop
     from jppo.run.collect import collect
     from jppo.config import check_mesh, load_config
     from jppo.run.learn import learn
@@ -246,7 +246,7 @@ def measure_step(size: dict, epochs: int) -> dict:
 
     counter = Counter()
     with mock.patch.object(build, "sampling_params", no_eos), counting(counter):
-        state, collector, learner, _ = train.setup(cfg, mesh, inputs)
+        state, collector, learner, _ = loop.setup(cfg, mesh, inputs)
         for counted in (False, True):
             counter.on = counted
             timer = phase_timer(counter)

@@ -1,266 +1,26 @@
 """``python -m jppo.export RUN_DIR_OR_CHECKPOINT OUT_DIR [--dtype D] [--max-shard-size 2GB] [--step N]``: a trained
 policy as a Hugging Face directory that ``AutoModelForCausalLM``, ``AutoTokenizer`` and ``vllm serve`` read as is.
 
-The input is a run directory (its newest complete checkpoint, or ``--step N``) or one checkpoint directory
-(``RUN/checkpoints/<step>``); the run's ``config.yaml`` says where the model and the tokenizer came from. Only the
-actor's parameters are read from the checkpoint, onto the CPU (no optimizer is built, no moment is read).
-
-``OUT_DIR`` receives:
-
-- ``config.json`` and the weights in ``--dtype`` (default: the source model's dtype, i.e. ``config.json``'s
-  ``dtype``/``torch_dtype`` of ``model.path``, or ``model.param_dtype`` for a model trained from scratch): one
-  ``model.safetensors``, or shards of at most ``--max-shard-size`` plus ``model.safetensors.index.json``;
-- ``generation_config.json``: the source's, with ``bos_token_id``, ``pad_token_id`` and every EOS id of the
-  tokenizer as the list ``eos_token_id`` (chat models end a turn with one token and a text with another);
-- the tokenizer: the source's tokenizer files copied, or, for a built-in character vocabulary, an equivalent
-  ``tokenizer.json`` that encodes and decodes the same ids.
-
-Everything is written into a temporary sibling directory that is renamed to ``OUT_DIR`` once complete, so a
-reader never sees half an export. ``OUT_DIR`` may be a ``gs://`` URI (written through ``etils.epath``); an object
-store has no directory rename, so there the files are written in place (see :func:`write_atomically`). The trainer's end-of-run export (``trainer.export_hf``) calls
-:func:`export_policy` too. Errors are one line, exit status 2.
+What is read and what ``OUT_DIR`` receives: :mod:`jppo.run.export`. Errors are one line, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import pathlib
-import re
 import sys
-import tempfile
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
-import jax
-from etils import epath
-from flax import nnx
-
+from jppo import cli
+from jppo.core.paths import run_path
+from jppo.data import load_tokenizer
 from jppo.run import build
-from jppo.run.checkpoint import committed_steps, fingerprint, read_meta, restore_part
-from jppo.config import TrainConfig, load_config
-from jppo.data import CharTokenizer, Tokenizer, load_tokenizer
-from jppo.core.errors import ConfigError, one_line
-from jppo.models import CausalLM, CheckpointError, ModelConfig, read_config, save_pretrained
-from jppo.models.config import DTYPES
-from jppo.models.lora import merged, save_peft_adapter
-from jppo.core.paths import is_remote, run_path
-
-DEFAULT_MAX_SHARD_SIZE = "2GB"
-# transformers' spelling of sizes: decimal KB/MB/GB, binary KiB/MiB/GiB
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-# what a Hugging Face tokenizer directory may hold besides the weights (copied when present)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
-EXPORT_DTYPES = ("bfloat16", "float32", "float16")
+from jppo.run.export import (
+    DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES, export_adapters, export_policy, find_checkpoint, merged_policy, parse_size,
+    restore_policy, run_config,
+)
 
 
-class ExportError(ValueError):
-    """An input the export cannot use: a missing run, checkpoint or step, a bad size."""
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size such as ``2GB`` (10^9 B), ``500MiB`` (2^20 B each) or ``1000000``."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).upper() if match else None
-    if match is None or unit not in SIZE_UNITS or float(match.group(1)) <= 0:
-        raise ExportError(f"--max-shard-size={text!r} is not a positive size such as 2GB, 500MB or 1GiB")
-    return int(float(match.group(1)) * SIZE_UNITS[unit])
-
-
-def find_checkpoint(source: epath.Path, step: Optional[int] = None) -> epath.Path:
-    """The checkpoint directory ``source`` names: a run directory's newest committed step (or ``step``), or
-    ``source`` itself when it is a checkpoint directory."""
-    if (source / "checkpoints").is_dir():
-        steps = committed_steps(source / "checkpoints")
-        if not steps:
-            raise ExportError(f"run directory {str(source)!r} has no complete checkpoint in checkpoints/")
-        if step is None:
-            step = steps[-1]
-        if step not in steps:
-            raise ExportError(f"--step={step}: no complete checkpoint {step} in {str(source)!r}; steps: {steps}")
-        return source / "checkpoints" / str(step)
-    if (source / "state").is_dir():
-        if step is not None:
-            raise ExportError(f"--step={step} picks a checkpoint of a run directory; {str(source)!r} is one checkpoint")
-        return source
-    raise ExportError(
-        f"{str(source)!r} is neither a run directory (with checkpoints/) nor a checkpoint directory (with state/)"
-    )
-
-
-def run_config(checkpoint: epath.Path) -> TrainConfig:
-    """The configuration of the run that wrote ``checkpoint`` (``RUN/checkpoints/<step>``): ``RUN/config.yaml``."""
-    path = run_path(checkpoint).parent.parent / "config.yaml"
-    if not path.is_file():
-        raise ExportError(f"no config.yaml of the run next to checkpoints/ (looked for {str(path)!r})")
-    return load_config(path)
-
-
-def source_dtype(cfg: TrainConfig) -> str:
-    """The dtype the policy came in: its checkpoint's ``config.json`` (``dtype``, or ``torch_dtype`` before
-    transformers 5; float32 when absent, as transformers assumes), else ``model.param_dtype``."""
-    if not cfg.model.path:
-        return cfg.model.param_dtype
-    hf = json.loads((pathlib.Path(cfg.model.path) / "config.json").read_text())
-    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    return dtype if dtype in DTYPES else "float32"
-
-
-def policy_config(cfg: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
-    """The policy's architecture, as the trainer built it (``jppo.run.build.build_policy``)."""
-    if cfg.model.path:
-        return read_config(cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
-    return build.random_model_config(cfg, tokenizer)
-
-
-def restore_policy(checkpoint: epath.Path, cfg: TrainConfig, tokenizer: Tokenizer) -> CausalLM:
-    """The actor of ``checkpoint`` as a :class:`CausalLM` on the first CPU device: only ``actor.params`` is read.
-    With ``actor.lora`` those are the adapters: the base weights are rebuilt as the checkpoint records them
-    (``model.path``, or the seed it was drawn from, whatever ``trainer.seed`` the run's config says now) and the
-    adapters attached to them; a config that would build another base is refused in one line."""
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    if cfg.actor.lora.enabled:
-        source = f"checkpoint {str(checkpoint)!r}"
-        seed, saved = build.checkpoint_models(cfg, read_meta(checkpoint), source)
-        with jax.default_device(jax.devices("cpu")[0]):
-            model = build.build_policy(cfg, tokenizer, mesh=None, seed=seed)
-            build.add_adapters(model, cfg.actor.lora, seed + 2)
-        graphdef, abstract, frozen = build.split_trained(model)
-        if saved is not None:
-            checksums = {"actor": fingerprint(frozen)} if cfg.model.path else {}
-            build.check_base_checksums(saved, build.model_record(cfg, seed, checksums), source, roles=("actor",))
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), abstract)
-        return nnx.merge(graphdef, frozen, _restore_actor_params(checkpoint, abstract, cpu))
-    abstract_model = nnx.eval_shape(lambda: CausalLM(policy_config(cfg, tokenizer), rngs=nnx.Rngs(0)))
-    graphdef, abstract = nnx.split(abstract_model, nnx.Param)
-    return nnx.merge(graphdef, _restore_actor_params(checkpoint, abstract, cpu))
-
-
-def _restore_actor_params(checkpoint: epath.Path, abstract: nnx.State, cpu) -> nnx.State:
-    # orbax stores an nnx.Param as {"value": array}
-    target = jax.tree.map(
-        lambda leaf: {"value": jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=cpu)}, nnx.to_pure_dict(abstract)
-    )
-    restored = restore_part(checkpoint, {"actor": {"params": target}})["actor"]["params"]
-    pure = jax.tree.map(
-        lambda leaf: leaf["value"], restored, is_leaf=lambda node: isinstance(node, dict) and "value" in node
-    )
-    nnx.replace_by_pure_dict(abstract, pure)
-    return abstract
-
-
-def merged_policy(model: CausalLM) -> CausalLM:
-    """The policy as plain weights: LoRA adapters merged into their kernels (``W + alpha / r A B``)."""
-    return merged(model)
-
-
-def export_adapters(
-    model: CausalLM, cfg: TrainConfig, out: str | os.PathLike, *, dtype: str = "float32", replace: bool = True
-) -> list[str]:
-    """The policy's LoRA adapters alone, as PEFT writes them: ``adapter_config.json`` and
-    ``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained(<the base model>, out)``."""
-    adapters = model.decoder.layers.lora
-    if adapters is None:
-        raise ExportError("--adapters: the run trained no LoRA adapters (actor.lora.rank is 0)")
-    if dtype not in ("float32", "float16"):
-        raise ExportError(f"--dtype={dtype!r}: adapters are written as float32 or float16")
-    return write_atomically(
-        out, lambda directory: save_peft_adapter(adapters, cfg.actor.lora, directory, dtype=dtype,
-                                                 base_model=cfg.model.path), replace,
-    )
-
-
-def generation_config(tokenizer: Tokenizer, config: ModelConfig, source: Optional[pathlib.Path]) -> dict:
-    """``source/generation_config.json`` (if any) with the tokenizer's special ids: BOS (the model config's when
-    the tokenizer has none), PAD, and every EOS id as a list."""
-    gen = {}
-    if source is not None and (source / "generation_config.json").is_file():
-        gen = json.loads((source / "generation_config.json").read_text())
-    bos = tokenizer.bos_id if tokenizer.bos_id is not None else config.bos_token_id
-    if bos is not None:
-        gen["bos_token_id"] = int(bos)
-    gen["eos_token_id"] = [int(token) for token in tokenizer.eos_ids]
-    gen["pad_token_id"] = int(tokenizer.pad_id)
-    return gen
-
-
-def write_tokenizer(tokenizer: Tokenizer, spec: str, directory: epath.Path) -> list[str]:
-    """The tokenizer files: copied from the tokenizer directory ``spec``, or made for a built-in vocabulary."""
-    if isinstance(tokenizer, CharTokenizer):
-        files = tokenizer.hf_files()
-        for name, text in files.items():
-            (directory / name).write_text(text, encoding="utf-8")
-        return list(files)
-    copied = [name for name in TOKENIZER_FILES if (pathlib.Path(spec) / name).is_file()]
-    for name in copied:  # read locally, written through epath (``directory`` may be a gs:// URI)
-        (directory / name).write_bytes((pathlib.Path(spec) / name).read_bytes())
-    return copied
-
-
-def write_atomically(
-    out: str | os.PathLike, write: Callable[[epath.Path], list[str]], replace: bool
-) -> list[str]:
-    """``write(tmp)`` into a new sibling of ``out``, then the rename of that directory to ``out`` (an existing
-    ``out`` is replaced only when ``replace``, else it must be empty or absent).
-
-    A ``gs://`` ``out`` is not atomic: an object store cannot rename a directory (a "rename" copies every object),
-    so the files are written straight into ``out`` (after any existing ``out`` is deleted) and a reader may see a
-    partial export until this returns; a failed export is deleted."""
-    out = run_path(out)
-    if out.exists() and not replace and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"output directory {str(out)!r} exists and is not empty: choose another, or --overwrite")
-    if is_remote(out):
-        if out.exists():
-            out.rmtree()
-        tmp = out
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = epath.Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        files = write(tmp)
-        if tmp != out:
-            os.chmod(tmp, 0o755)  # mkdtemp's directory is private to its owner; an export is for other tools too
-            if out.exists():
-                old = tmp.with_name(tmp.name + "-old")
-                out.rename(old)
-                tmp.rename(out)
-                old.rmtree()
-            else:
-                tmp.rename(out)
-        return files
-    except BaseException:
-        tmp.rmtree(missing_ok=True)
-        raise
-
-
-def export_policy(
-    model: CausalLM, cfg: TrainConfig, tokenizer: Tokenizer, out: str | os.PathLike, *, dtype: Optional[str] = None,
-    max_shard_bytes: Optional[int] = None, replace: bool = True,
-) -> list[str]:
-    """Writes ``model`` (host arrays), its generation config and tokenizer into ``out`` atomically; returns the
-    file names. ``dtype`` defaults to :func:`source_dtype`; ``max_shard_bytes`` to ``DEFAULT_MAX_SHARD_SIZE``."""
-    dtype = dtype or source_dtype(cfg)
-    if dtype not in EXPORT_DTYPES:
-        raise ExportError(f"--dtype={dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
-    shard = max_shard_bytes if max_shard_bytes is not None else parse_size(DEFAULT_MAX_SHARD_SIZE)
-    spec = build.tokenizer_spec(cfg)
-    source = pathlib.Path(cfg.model.path) if cfg.model.path else None
-
-    def write(directory: epath.Path) -> list[str]:
-        files = save_pretrained(model, directory, dtype=dtype, max_shard_bytes=shard)
-        gen = generation_config(tokenizer, model.config, source)
-        (directory / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        return [*files, "generation_config.json", *write_tokenizer(tokenizer, spec, directory)]
-
-    return write_atomically(out, write, replace)
-
-
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m jppo.export", description="Export a run's policy as a Hugging Face model directory."
-    )
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a run directory (newest complete checkpoint) or one checkpoint directory")
     parser.add_argument("out", help="the Hugging Face directory to write")
     parser.add_argument("--dtype", choices=EXPORT_DTYPES, help="weights dtype (default: the source model's)")
@@ -270,7 +30,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty OUT")
     parser.add_argument("--adapters", action="store_true",
                         help="write only the LoRA adapters, in PEFT's layout (default: weights with adapters merged)")
-    return parser.parse_args(argv)
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    return cli.parse_args(argv, "export", "Export a run's policy as a Hugging Face model directory.", options)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -286,9 +49,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             files = export_policy(merged_policy(model), cfg, tokenizer, args.out, dtype=args.dtype,
                                   max_shard_bytes=max_shard_bytes, replace=args.overwrite)
-    except (ConfigError, CheckpointError, ValueError, KeyError, OSError) as error:
-        print(f"jppo.export: error: {one_line(error)}", file=sys.stderr)
-        return 2
+    except (*cli.INPUT_ERRORS, OSError) as error:  # OSError: a directory that cannot be read or written
+        return cli.fail("export", error)
     print(f"jppo.export: wrote {args.out} ({len(files)} files) from {checkpoint}")
     return 0
 

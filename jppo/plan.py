@@ -1,395 +1,41 @@
 """``python -m jppo.plan --config CFG [--devices N] [--json] [key.sub=value ...]``: the memory a run needs on each
-device, computed from the config and the model's shapes before anything is allocated.
-
-No weights are read (with ``model.path`` only its ``config.json``) and nothing is compiled: parameter shapes come
-from ``nnx.eval_shape`` of the model, and each array is divided by the number of shards the one rule table
-(:data:`jppo.parallel.mesh.LOGICAL_RULES`, through :func:`jppo.parallel.mesh.fitted_spec`) gives it on the mesh. The mesh is the
-config's ``mesh.*`` on ``--devices`` devices (default: this machine's), so a plan can be made for another machine.
-
-Symbols: ``n`` a model's parameters on one device (each tensor divided by its shards), ``p`` / ``c`` / ``a`` the
-bytes of the parameter, compute and accumulator (float32) dtypes, ``c_s`` those of the sampler's compute dtype
-(``rollout.dtype``, default ``model.dtype``), ``V D F L H K E`` vocabulary, hidden size, MLP width, layers, query
-heads, key-value heads, head size; ``H' K' F' V'`` those divided by ``mesh.tensor`` where it divides them (as the
-rule table shards them). Bytes per device:
-
-=====================  ====================================================================================
-parameters             ``n p`` for the actor, the critic (when there is one) and the reference (KL terms); with
-                       LoRA (``actor.lora`` / ``critic.lora``) ``(n + t) p``, ``t`` the adapters' elements, and
-                       no reference copy (it reads the actor's frozen base)
-optimizer state        ``t a (2 + 1)``: AdamW's two moments and ``optax.MultiSteps``' gradient accumulator
-                       (SGD: the accumulator only) of the ``t`` trained parameters (``t = n`` without LoRA; the
-                       adapters, and a critic's value head, with it); a few scalar counters are left out
-gradients              ``t p``: the gradient of one micro-batch, before it is added to the accumulator
-weights in use         ``(V' D + one layer's weights / mesh.tensor) c``: the embedding table and a layer's
-                       weights cast to the compute dtype (and gathered over ``fsdp``) while they are used
-activations            ``r w (L s + x)`` for ``r`` rows of ``w`` tokens per device in one micro-batch
-                       (fixed: ``r = ppo_micro_batch_size``, ``w = bucket(max_prompt_length) +
-                       max_response_length``; token budget: ``r = 1``, ``w = ppo_max_token_len``). ``x``: what a
-                       layer keeps for its backward pass per token, ``c (4 D + 3 H'E + 3 K'E + 4 F') + a (2 D +
-                       H'E + K'E) + (2 a + c) H' w`` (the last term: the unfused attention's scores and
-                       probabilities, ``w`` keys per query); ``s = x`` without remat, ``s = c D`` (the layer's
-                       input only) with ``model.remat``, then one layer is recomputed at a time (``+ x``)
-log-prob logits        ``3 r k V' a`` (actor only): the float32 logits of one chunk of ``k = min(
-                       log_prob_chunk_size, w)`` positions, their softmax and their gradient
-optimizer step         ``4 t a``: the temporaries of applying the accumulated gradient (the last micro-batch's
-                       gradient, the accumulated sum, the update, the new moments one after the other): XLA's
-                       ``memory_analysis()`` of the update reports exactly ``4 n a`` of temporaries when the
-                       activations are small (Qwen2-shaped models on CPU, float32; ``tests/test_plan.py``). optax's
-                       where-based ``apply_if_finite`` and ``MultiSteps.update`` made it 6-7 (see
-                       :mod:`jppo.engine.optim`)
-KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sampler's prompt cache (each prompt's
-                       keys and values held once for its ``n`` samples, and a bool mask of its real tokens) and
-                       response cache for ``B`` prompts and ``R = B n`` rows per device (``B = train_batch_size /
-                       (data x fsdp)``, or the validation batch when its caches are larger), of which ``S =
-                       min(rollout.max_num_seqs, R)`` are decoded at once (``S = R`` when it is 0); ``P =
-                       bucket(max_prompt_length)``, ``T = max_response_length``. With ``rollout.env`` every turn
-                       prefills each row's own context, which grows to prompt + response: ``B = R =
-                       train_batch_size x n / (data x fsdp)``, ``P = bucket(max_prompt_length + T - 1)``
-=====================  ====================================================================================
-
-The peak is what lives through the whole run (parameters, optimizer states) plus the largest of the phases that
-follow each other: sampling (the KV cache), a role's backward pass (its gradients, weights in use, activations and
-logits) and its optimizer step. Forward-only passes (old and reference log-probs, values) keep no activations for a
-backward pass and stay below the update. The activation terms are an estimate of what XLA keeps (against XLA's
-``memory_analysis()`` of an actor update without remat they came out 10-30% low); ``bench/real_size.py``
-compares the whole plan with a measured run.
-"""
+device, computed from the config and the model's shapes before anything is allocated (:mod:`jppo.run.memory`)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
-import pathlib
 import sys
 from typing import Optional, Sequence
 
-from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config
-from jppo.parallel.mesh import MESH_AXES, fitted_spec
-from jppo.models.config import DTYPES, ModelConfig
-from jppo.rollout.multiturn import longest_context
-from jppo.rollout.decode import bucket_length, decode_rows
+from jppo import cli
+from jppo.config import ConfigError, check_mesh
+from jppo.run.memory import as_json, memory_plan, table
 
-ACCUMULATOR_BYTES = 4  # float32 moments and accumulator (float64 only for float64 exactness tests)
-LOGIT_COPIES = 3  # one chunk's logits, their softmax, and their gradient
-OPTIMIZER_STEP_COPIES = 4  # per-parameter float32 temporaries of applying the accumulated gradient (measured)
 
-
-@dataclasses.dataclass(frozen=True)
-class Term:
-    """One line of the plan: bytes per device, and the formula that gave them."""
-
-    name: str
-    bytes: int
-    formula: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    mesh: dict[str, int]
-    persistent: tuple[Term, ...]  # live through the whole run
-    rollout: tuple[Term, ...]  # live while sampling
-    updates: dict[str, tuple[Term, ...]]  # live during one phase of a role's update (backward, optimizer step)
-
-    @property
-    def persistent_bytes(self) -> int:
-        return sum(term.bytes for term in self.persistent)
-
-    @property
-    def peak_bytes(self) -> int:
-        phases = [self.rollout, *self.updates.values()]
-        return self.persistent_bytes + max(sum(term.bytes for term in phase) for phase in phases)
-
-    def term(self, name: str) -> int:
-        """The bytes of the term called ``name`` (0 when the run has none)."""
-        phases = (self.persistent, self.rollout, *self.updates.values())
-        return sum(term.bytes for phase in phases for term in phase if term.name == name)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# shapes
-
-
-def model_config(cfg: TrainConfig, path: Optional[str] = None) -> ModelConfig:
-    """The policy's architecture: ``config.json`` of ``path`` (default ``model.path``), else the config's own
-    shape with the tokenizer's vocabulary. Only the config and tokenizer files are read."""
-    from jppo.run import build  # noqa: PLC0415 (build imports the models; keep `--help` light)
-    from jppo.data import load_tokenizer  # noqa: PLC0415
-    from jppo.models import CheckpointError  # noqa: PLC0415
-
-    path = path or cfg.model.path
-    if path is None:
-        return build.random_model_config(cfg, load_tokenizer(build.tokenizer_spec(cfg)))
-    try:
-        hf = json.loads((pathlib.Path(path) / "config.json").read_text())
-        return ModelConfig.from_hf(hf, **build.checkpoint_overrides(cfg))
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}/config.json: {error}") from None
-
-
-def abstract_params(config: ModelConfig, head: str = "lm"):
-    """The parameters of a ``CausalLM`` (``head="lm"``) or ``ValueModel`` (``"value"``) as shapes, no buffers."""
-    from flax import nnx  # noqa: PLC0415
-
-    from jppo.models import CausalLM, ValueModel  # noqa: PLC0415
-
-    cls = {"lm": CausalLM, "value": ValueModel}[head]
-    return nnx.state(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))), nnx.Param)
-
-
-def adapter_params(config: ModelConfig, lora):
-    """The LoRA adapters of a model of ``config`` as shapes (empty without LoRA)."""
-    from flax import nnx  # noqa: PLC0415
-
-    from jppo.models.lora import LoRAAdapters  # noqa: PLC0415
-
-    if not lora.enabled:
-        return nnx.State({})
-    return nnx.state(nnx.eval_shape(lambda: LoRAAdapters(config, lora, rngs=nnx.Rngs(0))), nnx.Param)
-
-
-def trained_elements(config: ModelConfig, role: str, lora, mesh: dict[str, int]) -> int:
-    """``t``: the parameters ``role`` trains on one device: all of them, or its adapters (and a critic's new
-    value head) with LoRA."""
-    from flax import nnx  # noqa: PLC0415
-
-    head = {"actor": "lm", "critic": "value"}[role]
-    if not lora.enabled:
-        return local_elements(abstract_params(config, head), mesh)
-    extra = 0
-    if role == "critic":
-        extra = local_elements(nnx.state(nnx.eval_shape(lambda: _value_head(config)), nnx.Param), mesh)
-    return local_elements(adapter_params(config, lora), mesh) + extra
-
-
-def _value_head(config: ModelConfig):
-    from flax import nnx  # noqa: PLC0415
-
-    from jppo.models.decoder import ValueHead  # noqa: PLC0415
-
-    return ValueHead(config, rngs=nnx.Rngs(0))
-
-
-def shards(shape: Sequence[int], names: Sequence[Optional[str]], mesh: dict[str, int]) -> int:
-    """Into how many pieces the rule table cuts an array of ``shape`` whose dimensions carry logical ``names``."""
-    count = 1
-    for axes in fitted_spec(shape, names, mesh):
-        for axis in (axes,) if isinstance(axes, str) else (axes or ()):
-            count *= mesh[axis]
-    return count
-
-
-def local_elements(params, mesh: dict[str, int]) -> int:
-    """``n``: the parameters one device holds, each tensor divided by its shards."""
-    from flax import nnx  # noqa: PLC0415
-
-    from jppo.models.sharding import logical_names  # noqa: PLC0415
-
-    total = 0
-    for _, variable in nnx.to_flat_state(params):
-        total += math.prod(variable.shape) // shards(variable.shape, logical_names(variable), mesh)
-    return total
-
-
-def split(size: int, mesh: dict[str, int]) -> int:
-    """``size`` over ``mesh.tensor`` when it divides it (the rule table leaves it whole otherwise)."""
-    return size // mesh["tensor"] if size % mesh["tensor"] == 0 else size
-
-
-def dtype_bytes(name: str) -> int:
-    return DTYPES[name].itemsize
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# terms
-
-
-def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int]) -> int:
-    """``x``: what one layer keeps for its backward pass per token (see the module docstring)."""
-    c, a = dtype_bytes(m.dtype), ACCUMULATOR_BYTES
-    heads, d = split(m.num_heads, mesh), m.hidden_size
-    q, kv, f = heads * m.head_dim, split(m.num_kv_heads, mesh) * m.head_dim, split(m.intermediate_size, mesh)
-    attention = (2 * a + c) * heads * width  # scores and probabilities (float32), probabilities cast back
-    return c * (4 * d + 3 * q + 3 * kv + 4 * f) + a * (2 * d + q + kv) + attention
-
-
-def activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int]) -> int:
-    """Activations one micro-batch of ``rows x width`` tokens per device keeps for its backward pass."""
-    per_layer = layer_bytes_per_token(m, width, mesh)
-    kept = dtype_bytes(m.dtype) * m.hidden_size if m.remat else per_layer
-    recomputed = per_layer if m.remat else 0
-    return rows * width * (m.num_layers * kept + recomputed)
-
-
-def logits_bytes(m: ModelConfig, rows: int, width: int, chunk_size: int, mesh: dict[str, int]) -> int:
-    return LOGIT_COPIES * rows * min(chunk_size, width) * split(m.vocab_size, mesh) * ACCUMULATOR_BYTES
-
-
-def weights_in_use_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
-    d, f = m.hidden_size, m.intermediate_size
-    layer = d * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.num_heads * m.head_dim * d + 3 * d * f
-    return (split(m.vocab_size, mesh) * d + layer // mesh["tensor"]) * dtype_bytes(m.dtype)
-
-
-def kv_cache_bytes(m: ModelConfig, prompts: int, prompt_len: int, rows: int, length: int,
-                   mesh: dict[str, int]) -> int:
-    """The sampler's caches on one device for a model computing in ``m.dtype``: a
-    :class:`~jppo.models.PromptCache` of ``prompts`` prompts of ``prompt_len`` slots (stored once for all samples
-    of a prompt, plus its bool visibility mask) and a :class:`~jppo.models.ResponseCache` of ``rows`` rows (the
-    rows decoded at once) of ``length`` slots."""
-    keys_and_values = 2 * m.num_layers * split(m.num_kv_heads, mesh) * m.head_dim * dtype_bytes(m.dtype)
-    return prompts * prompt_len * (keys_and_values + 1) + rows * length * keys_and_values
-
-
-def micro_batch_shape(cfg: TrainConfig, role: str) -> tuple[int, int]:
-    """``(rows, width)`` of one micro-batch on one device for ``role``'s update."""
-    section = getattr(cfg, role)
-    if section.use_dynamic_bsz:
-        return 1, section.ppo_max_token_len
-    return section.ppo_micro_batch_size, prompt_width(cfg) + cfg.rollout.max_response_length
-
-
-def prompt_width(cfg: TrainConfig) -> int:
-    return bucket_length(cfg.data.max_prompt_length, cfg.rollout.prompt_bucket)
-
-
-def sampler_prompt_width(cfg: TrainConfig) -> int:
-    """``P``: the widest prompt batch the sampler prefills; with ``rollout.env``, a turn's context (prompt and
-    response so far)."""
-    if cfg.rollout.env is None:
-        return prompt_width(cfg)
-    longest = longest_context(cfg.data.max_prompt_length, cfg.rollout.max_response_length)
-    return bucket_length(longest, cfg.rollout.prompt_bucket)
-
-
-def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]]:
-    """``(prompts, rows)`` one device samples at once, for the training batch and (when the run validates) the
-    validation batch. The sampler fills a batch up to a multiple of the batch shards; a multi-turn rollout calls
-    it on every row's own context (``n = 1``), so each row is a prompt."""
-    batch_shards = mesh["data"] * mesh["fsdp"]
-    batches = [(cfg.data.train_batch_size, cfg.rollout.n)]
-    if cfg.trainer.val_every > 0 or cfg.trainer.val_before_train:
-        batches.append((cfg.data.val_batch_size, cfg.rollout.val_n))
-    if cfg.rollout.env is not None:
-        batches = [(prompts * n, 1) for prompts, n in batches]
-    return [(-(-prompts // batch_shards), -(-prompts // batch_shards) * n) for prompts, n in batches]
-
-
-def sampler_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
-    """The sampler's caches (the KV cache line of the module docstring) for the batch whose caches are largest."""
-    from jppo.run.build import sampling_config  # noqa: PLC0415 (build imports the models; keep `--help` light)
-
-    sampler, width, new = sampling_config(cfg, policy), sampler_prompt_width(cfg), cfg.rollout.max_response_length
-    terms = []
-    for prompts, rows in rollout_rows(cfg, mesh):
-        decoded = decode_rows(rows, cfg.rollout.max_num_seqs)
-        terms.append(Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
-                          f"B={prompts} x P={width} + S={decoded} x T={new} x ..., c_s={dtype_bytes(sampler.dtype)}"))
-    return max(terms, key=lambda term: term.bytes)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the plan
-
-
-def make_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> Plan:
-    """Bytes per device of every term of the module docstring for ``cfg`` on a mesh of ``mesh_shape``."""
-    mesh = dict(zip(MESH_AXES, mesh_shape))
-    policy = model_config(cfg)
-    p, a = dtype_bytes(policy.param_dtype), ACCUMULATOR_BYTES
-    heads = {"actor": "lm", "critic": "value"}
-    local = {role: local_elements(abstract_params(policy, heads[role]), mesh) for role in cfg.roles}
-    lora = {role: getattr(cfg, role).lora for role in cfg.roles}
-    adapters = {role: local_elements(adapter_params(policy, lora[role]), mesh) for role in cfg.roles}
-    trained = {role: trained_elements(policy, role, lora[role], mesh) for role in cfg.roles}
-    persistent = [
-        Term(f"parameters/{role}", (n + adapters[role]) * p, f"n={n:,} + adapters t={adapters[role]:,} x p={p}"
-             if adapters[role] else f"n={n:,} x p={p}")
-        for role, n in local.items()
-    ]
-    if cfg.use_reference and not (cfg.actor.lora.enabled and not cfg.ref.model_path):  # LoRA: the frozen base
-        reference = model_config(cfg, cfg.ref.model_path) if cfg.ref.model_path else policy
-        n = local_elements(abstract_params(reference), mesh)
-        persistent.append(Term("parameters/reference", n * dtype_bytes(reference.param_dtype), f"n={n:,} x p"))
-    for role, n in trained.items():
-        copies = 3 if getattr(cfg, role).optim.name == "adamw" else 1
-        persistent.append(Term(f"optimizer_state/{role}", n * a * copies, f"t={n:,} x a={a} x {copies}"))
-    rollout = (sampler_term(cfg, policy, mesh),)
-    updates = {}
-    for role, n in trained.items():
-        r, w = micro_batch_shape(cfg, role)
-        terms = [
-            Term(f"gradients/{role}", n * p, f"t x p={p}"),
-            Term(f"weights_in_use/{role}", weights_in_use_bytes(policy, mesh), "(V'D + layer/tensor) x c"),
-            Term(f"activations/{role}", activation_bytes(policy, r, w, mesh),
-                 f"r={r} x w={w} x (L s + x){' remat' if policy.remat else ''}"),
-        ]
-        if role == "actor":
-            chunk = cfg.actor.log_prob_chunk_size
-            terms.append(Term("logits/actor", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={min(chunk, w)} V' a"))
-        updates[f"{role} backward"] = tuple(terms)
-        copies = OPTIMIZER_STEP_COPIES
-        updates[f"{role} optimizer step"] = (Term(f"optimizer_step/{role}", n * a * copies, f"t x a x {copies}"),)
-    return Plan(mesh, tuple(persistent), rollout, updates)
-
-
-def human(size: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= scale:
-            return f"{size / scale:.2f} {unit}"
-    return f"{size} B"
-
-
-def table(plan: Plan) -> str:
-    mesh = " x ".join(f"{axis}={size}" for axis, size in plan.mesh.items())
-    lines = [f"memory plan per device, mesh {mesh}", f"{'term':<26} {'bytes':>14} {'':>11}  formula"]
-    sections = [("persistent", plan.persistent), ("rollout", plan.rollout)]
-    sections += list(plan.updates.items())
-    for title, terms in sections:
-        lines.append(f"[{title}]")
-        lines += [f"  {t.name:<24} {t.bytes:>14,} {human(t.bytes):>11}  {t.formula}" for t in terms]
-        if title != "persistent":
-            total = sum(t.bytes for t in terms)
-            lines.append(f"  {'subtotal':<24} {total:>14,} {human(total):>11}")
-    lines.append(f"{'persistent total':<26} {plan.persistent_bytes:>14,} {human(plan.persistent_bytes):>11}")
-    lines.append(f"{'peak':<26} {plan.peak_bytes:>14,} {human(plan.peak_bytes):>11}  persistent + largest phase")
-    return "\n".join(lines)
-
-
-def as_json(plan: Plan) -> dict:
-    phases = {"persistent": plan.persistent, "rollout": plan.rollout, **plan.updates}
-    return {
-        "mesh": plan.mesh, "persistent_bytes": plan.persistent_bytes, "peak_bytes": plan.peak_bytes,
-        "terms": {t.name: t.bytes for terms in phases.values() for t in terms},
-    }
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--devices", type=int, help="plan for this many devices (default: this machine's)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jppo.plan", description="Per-device memory of a training run.")
-    parser.add_argument("--config", help=CONFIG_HELP)
-    parser.add_argument("--devices", type=int, help="plan for this many devices (default: this machine's)")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. mesh.fsdp=8")
-    return parser.parse_args(argv)
+    return cli.parse_args(argv, "plan", "Per-device memory of a training run.", options,
+                          overrides="key.sub=value overrides, e.g. mesh.fsdp=8")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from jppo.models import CheckpointError  # noqa: PLC0415
-
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = cli.load_config(args)
         if args.devices is not None and args.devices < 1:
             raise ConfigError(f"--devices={args.devices} must be >= 1")
         if args.devices is None:
-            import jax  # noqa: PLC0415
+            import jax  # noqa: PLC0415 (only to count this machine's devices)
 
             args.devices = jax.device_count()
-        plan = make_plan(cfg, check_mesh(cfg, args.devices))
-    except (ConfigError, CheckpointError, ValueError, KeyError, FileNotFoundError) as error:
-        print(f"jppo.plan: error: {' '.join(str(error).split())}", file=sys.stderr)
-        return 2
+        plan = memory_plan(cfg, check_mesh(cfg, args.devices))
+    except cli.INPUT_ERRORS as error:
+        return cli.fail("plan", error)
     print(json.dumps(as_json(plan), indent=2) if args.json else table(plan))
     return 0
 

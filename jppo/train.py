@@ -1,241 +1,26 @@
-"""``python -m jppo.train --config configs/quickstart.yaml [key.sub=value ...]``: the PPO / GRPO training loop.
-
-The loop, as :func:`run` reads::
-
-    state = init or restore                               # RunState: models, optimizers, KL, data position, step
-    while state.step < trainer.total_steps:
-        state, experience, metrics = collect(state)       # sample, score, forward passes, KL in reward, advantages
-        state, metrics = learn(state, experience)         # ppo_epochs x mini-batches: critic, then actor
-        for hook in hooks: hook(state, metrics)           # validate, log, checkpoint, each every N steps
-
-Collection (:mod:`jppo.run.collect`) works on the whole rollout batch; learning (:mod:`jppo.run.learn`) cuts it into
-mini- and micro-batches in the engine. Restarting the same command resumes from the newest complete checkpoint
-(``trainer.resume: auto``): the whole :class:`~jppo.run.state.RunState` is restored, and every random draw is a
-function of (seed, step), so the resumed run continues exactly as an uninterrupted one would.
-"""
+"""``python -m jppo.train --config configs/quickstart.yaml [key.sub=value ...]``: the PPO / GRPO training loop of
+:mod:`jppo.run.loop`, on every device of every process the multi-process flags start."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import logging
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
-import numpy as np
-from etils import epath
-from flax import nnx
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh
 
-from jppo.run import build, compile_cache
+from jppo import cli
+from jppo.config import ConfigError, TrainConfig, check_mesh
 from jppo.parallel import distributed
-from jppo.run.checkpoint import CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint
-from jppo.run.collect import Collector, PhaseTimer, collect, kl_controller, validate
-from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config, save_config, to_dict
-from jppo.data import Tokenizer
-from jppo.parallel.distributed import DistributedError
-from jppo.core.errors import one_line
-from jppo.engine import init_train_state
-from jppo.export import export_policy, merged_policy
-from jppo.run.learn import Learner, learn
-from jppo.parallel.mesh import make_mesh
-from jppo.models import CheckpointError
-from jppo.core.paths import run_path
-from jppo.runlog import RunLogger
-from jppo.run.state import RunState, checkpointed, init_run_state, with_frozen
-from jppo.config.views import engine_view
-
-log = logging.getLogger("jppo.train")
-
-
-@dataclasses.dataclass(frozen=True)
-class Hook:
-    """``fn(step, state, metrics)`` after every ``every``-th training step (0: never), and after the last one when
-    ``at_end``. Hooks run in order; a validation hook adds its metrics before the logging hook writes them."""
-
-    every: int
-    fn: Callable[[int, RunState, dict], None]
-    at_end: bool = False
-
-    def __call__(self, step: int, total: int, state: RunState, metrics: dict) -> None:
-        if (self.every and step % self.every == 0) or (self.at_end and step == total):
-            self.fn(step, state, metrics)
-
-
-def setup(
-    cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs, seed: Optional[int] = None
-) -> tuple[RunState, Collector, Learner, nnx.GraphDef]:
-    """The run's initial state, its collection and learning stages, and the policy's structure (for the export).
-    ``seed``: what the models' random weights are drawn from (default ``trainer.seed``; a checkpoint's models:
-    the seed it records, :func:`plan_resume`)."""
-    seed = cfg.trainer.seed if seed is None else seed
-    policy = build.build_policy(cfg, inputs.tokenizer, mesh, seed)
-    critic_model = build.build_critic(cfg, policy, mesh, seed) if cfg.use_critic else None  # before the adapters
-    base_graphdef = build.add_adapters(policy, cfg.actor.lora, seed + 2)
-    graphdef, params, frozen = build.split_trained(policy)
-    ref_params = build.build_reference(cfg, policy, mesh) if cfg.use_reference else None
-    critic_graphdef = critic = None
-    if critic_model is not None:
-        build.add_adapters(critic_model, cfg.critic.lora, seed + 3)
-        critic_graphdef, critic_params, critic_frozen = build.split_trained(critic_model)
-        critic = init_train_state(critic_params, engine_view(cfg, "critic"), mesh, frozen=critic_frozen)
-    actor = init_train_state(params, engine_view(cfg, "actor"), mesh, frozen=frozen)
-    state = init_run_state(actor, critic, kl_controller(cfg).init(), cfg.trainer.seed, mesh)
-    collector = Collector.create(
-        cfg, mesh, inputs, graphdef, critic_graphdef, ref_params, sampling=build.sampling_graphdef(cfg, policy),
-        base=base_graphdef,
-    )
-    return state, collector, Learner.create(cfg, mesh, graphdef, critic_graphdef), graphdef
-
-
-@dataclasses.dataclass(frozen=True)
-class Resume:
-    """The checkpoint a run continues from (None: a fresh run), the seed its models are drawn from and the
-    :func:`jppo.run.build.model_record` the checkpoint holds (None without one)."""
-
-    checkpoint: Optional[str]
-    seed: int
-    saved: Optional[dict]
-
-
-def plan_resume(cfg: TrainConfig, checkpoints: epath.Path) -> Resume:
-    """What ``trainer.resume`` continues from, with ``checkpoints`` the run's checkpoint directory. Reads only the
-    checkpoint's meta: a config that would build other models is refused here (:class:`ConfigError`), before
-    anything is written, built or compiled."""
-    resume = resolve_resume(cfg.trainer.resume, checkpoints)
-    if resume is None:
-        return Resume(None, cfg.trainer.seed, None)
-    checkpoint = str(checkpoints / str(resume) if isinstance(resume, int) else resume)
-    seed, saved = build.checkpoint_models(cfg, read_meta(checkpoint), f"trainer.resume: checkpoint {checkpoint!r}")
-    return Resume(checkpoint, seed, saved)
-
-
-def run_model_record(cfg: TrainConfig, state: RunState, seed: int) -> dict:
-    """:func:`jppo.run.build.model_record` of a built run, with the checksums of its LoRA bases loaded from files."""
-    loaded = {"actor": cfg.model.path, "critic": cfg.critic.model_path or cfg.model.path}
-    frozen = {"actor": state.actor.frozen, "critic": None if state.critic is None else state.critic.frozen}
-    checksums = {role: fingerprint(frozen[role]) for role in build.ROLES if loaded[role] and frozen[role] is not None}
-    return build.model_record(cfg, seed, checksums)
-
-
-def restore(
-    cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs, resume: Resume
-) -> tuple[RunState, Collector, Learner, nnx.GraphDef, dict]:
-    """:func:`setup` with the models ``resume`` says, the checkpoint's state restored into it (after its LoRA
-    bases were checked against their recorded checksums), and the run's :func:`run_model_record`."""
-    state, collector, learner, graphdef = setup(cfg, mesh, inputs, resume.seed)
-    record = run_model_record(cfg, state, resume.seed)
-    if resume.checkpoint is not None:
-        if resume.saved is not None:
-            build.check_base_checksums(resume.saved, record, f"trainer.resume: checkpoint {resume.checkpoint!r}")
-        state = with_frozen(restore_checkpoint(resume.checkpoint, checkpointed(state))[0], state)
-    return state, collector, learner, graphdef, record
-
-
-def run(
-    cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: build.RunInputs,
-    devices: Optional[Sequence[jax.Device]] = None,
-) -> dict[str, float]:
-    """Trains to ``trainer.total_steps`` on ``devices`` (default: all), resuming when a checkpoint exists; returns
-    the last step's metrics."""
-    out = run_path(cfg.trainer.output_dir)  # a local folder or a cloud URI, shared by every host
-    resume = plan_resume(cfg, out / "checkpoints")  # a checkpoint the config does not fit: refused, nothing written
-    main = distributed.is_main_process()
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
-    mesh = make_mesh(*mesh_shape, devices=devices)
-    manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep)
-    state, collector, learner, policy, record = restore(cfg, mesh, inputs, resume)
-    if resume.checkpoint is not None:
-        log.info("resumed from %s at step %d", resume.checkpoint, state.steps_done)
-    fresh, total, metrics = state.steps_done == 0, cfg.trainer.total_steps, {}
-    with run_logger(cfg, start_step=0 if fresh else state.steps_done + 1) as logger:
-        has_val = inputs.val_data is not None
-        hooks = [
-            Hook(cfg.trainer.val_every if has_val else 0,
-                 lambda step, s, m: m.update(validate_and_log(collector, s, logger, step))),
-            Hook(1, lambda step, s, m: logger.log(step, m)),
-            Hook(cfg.trainer.save_every, lambda step, s, m: save(manager, s, cfg, record), at_end=True),
-        ]
-        if cfg.trainer.val_before_train and has_val and fresh:
-            # the initial policy's validation, at step 0 (verl's global step 0); a resumed run does not repeat it
-            logger.log(0, validate_and_log(collector, state, logger, 0))
-        while state.steps_done < total:
-            timer = PhaseTimer()
-            state, experience, metrics = collect(collector, state, timer)
-            state, learned = learn(learner, state, experience, timer)
-            metrics = learned | metrics | timer.report(tokens=metrics["perf/total_num_tokens"])
-            for hook in hooks:
-                hook(state.steps_done, total, state, metrics)
-    manager.close()
-    if cfg.trainer.export_hf:
-        export(policy, state.actor.weights, cfg, inputs.tokenizer, out / "hf")
-    if cfg.trainer.plots and main:
-        from jppo.plot import plot_run
-
-        plot_run(out)
-    return metrics
-
-
-def run_logger(cfg: TrainConfig, start_step: int) -> RunLogger:
-    """The run's logger: the sinks of ``trainer.logger``, written by the main process only."""
-    t = cfg.trainer
-    return RunLogger(
-        t.output_dir, total_steps=t.total_steps, sinks=t.logger, progress_bar=t.progress_bar, start_step=start_step,
-        is_main_process=distributed.is_main_process(), project_name=t.project_name,
-        experiment_name=t.experiment_name, config=to_dict(cfg),
-    )
-
-
-def validate_and_log(collector: Collector, state: RunState, logger: RunLogger, step: int) -> dict[str, float]:
-    """The policy's validation metrics; its first ``trainer.log_val_generations`` responses (the main process's
-    rows, in validation-set order: the same prompts every time) go to the logger as step ``step``'s sample."""
-    result = validate(collector, state.actor.weights)
-    sample = result.records[: collector.cfg.trainer.log_val_generations]
-    logger.log_generations(step, [{k: r[k] for k in ("prompt", "response", "reward", "finished")} for r in sample])
-    return result.metrics
-
-
-def save(manager: CheckpointManager, state: RunState, cfg: TrainConfig, record: Optional[dict] = None) -> None:
-    """Checkpoint of ``state`` (unless that step is already saved) with what its models were built from
-    (``record``, default: :func:`run_model_record` with ``trainer.seed``; how to rebuild what it leaves out); the
-    config travels along for humans."""
-    step = state.steps_done
-    if manager.latest_step() != step:
-        record = run_model_record(cfg, state, cfg.trainer.seed) if record is None else record
-        manager.save(step, checkpointed(state), {"step": step, build.MODELS_META: record, "config": to_dict(cfg)})
-
-
-def export(
-    graphdef: nnx.GraphDef, params: nnx.State, cfg: TrainConfig, tokenizer: Tokenizer, path: epath.Path
-) -> None:
-    """The policy as a Hugging Face directory, as ``python -m jppo.export`` writes it (parameters gathered tensor
-    by tensor; the main process writes; LoRA adapters merged into their kernels)."""
-    params = jax.tree.map(gather_to_host, params)
-    if jax.process_index() == 0:
-        export_policy(merged_policy(nnx.merge(graphdef, params)), cfg, tokenizer, path)
-
-
-def gather_to_host(array: jax.Array) -> np.ndarray:
-    if array.is_fully_addressable:
-        return np.asarray(jax.device_get(array))
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+from jppo.run import build
+from jppo.run.loop import run
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m jppo.train", description="Train a language model with PPO / GRPO / RLOO / REINFORCE++."
+    return cli.parse_args(
+        argv, "train", "Train a language model with PPO / GRPO / RLOO / REINFORCE++.",
+        overrides="key.sub=value overrides, e.g. trainer.total_steps=10", processes=True,
     )
-    parser.add_argument(
-        "--config",
-        help=CONFIG_HELP,
-    )
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. trainer.total_steps=10")
-    distributed.add_arguments(parser)
-    return parser.parse_args(argv)
 
 
 def dry_run(cfg: TrainConfig, args: argparse.Namespace) -> str:
@@ -254,26 +39,21 @@ def dry_run(cfg: TrainConfig, args: argparse.Namespace) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cli.log_to_stderr()
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = cli.load_config(args)
         if args.distributed == "dry-run":
             print(dry_run(cfg, args))
             return 0
-        cache = compile_cache.apply(cfg.trainer.compilation_cache)  # before anything compiles
-        log.info("compilation cache: %s", cache or "off")
-        distributed.initialize(args)
-        mesh_shape = check_mesh(cfg, jax.device_count(), jax.process_count())
+        mesh_shape = cli.start("train", cfg, args)
         inputs = build.load_inputs(cfg)
-    except (ConfigError, CheckpointError, DistributedError, ValueError, KeyError, FileNotFoundError) as error:
-        print(f"jppo.train: error: {one_line(error)}", file=sys.stderr)
-        return 2
+    except cli.START_ERRORS as error:
+        return cli.fail("train", error)
     try:
         final = run(cfg, mesh_shape, inputs)
     except ConfigError as error:  # a checkpoint that does not match the config, or a limit only the data can break
-        print(f"jppo.train: error: {one_line(error)}", file=sys.stderr)
-        return 2
+        return cli.fail("train", error)
     if not distributed.is_main_process():
         return 0
     summary = ", ".join(f"{k}={final[k]:.4g}" for k in ("reward/mean", "actor/pg_loss", "critic/vf_loss") if k in final)

@@ -4,7 +4,8 @@ import pathlib
 
 import pytest
 
-from jppo.audit import main, mesh_shapes
+from jppo.audit import main
+from jppo.run.audit import mesh_shapes
 
 CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
 SMALL = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
@@ -50,7 +51,7 @@ def test_audit_reports_the_legacy_split_dependence(capsys, role):
 
 def test_audit_exit_status_depends_on_every_metric(capsys, monkeypatch):
     """A metric that changes with the mesh fails the audit even when every gradient agrees."""
-    import jppo.audit as audit_module
+    import jppo.run.audit as audit_module
     from jppo.parallel.mesh import batch_shards
 
     real = audit_module.run_updates

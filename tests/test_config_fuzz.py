@@ -35,7 +35,7 @@ from jppo.data import BUILTIN_TASKS
 from jppo.losses import AGG_MODES, KL_KINDS, POLICY_LOSSES
 from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES
 from jppo.rewards import REWARD_KINDS
-from jppo.train import run
+from jppo.run.loop import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

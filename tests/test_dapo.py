@@ -18,7 +18,7 @@ from jppo.run.dynamic_sampling import DynamicSamplingError, Scored, concat, samp
 from jppo.core.experience import Experience
 from jppo.models.decoder import CausalLM
 from jppo.rewards import overlong_penalty
-from jppo.train import run
+from jppo.run.loop import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DAPO = ROOT / "configs" / "quickstart_dapo.yaml"
@@ -120,7 +120,7 @@ def train(tmp: pathlib.Path, *overrides: str) -> list[dict]:
 
 
 def test_dapo_smoke_keeps_a_full_batch_of_varied_groups_and_advances_the_data_by_what_it_sampled(tmp_path, monkeypatch):
-    import jppo.train as train_module  # noqa: PLC0415
+    import jppo.run.loop as train_module  # noqa: PLC0415
 
     seen = []
     real = train_module.learn

@@ -14,7 +14,7 @@ import pytest
 from jppo.run import build
 from jppo.config import check_mesh, load_config
 from jppo.eval import main
-from jppo.train import run
+from jppo.run.loop import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

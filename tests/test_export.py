@@ -22,7 +22,7 @@ from jppo.export import main
 from jppo.parallel.mesh import make_mesh
 from jppo.models import load_pretrained
 from jppo.rollout import SamplingParams, generate, pad_prompts
-from jppo.train import run, save, setup
+from jppo.run.loop import run, save, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -167,6 +167,6 @@ def test_export_errors_are_one_line_with_status_2(tmp_path, capsys):
 
 @pytest.mark.parametrize("text, size", [("2GB", 2 * 10**9), ("20KB", 20_000), ("1GiB", 2**30), ("512", 512)])
 def test_max_shard_size_reads_transformers_units(text, size):
-    from jppo.export import parse_size
+    from jppo.run.export import parse_size
 
     assert parse_size(text) == size

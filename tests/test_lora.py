@@ -26,7 +26,7 @@ from jppo.parallel.mesh import batch_shards, make_mesh
 from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, token_log_probs
 from jppo.models.lora import LoRAConfig, attach_lora, merged, save_peft_adapter
 from jppo.models.sharding import variable_spec
-from jppo.train import run
+from jppo.run.loop import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART_LORA = ROOT / "configs" / "quickstart_lora.yaml"
@@ -189,7 +189,7 @@ def train(out: pathlib.Path, devices: int, *overrides: str) -> list[dict]:
 def test_the_reference_is_the_frozen_base_read_in_place(tmp_path):
     from jppo.run.collect import PhaseTimer, collect
     from jppo.run.learn import learn
-    from jppo.train import setup
+    from jppo.run.loop import setup
 
     cfg = load_config(QUICKSTART_LORA, [*SMALL, f"trainer.output_dir={tmp_path}", "mesh.data=2"])
     mesh = make_mesh(2, 1, 1, devices=jax.devices()[:2])
@@ -234,7 +234,8 @@ def test_lora_runs_do_not_depend_on_the_mesh_or_the_cut_and_resume_exactly(tmp_p
     assert "frozen" not in tree["actor"] or not names(tree["actor"]["frozen"])
 
     # the export CLI: merged weights (as the run's policy computes) or the adapter alone
-    from jppo.export import main, restore_policy, run_config
+    from jppo.export import main
+    from jppo.run.export import restore_policy, run_config
 
     run_dir = tmp_path / "resumed"
     assert main([str(run_dir), str(tmp_path / "hf")]) == 0
@@ -256,12 +257,12 @@ def test_lora_runs_do_not_depend_on_the_mesh_or_the_cut_and_resume_exactly(tmp_p
 
 
 def test_the_memory_plan_counts_only_the_adapters_in_the_optimizer_and_no_reference_copy():
-    from jppo.plan import make_plan
+    from jppo.run.memory import memory_plan
 
     overrides = ["actor.use_kl_loss=true", "mesh.data=1"]
     cfg = load_config(QUICKSTART_LORA, overrides)
-    full = make_plan(load_config(QUICKSTART_LORA, [*overrides, "actor.lora.rank=0"]), (1, 1, 1))
-    plan = make_plan(cfg, (1, 1, 1))
+    full = memory_plan(load_config(QUICKSTART_LORA, [*overrides, "actor.lora.rank=0"]), (1, 1, 1))
+    plan = memory_plan(cfg, (1, 1, 1))
     model = create_model(CausalLM, build.random_model_config(cfg, build.load_inputs(cfg).tokenizer), seed=0)
     base = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     attach_lora(model, cfg.actor.lora, seed=1)
@@ -298,7 +299,7 @@ def test_a_lora_checkpoint_evaluates_and_exports_the_trained_policy_whatever_tra
     from etils import epath
 
     from jppo.data import load_tokenizer
-    from jppo.export import restore_policy
+    from jppo.run.export import restore_policy
 
     checkpoint = lora_run / "checkpoints" / "1"
     seed0 = evaluate_with(lora_run, tmp_path / "seed0", "trainer.seed=0")

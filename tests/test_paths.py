@@ -16,9 +16,9 @@ from jppo.run import build
 from jppo.run.checkpoint import committed_steps, resolve_resume
 from jppo.config import ConfigError, load_config, save_config
 from jppo.data import load_tokenizer
-from jppo.export import export_policy
+from jppo.run.export import export_policy
 from jppo.models import CausalLM, ModelConfig, create_model, load_pretrained, save_pretrained
-from jppo.plot import plot_run
+from jppo.runlog.plot import plot_run
 from jppo.runlog import GENERATIONS_DIR, METRICS_FILE, TENSORBOARD_DIR, RunLogger, read_metrics
 
 URI = "gs://bucket/run"

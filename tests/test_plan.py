@@ -10,6 +10,7 @@ from flax import nnx
 
 from jppo.run import build
 from jppo import plan
+from jppo.run import memory
 from jppo.config import check_mesh, load_config
 from jppo.engine import init_train_state
 from jppo.parallel.mesh import make_mesh
@@ -41,7 +42,7 @@ def test_parameter_and_optimizer_bytes_equal_the_built_ones(tmp_path, mesh_overr
     actor_state = init_train_state(actor_params, engine_view(cfg, "actor"), mesh)
     critic_state = init_train_state(critic_params, engine_view(cfg, "critic"), mesh)
 
-    planned = plan.make_plan(cfg, shape)
+    planned = memory.memory_plan(cfg, shape)
 
     assert planned.term("parameters/actor") == device_bytes(actor_params)
     assert planned.term("parameters/critic") == device_bytes(critic_params)
@@ -97,7 +98,7 @@ def test_kv_cache_term_equals_the_sampler_caches(tmp_path, config, overrides):
     if cfg.rollout.env is not None:
         longest += cfg.rollout.max_response_length - 1
 
-    planned = plan.make_plan(cfg, check_mesh(cfg, 1))
+    planned = memory.memory_plan(cfg, check_mesh(cfg, 1))
 
     assert planned.term("kv_cache") == sampler_cache_bytes(cfg, longest)
 
@@ -108,7 +109,7 @@ def test_half_the_rows_per_device_halves_activations_and_kv_cache(tmp_path, rema
     two = quickstart(tmp_path, *common, "mesh.data=2", "actor.ppo_micro_batch_size=8", "critic.ppo_micro_batch_size=8")
     four = quickstart(tmp_path, *common, "mesh.data=4", "actor.ppo_micro_batch_size=4", "critic.ppo_micro_batch_size=4")
 
-    on_two, on_four = plan.make_plan(two, check_mesh(two, 2)), plan.make_plan(four, check_mesh(four, 4))
+    on_two, on_four = memory.memory_plan(two, check_mesh(two, 2)), memory.memory_plan(four, check_mesh(four, 4))
 
     for term in ("kv_cache", "activations/actor", "activations/critic", "logits/actor"):
         assert on_four.term(term) * 2 == on_two.term(term), term
@@ -116,7 +117,7 @@ def test_half_the_rows_per_device_halves_activations_and_kv_cache(tmp_path, rema
 
 
 def test_remat_keeps_less_than_all_layers(tmp_path):
-    kept, recomputed = (plan.make_plan(quickstart(tmp_path, f"model.remat={r}", "mesh.data=1"), (1, 1, 1))
+    kept, recomputed = (memory.memory_plan(quickstart(tmp_path, f"model.remat={r}", "mesh.data=1"), (1, 1, 1))
                         for r in (False, True))
     assert recomputed.term("activations/actor") < kept.term("activations/actor")
 
@@ -156,4 +157,4 @@ def test_applying_the_gradient_takes_the_planned_float32_copies_of_the_parameter
     step = jax.jit(make_update_step(graphdef, actor_loss_fn(cfg), cfg, mesh, "actor"), donate_argnums=0)
     with jax.set_mesh(mesh):
         temporaries = step.lower(state, place(micro.device_arrays(), mesh)).compile().memory_analysis().temp_size_in_bytes
-    assert plan.OPTIMIZER_STEP_COPIES * parameter_bytes <= temporaries <= 1.03 * plan.OPTIMIZER_STEP_COPIES * parameter_bytes
+    assert memory.OPTIMIZER_STEP_COPIES * parameter_bytes <= temporaries <= 1.03 * memory.OPTIMIZER_STEP_COPIES * parameter_bytes

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jppo.plot import load_series, main, plot_run
+from jppo.plot import main
+from jppo.runlog.plot import load_series, plot_run
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_METRICS = (

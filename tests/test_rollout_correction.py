@@ -320,7 +320,7 @@ def test_collection_clears_the_rejected_rows_of_a_bfloat16_sampler(tmp_path):
     from jppo.run import build
     from jppo.run.collect import PhaseTimer, collect
     from jppo.parallel.mesh import make_mesh
-    from jppo.train import setup
+    from jppo.run.loop import setup
 
     tau = 1.001  # the mismatch moves a row's log-ratio sum by 1e-4 to 4e-3 here: some rows go, some stay
     cfg = load_config(ROOT / "configs" / "quickstart_grpo.yaml", [

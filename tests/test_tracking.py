@@ -15,7 +15,7 @@ import pytest
 
 from jppo.run import build
 from jppo.config import ConfigError, check_mesh, load_config
-from jppo.train import run
+from jppo.run.loop import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

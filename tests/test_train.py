@@ -20,7 +20,7 @@ from jppo.run import build
 from jppo.config import check_mesh, load_config
 from jppo.run.collect import decode_responses, greedy_baselines
 from jppo.parallel.mesh import make_mesh
-from jppo.train import run, setup
+from jppo.run.loop import run, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

@@ -22,7 +22,7 @@ from jppo.config import check_mesh, load_config
 from jppo.run.collect import PhaseTimer, collect
 from jppo.run.learn import learn
 from jppo.parallel.mesh import make_mesh
-from jppo.train import run, setup
+from jppo.run.loop import run, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {"ppo": ROOT / "configs" / "quickstart.yaml", "grpo": ROOT / "configs" / "quickstart_grpo.yaml"}

@@ -165,6 +165,56 @@ MODELS_META = "models"  # the entry of a checkpoint's meta that records what its
 ROLES = ("actor", "critic")
 
 
+# Seeds drawn from for a run's models, as offsets of its seed: the policy's random weights 0, the critic's value
+# head 1 (build_critic), the actor's LoRA adapters 2, the critic's 3.
+ADAPTER_SEED_OFFSETS = {"actor": 2, "critic": 3}
+
+
+@dataclasses.dataclass
+class Trained:
+    """One role's model split as its update trains it (:func:`split_trained`): ``params`` train, ``frozen`` is
+    LoRA's base (None without adapters)."""
+
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    frozen: Optional[nnx.State]
+
+
+@dataclasses.dataclass
+class Models:
+    """A run's models as :func:`models` builds them. ``policy``: the policy module (adapters attached), whose
+    parameters ``actor`` holds; ``base``: its structure without adapters (None without LoRA); ``critic`` None when
+    not built; ``reference``: the KL reference's parameters (None: none built, or LoRA's frozen base in place)."""
+
+    policy: CausalLM
+    actor: Trained
+    base: Optional[nnx.GraphDef]
+    critic: Optional[Trained]
+    reference: Optional[nnx.State]
+
+
+def models(
+    cfg: TrainConfig, tokenizer: Tokenizer, mesh: Optional[Mesh], seed: Optional[int] = None, *,
+    roles: Sequence[str] = ROLES, reference: bool = True,
+) -> Models:
+    """The run's models, built the one way every command builds them (training, evaluation, audit, export), so a
+    checkpoint's arrays fit them: the policy, the critic when the config trains one and ``roles`` has it (from the
+    policy's backbone, before the policy's adapters), each role's adapters, and the KL reference when the config
+    uses one and ``reference``. ``seed``: what the random weights are drawn from (default ``trainer.seed``; a
+    checkpoint's models: the seed it records), with the offsets :data:`ADAPTER_SEED_OFFSETS`."""
+    seed = cfg.trainer.seed if seed is None else seed
+    policy = build_policy(cfg, tokenizer, mesh, seed)
+    critic_model = build_critic(cfg, policy, mesh, seed) if cfg.use_critic and "critic" in roles else None
+    base = add_adapters(policy, cfg.actor.lora, seed + ADAPTER_SEED_OFFSETS["actor"])
+    actor = Trained(*split_trained(policy))
+    ref_params = build_reference(cfg, policy, mesh) if cfg.use_reference and reference else None
+    critic = None
+    if critic_model is not None:
+        add_adapters(critic_model, cfg.critic.lora, seed + ADAPTER_SEED_OFFSETS["critic"])
+        critic = Trained(*split_trained(critic_model))
+    return Models(policy, actor, base, critic, ref_params)
+
+
 def model_record(cfg: TrainConfig, seed: int, checksums: Optional[dict[str, Optional[str]]] = None) -> dict:
     """What the models of a run are built from, by config key: a checkpoint's meta records it (``models``), since
     a checkpoint leaves out what the run can rebuild (LoRA's frozen base weights; a KL reference copied from the

@@ -1,0 +1,82 @@
+"""The commands' shared plumbing (``python -m jppo.train|eval|audit|export|plan|plot``).
+
+A command parses its arguments with :func:`parse_args` (``--config`` and ``key.sub=value`` overrides for a command
+that reads a config, the multi-process flags for one that starts processes), reads its config with
+:func:`load_config`, and calls the library. What the user's input can break (a key, a file, a checkpoint, a flag)
+ends the command with one line on stderr, ``jppo.<command>: error: <message>``, and exit status 2 (:func:`fail`):
+no traceback. A traceback is left to what is a bug.
+
+This module is imported by every command, ``python -m jppo.plot`` too, whose ``--help`` needs neither JAX nor the
+config: what they need is imported where it is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Callable, Optional, Sequence
+
+from jppo.core.errors import one_line
+from jppo.parallel import distributed
+
+# What a user's input raises: a bad setting (ConfigError, CheckpointError, ExportError and InvalidSetting are
+# ValueErrors), a missing key or file.
+INPUT_ERRORS = (ValueError, KeyError, FileNotFoundError)
+# ... and, for a command that starts processes, a process that cannot join the others
+START_ERRORS = (*INPUT_ERRORS, distributed.DistributedError)
+
+
+def parse_args(
+    argv: Optional[Sequence[str]], command: str, description: str,
+    options: Optional[Callable[[argparse.ArgumentParser], None]] = None, *, overrides: Optional[str] = None,
+    processes: bool = False,
+) -> argparse.Namespace:
+    """The arguments of ``python -m jppo.<command>``: ``--config`` (when the command takes ``overrides``, their
+    help), the command's own ``options``, the positional ``overrides``, and the multi-process flags of
+    :func:`jppo.parallel.distributed.add_arguments` (``processes``)."""
+    parser = argparse.ArgumentParser(prog=f"python -m jppo.{command}", description=description)
+    if overrides is not None:
+        from jppo.config import CONFIG_HELP  # noqa: PLC0415 (plot's --help reads no config)
+
+        parser.add_argument("--config", help=CONFIG_HELP)
+    if options is not None:
+        options(parser)
+    if overrides is not None:
+        parser.add_argument("overrides", nargs="*", help=overrides)
+    if processes:
+        distributed.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def load_config(args: argparse.Namespace):
+    """The checked, frozen config of ``--config`` and the overrides."""
+    from jppo.config import load_config as load  # noqa: PLC0415 (plot's --help reads no config)
+
+    return load(args.config, args.overrides)
+
+
+def log_to_stderr() -> None:
+    """INFO messages of jppo's loggers on stderr, ``LEVEL name: message`` (the commands that train or evaluate)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+
+def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int]:
+    """What a command that runs the models does before anything compiles: the persistent compilation cache
+    (``trainer.compilation_cache``), the processes (the multi-process flags), then the mesh shape the config asks
+    for on every device of every process."""
+    import jax  # noqa: PLC0415 (plot's --help needs no JAX)
+
+    from jppo.config import check_mesh  # noqa: PLC0415
+    from jppo.run import compile_cache  # noqa: PLC0415
+
+    cache = compile_cache.apply(cfg.trainer.compilation_cache)  # before anything compiles
+    logging.getLogger(f"jppo.{command}").info("compilation cache: %s", cache or "off")
+    distributed.initialize(args)
+    return check_mesh(cfg, jax.device_count(), jax.process_count())
+
+
+def fail(command: str, error: BaseException) -> int:
+    """``error`` as the command's one-line message on stderr; the exit status 2."""
+    print(f"jppo.{command}: error: {one_line(error)}", file=sys.stderr)
+    return 2

@@ -1,0 +1,227 @@
+"""The contract audit (``python -m jppo.audit``): does this configuration keep the contract?
+
+Builds the configured model(s) and the rollout batch of one training step (the configured prompts, ragged random
+responses, an empty response among them, random advantages, log-probs, values and returns; sampler log-probs that
+differ from the old ones, so ``actor.rollout_correction`` weighs or rejects rows, its rejection applied as
+collection applies it, before the cut), then runs that whole step's updates (every mini-batch of every epoch)
+through the trainer's own path, ``run_updates`` and the compiled ``UpdateStep``, under many cuts: fixed
+micro-batches of several sizes, token-budget packing, and every mesh shape the local devices allow. Each cut is
+compared with the reference (one device, one micro-batch per mini-batch): the accumulated gradient of every
+optimizer step, as the optimizer itself recorded it, as ``||g - g_ref|| / ||g_ref||`` (the first step's alone, and
+all steps'), and every reported metric (losses, clip fractions, KL, entropy, value means, gradient norms, learning
+rate, skipped updates, ``rollout_corr/*``), as the largest relative difference. The last lines read
+``max_rel_first_step_grad_diff=<v>``, ``max_rel_grad_diff=<v>`` and ``max_rel_metric_diff=<v>``; the exit status is
+0 when the first step's gradients are within tolerance (1e-5 in float32) and the rest within ten times that (see
+:meth:`Worst.passes`), 1 otherwise, 2 for a bad setting (one line on stderr, found before or while the audit runs).
+A legacy ``normalization=per_micro_batch`` config shows its split-dependence here instead of hiding it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jppo.run import build
+from jppo.run.collect import rejected_rows_cleared
+from jppo.config import TrainConfig
+from jppo.engine import (
+    UpdateStep, actor_loss_fn, check_batch_sizes, critic_loss_fn, cut_steps, init_train_state, run_updates,
+)
+from jppo.run.learn import mini_batch_rng
+from jppo.parallel.mesh import batch_shards, make_mesh
+from jppo.core.experience import Experience
+from jppo.models import param_shardings
+from jppo.config.views import engine_view, optimizer_steps_per_training_step, rollout_sequences
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
+WHOLE_STEP_FACTOR = 10  # later optimizer steps and metrics: see Worst.passes
+
+
+def mesh_shapes(num_devices: int, rows: int) -> list[tuple[int, int, int]]:
+    """Every (data, fsdp, tensor) with product ``num_devices`` whose batch shards divide ``rows``."""
+    shapes = []
+    for data, fsdp in itertools.product(range(1, num_devices + 1), repeat=2):
+        if num_devices % (data * fsdp) == 0 and rows % (data * fsdp) == 0:
+            shapes.append((data, fsdp, num_devices // (data * fsdp)))
+    return shapes
+
+
+def audit_batch(cfg: TrainConfig, inputs: build.RunInputs, rows: int, seed: int = 0) -> Experience:
+    """``rows`` sequences: configured prompts, random responses of random lengths (one empty), random
+    advantages, old/ref/sampler log-probs, values and returns (what the losses need; their values do not matter
+    here, but the sampler's differ from the old ones, so the rollout correction weighs or rejects rows)."""
+    rng = np.random.default_rng(seed)
+    prompts = inputs.train_data.batch_at(0, rows, cfg.trainer.seed)[1]
+    width = max(len(p) for p in prompts)
+    prompt_ids = np.zeros((rows, width), np.int32)
+    prompt_mask = np.zeros((rows, width), bool)
+    for i, p in enumerate(prompts):
+        prompt_ids[i, width - len(p):] = p
+        prompt_mask[i, width - len(p):] = True
+    length = cfg.rollout.max_response_length
+    lengths = rng.integers(1, length + 1, rows)
+    lengths[rows // 2] = 0
+    attention = np.arange(length)[None, :] < lengths[:, None]
+    vocab = inputs.tokenizer.vocab_size
+    response_ids = np.where(attention, rng.integers(0, vocab, (rows, length)), 0).astype(np.int32)
+    noise = lambda scale: np.where(attention, rng.normal(scale=scale, size=(rows, length)), 0.0).astype(np.float32)
+    old_log_prob, ref_log_prob, advantages, values, returns = noise(0.3) - 2.5, noise(0.3) - 2.5, *map(noise, [1.0] * 3)
+    # the sampler's log-probs: a per-row offset and per-token noise, so that every rollout-correction mode clips
+    # or rejects some rows and keeps others at its default threshold
+    offsets = rng.normal(scale=0.5, size=(rows, 1)).astype(np.float32)
+    rollout_log_prob = np.where(attention, old_log_prob - offsets, 0.0) - noise(0.3)
+    return Experience(
+        prompt_ids, prompt_mask, response_ids, attention, attention, old_log_prob=old_log_prob,
+        ref_log_prob=ref_log_prob, advantages=advantages, values=values, returns=returns,
+        rollout_log_prob=rollout_log_prob,
+    )
+
+
+def cuts(mini_batch: int, shards: int, longest: int, every: bool) -> list[tuple[str, dict]]:
+    """Fixed micro-batches and token budgets, as overrides of the update config. ``every``: all of them (a whole
+    shard, halves, single sequences; a tight and a loose budget); otherwise the two that cut finest (single
+    sequences, the tight budget)."""
+    fixed = lambda m: (f"fixed micro={m}", {"use_dynamic_bsz": False, "ppo_micro_batch_size": m})  # noqa: E731
+    budget = lambda t: (f"tokens<={t}", {"use_dynamic_bsz": True, "ppo_max_token_len": t})  # noqa: E731
+    if not every:
+        return [fixed(1), budget(longest)]
+    per_shard = mini_batch // shards
+    sizes = sorted({per_shard, per_shard // 2 if per_shard % 2 == 0 else per_shard, 1}, reverse=True)
+    return [fixed(m) for m in sizes] + [budget(t) for t in sorted({longest, 2 * longest})]
+
+
+def flat(tree) -> np.ndarray:
+    return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One whole training step's updates under one cut."""
+
+    gradients: list[np.ndarray]  # the accumulated gradient of each optimizer step, flattened
+    metrics: dict[str, float]
+    micro_batches: int  # K of the step that cut into the most
+
+
+class Role:
+    """One model under audit: its parameters, and the trainer's update path for it on any mesh and cut."""
+
+    def __init__(
+        self, name: str, graphdef: nnx.GraphDef, params: nnx.State, loss_of, update_cfg, seed: int,
+        frozen: nnx.State | None = None,
+    ):
+        # kept on the host: every cut places its own copy (the update donates its state); ``frozen``: LoRA's base
+        self.name, self.graphdef, self.params = name, graphdef, jax.device_get(params)
+        self.frozen = None if frozen is None else jax.device_get(frozen)
+        self.loss_of, self.cfg = loss_of, update_cfg
+        self.seed = seed
+
+    def run(self, mesh, batch: Experience, cut: dict) -> Outcome:
+        """All mini-batches and epochs of step 1, exactly as the trainer runs them (same shuffling seed)."""
+        cfg = dataclasses.replace(self.cfg, **cut)
+        check_batch_sizes(cfg, batch.num_sequences, batch_shards(mesh), self.name)
+        params = jax.device_put(self.params, param_shardings(self.params, mesh))
+        frozen = None if self.frozen is None else jax.device_put(self.frozen, param_shardings(self.frozen, mesh))
+        state = init_train_state(params, cfg, mesh, keep_gradient=True, frozen=frozen)
+        step = UpdateStep(self.graphdef, self.loss_of(cfg), cfg, mesh, self.name, keep_gradient=True)
+        rng = lambda: mini_batch_rng(self.seed, 1, self.name)  # noqa: E731 (the trainer's draw for step 1)
+        k = max(m.num_micro_batches for m in cut_steps(batch, cfg, mesh, rng()))
+        updated = run_updates(step, state, batch, cfg, mesh, rng())
+        gradients = jax.device_get(updated.gradients)
+        per_step = [flat(jax.tree.map(lambda g: g[i], gradients)) for i in range(len(jax.tree.leaves(gradients)[0]))]
+        return Outcome(per_step, updated.metrics, k)
+
+
+def build_roles(cfg: TrainConfig, inputs: build.RunInputs) -> list[Role]:
+    """The models under audit, built as the trainer builds them (:func:`jppo.run.build.models`), on one device."""
+    cpu = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    models = build.models(cfg, inputs.tokenizer, cpu, reference=False)
+    seed, actor = cfg.trainer.seed, models.actor
+    actor_loss = lambda update_cfg: actor_loss_fn(update_cfg, cfg.rollout.temperature)  # noqa: E731
+    roles = [Role("actor", actor.graphdef, actor.params, actor_loss, engine_view(cfg, "actor"), seed, actor.frozen)]
+    if models.critic is not None:
+        critic = models.critic
+        roles.append(Role("critic", critic.graphdef, critic.params, critic_loss_fn, engine_view(cfg, "critic"), seed,
+                          critic.frozen))
+    return roles
+
+
+def relative(name: str, a: float, b: float) -> float:
+    """``|a - b|`` relative to ``|b|``, and to the scale of the quantities the metric is computed from when it is
+    smaller than that: 1e-3 for a clip fraction or KL near 0, 1 for an explained variance (``1 - Var(d) / Var(t)``
+    near 0 is a difference of two numbers near 1, exact only to their float32 rounding)."""
+    floor = 1.0 if name.endswith("_explained_var") else 1e-3
+    return abs(a - b) / max(abs(b), floor)
+
+
+def gradient_diffs(outcome: Outcome, reference: Outcome) -> tuple[float, float]:
+    """Relative difference ``||g - g_ref|| / ||g_ref||`` of the first optimizer step's gradient, and of all steps'
+    gradients concatenated."""
+    first = np.linalg.norm(outcome.gradients[0] - reference.gradients[0]) / max(np.linalg.norm(reference.gradients[0]), 1e-30)
+    whole, whole_ref = np.concatenate(outcome.gradients), np.concatenate(reference.gradients)
+    return float(first), float(np.linalg.norm(whole - whole_ref) / max(np.linalg.norm(whole_ref), 1e-30))
+
+
+@dataclasses.dataclass
+class Worst:
+    first_step: float = 0.0  # gradient of the first optimizer step: same parameters, only the cut differs
+    gradient: float = 0.0  # gradients of all optimizer steps
+    metric: float = 0.0
+
+    def passes(self, tolerance: float) -> bool:
+        """The first step's gradient within ``tolerance``; later steps and the metrics (averaged over the steps)
+        within ``WHOLE_STEP_FACTOR`` times it. After the first optimizer step the parameters themselves differ by
+        rounding, and Adam's first updates (about ``lr * sign(g)``) move an entry whose gradient is rounding noise by
+        up to ``lr`` either way; a cut that breaks the contract is off by far more (a K-fold error by K - 1)."""
+        whole = WHOLE_STEP_FACTOR * tolerance
+        return self.first_step <= tolerance and self.gradient <= whole and self.metric <= whole
+
+
+def audit(cfg: TrainConfig, inputs: build.RunInputs, quick: bool = False, out=None) -> Worst:
+    """Prints the table; returns the largest relative differences. Every cut runs on one device; each mesh of all
+    devices runs the finest cuts (``quick``: only the pure data-parallel mesh and a 3-D one)."""
+    out = sys.stdout if out is None else out
+    devices = jax.device_count()
+    rows = rollout_sequences(cfg)
+    # verl's rejection modes clear rows' masks at collection, before the batch is cut: the audit does the same
+    batch, rejection = rejected_rows_cleared(audit_batch(cfg, inputs, rows), cfg.actor.rollout_correction)
+    longest = int(batch.lengths().max())
+    reference_mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    worst = Worst()
+    steps = {role: optimizer_steps_per_training_step(cfg, role) for role in cfg.roles}
+    print(f"jppo.audit: one training step of {rows} sequences ({steps['actor']} actor optimizer steps"
+          + (f", {steps['critic']} critic" if cfg.use_critic else "") + f"), {int(batch.response_mask.sum())} loss "
+          f"tokens, {devices} devices, normalization actor={cfg.actor.normalization} critic={cfg.critic.normalization}, "
+          f"rollout correction {cfg.actor.rollout_correction.mode}"
+          + "".join(f" ({name} {value:.3g})" for name, value in rejection.items()), file=out)
+    header = (f"{'model':<7} {'mesh (d,f,t)':<13} {'cut':<16} {'K':>3} {'grad step 1':>12} {'grad all steps':>14} "
+              f"{'metrics':>10}  {'worst metric':<22}")
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for role in build_roles(cfg, inputs):
+        mini = role.cfg.ppo_mini_batch_size
+        reference = role.run(reference_mesh, batch, {"use_dynamic_bsz": False, "ppo_micro_batch_size": mini})
+        print(f"compared ({role.name}): {', '.join(sorted(reference.metrics))}", file=out)
+        meshes = [(1, 1, 1)] + [shape for shape in mesh_shapes(devices, mini) if shape != (1, 1, 1)]
+        if quick:
+            meshes = [shape for shape in meshes if shape in {(1, 1, 1), (devices, 1, 1), (2, 2, devices // 4)}]
+        for shape in meshes:
+            mesh = make_mesh(*shape, devices=jax.devices()[: int(np.prod(shape))])
+            for label, cut in cuts(mini, batch_shards(mesh), longest, every=shape == (1, 1, 1)):
+                outcome = role.run(mesh, batch, cut)
+                first, diff = gradient_diffs(outcome, reference)
+                missing = set(reference.metrics) ^ set(outcome.metrics)
+                metric_diffs = {name: relative(name, outcome.metrics[name], value)
+                                for name, value in reference.metrics.items() if name in outcome.metrics}
+                metric_diffs.update({name: float("inf") for name in missing})
+                name, metric_diff = max(metric_diffs.items(), key=lambda item: item[1])
+                worst.first_step, worst.gradient = max(worst.first_step, first), max(worst.gradient, diff)
+                worst.metric = max(worst.metric, metric_diff)
+                print(f"{role.name:<7} {str(shape):<13} {label:<16} {outcome.micro_batches:>3} {first:>12.3e} "
+                      f"{diff:>14.3e} {metric_diff:>10.3e}  {name if metric_diff > 0 else '-'}", file=out)
+    return worst
