@@ -38,7 +38,7 @@ from flax import nnx
 
 from jppo.run import build
 from jppo.run.checkpoint import committed_steps, fingerprint, read_meta, restore_part
-from jppo.config import TrainConfig, load_config
+from jppo.config import TrainConfig, load_config, views
 from jppo.data import CharTokenizer, Tokenizer, load_tokenizer
 from jppo.core.errors import ConfigError, one_line
 from jppo.models import CausalLM, CheckpointError, ModelConfig, read_config, save_pretrained
@@ -112,7 +112,7 @@ def policy_config(cfg: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
     """The policy's architecture, as the trainer built it (``jppo.run.build.build_policy``)."""
     if cfg.model.path:
         return read_config(cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
-    return build.random_model_config(cfg, tokenizer)
+    return views.random_model_config(cfg, tokenizer)
 
 
 def restore_policy(checkpoint: epath.Path, cfg: TrainConfig, tokenizer: Tokenizer) -> CausalLM:
@@ -245,7 +245,7 @@ def export_policy(
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"--dtype={dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     shard = max_shard_bytes if max_shard_bytes is not None else parse_size(DEFAULT_MAX_SHARD_SIZE)
-    spec = build.tokenizer_spec(cfg)
+    spec = views.tokenizer_spec(cfg)
     source = pathlib.Path(cfg.model.path) if cfg.model.path else None
 
     def write(directory: epath.Path) -> list[str]:
@@ -279,7 +279,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         max_shard_bytes = parse_size(args.max_shard_size)
         checkpoint = find_checkpoint(run_path(args.source), args.step)
         cfg = run_config(checkpoint)
-        tokenizer = load_tokenizer(build.tokenizer_spec(cfg))
+        tokenizer = load_tokenizer(views.tokenizer_spec(cfg))
         model = restore_policy(checkpoint, cfg, tokenizer)
         if args.adapters:
             files = export_adapters(model, cfg, args.out, dtype=args.dtype or "float32", replace=args.overwrite)
