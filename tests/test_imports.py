@@ -63,6 +63,16 @@ def _targets(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool,
     return found
 
 
+def _lazy_exports(tree: ast.AST) -> set[str]:
+    """The submodules a package's ``lazy_exports(__name__, {submodule: names})`` loads (:mod:`jppo.core.lazy`)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports":
+            table = node.args[1]
+            found |= {key.value for key in table.keys if isinstance(key, ast.Constant)}
+    return found
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the modules of jppo it imports (itself excluded)."""
     paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
@@ -74,6 +84,8 @@ def import_graph() -> dict[str, set[str]]:
         edges = set()
         for node in _imports(tree):
             edges |= _targets(node, name, is_package, modules)
+        if is_package:
+            edges |= {f"{name}.{child}" for child in _lazy_exports(tree)}
         graph[name] = edges - {name}
     return graph
 
@@ -145,6 +157,8 @@ def test_the_graph_sees_imports_in_functions_and_skips_type_checking():
     modules = {"jppo", "jppo.a", "jppo.b", "jppo.c", "jppo.d", "jppo.e"}
     found = set().union(*(_targets(node, "jppo.e", False, modules) for node in _imports(tree)))
     assert found == {"jppo.a", "jppo.c", "jppo.d"}
+    package = ast.parse('__getattr__, __all__ = lazy_exports(__name__, {"a": ("A",), "b": ("B", "C")})')
+    assert _lazy_exports(package) == {"a", "b"}
     cyclic = {"jppo.a": {"jppo.b"}, "jppo.b": {"jppo.c"}, "jppo.c": {"jppo.a"}, "jppo.d": {"jppo.a"}}
     components = [c for c in strongly_connected(cyclic) if len(c) > 1]
     assert components == [["jppo.a", "jppo.b", "jppo.c"]]
@@ -155,3 +169,37 @@ def test_no_import_cycle_between_modules():
     graph = import_graph()
     cycles = [a_cycle(graph, c) for c in strongly_connected(graph) if len(c) > 1]
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+# What ``import jppo.config`` may load besides the config layer itself (jppo.config, .schema, .load), and why:
+CONFIG_LAYER_IMPORTS = {
+    # what the schema composes: a component's own config dataclass and what its module imports
+    "jppo.data", "jppo.data.datasets", "jppo.data.tasks", "jppo.data.tokenizer",  # DataConfig
+    "jppo.rewards", "jppo.rewards.adapters", "jppo.rewards.overlong", "jppo.rewards.plugin",  # RewardConfig
+    "jppo.rewards.reward_fn", "jppo.rewards.rules", "jppo.rewards.verify",
+    "jppo.engine", "jppo.engine.config",  # ActorFields, CriticFields (jppo.engine exports lazily)
+    "jppo.models", "jppo.models.lora", "jppo.models.config", "jppo.models.sharding",  # LoRAConfig
+    "jppo.parallel", "jppo.parallel.mesh",  # the logical axes LoRA's adapters are placed with
+    # ActorFields.rollout_correction: jppo.losses' package loads every loss term with it (layer 1, pure math)
+    "jppo.losses", "jppo.losses.actor", "jppo.losses.aggregate", "jppo.losses.entropy", "jppo.losses.kl",
+    "jppo.losses.kl_control", "jppo.losses.policy", "jppo.losses.rollout_correction", "jppo.losses.value",
+    # TrainConfig.use_critic asks the estimator registry (layer 1)
+    "jppo.advantages", "jppo.advantages.group", "jppo.advantages.registry", "jppo.advantages.returns",
+    # the loader: model sources given as Hugging Face repo ids are resolved to local snapshots
+    "jppo.models.hub",
+}
+
+
+def test_importing_the_config_loads_the_config_layer_only():
+    """``import jppo.config`` loads the schema and the loader, what the schema composes and what those modules
+    import (:data:`CONFIG_LAYER_IMPORTS`, with the reason of each), and jppo.core: not the validator nor the views
+    (they load when a config is loaded and checked), nor any module of jppo.run, jppo.rollout, jppo.runlog, the
+    update engine's programs or the decoder. A fresh interpreter, so no other test's imports count."""
+    code = "import jppo.config, sys; print(' '.join(sorted(m for m in sys.modules if m.startswith('jppo'))))"
+    loaded = set(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.split())
+    config_layer = {"jppo", "jppo.config", "jppo.config.schema", "jppo.config.load"}
+    core = {name for name in import_graph() if name == "jppo.core" or name.startswith("jppo.core.")}
+    unexpected = sorted(loaded - config_layer - core - CONFIG_LAYER_IMPORTS)
+    assert not unexpected, f"import jppo.config loads {len(loaded)} modules, beyond the config layer: {unexpected}"
+    assert config_layer <= loaded
