@@ -9,12 +9,9 @@ given, in its own units. Every problem is a :class:`~jppo.core.errors.ConfigErro
 value); the command-line entry points print it and exit with status 2, before anything is compiled.
 
 Importing this package loads the schema and the loader only: the validator (and the components whose own checks it
-runs) loads when a config is loaded, or when :func:`check_mesh` is first asked for.
+runs) loads when a config is loaded, or when ``check_mesh`` (:func:`jppo.config.check.check_mesh`) is first asked
+for.
 """
-
-from __future__ import annotations
-
-from typing import Any
 
 from jppo.config.load import CONFIG_HELP, load_config, save_config, to_dict
 from jppo.config.schema import (
@@ -22,19 +19,12 @@ from jppo.config.schema import (
     ModelSection, RefSection, RolloutSection, TrainConfig, TrainerSection, UpdateSectionFields,
 )
 from jppo.core.errors import ConfigError
+from jppo.core.lazy import lazy_exports
+
+__getattr__ = lazy_exports(__name__, {"check": ("check_mesh",)})[0]  # the validator loads when first asked for
 
 __all__ = [
     "CONFIG_HELP", "RANDOM_MODEL", "ActorSection", "AlgorithmSection", "ConfigError", "CriticSection",
     "FilterGroupsSection", "KLControlSection", "MeshSection", "ModelSection", "RefSection", "RolloutSection",
     "TrainConfig", "TrainerSection", "UpdateSectionFields", "check_mesh", "load_config", "save_config", "to_dict",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """``check_mesh`` (:mod:`jppo.config.check`), imported when first asked for: the validator imports the
-    components whose checks it runs, which ``import jppo.config`` does not load."""
-    if name == "check_mesh":
-        from jppo.config.check import check_mesh  # noqa: PLC0415 (see the module's docstring)
-
-        return check_mesh
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
