@@ -229,6 +229,7 @@ def measure_step(size: dict, epochs: int) -> dict:
 
     import jax
 
+    from jppo.config import views
     from jppo.run import build
     from jppo.run import loop
     from jppo.run.collect import collect
@@ -239,13 +240,13 @@ def measure_step(size: dict, epochs: int) -> dict:
     cfg = load_config(None, overrides(size, epochs))
     mesh = make_mesh(*check_mesh(cfg, jax.device_count()))
     inputs = build.load_inputs(cfg)
-    sampling = build.sampling_params
+    sampling = views.sampling_params
 
     def no_eos(*args, **kwargs):  # every response runs to its maximum length
         return dataclasses.replace(sampling(*args, **kwargs), eos_token_ids=())
 
     counter = Counter()
-    with mock.patch.object(build, "sampling_params", no_eos), counting(counter):
+    with mock.patch.object(views, "sampling_params", no_eos), counting(counter):
         state, collector, learner, _ = loop.setup(cfg, mesh, inputs)
         for counted in (False, True):
             counter.on = counted

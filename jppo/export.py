@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 from jppo import cli
 from jppo.core.paths import run_path
 from jppo.data import load_tokenizer
-from jppo.run import build
+from jppo.config import views
 from jppo.run.export import (
     DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES, export_adapters, export_policy, find_checkpoint, merged_policy, parse_size,
     restore_policy, run_config,
@@ -42,7 +42,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         max_shard_bytes = parse_size(args.max_shard_size)
         checkpoint = find_checkpoint(run_path(args.source), args.step)
         cfg = run_config(checkpoint)
-        tokenizer = load_tokenizer(build.tokenizer_spec(cfg))
+        tokenizer = load_tokenizer(views.tokenizer_spec(cfg))
         model = restore_policy(checkpoint, cfg, tokenizer)
         if args.adapters:
             files = export_adapters(model, cfg, args.out, dtype=args.dtype or "float32", replace=args.overwrite)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jppo.run.build import random_model_config
+from jppo.config.views import random_model_config
 from jppo.config import ConfigError, load_config
 from jppo.models import CausalLM, ModelConfig, create_model, token_log_probs
 from jppo.models.layers import AUTO_FALLBACK, attention, attention_mask, resolve_attention

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tokenizers
 
-from jppo.run.build import sampling_params
+from jppo.config.views import sampling_params
 from jppo.config import load_config
 from jppo.data import CharTokenizer, Example, get_task, load_tokenizer
 from jppo.run.collect import compute_advantages, decode_responses, kl_in_reward, last_token_scores, token_credit_rewards

@@ -1,8 +1,11 @@
 """The trainer's config: schema defaults, YAML + overrides, and one-line errors naming key and value."""
 
+import dataclasses
 import pathlib
 import re
 import sys
+import types
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +14,7 @@ import pytest
 from flax import nnx
 
 from jppo.run.build import build_critic, build_policy, load_inputs
-from jppo.config import ActorSection, ConfigError, ModelSection, load_config, save_config
+from jppo.config import RANDOM_MODEL, ActorSection, ConfigError, ModelSection, load_config, save_config
 from jppo.engine import ActorConfig, CriticConfig
 from jppo.engine.driver import mini_batches
 from jppo.engine.optim import learning_rate_schedule
@@ -334,3 +337,35 @@ def test_no_batch_size_error_counts_only_sequences():
                         assert f"actor.ppo_mini_batch_size={mini} (prompts)" in text, text
     assert refused > 0
 
+
+# The ModelConfig fields the model section leaves out: the vocabulary and its special tokens are the tokenizer's
+# (or a checkpoint's), and the family flags, head size, norm epsilon and rope scaling are model_type's defaults
+# (a checkpoint brings its own).
+MODEL_KEYS_LEFT_OUT = {
+    "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "head_dim", "rope_scaling", "rms_norm_eps",
+    "attention_bias", "attention_out_bias", "qk_norm",
+}
+# Where the section's default is the small test model's, not ModelConfig's (which has none for the sizes).
+TEST_MODEL_DEFAULTS = dict(model_type="qwen2", hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
+                           tie_word_embeddings=True, max_position_embeddings=512)
+
+
+def _union_as_set(kind):
+    """``Optional[int]`` and ``int | None`` alike, as the set of their members."""
+    union = typing.get_origin(kind) in (typing.Union, types.UnionType)
+    return frozenset(typing.get_args(kind)) if union else kind
+
+
+def test_the_model_section_keys_are_model_config_fields():
+    """ModelSection's keys are written out in the schema: each is the ModelConfig field of its name and type, with
+    ModelConfig's default unless it is the test model's, and every ModelConfig field is a key or left out on
+    purpose, so the two cannot drift apart."""
+    section = {f.name: f for f in dataclasses.fields(ModelSection) if f.name not in ("path", "tokenizer")}
+    model = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    assert set(section) == set(model) - MODEL_KEYS_LEFT_OUT
+    assert set(TEST_MODEL_DEFAULTS) <= set(section)
+    section_types, model_types = typing.get_type_hints(ModelSection), typing.get_type_hints(ModelConfig)
+    for name, field in section.items():
+        assert _union_as_set(section_types[name]) == _union_as_set(model_types[name]), name
+        assert field.default == TEST_MODEL_DEFAULTS.get(name, model[name].default), name
+    assert ModelSection().architecture() == RANDOM_MODEL == {name: f.default for name, f in section.items()}

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from engine_cases import ragged_batch, reference_actor_loss, reference_critic_loss, tiny_config
 from jppo.run import build
-from jppo.config import ConfigError, check_mesh, load_config
+from jppo.config import ConfigError, check_mesh, load_config, views
 from jppo.engine import (
     ActorConfig, CriticConfig, UpdateStep, actor_loss_fn, critic_loss_fn, init_train_state, run_updates,
 )
@@ -248,7 +248,7 @@ def test_lora_runs_do_not_depend_on_the_mesh_or_the_cut_and_resume_exactly(tmp_p
 
     checkpoint = epath.Path(run_dir / "checkpoints" / "2")
     cfg = run_config(checkpoint)
-    policy = restore_policy(checkpoint, cfg, load_tokenizer(build.tokenizer_spec(cfg)))
+    policy = restore_policy(checkpoint, cfg, load_tokenizer(views.tokenizer_spec(cfg)))
     ids = jnp.asarray([[1, 2, 3, 4, 5, 6]])
     exported = load_pretrained(tmp_path / "hf")
     np.testing.assert_allclose(np.asarray(exported(ids)), np.asarray(policy(ids)), rtol=1e-5, atol=1e-5)
@@ -263,7 +263,7 @@ def test_the_memory_plan_counts_only_the_adapters_in_the_optimizer_and_no_refere
     cfg = load_config(QUICKSTART_LORA, overrides)
     full = memory_plan(load_config(QUICKSTART_LORA, [*overrides, "actor.lora.rank=0"]), (1, 1, 1))
     plan = memory_plan(cfg, (1, 1, 1))
-    model = create_model(CausalLM, build.random_model_config(cfg, build.load_inputs(cfg).tokenizer), seed=0)
+    model = create_model(CausalLM, views.random_model_config(cfg, build.load_inputs(cfg).tokenizer), seed=0)
     base = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     attach_lora(model, cfg.actor.lora, seed=1)
     adapters = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
@@ -308,8 +308,8 @@ def test_a_lora_checkpoint_evaluates_and_exports_the_trained_policy_whatever_tra
 
     # the run's config.yaml after a resume with another seed: the export still rebuilds the base from seed 0
     cfg = load_config(QUICKSTART_LORA, [*SMALL, f"trainer.output_dir={lora_run}", "mesh.data=1", "trainer.seed=5"])
-    policy = restore_policy(epath.Path(checkpoint), cfg, load_tokenizer(build.tokenizer_spec(cfg)))
-    drawn = create_model(CausalLM, build.random_model_config(cfg, load_tokenizer(build.tokenizer_spec(cfg))), seed=0)
+    policy = restore_policy(epath.Path(checkpoint), cfg, load_tokenizer(views.tokenizer_spec(cfg)))
+    drawn = create_model(CausalLM, views.random_model_config(cfg, load_tokenizer(views.tokenizer_spec(cfg))), seed=0)
     got = dict(nnx.to_flat_state(nnx.state(policy, nnx.Param)))
     for path, want in nnx.to_flat_state(nnx.state(drawn, nnx.Param)):  # every base weight: seed 0's, not seed 5's
         np.testing.assert_array_equal(np.asarray(got[path][...]), np.asarray(want[...]), err_msg=str(path))
@@ -387,7 +387,7 @@ def test_a_lora_base_loaded_from_model_path_is_checked_by_its_checksum(tmp_path,
     from jppo.models import save_pretrained
 
     cfg = load_config(QUICKSTART_LORA, ["mesh.data=1"])
-    shape = build.random_model_config(cfg, load_tokenizer(build.tokenizer_spec(cfg)))
+    shape = views.random_model_config(cfg, load_tokenizer(views.tokenizer_spec(cfg)))
     base, other, moved = tmp_path / "base", tmp_path / "other", tmp_path / "moved"
     save_pretrained(create_model(CausalLM, shape, seed=3), base)
     save_pretrained(create_model(CausalLM, shape, seed=4), other)  # the same shape, other weights

@@ -12,9 +12,8 @@ from etils import epath
 from etils.epath import testing as epath_testing
 
 from jppo.core import paths
-from jppo.run import build
 from jppo.run.checkpoint import committed_steps, resolve_resume
-from jppo.config import ConfigError, load_config, save_config
+from jppo.config import ConfigError, load_config, save_config, views
 from jppo.data import load_tokenizer
 from jppo.run.export import export_policy
 from jppo.models import CausalLM, ModelConfig, create_model, load_pretrained, save_pretrained
@@ -97,8 +96,8 @@ def test_hf_export_writes_a_loadable_checkpoint_into_the_bucket(bucket):
 
 def test_export_policy_writes_shards_tokenizer_and_generation_config_into_the_bucket(bucket):
     cfg = load_config(None, ["trainer.total_steps=2"])
-    tokenizer = load_tokenizer(build.tokenizer_spec(cfg))
-    model = create_model(CausalLM, build.random_model_config(cfg, tokenizer), seed=0)
+    tokenizer = load_tokenizer(views.tokenizer_spec(cfg))
+    model = create_model(CausalLM, views.random_model_config(cfg, tokenizer), seed=0)
     (bucket / "hf").mkdir(parents=True)
     (bucket / "hf" / "stale.safetensors").write_bytes(b"old")  # an earlier export, replaced as a whole
     files = export_policy(model, cfg, tokenizer, f"{URI}/hf", dtype="float32", max_shard_bytes=4096)

@@ -14,6 +14,7 @@ from jppo.run import memory
 from jppo.config import check_mesh, load_config
 from jppo.engine import init_train_state
 from jppo.parallel.mesh import make_mesh
+from jppo.config import views
 from jppo.config.views import engine_view
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
@@ -60,7 +61,7 @@ def sampler_cache_bytes(cfg, prompt_tokens: int) -> int:
 
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     inputs = build.load_inputs(cfg)
-    policy = nnx.eval_shape(lambda: build.CausalLM(build.random_model_config(cfg, inputs.tokenizer), rngs=nnx.Rngs(0)))
+    policy = nnx.eval_shape(lambda: build.CausalLM(views.random_model_config(cfg, inputs.tokenizer), rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(policy, nnx.Param)
     collector = Collector.create(cfg, mesh, inputs, graphdef, None, None, sampling=build.sampling_graphdef(cfg, policy))
     # a multi-turn rollout calls its one-sample sampler on every row's own context, train_batch_size x n of them

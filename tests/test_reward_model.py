@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jppo.run import build
-from jppo.config import load_config
+from jppo.config import load_config, views
 from jppo.parallel.mesh import make_mesh
 from jppo.core.experience import Experience
 from jppo.rewards.model import RewardModel
@@ -15,13 +15,13 @@ def test_reward_model_scores_the_last_response_token(tmp_path):
     cfg = load_config(None, ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
                              "actor.ppo_micro_batch_size=1", "critic.ppo_micro_batch_size=1"])
     tokenizer = build.load_inputs(cfg).tokenizer
-    scorer = create_model(ValueModel, build.random_model_config(cfg, tokenizer), None, seed=3)
+    scorer = create_model(ValueModel, views.random_model_config(cfg, tokenizer), None, seed=3)
     save_pretrained(scorer, tmp_path / "rm")
     cfg = load_config(None, [f"reward.model_path={tmp_path / 'rm'}", "data.train_batch_size=8",
                              "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
                              "actor.ppo_micro_batch_size=1", "critic.ppo_micro_batch_size=1"])
     mesh = make_mesh(-1, 1, 1)
-    reward_model = RewardModel(cfg.reward.model_path, cfg.model.dtype, mesh, build.forward_micro_batching(cfg, "critic"))
+    reward_model = RewardModel(cfg.reward.model_path, cfg.model.dtype, mesh, views.forward_micro_batching(cfg, "critic"))
     rng = np.random.default_rng(0)
     prompt_mask = np.arange(4)[None, :] >= rng.integers(0, 3, (8, 1))  # left padding, at least one real token
     lengths = np.array([3, 1, 0, 5, 2, 4, 5, 1])

@@ -2,7 +2,7 @@
 built or compiled, each problem a :class:`~jppo.core.errors.ConfigError` of one line naming the key and the value as
 the user wrote them.
 
-:func:`validate` (run by :func:`jppo.config.load_config`) checks names against the registries, numbers against
+:func:`check` (run by :func:`jppo.config.load_config`) checks names against the registries, numbers against
 the ranges only the trainer gives them, and every setting against the limits of the component that uses it, by
 running that component's own check (the sampler's, the policy loss's, the optimizer's, the update engine's, the
 model's, the KL controller's) on it: its :class:`~jppo.core.errors.InvalidSetting` is reported under the config key
@@ -19,7 +19,7 @@ import difflib
 import math
 import os
 import pathlib
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from jppo.run import compile_cache
 from jppo.advantages import ADVANTAGE_ESTIMATORS
@@ -33,22 +33,21 @@ from jppo.engine.optim import check_optim
 from jppo.engine.update import policy_options
 from jppo.core.errors import ConfigError, InvalidSetting, one_line
 from jppo.losses import (
-    AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTION_MODES, AdaptiveKLController, check_policy_loss_mode,
-    check_policy_options, required_agg_mode,
+    AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTION_MODES, check_policy_loss_mode, check_policy_options,
+    required_agg_mode,
 )
 from jppo.parallel.mesh import resolve_shape
 from jppo.rewards.verify import require_math_verify
 from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, SUPPORTED_MODEL_TYPES
-from jppo.models.hf import read_config
 from jppo.models.layers import HALF_PRECISION_ATTENTION
 from jppo.models.lora import check_fits
-from jppo.models.hub import local_model_dir
 from jppo.core.paths import is_remote, missing_backend, run_path
 from jppo.rollout.env import BUILTIN_ENVS
-from jppo.config.views import engine_view, rollout_sequences
-
-if TYPE_CHECKING:  # jppo.config runs this module's validate
-    from jppo.config import TrainConfig
+from jppo.config.schema import TrainConfig
+from jppo.config.views import (
+    SAMPLING_KEYS, adapted_model_config, engine_view, kl_controller, random_model_config, rollout_sequences,
+    sampling_params,
+)
 
 
 def _choice(key: str, value: str, valid: Sequence[str]) -> None:
@@ -89,28 +88,7 @@ def _leaves(node: Any, prefix: str = ""):
             yield f"{prefix}{field.name}", value
 
 
-# Settings that name a model or tokenizer: a local directory or a Hugging Face repo id (jppo.models.hub).
-MODEL_SOURCE_KEYS = ("model.path", "model.tokenizer", "critic.model_path", "ref.model_path", "reward.model_path")
-
-
-def resolve_sources(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with every :data:`MODEL_SOURCE_KEYS` value that is a cached Hugging Face repo id replaced by its
-    local snapshot directory, so everything after this reads local directories only; an uncached id is a
-    :class:`ConfigError`. The one place a model source is resolved (run by :func:`jppo.config.load_config`)."""
-    sections: dict[str, dict[str, str]] = {}
-    for key in MODEL_SOURCE_KEYS:
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value is None or value.startswith(BUILTIN_PREFIX):
-            continue
-        resolved = local_model_dir(key, value)
-        if resolved != value:
-            sections.setdefault(section, {})[name] = resolved
-    changes = {section: dataclasses.replace(getattr(cfg, section), **names) for section, names in sections.items()}
-    return dataclasses.replace(cfg, **changes) if changes else cfg
-
-
-def validate(cfg: TrainConfig) -> None:
+def check(cfg: TrainConfig) -> None:
     """Names against the registries, sizes against each other, and every setting against the limits of the
     component that uses it (the sampler's, the policy loss's, the optimizer's, the model's, ...), so a value a
     component would refuse at run time is refused here, before anything compiles. The mesh against the device
@@ -210,8 +188,6 @@ def _check_model(cfg: TrainConfig) -> None:
                 f"exist for: {', '.join(BUILTIN_TASKS)})"
             )
     if cfg.model.path is None:  # a model built from this section: its own checks (a checkpoint brings its shape)
-        from jppo.run.build import random_model_config  # noqa: PLC0415 (an import cycle through jppo.config)
-
         with _as_key({}, prefix="model."):
             random_model_config(cfg, None)
 
@@ -227,16 +203,7 @@ def _check_update(cfg: TrainConfig, section: str) -> None:
     with _as_key({}, prefix=f"{section}.lora."):
         update.lora.check()
         if update.lora.enabled:
-            check_fits(update.lora, _adapted_model_config(cfg, section))
-
-
-def _adapted_model_config(cfg: TrainConfig, section: str):
-    """The shape of the model ``section``'s adapters sit on: a checkpoint's ``config.json`` (``critic.model_path``
-    for the critic, else ``model.path``; only the file is read), or the config's random model."""
-    from jppo.run.build import random_model_config  # noqa: PLC0415 (an import cycle through jppo.config)
-
-    path = (cfg.critic.model_path if section == "critic" else None) or cfg.model.path
-    return read_config(path) if path else random_model_config(cfg, None)
+            check_fits(update.lora, adapted_model_config(cfg, section))
 
 
 def _check_actor(cfg: TrainConfig) -> None:
@@ -271,9 +238,8 @@ def _check_algorithm(cfg: TrainConfig) -> None:
     _within("algorithm.lam", algorithm.lam, 0.0, 1.0)
     _positive("algorithm.kl_ctrl.kl_coef", algorithm.kl_ctrl.kl_coef, allow_zero=True)
     if algorithm.kl_ctrl.type == "adaptive":
-        ctrl = algorithm.kl_ctrl
         with _as_key({}, prefix="algorithm.kl_ctrl."):
-            AdaptiveKLController(init_kl_coef=ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
+            kl_controller(cfg)
     groups = algorithm.filter_groups
     _choice("algorithm.filter_groups.metric", groups.metric, FILTER_METRICS)
     _positive("algorithm.filter_groups.max_num_gen_batches", groups.max_num_gen_batches, allow_zero=True)
@@ -292,20 +258,8 @@ def _check_algorithm(cfg: TrainConfig) -> None:
         )
 
 
-# The sampler's settings (SamplingParams fields) and the config keys that give them, per use.
-_SAMPLING_KEYS = {
-    "training": {"n": "rollout.n", "temperature": "rollout.temperature", "top_k": "rollout.top_k",
-                 "top_p": "rollout.top_p", "max_new_tokens": "rollout.max_response_length",
-                 "max_num_seqs": "rollout.max_num_seqs"},
-    "validation": {"n": "rollout.val_n", "temperature": "rollout.val_temperature",
-                   "max_new_tokens": "rollout.max_response_length", "max_num_seqs": "rollout.max_num_seqs"},
-}
-
-
 def _check_rollout(cfg: TrainConfig) -> None:
-    from jppo.run.build import sampling_params  # noqa: PLC0415 (an import cycle through jppo.config)
-
-    for use, keys in _SAMPLING_KEYS.items():
+    for use, keys in SAMPLING_KEYS.items():
         with _as_key(keys):
             sampling_params(cfg, None, validation=use == "validation")
     _positive("rollout.prompt_bucket", cfg.rollout.prompt_bucket)

@@ -1,5 +1,12 @@
 """What a run's parts are given of its :class:`~jppo.config.TrainConfig`, derived once, in their own units.
 
+This module is the one home of every translation from the config to a component's settings: the engine's update
+configs (:func:`engine_view`), the sampler's parameters (:func:`sampling_params`) and the model it runs
+(:func:`sampling_config`), the forward passes' micro-batching (:func:`forward_micro_batching`), the architecture of a
+random or adapted model (:func:`random_model_config`, :func:`adapted_model_config`), what a config sets on a loaded
+checkpoint (:func:`checkpoint_overrides`), the tokenizer's spec (:func:`tokenizer_spec`) and the KL controller
+(:func:`kl_controller`). The builders and the validator both take them from here, so what is checked is what runs.
+
 The config counts as its user writes (verl's convention): ``actor.ppo_mini_batch_size`` is a number of *prompts*,
 ``loss_scale_factor: null`` means the maximum response length, ``optim.decay_steps: 0`` means the rest of the run,
 and ``optim.warmup_steps`` / ``optim.decay_steps`` count training steps.
@@ -11,12 +18,17 @@ checks all take the engine's config from it.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
+from jppo.config.schema import TrainConfig
 from jppo.engine.config import ActorConfig, CriticConfig
+from jppo.losses.kl_control import AdaptiveKLController, FixedKLController
+from jppo.models.config import ModelConfig
+from jppo.models.hf import read_config
+from jppo.rollout.decode import SamplingParams
 
-if TYPE_CHECKING:  # jppo.config imports the validator, which imports this module
-    from jppo.config import TrainConfig
+if TYPE_CHECKING:  # annotations only: the tokenizers come from jppo.data at run time
+    from jppo.data import Tokenizer
 
 ENGINE_CONFIGS = {"actor": ActorConfig, "critic": CriticConfig}
 
@@ -61,3 +73,94 @@ def engine_view(cfg: TrainConfig, role: str) -> ActorConfig | CriticConfig:
         optim=optim,
     )
 
+
+def tokenizer_spec(cfg: TrainConfig) -> str:
+    return cfg.model.tokenizer or cfg.model.path or f"builtin:{cfg.data.task}"
+
+
+def random_model_config(cfg: TrainConfig, tokenizer: Optional[Tokenizer]) -> ModelConfig:
+    """The architecture of a randomly initialised policy (no ``model.path``): the vocabulary is the tokenizer's.
+    Without a tokenizer (checking the config before the vocabulary is loaded) the vocabulary is a placeholder."""
+    m = cfg.model
+    vocab = dict(vocab_size=1) if tokenizer is None else dict(
+        vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id, eos_token_id=_eos_token_id(tokenizer),
+        pad_token_id=tokenizer.pad_id,
+    )
+    return ModelConfig(**m.architecture(), **vocab)
+
+
+def _eos_token_id(tokenizer: Tokenizer) -> int | tuple[int, ...]:
+    """The model config's ``eos_token_id``: the one id, or every id when the tokenizer has several (as Hugging
+    Face writes it), so an exported model stops on each of them."""
+    return tokenizer.eos_ids[0] if len(tokenizer.eos_ids) == 1 else tuple(tokenizer.eos_ids)
+
+
+# The model keys of a config that apply to a checkpoint's architecture too (jppo.config.ModelSection)
+CHECKPOINT_OVERRIDES = ("dtype", "param_dtype", "remat", "attention", "layer_loop")
+
+
+def checkpoint_overrides(cfg: TrainConfig) -> dict:
+    """The jppo-only ModelConfig fields the config sets on every checkpoint it loads (policy, critic, reference)."""
+    return {name: getattr(cfg.model, name) for name in CHECKPOINT_OVERRIDES}
+
+
+def adapted_model_config(cfg: TrainConfig, section: str) -> ModelConfig:
+    """The shape of the model ``section``'s adapters sit on: a checkpoint's ``config.json`` (``critic.model_path``
+    for the critic, else ``model.path``; only the file is read), or the config's random model."""
+    path = (cfg.critic.model_path if section == "critic" else None) or cfg.model.path
+    return read_config(path) if path else random_model_config(cfg, None)
+
+
+def sampling_config(cfg: TrainConfig, config: ModelConfig) -> ModelConfig:
+    """The policy's architecture ``config`` as the sampler runs it: computing (and caching keys and values) in
+    ``rollout.dtype``, by default the policy's own compute dtype."""
+    return dataclasses.replace(config, dtype=cfg.rollout.dtype or config.dtype)
+
+
+# The sampler's settings (SamplingParams fields) and the config keys that give them, per use.
+SAMPLING_KEYS = {
+    "training": {"n": "rollout.n", "temperature": "rollout.temperature", "top_k": "rollout.top_k",
+                 "top_p": "rollout.top_p", "max_new_tokens": "rollout.max_response_length",
+                 "max_num_seqs": "rollout.max_num_seqs"},
+    "validation": {"n": "rollout.val_n", "temperature": "rollout.val_temperature",
+                   "max_new_tokens": "rollout.max_response_length", "max_num_seqs": "rollout.max_num_seqs"},
+}
+
+
+def sampling_params(
+    cfg: TrainConfig, tokenizer: Optional[Tokenizer], *, validation: bool = False, greedy_baseline: bool = False
+) -> SamplingParams:
+    """How the trainer samples: training rollouts (``rollout.*``), validation (``rollout.val_*``) or the one
+    greedy response per prompt whose reward is ReMax's baseline. Without a tokenizer (checking the config before
+    the vocabulary is loaded) there is no EOS and padding is token 0."""
+    eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()  # every id that ends a response
+    tokens = dict(eos_token_ids=eos, pad_token_id=0 if tokenizer is None else tokenizer.pad_id,
+                  max_num_seqs=cfg.rollout.max_num_seqs)
+    if greedy_baseline:
+        return SamplingParams(max_new_tokens=cfg.rollout.max_response_length, greedy=True, n=1, **tokens)
+    if validation:
+        greedy = cfg.rollout.val_temperature <= 0
+        return SamplingParams(
+            max_new_tokens=cfg.rollout.max_response_length, temperature=1.0 if greedy else cfg.rollout.val_temperature,
+            greedy=greedy, n=cfg.rollout.val_n, **tokens,
+        )
+    return SamplingParams(
+        max_new_tokens=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+        top_p=cfg.rollout.top_p, n=cfg.rollout.n, **tokens,
+    )
+
+
+def forward_micro_batching(cfg: TrainConfig, section: str) -> dict:
+    """How forward passes (log-probs, values, reward scores) cut the rollout batch: like ``section``'s updates,
+    or ``rollout.log_prob_micro_batch_size`` sequences per shard when set."""
+    update = getattr(cfg, section)
+    if update.use_dynamic_bsz:
+        return {"max_token_len": update.ppo_max_token_len}
+    return {"micro_batch_size": cfg.rollout.log_prob_micro_batch_size or update.ppo_micro_batch_size}
+
+
+def kl_controller(cfg: TrainConfig):
+    ctrl = cfg.algorithm.kl_ctrl
+    if ctrl.type == "adaptive":
+        return AdaptiveKLController(init_kl_coef=ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
+    return FixedKLController(kl_coef=ctrl.kl_coef)

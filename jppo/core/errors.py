@@ -8,6 +8,9 @@ limit, stated once, in the component that relies on it.
 
 :class:`ConfigError` is what the trainer's configuration raises: one line naming the key and the value as the user
 wrote them; the command-line entry points print it and exit with status 2, before anything is compiled.
+
+:class:`RewardFunctionError` is what a reward function's failure at run time is reported with (the function and,
+where known, the sample it failed on).
 """
 
 from __future__ import annotations
@@ -30,6 +33,15 @@ class InvalidSetting(ValueError):
     def renamed(self, key: str) -> str:
         """The same message under another name (a config key)."""
         return f"{key}={self.value!r} is invalid: it must be {self.valid}"
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function failed or returned something unusable; the message names it and, if known, the sample."""
+
+
+def error_line(error: BaseException) -> str:
+    """An error's type and message on one line (``ValueError: ...``): what a user's own code raised."""
+    return f"{type(error).__name__}: " + " ".join(str(error).split())
 
 
 def one_line(error: Exception) -> str:

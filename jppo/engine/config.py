@@ -1,8 +1,8 @@
 """Settings of the update engine: frozen dataclasses with verl's names, in the engine's units.
 
 What a user and the engine count alike (micro-batch sizes in sequences per batch shard, as verl's ``*_per_gpu``
-sizes; token budgets; epochs; losses; the optimizer) is declared once, in :class:`UpdateSettings`,
-:class:`ActorSettings` and :class:`CriticSettings`. Two kinds of config add the rest to them:
+sizes; token budgets; epochs; losses; the optimizer) is declared once, in :class:`UpdateFields`,
+:class:`ActorFields` and :class:`CriticFields`. Two kinds of config add the rest to them:
 
 - the engine's :class:`ActorConfig` and :class:`CriticConfig` (both an :class:`UpdateConfig`):
   ``ppo_mini_batch_size`` counts *sequences* (prompt + one response), and an update needs ``loss_scale_factor``;
@@ -44,7 +44,7 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class UpdateSettings:
+class UpdateFields:
     """What actor and critic updates share, in units a user and the engine count alike.
 
     Each mini-batch is cut on every batch shard into micro-batches of ``ppo_micro_batch_size`` sequences, or, with
@@ -66,7 +66,7 @@ class UpdateSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class ActorSettings(UpdateSettings):
+class ActorFields(UpdateFields):
     """The policy update: a registered policy loss, optional entropy bonus and KL loss to the reference, and the
     correction of the sampler/trainer mismatch (:mod:`jppo.losses.rollout_correction`)."""
 
@@ -86,14 +86,14 @@ class ActorSettings(UpdateSettings):
 
 
 @dataclasses.dataclass(frozen=True)
-class CriticSettings(UpdateSettings):
+class CriticFields(UpdateFields):
     """The value update: clipped value loss."""
 
     cliprange_value: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
-class UpdateConfig(UpdateSettings):
+class UpdateConfig(UpdateFields):
     """The engine's config of one update: ``ppo_mini_batch_size`` *sequences* make one optimizer step, and
     ``optimizer_steps_per_training_step`` of them (``ppo_epochs`` x mini-batches) make one training step, the unit
     the learning-rate schedule counts (1: every optimizer step is a schedule step)."""
@@ -103,16 +103,16 @@ class UpdateConfig(UpdateSettings):
 
 
 @dataclasses.dataclass(frozen=True)
-class ActorConfig(UpdateConfig, ActorSettings):
-    """The engine's config of the policy update (see :class:`ActorSettings`, :class:`UpdateConfig`)."""
+class ActorConfig(UpdateConfig, ActorFields):
+    """The engine's config of the policy update (see :class:`ActorFields`, :class:`UpdateConfig`)."""
 
 
 @dataclasses.dataclass(frozen=True)
-class CriticConfig(UpdateConfig, CriticSettings):
-    """The engine's config of the value update (see :class:`CriticSettings`, :class:`UpdateConfig`)."""
+class CriticConfig(UpdateConfig, CriticFields):
+    """The engine's config of the value update (see :class:`CriticFields`, :class:`UpdateConfig`)."""
 
 
-def check_update(cfg: UpdateSettings) -> None:
+def check_update(cfg: UpdateFields) -> None:
     """:class:`~jppo.core.errors.InvalidSetting` for the first setting of an update the engine cannot use (the
     optimizer's: :func:`jppo.engine.optim.check_optim`). Sizes are checked whatever they count; the trainer's
     validator runs the same check on its config sections."""
@@ -130,7 +130,7 @@ def check_update(cfg: UpdateSettings) -> None:
             raise InvalidSetting(f"{type(cfg).__name__}.", name, getattr(cfg, name), valid)
 
 
-def require_engine_config(cfg: UpdateSettings, *, for_update: bool = False) -> None:
+def require_engine_config(cfg: UpdateFields, *, for_update: bool = False) -> None:
     """``TypeError`` unless ``cfg`` is an :class:`UpdateConfig` (a trainer config section counts prompts). With
     ``for_update``, also what an optimizer step needs: :func:`check_update`, and ``loss_scale_factor`` set."""
     if not isinstance(cfg, UpdateConfig):

@@ -35,7 +35,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jppo.core import metrics as metrics_lib
-from jppo.engine.config import ActorConfig, ActorSettings, CriticConfig, UpdateConfig, require_engine_config
+from jppo.engine.config import ActorConfig, ActorFields, CriticConfig, UpdateConfig, require_engine_config
 from jppo.engine.layout import flatten_shards, gather_slots, next_token_targets
 from jppo.engine.optim import (
     accumulating_optimizer, apply_accumulated, inner_optimizer, learning_rate_schedule, step_report,
@@ -170,7 +170,7 @@ def value_outputs(model: nnx.Module, batch: Batch) -> jax.Array:
     return gather_slots(values, batch.gather_index)
 
 
-def policy_options(cfg: ActorSettings) -> PolicyLossOptions:
+def policy_options(cfg: ActorFields) -> PolicyLossOptions:
     return PolicyLossOptions.create(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(PolicyLossOptions)})
 
 

@@ -1,25 +1,15 @@
-"""Layer 3: the Flax NNX decoder with LM and value heads, KV cache, chunked log-probs and Hugging Face interop."""
+"""Layer 3: the Flax NNX decoder with LM and value heads, KV cache, chunked log-probs and Hugging Face interop.
 
-from jppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, RopeScaling
-from jppo.models.decoder import CausalLM, PromptCache, ResponseCache, ValueModel
-from jppo.models.hf import CheckpointError, load_pretrained, read_config, save_pretrained
-from jppo.models.log_probs import token_log_probs
-from jppo.models.sharding import create_model, param_shardings, partition_specs
+Each name loads from its submodule when first asked for (:func:`jppo.core.lazy.lazy_exports`): the config schema
+composes :class:`~jppo.models.lora.LoRAConfig` without loading the decoder and the checkpoint readers.
+"""
 
-__all__ = [
-    "SUPPORTED_MODEL_TYPES",
-    "CausalLM",
-    "CheckpointError",
-    "PromptCache",
-    "ResponseCache",
-    "ModelConfig",
-    "RopeScaling",
-    "ValueModel",
-    "create_model",
-    "load_pretrained",
-    "read_config",
-    "param_shardings",
-    "partition_specs",
-    "save_pretrained",
-    "token_log_probs",
-]
+from jppo.core.lazy import lazy_exports
+
+__getattr__, __all__ = lazy_exports(__name__, {
+    "config": ("SUPPORTED_MODEL_TYPES", "ModelConfig", "RopeScaling"),
+    "decoder": ("CausalLM", "PromptCache", "ResponseCache", "ValueModel"),
+    "hf": ("CheckpointError", "load_pretrained", "read_config", "save_pretrained"),
+    "log_probs": ("token_log_probs",),
+    "sharding": ("create_model", "param_shardings", "partition_specs"),
+})

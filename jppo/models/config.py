@@ -15,8 +15,6 @@ qwen3     config (default False)   same as ``attention_bias``  True (RMSNorm of 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from typing import Any, Mapping
 
 import jax.numpy as jnp
@@ -315,27 +313,6 @@ class ModelConfig:
             hf["id2label"] = {"0": "LABEL_0"}
             hf["label2id"] = {"LABEL_0": 0}
         return hf
-
-
-def model_settings(defaults: Mapping[str, Any]) -> type:
-    """A frozen dataclass of the :class:`ModelConfig` fields named in ``defaults``, each typed as ModelConfig types
-    it but with the default given here: a config schema's part for a model's shape, which declares no field again
-    (:class:`jppo.config.ModelSection`). ``settings.architecture()`` is the dict of those fields, for ModelConfig."""
-    hints = typing.get_type_hints(ModelConfig)
-    unknown = sorted(set(defaults) - set(hints))
-    if unknown:
-        raise TypeError(f"not ModelConfig fields: {', '.join(unknown)}")
-
-    def schema_type(kind):  # ``int | None`` as Optional[int], the spelling config schemas (OmegaConf) read
-        return typing.Union[typing.get_args(kind)] if isinstance(kind, types.UnionType) else kind
-
-    def architecture(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in defaults}
-
-    fields = [(name, schema_type(hints[name]), dataclasses.field(default=value)) for name, value in defaults.items()]
-    return dataclasses.make_dataclass(
-        "ModelSettings", fields, frozen=True, namespace={"architecture": architecture, "__module__": __name__}
-    )
 
 
 def _read_rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:

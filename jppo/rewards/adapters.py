@@ -22,7 +22,7 @@ import numbers
 from typing import Any, Callable
 
 from jppo.data.tasks import Example
-from jppo.rewards.plugin import RewardFunctionError
+from jppo.core.errors import RewardFunctionError
 
 FUNCTION_STYLES = ("jppo", "verl", "trl")
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")

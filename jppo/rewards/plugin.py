@@ -21,22 +21,14 @@ plugs in as it is with ``reward.function_style: verl`` or ``trl`` (see :mod:`jpp
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import inspect
-import pathlib
-import sys
-import zlib
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-
-class RewardFunctionError(RuntimeError):
-    """A reward function failed or returned something unusable; the message names it and, if known, the sample."""
-
-
-def _one_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: " + " ".join(str(error).split())
+from jppo.core.errors import RewardFunctionError, error_line
+from jppo.core.plugins import load_function
+from jppo.rewards.adapters import ADAPTERS, check_signature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +54,11 @@ class RewardPlugin:
                     self._call([responses[index]], [examples[index]], [finished[index]])
                 except Exception as error:
                     raise RewardFunctionError(
-                        f"reward.function {self.spec} raised {_one_line(error)} on sample {index} "
+                        f"reward.function {self.spec} raised {error_line(error)} on sample {index} "
                         f"(response {responses[index][:80]!r})"
                     ) from error
             raise RewardFunctionError(
-                f"reward.function {self.spec} raised {_one_line(batch_error)} on a batch of {len(responses)}, "
+                f"reward.function {self.spec} raised {error_line(batch_error)} on a batch of {len(responses)}, "
                 "though each sample alone succeeds"
             ) from batch_error
         return self._checked(result, len(responses))
@@ -96,8 +88,6 @@ class RewardPlugin:
 def load_reward_plugin(spec: str, style: str = "jppo") -> RewardPlugin:
     """Loads ``fn`` from ``path/to/file.py:fn`` (or ``package.module:fn``), called as a function of ``style``
     (``jppo``, ``verl`` or ``trl``); errors name ``reward.function`` and the value."""
-    from jppo.rewards.adapters import ADAPTERS, check_signature  # noqa: PLC0415 (they import this module)
-
     function = load_function(spec)
     if style in ADAPTERS:
         check_signature(function, style, spec)
@@ -108,48 +98,3 @@ def load_reward_plugin(spec: str, style: str = "jppo") -> RewardPlugin:
         parameters = ()
     pass_finished = any(p.name == "finished" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
     return RewardPlugin(function=function, spec=spec, pass_finished=pass_finished)
-
-
-def load_function(spec: str, key: str = "reward.function") -> Callable[..., Any]:
-    """The callable ``fn`` of ``path/to/file.py:fn`` or ``package.module:fn``; errors name ``key`` and ``spec``
-    (reward plug-ins and rollout environments are named the same way)."""
-    path_text, colon, name = spec.rpartition(":")
-    if not colon or not path_text or not name:
-        raise ValueError(f"{key}={spec!r} is invalid: expected 'path/to/file.py:function_name'")
-    if not path_text.endswith(".py") and not pathlib.Path(path_text).exists():
-        return _from_module(path_text, name, spec, key)
-    path = pathlib.Path(path_text)
-    if not path.is_file():
-        raise ValueError(f"{key}={spec!r}: file {str(path)!r} does not exist")
-    module_name = f"jppo_reward_plugin_{path.stem}_{zlib.crc32(str(path.resolve()).encode()):08x}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"{key}={spec!r}: {str(path)!r} cannot be loaded as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and typing look a class's module up there
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:
-        del sys.modules[module_name]
-        raise ValueError(f"{key}={spec!r}: executing {str(path)!r} raised {_one_line(error)}") from error
-    function = getattr(module, name, None)
-    if not callable(function):
-        problem = "is not callable" if hasattr(module, name) else "does not exist"
-        functions = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-        raise ValueError(f"{key}={spec!r}: {name!r} {problem} in {str(path)!r}; its functions: {functions}")
-    return function
-
-
-def _from_module(module_name: str, name: str, spec: str, key: str) -> Callable[..., Any]:
-    """``fn`` of an importable module ``package.module`` (a name that is not a file)."""
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:
-        raise ValueError(
-            f"{key}={spec!r}: {module_name!r} is neither a file nor an importable module "
-            f"({_one_line(error)})"
-        ) from error
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise ValueError(f"{key}={spec!r}: module {module_name!r} has no function {name!r}")
-    return function

@@ -21,11 +21,12 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from jppo.core.errors import RewardFunctionError
 from jppo.data.tasks import Example, Task
 from jppo.rewards import rules
 from jppo.rewards.adapters import FUNCTION_STYLES
 from jppo.rewards.overlong import OverlongBufferConfig
-from jppo.rewards.plugin import RewardFunctionError, load_reward_plugin
+from jppo.rewards.plugin import load_reward_plugin
 from jppo.rewards.verify import math_verify_score, require_math_verify
 
 REWARD_KINDS = ("task", "gsm8k", "boxed", "math_verify", "none")

@@ -24,7 +24,7 @@ import re
 from typing import Any, Callable, Protocol
 
 from jppo.data.tokenizer import BUILTIN_PREFIX  # one spelling of built-in names, for tasks and environments
-from jppo.rewards.plugin import load_function
+from jppo.core.plugins import load_function
 
 KEY = "rollout.env"
 

@@ -16,11 +16,13 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jppo.config import RANDOM_MODEL, ConfigError, TrainConfig
+from jppo.config.views import (
+    CHECKPOINT_OVERRIDES, checkpoint_overrides, random_model_config, sampling_config, tokenizer_spec,
+)
 from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
-from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pretrained, read_config
+from jppo.models import CausalLM, ValueModel, create_model, load_pretrained, read_config
 from jppo.models.lora import LoRAConfig, attach_lora, trainable_filter
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
-from jppo.rollout import SamplingParams
 from jppo.rollout.env import EnvFactory, load_env, stop_token_ids
 
 log = logging.getLogger("jppo.run.build")
@@ -37,10 +39,6 @@ class RunInputs:
     credit_fn: Optional[CreditFn] = None
     env_factory: Optional[EnvFactory] = None  # rollout.env: one environment per response
     stop_ids: tuple[int, ...] = ()  # tokens that end a model turn besides EOS (the env's stop texts)
-
-
-def tokenizer_spec(cfg: TrainConfig) -> str:
-    return cfg.model.tokenizer or cfg.model.path or f"builtin:{cfg.data.task}"
 
 
 def load_inputs(cfg: TrainConfig, validation: bool = False) -> RunInputs:
@@ -63,44 +61,12 @@ def load_inputs(cfg: TrainConfig, validation: bool = False) -> RunInputs:
         raise ConfigError(" ".join(str(text).split())) from None
 
 
-def random_model_config(cfg: TrainConfig, tokenizer: Optional[Tokenizer]) -> ModelConfig:
-    """The architecture of a randomly initialised policy (no ``model.path``): the vocabulary is the tokenizer's.
-    Without a tokenizer (checking the config before the vocabulary is loaded) the vocabulary is a placeholder."""
-    m = cfg.model
-    vocab = dict(vocab_size=1) if tokenizer is None else dict(
-        vocab_size=tokenizer.vocab_size, bos_token_id=tokenizer.bos_id, eos_token_id=_eos_token_id(tokenizer),
-        pad_token_id=tokenizer.pad_id,
-    )
-    return ModelConfig(**m.architecture(), **vocab)
-
-
-def _eos_token_id(tokenizer: Tokenizer) -> int | tuple[int, ...]:
-    """The model config's ``eos_token_id``: the one id, or every id when the tokenizer has several (as Hugging
-    Face writes it), so an exported model stops on each of them."""
-    return tokenizer.eos_ids[0] if len(tokenizer.eos_ids) == 1 else tuple(tokenizer.eos_ids)
-
-
-# The model keys of a config that apply to a checkpoint's architecture too (jppo.config.ModelSection)
-CHECKPOINT_OVERRIDES = ("dtype", "param_dtype", "remat", "attention", "layer_loop")
-
-
-def checkpoint_overrides(cfg: TrainConfig) -> dict:
-    """The jppo-only ModelConfig fields the config sets on every checkpoint it loads (policy, critic, reference)."""
-    return {name: getattr(cfg.model, name) for name in CHECKPOINT_OVERRIDES}
-
-
 def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh, seed: Optional[int] = None) -> CausalLM:
     """``model.path``, or a model drawn from ``seed`` (default ``trainer.seed``; a checkpoint's: its recorded one)."""
     if cfg.model.path:
         return load_pretrained(cfg.model.path, mesh=mesh, **checkpoint_overrides(cfg))
     seed = cfg.trainer.seed if seed is None else seed
     return create_model(CausalLM, random_model_config(cfg, tokenizer), mesh, seed=seed)
-
-
-def sampling_config(cfg: TrainConfig, config: ModelConfig) -> ModelConfig:
-    """The policy's architecture ``config`` as the sampler runs it: computing (and caching keys and values) in
-    ``rollout.dtype``, by default the policy's own compute dtype."""
-    return dataclasses.replace(config, dtype=cfg.rollout.dtype or config.dtype)
 
 
 def sampling_graphdef(cfg: TrainConfig, policy: CausalLM) -> nnx.GraphDef:
@@ -303,35 +269,3 @@ def check_base_checksums(saved: dict, current: dict, source: str, roles: Sequenc
                 f"{source}: {role}.lora adapters were trained on a frozen base {was} (checksum {saved[key]}), but "
                 f"this config's {path_key} {now} (checksum {current[key]}): other base weights"
             )
-
-
-def sampling_params(
-    cfg: TrainConfig, tokenizer: Optional[Tokenizer], *, validation: bool = False, greedy_baseline: bool = False
-) -> SamplingParams:
-    """How the trainer samples: training rollouts (``rollout.*``), validation (``rollout.val_*``) or the one
-    greedy response per prompt whose reward is ReMax's baseline. Without a tokenizer (checking the config before
-    the vocabulary is loaded) there is no EOS and padding is token 0."""
-    eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()  # every id that ends a response
-    tokens = dict(eos_token_ids=eos, pad_token_id=0 if tokenizer is None else tokenizer.pad_id,
-                  max_num_seqs=cfg.rollout.max_num_seqs)
-    if greedy_baseline:
-        return SamplingParams(max_new_tokens=cfg.rollout.max_response_length, greedy=True, n=1, **tokens)
-    if validation:
-        greedy = cfg.rollout.val_temperature <= 0
-        return SamplingParams(
-            max_new_tokens=cfg.rollout.max_response_length, temperature=1.0 if greedy else cfg.rollout.val_temperature,
-            greedy=greedy, n=cfg.rollout.val_n, **tokens,
-        )
-    return SamplingParams(
-        max_new_tokens=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
-        top_p=cfg.rollout.top_p, n=cfg.rollout.n, **tokens,
-    )
-
-
-def forward_micro_batching(cfg: TrainConfig, section: str) -> dict:
-    """How forward passes (log-probs, values, reward scores) cut the rollout batch: like ``section``'s updates,
-    or ``rollout.log_prob_micro_batch_size`` sequences per shard when set."""
-    update = getattr(cfg, section)
-    if update.use_dynamic_bsz:
-        return {"max_token_len": update.ppo_max_token_len}
-    return {"micro_batch_size": cfg.rollout.log_prob_micro_batch_size or update.ppo_micro_batch_size}

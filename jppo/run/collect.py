@@ -35,16 +35,14 @@ from jax.sharding import Mesh
 
 from jppo.run import build
 from jppo.advantages import get_estimator
-from jppo.config import TrainConfig
+from jppo.config import TrainConfig, views
 from jppo.data import Tokenizer
 from jppo.run.dynamic_sampling import DynamicSamplingError, Scored, concat, sampling_metrics, varied_groups
 from jppo.engine import forward_batch, log_prob_fn, value_fn
 from jppo.engine.assemble import device_rows
 from jppo.core.experience import Experience
 from jppo.parallel.hostlocal import local_rows, local_shards, max_over_processes, replicated_value, sum_over_processes, to_global, to_local
-from jppo.losses import (
-    REJECTION_MODES, AdaptiveKLController, FixedKLController, RolloutCorrection, penalize_rewards, rejected_rows,
-)
+from jppo.losses import REJECTION_MODES, RolloutCorrection, penalize_rewards, rejected_rows
 from jppo.parallel.mesh import batch_shards
 from jppo.rewards.model import RewardModel
 from jppo.rewards.overlong import overlong_penalty
@@ -188,13 +186,6 @@ class PhaseTimer:
         return phases | {"timing/step": total, "perf/tokens_per_s": tokens / total}
 
 
-def kl_controller(cfg: TrainConfig):
-    ctrl = cfg.algorithm.kl_ctrl
-    if ctrl.type == "adaptive":
-        return AdaptiveKLController(init_kl_coef=ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
-    return FixedKLController(kl_coef=ctrl.kl_coef)
-
-
 @dataclasses.dataclass(frozen=True)
 class Collector:
     """The programs and inputs of the collection stage (built once; the run's state is passed to each call)."""
@@ -224,7 +215,7 @@ class Collector:
         tokenizer = inputs.tokenizer
 
         def sampler(**kind) -> Sampler | MultiTurnSampler:
-            params = build.sampling_params(cfg, tokenizer, **kind)
+            params = views.sampling_params(cfg, tokenizer, **kind)
             if inputs.env_factory is None:
                 return Sampler(sampling or policy, tokenizer.pad_id, mesh, params, cfg.rollout.prompt_bucket)
             turn = dataclasses.replace(params, n=1, eos_token_ids=params.eos_token_ids + inputs.stop_ids)
@@ -238,7 +229,7 @@ class Collector:
         needs_baselines = get_estimator(cfg.algorithm.adv_estimator).needs_reward_baselines
         reward_model = None
         if cfg.reward.model_path:
-            cut = build.forward_micro_batching(cfg, "critic" if cfg.use_critic else "actor")
+            cut = views.forward_micro_batching(cfg, "critic" if cfg.use_critic else "actor")
             reward_model = RewardModel(cfg.reward.model_path, cfg.model.dtype, mesh, cut)
         return cls(
             cfg=cfg, mesh=mesh, inputs=inputs, sampler=sampler(), val_sampler=sampler(validation=True),
@@ -353,7 +344,7 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
         with timer("reward_baseline"):
             reward_baselines = greedy_baselines(c, state, examples, prompts, exp.group_ids, step)
     mask = exp.response_mask
-    actor_cut = build.forward_micro_batching(cfg, "actor")
+    actor_cut = views.forward_micro_batching(cfg, "actor")
     with timer("old_log_prob"):
         tokens = device_rows(exp, None, c.mesh)  # the batch's tokens cross once for all forward passes
         exp = dataclasses.replace(
@@ -372,7 +363,7 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
             )
     if state.critic is not None:
         with timer("values"):
-            critic_cut = build.forward_micro_batching(cfg, "critic")
+            critic_cut = views.forward_micro_batching(cfg, "critic")
             exp = dataclasses.replace(
                 exp, values=forward_batch(c.values_of, state.critic.weights, exp, c.mesh, rows=tokens, **critic_cut)
             )
@@ -389,7 +380,7 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
             )
             metrics["algorithm/kl_in_reward"] = current_kl
             metrics["algorithm/kl_coef"] = coef
-            kl = kl_controller(cfg).update(kl, current_kl, len(prompts) * cfg.rollout.n)
+            kl = views.kl_controller(cfg).update(kl, current_kl, len(prompts) * cfg.rollout.n)
         advantages, returns = compute_advantages(
             cfg.algorithm.adv_estimator, token_level_rewards=rewards, response_mask=mask, values=exp.values,
             group_ids=exp.group_ids, reward_baselines=reward_baselines, gamma=cfg.algorithm.gamma,

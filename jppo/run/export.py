@@ -36,7 +36,7 @@ from flax import nnx
 
 from jppo.run import build
 from jppo.run.checkpoint import committed_steps, fingerprint, read_meta, restore_part
-from jppo.config import TrainConfig, load_config
+from jppo.config import TrainConfig, load_config, views
 from jppo.data import CharTokenizer, Tokenizer
 from jppo.models import CausalLM, ModelConfig, read_config, save_pretrained
 from jppo.models.config import DTYPES
@@ -109,7 +109,7 @@ def policy_config(cfg: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
     """The policy's architecture, as the trainer built it (``jppo.run.build.build_policy``)."""
     if cfg.model.path:
         return read_config(cfg.model.path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
-    return build.random_model_config(cfg, tokenizer)
+    return views.random_model_config(cfg, tokenizer)
 
 
 def restore_policy(checkpoint: epath.Path, cfg: TrainConfig, tokenizer: Tokenizer) -> CausalLM:
@@ -241,7 +241,7 @@ def export_policy(
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"--dtype={dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     shard = max_shard_bytes if max_shard_bytes is not None else parse_size(DEFAULT_MAX_SHARD_SIZE)
-    spec = build.tokenizer_spec(cfg)
+    spec = views.tokenizer_spec(cfg)
     source = pathlib.Path(cfg.model.path) if cfg.model.path else None
 
     def write(directory: epath.Path) -> list[str]:

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from jppo.run import build
 from jppo.parallel import distributed
 from jppo.run.checkpoint import CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint
-from jppo.run.collect import Collector, PhaseTimer, collect, kl_controller
+from jppo.run.collect import Collector, PhaseTimer, collect
 from jppo.run.evaluate import evaluate
 from jppo.config import TrainConfig, save_config, to_dict
 from jppo.data import Tokenizer
@@ -41,7 +41,7 @@ from jppo.parallel.mesh import make_mesh
 from jppo.core.paths import run_path
 from jppo.runlog import RunLogger
 from jppo.run.state import RunState, checkpointed, init_run_state, with_frozen
-from jppo.config.views import engine_view
+from jppo.config.views import engine_view, kl_controller
 
 log = logging.getLogger("jppo.run.loop")
 

@@ -112,16 +112,16 @@ class MemoryPlan:
 def model_config(cfg: TrainConfig, path: Optional[str] = None) -> ModelConfig:
     """The policy's architecture: ``config.json`` of ``path`` (default ``model.path``), else the config's own
     shape with the tokenizer's vocabulary. Only the config and tokenizer files are read."""
-    from jppo.run import build  # noqa: PLC0415 (build imports the models; keep `--help` light)
+    from jppo.config import views  # noqa: PLC0415 (views imports the models; keep `--help` light)
     from jppo.data import load_tokenizer  # noqa: PLC0415
     from jppo.models import CheckpointError  # noqa: PLC0415
 
     path = path or cfg.model.path
     if path is None:
-        return build.random_model_config(cfg, load_tokenizer(build.tokenizer_spec(cfg)))
+        return views.random_model_config(cfg, load_tokenizer(views.tokenizer_spec(cfg)))
     try:
         hf = json.loads((pathlib.Path(path) / "config.json").read_text())
-        return ModelConfig.from_hf(hf, **build.checkpoint_overrides(cfg))
+        return ModelConfig.from_hf(hf, **views.checkpoint_overrides(cfg))
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}/config.json: {error}") from None
 
@@ -276,7 +276,7 @@ def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]
 
 def sampler_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
     """The sampler's caches (the KV cache line of the module docstring) for the batch whose caches are largest."""
-    from jppo.run.build import sampling_config  # noqa: PLC0415 (build imports the models; keep `--help` light)
+    from jppo.config.views import sampling_config  # noqa: PLC0415 (views imports the models; keep `--help` light)
 
     sampler, width, new = sampling_config(cfg, policy), sampler_prompt_width(cfg), cfg.rollout.max_response_length
     terms = []

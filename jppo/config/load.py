@@ -1,0 +1,130 @@
+"""YAML plus ``key.sub=value`` overrides -> a checked, frozen :class:`~jppo.config.schema.TrainConfig`.
+
+OmegaConf merges the file and the overrides onto the schema and checks keys and types; model sources given as
+Hugging Face repo ids are resolved to their cached snapshots (:func:`resolve_sources`), and
+:func:`jppo.config.check.check` then checks every value. The validator and what it imports (the components whose
+own checks it runs) load when a config is loaded, not with this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Any, Sequence
+
+from etils import epath
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from jppo.config.schema import TrainConfig
+from jppo.core.errors import ConfigError, one_line
+from jppo.data.tokenizer import BUILTIN_PREFIX
+from jppo.models.hub import local_model_dir
+
+# The --config help of every command line (train, eval, plan): what runs without a file.
+CONFIG_HELP = (
+    "YAML config. Without one the run uses the config schema's defaults (jppo/config/schema.py): verl-style "
+    "hyper-parameters (e.g. actor.optim.lr=1e-6) on the built-in reverse_digits task with a tiny random model. "
+    "They are not the quickstart, which is --config configs/quickstart.yaml"
+)
+
+# Settings that name a model or tokenizer: a local directory or a Hugging Face repo id (jppo.models.hub).
+MODEL_SOURCE_KEYS = ("model.path", "model.tokenizer", "critic.model_path", "ref.model_path", "reward.model_path")
+
+
+def resolve_sources(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with every :data:`MODEL_SOURCE_KEYS` value that is a cached Hugging Face repo id replaced by its
+    local snapshot directory, so everything after this reads local directories only; an uncached id is a
+    :class:`ConfigError`. The one place a model source is resolved (run by :func:`load_config`)."""
+    sections: dict[str, dict[str, str]] = {}
+    for key in MODEL_SOURCE_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is None or value.startswith(BUILTIN_PREFIX):
+            continue
+        resolved = local_model_dir(key, value)
+        if resolved != value:
+            sections.setdefault(section, {})[name] = resolved
+    changes = {section: dataclasses.replace(getattr(cfg, section), **names) for section, names in sections.items()}
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def _omegaconf_message(error: OmegaConfBaseException) -> str:
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    key = getattr(error, "full_key", None)
+    return f"{key}: {text}" if key and key not in text else text
+
+
+def _reset_options_of_a_replaced_task(file_layer, command_line: list) -> None:
+    """A ``data.task`` given on the command line that differs from the file's starts from that task's own default
+    options plus those given with it: the file's ``data.task_options`` belong to the file's task (merged, they would
+    reach the new task, which rejects them)."""
+    tasks = [layer.data.task for layer in command_line
+             if isinstance(layer.get("data"), DictConfig) and "task" in layer.data]
+    if not tasks or not isinstance(file_layer, DictConfig) or not isinstance(file_layer.get("data"), DictConfig):
+        return
+    if file_layer.data.get("task") != tasks[-1] and "task_options" in file_layer.data:
+        del file_layer.data["task_options"]
+
+
+def _merged(merged, layer, where: str):
+    """``merged`` with ``layer`` merged on top; a mismatch is a :class:`ConfigError` naming ``where``."""
+    try:
+        return OmegaConf.merge(merged, layer)
+    except OmegaConfBaseException as error:
+        raise ConfigError(_omegaconf_message(error)) from None
+    except (TypeError, ValueError) as error:  # e.g. a list where the schema has a mapping
+        raise ConfigError(f"{where} is invalid: {one_line(error)}") from None
+
+
+def _override_layer(item: str):
+    """One ``key.sub=value`` override as a config layer; the value is parsed as YAML (a number, a list, ...)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+    try:
+        return OmegaConf.from_dotlist([item])
+    except Exception as error:  # yaml's parser errors are not ValueErrors
+        raise ConfigError(f"override {item!r} is not valid YAML ({one_line(error)})") from None
+
+
+def load_config(path: str | pathlib.Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The schema defaults, then the YAML file, then ``key.sub=value`` overrides; validated and frozen.
+
+    Layers are merged one at a time, so a value of the wrong shape is reported with the override (or file) that
+    brought it. Replacing ``data.task`` on the command line drops the file's ``data.task_options``
+    (:func:`_reset_options_of_a_replaced_task`)."""
+    merged = OmegaConf.structured(TrainConfig)
+    layers = [(_override_layer(item), item) for item in overrides]
+    if path is not None:
+        path = pathlib.Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config {str(path)!r}: no such file")
+        try:
+            layer = OmegaConf.load(path)
+        except Exception as error:  # yaml errors come in several classes
+            raise ConfigError(f"--config {str(path)!r}: not valid YAML ({one_line(error)})") from None
+        _reset_options_of_a_replaced_task(layer, [override for override, _ in layers])
+        merged = _merged(merged, layer, f"--config {str(path)!r}")
+    for layer, item in layers:
+        merged = _merged(merged, layer, f"override {item!r}")
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise ConfigError(_omegaconf_message(error)) from None
+    except ValueError as error:  # a section's own check (its message names the key)
+        raise ConfigError(one_line(error)) from None
+    from jppo.config.check import check  # noqa: PLC0415 (the validator loads the components it checks by)
+
+    cfg = resolve_sources(cfg)  # Hugging Face repo ids -> cached snapshot directories
+    check(cfg)
+    return cfg
+
+
+def to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: TrainConfig, path: str | os.PathLike) -> None:
+    """The resolved configuration as YAML (what the run actually used)."""
+    epath.Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

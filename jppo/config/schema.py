@@ -1,0 +1,232 @@
+"""The sections of :class:`TrainConfig`, every key written out with its type and default.
+
+Each section is a frozen dataclass with verl's section and key names; the values are in the units a user writes
+(``ppo_mini_batch_size`` counts prompts). Fields shared with a component's own config are declared once, in that
+component (:class:`~jppo.engine.config.ActorFields`, :class:`~jppo.models.lora.LoRAConfig`, ...), and composed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from jppo.advantages import ADVANTAGE_ESTIMATORS
+from jppo.data import DataConfig
+from jppo.engine.config import ActorFields, CriticFields
+from jppo.models.lora import LoRAConfig
+from jppo.rewards import RewardConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """The policy. ``path``: a local Hugging Face checkpoint directory; without it a model of the shape given by
+    the other keys (:data:`RANDOM_MODEL`) is initialised at random (``trainer.seed``); ``dtype`` (compute),
+    ``param_dtype`` (stored weights), ``remat``, ``attention`` and ``layer_loop`` apply to a checkpoint too, and to the critic built from it. Mixed precision is
+    ``param_dtype: float32`` with ``dtype: bfloat16``; half-precision weights are refused, as Adam's updates would
+    round away. ``tokenizer``: a directory holding ``tokenizer.json`` (default:
+    ``path``), or ``builtin:<task>`` for a built-in task's character vocabulary (the default without ``path``).
+
+    Every key but ``path`` and ``tokenizer`` is the :class:`~jppo.models.config.ModelConfig` field of its name, of
+    its type, with the default of a small test model (tests/test_config.py holds them to ModelConfig's fields)."""
+
+    path: Optional[str] = None
+    tokenizer: Optional[str] = None
+    model_type: str = "qwen2"
+    hidden_size: int = 64
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: Optional[int] = None
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 512
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: bool = False
+    initializer_range: float = 0.02
+    attention: str = "reference"
+    layer_loop: str = "auto"
+
+    def architecture(self) -> dict[str, Any]:
+        """The ModelConfig fields this section gives (every key but where the model and its vocabulary come from)."""
+        return {name: getattr(self, name) for name in RANDOM_MODEL}
+
+
+# The ModelConfig fields a config gives for a model initialised at random, with the defaults of a small test model
+# (their types and meaning are ModelConfig's; a checkpoint brings its own shape).
+RANDOM_MODEL = {
+    field.name: field.default for field in dataclasses.fields(ModelSection) if field.name not in ("path", "tokenizer")
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSectionFields:
+    """What a config section of an update counts in the user's units (the engine's: ``UpdateConfig``)."""
+
+    ppo_mini_batch_size: int = 8  # PROMPTS per optimizer step (verl's convention); the engine gets x rollout.n
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorSection(ActorFields, UpdateSectionFields):
+    """The policy update (:class:`~jppo.engine.config.ActorFields`). ``lora``: train low-rank adapters on the
+    policy's projections instead of all its weights (:class:`~jppo.models.lora.LoRAConfig`; ``rank: 0``, the
+    default, trains everything)."""
+
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSection(CriticFields, UpdateSectionFields):
+    """The critic: a value head on the policy's backbone (initialised from the policy checkpoint, as verl does).
+    ``enable: null`` builds it only when ``algorithm.adv_estimator`` needs one (gae)."""
+
+    enable: Optional[bool] = None
+    model_path: Optional[str] = None
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # adapters on the critic's backbone, new head trained
+
+
+@dataclasses.dataclass(frozen=True)
+class RefSection:
+    """The reference policy for KL terms, kept only when a KL term needs it. ``model_path`` defaults to the
+    policy's initial weights."""
+
+    model_path: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    """Sampling with the KV-cache sampler. ``n`` responses per prompt; validation samples ``val_n`` per prompt
+    at ``val_temperature`` (0: greedy). Prompt lengths are padded up to a multiple of ``prompt_bucket`` tokens so
+    the sampler compiles once per bucket. ``dtype`` is the sampler's compute dtype (default: ``model.dtype``);
+    ``bfloat16`` sampling against float32 training is the rollout/trainer mismatch that
+    ``actor.rollout_correction`` corrects and its ``rollout_corr/*`` metrics show.
+
+    ``max_num_seqs``: rows the sampler decodes at once (0: all of a batch). Fewer rows than the batch turns on
+    continuous batching: a row that ends hands its slot to the next waiting row, so no decoding step is spent on
+    finished rows (responses with a long tail of lengths), at a cost in parallelism per step; each row's tokens
+    are the same either way (:mod:`jppo.rollout.decode`).
+
+    ``env``: a multi-turn environment (``builtin:calculator``, ``path/to/file.py:make_env`` or
+    ``package.module:make_env``, see :mod:`jppo.rollout.env`); each response then alternates up to ``max_turns``
+    model turns with the environment's observations, which are attended but masked out of every loss."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_response_length: int = 16
+    prompt_bucket: int = 16
+    val_n: int = 1
+    val_temperature: float = 0.0
+    log_prob_micro_batch_size: Optional[int] = None  # sequences per shard in forward passes; default: actor's
+    dtype: Optional[str] = None  # the sampler's compute dtype; default: model.dtype
+    env: Optional[str] = None  # multi-turn environment factory; None: single-turn
+    max_turns: int = 4  # model turns per response with an env
+    max_num_seqs: int = 0  # rows decoded at once; 0: every row of the batch (continuous batching below that)
+
+
+@dataclasses.dataclass(frozen=True)
+class KLControlSection:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterGroupsSection:
+    """DAPO's dynamic sampling (:mod:`jppo.run.dynamic_sampling`): prompt groups whose ``rollout.n`` responses all
+    have the same ``metric`` (``reward``: the training reward, overlong shaping included; ``score``: without it)
+    are dropped, and prompt batches are sampled until ``data.train_batch_size`` prompts are kept. More than
+    ``max_num_gen_batches`` batches in one step (0: no limit) stops the run with an error, as verl does."""
+
+    enable: bool = False
+    metric: str = "reward"
+    max_num_gen_batches: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSection:
+    """Advantages and KL in the reward (verl's ``algorithm`` section)."""
+
+    adv_estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlSection = dataclasses.field(default_factory=KLControlSection)
+    # DAPO's overlong filtering: responses cut by rollout.max_response_length before they ended are masked out of
+    # the update's losses (they still count in their group's advantage baseline); the normalizers then count the
+    # kept tokens only. A multi-turn episode ended by the environment or by rollout.max_turns is not cut.
+    overlong_filter: bool = False
+    filter_groups: FilterGroupsSection = dataclasses.field(default_factory=FilterGroupsSection)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    """Mesh shape; one axis may be -1 (the remaining devices). Batch rows shard over data x fsdp."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSection:
+    """The loop. ``val_every`` steps (0: never) and, with ``val_before_train``, once before the first step, the
+    policy is validated on held-out prompts (``rollout.val_*``); the latter is logged at step 0, as verl logs it at
+    global step 0, and is not repeated when a run resumes.
+
+    ``logger``: where metrics go (:data:`jppo.runlog.SINKS`: console, jsonl, tensorboard, wandb); ``wandb`` needs the
+    optional package and names its run ``project_name`` / ``experiment_name`` (default: the output directory's
+    name). ``progress_bar``: on a terminal, the console shows a bar rather than summary lines. At each validation,
+    the first ``log_val_generations`` responses (prompt, response, reward, finished) are logged too."""
+
+    total_steps: int = 100
+    output_dir: str = "runs/default"
+    seed: int = 0
+    save_every: int = 0  # 0: only at the end
+    resume: str = "auto"  # auto | never | PATH
+    max_checkpoints_to_keep: int = 2
+    val_every: int = 0  # 0: no validation
+    val_before_train: bool = False
+    export_hf: bool = False
+    logger: list[str] = dataclasses.field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    project_name: str = "jppo"
+    experiment_name: Optional[str] = None
+    log_val_generations: int = 16
+    progress_bar: bool = True
+    plots: bool = True
+    critic_warmup: int = 0  # steps that train only the critic
+    # auto | off (also none, null) | an absolute FOLDER: the persistent XLA cache (jppo.run.compile_cache)
+    compilation_cache: Optional[str] = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    actor: ActorSection = dataclasses.field(default_factory=ActorSection)
+    critic: CriticSection = dataclasses.field(default_factory=CriticSection)
+    ref: RefSection = dataclasses.field(default_factory=RefSection)
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
+    mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
+    trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
+
+    @property
+    def use_critic(self) -> bool:
+        if self.critic.enable is not None:
+            return self.critic.enable
+        return ADVANTAGE_ESTIMATORS[self.algorithm.adv_estimator].needs_critic
+
+    @property
+    def use_reference(self) -> bool:
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The sections whose models the run updates."""
+        return ("actor", "critic") if self.use_critic else ("actor",)
