@@ -125,7 +125,9 @@ def test_numerics_have_no_import_cycle() -> None:
 )
 def test_numerics_import_only_the_layers_below(layer: str, allowed: tuple[str, ...]) -> None:
     graph = import_graph()
+    # a package whose __init__ imports nothing (jppo.core) runs no code of another layer: passing through it is free
+    empty = {name for name, targets in graph.items() if not targets and (PACKAGE.parent / name.replace(".", "/")).is_dir()}
     for name in sorted(graph):
         if name == layer or name.startswith(layer + "."):
-            outside = {t for t in graph[name] if not any(t == a or t.startswith(a + ".") for a in allowed)}
+            outside = {t for t in graph[name] - empty if not any(t == a or t.startswith(a + ".") for a in allowed)}
             assert not outside, f"{name} imports {sorted(outside)}"
