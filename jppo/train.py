@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from jppo.run import build, compile_cache
 from jppo.parallel import distributed
 from jppo.run.checkpoint import CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint
-from jppo.run.collect import Collector, PhaseTimer, collect, kl_controller, validate
+from jppo.run.collect import Collector, collect, kl_controller, validate
 from jppo.config import CONFIG_HELP, ConfigError, TrainConfig, check_mesh, load_config, save_config, to_dict
 from jppo.data import Tokenizer
 from jppo.parallel.distributed import DistributedError
@@ -44,6 +44,7 @@ from jppo.parallel.mesh import make_mesh
 from jppo.models import CheckpointError
 from jppo.core.paths import run_path
 from jppo.runlog import RunLogger
+from jppo.runlog.timing import PhaseTimer
 from jppo.run.state import RunState, checkpointed, init_run_state, with_frozen
 from jppo.config.views import engine_view
 

@@ -33,10 +33,11 @@ from jppo.engine.optim import check_optim
 from jppo.engine.update import policy_options
 from jppo.core.errors import ConfigError, InvalidSetting, one_line
 from jppo.losses import (
-    AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTION_MODES, AdaptiveKLController, check_policy_loss_mode,
-    check_policy_options, required_agg_mode,
+    AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTION_MODES, check_policy_loss_mode, check_policy_options,
+    required_agg_mode,
 )
 from jppo.parallel.mesh import resolve_shape
+from jppo.rewards.kl_penalty import AdaptiveKLController
 from jppo.rewards.verify import require_math_verify
 from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, SUPPORTED_MODEL_TYPES
 from jppo.models.hf import read_config
