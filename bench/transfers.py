@@ -183,8 +183,8 @@ def counting(counter: Counter) -> Iterator[Counter]:
 
 
 def phase_timer(counter: Counter):
-    """The trainer's :class:`~jppo.run.collect.PhaseTimer` that also tells ``counter`` which phase runs."""
-    from jppo.run.collect import PhaseTimer
+    """The trainer's :class:`~jppo.runlog.timing.PhaseTimer` that also tells ``counter`` which phase runs."""
+    from jppo.runlog.timing import PhaseTimer
 
     class CountingTimer(PhaseTimer):
         @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """From scores to the rewards, KL penalty and advantages the engine trains on."""
 
+import functools
 import json
 import pathlib
 
@@ -10,8 +11,13 @@ import tokenizers
 from jppo.config.views import sampling_params
 from jppo.config import load_config
 from jppo.data import CharTokenizer, Example, get_task, load_tokenizer
-from jppo.run.collect import compute_advantages, decode_responses, kl_in_reward, last_token_scores, token_credit_rewards
+from jppo.advantages.estimate import compute_advantages
+from jppo.run.collect import decode_responses
+from jppo.rewards.kl_penalty import kl_in_reward
+from jppo.rewards.placement import last_token_scores, token_credit_rewards
 from jppo.core.experience import Experience
+from jppo.parallel.hostlocal import on_mesh
+from jppo.parallel.mesh import make_mesh
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
@@ -114,3 +120,26 @@ def test_compute_advantages_passes_only_what_the_estimator_takes():
     # (float32: returns = advantages + values, so ~1e-7 absolute rounding where the reward-to-go is 0)
     np.testing.assert_allclose(returns, np.cumsum(rewards[:, ::-1], axis=1)[:, ::-1], rtol=1e-6, atol=1e-6)
     assert gae.shape == (4, 3)
+
+
+def test_compute_advantages_checks_its_inputs_as_the_one_dispatcher_does():
+    """Collection runs estimators through :func:`run_estimator`, so a missing input is the same one-line error
+    naming the estimator and what it takes, not a Python argument error from inside a trace."""
+    mask = np.ones((2, 3), bool)
+    rewards = last_token_scores(np.array([1.0, 0.0], np.float32), mask)
+    with pytest.raises(ValueError, match="advantage estimator 'gae' is missing input\\(s\\) values; it takes"):
+        compute_advantages("gae", token_level_rewards=rewards, response_mask=mask)
+
+
+def test_compute_advantages_on_a_mesh_equals_the_arrays_as_given():
+    """``place=on_mesh`` (the run's path): the estimator runs on the global row-sharded batch over 8 devices and
+    each row comes back where it was, with the whole batch's statistics (RLOO's leave-one-out baselines)."""
+    rng = np.random.default_rng(3)
+    mask = rng.random((16, 5)) < 0.8
+    rewards = last_token_scores(rng.normal(size=16).astype(np.float32), mask)
+    inputs = dict(token_level_rewards=rewards, response_mask=mask, group_ids=np.repeat(np.arange(4), 4))
+    mesh = make_mesh(data=8)
+    sharded, _ = compute_advantages("rloo", **inputs, place=functools.partial(on_mesh, mesh=mesh))
+    alone, _ = compute_advantages("rloo", **inputs)
+    assert isinstance(sharded, np.ndarray) and np.abs(alone).sum() > 0
+    np.testing.assert_allclose(sharded, alone, rtol=1e-6, atol=1e-7)

@@ -21,8 +21,9 @@ from jppo.engine.update import loss_inputs
 from jppo.core.experience import PER_TOKEN_FIELDS
 from jppo.parallel.mesh import make_mesh
 from jppo.engine.microbatch import make_micro_batches, cut_micro_batches, stack_micro_batches
-from jppo.models.decoder import CausalLM, ValueModel
+from jppo.models.decoder import CausalLM
 from jppo.models.sharding import create_model
+from jppo.models.value import ValueModel
 
 FIELDS = ("old_log_prob", "ref_log_prob", "advantages", "values", "returns")
 

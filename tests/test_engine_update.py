@@ -38,8 +38,9 @@ from jppo.losses import AGG_MODES
 from jppo.core.masked import global_norm_stats
 from jppo.parallel.mesh import batch_shards, make_mesh
 from jppo.engine.microbatch import make_micro_batches
-from jppo.models.decoder import CausalLM, ValueModel
+from jppo.models.decoder import CausalLM
 from jppo.models.sharding import create_model
+from jppo.models.value import ValueModel
 
 N = 16
 C = 6.0  # loss_scale_factor: the response width

@@ -182,9 +182,10 @@ CONFIG_LAYER_IMPORTS = {
     "jppo.parallel", "jppo.parallel.mesh",  # the logical axes LoRA's adapters are placed with
     # ActorFields.rollout_correction: jppo.losses' package loads every loss term with it (layer 1, pure math)
     "jppo.losses", "jppo.losses.actor", "jppo.losses.aggregate", "jppo.losses.entropy", "jppo.losses.kl",
-    "jppo.losses.kl_control", "jppo.losses.policy", "jppo.losses.rollout_correction", "jppo.losses.value",
+    "jppo.losses.policy", "jppo.losses.rollout_correction", "jppo.losses.value",
     # TrainConfig.use_critic asks the estimator registry (layer 1)
-    "jppo.advantages", "jppo.advantages.group", "jppo.advantages.registry", "jppo.advantages.returns",
+    "jppo.advantages", "jppo.advantages.estimate", "jppo.advantages.group", "jppo.advantages.registry",
+    "jppo.advantages.returns",
     # the loader: model sources given as Hugging Face repo ids are resolved to local snapshots
     "jppo.models.hub",
 }

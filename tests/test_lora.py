@@ -187,7 +187,8 @@ def train(out: pathlib.Path, devices: int, *overrides: str) -> list[dict]:
 
 
 def test_the_reference_is_the_frozen_base_read_in_place(tmp_path):
-    from jppo.run.collect import PhaseTimer, collect
+    from jppo.run.collect import collect
+    from jppo.runlog.timing import PhaseTimer
     from jppo.run.learn import learn
     from jppo.run.loop import setup
 

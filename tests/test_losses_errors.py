@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import pytest
 
 from jppo.losses import (
-    AdaptiveKLController,
     PolicyLossOptions,
     actor_loss,
     agg_loss,
@@ -21,6 +20,7 @@ from jppo.losses import (
     value_loss,
 )
 from jppo.core.masked import global_norm_stats
+from jppo.rewards.kl_penalty import AdaptiveKLController
 
 B, T = 2, 3
 X = jnp.zeros((B, T))

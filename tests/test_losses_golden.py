@@ -36,8 +36,6 @@ from jppo.losses import (
     AGG_MODES,
     KL_KINDS,
     POLICY_LOSSES,
-    AdaptiveKLController,
-    FixedKLController,
     PolicyLossOptions,
     actor_loss,
     agg_loss,
@@ -51,6 +49,7 @@ from jppo.losses import (
     value_loss,
 )
 from jppo.core.masked import NormStats, global_norm_stats
+from jppo.rewards.kl_penalty import AdaptiveKLController, FixedKLController
 
 CASES = ("case0", "case1", "case2", "case3")
 WIDTH = 16  # L of the golden data: verl's default loss_scale_factor

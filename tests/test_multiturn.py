@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jppo.run.collect import (
-    compute_advantages, decode_responses, overlong_filtered, place_rewards, token_credit_rewards, truncated_rows,
-)
+from jppo.advantages.estimate import compute_advantages
+from jppo.run.collect import decode_responses, overlong_filtered, truncated_rows
+from jppo.rewards.placement import place_rewards, token_credit_rewards
 from jppo.config import ConfigError, load_config
 from jppo.data.tasks import get_task
 from jppo.data.tokenizer import CharTokenizer

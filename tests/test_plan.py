@@ -58,6 +58,7 @@ def sampler_cache_bytes(cfg, prompt_tokens: int) -> int:
     the sampler's own prefill and response-cache functions, as shapes (nothing is computed)."""
     from jppo.run.collect import Collector
     from jppo.rollout import decode as sampling
+    from jppo.rollout.sampler import pad_prompts
 
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     inputs = build.load_inputs(cfg)
@@ -68,8 +69,8 @@ def sampler_cache_bytes(cfg, prompt_tokens: int) -> int:
     multi_turn = cfg.rollout.env is not None
     sampler = collector.sampler.sampler if multi_turn else collector.sampler
     contexts = cfg.data.train_batch_size * (cfg.rollout.n if multi_turn else 1)
-    ids, mask = sampling.pad_prompts([[1] * prompt_tokens] * contexts, inputs.tokenizer.pad_id,
-                                     multiple=cfg.rollout.prompt_bucket)
+    ids, mask = pad_prompts([[1] * prompt_tokens] * contexts, inputs.tokenizer.pad_id,
+                            multiple=cfg.rollout.prompt_bucket)
 
     def caches(params, ids, mask):
         model = nnx.merge(build.sampling_graphdef(cfg, policy), params)

@@ -14,8 +14,8 @@ from typing import Optional
 
 import pytest
 
-from jppo.parallel import distributed
-from jppo.parallel.distributed import DistributedError
+from jppo.parallel import distributed, rendezvous
+from jppo.parallel.rendezvous import DistributedError
 
 SLACK = 1.0  # seconds a timed-out rendezvous may take beyond its timeout on a busy machine
 
@@ -43,7 +43,7 @@ class Running:
 
     def _run(self, *args, **kwargs) -> None:
         try:
-            distributed.rendezvous(*args, **kwargs)
+            rendezvous.rendezvous(*args, **kwargs)
         except BaseException as error:  # kept for the test to inspect
             self.error = error
         self.elapsed = time.monotonic() - self._start
@@ -111,7 +111,7 @@ def test_silent_client_does_not_hold_up_the_others():
 def test_silent_client_is_dropped_after_the_handshake_timeout(caplog):
     port = free_port()
     zero = Running(coordinator(port), 2, 0, 10, handshake_timeout=0.3)
-    with caplog.at_level(logging.WARNING, logger="jppo.parallel.distributed"), connect(port) as silent:
+    with caplog.at_level(logging.WARNING, logger="jppo.parallel.rendezvous"), connect(port) as silent:
         silent.settimeout(5)
         start = time.monotonic()
         assert silent.recv(64) == b""  # process 0 hung up on it
@@ -131,7 +131,7 @@ def test_garbage_is_ignored_with_a_warning_and_named_when_time_runs_out(caplog, 
     port = free_port()
     timeout = 1.5
     zero = Running(coordinator(port), 2, 0, timeout)
-    with caplog.at_level(logging.WARNING, logger="jppo.parallel.distributed"), connect(port, payload):
+    with caplog.at_level(logging.WARNING, logger="jppo.parallel.rendezvous"), connect(port, payload):
         error = zero.outcome(timeout + 5)
     text = one_line(error)
     assert "processes [1] of --num-processes=2 never arrived" in text and shown in text and "127.0.0.1:" in text
@@ -153,7 +153,7 @@ def test_process_that_leaves_before_the_others_arrive_counts_as_missing(caplog):
     port = free_port()
     timeout = 1.5
     zero = Running(coordinator(port), 3, 0, timeout)
-    with caplog.at_level(logging.WARNING, logger="jppo.parallel.distributed"):
+    with caplog.at_level(logging.WARNING, logger="jppo.parallel.rendezvous"):
         with connect(port, b"jppo-rendezvous 3 1\n"):
             time.sleep(0.2)  # process 0 reads its line, then it hangs up
         two = Running(coordinator(port), 3, 2, 20)

@@ -318,7 +318,8 @@ def test_collection_clears_the_rejected_rows_of_a_bfloat16_sampler(tmp_path):
     rejection is for): the rows whose product of ratios, from the batch's own log-probs, leaves [1/tau, tau] have
     their response mask cleared, the others keep theirs, and rollout_corr/rejected_fraction counts them."""
     from jppo.run import build
-    from jppo.run.collect import PhaseTimer, collect
+    from jppo.run.collect import collect
+    from jppo.runlog.timing import PhaseTimer
     from jppo.parallel.mesh import make_mesh
     from jppo.run.loop import setup
 

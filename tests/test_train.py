@@ -260,7 +260,8 @@ def test_the_sampling_structure_differs_only_in_compute_dtype():
 def test_the_actor_s_mini_batches_do_not_depend_on_whether_a_critic_exists(tmp_path):
     """Same seed, same experience: the actor's update (two epochs of two shuffled mini-batches, so which rows share
     an optimizer step matters) is the same whether or not a critic updates before it in the step."""
-    from jppo.run.collect import PhaseTimer, collect
+    from jppo.run.collect import collect
+    from jppo.runlog.timing import PhaseTimer
     from jppo.run.learn import learn
 
     cfg = load_config(QUICKSTART, [*SMALL, f"trainer.output_dir={tmp_path}", "mesh.data=1"])

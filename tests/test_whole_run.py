@@ -19,7 +19,8 @@ import pytest
 
 from jppo.run import build
 from jppo.config import check_mesh, load_config
-from jppo.run.collect import PhaseTimer, collect
+from jppo.run.collect import collect
+from jppo.runlog.timing import PhaseTimer
 from jppo.run.learn import learn
 from jppo.parallel.mesh import make_mesh
 from jppo.run.loop import run, setup

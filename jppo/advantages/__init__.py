@@ -30,7 +30,8 @@ Choose an estimator by name from :data:`ADVANTAGE_ESTIMATORS` and run it with :f
 """
 
 from jppo.advantages.group import gpg, grpo, grpo_passk, opo, reinforce_plus_plus_baseline, rloo
-from jppo.advantages.registry import ADVANTAGE_ESTIMATORS, Estimator, get_estimator, run_estimator
+from jppo.advantages.estimate import run_estimator
+from jppo.advantages.registry import ADVANTAGE_ESTIMATORS, Estimator, get_estimator
 from jppo.advantages.returns import gae, reinforce_plus_plus, remax
 
 __all__ = [

@@ -1,10 +1,11 @@
-"""The advantage estimators by name, with what each needs from the rollout, and a checked call by name."""
+"""The advantage estimators by name, with what each needs from the rollout (run one with
+:func:`jppo.advantages.estimate.run_estimator`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 
@@ -66,20 +67,3 @@ def get_estimator(name: str) -> Estimator:
             f"unknown advantage estimator {name!r}; valid estimators: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}"
         )
     return ADVANTAGE_ESTIMATORS[name]
-
-
-def run_estimator(name: str, **inputs: Any) -> tuple[Array, Array]:
-    """Runs estimator ``name`` on ``inputs`` (its exact keyword arguments) and returns ``(advantages, returns)``.
-
-    Raises ``ValueError`` for an unknown name, a missing input or an input the estimator does not take, naming it
-    and listing what the estimator accepts: the checks run on names only, before anything is traced.
-    """
-    estimator = get_estimator(name)
-    accepted = ", ".join(estimator.parameters)
-    missing = [key for key in estimator.required if key not in inputs]
-    if missing:
-        raise ValueError(f"advantage estimator {name!r} is missing input(s) {', '.join(missing)}; it takes {accepted}")
-    unexpected = sorted(set(inputs) - set(estimator.parameters))
-    if unexpected:
-        raise ValueError(f"advantage estimator {name!r} does not take {', '.join(unexpected)}; it takes {accepted}")
-    return estimator.fn(**inputs)

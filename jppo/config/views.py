@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional
 
 from jppo.config.schema import TrainConfig
 from jppo.engine.config import ActorConfig, CriticConfig
-from jppo.losses.kl_control import AdaptiveKLController, FixedKLController
+from jppo.rewards.kl_penalty import AdaptiveKLController, FixedKLController
 from jppo.models.config import ModelConfig
 from jppo.models.hf import read_config
 from jppo.rollout.decode import SamplingParams

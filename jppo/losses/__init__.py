@@ -5,7 +5,6 @@ from jppo.losses.actor import actor_loss
 from jppo.losses.aggregate import AGG_MODES, agg_loss, check_mode
 from jppo.losses.entropy import entropy_from_logits, entropy_loss
 from jppo.losses.kl import KL_KINDS, check_kl_kind, kl_loss, kl_penalty, penalize_rewards
-from jppo.losses.kl_control import AdaptiveKLController, FixedKLController, KLControlState
 from jppo.losses.policy import (
     OPTION_RULES,
     POLICY_LOSSES,
@@ -34,9 +33,6 @@ __all__ = [
     "REJECTION_MODES",
     "REQUIRED_AGG_MODES",
     "ROLLOUT_CORRECTION_MODES",
-    "AdaptiveKLController",
-    "FixedKLController",
-    "KLControlState",
     "OptionRule",
     "PerToken",
     "PolicyLossFn",

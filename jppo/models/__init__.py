@@ -8,8 +8,9 @@ from jppo.core.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
     "config": ("SUPPORTED_MODEL_TYPES", "ModelConfig", "RopeScaling"),
-    "decoder": ("CausalLM", "PromptCache", "ResponseCache", "ValueModel"),
+    "decoder": ("CausalLM", "PromptCache", "ResponseCache"),
     "hf": ("CheckpointError", "load_pretrained", "read_config", "save_pretrained"),
     "log_probs": ("token_log_probs",),
     "sharding": ("create_model", "param_shardings", "partition_specs"),
+    "value": ("ValueModel",),
 })

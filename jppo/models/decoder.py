@@ -1,4 +1,5 @@
-"""The decoder (embedding, stacked layers, final norm), its LM and value heads, and the sampler's caches.
+"""The decoder (embedding, stacked layers, final norm), its LM head, and the sampler's caches (the critic's value
+head on the same decoder: :mod:`jppo.models.value`).
 
 One layer, pre-norm: ``h += o(attention(rope(q(n1(h))), rope(k(n1(h))), v(n1(h))))``, then
 ``h += swiglu(n2(h))``. The ``num_layers`` layers are stored stacked (leading ``layers`` axis) and run by one
@@ -53,7 +54,7 @@ from jppo.models.layers import (
     swiglu,
     wide,
 )
-from jppo.models.sharding import constrain, param, param_shardings
+from jppo.models.sharding import constrain, param
 
 Array = jax.Array
 
@@ -85,7 +86,8 @@ class ResponseCache:
     values: tuple[Array, ...]
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], config: ModelConfig) -> Array:
+def normal_weights(rngs: nnx.Rngs, shape: tuple[int, ...], config: ModelConfig) -> Array:
+    """New weights ``~ N(0, initializer_range)`` in the weight dtype: every kernel of the decoder and its heads."""
     return config.initializer_range * jax.random.normal(rngs.params(), shape, config.weight_dtype)
 
 
@@ -98,10 +100,10 @@ class DecoderLayers(nnx.Module):
         ones = lambda *shape: jnp.ones(shape, config.weight_dtype)  # noqa: E731
         zeros = lambda *shape: jnp.zeros(shape, config.weight_dtype)  # noqa: E731
         self.input_norm = param(ones(L, D), ("layers", None))
-        self.q_proj = param(_normal(rngs, (L, D, config.q_size), config), ("layers", "embed", "q_heads"))
-        self.k_proj = param(_normal(rngs, (L, D, config.kv_size), config), ("layers", "embed", "kv_heads"))
-        self.v_proj = param(_normal(rngs, (L, D, config.kv_size), config), ("layers", "embed", "kv_heads"))
-        self.o_proj = param(_normal(rngs, (L, config.q_size, D), config), ("layers", "q_heads", "embed"))
+        self.q_proj = param(normal_weights(rngs, (L, D, config.q_size), config), ("layers", "embed", "q_heads"))
+        self.k_proj = param(normal_weights(rngs, (L, D, config.kv_size), config), ("layers", "embed", "kv_heads"))
+        self.v_proj = param(normal_weights(rngs, (L, D, config.kv_size), config), ("layers", "embed", "kv_heads"))
+        self.o_proj = param(normal_weights(rngs, (L, config.q_size, D), config), ("layers", "q_heads", "embed"))
         with_bias, with_out_bias = config.attention_bias, config.attention_out_bias
         self.q_bias = param(zeros(L, config.q_size), ("layers", "q_heads")) if with_bias else None
         self.k_bias = param(zeros(L, config.kv_size), ("layers", "kv_heads")) if with_bias else None
@@ -110,9 +112,9 @@ class DecoderLayers(nnx.Module):
         self.q_norm = param(ones(L, config.head_dim), ("layers", "head_dim")) if config.qk_norm else None
         self.k_norm = param(ones(L, config.head_dim), ("layers", "head_dim")) if config.qk_norm else None
         self.post_attention_norm = param(ones(L, D), ("layers", None))
-        self.gate_proj = param(_normal(rngs, (L, D, F), config), ("layers", "embed", "mlp"))
-        self.up_proj = param(_normal(rngs, (L, D, F), config), ("layers", "embed", "mlp"))
-        self.down_proj = param(_normal(rngs, (L, F, D), config), ("layers", "mlp", "embed"))
+        self.gate_proj = param(normal_weights(rngs, (L, D, F), config), ("layers", "embed", "mlp"))
+        self.up_proj = param(normal_weights(rngs, (L, D, F), config), ("layers", "embed", "mlp"))
+        self.down_proj = param(normal_weights(rngs, (L, F, D), config), ("layers", "mlp", "embed"))
         self.lora = None  # LoRA adapters (jppo.models.lora.attach_lora): y = x W + s (x A) B on their targets
 
     def _stacked_weights(self) -> dict[str, Array]:
@@ -252,7 +254,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
-        embedding = _normal(rngs, (config.vocab_size, config.hidden_size), config)
+        embedding = normal_weights(rngs, (config.vocab_size, config.hidden_size), config)
         self.embed_tokens = param(embedding, ("vocab", "embed"))
         self.layers = DecoderLayers(config, rngs=rngs)
         self.norm = param(jnp.ones((config.hidden_size,), config.weight_dtype), (None,))
@@ -327,7 +329,8 @@ class CausalLM(nnx.Module):
         self.config = config
         self.decoder = Decoder(config, rngs=rngs)
         shape = (config.hidden_size, config.vocab_size)
-        self.lm_head = None if config.tie_word_embeddings else param(_normal(rngs, shape, config), ("embed", "vocab"))
+        untied = not config.tie_word_embeddings
+        self.lm_head = param(normal_weights(rngs, shape, config), ("embed", "vocab")) if untied else None
 
     def __call__(self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
         """Logits ``[B, T, V]`` float32. Defaults: ``positions = arange(T)``, ``segment_ids = 1`` (one sequence
@@ -371,49 +374,3 @@ class CausalLM(nnx.Module):
             kernel = self.lm_head[...].astype(dtype)
         logits = dense(hidden, kernel, preferred_element_type=wide(dtype))
         return constrain(logits, ("batch", "length", "vocab")) if logits.ndim == 3 else logits
-
-
-class ValueHead(nnx.Module):
-    """``hidden [..., D] -> hidden w + b`` (float32 ``[...]``), initialised like transformers' score layer:
-    ``w ~ N(0, initializer_range)``, ``b = 0``."""
-
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        self.kernel = param(_normal(rngs, (config.hidden_size, 1), config), ("embed", "value"))
-        self.bias = param(jnp.zeros((1,), config.weight_dtype), ("value",))
-
-    def __call__(self, hidden: Array) -> Array:
-        kernel = self.kernel[...].astype(self.config.compute_dtype)
-        values = jnp.einsum("...d,do->...o", hidden, kernel, preferred_element_type=wide(kernel.dtype))
-        return (values + self.bias[...].astype(values.dtype))[..., 0]
-
-
-class ValueModel(nnx.Module):
-    """Critic: the same decoder with a scalar head, ``values [B, T]`` float32."""
-
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, decoder: Decoder | None = None):
-        self.config = config
-        self.decoder = Decoder(config, rngs=rngs) if decoder is None else decoder
-        self.value_head = ValueHead(config, rngs=rngs)
-
-    def __call__(self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
-        return self.value_head(self.hidden_states(input_ids, positions, segment_ids))
-
-    def hidden_states(
-        self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None
-    ) -> Array:
-        return self.decoder(input_ids, positions, segment_ids)
-
-    @classmethod
-    def from_policy(cls, policy: CausalLM, *, rngs: nnx.Rngs) -> ValueModel:
-        """A critic whose decoder is a copy of ``policy``'s (own buffers, same shardings) and whose value head
-        is new (verl initialises its critic from the policy checkpoint the same way). On a mesh the new head
-        is placed on its own sharding there."""
-        graphdef, state = nnx.split(policy.decoder)
-        decoder = nnx.merge(graphdef, jax.tree.map(lambda array: array.copy(), state))
-        model = cls(policy.config, rngs=rngs, decoder=decoder)
-        sharding = policy.decoder.embed_tokens[...].sharding
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            head = nnx.state(model.value_head)
-            nnx.update(model.value_head, jax.device_put(head, param_shardings(head, sharding.mesh)))
-        return model

@@ -20,9 +20,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES, ModelConfig
-from jppo.models.decoder import CausalLM, ValueHead, ValueModel
+from jppo.models.decoder import CausalLM
 from jppo.models.safetensors_io import SafetensorsFile, write_sharded_safetensors
 from jppo.models.sharding import variable_spec
+from jppo.models.value import ValueHead, ValueModel
 from jppo.core.paths import run_path
 
 Array = jax.Array

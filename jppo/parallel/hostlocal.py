@@ -73,6 +73,14 @@ def to_local(array: jax.Array, axis: int = 0, rows: range | None = None) -> np.n
     return local
 
 
+def on_mesh(arrays: list[np.ndarray], mesh: Mesh | None):
+    """The global row-sharded arrays of this process's rows, and the function taking results back to its rows."""
+    if mesh is None:
+        return [jnp.asarray(a) for a in arrays], np.asarray
+    rows = local_rows(mesh, len(arrays[0]) * batch_shards(mesh) // len(local_shards(mesh)))
+    return [to_global(np.asarray(a), mesh) for a in arrays], lambda x: to_local(x, rows=rows)
+
+
 def take_rows(rows: T, order: np.ndarray, mesh: Mesh, through_devices: bool | None = None) -> T:
     """This process's rows of ``whole[order]`` for every array of the pytree ``rows``, where ``whole`` is the global
     batch of which each array holds this process's rows; the result is split over the batch shards like any batch

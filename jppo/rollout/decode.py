@@ -22,7 +22,8 @@ key, its index and its own logits only, whether or not the loop stops early. Not
 the loop, so the program runs unchanged with rows sharded over a mesh.
 
 Compilation depends on the shapes ``(B, P)`` and on :class:`SamplingParams`, never on the prompt contents: pad
-prompts to a few bucketed widths (:func:`pad_prompts`) and one compilation serves every batch in a bucket.
+prompts to a few bucketed widths (:func:`jppo.rollout.sampler.pad_prompts`) and one compilation serves every
+batch in a bucket.
 
 Deliberate differences from verl's vLLM/SGLang rollout: log-probs are always those of the unfiltered tempered
 distribution (vLLM can return them after top-k/top-p), and ``temperature <= 0`` is accepted only with
@@ -33,8 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -131,39 +131,6 @@ class _DecodeState:
     log_probs: Array
 
 
-def bucket_length(length: int, multiple: int = 64) -> int:
-    """The smallest positive multiple of ``multiple`` that is ``>= length``: the padded prompt width."""
-    if multiple < 1:
-        raise ValueError(f"bucket multiple={multiple} is invalid: it must be an integer >= 1")
-    if length < 0:
-        raise ValueError(f"prompt length={length} is invalid: it must be >= 0")
-    return max(1, math.ceil(length / multiple)) * multiple
-
-
-def pad_prompts(
-    prompts: Sequence[Sequence[int]], pad_id: int, length: int | None = None, *, multiple: int = 64
-) -> tuple[np.ndarray, np.ndarray]:
-    """Left-pads token lists into ``(ids [B, L] int32, mask [B, L] bool)`` on the host.
-
-    ``L`` is ``length`` if given, else ``bucket_length(longest prompt, multiple)``, so batches whose longest prompt
-    falls in the same bucket share one compiled sampler. An empty prompt gives an all-padding row (and an empty
-    response).
-    """
-    if not prompts:
-        raise ValueError("pad_prompts got no prompts: pass at least one token list")
-    longest = max(len(p) for p in prompts)
-    width = bucket_length(longest, multiple) if length is None else length
-    ids = np.full((len(prompts), width), pad_id, dtype=np.int32)
-    mask = np.zeros((len(prompts), width), dtype=bool)
-    for row, tokens in enumerate(prompts):
-        if len(tokens) > width:
-            raise ValueError(f"prompt {row} has {len(tokens)} tokens, more than the padded length {width}")
-        if len(tokens):
-            ids[row, width - len(tokens) :] = tokens
-            mask[row, width - len(tokens) :] = True
-    return ids, mask
-
-
 def _check_inputs(vocab_size: int, prompt_ids: Any, prompt_mask: Any, params: SamplingParams) -> None:
     """Shape and id checks: they need only static information, so they run before anything is compiled."""
     if not isinstance(params, SamplingParams):
@@ -248,7 +215,7 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
 
     Args:
         model: a ``CausalLM`` (``prefill``/``decode``/``init_response_cache``/``logits``).
-        prompt_ids: ``[B, P]`` integer, padded (left-padded by :func:`pad_prompts`; any layout works, since
+        prompt_ids: ``[B, P]`` integer, padded (left-padded by :func:`~jppo.rollout.sampler.pad_prompts`; any layout works, since
             each row continues after its last real token).
         prompt_mask: ``[B, P]`` bool (or 0/1), 1 on real prompt tokens.
         key: PRNG key.

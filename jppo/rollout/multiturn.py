@@ -37,7 +37,7 @@ import numpy as np
 from jppo.core.errors import ConfigError
 from jppo.core.experience import Experience
 from jppo.rollout.env import KEY, EnvFactory, Environment
-from jppo.rollout.decode import pad_prompts
+from jppo.rollout.sampler import pad_prompts
 
 # (contexts, turn) -> per row, the turn's sampled tokens and their log-probs
 TurnSampler = Callable[[list[list[int]], int], tuple[list[list[int]], list[list[float]]]]

@@ -1,6 +1,10 @@
-"""The sampler as a training run calls it: a list of prompts in, this process's rows of an ``Experience`` out."""
+"""The sampler as a training run calls it: a list of prompts in, this process's rows of an ``Experience`` out; and
+the host-side left-padding of prompts to bucketed widths, so that one compilation serves every batch of a bucket."""
 
 from __future__ import annotations
+
+import math
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -10,7 +14,40 @@ from jax.sharding import Mesh
 from jppo.core.experience import Experience
 from jppo.parallel.hostlocal import local_rows, to_global, to_local
 from jppo.parallel.mesh import batch_shards
-from jppo.rollout.decode import SamplingParams, make_generate_fn, pad_prompts
+from jppo.rollout.decode import SamplingParams, make_generate_fn
+
+
+def bucket_length(length: int, multiple: int = 64) -> int:
+    """The smallest positive multiple of ``multiple`` that is ``>= length``: the padded prompt width."""
+    if multiple < 1:
+        raise ValueError(f"bucket multiple={multiple} is invalid: it must be an integer >= 1")
+    if length < 0:
+        raise ValueError(f"prompt length={length} is invalid: it must be >= 0")
+    return max(1, math.ceil(length / multiple)) * multiple
+
+
+def pad_prompts(
+    prompts: Sequence[Sequence[int]], pad_id: int, length: int | None = None, *, multiple: int = 64
+) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pads token lists into ``(ids [B, L] int32, mask [B, L] bool)`` on the host.
+
+    ``L`` is ``length`` if given, else ``bucket_length(longest prompt, multiple)``, so batches whose longest prompt
+    falls in the same bucket share one compiled sampler. An empty prompt gives an all-padding row (and an empty
+    response).
+    """
+    if not prompts:
+        raise ValueError("pad_prompts got no prompts: pass at least one token list")
+    longest = max(len(p) for p in prompts)
+    width = bucket_length(longest, multiple) if length is None else length
+    ids = np.full((len(prompts), width), pad_id, dtype=np.int32)
+    mask = np.zeros((len(prompts), width), dtype=bool)
+    for row, tokens in enumerate(prompts):
+        if len(tokens) > width:
+            raise ValueError(f"prompt {row} has {len(tokens)} tokens, more than the padded length {width}")
+        if len(tokens):
+            ids[row, width - len(tokens) :] = tokens
+            mask[row, width - len(tokens) :] = True
+    return ids, mask
 
 
 class Sampler:

@@ -9,181 +9,47 @@ controller's measurement) are global by construction:
    environment, :mod:`jppo.rollout.multiturn`);
 3. score them (task scorer, rule or plug-in, plus a reward model) and put each score on the response's last token
    (or, with ``reward.token_level``, spread a built-in task's per-position credit over the tokens), and an
-   environment's per-turn rewards on their turns' last tokens; for ReMax,
+   environment's per-turn rewards on their turns' last tokens (:mod:`jppo.rewards.placement`); for ReMax,
    also decode one greedy response per prompt, whose reward is the prompt's baseline;
 4. recompute old log-probs (and reference log-probs, values) over the whole batch in micro-batches (its tokens
    cross to the devices once for all these passes);
-5. optionally subtract ``kl_coef * KL(old || ref)`` from the rewards (fixed or adaptive controller);
-6. compute advantages and returns (``algorithm.adv_estimator``).
+5. optionally subtract ``kl_coef * KL(old || ref)`` from the rewards (fixed or adaptive controller,
+   :mod:`jppo.rewards.kl_penalty`);
+6. compute advantages and returns (``algorithm.adv_estimator``, :mod:`jppo.advantages.estimate`).
 
 Collecting consumes prompts and measures the KL, so it advances the run state's data position and KL controller.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import time
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from jppo.run import build
 from jppo.advantages import get_estimator
+from jppo.advantages.estimate import compute_advantages
 from jppo.config import TrainConfig, views
 from jppo.data import Tokenizer
 from jppo.run.dynamic_sampling import DynamicSamplingError, Scored, concat, sampling_metrics, varied_groups
 from jppo.engine import forward_batch, log_prob_fn, value_fn
 from jppo.engine.assemble import device_rows
 from jppo.core.experience import Experience
-from jppo.parallel.hostlocal import local_rows, local_shards, max_over_processes, replicated_value, sum_over_processes, to_global, to_local
-from jppo.losses import REJECTION_MODES, RolloutCorrection, penalize_rewards, rejected_rows
-from jppo.parallel.mesh import batch_shards
+from jppo.parallel.hostlocal import max_over_processes, on_mesh, sum_over_processes
+from jppo.losses import REJECTION_MODES, RolloutCorrection, rejected_rows
+from jppo.rewards.kl_penalty import kl_in_reward
 from jppo.rewards.model import RewardModel
 from jppo.rewards.overlong import overlong_penalty
+from jppo.rewards.placement import env_rewards, place_rewards
 from jppo.rollout import Sampler
 from jppo.rollout.multiturn import MultiTurnSampler
 from jppo.run.state import RunState, advance
-
-
-def last_token_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
-    """Outcome rewards ``[N]`` placed on each response's last valid token ``[N, L]`` (nowhere for empty ones)."""
-    mask = response_mask.astype(bool)
-    length = mask.shape[1]
-    last = length - 1 - np.argmax(mask[:, ::-1], axis=1)
-    out = np.zeros(mask.shape, np.float32)
-    rows = np.flatnonzero(mask.any(axis=1))
-    out[rows, last[rows]] = scores[rows]
-    return out
-
-
-def token_credit_rewards(
-    response_ids: np.ndarray,
-    response_mask: np.ndarray,
-    credits: list[list[float]],
-    finished: list[bool],
-    scores: np.ndarray,
-    decode,
-    response_attention: np.ndarray | None = None,
-) -> np.ndarray:
-    """Dense rewards ``[N, L]`` from per-character credits (plus one for the EOS of a finished response).
-
-    Each response token gets the credit of the characters it decodes to (``decode`` of that token alone), a
-    finished response's EOS token gets the EOS credit, and whatever part of the score the credits do not cover
-    (a format bonus) goes on the last token, so every row still sums to its score. Characters are counted over
-    ``response_attention`` (every response token, environment observations included, as the text was decoded),
-    and credit is placed only where ``response_mask`` is set: a task must give observation characters none.
-    """
-    mask = response_mask.astype(bool)
-    attention = mask if response_attention is None else response_attention.astype(bool)
-    out = last_token_scores(scores - np.asarray([sum(c) for c in credits], np.float32), mask)
-    for row, (ids, seen, valid, credit, done) in enumerate(zip(response_ids, attention, mask, credits, finished)):
-        positions = np.flatnonzero(seen)
-        if done and len(positions):
-            out[row, positions[-1]] += credit[-1]
-            positions = positions[:-1]
-        char = 0
-        for position in positions:
-            width = len(decode([int(ids[position])]))
-            if valid[position]:
-                out[row, position] += sum(credit[char : char + width])
-            char += width
-    return out
-
-
-@functools.partial(jax.jit, static_argnames=("kind",))
-def _kl_in_reward(scores, old_log_prob, ref_log_prob, mask, kl_coef, kind):
-    rewards, kl = penalize_rewards(scores, old_log_prob, ref_log_prob, mask, kl_coef=kl_coef, kind=kind)
-    mask = mask.astype(bool)
-    tokens = jnp.maximum(jnp.sum(mask, axis=-1), 1)
-    per_sequence = jnp.sum(jnp.where(mask, kl, 0.0), axis=-1) / tokens
-    current_kl = jnp.sum(jnp.where(mask.any(-1), per_sequence, 0.0)) / jnp.maximum(jnp.sum(mask.any(-1)), 1)
-    return rewards, current_kl
-
-
-def kl_in_reward(
-    scores, old_log_prob, ref_log_prob, mask, *, kl_coef: float, kind: str, mesh: Mesh | None = None
-) -> tuple[np.ndarray, float]:
-    """``scores - kl_coef * KL(old || ref)`` per token, and the whole batch's mean per-sequence KL (the controller's
-    input). With a ``mesh`` the arrays are this process's rows of the batch."""
-    arrays, back = _on_mesh([scores, old_log_prob, ref_log_prob, mask], mesh)
-    rewards, current_kl = _kl_in_reward(*arrays, jnp.float32(kl_coef), kind)
-    return back(rewards), float(replicated_value(current_kl))
-
-
-def _on_mesh(arrays: list[np.ndarray], mesh: Mesh | None):
-    """The global row-sharded arrays of this process's rows, and the function taking results back to its rows."""
-    if mesh is None:
-        return [jnp.asarray(a) for a in arrays], np.asarray
-    rows = local_rows(mesh, len(arrays[0]) * batch_shards(mesh) // len(local_shards(mesh)))
-    return [to_global(np.asarray(a), mesh) for a in arrays], lambda x: to_local(x, rows=rows)
-
-
-@functools.partial(jax.jit, static_argnames=("name", "options"))
-def _advantages(name, options, inputs):
-    estimator = get_estimator(name)
-    return estimator.fn(**inputs, **dict(options))
-
-
-def compute_advantages(
-    name: str,
-    *,
-    token_level_rewards: np.ndarray,
-    response_mask: np.ndarray,
-    values: np.ndarray | None = None,
-    group_ids: np.ndarray | None = None,
-    reward_baselines: np.ndarray | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std_in_grpo: bool = True,
-    mesh: Mesh | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Runs the registered estimator ``name`` with the inputs and options it takes (one compilation per shape).
-
-    With a ``mesh`` the inputs are this process's rows: the estimator runs on the global row-sharded batch, so
-    its batch-wide statistics (whitening, group baselines) are those of the whole batch, and each process gets
-    its own rows back. Groups must not straddle processes (rows of a prompt are adjacent, and processes hold
-    whole prompts)."""
-    estimator = get_estimator(name)
-    available = {
-        "token_level_rewards": token_level_rewards,
-        "mask": response_mask,
-        "values": values,
-        "group_ids": group_ids,
-        "reward_baselines": reward_baselines,
-    }
-    option_values = {"gamma": gamma, "lam": lam, "norm_by_std": norm_adv_by_std_in_grpo}
-    names = [k for k, v in available.items() if k in estimator.parameters and v is not None]
-    arrays, back = _on_mesh([available[k] for k in names], mesh)
-    options = tuple(sorted((k, v) for k, v in option_values.items() if k in estimator.parameters))
-    advantages, returns = _advantages(name, options, dict(zip(names, arrays)))
-    return back(advantages), back(returns)
-
-
-class PhaseTimer:
-    """Wall time per phase of a step (``timing/<phase>`` metrics). Every phase ends with its results on the host,
-    so asynchronous dispatch does not move time from one phase into the next."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self.started = time.perf_counter()
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        start = time.perf_counter()
-        yield
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-
-    def report(self, tokens: float) -> dict[str, float]:
-        """``timing/<phase>`` and ``timing/step`` seconds since the timer was made, and ``perf/tokens_per_s``."""
-        total = time.perf_counter() - self.started
-        phases = {f"timing/{phase}": seconds for phase, seconds in self.seconds.items()}
-        return phases | {"timing/step": total, "perf/tokens_per_s": tokens / total}
+from jppo.runlog.timing import PhaseTimer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,28 +140,6 @@ def sample(sampler, params, prompts: list, key: jax.Array, examples: list) -> Ex
     return sampler(params, prompts, key)
 
 
-def env_rewards(batch: Experience) -> np.ndarray:
-    """The environment's per-token rewards of a multi-turn batch (zeros for a single-turn one)."""
-    if batch.token_rewards is None:
-        return np.zeros(batch.response_mask.shape, np.float32)
-    return np.asarray(batch.token_rewards, np.float32)
-
-
-def place_rewards(exp: Experience, scores: np.ndarray, finished: list[bool], credits, decode) -> np.ndarray:
-    """Per-token rewards ``[N, L]`` of rows whose total reward is ``scores``: an environment's per-turn rewards
-    stay on their turns' last tokens, and the rest of each row's reward goes on its last model token (or, with a
-    task's per-character ``credits``, on the tokens that earned it, :func:`token_credit_rewards`)."""
-    per_turn = env_rewards(exp)
-    outcome = (np.asarray(scores, np.float32) - per_turn.sum(axis=1)).astype(np.float32)
-    if credits is not None:
-        rewards = token_credit_rewards(
-            exp.response_ids, exp.response_mask, credits, finished, outcome, decode, exp.response_attention
-        )
-    else:
-        rewards = last_token_scores(outcome, exp.response_mask)
-    return rewards + per_turn
-
-
 def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer) -> tuple[Scored, int, dict[str, float]]:
     """The step's sampled and scored batch, the data position after the prompts it consumed, and the dynamic
     sampling metrics. Without ``algorithm.filter_groups`` that is one batch of ``data.train_batch_size`` prompts;
@@ -384,7 +228,8 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
         advantages, returns = compute_advantages(
             cfg.algorithm.adv_estimator, token_level_rewards=rewards, response_mask=mask, values=exp.values,
             group_ids=exp.group_ids, reward_baselines=reward_baselines, gamma=cfg.algorithm.gamma,
-            lam=cfg.algorithm.lam, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, mesh=c.mesh,
+            lam=cfg.algorithm.lam, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+            place=functools.partial(on_mesh, mesh=c.mesh),
         )
     exp = dataclasses.replace(
         exp, token_rewards=np.asarray(rewards, np.float32), advantages=np.asarray(advantages, np.float32),

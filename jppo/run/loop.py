@@ -30,7 +30,8 @@ from jax.sharding import Mesh
 from jppo.run import build
 from jppo.parallel import distributed
 from jppo.run.checkpoint import CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint
-from jppo.run.collect import Collector, PhaseTimer, collect
+from jppo.run.collect import Collector, collect
+from jppo.runlog.timing import PhaseTimer
 from jppo.run.evaluate import evaluate
 from jppo.config import TrainConfig, save_config, to_dict
 from jppo.data import Tokenizer

@@ -67,7 +67,8 @@ from jppo.config import TrainConfig
 from jppo.parallel.mesh import MESH_AXES, fitted_spec
 from jppo.models.config import DTYPES, ModelConfig
 from jppo.rollout.multiturn import longest_context
-from jppo.rollout.decode import bucket_length, decode_rows
+from jppo.rollout.decode import decode_rows
+from jppo.rollout.sampler import bucket_length
 
 ACCUMULATOR_BYTES = 4  # float32 moments and accumulator (float64 only for float64 exactness tests)
 LOGIT_COPIES = 3  # one chunk's logits, their softmax, and their gradient
@@ -164,7 +165,7 @@ def trained_elements(config: ModelConfig, role: str, lora, mesh: dict[str, int])
 def _value_head(config: ModelConfig):
     from flax import nnx  # noqa: PLC0415
 
-    from jppo.models.decoder import ValueHead  # noqa: PLC0415
+    from jppo.models.value import ValueHead  # noqa: PLC0415
 
     return ValueHead(config, rngs=nnx.Rngs(0))
 

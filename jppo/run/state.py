@@ -16,7 +16,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jppo.engine import TrainState
-from jppo.losses import KLControlState
+from jppo.rewards.kl_penalty import KLControlState
 
 
 @struct.dataclass

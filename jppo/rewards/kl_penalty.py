@@ -1,4 +1,8 @@
-"""KL coefficient controllers for KL-in-reward, as pure state updates (jittable, checkpointable).
+"""KL in the reward: the penalty on the rewards, and the controllers of its coefficient.
+
+:func:`kl_in_reward` subtracts ``kl_coef * KL(old || ref)`` per token from the rewards (``algorithm.use_kl_in_reward``)
+and measures the whole batch's mean per-sequence KL, which a controller then reads. The controllers are pure state
+updates (jittable, checkpointable):
 
 - Fixed: the coefficient never changes.
 - Adaptive (Ziegler et al. 2019): ``coef <- coef * (1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon)``,
@@ -7,16 +11,20 @@
 A controller is a frozen configuration; its only state is :class:`KLControlState`, threaded through the training
 loop: ``state = controller.update(state, current_kl, n_steps)``.
 """
-
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+from jax.sharding import Mesh
 
 from jppo.core.errors import InvalidSetting
+from jppo.losses import penalize_rewards
+from jppo.parallel.hostlocal import on_mesh, replicated_value
 
 Array = jax.Array
 
@@ -66,3 +74,23 @@ class AdaptiveKLController:
         error = jnp.clip(current_kl / self.target_kl - 1, -_MAX_PROPORTIONAL_ERROR, _MAX_PROPORTIONAL_ERROR)
         coef = state.coef * (1 + error * n_steps / self.horizon)
         return KLControlState(coef=coef.astype(state.coef.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("kind",))
+def _kl_in_reward(scores, old_log_prob, ref_log_prob, mask, kl_coef, kind):
+    rewards, kl = penalize_rewards(scores, old_log_prob, ref_log_prob, mask, kl_coef=kl_coef, kind=kind)
+    mask = mask.astype(bool)
+    tokens = jnp.maximum(jnp.sum(mask, axis=-1), 1)
+    per_sequence = jnp.sum(jnp.where(mask, kl, 0.0), axis=-1) / tokens
+    current_kl = jnp.sum(jnp.where(mask.any(-1), per_sequence, 0.0)) / jnp.maximum(jnp.sum(mask.any(-1)), 1)
+    return rewards, current_kl
+
+
+def kl_in_reward(
+    scores, old_log_prob, ref_log_prob, mask, *, kl_coef: float, kind: str, mesh: Mesh | None = None
+) -> tuple[np.ndarray, float]:
+    """``scores - kl_coef * KL(old || ref)`` per token, and the whole batch's mean per-sequence KL (the controller's
+    input). With a ``mesh`` the arrays are this process's rows of the batch."""
+    arrays, back = on_mesh([scores, old_log_prob, ref_log_prob, mask], mesh)
+    rewards, current_kl = _kl_in_reward(*arrays, jnp.float32(kl_coef), kind)
+    return back(rewards), float(replicated_value(current_kl))
