@@ -22,7 +22,8 @@ class TensorBoardSink:
         # run). The suffix keeps two writers started in the same second from truncating each other's file (the
         # name has seconds).
         self._writer = SummaryWriter(
-            str(run.output_dir / TENSORBOARD_DIR), purge_step=run.start_step, filename_suffix=f".{uuid.uuid4().hex[:8]}",
+            str(run.output_dir / TENSORBOARD_DIR), purge_step=run.start_step,
+            filename_suffix=f".{uuid.uuid4().hex[:8]}",
         )
 
     def log(self, step: int, values: dict[str, float]) -> None:
