@@ -32,7 +32,7 @@ from jppo.core.registry import Registry
 SPLITS = ("train", "val")
 REASONING_GYM_PREFIX = "reasoning_gym:"
 # The built-in tasks by name: each task class registers itself with ``@BUILTIN_TASKS.register(name)``.
-BUILTIN_TASKS: Registry[type] = Registry(
+BUILTIN_TASKS: Registry[type[Task]] = Registry(
     "task",
     lambda name, names: (
         f"data.task={name!r} is unknown; valid tasks: {sorted(names)}, '{REASONING_GYM_PREFIX}<dataset>'"

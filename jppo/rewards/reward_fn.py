@@ -32,7 +32,7 @@ from jppo.rewards.overlong import OverlongBufferConfig
 from jppo.rewards.plugin import RewardFunctionError, load_reward_plugin
 from jppo.rewards.verify import math_verify_score, require_math_verify
 
-REWARD_KINDS: Registry[type] = Registry(
+REWARD_KINDS: Registry[type[RewardKind]] = Registry(
     "reward kind", lambda name, names: f"reward.kind={name!r} is invalid: valid kinds are {list(names)}"
 )
 
