@@ -7,6 +7,7 @@ as it was after each test, so nothing registered here reaches another test.
 
 import dataclasses
 import pathlib
+import pkgutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +28,7 @@ from jppo.models.families import Llama
 from jppo.rewards import REWARD_KINDS, RewardConfig, build_reward_fn
 from jppo.rollout.env import BUILTIN_ENVS, load_env
 from jppo.run.collect import compute_advantages
-from jppo.runlog import SINKS, RunLogger
+from jppo.runlog import SINKS, RunLogger, sinks
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 REGISTRIES = (POLICY_LOSSES, ADVANTAGE_ESTIMATORS, BUILTIN_ENVS, BUILTIN_TASKS, REWARD_KINDS, SINKS, MODEL_FAMILIES)
@@ -170,6 +171,10 @@ def test_a_reward_kind_registered_in_its_file_scores_and_has_a_format():
     np.testing.assert_array_equal(reward(["ab.", "abc"], [Example("", "")] * 2, [True, True]), [13.0, 3.0])
     with pytest.raises(ValueError, match=r"^reward.kind='nope' is invalid: valid kinds are \['task', .*, 'length'\]$"):
         RewardConfig(kind="nope")
+
+
+def test_every_module_of_the_sinks_package_is_loaded_and_registers_the_sink_it_is_named_after():
+    assert SINKS.names() == tuple(module.name for module in pkgutil.iter_modules(sinks.__path__))
 
 
 def test_a_sink_registered_in_its_file_is_a_logger_choice_that_gets_the_checked_metrics(tmp_path):

@@ -5,7 +5,7 @@
 ``jsonl`` (``metrics.jsonl``, and the sampled validation responses in ``generations/step_N.jsonl``), ``tensorboard``
 (scalars in ``tensorboard/``) and ``wandb`` (a run of ``project_name`` / ``experiment_name``, with a table of the
 sampled responses; the optional ``wandb`` package). Each sink is a class in its own module of
-:mod:`jppo.runlog.sinks`, registered there by name; a new one is one more such module (imported below).
+:mod:`jppo.runlog.sinks`, registered there by name; a new one is one more such module.
 
 Named ``runlog`` rather than ``logging``: a ``jppo/logging.py`` would shadow the standard library's ``logging`` for
 anything run with ``jppo/`` on ``sys.path`` (``python jppo/some_script.py``), and jax, orbax and absl all import it.
@@ -36,9 +36,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
 from jppo.core.paths import is_remote, run_path
-from jppo.runlog.sinks import SINKS, SinkRun
-# Importing a sink's module registers it in SINKS, in this order.
-from jppo.runlog.sinks import console  # noqa: F401 (registers the console sink)
+from jppo.runlog.sinks import SINKS, SinkRun  # every sink, registered
 from jppo.runlog.sinks.jsonl import GENERATIONS_DIR, METRICS_FILE, read_metrics
 from jppo.runlog.sinks.tensorboard import TENSORBOARD_DIR
 from jppo.runlog.sinks.wandb import WANDB_FILES_DIR, WANDB_ID_FILE, import_wandb

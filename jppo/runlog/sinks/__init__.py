@@ -3,11 +3,15 @@
 A sink is a class decorated with ``@SINKS.register(name)``, built from the run's :class:`SinkRun` and having
 ``log(step, values)`` (finite or not, checked floats), ``log_generations(step, records)`` (sampled responses, before
 the step's ``log``) and ``close()``. :class:`jppo.runlog.RunLogger` builds the ones a run selects.
+
+Every module of this package is imported with it, in name order, so a new sink is one new file here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, TextIO
 
@@ -50,3 +54,7 @@ class Sink(Protocol):
 
 SinkFactory = Callable[[SinkRun], Sink]
 SINKS: Registry[SinkFactory] = Registry("sink")
+
+# Last, once SINKS exists: each module registers its sink as it is imported.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
