@@ -33,7 +33,8 @@ from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.config import ConfigError, TrainConfig, check_mesh, load_config
 from jppo.data import BUILTIN_TASKS
 from jppo.losses import AGG_MODES, KL_KINDS, POLICY_LOSSES
-from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES
+from jppo.models.config import DTYPES
+from jppo.models.families import MODEL_FAMILIES
 from jppo.rewards import REWARD_KINDS
 from jppo.run.loop import run
 
@@ -81,7 +82,7 @@ ODD = ["", "abc", "nan", "inf", "-inf", "-1", "0", "1", "2", "1e9", "[1,2]", "tr
 # Valid names of every registry, offered to every string key: a name valid for one key is odd for another.
 NAMES = sorted({
     *POLICY_LOSSES, *ADVANTAGE_ESTIMATORS, *AGG_MODES, *KL_KINDS, *REWARD_KINDS, *BUILTIN_TASKS, *DTYPES,
-    *SUPPORTED_MODEL_TYPES, "global", "per_micro_batch", "adamw", "sgd", "constant", "cosine", "fixed", "adaptive",
+    *MODEL_FAMILIES, "global", "per_micro_batch", "adamw", "sgd", "constant", "cosine", "fixed", "adaptive",
     "auto", "never", "files", "error", "left", "builtin:reverse_digits", "builtin:abc", "reasoning_gym:abc", ".",
 })
 TASK_OPTIONS = ["{}", "{min_len: 1, max_len: 2}", "{min_len: 4, max_len: 3}", "{max_len: 40}", "{max_operand: 0}",

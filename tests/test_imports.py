@@ -179,6 +179,7 @@ CONFIG_LAYER_IMPORTS = {
     "jppo.rewards.reward_fn", "jppo.rewards.rules", "jppo.rewards.verify",
     "jppo.engine", "jppo.engine.config",  # ActorFields, CriticFields (jppo.engine exports lazily)
     "jppo.models", "jppo.models.lora", "jppo.models.config", "jppo.models.sharding",  # LoRAConfig
+    "jppo.models.families",  # ModelConfig.family: the registered families (plain records, no arrays)
     "jppo.parallel", "jppo.parallel.mesh",  # the logical axes LoRA's adapters are placed with
     # ActorFields.rollout_correction: jppo.losses' package loads every loss term with it (layer 1, pure math)
     "jppo.losses", "jppo.losses.actor", "jppo.losses.aggregate", "jppo.losses.entropy", "jppo.losses.kl",

@@ -26,13 +26,15 @@ Rules jppo applies to every estimator:
 
 How these rules differ from verl's estimators: ``tests/golden_verl/PARITY.md``.
 
-Choose an estimator by name from :data:`ADVANTAGE_ESTIMATORS` and run it with :func:`run_estimator`.
+Choose an estimator by name from :data:`ADVANTAGE_ESTIMATORS` and run it with :func:`run_estimator`; a new one is a
+function decorated with ``@register_estimator(name)`` in the file that implements it.
 """
 
+# Importing the estimators registers them, in this order: the token-level ones, then the group ones.
+from jppo.advantages.returns import gae, reinforce_plus_plus, remax
 from jppo.advantages.group import gpg, grpo, grpo_passk, opo, reinforce_plus_plus_baseline, rloo
 from jppo.advantages.estimate import run_estimator
-from jppo.advantages.registry import ADVANTAGE_ESTIMATORS, Estimator, get_estimator
-from jppo.advantages.returns import gae, reinforce_plus_plus, remax
+from jppo.advantages.registry import ADVANTAGE_ESTIMATORS, Estimator, get_estimator, register_estimator
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -44,6 +46,7 @@ __all__ = [
     "grpo_passk",
     "opo",
     "reinforce_plus_plus",
+    "register_estimator",
     "reinforce_plus_plus_baseline",
     "remax",
     "rloo",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jppo.advantages.registry import register_estimator
 from jppo.core.masked import check_row_arrays, check_token_arrays, masked_whiten, safe_divide, safe_sqrt, sanitize
 
 Array = jax.Array
@@ -107,6 +108,7 @@ class _Groups:
         return advantages, advantages
 
 
+@register_estimator("grpo")
 def grpo(
     token_level_rewards: Array, mask: Array, group_ids: Array, *, norm_by_std: bool = True, epsilon: float = 1e-6
 ) -> tuple[Array, Array]:
@@ -122,6 +124,7 @@ def grpo(
     return groups.to_tokens(centered)
 
 
+@register_estimator("rloo")
 def rloo(token_level_rewards: Array, mask: Array, group_ids: Array) -> tuple[Array, Array]:
     """RLOO (Ahmadian et al. 2024): the score minus the mean score of the *other* rows of the group.
 
@@ -133,6 +136,7 @@ def rloo(token_level_rewards: Array, mask: Array, group_ids: Array) -> tuple[Arr
     return groups.to_tokens((groups.sizes * groups.scores - groups.sum(groups.scores)) / others)
 
 
+@register_estimator("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline(token_level_rewards: Array, mask: Array, group_ids: Array) -> tuple[Array, Array]:
     """REINFORCE++-baseline (Hu 2025): group-centered scores, whitened over the batch's valid tokens.
 
@@ -146,6 +150,7 @@ def reinforce_plus_plus_baseline(token_level_rewards: Array, mask: Array, group_
     return advantages, advantages
 
 
+@register_estimator("opo")
 def opo(token_level_rewards: Array, mask: Array, group_ids: Array) -> tuple[Array, Array]:
     """OPO (Hao et al. 2025): the score minus the group's length-weighted mean score.
 
@@ -156,6 +161,7 @@ def opo(token_level_rewards: Array, mask: Array, group_ids: Array) -> tuple[Arra
     return groups.to_tokens(groups.scores - baseline)
 
 
+@register_estimator("gpg")
 def gpg(token_level_rewards: Array, mask: Array, group_ids: Array) -> tuple[Array, Array]:
     """GPG (Chu et al. 2025): ``A_i = alpha (s_i - mean_g)`` with ``alpha = B / max(M, 1)``.
 
@@ -170,6 +176,7 @@ def gpg(token_level_rewards: Array, mask: Array, group_ids: Array) -> tuple[Arra
     return groups.to_tokens(alpha * (groups.scores - groups.mean(groups.scores)))
 
 
+@register_estimator("grpo_passk")
 def grpo_passk(
     token_level_rewards: Array, mask: Array, group_ids: Array, *, norm_by_std: bool = True, epsilon: float = 1e-6
 ) -> tuple[Array, Array]:

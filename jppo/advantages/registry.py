@@ -1,5 +1,9 @@
 """The advantage estimators by name, with what each needs from the rollout (run one with
-:func:`jppo.advantages.estimate.run_estimator`)."""
+:func:`jppo.advantages.estimate.run_estimator`).
+
+Each estimator registers itself where it is written (:mod:`jppo.advantages.group`, :mod:`jppo.advantages.returns`)
+with ``@register_estimator(name)``; importing :mod:`jppo.advantages` registers them all.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Callable
 
 import jax
 
-from jppo.advantages import group, returns
+from jppo.core.registry import Registry
 
 Array = jax.Array
 
@@ -47,23 +51,25 @@ class Estimator:
         return "reward_baselines" in self.parameters
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
-    "gae": Estimator(returns.gae),
-    "reinforce_plus_plus": Estimator(returns.reinforce_plus_plus),
-    "remax": Estimator(returns.remax),
-    "grpo": Estimator(group.grpo),
-    "rloo": Estimator(group.rloo),
-    "reinforce_plus_plus_baseline": Estimator(group.reinforce_plus_plus_baseline),
-    "opo": Estimator(group.opo),
-    "gpg": Estimator(group.gpg),
-    "grpo_passk": Estimator(group.grpo_passk),
-}
+ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry(
+    "advantage estimator",
+    lambda name, names: f"unknown advantage estimator {name!r}; valid estimators: {', '.join(sorted(names))}",
+)
+
+EstimatorFn = Callable[..., tuple[Array, Array]]
+
+
+def register_estimator(name: str) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator registering an estimator function in :data:`ADVANTAGE_ESTIMATORS` under ``name`` (as an
+    :class:`Estimator`, whose needs are read off the function's signature); the function is returned unchanged."""
+
+    def register(fn: EstimatorFn) -> EstimatorFn:
+        ADVANTAGE_ESTIMATORS.register(name)(Estimator(fn))
+        return fn
+
+    return register
 
 
 def get_estimator(name: str) -> Estimator:
     """The registered estimator ``name``; raises ``ValueError`` listing the valid names otherwise."""
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; valid estimators: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}"
-        )
-    return ADVANTAGE_ESTIMATORS[name]
+    return ADVANTAGE_ESTIMATORS.lookup(name)

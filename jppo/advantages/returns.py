@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jppo.advantages.registry import register_estimator
 from jppo.core.masked import check_row_arrays, check_token_arrays, masked_whiten, sanitize
 
 Array = jax.Array
@@ -36,6 +37,7 @@ def _masked_gae(rewards: Array, values: Array, valid: Array, gamma: Array, lam: 
     return advantages.T
 
 
+@register_estimator("gae")
 def gae(
     token_level_rewards: Array,
     values: Array,
@@ -78,6 +80,7 @@ def gae(
     return advantages, returns
 
 
+@register_estimator("reinforce_plus_plus")
 def reinforce_plus_plus(token_level_rewards: Array, mask: Array, *, gamma: float | Array) -> tuple[Array, Array]:
     """REINFORCE++ (Hu 2025): discounted returns, whitened over the batch's valid tokens.
 
@@ -96,6 +99,7 @@ def reinforce_plus_plus(token_level_rewards: Array, mask: Array, *, gamma: float
     return masked_whiten(returns, valid), returns
 
 
+@register_estimator("remax")
 def remax(token_level_rewards: Array, reward_baselines: Array, mask: Array) -> tuple[Array, Array]:
     """ReMax (Li et al. 2023): undiscounted reward-to-go minus the reward of the greedy response.
 

@@ -38,7 +38,8 @@ from jppo.losses import (
 )
 from jppo.parallel.mesh import resolve_shape
 from jppo.rewards.verify import require_math_verify
-from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, SUPPORTED_MODEL_TYPES
+from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES
+from jppo.models.families import MODEL_FAMILIES
 from jppo.models.layers import HALF_PRECISION_ATTENTION
 from jppo.models.lora import check_fits
 from jppo.core.paths import is_remote, missing_backend, run_path
@@ -169,7 +170,7 @@ def _check_cudnn_dtype(key: str, dtype: str) -> None:
 
 
 def _check_model(cfg: TrainConfig) -> None:
-    _choice("model.model_type", cfg.model.model_type, SUPPORTED_MODEL_TYPES)
+    _choice("model.model_type", cfg.model.model_type, MODEL_FAMILIES)
     _choice("model.dtype", cfg.model.dtype, list(DTYPES))
     _choice("model.param_dtype", cfg.model.param_dtype, list(DTYPES))
     _choice("model.attention", cfg.model.attention, ATTENTION_IMPLEMENTATIONS)

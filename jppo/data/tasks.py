@@ -15,6 +15,8 @@ so no validation prompt is ever trained on.
   with ``call_hint`` the prompt opens the call (``"37*58=[37*58"``) and the expected response is ``]=2146;2146``.
 - ``reasoning_gym:<dataset>``: a dataset of the optional package ``reasoning-gym``, scored by its own
   ``score_answer`` on the text between the last ``<answer>`` and ``</answer>`` of the response.
+
+A new built-in task is a class decorated with ``@BUILTIN_TASKS.register(name)`` (its ``name`` field the same name).
 """
 
 from __future__ import annotations
@@ -25,8 +27,17 @@ import re
 import zlib
 from typing import Any, Callable, Optional, Protocol
 
+from jppo.core.registry import Registry
+
 SPLITS = ("train", "val")
 REASONING_GYM_PREFIX = "reasoning_gym:"
+# The built-in tasks by name: each task class registers itself with ``@BUILTIN_TASKS.register(name)``.
+BUILTIN_TASKS: Registry[type[Task]] = Registry(
+    "task",
+    lambda name, names: (
+        f"data.task={name!r} is unknown; valid tasks: {sorted(names)}, '{REASONING_GYM_PREFIX}<dataset>'"
+    ),
+)
 _HELD_OUT_MODULUS = 10  # one prompt in ten is reserved for validation
 _MAX_DRAWS_PER_EXAMPLE = 100  # a split holding under ~1% of a task's prompts is an error, not an endless loop
 
@@ -141,6 +152,7 @@ class _DigitAnswerTask:
         return _is_digits(response_text)
 
 
+@BUILTIN_TASKS.register("reverse_digits")
 @dataclasses.dataclass(frozen=True)
 class ReverseDigits(_DigitAnswerTask):
     """Reverse a digit string: prompt ``"3051="``, answer ``"1503"``, then EOS.
@@ -167,6 +179,7 @@ class ReverseDigits(_DigitAnswerTask):
 
 
 
+@BUILTIN_TASKS.register("add_small")
 @dataclasses.dataclass(frozen=True)
 class AddSmall(_DigitAnswerTask):
     """Add two small numbers: prompt ``"17+5="``, answer ``"22"``, then EOS.
@@ -195,6 +208,7 @@ class AddSmall(_DigitAnswerTask):
 _CALCULATOR_RESULT = re.compile(r"\]=[-0-9?]*;")  # a call's end and the calculator's observation
 
 
+@BUILTIN_TASKS.register("tool_multiply")
 @dataclasses.dataclass(frozen=True)
 class ToolMultiply:
     """Multiply two numbers with a calculator tool: prompt ``"37*58="``, answer ``"2146"`` (operands of
@@ -352,18 +366,11 @@ class ReasoningGymTask:
         return extract_answer_tag(response_text) is not None
 
 
-BUILTIN_TASKS: dict[str, type] = {"reverse_digits": ReverseDigits, "add_small": AddSmall, "tool_multiply": ToolMultiply}
-
-
 def get_task(name: str, options: Optional[dict[str, Any]] = None) -> Task:
     """The task called ``name`` (a built-in name or ``"reasoning_gym:<dataset>"``), built with ``options``."""
     if name.startswith(REASONING_GYM_PREFIX):
         return ReasoningGymTask(name[len(REASONING_GYM_PREFIX) :], options)
-    if name not in BUILTIN_TASKS:
-        raise ValueError(
-            f"data.task={name!r} is unknown; valid tasks: {sorted(BUILTIN_TASKS)}, '{REASONING_GYM_PREFIX}<dataset>'"
-        )
-    task_class = BUILTIN_TASKS[name]
+    task_class = BUILTIN_TASKS.lookup(name)
     valid = sorted(field.name for field in dataclasses.fields(task_class) if field.init)
     unknown = sorted(set(options or {}) - set(valid))
     if unknown:

@@ -19,6 +19,7 @@ import dataclasses
 from typing import Optional
 
 from jppo.core.errors import InvalidSetting
+from jppo.losses.policy import PolicyLossOptions
 from jppo.losses.rollout_correction import RolloutCorrection
 
 NORMALIZATIONS = ("global", "per_micro_batch")
@@ -66,18 +67,20 @@ class UpdateFields:
 
 
 @dataclasses.dataclass(frozen=True)
-class ActorFields(UpdateFields):
-    """The policy update: a registered policy loss, optional entropy bonus and KL loss to the reference, and the
-    correction of the sampler/trainer mismatch (:mod:`jppo.losses.rollout_correction`)."""
+class _PolicyLossName(UpdateFields):
+    """The actor's policy loss by name (a base of its own so that the key comes before the loss's options in a
+    config, as it always has)."""
 
-    policy_loss: str = "vanilla"
-    clip_ratio: float = 0.2
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
-    clip_ratio_c: float = 3.0
-    tau_pos: float = 1.0  # SAPO gate temperatures
-    tau_neg: float = 1.05
-    dro_beta: Optional[float] = None  # DRO's quadratic penalty (required by policy_loss=dro)
+    policy_loss: str = "vanilla"  # a name registered in jppo.losses.POLICY_LOSSES
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorFields(PolicyLossOptions, _PolicyLossName):
+    """The policy update: a registered policy loss, optional entropy bonus and KL loss to the reference, and the
+    correction of the sampler/trainer mismatch (:mod:`jppo.losses.rollout_correction`). The policy loss's options
+    (``clip_ratio``, ..., ``dro_beta``) are the fields of :class:`~jppo.losses.policy.PolicyLossOptions`, declared
+    there once: a new option is a new field there."""
+
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001

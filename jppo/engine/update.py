@@ -171,6 +171,8 @@ def value_outputs(model: nnx.Module, batch: Batch) -> jax.Array:
 
 
 def policy_options(cfg: ActorFields) -> PolicyLossOptions:
+    """The policy loss's options out of the actor's settings (which declare them by embedding
+    :class:`PolicyLossOptions`): just those fields, hashable, as the loss takes them."""
     return PolicyLossOptions.create(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(PolicyLossOptions)})
 
 

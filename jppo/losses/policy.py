@@ -61,6 +61,7 @@ import jax.numpy as jnp
 
 from jppo.core import metrics as metrics_lib
 from jppo.core.errors import InvalidSetting
+from jppo.core.registry import Registry
 from jppo.losses.aggregate import agg_loss, check_mode
 from jppo.core.masked import NormStats, masked_mean, select_valid
 
@@ -139,7 +140,9 @@ class OptionRule(NamedTuple):
 
 
 PolicyLossFn = Callable[[Array, Array, Array, Array, PolicyLossOptions], PerToken]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry(
+    "policy loss", lambda name, names: f"unknown policy loss {name!r}; registered: {', '.join(sorted(names))}"
+)
 # The aggregation mode a variant's objective is defined under; a variant absent here fits every mode.
 REQUIRED_AGG_MODES: dict[str, str] = {}
 # What each variant requires of its options (checked by check_policy_options before anything is traced).
@@ -157,8 +160,8 @@ _DPPO_RULES = CLIP_RULES + (OptionRule("clip_ratio_c", lambda value: value > 0, 
 def register_policy_loss(
     name: str, *, agg_mode: str | None = None, requires: tuple[OptionRule, ...] = ()
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator adding a per-token policy loss to :data:`POLICY_LOSSES` under ``name``; ``agg_mode`` records the
-    one aggregation mode its objective is defined under (``None``: any mode), ``requires`` what it needs of its
+    """Decorator registering a per-token policy loss in :data:`POLICY_LOSSES` under ``name``; ``agg_mode`` records
+    the one aggregation mode its objective is defined under (``None``: any mode), ``requires`` what it needs of its
     options (:data:`OPTION_RULES`)."""
     if agg_mode is not None:
         check_mode(agg_mode)
@@ -168,9 +171,7 @@ def register_policy_loss(
         raise ValueError(f"policy loss {name!r} requires unknown option(s) {', '.join(unknown)}")
 
     def register(loss_fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = loss_fn
+        POLICY_LOSSES.register(name)(loss_fn)  # refuses a name registered twice
         OPTION_RULES[name] = tuple(requires)
         if agg_mode is not None:
             REQUIRED_AGG_MODES[name] = agg_mode
@@ -191,9 +192,7 @@ def check_policy_options(name: str, options: PolicyLossOptions) -> None:
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The registered variant ``name``; ``ValueError`` listing the registered names otherwise."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(sorted(POLICY_LOSSES))}")
-    return POLICY_LOSSES[name]
+    return POLICY_LOSSES.lookup(name)
 
 
 def required_agg_mode(name: str) -> str | None:

@@ -7,8 +7,9 @@ composes :class:`~jppo.models.lora.LoRAConfig` without loading the decoder and t
 from jppo.core.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
-    "config": ("SUPPORTED_MODEL_TYPES", "ModelConfig", "RopeScaling"),
+    "config": ("ModelConfig", "RopeScaling"),
     "decoder": ("CausalLM", "PromptCache", "ResponseCache"),
+    "families": ("MODEL_FAMILIES", "Family"),
     "hf": ("CheckpointError", "load_pretrained", "read_config", "save_pretrained"),
     "log_probs": ("token_log_probs",),
     "sharding": ("create_model", "param_shardings", "partition_specs"),

@@ -1,15 +1,8 @@
 """The decoder's configuration and its translation to and from a Hugging Face ``config.json``.
 
-Three families share one architecture (pre-norm decoder, RMSNorm, rotary positions, grouped-query attention,
-SwiGLU MLP) and differ only in a few flags, which :class:`ModelConfig` derives from ``model_type`` unless given:
-
-========  =======================  ==========================  =============================
-family    ``attention_bias``       ``attention_out_bias``      ``qk_norm``
-========  =======================  ==========================  =============================
-llama     config (default False)   same as ``attention_bias``  False
-qwen2     True (q/k/v biases)      False                       False
-qwen3     config (default False)   same as ``attention_bias``  True (RMSNorm of q, k per head)
-========  =======================  ==========================  =============================
+The families (llama, qwen2, qwen3) share one architecture and differ only in a few flags, which
+:class:`ModelConfig` derives from ``model_type`` unless given; what each family fixes is its record in
+:mod:`jppo.models.families` (the table of flags is there).
 """
 
 from __future__ import annotations
@@ -20,8 +13,8 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from jppo.core.errors import InvalidSetting
+from jppo.models.families import MODEL_FAMILIES, Family
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 DTYPES: dict[str, jnp.dtype] = {
     "float32": jnp.dtype(jnp.float32),
     "bfloat16": jnp.dtype(jnp.bfloat16),
@@ -38,10 +31,6 @@ LAYER_LOOPS: tuple[str, ...] = ("auto", "scan", "unroll")
 # ~9% faster on CPU (the scan zero-fills and copies its stacked activations every step); at 24 layers it compiled
 # in twice the time (bench/README.md, issue 15 after, "Update step").
 AUTO_UNROLL_LAYERS = 8
-
-_HF_ARCHITECTURE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-# transformers' own defaults where a config.json leaves the head size out
-_QWEN3_DEFAULT_HEAD_DIM = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +127,7 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        MODEL_FAMILIES.lookup(self.model_type)
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(DTYPES)}")
@@ -181,11 +167,7 @@ class ModelConfig:
         object.__setattr__(self, name, value)  # a default resolved while the frozen dataclass is being built
 
     def _resolve_family_flags(self) -> None:
-        fixed = {
-            "llama": {"qk_norm": False},
-            "qwen2": {"attention_bias": True, "attention_out_bias": False, "qk_norm": False},
-            "qwen3": {"qk_norm": True},
-        }[self.model_type]
+        fixed = self.family.fixed_flags
         for name, value in fixed.items():
             given = getattr(self, name)
             if given is not None and given != value:
@@ -195,11 +177,16 @@ class ModelConfig:
             self._set("attention_bias", False)
         if self.attention_out_bias is None:
             self._set("attention_out_bias", self.attention_bias)
-        if self.model_type != "qwen2" and self.attention_out_bias != self.attention_bias:
+        if "attention_out_bias" not in fixed and self.attention_out_bias != self.attention_bias:
             raise ValueError(
                 f"model_type {self.model_type!r} has one flag for q/k/v/o biases: attention_bias="
                 f"{self.attention_bias} and attention_out_bias={self.attention_out_bias} must be equal"
             )
+
+    @property
+    def family(self) -> type[Family]:
+        """The record of ``model_type`` in :data:`~jppo.models.families.MODEL_FAMILIES`."""
+        return MODEL_FAMILIES[self.model_type]
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -235,8 +222,7 @@ class ModelConfig:
         Raises ``ValueError`` for families or features this decoder does not implement (naming them).
         """
         model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        family = MODEL_FAMILIES.lookup(model_type)
         unsupported = {
             "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
             "mlp_bias": (bool(hf.get("mlp_bias", False)), False),
@@ -247,7 +233,7 @@ class ModelConfig:
             if found != supported:
                 raise ValueError(f"config.json {key}={found!r} is not supported (only {supported!r})")
         rope_theta, rope_scaling = _read_rope(hf)
-        head_dim = hf.get("head_dim") or (_QWEN3_DEFAULT_HEAD_DIM if model_type == "qwen3" else None)
+        head_dim = hf.get("head_dim") or family.default_head_dim
         eos = hf.get("eos_token_id")
         fields = dict(
             vocab_size=hf["vocab_size"],
@@ -261,7 +247,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=None if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
+            attention_bias=None if "attention_bias" in family.fixed_flags else bool(hf.get("attention_bias", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             model_type=model_type,
             initializer_range=hf.get("initializer_range", 0.02),
@@ -279,7 +265,7 @@ class ModelConfig:
             raise ValueError(f"unknown head {head!r}; valid: {', '.join(suffix)}")
         scaling = self.rope_scaling.to_dict() if self.rope_scaling is not None else None
         hf: dict[str, Any] = {
-            "architectures": [_HF_ARCHITECTURE[self.model_type] + suffix[head]],
+            "architectures": [self.family.hf_architecture + suffix[head]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -303,12 +289,9 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
-        if self.model_type == "qwen2":
-            hf["use_sliding_window"] = False
-        else:
+        if "attention_bias" not in self.family.fixed_flags:
             hf["attention_bias"] = self.attention_bias
-        if self.model_type == "llama":
-            hf["mlp_bias"] = False
+        hf.update(self.family.hf_constants)
         if head == "value":
             hf["id2label"] = {"0": "LABEL_0"}
             hf["label2id"] = {"LABEL_0": 0}

@@ -1,8 +1,9 @@
 """Hugging Face checkpoints: ``config.json`` + ``*.safetensors`` in, the same out.
 
 Hugging Face stores a linear layer's weight as ``[out, in]`` and one tensor per layer; jppo stores kernels as
-``[in, out]`` and stacks the layers (``decoder.py``). :data:`HF_TENSOR_NAMES` is the only place that knows the
-correspondence: jppo parameter path -> (Hugging Face name, with ``{i}`` for the layer, transposed or not).
+``[in, out]`` and stacks the layers (``decoder.py``). A family's ``tensor_names`` (:mod:`jppo.models.families`) is
+the only place that knows the correspondence: jppo parameter path -> (Hugging Face name, with ``{i}`` for the layer,
+transposed or not).
 Loading reads, for every device, only the slice of each tensor that device holds, and places it with its
 sharding (``jax.make_array_from_callback``): no parameter exists unsharded on one device on the way.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jppo.models.config import DTYPES, SUPPORTED_MODEL_TYPES, ModelConfig
+from jppo.models.config import DTYPES, ModelConfig
 from jppo.models.decoder import CausalLM
 from jppo.models.safetensors_io import SafetensorsFile, write_sharded_safetensors
 from jppo.models.sharding import variable_spec
@@ -34,37 +35,10 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be read into (or written as) a jppo model."""
 
 
-_LAYER = "model.layers.{i}."
-# Llama, Qwen2 and Qwen3 name their tensors identically; a model uses the entries its config gives it
-# parameters for (q/k/v biases: Qwen2 or attention_bias; q_norm/k_norm: Qwen3; lm_head: untied embeddings).
-_SHARED_NAMES: dict[str, tuple[str, bool]] = {
-    "decoder.embed_tokens": ("model.embed_tokens.weight", False),
-    "decoder.norm": ("model.norm.weight", False),
-    "decoder.layers.input_norm": (_LAYER + "input_layernorm.weight", False),
-    "decoder.layers.q_proj": (_LAYER + "self_attn.q_proj.weight", True),
-    "decoder.layers.k_proj": (_LAYER + "self_attn.k_proj.weight", True),
-    "decoder.layers.v_proj": (_LAYER + "self_attn.v_proj.weight", True),
-    "decoder.layers.o_proj": (_LAYER + "self_attn.o_proj.weight", True),
-    "decoder.layers.q_bias": (_LAYER + "self_attn.q_proj.bias", False),
-    "decoder.layers.k_bias": (_LAYER + "self_attn.k_proj.bias", False),
-    "decoder.layers.v_bias": (_LAYER + "self_attn.v_proj.bias", False),
-    "decoder.layers.o_bias": (_LAYER + "self_attn.o_proj.bias", False),
-    "decoder.layers.q_norm": (_LAYER + "self_attn.q_norm.weight", False),
-    "decoder.layers.k_norm": (_LAYER + "self_attn.k_norm.weight", False),
-    "decoder.layers.post_attention_norm": (_LAYER + "post_attention_layernorm.weight", False),
-    "decoder.layers.gate_proj": (_LAYER + "mlp.gate_proj.weight", True),
-    "decoder.layers.up_proj": (_LAYER + "mlp.up_proj.weight", True),
-    "decoder.layers.down_proj": (_LAYER + "mlp.down_proj.weight", True),
-    "lm_head": ("lm_head.weight", True),
-    # transformers' *ForTokenClassification with one label: verl's critic checkpoints
-    "value_head.kernel": ("score.weight", True),
-    "value_head.bias": ("score.bias", False),
-}
-HF_TENSOR_NAMES: dict[str, dict[str, tuple[str, bool]]] = {family: _SHARED_NAMES for family in SUPPORTED_MODEL_TYPES}
 HEADS = {"lm": CausalLM, "value": ValueModel}
 
 
-def _hf_names(key: str, table: dict[str, tuple[str, bool]], config: ModelConfig) -> tuple[list[str], bool]:
+def _hf_names(key: str, table: Mapping[str, tuple[str, bool]], config: ModelConfig) -> tuple[list[str], bool]:
     """The Hugging Face tensor names behind jppo parameter ``key`` (one per layer when stacked)."""
     template, transposed = table[key]
     if key.startswith("decoder.layers."):
@@ -177,7 +151,7 @@ def load_pretrained(
     checkpoint = _Checkpoint(path)
     cls = HEADS[head]
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(seed))))
-    table = HF_TENSOR_NAMES[config.model_type]
+    table = config.family.tensor_names
     new_head = head == "value" and "score.weight" not in checkpoint
     fresh = nnx.state(ValueHead(config, rngs=nnx.Rngs(seed))) if new_head else None
 
@@ -215,7 +189,7 @@ def save_pretrained(
         raise CheckpointError(f"cannot save weights as dtype={dtype!r}; valid: {', '.join(DTYPES)}")
     path = run_path(path)  # a local folder or a gs:// URI
     path.mkdir(parents=True, exist_ok=True)
-    table = HF_TENSOR_NAMES[config.model_type]
+    table = config.family.tensor_names
     layout, sources = [], {}
     for path_parts, variable in nnx.to_flat_state(nnx.state(model)):
         key = ".".join(str(part) for part in path_parts)

@@ -9,6 +9,9 @@
   for ``reverse_digits``/``add_small``, ``<answer>...</answer>`` for reasoning-gym, ``#### <number>`` for
   ``gsm8k``, a closed ``\\boxed{}`` for ``boxed`` and ``math_verify``; else 0.
 
+Each kind registers itself in :data:`REWARD_KINDS` with ``@REWARD_KINDS.register(name)`` above a class whose
+``scorer(cfg, task)`` and ``answer_format(cfg, task)`` build the two functions (:class:`RewardKind`).
+
 Unlike verl's GSM8K scorer, which gives a fixed ``format_score`` *instead of* 0 to a well-formed wrong answer, the
 format term here is added on top of correctness and is off by default.
 """
@@ -17,11 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
 from jppo.core.errors import RewardFunctionError
+from jppo.core.registry import Registry
 from jppo.data.tasks import Example, Task
 from jppo.rewards import rules
 from jppo.rewards.adapters import FUNCTION_STYLES
@@ -29,9 +33,12 @@ from jppo.rewards.overlong import OverlongBufferConfig
 from jppo.rewards.plugin import load_reward_plugin
 from jppo.rewards.verify import math_verify_score, require_math_verify
 
-REWARD_KINDS = ("task", "gsm8k", "boxed", "math_verify", "none")
+REWARD_KINDS: Registry[type[RewardKind]] = Registry(
+    "reward kind", lambda name, names: f"reward.kind={name!r} is invalid: valid kinds are {list(names)}"
+)
 
 RewardFn = Callable[[list[str], list[Example], Sequence[bool]], np.ndarray]
+Scorer = Callable[[str, Example, bool], float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +64,7 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig = dataclasses.field(default_factory=OverlongBufferConfig)
 
     def __post_init__(self) -> None:
-        if self.kind not in REWARD_KINDS:
-            raise ValueError(f"reward.kind={self.kind!r} is invalid: valid kinds are {list(REWARD_KINDS)}")
+        REWARD_KINDS.lookup(self.kind)
         if self.function_style not in FUNCTION_STYLES:
             raise ValueError(
                 f"reward.function_style={self.function_style!r} is invalid: valid styles are {list(FUNCTION_STYLES)}"
@@ -83,8 +89,9 @@ def build_reward_fn(cfg: RewardConfig, task: Optional[Task]) -> RewardFn:
             f"to one of {[k for k in REWARD_KINDS if k != 'task']} or give reward.function"
         )
     plugin = load_reward_plugin(cfg.function, cfg.function_style) if cfg.function is not None else None
-    score = None if plugin is not None else _kind_scorer(cfg, task)
-    follows_format = _kind_format(cfg, task) if cfg.format_weight != 0 else None
+    kind = REWARD_KINDS.lookup(cfg.kind)
+    score = None if plugin is not None else kind.scorer(cfg, task)
+    follows_format = kind.answer_format(cfg, task) if cfg.format_weight != 0 else None
 
     def reward_fn(responses: list[str], examples: list[Example], finished: Sequence[bool]) -> np.ndarray:
         if not len(responses) == len(examples) == len(finished):
@@ -125,29 +132,78 @@ def build_credit_fn(cfg: RewardConfig, task: Optional[Task]) -> Optional[CreditF
 _CREDIT_TASKS = ("reverse_digits", "add_small", "tool_multiply")
 
 
-def _kind_scorer(cfg: RewardConfig, task: Task) -> Callable[[str, Example, bool], float]:
-    if cfg.kind == "none":
-        return lambda text, example, finished: 0.0
-    if cfg.kind == "gsm8k":
+class RewardKind(Protocol):
+    """A ``reward.kind``: ``scorer`` builds ``score(text, example, finished)`` (built only without a plug-in),
+    ``answer_format`` builds ``follows_format(text)`` (built only for a format term)."""
+
+    @staticmethod
+    def scorer(cfg: RewardConfig, task: Optional[Task]) -> Scorer: ...
+
+    @staticmethod
+    def answer_format(cfg: RewardConfig, task: Optional[Task]) -> Callable[[str], bool]: ...
+
+
+@REWARD_KINDS.register("task")
+class TaskKind:
+    """The task's own scorer and answer shape."""
+
+    @staticmethod
+    def scorer(cfg: RewardConfig, task: Task) -> Scorer:
+        return task.score
+
+    @staticmethod
+    def answer_format(cfg: RewardConfig, task: Task) -> Callable[[str], bool]:
+        return task.follows_format
+
+
+@REWARD_KINDS.register("gsm8k")
+class Gsm8kKind:
+    """The number after ``####`` (with ``gsm8k_flexible``, the last number) against the answer."""
+
+    @staticmethod
+    def scorer(cfg: RewardConfig, task: Optional[Task]) -> Scorer:
         return lambda text, example, finished: rules.gsm8k_score(text, example.answer, cfg.gsm8k_flexible)
-    if cfg.kind == "boxed":
+
+    @staticmethod
+    def answer_format(cfg: RewardConfig, task: Optional[Task]) -> Callable[[str], bool]:
+        return lambda text: rules.extract_gsm8k_answer(text) is not None
+
+
+@REWARD_KINDS.register("boxed")
+class BoxedKind:
+    """The last ``\\boxed{}`` against the answer, by :func:`jppo.rewards.rules.math_equal`."""
+
+    @staticmethod
+    def scorer(cfg: RewardConfig, task: Optional[Task]) -> Scorer:
         return lambda text, example, finished: rules.boxed_score(text, example.answer)
-    if cfg.kind == "math_verify":
+
+    @staticmethod
+    def answer_format(cfg: RewardConfig, task: Optional[Task]) -> Callable[[str], bool]:
+        return lambda text: rules.extract_boxed(text) is not None
+
+
+@REWARD_KINDS.register("math_verify")
+class MathVerifyKind(BoxedKind):
+    """Boxed answers compared by the optional package math-verify."""
+
+    @staticmethod
+    def scorer(cfg: RewardConfig, task: Optional[Task]) -> Scorer:
         require_math_verify()
         return lambda text, example, finished: math_verify_score(text, example.answer)
-    return task.score
 
 
-def _kind_format(cfg: RewardConfig, task: Task) -> Callable[[str], bool]:
-    if cfg.kind == "none":
-        raise ValueError(
-            "reward.format_weight needs a reward.kind with a format (task, gsm8k, boxed, math_verify), not 'none'"
-        )
-    if cfg.kind == "gsm8k":
-        return lambda text: rules.extract_gsm8k_answer(text) is not None
-    if cfg.kind in ("boxed", "math_verify"):
-        return lambda text: rules.extract_boxed(text) is not None
-    return task.follows_format
+@REWARD_KINDS.register("none")
+class NoKind:
+    """No rule score (a reward model's alone); it has no answer shape, so no format term."""
+
+    @staticmethod
+    def scorer(cfg: RewardConfig, task: Optional[Task]) -> Scorer:
+        return lambda text, example, finished: 0.0
+
+    @staticmethod
+    def answer_format(cfg: RewardConfig, task: Optional[Task]) -> Callable[[str], bool]:
+        with_format = ", ".join(kind for kind in REWARD_KINDS if kind != "none")
+        raise ValueError(f"reward.format_weight needs a reward.kind with a format ({with_format}), not 'none'")
 
 
 def _scores(

@@ -2,7 +2,7 @@
 
 An environment answers the model between its turns. ``rollout.env`` names a callable that makes one fresh
 environment per response (``path/to/file.py:make_env``, ``package.module:make_env``, as reward plug-ins are named,
-or ``builtin:calculator``). An environment has::
+or ``builtin:<name>`` for one registered in :data:`BUILTIN_ENVS`). An environment has::
 
     stop: tuple[str, ...]                      # texts that end a model turn (each must be ONE token), e.g. ("]",)
     reset(prompt: str, example) -> str         # called once; its observation is appended to the prompt (both
@@ -23,6 +23,7 @@ import operator
 import re
 from typing import Any, Callable, Protocol
 
+from jppo.core.registry import Registry
 from jppo.data.tokenizer import BUILTIN_PREFIX  # one spelling of built-in names, for tasks and environments
 from jppo.core.plugins import load_function
 
@@ -38,6 +39,14 @@ class Environment(Protocol):
 
 
 EnvFactory = Callable[[], Environment]
+# The built-in environments, ``rollout.env: builtin:<name>``: each factory registers itself with
+# ``@BUILTIN_ENVS.register(name)`` where it is defined.
+BUILTIN_ENVS: Registry[EnvFactory] = Registry(
+    "environment",
+    lambda name, names: (
+        f"{KEY}={BUILTIN_PREFIX + name!r} is unknown; built-in environments: {[BUILTIN_PREFIX + n for n in names]}"
+    ),
+)
 
 _EXPRESSION = re.compile(r"[0-9+\-* ]{1,40}")
 _OPERATIONS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
@@ -75,6 +84,7 @@ def evaluate(expression: str) -> int | None:
         return None
 
 
+@BUILTIN_ENVS.register("calculator")
 @dataclasses.dataclass
 class Calculator:
     """A calculator tool: a turn ending in ``[EXPR]`` is a call, answered with ``=VALUE;`` (``=?;`` when ``EXPR``
@@ -105,18 +115,11 @@ class Calculator:
         return observation, 0.0, False
 
 
-BUILTIN_ENVS: dict[str, EnvFactory] = {"calculator": Calculator}
-
-
 def load_env(spec: str) -> EnvFactory:
     """The environment factory ``rollout.env`` names, checked on one instance; problems are one-line ValueErrors
     naming ``rollout.env``."""
     if spec.startswith(BUILTIN_PREFIX):
-        name = spec[len(BUILTIN_PREFIX) :]
-        if name not in BUILTIN_ENVS:
-            valid = [BUILTIN_PREFIX + n for n in BUILTIN_ENVS]
-            raise ValueError(f"{KEY}={spec!r} is unknown; built-in environments: {valid}")
-        factory = BUILTIN_ENVS[name]
+        factory = BUILTIN_ENVS.lookup(spec[len(BUILTIN_PREFIX) :])
     else:
         factory = load_function(spec, KEY)
     try:

@@ -4,8 +4,8 @@
 (``trainer.logger``, names in :data:`SINKS`): ``console`` (a progress bar, or off a terminal summary lines),
 ``jsonl`` (``metrics.jsonl``, and the sampled validation responses in ``generations/step_N.jsonl``), ``tensorboard``
 (scalars in ``tensorboard/``) and ``wandb`` (a run of ``project_name`` / ``experiment_name``, with a table of the
-sampled responses; the optional ``wandb`` package). A sink is any object with ``log(step, values)``,
-``log_generations(step, records)`` and ``close()``.
+sampled responses; the optional ``wandb`` package). Each sink is a class in its own module of
+:mod:`jppo.runlog.sinks`, registered there by name; a new one is one more such module.
 
 Named ``runlog`` rather than ``logging``: a ``jppo/logging.py`` would shadow the standard library's ``logging`` for
 anything run with ``jppo/`` on ``sys.path`` (``python jppo/some_script.py``), and jax, orbax and absl all import it.
@@ -28,55 +28,21 @@ the event files, ``wandb_run_id``) over the object of the same name; wandb's own
 
 from __future__ import annotations
 
-import json
-import math
 import operator
 import os
 import shutil
-import sys
 import tempfile
-import time
-import uuid
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
-from tqdm import tqdm
-
 from jppo.core.paths import is_remote, run_path
+from jppo.runlog.sinks import SINKS, SinkRun  # every sink, registered
+from jppo.runlog.sinks.jsonl import GENERATIONS_DIR, METRICS_FILE, read_metrics
+from jppo.runlog.sinks.tensorboard import TENSORBOARD_DIR
+from jppo.runlog.sinks.wandb import WANDB_FILES_DIR, WANDB_ID_FILE, import_wandb
 
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
-GENERATIONS_DIR = "generations"
-WANDB_ID_FILE = "wandb_run_id"  # the wandb run a resumed run continues
-SINKS = ("console", "jsonl", "tensorboard", "wandb")
 RESUMED_FILES = (METRICS_FILE, WANDB_ID_FILE)  # what a sink reads back when a run resumes
-WANDB_FILES_DIR = "wandb"  # wandb's local files (when WANDB_DIR is unset), synced by wandb, not copied
 DEFAULT_SINKS = ("console", "jsonl", "tensorboard")
-# Shown next to the progress bar and in summary lines, under these short names, when a step reports them.
-KEY_METRICS: dict[str, str] = {
-    "reward/mean": "reward",
-    "actor/pg_loss": "pg_loss",
-    "critic/vf_loss": "vf_loss",
-    "actor/ppo_kl": "ppo_kl",
-}
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` in file order (``null`` values stay ``None``).
-
-    A torn last line, left by a crash in the middle of a write, is skipped; any other unreadable line is an error.
-    """
-    path = run_path(path)
-    lines = path.read_text().splitlines()
-    records = []
-    for number, line in enumerate(lines, start=1):
-        record = _parse_record(line)
-        if record is None:
-            if number == len(lines):
-                break
-            raise ValueError(f"{path}:{number} is not a JSON object with an integer 'step': {line[:80]!r}")
-        records.append(record)
-    return records
 
 
 class RunLogger:
@@ -124,13 +90,10 @@ class RunLogger:
             self._download()
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        makers = {
-            "console": lambda: ConsoleSink(total_steps, start_step, summary_every, stream, progress_bar),
-            "jsonl": lambda: JsonlSink(output_dir, start_step),
-            "tensorboard": lambda: TensorBoardSink(output_dir, start_step),
-            "wandb": lambda: WandbSink(output_dir, project_name, run_name, config),
-        }
-        self._sinks = [makers[name]() for name in dict.fromkeys(sinks)]
+        run = SinkRun(
+            output_dir, total_steps, start_step, summary_every, stream, progress_bar, project_name, run_name, config
+        )
+        self._sinks = [SINKS[name](run) for name in dict.fromkeys(sinks)]
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Records the metrics of training step ``step`` (scalars: floats, ints, numpy or jax scalars)."""
@@ -207,173 +170,8 @@ class RunLogger:
         return number
 
 
-class JsonlSink:
-    """``metrics.jsonl``: one strict-JSON object per step, non-finite values as ``null``, flushed per line; lines of
-    an interrupted run from ``start_step`` on are dropped when it opens. Sampled responses of a step go to
-    ``generations/step_N.jsonl``, one object per response."""
-
-    def __init__(self, output_dir: Path, start_step: int):
-        self._output_dir = output_dir
-        path = output_dir / METRICS_FILE
-        _drop_steps_from(path, start_step)
-        self._file = path.open("a", encoding="utf-8")
-
-    def log(self, step: int, values: dict[str, float]) -> None:
-        record = {"step": step, **{name: value if math.isfinite(value) else None for name, value in values.items()}}
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
-
-    def log_generations(self, step: int, records: list[dict]) -> None:
-        directory = self._output_dir / GENERATIONS_DIR
-        directory.mkdir(exist_ok=True)
-        text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-        (directory / f"step_{step}.jsonl").write_text(text, encoding="utf-8")
-
-    def close(self) -> None:
-        self._file.close()
-
-
-class TensorBoardSink:
-    """Scalars in ``tensorboard/``; a resumed run tells TensorBoard to hide the earlier run's events from
-    ``start_step`` on."""
-
-    def __init__(self, output_dir: Path, start_step: int):
-        # Imported here: tensorboardX imports torch and boto3 when they are installed (seconds of start-up).
-        from tensorboardX import SummaryWriter
-
-        # purge_step makes TensorBoard hide an earlier run's events from start_step on (all of them for a fresh
-        # run). The suffix keeps two writers started in the same second from truncating each other's file (the
-        # name has seconds).
-        self._writer = SummaryWriter(
-            str(output_dir / TENSORBOARD_DIR), purge_step=start_step, filename_suffix=f".{uuid.uuid4().hex[:8]}",
-        )
-
-    def log(self, step: int, values: dict[str, float]) -> None:
-        for name, value in values.items():
-            self._writer.add_scalar(name, value, step)
-        self._writer.flush()
-
-    def log_generations(self, step: int, records: list[dict]) -> None:
-        pass  # TensorBoard gets scalars only
-
-    def close(self) -> None:
-        self._writer.close()
-
-
-class ConsoleSink:
-    """The terminal: on a terminal (``stream.isatty()``) with ``progress_bar``, a tqdm bar showing step/total,
-    rate, ETA and the :data:`KEY_METRICS`; otherwise (CI logs) one compact line every ``summary_every`` steps, on
-    the first step logged (and the first training step after step 0) and on the last."""
-
-    def __init__(self, total_steps: int, start_step: int, summary_every: int, stream: TextIO | None,
-                 progress_bar: bool):
-        self._total_steps = total_steps
-        self._start_step = start_step
-        self._summary_every = summary_every
-        self._stream = stream if stream is not None else sys.stderr
-        self._started = time.monotonic()
-        self._last_step: int | None = None
-        self._bar = None
-        if progress_bar and self._stream.isatty():
-            self._bar = tqdm(
-                total=total_steps, initial=max(start_step - 1, 0), file=self._stream, desc="train", unit="step",
-                dynamic_ncols=True,
-            )
-
-    def log(self, step: int, values: dict[str, float]) -> None:
-        first = self._last_step in (None, 0)  # the first training step gets its line after step 0's too
-        self._last_step = step
-        key_values = "  ".join(f"{short} {values[name]:.4g}" for name, short in KEY_METRICS.items() if name in values)
-        if self._bar is not None:
-            self._bar.set_postfix_str(key_values, refresh=False)
-            self._bar.update(step - self._bar.n)
-        elif first or step % self._summary_every == 0 or step == self._total_steps:
-            print(self._summary_line(step, key_values), file=self._stream, flush=True)
-
-    def log_generations(self, step: int, records: list[dict]) -> None:
-        pass  # the files and wandb hold them
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-    def _summary_line(self, step: int, key_values: str) -> str:
-        if step == 0:  # no training step yet: no rate, no ETA
-            return " | ".join([f"step 0/{self._total_steps}", "before training"] + ([key_values] if key_values else []))
-        steps_done = step - max(self._start_step - 1, 0)
-        seconds_per_step = (time.monotonic() - self._started) / max(steps_done, 1)
-        eta = _duration(seconds_per_step * max(self._total_steps - step, 0))
-        parts = [f"step {step}/{self._total_steps}", f"{seconds_per_step:.3g} s/step", f"eta {eta}"]
-        return " | ".join(parts + ([key_values] if key_values else []))
-
-
-def import_wandb():
-    """The ``wandb`` module, or an ImportError saying how to install it (the optional ``wandb`` extra)."""
-    try:
-        import wandb  # noqa: PLC0415 (optional, and slow to import)
-    except ImportError:
-        raise ImportError("the wandb package is not installed: pip install -e '.[wandb]'") from None
-    return wandb
-
-
-class WandbSink:
-    """A Weights & Biases run (online, or offline with ``WANDB_MODE=offline``; files under ``WANDB_DIR``, default
-    the output directory). Its id is kept in ``output_dir/wandb_run_id``, so a resumed run continues the same wandb
-    run. Sampled responses become a table ``val/generations`` at their step."""
-
-    def __init__(self, output_dir: Path, project: str, name: str, config: Mapping[str, Any] | None):
-        self._wandb = import_wandb()
-        id_file = output_dir / WANDB_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
-        id_file.write_text(run_id)
-        self._run = self._wandb.init(
-            project=project, name=name, id=run_id, resume="allow", config=dict(config or {}),
-            dir=None if os.environ.get("WANDB_DIR") else str(output_dir),
-        )
-
-    def log(self, step: int, values: dict[str, float]) -> None:
-        self._run.log(values, step=step)
-
-    def log_generations(self, step: int, records: list[dict]) -> None:
-        columns = list(records[0])
-        table = self._wandb.Table(columns=columns, data=[[record.get(c) for c in columns] for record in records])
-        self._run.log({"val/generations": table}, step=step)
-
-    def close(self) -> None:
-        self._run.finish()
-
-
-def _parse_record(line: str) -> dict[str, Any] | None:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-        return None
-    return record
-
-
-def _drop_steps_from(path: Path, start_step: int) -> None:
-    """Rewrites ``path`` (atomically) without the lines of steps ``>= start_step`` and without torn lines."""
-    if not path.exists():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [line for line in lines if (record := _parse_record(line)) is not None and record["step"] < start_step]
-    if len(kept) == len(lines):
-        return
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(partial, path)
-
-
 def _scalar(name: str, value: Any) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"metric {name!r} is not a scalar number: {value!r}") from None
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
