@@ -35,7 +35,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = cli.load_config(args)
         mesh_shape = cli.start("eval", cfg, args)
-        inputs = build.load_inputs(cfg, validation=True)
+        inputs = build.load_inputs(cfg, evaluation=True)
     except cli.START_ERRORS as error:
         return cli.fail("eval", error)
     out = run_path(args.out or cfg.trainer.output_dir)

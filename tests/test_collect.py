@@ -41,7 +41,7 @@ def test_every_eos_id_stops_sampling_and_marks_the_response_finished(tmp_path):
     im_end, endoftext, hi = tok.encode("<|im_end|> <|endoftext|> hi")
     assert tok.eos_ids == (im_end, endoftext)
     cfg = load_config(QUICKSTART, [])
-    for kind in ({}, {"validation": True}, {"greedy_baseline": True}):
+    for kind in ({}, {"evaluation": True}, {"greedy_baseline": True}):
         assert set(sampling_params(cfg, tok, **kind).eos_token_ids) == {im_end, endoftext}
     ids = np.array([[hi, im_end, 0], [hi, endoftext, 0], [hi, hi, hi]], np.int32)
     mask = np.array([[1, 1, 0], [1, 1, 0], [1, 1, 1]], bool)

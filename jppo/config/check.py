@@ -262,7 +262,7 @@ def _check_algorithm(cfg: TrainConfig) -> None:
 def _check_rollout(cfg: TrainConfig) -> None:
     for use, keys in SAMPLING_KEYS.items():
         with _as_key(keys):
-            sampling_params(cfg, None, validation=use == "validation")
+            sampling_params(cfg, None, evaluation=use == "evaluation")
     _positive("rollout.prompt_bucket", cfg.rollout.prompt_bucket)
     _positive("rollout.max_turns", cfg.rollout.max_turns)
     env = cfg.rollout.env

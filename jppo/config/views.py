@@ -122,15 +122,15 @@ SAMPLING_KEYS = {
     "training": {"n": "rollout.n", "temperature": "rollout.temperature", "top_k": "rollout.top_k",
                  "top_p": "rollout.top_p", "max_new_tokens": "rollout.max_response_length",
                  "max_num_seqs": "rollout.max_num_seqs"},
-    "validation": {"n": "rollout.val_n", "temperature": "rollout.val_temperature",
+    "evaluation": {"n": "rollout.val_n", "temperature": "rollout.val_temperature",
                    "max_new_tokens": "rollout.max_response_length", "max_num_seqs": "rollout.max_num_seqs"},
 }
 
 
 def sampling_params(
-    cfg: TrainConfig, tokenizer: Optional[Tokenizer], *, validation: bool = False, greedy_baseline: bool = False
+    cfg: TrainConfig, tokenizer: Optional[Tokenizer], *, evaluation: bool = False, greedy_baseline: bool = False
 ) -> SamplingParams:
-    """How the trainer samples: training rollouts (``rollout.*``), validation (``rollout.val_*``) or the one
+    """How the trainer samples: training rollouts (``rollout.*``), held-out evaluation (``rollout.val_*``) or the one
     greedy response per prompt whose reward is ReMax's baseline. Without a tokenizer (checking the config before
     the vocabulary is loaded) there is no EOS and padding is token 0."""
     eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()  # every id that ends a response
@@ -138,7 +138,7 @@ def sampling_params(
                   max_num_seqs=cfg.rollout.max_num_seqs)
     if greedy_baseline:
         return SamplingParams(max_new_tokens=cfg.rollout.max_response_length, greedy=True, n=1, **tokens)
-    if validation:
+    if evaluation:
         greedy = cfg.rollout.val_temperature <= 0
         return SamplingParams(
             max_new_tokens=cfg.rollout.max_response_length, temperature=1.0 if greedy else cfg.rollout.val_temperature,

@@ -41,14 +41,14 @@ class RunInputs:
     stop_ids: tuple[int, ...] = ()  # tokens that end a model turn besides EOS (the env's stop texts)
 
 
-def load_inputs(cfg: TrainConfig, validation: bool = False) -> RunInputs:
-    """Vocabulary, prompts and rewards of the run; the held-out prompts when the run validates (or ``validation``,
-    for an evaluation). What they refuse (a missing file, a task option, a prompt over
+def load_inputs(cfg: TrainConfig, evaluation: bool = False) -> RunInputs:
+    """Vocabulary, prompts and rewards of the run; the held-out prompts when the run evaluates on them (or with
+    ``evaluation``, for ``python -m jppo.eval``). What they refuse (a missing file, a task option, a prompt over
     ``data.max_prompt_length``, a plug-in that does not load) is a :class:`ConfigError` in one line."""
     try:
         tokenizer = load_tokenizer(tokenizer_spec(cfg))
         train = load_dataset(cfg.data, tokenizer, "train")
-        has_val = validation or cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
+        has_val = evaluation or cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
         val = load_dataset(cfg.data, tokenizer, "val") if has_val else None
         task = task_of(cfg.data)
         env = load_env(cfg.rollout.env) if cfg.rollout.env is not None else None

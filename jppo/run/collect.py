@@ -98,7 +98,7 @@ class Collector:
             cut = views.forward_micro_batching(cfg, "critic" if cfg.use_critic else "actor")
             reward_model = RewardModel(cfg.reward.model_path, cfg.model.dtype, mesh, cut)
         return cls(
-            cfg=cfg, mesh=mesh, inputs=inputs, sampler=sampler(), val_sampler=sampler(validation=True),
+            cfg=cfg, mesh=mesh, inputs=inputs, sampler=sampler(), val_sampler=sampler(evaluation=True),
             baseline_sampler=sampler(greedy_baseline=True) if needs_baselines else None,
             log_probs_of=log_prob_fn(
                 policy, temperature=cfg.rollout.temperature, chunk_size=cfg.actor.log_prob_chunk_size
