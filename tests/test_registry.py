@@ -25,7 +25,7 @@ from jppo.losses import POLICY_LOSSES, PerToken, PolicyLossOptions, actor_loss, 
 from jppo.losses.policy import OPTION_RULES, REQUIRED_AGG_MODES
 from jppo.models import MODEL_FAMILIES, ModelConfig
 from jppo.models.families import Llama
-from jppo.rewards import REWARD_KINDS, RewardConfig, build_reward_fn
+from jppo.rewards import REWARD_KINDS, RewardConfig, build_credit_fn, build_reward_fn
 from jppo.rollout.env import BUILTIN_ENVS, load_env
 from jppo.advantages.estimate import compute_advantages
 from jppo.runlog import SINKS, RunLogger, sinks
@@ -151,6 +151,9 @@ def test_a_task_registered_in_its_file_is_a_data_task_with_its_own_vocabulary():
     assert task.name == "copy_digit" and task.score("7", task.examples("train", 8, 0)[7]) == 1.0
     with pytest.raises(ConfigError, match=r"data.task='nope' is unknown; valid tasks: \['add_small', 'copy_digit'"):
         load_config(QUICKSTART, ["data.task=nope"])
+    # per-position credit is what a task class has, not a list of names: copy_digit has none
+    with pytest.raises(ValueError, match=r"\(built-in tasks: add_small, reverse_digits, tool_multiply\)$"):
+        build_credit_fn(dataclasses.replace(cfg.reward, token_level=True), task)
     with pytest.raises(ValueError, match=r"^data.task='nope' is unknown; valid tasks: \['add_small', 'copy_digit'"):
         get_task("nope")
 

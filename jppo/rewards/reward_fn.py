@@ -26,7 +26,7 @@ import numpy as np
 
 from jppo.core.errors import RewardFunctionError
 from jppo.core.registry import Registry
-from jppo.data.tasks import Example, Task
+from jppo.data.tasks import BUILTIN_TASKS, Example, Task
 from jppo.rewards import rules
 from jppo.rewards.adapters import FUNCTION_STYLES
 from jppo.rewards.overlong import OverlongBufferConfig
@@ -122,14 +122,16 @@ def build_credit_fn(cfg: RewardConfig, task: Optional[Task]) -> Optional[CreditF
     if task is None or not hasattr(task, "credit") or cfg.function is not None or cfg.kind != "task":
         raise ValueError(
             "reward.token_level=true needs reward.kind='task', no reward.function, and a data.task with per-position "
-            f"credit (built-in tasks: {', '.join(sorted(_CREDIT_TASKS))})"
+            f"credit (built-in tasks: {', '.join(credit_tasks())})"
         )
     return lambda responses, examples, finished: [
         task.credit(text, example, bool(done)) for text, example, done in zip(responses, examples, finished)
     ]
 
 
-_CREDIT_TASKS = ("reverse_digits", "add_small", "tool_multiply")
+def credit_tasks() -> list[str]:
+    """The registered built-in tasks that pay credit per position (a ``credit`` method), sorted."""
+    return sorted(name for name in BUILTIN_TASKS.names() if hasattr(BUILTIN_TASKS[name], "credit"))
 
 
 class RewardKind(Protocol):
