@@ -39,7 +39,7 @@ class ModelSection:
     num_kv_heads: Optional[int] = None  # key/value heads (grouped-query attention, divides num_heads); None: num_heads
     rope_theta: float = 10000.0  # base of RoPE's inverse frequencies (> 0)
     tie_word_embeddings: bool = True  # the output projection is the token embedding's transpose
-    max_position_embeddings: int = 512  # longest sequence (prompt + response tokens) the model is made for
+    max_position_embeddings: int = 512  # context length of config.json; no limit here (RoPE angles computed per position)
     dtype: str = "float32"  # compute dtype (float32 | bfloat16 | float16); softmax, norms and logits stay float32
     param_dtype: str = "float32"  # dtype the weights are stored and updated in; must not be half precision
     remat: bool = False  # recompute each layer in the backward pass instead of keeping its activations
@@ -131,7 +131,7 @@ class RolloutSection:
 class KLControlSection:
     type: str = "fixed"  # fixed | adaptive
     kl_coef: float = 0.001  # coefficient of the KL in the reward; adaptive: its initial value
-    target_kl: float = 0.1  # adaptive: the mean per-token KL the coefficient steers towards (> 0)
+    target_kl: float = 0.1  # adaptive: the KL (token mean per response, averaged) the coefficient steers to (> 0)
     horizon: int = 10000  # adaptive: responses over which the coefficient moves by the KL's clipped relative error
 
 
@@ -169,7 +169,7 @@ class AlgorithmSection:
 class MeshSection:
     """Mesh shape; one axis may be -1 (the remaining devices). Batch rows shard over data x fsdp."""
 
-    data: int = -1  # devices along the data axis: replicas of the parameters, each holding rows of the batch
+    data: int = -1  # devices along the data axis (replicas of the parameters, rows of the batch); -1: the rest
     fsdp: int = 1  # devices along the fsdp axis: rows of the batch and shards of the parameters
     tensor: int = 1  # devices along the tensor axis: shards of the hidden, head and vocabulary dimensions
 
