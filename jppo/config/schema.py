@@ -39,7 +39,7 @@ class ModelSection:
     num_kv_heads: Optional[int] = None  # key/value heads (grouped-query attention, divides num_heads); None: num_heads
     rope_theta: float = 10000.0  # base of RoPE's inverse frequencies (> 0)
     tie_word_embeddings: bool = True  # the output projection is the token embedding's transpose
-    max_position_embeddings: int = 512  # context length of config.json; no limit here (RoPE angles computed per position)
+    max_position_embeddings: int = 512  # context length for config.json; not enforced (RoPE angles are per position)
     dtype: str = "float32"  # compute dtype (float32 | bfloat16 | float16); softmax, norms and logits stay float32
     param_dtype: str = "float32"  # dtype the weights are stored and updated in; must not be half precision
     remat: bool = False  # recompute each layer in the backward pass instead of keeping its activations
