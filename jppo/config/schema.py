@@ -29,23 +29,23 @@ class ModelSection:
     Every key but ``path`` and ``tokenizer`` is the :class:`~jppo.models.config.ModelConfig` field of its name, of
     its type, with the default of a small test model (tests/test_config.py holds them to ModelConfig's fields)."""
 
-    path: Optional[str] = None
-    tokenizer: Optional[str] = None
-    model_type: str = "qwen2"
-    hidden_size: int = 64
-    intermediate_size: int = 256
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: Optional[int] = None
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = True
-    max_position_embeddings: int = 512
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    remat: bool = False
-    initializer_range: float = 0.02
-    attention: str = "reference"
-    layer_loop: str = "auto"
+    path: Optional[str] = None  # a local Hugging Face checkpoint directory; None: a random model of the keys below
+    tokenizer: Optional[str] = None  # a tokenizer.json directory or builtin:<task>; None: path, else builtin
+    model_type: str = "qwen2"  # the family (llama | qwen2 | qwen3, jppo.models.families): its fixed flags
+    hidden_size: int = 64  # width of the residual stream
+    intermediate_size: int = 256  # width of each MLP's hidden layer
+    num_layers: int = 2  # decoder layers
+    num_heads: int = 4  # query heads per attention layer; head size hidden_size / num_heads (even, for RoPE)
+    num_kv_heads: Optional[int] = None  # key/value heads (grouped-query attention, divides num_heads); None: num_heads
+    rope_theta: float = 10000.0  # base of RoPE's inverse frequencies (> 0)
+    tie_word_embeddings: bool = True  # the output projection is the token embedding's transpose
+    max_position_embeddings: int = 512  # context length for config.json; not enforced (RoPE angles are per position)
+    dtype: str = "float32"  # compute dtype (float32 | bfloat16 | float16); softmax, norms and logits stay float32
+    param_dtype: str = "float32"  # dtype the weights are stored and updated in; must not be half precision
+    remat: bool = False  # recompute each layer in the backward pass instead of keeping its activations
+    initializer_range: float = 0.02  # standard deviation of the random initial weights (> 0)
+    attention: str = "reference"  # reference | xla | cudnn | auto: how attention is computed (jppo.models.layers)
+    layer_loop: str = "auto"  # scan | unroll | auto (unrolled up to AUTO_UNROLL_LAYERS layers): the layers' loop
 
     def architecture(self) -> dict[str, Any]:
         """The ModelConfig fields this section gives (every key but where the model and its vocabulary come from)."""
@@ -80,7 +80,9 @@ class CriticSection(CriticFields, UpdateSectionFields):
     """The critic: a value head on the policy's backbone (initialised from the policy checkpoint, as verl does).
     ``enable: null`` builds it only when ``algorithm.adv_estimator`` needs one (gae)."""
 
-    enable: Optional[bool] = None
+    enable: Optional[bool] = None  # build and train a critic; None: only when algorithm.adv_estimator needs one
+    # a Hugging Face checkpoint of the critic: its decoder, and its value head if it has score.weight (else a new
+    # head); None: model.path, or without one a copy of the random policy's decoder
     model_path: Optional[str] = None
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # adapters on the critic's backbone, new head trained
 
@@ -90,7 +92,7 @@ class RefSection:
     """The reference policy for KL terms, kept only when a KL term needs it. ``model_path`` defaults to the
     policy's initial weights."""
 
-    model_path: Optional[str] = None
+    model_path: Optional[str] = None  # a Hugging Face checkpoint; None: the policy's initial weights (LoRA: its base)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,14 +112,14 @@ class RolloutSection:
     ``package.module:make_env``, see :mod:`jppo.rollout.env`); each response then alternates up to ``max_turns``
     model turns with the environment's observations, which are attended but masked out of every loss."""
 
-    n: int = 1
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_response_length: int = 16
-    prompt_bucket: int = 16
-    val_n: int = 1
-    val_temperature: float = 0.0
+    n: int = 1  # responses sampled per training prompt (a GRPO group)
+    temperature: float = 1.0  # training rollouts' logits are divided by it (> 0); log-probs use the same T
+    top_k: int = 0  # sample among the k most likely tokens only; 0: no top-k filter
+    top_p: float = 1.0  # sample from the smallest set of tokens whose probability reaches p; 1.0: no filter
+    max_response_length: int = 16  # most tokens sampled per response (prompt excluded); a longer one is cut there
+    prompt_bucket: int = 16  # prompts are padded to a multiple of this many tokens (one compilation per bucket)
+    val_n: int = 1  # responses sampled per validation prompt
+    val_temperature: float = 0.0  # validation's sampling temperature; <= 0: greedy (no top-k/top-p either way)
     log_prob_micro_batch_size: Optional[int] = None  # sequences per shard in forward passes; default: actor's
     dtype: Optional[str] = None  # the sampler's compute dtype; default: model.dtype
     env: Optional[str] = None  # multi-turn environment factory; None: single-turn
@@ -128,9 +130,9 @@ class RolloutSection:
 @dataclasses.dataclass(frozen=True)
 class KLControlSection:
     type: str = "fixed"  # fixed | adaptive
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    horizon: int = 10000
+    kl_coef: float = 0.001  # coefficient of the KL in the reward; adaptive: its initial value
+    target_kl: float = 0.1  # adaptive: the KL (token mean per response, averaged) the coefficient steers to (> 0)
+    horizon: int = 10000  # adaptive: responses over which the coefficient moves by the KL's clipped relative error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,21 +142,21 @@ class FilterGroupsSection:
     are dropped, and prompt batches are sampled until ``data.train_batch_size`` prompts are kept. More than
     ``max_num_gen_batches`` batches in one step (0: no limit) stops the run with an error, as verl does."""
 
-    enable: bool = False
-    metric: str = "reward"
-    max_num_gen_batches: int = 0
+    enable: bool = False  # drop the prompt groups whose responses all share one metric value (DAPO)
+    metric: str = "reward"  # reward (the training reward, overlong shaping included) | score (without it)
+    max_num_gen_batches: int = 0  # most prompt batches sampled in one step, else an error; 0: no limit
 
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSection:
     """Advantages and KL in the reward (verl's ``algorithm`` section)."""
 
-    adv_estimator: str = "gae"
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std_in_grpo: bool = True
-    use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
+    adv_estimator: str = "gae"  # a name registered in jppo.advantages.ADVANTAGE_ESTIMATORS (gae, grpo, rloo, ...)
+    gamma: float = 1.0  # discount per token of gae and reinforce_plus_plus (1.0: none)
+    lam: float = 1.0  # GAE's lambda: 1.0 gives Monte Carlo returns minus values, 0 one-step TD errors
+    norm_adv_by_std_in_grpo: bool = True  # grpo, grpo_passk: divide by the group's score std; False: Dr. GRPO
+    use_kl_in_reward: bool = False  # subtract kl_ctrl's coefficient x the KL to the reference from token rewards
+    kl_penalty: str = "kl"  # the KL estimator of the reward penalty (jppo.losses.kl.KL_KINDS: kl, abs, mse, ...)
     kl_ctrl: KLControlSection = dataclasses.field(default_factory=KLControlSection)
     # DAPO's overlong filtering: responses cut by rollout.max_response_length before they ended are masked out of
     # the update's losses (they still count in their group's advantage baseline); the normalizers then count the
@@ -167,9 +169,9 @@ class AlgorithmSection:
 class MeshSection:
     """Mesh shape; one axis may be -1 (the remaining devices). Batch rows shard over data x fsdp."""
 
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
+    data: int = -1  # devices along the data axis (replicas of the parameters, rows of the batch); -1: the rest
+    fsdp: int = 1  # devices along the fsdp axis: rows of the batch and shards of the parameters
+    tensor: int = 1  # devices along the tensor axis: shards of the hidden, head and vocabulary dimensions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,22 +185,23 @@ class TrainerSection:
     name). ``progress_bar``: on a terminal, the console shows a bar rather than summary lines. At each validation,
     the first ``log_val_generations`` responses (prompt, response, reward, finished) are logged too."""
 
-    total_steps: int = 100
-    output_dir: str = "runs/default"
-    seed: int = 0
-    save_every: int = 0  # 0: only at the end
-    resume: str = "auto"  # auto | never | PATH
-    max_checkpoints_to_keep: int = 2
-    val_every: int = 0  # 0: no validation
-    val_before_train: bool = False
-    export_hf: bool = False
+    total_steps: int = 100  # training steps of the run (one batch of data.train_batch_size prompts each)
+    output_dir: str = "runs/default"  # checkpoints, metrics, plots and exports: a local folder or a gs:// URI
+    seed: int = 0  # seeds the random initial model, the prompt order, sampling and mini-batch shuffles
+    save_every: int = 0  # training steps between checkpoints; 0: only at the end
+    resume: str = "auto"  # auto (output_dir's latest checkpoint, if any) | never | PATH (that checkpoint)
+    max_checkpoints_to_keep: int = 2  # the newest checkpoints kept in output_dir/checkpoints; older ones are deleted
+    val_every: int = 0  # training steps between validations on held-out prompts; 0: no validation
+    val_before_train: bool = False  # validate once before the first step (logged at step 0, not on resume)
+    export_hf: bool = False  # at the end, write the policy as a Hugging Face checkpoint to output_dir/hf
+    # where metrics go, sinks of jppo.runlog.SINKS (console, jsonl, tensorboard, wandb: needs the optional package)
     logger: list[str] = dataclasses.field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    project_name: str = "jppo"
-    experiment_name: Optional[str] = None
+    project_name: str = "jppo"  # the wandb project
+    experiment_name: Optional[str] = None  # the wandb run's name; None: the output directory's name
     log_val_generations: int = 16
     progress_bar: bool = True
-    plots: bool = True
-    critic_warmup: int = 0  # steps that train only the critic
+    plots: bool = True  # at the end, the main process draws the run's metrics into output_dir (jppo.runlog.plot)
+    critic_warmup: int = 0  # first training steps that update only the critic (the policy stays as it is)
     # auto | off (also none, null) | an absolute FOLDER: the persistent XLA cache (jppo.run.compile_cache)
     compilation_cache: Optional[str] = "auto"
 

@@ -68,7 +68,9 @@ class RolloutCorrection:
     """How the policy loss corrects for the sampler's policy differing from the trainer's (module docstring).
 
     Attributes:
-        mode: one of :data:`ROLLOUT_CORRECTION_MODES`.
+        mode: one of :data:`ROLLOUT_CORRECTION_MODES`: ``none``, truncated importance weights per token
+            (``token_tis``), sequence (``seq_tis``) or geometric mean (``geo_tis``), rows rejected outside
+            ``[1/tau, tau]`` (``seq_rs``, ``geo_rs``) or given no policy gradient (``geo_mask``).
         threshold: ``tau``: the truncation of the TIS weights (> 0), or the acceptance band ``[1/tau, tau]`` of
             the rejection modes (> 1). Unused by ``none``.
     """
