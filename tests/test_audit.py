@@ -54,7 +54,8 @@ def test_audit_reports_the_legacy_split_dependence_of_each_role(capsys):
     one run shows each role's split-dependence row by row, as one run per role did. Mini-batches of 4 (8 prompts):
     the 8-shard mesh, which a mini-batch of 4 cannot fill, is left out, 2 compiled cuts fewer per role."""
     legacy = ["actor.normalization=per_micro_batch", "critic.normalization=per_micro_batch"]
-    four = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4"]
+    four = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4", "mesh.data=4",
+            "mesh.tensor=2"]  # the configured mesh must split a mini-batch too: 4 batch shards
     assert main(["--config", CONFIG, "--quick", *SMALL, *four, *legacy]) == 1
     out = capsys.readouterr().out
     actor, critic = first_step_diffs(out, "actor"), first_step_diffs(out, "critic")
@@ -64,6 +65,13 @@ def test_audit_reports_the_legacy_split_dependence_of_each_role(capsys):
     assert max(critic) > 1.0 and max(actor) > 1e-3
     # the verdict is the worst row of either role
     assert f"{last_values(out)['max_rel_first_step_grad_diff']:.3e}" == f"{max(actor + critic):.3e}"
+
+
+GRPO = ["critic.enable=false", "algorithm.adv_estimator=grpo", "rollout.n=2"]
+# verl's sequence-level rejection, critic-free (a critic's explained variance over the few tokens a rejection leaves
+# is not a metric to compare): the audit runs it twice, clean and with a metric made mesh-dependent; a rejection
+# changes masks, not programs, so the second run's programs come from the compile cache the first one filled
+SEQ_RS = [*GRPO, "actor.rollout_correction.mode=seq_rs"]
 
 
 def test_audit_exit_status_depends_on_every_metric(capsys, monkeypatch):
@@ -80,8 +88,7 @@ def test_audit_exit_status_depends_on_every_metric(capsys, monkeypatch):
         return updated
 
     monkeypatch.setattr(audit_module, "run_updates", clip_fraction_off_on_several_shards)
-    # the quickstart test's config and batch: every update program comes from the compile cache that test filled
-    assert main(["--config", CONFIG, "--quick", *SMALL]) == 1
+    assert main(["--config", CONFIG, "--quick", *SMALL, *SEQ_RS]) == 1
     out = capsys.readouterr().out
     values = last_values(out)
     assert values["max_rel_grad_diff"] <= 1e-4 and values["max_rel_metric_diff"] > 1e-3
@@ -103,10 +110,8 @@ def test_odd_arguments_are_refused_in_one_line(capsys, overrides, message):
 def test_audit_covers_rollout_correction(capsys):
     """The audit batch carries sampler log-probs unlike the old ones: verl's rejection (rows cleared before the
     cut, as collection does) audits clean and the rollout_corr/* metrics are compared (every mode's weights and
-    metrics are split-invariant in test_rollout_correction; a single audit keeps this file's time down). The
-    quickstart test's config and shapes: a rejection changes the masks, not the programs, so they come from the
-    compile cache."""
-    assert main(["--config", CONFIG, "--quick", *SMALL, "actor.rollout_correction.mode=seq_rs"]) == 0
+    metrics are split-invariant in test_rollout_correction; a single audit keeps this file's time down)."""
+    assert main(["--config", CONFIG, "--quick", *SMALL, *SEQ_RS]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     compared = [line for line in lines if line.startswith("compared (actor): ")]
     assert len(compared) == 1
