@@ -1,4 +1,5 @@
-"""Test session set-up: 8 simulated CPU devices and a persistent compile cache, before any JAX operation."""
+"""Test session set-up: 8 simulated CPU devices and a persistent compile cache, before any JAX operation; the
+longest test files first."""
 
 import os
 import pathlib
@@ -9,3 +10,23 @@ jax.config.update("jax_num_cpu_devices", 8)
 _CACHE = pathlib.Path(os.environ.get("JAX_COMPILATION_CACHE_DIR", pathlib.Path(__file__).resolve().parents[1] / ".jax_cache"))
 jax.config.update("jax_compilation_cache_dir", str(_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+# The files that take longest on the 2-core CI machine (minutes each, from its --durations), longest first. With
+# ``--dist loadfile --no-loadscope-reorder`` the workers take files in collection order, so these start first and
+# the last files to start are the short ones: the two workers end close together. xdist's own order (most tests
+# first) started the audit and the two-process runs, few tests but minutes long, near the end.
+LONGEST_FIRST = (
+    "test_bench.py", "test_whole_run.py", "test_lora.py", "test_audit.py", "test_distributed.py",
+    "test_engine_update.py", "test_train.py", "test_config_fuzz.py", "test_engine_assemble.py",
+    "test_rollout_correction.py",
+)
+
+
+def file_rank(name: str) -> int:
+    """A test file's place in the run: its index in LONGEST_FIRST, every other file after them."""
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
+def pytest_collection_modifyitems(items):
+    # a stable sort: each file's tests, and the files outside LONGEST_FIRST, keep their collected order
+    items.sort(key=lambda item: file_rank(item.path.name))
