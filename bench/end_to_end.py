@@ -97,7 +97,7 @@ def measure(
         marks: list[tuple[int, float, float]] = []
         started = time.perf_counter()
         inputs = build.load_inputs(cfg)
-        with mock.patch.object(train, "RunLogger", _timed_logger(marks)):
+        with mock.patch.object(loop, "RunLogger", _timed_logger(marks)):
             loop.run(cfg, mesh_shape, inputs)
         total_s = time.perf_counter() - started
         records = [record for record in read_metrics(out / METRICS_FILE) if record["step"] >= 1]
