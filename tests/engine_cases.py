@@ -56,7 +56,8 @@ def ragged_batch(seed: int, n: int = 16, p: int = 5, length: int = 6, equal: boo
     )
 
 
-def _padded_inputs(batch: Experience):
+def padded_inputs(batch: Experience):
+    """Token ids, positions and segment ids ``[N, P + L]`` of the rows in the rollout's own padded layout."""
     real = np.concatenate([batch.prompt_mask, batch.response_attention], axis=1)
     ids = np.where(real, np.concatenate([batch.prompt_ids, batch.response_ids], axis=1), 0)
     positions = np.maximum(np.cumsum(real, axis=1) - 1, 0)
@@ -64,7 +65,7 @@ def _padded_inputs(batch: Experience):
 
 
 def reference_actor_loss(model, batch: Experience, cfg: ActorConfig, loss_scale_factor: float):
-    ids, positions, segments = _padded_inputs(batch)
+    ids, positions, segments = padded_inputs(batch)
     p, length = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     logits = model(ids, positions, segments)
     # position p - 1 + j predicts response token j
@@ -88,7 +89,7 @@ def reference_actor_loss(model, batch: Experience, cfg: ActorConfig, loss_scale_
 
 
 def reference_critic_loss(model, batch: Experience, cfg: CriticConfig, loss_scale_factor: float):
-    ids, positions, segments = _padded_inputs(batch)
+    ids, positions, segments = padded_inputs(batch)
     p, length = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     vpreds = model(ids, positions, segments)[:, p - 1 : p - 1 + length]
     data = jax.tree.map(lambda v: jnp.asarray(v, vpreds.dtype), batch.per_token())

@@ -2,13 +2,12 @@
 built or compiled, each problem a :class:`~jppo.core.errors.ConfigError` of one line naming the key and the value as
 the user wrote them.
 
-:func:`check` (run by :func:`jppo.config.load_config`) checks names against the registries, numbers against
-the ranges only the trainer gives them, and every setting against the limits of the component that uses it, by
-running that component's own check (the sampler's, the policy loss's, the optimizer's, the update engine's, the
-model's, the KL controller's) on it: its :class:`~jppo.core.errors.InvalidSetting` is reported under the config key
+:func:`check` (run by :func:`jppo.config.load_config`) checks names against the registries, numbers against the
+ranges only the trainer gives them, and every setting against the limits of the component that uses it, by running
+that component's own check (the sampler's, the policy loss's, the optimizer's, the update engine's, the model's, the
+KL controller's) on it: its :class:`~jppo.core.errors.InvalidSetting` is reported under the config key
 (:func:`_as_key`), so each limit is stated once, in the component that relies on it. Batch sizes are checked in
-prompts, as written. :func:`check_mesh` checks them against the batch shards of a mesh by the engine's own check
-on :func:`jppo.config.views.engine_view`, its messages again naming the prompts the user wrote.
+prompts, as written; :func:`check_mesh`, against a mesh's batch shards (the engine's check of its ``engine_view``).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from jppo.data import BUILTIN_TASKS
 from jppo.data.datasets import file_list
 from jppo.data.tokenizer import BUILTIN_PREFIX
 from jppo.run.dynamic_sampling import FILTER_METRICS
-from jppo.engine.config import check_update
+from jppo.engine.config import check_old_log_prob, check_update
 from jppo.engine.driver import check_batch_sizes
 from jppo.engine.optim import check_optim
 from jppo.engine.update import policy_options
@@ -226,6 +225,8 @@ def _check_actor(cfg: TrainConfig) -> None:
     _choice("actor.rollout_correction.mode", actor.rollout_correction.mode, ROLLOUT_CORRECTION_MODES)
     with _as_key({}, prefix="actor.rollout_correction."):
         actor.rollout_correction.check()
+    with _as_key({}, prefix="actor."):  # the choice, then the engine's own check of what it resolves to
+        check_old_log_prob(engine_view(cfg, "actor"))
     _positive("actor.kl_loss_coef", actor.kl_loss_coef, allow_zero=True)
     _positive("critic.cliprange_value", cfg.critic.cliprange_value, allow_zero=True)
 

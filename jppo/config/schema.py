@@ -72,6 +72,9 @@ class ActorSection(ActorFields, UpdateSectionFields):
     policy's projections instead of all its weights (:class:`~jppo.models.lora.LoRAConfig`; ``rank: 0``, the
     default, trains everything)."""
 
+    # the PPO ratio's old log-probs: recompute (a forward pass before the update), rollout (the sampler's), auto (the
+    # update's own, stop-gradient, when it is on-policy: one epoch over one mini-batch; else recompute)
+    old_log_prob: str = "auto"
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
 

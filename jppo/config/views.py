@@ -21,7 +21,9 @@ import dataclasses
 from typing import TYPE_CHECKING, Optional
 
 from jppo.config.schema import TrainConfig
+from jppo.core.errors import InvalidSetting
 from jppo.engine.config import ActorConfig, CriticConfig
+from jppo.losses.rollout_correction import REJECTION_MODES
 from jppo.rewards.kl_penalty import AdaptiveKLController, FixedKLController
 from jppo.models.config import ModelConfig
 from jppo.models.hf import read_config
@@ -59,12 +61,14 @@ def engine_view(cfg: TrainConfig, role: str) -> ActorConfig | CriticConfig:
     sides and are passed on as they are."""
     section = getattr(cfg, role)
     engine_config = ENGINE_CONFIGS[role]
-    derived = {"ppo_mini_batch_size", "loss_scale_factor", "optim", "optimizer_steps_per_training_step"}
+    derived = {"ppo_mini_batch_size", "loss_scale_factor", "optim", "optimizer_steps_per_training_step", "old_log_prob"}
     same = {f.name: getattr(section, f.name) for f in dataclasses.fields(engine_config) if f.name not in derived}
     optim = section.optim
     if optim.lr_schedule == "cosine" and optim.decay_steps == 0:
         # warm-up takes training steps 0 .. W-1; the cosine runs from step W to its floor at the last step
         optim = dataclasses.replace(optim, decay_steps=max(training_steps(cfg, role) - optim.warmup_steps - 1, 1))
+    if role == "actor":
+        same["old_log_prob"] = old_log_prob_source(cfg)
     return engine_config(
         **same,
         ppo_mini_batch_size=section.ppo_mini_batch_size * cfg.rollout.n,
@@ -72,6 +76,28 @@ def engine_view(cfg: TrainConfig, role: str) -> ActorConfig | CriticConfig:
         optimizer_steps_per_training_step=optimizer_steps_per_training_step(cfg, role),
         optim=optim,
     )
+
+
+OLD_LOG_PROB_CHOICES = ("auto", "recompute", "rollout")
+
+
+def old_log_prob_source(cfg: TrainConfig) -> str:
+    """Where the actor's PPO ratio takes its old log-probs (the engine's ``ActorConfig.old_log_prob``): ``recompute``
+    or ``rollout`` as ``actor.old_log_prob`` says; ``auto`` gives ``update`` (no forward pass before the update, whose
+    own stop-gradient log-probs are the same numbers) when the update is on-policy, every row updated once at the
+    weights that sampled it (one epoch over one mini-batch: one optimizer step per training step), and nothing at
+    collection reads the old log-probs before the update: no KL in the reward, no rejection
+    (``actor.rollout_correction`` ``seq_rs`` / ``geo_rs``), no overlong filter (whose ``rollout/log_prob_abs_diff``
+    counts the rows it then removes from the loss); otherwise ``recompute``."""
+    choice = cfg.actor.old_log_prob
+    if choice not in OLD_LOG_PROB_CHOICES:
+        raise InvalidSetting("actor.", "old_log_prob", choice, f"one of {', '.join(OLD_LOG_PROB_CHOICES)}")
+    if choice != "auto":
+        return choice
+    on_policy = optimizer_steps_per_training_step(cfg, "actor") == 1
+    read_at_collection = (cfg.algorithm.use_kl_in_reward or cfg.algorithm.overlong_filter
+                          or cfg.actor.rollout_correction.mode in REJECTION_MODES)
+    return "update" if on_policy and not read_at_collection else "recompute"
 
 
 def tokenizer_spec(cfg: TrainConfig) -> str:

@@ -23,6 +23,9 @@ from jppo.losses.policy import PolicyLossOptions
 from jppo.losses.rollout_correction import RolloutCorrection
 
 NORMALIZATIONS = ("global", "per_micro_batch")
+# where the engine's PPO ratio takes its old log-probs from (ActorConfig.old_log_prob; the trainer's key
+# actor.old_log_prob: auto picks recompute or update, jppo.config.views.old_log_prob_source)
+OLD_LOG_PROB_SOURCES = ("recompute", "update", "rollout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +110,15 @@ class UpdateConfig(UpdateFields):
 
 @dataclasses.dataclass(frozen=True)
 class ActorConfig(UpdateConfig, ActorFields):
-    """The engine's config of the policy update (see :class:`ActorFields`, :class:`UpdateConfig`)."""
+    """The engine's config of the policy update (see :class:`ActorFields`, :class:`UpdateConfig`).
+
+    ``old_log_prob`` (:data:`OLD_LOG_PROB_SOURCES`) is the PPO ratio's denominator: ``recompute``, the batch's
+    ``old_log_prob`` (a forward pass at the sampling weights before the update); ``update``, the update's own
+    log-probs under stop-gradient, the same numbers when the update is on-policy, i.e. ONE optimizer step per
+    training step (one epoch, one mini-batch), and refused otherwise; ``rollout``, the sampler's
+    ``rollout_log_prob`` (verl's bypass mode; no rollout correction on top)."""
+
+    old_log_prob: str = "recompute"  # recompute | update | rollout (see the docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,5 +154,29 @@ def require_engine_config(cfg: UpdateFields, *, for_update: bool = False) -> Non
         )
     if for_update:
         check_update(cfg)
+        if isinstance(cfg, ActorConfig):
+            check_old_log_prob(cfg)
         if cfg.loss_scale_factor is None:
             raise InvalidSetting(f"{type(cfg).__name__}.", "loss_scale_factor", None, "set (C of the update)")
+
+
+def check_old_log_prob(cfg: ActorConfig) -> None:
+    """:class:`~jppo.core.errors.InvalidSetting` unless ``cfg.old_log_prob`` can serve its update: ``update`` only
+    when the update is on-policy (one epoch, one optimizer step per training step: a second step's own log-probs
+    are no longer the sampling policy's), ``rollout`` only without a rollout correction (its ratio against the
+    sampler would be 1)."""
+    source = cfg.old_log_prob
+    if source not in OLD_LOG_PROB_SOURCES:
+        raise InvalidSetting("ActorConfig.", "old_log_prob", source, f"one of {', '.join(OLD_LOG_PROB_SOURCES)}")
+    if source == "update" and (cfg.ppo_epochs, cfg.optimizer_steps_per_training_step) != (1, 1):
+        raise InvalidSetting(
+            "ActorConfig.", "old_log_prob", source,
+            f"recompute or rollout with {cfg.ppo_epochs} epochs, {cfg.optimizer_steps_per_training_step} optimizer "
+            "steps per training step (update: one epoch, one step)",
+        )
+    if source == "rollout" and cfg.rollout_correction.mode != "none":
+        raise InvalidSetting(
+            "ActorConfig.", "old_log_prob", source,
+            f"recompute with rollout_correction.mode={cfg.rollout_correction.mode!r} (rollout: the ratio is already "
+            "against the sampler's log-probs)",
+        )

@@ -164,7 +164,13 @@ def run_updates(
     arrays :func:`cut_steps` would build and send, so the update is the same, while an extra epoch sends only its
     cut."""
     rows = device_rows(batch, loss_inputs(cfg), mesh)
-    cut = step_cuts(global_lengths(batch, mesh), cfg, mesh, rng)
+    lengths = global_lengths(batch, mesh)
+    cut = step_cuts(lengths, cfg, mesh, rng)
+    if getattr(cfg, "old_log_prob", None) == "update" and cut[0].shape[0] != 1:  # a second step would be off-policy
+        raise ValueError(
+            f"old_log_prob='update' takes one optimizer step, but the batch of {len(lengths)} sequences makes "
+            f"{cut[0].shape[0]} (mini-batch {cfg.ppo_mini_batch_size}, {cfg.ppo_epochs} epochs)"
+        )
     micro = assemble(rows, cut, mesh, cfg.ppo_max_token_len if cfg.use_dynamic_bsz else None)
     state, per_step, gradients = step(state, micro)
     per_step = {name: replicated_value(values) for name, values in per_step.items()}

@@ -15,11 +15,8 @@ Micro-batches without a single response token (padding to a common K) skip the f
 share and gradient are exactly zero anyway.
 
 ``normalization="per_micro_batch"`` reproduces, on purpose and per role, what verl computed before it normalized
-globally (see :func:`legacy_share_divisor`): each micro-batch is normalized by its own counts (N and S of micro-batch
-k over all shards; C stays the configured constant). The critic sums these shares, as verl's critic did before its
-PR #6957 (K equal micro-batches give K times the global gradient); the actor divides each by the number of
-micro-batches, as verl's older data-parallel actor did (a mean of micro-batch means: split-dependent, not inflated).
-Its loss metrics are then means of micro-batch values.
+globally: each micro-batch normalized by its own counts (N and S over all shards; C as configured), the critic's
+shares summed, the actor's averaged (:func:`legacy_share_divisor`); loss metrics are means of micro-batch values.
 """
 
 from __future__ import annotations
@@ -43,6 +40,7 @@ from jppo.engine.optim import (
 from jppo.core.experience import Experience
 from jppo.losses import actor_loss, value_loss
 from jppo.losses.policy import PolicyLossOptions, check_policy_options
+from jppo.losses.rollout_correction import sampler_mismatch
 from jppo.core.masked import NormStats, global_norm_stats
 from jppo.parallel.mesh import BATCH_AXES
 from jppo.engine.microbatch import MicroBatches
@@ -142,7 +140,8 @@ def loss_inputs(cfg: UpdateConfig) -> tuple[str, ...]:
     mask): only these travel to its update."""
     if isinstance(cfg, ActorConfig):
         # rollout_log_prob: the rollout_corr/* metrics are reported in every mode (None if a batch lacks it)
-        return ("old_log_prob", "advantages", "rollout_log_prob") + (("ref_log_prob",) if cfg.use_kl_loss else ())
+        old = ("old_log_prob",) if cfg.old_log_prob == "recompute" else ()  # else the update's own, or the sampler's
+        return old + ("advantages", "rollout_log_prob") + (("ref_log_prob",) if cfg.use_kl_loss else ())
     return ("values", "returns")
 
 
@@ -192,14 +191,20 @@ def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
         if cfg.entropy_coeff == 0:
             # reported (actor/entropy) whatever the coefficient; without a bonus it needs no backward pass
             entropy = jax.lax.stop_gradient(entropy)
-        data = slot_inputs(batch)
-        return actor_loss(
-            log_probs, data.old_log_prob, data.advantages, data.response_mask, norm=norm,
+        data, current, source = slot_inputs(batch), jax.lax.stop_gradient(log_probs), cfg.old_log_prob
+        old = {"recompute": data.old_log_prob, "update": current, "rollout": data.rollout_log_prob}[source]
+        share, metrics = actor_loss(
+            log_probs, old, data.advantages, data.response_mask, norm=norm,
             mode=cfg.loss_agg_mode, policy_loss_name=cfg.policy_loss, policy_options=options, entropy=entropy,
             entropy_coeff=cfg.entropy_coeff, ref_log_prob=data.ref_log_prob,
             kl_loss_coef=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, kl_loss_type=cfg.kl_loss_type,
-            rollout_log_prob=data.rollout_log_prob, rollout_correction=cfg.rollout_correction,
+            rollout_log_prob=None if source == "rollout" else data.rollout_log_prob,
+            rollout_correction=cfg.rollout_correction,
         )
+        if source != "recompute" and data.rollout_log_prob is not None:  # no pass before the update measured it
+            mask, corr = data.response_mask, source == "rollout"
+            metrics.update(sampler_mismatch(current, data.rollout_log_prob, mask, rollout_corr=corr))
+        return share, metrics
 
     return loss
 

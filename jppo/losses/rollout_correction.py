@@ -153,3 +153,19 @@ def rollout_weights(
         ),
     }
     return (None if weights is None else jax.lax.stop_gradient(weights)), metrics
+
+
+def sampler_mismatch(
+    log_prob: Array, rollout_log_prob: Array, mask: Array, *, rollout_corr: bool
+) -> dict[str, metrics_lib.Metric]:
+    """The sampler/trainer mismatch as an update measures it when no forward pass before it computed the old
+    log-probs (``old_log_prob: update`` or ``rollout``), from its own stop-gradient ``log_prob``:
+    ``rollout/log_prob_abs_diff``, the token mean of ``|logp - logp_roll|`` (what collection reports otherwise);
+    with ``rollout_corr`` (the old log-probs ARE the sampler's, so their own ratio is 1), also the ``rollout_corr/*``
+    metrics of :func:`rollout_weights` of ``logp`` against ``logp_roll``. Inputs may be anything where ``mask`` is 0."""
+    log_prob, rollout_log_prob = select_valid(mask, log_prob=log_prob, rollout_log_prob=rollout_log_prob)
+    valid = mask.astype(bool)
+    metrics = {"rollout/log_prob_abs_diff": metrics_lib.ratio(jnp.abs(log_prob - rollout_log_prob), valid)}
+    if rollout_corr:
+        metrics.update(rollout_weights(log_prob, rollout_log_prob, mask, RolloutCorrection())[1])
+    return metrics

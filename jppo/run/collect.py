@@ -12,7 +12,8 @@ controller's measurement) are global by construction:
    environment's per-turn rewards on their turns' last tokens (:mod:`jppo.rewards.placement`); for ReMax,
    also decode one greedy response per prompt, whose reward is the prompt's baseline;
 4. recompute old log-probs (and reference log-probs, values) over the whole batch in micro-batches (its tokens
-   cross to the devices once for all these passes);
+   cross to the devices once for all these passes); no old-log-prob pass when the update takes its own or the
+   sampler's (``actor.old_log_prob``, :func:`jppo.config.views.old_log_prob_source`);
 5. optionally subtract ``kl_coef * KL(old || ref)`` from the rewards (fixed or adaptive controller,
    :mod:`jppo.rewards.kl_penalty`);
 6. compute advantages and returns (``algorithm.adv_estimator``, :mod:`jppo.advantages.estimate`).
@@ -189,27 +190,29 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
             reward_baselines = greedy_baselines(c, state, examples, prompts, exp.group_ids, step)
     mask = exp.response_mask
     actor_cut = views.forward_micro_batching(cfg, "actor")
-    with timer("old_log_prob"):
-        tokens = device_rows(exp, None, c.mesh)  # the batch's tokens cross once for all forward passes
-        exp = dataclasses.replace(
-            exp, old_log_prob=forward_batch(c.log_probs_of, state.actor.weights, exp, c.mesh, rows=tokens, **actor_cut)
-        )
+    source = views.old_log_prob_source(cfg)  # update / rollout: no pass here (the update measures the mismatch)
+    # the batch's tokens cross once for all forward passes, and not at all without one
+    tokens = functools.cache(functools.partial(device_rows, exp, None, c.mesh))
+    if source == "recompute":
+        with timer("old_log_prob"):
+            exp = dataclasses.replace(exp, old_log_prob=forward_batch(
+                c.log_probs_of, state.actor.weights, exp, c.mesh, rows=tokens(), **actor_cut))
     if c.ref_log_probs_of is not None:  # LoRA: the base weights with the adapters switched off
         with timer("ref_log_prob"):
             ref = c.ref_params if c.ref_params is not None else state.actor.frozen
             exp = dataclasses.replace(
-                exp, ref_log_prob=forward_batch(c.ref_log_probs_of, ref, exp, c.mesh, rows=tokens, **actor_cut)
+                exp, ref_log_prob=forward_batch(c.ref_log_probs_of, ref, exp, c.mesh, rows=tokens(), **actor_cut)
             )
     elif c.ref_params is not None:
         with timer("ref_log_prob"):
             exp = dataclasses.replace(
-                exp, ref_log_prob=forward_batch(c.log_probs_of, c.ref_params, exp, c.mesh, rows=tokens, **actor_cut)
+                exp, ref_log_prob=forward_batch(c.log_probs_of, c.ref_params, exp, c.mesh, rows=tokens(), **actor_cut)
             )
     if state.critic is not None:
         with timer("values"):
             critic_cut = views.forward_micro_batching(cfg, "critic")
             exp = dataclasses.replace(
-                exp, values=forward_batch(c.values_of, state.critic.weights, exp, c.mesh, rows=tokens, **critic_cut)
+                exp, values=forward_batch(c.values_of, state.critic.weights, exp, c.mesh, rows=tokens(), **critic_cut)
             )
     metrics: dict[str, float] = {}
     kl = state.kl
@@ -218,8 +221,9 @@ def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState,
         rewards = place_rewards(exp, scores, finished, credits, tokenizer.decode)
         if cfg.algorithm.use_kl_in_reward:
             coef = float(np.asarray(kl.coef))
+            old = exp.rollout_log_prob if source == "rollout" else exp.old_log_prob
             rewards, current_kl = kl_in_reward(
-                rewards, exp.old_log_prob, exp.ref_log_prob, mask, kl_coef=coef, kind=cfg.algorithm.kl_penalty,
+                rewards, old, exp.ref_log_prob, mask, kl_coef=coef, kind=cfg.algorithm.kl_penalty,
                 mesh=c.mesh,
             )
             metrics["algorithm/kl_in_reward"] = current_kl
@@ -308,7 +312,9 @@ def rollout_metrics(exp: Experience, scores: np.ndarray, max_length: int) -> dic
     mask = exp.response_mask.astype(bool)
     lengths = exp.response_attention.sum(axis=1)
     token_sum = lambda x: np.where(mask, x, 0).sum()  # noqa: E731
-    log_prob_gap = np.abs(exp.rollout_log_prob - exp.old_log_prob)
+    # without an old-log-prob pass (actor.old_log_prob update or rollout) the update reports the gap itself
+    measured = exp.old_log_prob is not None
+    log_prob_gap = np.abs(exp.rollout_log_prob - exp.old_log_prob) if measured else np.zeros_like(exp.advantages)
     sums = sum_over_processes(np.array([
         len(scores), mask.sum(), scores.sum(), lengths.sum(), (lengths >= max_length).sum(),
         token_sum(exp.advantages), token_sum(exp.returns), token_sum(log_prob_gap),
@@ -325,10 +331,10 @@ def rollout_metrics(exp: Experience, scores: np.ndarray, max_length: int) -> dic
         "response_length/clip_ratio": sums[4] / rows,
         "advantages/mean": sums[5] / tokens,
         "returns/mean": sums[6] / tokens,
-        # agreement of the sampler's and the trainer's log-probs of the same tokens (should be ~0)
-        "rollout/log_prob_abs_diff": sums[7] / tokens,
         "perf/total_num_tokens": sums[9],
     }
+    if measured:  # agreement of the sampler's and the trainer's log-probs of the same tokens (should be ~0)
+        out["rollout/log_prob_abs_diff"] = sums[7] / tokens
     if exp.values is not None:
         out["values/mean"] = sums[8] / tokens
     return {k: float(v) for k, v in out.items()}
