@@ -187,12 +187,29 @@ def _peers(result: dict) -> list[str]:
             f"{shape['logits_max_abs_diff']:.1e} | {_num(shape['jppo_s_per_step'], 3)} | "
             f"{_num(shape['trl_s_per_step'], 3)} | {_num(shape['trl_over_jppo'], 2)} | {firsts} |"
         )
-    lines += ["", "Phases, medians (s):", "", "| shape | side | phases |", "|---|---|---|"]
+    return lines + ["", "Phases, medians (s); rest: reward, advantages, logging, ...; each run in its own process:",
+                    ""] + peer_phases(result) + [""]
+
+
+# the peers table's phase columns: jppo's timing/* name and TRL's phase (bench/peers.py's docstring)
+PEER_PHASES = {"sampling": ("rollout", "generate"), "old log-probs": ("old_log_prob", "old_log_prob"),
+               "update": ("update_actor", "update")}
+
+
+def peer_phases(result: dict) -> list[str]:
+    """Seconds per step and per phase of each side at each shape (medians over all rounds' steps; 0 for a phase
+    a side did not run), the rest of the step, each round's median step, and TRL s / jppo s."""
+    lines = ["| shape | side | step | " + " | ".join(PEER_PHASES) + " | rest | rounds (s/step) | TRL / jppo |",
+             "|---|---|---:|" + "---:|" * len(PEER_PHASES) + "---:|---|---:|"]
     for name, shape in result["shapes"].items():
-        for side in ("jppo", "trl"):
-            phases = ", ".join(f"{k} {_num(v, 3)}" for k, v in shape[f"{side}_phases_s"].items())
-            lines.append(f"| {name} | {side} | {phases} |")
-    return lines + [""]
+        for index, side in enumerate(("jppo", "trl")):
+            phases, step = shape[f"{side}_phases_s"], shape[f"{side}_s_per_step"] or 0.0
+            values = [phases.get(keys[index]) or 0.0 for keys in PEER_PHASES.values()]
+            rounds = ", ".join(_num(r[side], 3) for r in shape.get("rounds_s_per_step", []))
+            ratio = _num(shape["trl_over_jppo"], 2) if index == 0 else ""
+            cells = [f"{step:.3f}"] + [f"{v:.3f}" for v in values] + [f"{step - sum(values):.3f}", rounds, ratio]
+            lines.append(f"| {name} | {side} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _memory(result: dict) -> list[str]:

@@ -16,7 +16,8 @@ import pytest
 import torch
 from flax import nnx
 
-from bench import accelerator, end_to_end, peers, run as bench_run, transfers
+from bench import accelerator, end_to_end, peers, report, run as bench_run, transfers
+from jppo.config.views import old_log_prob_source
 from bench.timing import time_side_by_side
 from bench.torch_decoder import TorchCausalLM
 from jppo.models import CausalLM, ModelConfig, create_model
@@ -236,10 +237,12 @@ def test_transfer_counter_sees_the_rows_and_plans_the_update_places():
 def test_trl_settings_make_one_jppo_training_step():
     cfg = peers.load_config(peers.QUICKSTART_GRPO, [*peers.COMMON, *peers.SHAPES["gsm8k_shape"].overrides])
     got = peers.trl_arguments(cfg)
-    # 8 prompts x 8 = 64 sequences per step, mini-batches of 4 prompts = 32 sequences, micro-batches of 8, 1 epoch
-    assert got == {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "steps_per_generation": 8,
+    # 8 prompts x 8 = 64 sequences per step, one mini-batch of all 64, micro-batches of 8, 1 epoch: on-policy,
+    # so TRL skips its old-log-prob pass (steps_per_generation == gradient_accumulation_steps) and so does jppo
+    assert got == {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 8, "steps_per_generation": 8,
                    "num_iterations": 1, "num_generations": 8, "max_completion_length": 128,
-                   "optimizer_steps_per_generation": 2}
+                   "optimizer_steps_per_generation": 1}
+    assert old_log_prob_source(cfg) == "update"
     quickstart = peers.trl_arguments(peers.load_config(peers.QUICKSTART_GRPO, list(peers.COMMON)))
     # 16 x 8 = 128 sequences, mini-batches of 64, 2 epochs: 4 optimizer steps of 8 micro-batches
     assert (quickstart["steps_per_generation"], quickstart["gradient_accumulation_steps"],
@@ -272,6 +275,11 @@ def test_peer_step_bookkeeping():
     assert result["jppo_s_per_step"] == 2.0 and result["trl_s_per_step"] == 3.0  # medians of steps 3 and 4
     assert result["trl_over_jppo"] == 1.5 and result["jppo_phases_s"]["rollout"] == 1.0
     assert result["jppo_first_step_s"] == [9.0] and result["trl_first_step_s"] == [7.0]
+    assert result["rounds_s_per_step"] == [{"jppo": 2.0, "trl": 3.0}]
+    # the report's phase table: the step, its phases (0 for one a side did not run) and the rest
+    table = report.peer_phases({"shapes": {"quickstart": result}})
+    assert table[2] == "| quickstart | jppo | 2.000 | 1.000 | 0.000 | 0.000 | 1.000 | 2.000 | 1.50 |"
+    assert table[3] == "| quickstart | trl | 3.000 | 1.000 | 0.000 | 0.000 | 2.000 | 3.000 |  |"
 
 
 def test_peers_without_trl_reports_null_with_the_reason(monkeypatch):
