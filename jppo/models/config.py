@@ -35,6 +35,15 @@ LAYER_LOOPS: tuple[str, ...] = ("auto", "scan", "unroll")
 AUTO_UNROLL_LAYERS = 8
 
 
+def check_attention_blocks(block_q: Any, block_kv: Any) -> None:
+    """Raises :class:`InvalidSetting` unless both block sizes fit the kernels' tiles: positive integer multiples
+    of :data:`ATTENTION_BLOCK_MULTIPLE` tokens."""
+    for name, value in (("attention_block_q", block_q), ("attention_block_kv", block_kv)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % ATTENTION_BLOCK_MULTIPLE:
+            raise InvalidSetting("", name, value, f"a positive multiple of {ATTENTION_BLOCK_MULTIPLE} tokens, to fit "
+                                 "attention's tiles")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Llama-3 frequency scaling of RoPE (``rope_type: llama3``).
@@ -139,10 +148,7 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(DTYPES)}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise InvalidSetting("", "attention", self.attention, f"one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
-        for name in ("attention_block_q", "attention_block_kv"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0 or value % ATTENTION_BLOCK_MULTIPLE:
-                raise InvalidSetting("", name, value, f"a positive multiple of {ATTENTION_BLOCK_MULTIPLE} (tokens)")
+        check_attention_blocks(self.attention_block_q, self.attention_block_kv)
         if self.layer_loop not in LAYER_LOOPS:
             raise InvalidSetting("", "layer_loop", self.layer_loop, f"one of {', '.join(LAYER_LOOPS)}")
         if self.num_kv_heads is None:
