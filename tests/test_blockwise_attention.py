@@ -17,24 +17,13 @@ from jppo.models import CausalLM, ModelConfig, create_model, token_log_probs
 from jppo.models.attention import AttentionRule, blockwise_attention
 from jppo.models.layers import AUTO_LONG_ROW, attention, reference_attention, resolve_attention
 from jppo.models.pallas_attention import pallas_attention
+from test_attention import packed_segments  # rows packed with sequences of given lengths (a 0: an empty segment)
 
 # Both sides take float32 softmaxes of the same float32 scores; the blocks only regroup the sums (an online
 # softmax rescales partial sums by exact powers of e^(m - m')), so errors are a few ulps of O(1) values: 1e-5 of
 # the largest magnitude leaves ~50x headroom. In float64 the same regrouping leaves ~1e-15; 1e-12 is generous.
 FLOAT32 = 1e-5
 FLOAT64 = 1e-12
-
-
-def packed_segments(rows: list[list[int]], width: int) -> np.ndarray:
-    """Segment ids ``[B, width]``: rows packed with sequences of these lengths (a 0 length is an empty segment,
-    whose id is skipped), the rest padding (0)."""
-    segments = np.zeros((len(rows), width), np.int32)
-    for row, lengths in enumerate(rows):
-        start = 0
-        for segment, length in enumerate(lengths, start=1):
-            segments[row, start:start + length] = segment
-            start += length
-    return segments
 
 
 def random_qkv(seed, batch, queries, keys, heads, kv_heads, size=8, dtype=np.float32):
@@ -113,15 +102,16 @@ def x64():
 
 @pytest.mark.parametrize("kernel", ["triton", "splash"])
 def test_pallas_kernels_in_interpret_mode_match_the_reference(kernel):
-    """The GPU (Triton) and TPU (splash) kernels, run by Pallas's interpreter on the CPU: one row of padding at
-    the end and one all padding, 40 tokens (splash pads them to its 128-token tile), grouped-query heads."""
-    rows, length = [[7, 0, 20, 5], []], 40
+    """The GPU (Triton) and TPU (splash) kernels, run by Pallas's interpreter on the CPU: one row of 40 tokens,
+    8 of them padding at the end, an empty segment (splash pads the row to its 128-token tile), grouped-query
+    heads. One row keeps the interpreter's grid small; the blockwise tests cover more rows."""
+    rows, length = [[7, 0, 20, 5]], 40
     rule = AttentionRule.packed(jnp.asarray(packed_segments(rows, length)))
     q, k, v, cotangent = random_qkv(3, len(rows), length, length, heads=2, kv_heads=1)
     out = assert_matches_reference(
         lambda q, k, v: pallas_attention(q, k, v, rule, (16, 16), kernel=kernel, interpret=True),
         rule, q, k, v, cotangent, FLOAT32)
-    np.testing.assert_array_equal(out[1], 0.0)
+    np.testing.assert_array_equal(out[0, 32:], 0.0)  # padding queries see padding keys in the kernels: zeroed
 
 
 def test_pallas_refuses_queries_that_are_a_slice_of_the_row():
@@ -137,13 +127,10 @@ def test_whole_model_log_probs_and_gradients_agree_under_reference_and_blockwise
                          num_kv_heads=2, model_type="qwen3", max_position_embeddings=64, attention_block_q=8,
                          attention_block_kv=16)
     segments = packed_segments([[9, 14], [30], [3, 0, 3, 2]], width=LENGTH)
-    positions = np.zeros_like(segments)
-    for row in range(len(segments)):
-        for segment in set(segments[row]) - {0}:
-            where = segments[row] == segment
-            positions[row, where] = np.arange(where.sum())
-    ids = np.where(segments > 0, np.random.default_rng(5).integers(0, config.vocab_size, segments.shape), 0)
-    ids = ids.astype(np.int32)
+    positions = np.zeros_like(segments)  # each sequence's own positions, from 0 where its segment starts
+    for t in range(1, LENGTH):
+        positions[:, t] = np.where(segments[:, t] == segments[:, t - 1], positions[:, t - 1] + 1, 0)
+    ids = (np.random.default_rng(5).integers(0, config.vocab_size, segments.shape) * (segments > 0)).astype(np.int32)
     targets = np.roll(ids, -1, axis=1)
 
     def log_probs_and_grads(implementation):
