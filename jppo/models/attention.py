@@ -58,7 +58,9 @@ DEFAULT_BLOCK_Q = 512  # query tokens per block: [block_q, block_kv] float32 sco
 DEFAULT_BLOCK_KV = 512  # key tokens per block; blocks of 512 kept the CPU step as fast as the reference at 4k
 
 
-def _wide(dtype) -> jnp.dtype:
+def wide(dtype) -> jnp.dtype:
+    """The precision of norms, softmax, RoPE and logits for a compute dtype: float32, or float64 for a float64
+    model (exactness tests run the whole model in float64)."""
     return jnp.promote_types(dtype, jnp.float32)
 
 
@@ -80,7 +82,7 @@ def _forward(query, key, value, query_segments, query_slots, key_segments, key_s
     """Blocked inputs: ``query [n_q, B, K, G, q, E]``, ``key``/``value [n_kv, B, K, s, E]``, segments and slots
     ``[n, B, q|s]``. Returns the output ``[n_q, B, K, G, q, E]`` (query dtype) and the log-sum-exp
     ``[n_q, B, K, G, q]`` (float32, 0 where nothing is visible)."""
-    precision = _wide(query.dtype)
+    precision = wide(query.dtype)
     lowest = jnp.finfo(precision).min
 
     def query_block(_, inputs):
@@ -132,7 +134,7 @@ def _blocked_attention_fwd(query, key, value, query_segments, query_slots, key_s
 
 def _blocked_attention_bwd(residuals, d_out):
     query, key, value, query_segments, query_slots, key_segments, key_slots, out, lse = residuals
-    precision = _wide(query.dtype)
+    precision = wide(query.dtype)
     scale = query.shape[-1] ** -0.5
     delta = jnp.sum(d_out.astype(precision) * out.astype(precision), axis=-1)  # rowsum(do * out) [n_q, B, K, G, q]
 

@@ -13,17 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jppo.models.attention import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, AttentionRule, blockwise_attention
+from jppo.models.attention import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, AttentionRule, blockwise_attention, wide
 from jppo.models.config import ModelConfig, RopeScaling
 from jppo.models.pallas_attention import pallas_attention
 
 Array = jax.Array
-
-
-def wide(dtype) -> jnp.dtype:
-    """The precision of norms, softmax, RoPE and logits for a compute dtype: float32, or float64 for a float64
-    model (exactness tests run the whole model in float64)."""
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def rms_norm(x: Array, scale: Array, eps: float) -> Array:

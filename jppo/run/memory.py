@@ -30,8 +30,9 @@ activations            ``r w (L s + x) + b`` for ``r`` rows of ``w`` tokens per 
                        probabilities, ``w`` keys per query; attention in blocks, ``model.attention: blockwise |
                        pallas`` or ``auto`` on long rows, keeps ``a H'`` instead, its log-sum-exp, and works in
                        ``b = (2 a + c) r H' min(b_q, w) min(b_kv, w)`` for one block pair at a time, ``b_q``,
-                       ``b_kv`` its block sizes; ``b = 0`` otherwise: activations linear in ``w``); ``s = x`` without remat, ``s = c D`` (the layer's
-                       input only) with ``model.remat``, then one layer is recomputed at a time (``+ x``)
+                       ``b_kv`` its block sizes; ``b = 0`` otherwise: activations linear in ``w``); ``s = x``
+                       without remat, ``s = c D`` (the layer's input only) with ``model.remat``, then one layer
+                       is recomputed at a time (``+ x``)
 log-prob logits        ``3 r k V' a`` (actor only): the float32 logits of one chunk of ``k = min(
                        log_prob_chunk_size, w)`` positions, their softmax and their gradient
 optimizer step         ``4 t a``: the temporaries of applying the accumulated gradient (the last micro-batch's
