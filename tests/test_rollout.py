@@ -80,9 +80,12 @@ class TinyLM(nnx.Module):
         _, _, k, v = self._qkv(input_ids, positions)
         return self.hidden_states(input_ids, positions, segment_ids), TinyPrompt(k, v, segment_ids != 0)
 
-    def init_response_cache(self, rows, length):
+    def init_response_cache(self, rows, length, blocks=1):
         zeros = jnp.zeros((rows, length, self.config.dim), jnp.float32)
         return TinyResponse(zeros, zeros)
+
+    def for_decoding(self):
+        return self
 
     def decoding_layers(self):
         return ()

@@ -43,6 +43,7 @@ from flax import nnx, struct
 
 from jppo.models.config import ModelConfig
 from jppo.models.layers import (
+    RESPONSE_BLOCKS,
     apply_rope,
     attention,
     attention_mask,
@@ -54,11 +55,12 @@ from jppo.models.layers import (
     swiglu,
     wide,
 )
-from jppo.models.sharding import constrain, param
+from jppo.models.sharding import constrain, decoding_copy, logical_names, param
 
 Array = jax.Array
 
 HIDDEN = ("batch", "length", None)
+NORM_SCALES = ("input_norm", "post_attention_norm", "q_norm", "k_norm", "norm")  # read in float32 by rms_norm
 CACHE = ("batch", "kv_heads", "length", "head_dim")
 
 
@@ -197,10 +199,20 @@ class DecoderLayers(nnx.Module):
 
     def unstacked(self) -> tuple[tuple[dict, dict], ...]:
         """Each layer's ``(weights, adapters)`` sliced out of the stacks: taken once before a decoding loop, since
-        XLA does not hoist the slices out of it (they cost a tenth of a small model's decode step)."""
+        XLA does not hoist the slices out of it (they cost a tenth of a small model's decode step).
+
+        Each slice is the sampler's copy (:func:`~jppo.models.sharding.decoding_copy`): cast to the compute dtype
+        (the norms' scales excepted: :func:`rms_norm` reads them in float32) and laid out for decoding. Slicing
+        comes first, so the copy is one layer's weights per layer, never a second stack."""
         weights, adapters = self._stacked_weights(), self._stacked_adapters()
+        names = {name: logical_names(value)[1:] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
+        dtype = self.config.compute_dtype
+
+        def copy(name: str, layer: Array) -> Array:
+            return decoding_copy(layer, names[name], None if name in NORM_SCALES else dtype)
+
         return tuple(
-            ({name: w[index] for name, w in weights.items()},
+            ({name: copy(name, w[index]) for name, w in weights.items()},
              {name: (a[index], b[index]) for name, (a, b) in adapters.items()})
             for index in range(self.config.num_layers)
         )
@@ -223,7 +235,6 @@ class DecoderLayers(nnx.Module):
         The layers are unrolled, each with its own cache arrays: a scan over stacked caches would copy a layer's
         whole cache out of the stack at every step (the cost then grows with the cache, not the arithmetic).
         """
-        rows = hidden.shape[0]
         sizes = tuple(block.shape[2] for block in cache.keys[0])
         response_visible = jnp.arange(sum(sizes))[None, :] <= slots[:, None]
         visible = prompt.visible if prompt_rows is None else prompt.visible[prompt_rows]
@@ -237,10 +248,8 @@ class DecoderLayers(nnx.Module):
 
             def attend(q, k, v, index=index):
                 for stack, new in ((keys, k), (values, v)):
-                    stack[index] = tuple(
-                        block.at[jnp.arange(rows), :, where].set(new[:, 0].astype(block.dtype), mode="drop")
-                        for block, where in zip(stack[index], local)
-                    )
+                    stack[index] = tuple(write_slot(block, where, new[:, 0].astype(block.dtype))
+                                         for block, where in zip(stack[index], local))
                 out = decode_attention(q[:, 0], rows_of(prompt.keys[index]), rows_of(prompt.values[index]), visible,
                                        keys[index], values[index], response_visible)
                 return out[:, None], None
@@ -297,14 +306,24 @@ class Decoder(nnx.Module):
         cache = ResponseCache(keys=by_block(cache.keys), values=by_block(cache.values))
         return self._norm(hidden[:, 0]), cache
 
-    def init_response_cache(self, rows: int, length: int) -> ResponseCache:
+    def init_response_cache(self, rows: int, length: int, blocks: int = RESPONSE_BLOCKS) -> ResponseCache:
         config = self.config
         zeros = lambda: tuple(  # noqa: E731  (own buffers, one per layer and block)
             tuple(constrain(jnp.zeros((rows, config.num_kv_heads, size, config.head_dim), config.compute_dtype),
-                            CACHE) for size in response_blocks(length))
+                            CACHE) for size in response_blocks(length, blocks))
             for _ in range(config.num_layers)
         )
         return ResponseCache(keys=zeros(), values=zeros())
+
+
+def write_slot(block: Array, slots: Array, new: Array) -> Array:
+    """``block [R, K, M, E]`` with ``new [R, K, E]`` written at slot ``slots[r]`` of each row ``r``; a slot
+    outside ``[0, M)`` leaves the row as it was.
+
+    One write per row (``vmap`` over rows): XLA's partitioner then sees that each row writes only itself, and a
+    cache sharded by rows stays so with no communication. The same write as one scatter over ``(arange(R),
+    slots)`` is not seen as row-local and gathers every block at every decoding step on a batch-sharded mesh."""
+    return jax.vmap(lambda rows, slot, value: rows.at[:, slot].set(value, mode="drop"))(block, slots, new)
 
 
 def _check_inputs(input_ids: Array, positions: Array | None, segment_ids: Array | None) -> tuple[Array, Array]:
@@ -357,13 +376,29 @@ class CausalLM(nnx.Module):
         :meth:`decoding_layers`, taken once before the decoding loop. Returns hidden ``[R, D]`` and the cache."""
         return self.decoder.decode(tokens, positions, prompt, cache, slots, layers, prompt_rows)
 
+    def for_decoding(self) -> "CausalLM":
+        """This model with the sampler's copies (:func:`~jppo.models.sharding.decoding_copy`) of its embedding
+        table and untied LM head, which every decoding step reads: cast to the compute dtype and laid out for
+        decoding, made once before the loop. The layers' copies are :meth:`decoding_layers`'."""
+        graphdef, state = nnx.split(self)
+        dtype = self.config.compute_dtype
+
+        def copy(path, variable):
+            if path[-1] not in (jax.tree_util.DictKey("embed_tokens"), jax.tree_util.DictKey("lm_head")):
+                return variable
+            return variable.replace(decoding_copy(variable[...], logical_names(variable), dtype))
+
+        state = jax.tree_util.tree_map_with_path(copy, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return nnx.merge(graphdef, state)
+
     def decoding_layers(self) -> tuple:
         """Each layer's weights as arrays of their own, for :meth:`decode` (see ``DecoderLayers.unstacked``)."""
         return self.decoder.layers.unstacked()
 
-    def init_response_cache(self, rows: int, length: int) -> ResponseCache:
-        """An empty :class:`ResponseCache` of ``rows`` rows and ``length`` slots."""
-        return self.decoder.init_response_cache(rows, length)
+    def init_response_cache(self, rows: int, length: int, blocks: int = RESPONSE_BLOCKS) -> ResponseCache:
+        """An empty :class:`ResponseCache` of ``rows`` rows and ``length`` slots, in up to ``blocks`` blocks
+        (:func:`~jppo.models.layers.response_blocks`)."""
+        return self.decoder.init_response_cache(rows, length, blocks)
 
     def logits(self, hidden: Array) -> Array:
         """``hidden [..., D] -> logits [..., V]`` in float32."""

@@ -63,6 +63,9 @@ class SamplingParams:
         pad_token_id: fills response slots after the end.
         max_num_seqs: rows decoded at once (continuous batching: a finished row's slot is refilled with the next
             waiting row); ``0``, or at least the number of rows, decodes every row together.
+        cache_blocks: the most blocks the response cache is stored in (:func:`cache_block_count`); ``0`` chooses
+            by backend. Tokens and log-probs are bitwise the same for one block count; across block counts they
+            differ by the rounding of combining per-block softmax sums.
     """
 
     max_new_tokens: int
@@ -74,11 +77,12 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     max_num_seqs: int = 0
+    cache_blocks: int = 0
 
     def __post_init__(self) -> None:
         # A list would make the params unhashable and so unusable as a static argument.
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        for name in ("max_new_tokens", "top_k", "n", "pad_token_id", "max_num_seqs"):
+        for name in ("max_new_tokens", "top_k", "n", "pad_token_id", "max_num_seqs", "cache_blocks"):
             if not isinstance(getattr(self, name), (int, np.integer)):
                 raise InvalidSetting("SamplingParams.", name, getattr(self, name), "an integer")
         problems = {
@@ -89,6 +93,7 @@ class SamplingParams:
             "n": (self.n, self.n >= 1, "an integer >= 1"),
             "pad_token_id": (self.pad_token_id, self.pad_token_id >= 0, "a token id >= 0"),
             "max_num_seqs": (self.max_num_seqs, self.max_num_seqs >= 0, "an integer >= 0 (0 = every row at once)"),
+            "cache_blocks": (self.cache_blocks, self.cache_blocks >= 0, "an integer >= 0 (0 = by backend)"),
             "eos_token_ids": (self.eos_token_ids, all(t >= 0 for t in self.eos_token_ids), "token ids >= 0"),
         }
         for name, (value, ok, valid) in problems.items():
@@ -203,18 +208,36 @@ def decode_rows(rows: int, max_num_seqs: int) -> int:
     return max_num_seqs if 0 < max_num_seqs < rows else rows
 
 
+# Response-cache blocks per backend when SamplingParams.cache_blocks is 0. Each block after the first is a
+# ``lax.cond`` per layer and token. XLA:GPU runs a conditional by copying its predicate to the host and waiting,
+# so on GPU blocks would make decoding host-latency bound: one block there. XLA:CPU and TPUs branch on the device
+# (the host thread on CPU, the TPU's scalar core), so skipping the empty blocks pays: on CPU it halves a small
+# model's decode step (bench.rollout_shapes); on TPU it is unmeasured.
+CACHE_BLOCKS = {"gpu": 1, "cpu": 8, "tpu": 8}
+
+
+def cache_block_count(requested: int, backend: str | None = None) -> int:
+    """The response cache's block count: ``requested``, or with ``0`` the :data:`CACHE_BLOCKS` entry of
+    ``backend`` (default: JAX's default backend; 8 for a backend not listed)."""
+    if requested:
+        return requested
+    return CACHE_BLOCKS.get(backend or jax.default_backend(), 8)
+
+
 def response_cache(model: Any, rows: int, params: SamplingParams) -> Any:
     """The empty response cache the decoding loop fills for a batch of ``rows`` rows: one row per row decoded at
-    once (:func:`decode_rows`), ``params.max_new_tokens`` slots each. With the prompt cache of :func:`prefill` it
-    is all the sampler keeps of keys and values."""
-    return model.init_response_cache(decode_rows(rows, params.max_num_seqs), params.max_new_tokens)
+    once (:func:`decode_rows`), ``params.max_new_tokens`` slots each, in :func:`cache_block_count` blocks. With
+    the prompt cache of :func:`prefill` it is all the sampler keeps of keys and values."""
+    return model.init_response_cache(decode_rows(rows, params.max_num_seqs), params.max_new_tokens,
+                                     cache_block_count(params.cache_blocks))
 
 
 def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
     """Samples responses; a traceable function of arrays (call it under ``jax.jit``, or use :func:`generate`).
 
     Args:
-        model: a ``CausalLM`` (``prefill``/``decode``/``init_response_cache``/``logits``).
+        model: a ``CausalLM`` (``for_decoding``/``prefill``/``decode``/``decoding_layers``/``init_response_cache``/
+            ``logits``).
         prompt_ids: ``[B, P]`` integer, padded (left-padded by :func:`~jppo.rollout.sampler.pad_prompts`; any layout works, since
             each row continues after its last real token).
         prompt_mask: ``[B, P]`` bool (or 0/1), 1 on real prompt tokens.
@@ -226,6 +249,7 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
     n, max_new = params.n, params.max_new_tokens
     prompt_ids = prompt_ids.astype(jnp.int32)
     prompt_mask = prompt_mask.astype(bool)
+    model = model.for_decoding()
     prompt, prompt_counts, first_logits = prefill(model, prompt_ids, prompt_mask)
     if decode_rows(batch * n, params.max_num_seqs) < batch * n:
         out = continuous_rollout(model, prompt, prompt_counts, first_logits, key, params)
