@@ -76,7 +76,7 @@ class TinyLM(nnx.Module):
                    & (segment_ids[:, None, :] == segment_ids[:, :, None]) & (segment_ids[:, :, None] != 0))
         return self._attend(x, q, k, v, allowed)
 
-    def prefill(self, input_ids, positions, segment_ids):
+    def prefill(self, input_ids, positions, segment_ids, layers=None):
         _, _, k, v = self._qkv(input_ids, positions)
         return self.hidden_states(input_ids, positions, segment_ids), TinyPrompt(k, v, segment_ids != 0)
 

@@ -187,15 +187,24 @@ class DecoderLayers(nnx.Module):
         attend = lambda q, k, v: (attention(q, k, v, mask, self.config.attention), None)  # noqa: E731
         return self._scan(hidden, rope, attend)[0]
 
-    def prefill(self, hidden: Array, rope: tuple[Array, Array], mask: Array) -> tuple[Array, tuple[Array, Array]]:
+    def prefill(self, hidden: Array, rope: tuple[Array, Array], mask: Array,
+                layers: tuple | None = None) -> tuple[Array, tuple[Array, Array]]:
         """:meth:`__call__` that also returns every layer's keys and values, ``[L, B, K, T, E]`` each (heads
-        before slots, the layout :func:`decode_attention` contracts without a transpose)."""
+        before slots, the layout :func:`decode_attention` contracts without a transpose). With ``layers``
+        (:meth:`unstacked`) the layers run one after the other on those weights, the ones decoding then reads:
+        on a mesh that shards the stacks over the batch axes, the scan would gather every layer a second time."""
 
         def attend(q, k, v):
             keep = tuple(x.transpose(0, 2, 1, 3) for x in (k, v))
             return attention(q, k, v, mask, self.config.attention), keep
 
-        return self._scan(hidden, rope, attend)
+        if layers is None:
+            return self._scan(hidden, rope, attend)
+        kept = []
+        for weights, adapters in layers:
+            hidden, layer_kept = self._block(hidden, weights, adapters, rope, attend)
+            kept.append(layer_kept)
+        return hidden, tuple(jnp.stack(x) for x in zip(*kept))
 
     def unstacked(self) -> tuple[tuple[dict, dict], ...]:
         """Each layer's ``(weights, adapters)`` sliced out of the stacks: taken once before a decoding loop, since
@@ -285,12 +294,14 @@ class Decoder(nnx.Module):
         mask = attention_mask(segment_ids, jnp.arange(input_ids.shape[1]), segment_ids)
         return self._norm(self.layers(hidden, rope, mask))
 
-    def prefill(self, input_ids: Array, positions: Array, segment_ids: Array) -> tuple[Array, PromptCache]:
-        """:meth:`__call__` on a prompt batch, plus its :class:`PromptCache`."""
+    def prefill(self, input_ids: Array, positions: Array, segment_ids: Array,
+                layers: tuple | None = None) -> tuple[Array, PromptCache]:
+        """:meth:`__call__` on a prompt batch, plus its :class:`PromptCache` (``layers``: see
+        :meth:`DecoderLayers.prefill`)."""
         positions, segment_ids = _check_inputs(input_ids, positions, segment_ids)
         hidden, rope = self._embed(input_ids, positions)
         mask = attention_mask(segment_ids, jnp.arange(input_ids.shape[1]), segment_ids)
-        hidden, (keys, values) = self.layers.prefill(hidden, rope, mask)
+        hidden, (keys, values) = self.layers.prefill(hidden, rope, mask, layers)
         per_layer = lambda stack: tuple(constrain(layer, CACHE) for layer in stack)  # noqa: E731
         return self._norm(hidden), PromptCache(keys=per_layer(keys), values=per_layer(values),
                                                visible=segment_ids != 0)
@@ -362,9 +373,11 @@ class CausalLM(nnx.Module):
         """Final-norm hidden states ``[B, T, D]`` (compute dtype)."""
         return self.decoder(input_ids, positions, segment_ids)
 
-    def prefill(self, input_ids: Array, positions: Array, segment_ids: Array) -> tuple[Array, PromptCache]:
-        """Hidden states of a prompt batch ``[B, P]`` and its :class:`PromptCache` (segment 0 is padding)."""
-        return self.decoder.prefill(input_ids, positions, segment_ids)
+    def prefill(self, input_ids: Array, positions: Array, segment_ids: Array,
+                layers: tuple | None = None) -> tuple[Array, PromptCache]:
+        """Hidden states of a prompt batch ``[B, P]`` and its :class:`PromptCache` (segment 0 is padding); with
+        ``layers`` (:meth:`decoding_layers`) computed on the sampler's copies of the weights."""
+        return self.decoder.prefill(input_ids, positions, segment_ids, layers)
 
     def decode(
         self, tokens: Array, positions: Array, prompt: PromptCache, cache: ResponseCache, slots: Array, layers: tuple,

@@ -183,7 +183,8 @@ def decode_attention(
 
     Each block ``b`` gives its partial softmax: its scores' maximum ``m_b``, ``s_b = sum exp(score - m_b)`` and
     ``o_b = sum exp(score - m_b) v``; a later block no row can see is skipped (``lax.cond``: its ``m_b`` is the
-    lowest float, ``s_b = o_b = 0``, what computing it would give); the first block is always computed. With ``m = max_b m_b`` the output is ``sum_b e^(m_b - m) o_b / sum_b e^(m_b - m)
+    lowest float, ``s_b = o_b = 0``, what computing it would give); the first block is always computed. With
+    ``m = max_b m_b`` the output is ``sum_b e^(m_b - m) o_b / sum_b e^(m_b - m)
     s_b``, the single softmax up to rounding. Masked scores are replaced before the float32 exponentials and
     their weights zeroed, as in the reference, so a row with nothing visible gets 0.
     """

@@ -189,12 +189,12 @@ def _record(state: _DecodeState, logits: Array, keys: Array, params: SamplingPar
     )
 
 
-def prefill(model: Any, prompt_ids: Array, prompt_mask: Array) -> tuple[Any, Array, Array]:
+def prefill(model: Any, prompt_ids: Array, prompt_mask: Array, layers: Any = None) -> tuple[Any, Array, Array]:
     """Encodes the prompt batch once: its cache, each prompt's real token count, and the logits of each prompt's
-    last real token (which give the first new token)."""
+    last real token (which give the first new token); ``layers``: the model's ``decoding_layers()``, to run on."""
     counts = jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32)
     positions = jnp.where(prompt_mask, counts - 1, 0)
-    hidden, prompt = model.prefill(prompt_ids, positions, prompt_mask.astype(jnp.int32))
+    hidden, prompt = model.prefill(prompt_ids, positions, prompt_mask.astype(jnp.int32), layers)
     # The first new token follows each row's last real prompt token (the last column for left-padded prompts).
     prompt_len = prompt_ids.shape[1]
     last_real = prompt_len - 1 - jnp.argmax(prompt_mask[:, ::-1], axis=1)
@@ -250,13 +250,13 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
     prompt_ids = prompt_ids.astype(jnp.int32)
     prompt_mask = prompt_mask.astype(bool)
     model = model.for_decoding()
-    prompt, prompt_counts, first_logits = prefill(model, prompt_ids, prompt_mask)
+    layers = model.decoding_layers()
+    prompt, prompt_counts, first_logits = prefill(model, prompt_ids, prompt_mask, layers)
     if decode_rows(batch * n, params.max_num_seqs) < batch * n:
-        out = continuous_rollout(model, prompt, prompt_counts, first_logits, key, params)
+        out = continuous_rollout(model, prompt, prompt_counts, first_logits, key, params, layers)
         return out.replace(prompt_ids=jnp.repeat(prompt_ids, n, axis=0), prompt_mask=jnp.repeat(prompt_mask, n, axis=0))
 
     rows = batch * n
-    layers = model.decoding_layers()
     keys = row_keys(key, jnp.arange(rows))
     prompt_tokens = jnp.repeat(prompt_counts, n)
     state = _DecodeState(
@@ -305,20 +305,22 @@ class _SlotState:
 
 
 def continuous_rollout(
-    model: Any, prompt: Any, prompt_counts: Array, first_logits: Array, key: Array, params: SamplingParams
+    model: Any, prompt: Any, prompt_counts: Array, first_logits: Array, key: Array, params: SamplingParams,
+    layers: Any = None,
 ) -> RolloutBatch:
     """Continuous batching over ``S = params.max_num_seqs`` slots: rows (prompt-major, ``R = B n``) wait in order;
     a slot whose row finished takes the next waiting row at once, so no decoding step is spent on a finished row
     while rows wait. A slot's response cache restarts at slot 0 for its new row (older entries are masked, then
     overwritten); its prompt block is read from the shared :class:`~jppo.models.PromptCache`. Row ``r`` draws its
     tokens with the keys of :func:`row_keys` and so gets the same tokens as decoding every row at once. Returns
-    the response fields (the caller adds the prompts).
+    the response fields (the caller adds the prompts). ``layers``: ``model.decoding_layers()`` (made here if not
+    given).
     """
     n, max_new, num_slots = params.n, params.max_new_tokens, params.max_num_seqs
     rows = first_logits.shape[0] * n
     keys = row_keys(key, jnp.arange(rows + 1))  # + an idle slot's key, never used
     eos = jnp.asarray(params.eos_token_ids, dtype=jnp.int32)
-    layers = model.decoding_layers()
+    layers = model.decoding_layers() if layers is None else layers
 
     def write(state: _SlotState, rows_written: Array, steps: Array, tokens: Array, log_probs: Array, live: Array):
         where = (jnp.where(live, rows_written, rows), steps)  # an out-of-range row: the write is dropped
