@@ -93,6 +93,7 @@ class TinyLM(nnx.Module):
     def decode(self, tokens, positions, prompt, cache, slots, layers, prompt_rows=None):
         x, q, k, v = self._qkv(tokens[:, None], positions[:, None])
         rows = tokens.shape[0]
+        slots = jnp.broadcast_to(slots, (rows,))  # a scalar: every row at the same slot
         cache = TinyResponse(cache.keys.at[jnp.arange(rows), slots].set(k[:, 0]),
                              cache.values.at[jnp.arange(rows), slots].set(v[:, 0]))
         if prompt_rows is None:  # rows are prompt-major

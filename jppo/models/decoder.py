@@ -241,11 +241,15 @@ class DecoderLayers(nnx.Module):
         ``layers`` is :meth:`unstacked`. Row ``r``'s prompt is ``prompt_rows[r]``; without ``prompt_rows`` the rows
         are prompt-major, ``R / B`` per prompt, and read the shared blocks in place (no gather).
 
+        ``slots`` may be a scalar, every row at the same slot: which cache blocks some row can see is then known
+        without looking at the rows, so a mesh that splits the rows does not reduce a predicate over them.
+
         The layers are unrolled, each with its own cache arrays: a scan over stacked caches would copy a layer's
         whole cache out of the stack at every step (the cost then grows with the cache, not the arithmetic).
         """
-        sizes = tuple(block.shape[2] for block in cache.keys[0])
-        response_visible = jnp.arange(sum(sizes))[None, :] <= slots[:, None]
+        rows, sizes = hidden.shape[0], tuple(block.shape[2] for block in cache.keys[0])
+        response_visible = jnp.arange(sum(sizes))[None, :] <= jnp.reshape(slots, (-1, 1))  # [R or 1, M]
+        slots = jnp.broadcast_to(slots, (rows,))
         visible = prompt.visible if prompt_rows is None else prompt.visible[prompt_rows]
         rows_of = (lambda x: x) if prompt_rows is None else (lambda x: x[prompt_rows])  # noqa: E731
         starts = [sum(sizes[:b]) for b in range(len(sizes))]
@@ -310,7 +314,8 @@ class Decoder(nnx.Module):
         self, tokens: Array, positions: Array, prompt: PromptCache, cache: ResponseCache, slots: Array, layers: tuple,
         prompt_rows: Array | None = None,
     ) -> tuple[Array, ResponseCache]:
-        """``tokens [R]`` at ``positions [R]``, written at response slots ``slots [R]``: hidden ``[R, D]``."""
+        """``tokens [R]`` at ``positions [R]``, written at response slots ``slots [R]`` (or one slot for all rows,
+        a scalar): hidden ``[R, D]``."""
         hidden, rope = self._embed(tokens[:, None], positions[:, None])
         hidden, cache = self.layers.decode(hidden, rope, prompt, cache, slots, layers, prompt_rows)
         by_block = lambda layers: tuple(tuple(constrain(b, CACHE) for b in layer) for layer in layers)  # noqa: E731

@@ -274,9 +274,8 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         return (state.step < max_new) & ~jnp.all(state.done)
 
     def decode_step(state: _DecodeState) -> _DecodeState:
-        fed = state.step - 1
-        slots = jnp.full((rows,), fed)
-        hidden, cache = model.decode(state.last_tokens, prompt_tokens + fed, prompt, state.cache, slots, layers)
+        fed = state.step - 1  # one slot for every row: a scalar, so no predicate is reduced over the rows
+        hidden, cache = model.decode(state.last_tokens, prompt_tokens + fed, prompt, state.cache, fed, layers)
         return _record(state.replace(cache=cache), model.logits(hidden), keys, params)
 
     state = jax.lax.while_loop(unfinished, decode_step, state)
