@@ -7,6 +7,7 @@ the compiled rollout, lowered on abstract arrays (nothing is allocated)."""
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import jax
@@ -18,11 +19,13 @@ from jax.sharding import NamedSharding
 
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.models import CausalLM, ModelConfig, create_model, layers, param_shardings
-from jppo.models.decoder import write_slot
+from jppo.models.decoding import write_slot
 from jppo.parallel.mesh import batch_spec, make_mesh
 from jppo.rollout import SamplingParams, make_generate_fn
-from jppo.rollout.decode import cache_block_count, draw, prefill
+from jppo.models.decoding import cache_block_count
+from jppo.rollout.decode import draw, prefill
 
+QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      model_type="qwen2")
@@ -140,3 +143,20 @@ def test_mesh_tensor_must_divide_the_head_counts(heads, tensor, ok):
         check_mesh(cfg, 8)
     assert str(error.value) == (f"mesh.tensor={tensor} must divide the actor model's num_heads={heads[0]} and "
                                 f"num_kv_heads={heads[1]}: use a mesh.tensor dividing both, mesh.fsdp for the rest")
+
+
+@pytest.mark.parametrize("overrides, bytes_per_weight", [(["mesh.data=8", "mesh.fsdp=1"], 0),
+                                                         (["mesh.data=1", "mesh.fsdp=8", "rollout.dtype=bfloat16"], 2)])
+def test_the_plan_counts_the_samplers_copy_of_the_weights(tmp_path, overrides, bytes_per_weight):
+    from jppo.run import memory
+    from jppo.run.build import load_inputs
+
+    cfg = load_config(QUICKSTART, [f"trainer.output_dir={tmp_path}", *overrides])
+    plan = memory.memory_plan(cfg, check_mesh(cfg, 8))
+    policy = memory.model_config(cfg)
+    assert policy.vocab_size == load_inputs(cfg).tokenizer.vocab_size
+    # data=8 with the training dtype: the parameters already are the copy. fsdp=8 in bfloat16: every weight but the
+    # norms' scales, whole on each device (tensor=1), 2 bytes each
+    state = nnx.state(nnx.eval_shape(lambda: CausalLM(policy, rngs=nnx.Rngs(0))), nnx.Param)
+    weights = sum(x.size for path, x in nnx.to_flat_state(state) if not str(path[-1]).endswith("norm"))
+    assert plan.term("rollout_weights") == weights * bytes_per_weight

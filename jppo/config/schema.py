@@ -111,7 +111,7 @@ class RolloutSection:
     ``cache_blocks``: the response cache is stored in up to this many blocks, and a decoding step skips the blocks
     no row has reached yet, at the cost of a conditional per block (after the first), layer and token. On GPU a
     conditional waits for its predicate on the host, so ``auto`` takes one block there and 8 on CPU and TPU
-    (:data:`jppo.rollout.decode.CACHE_BLOCKS`). The same block count gives the same samples bit for bit; another
+    (:data:`jppo.models.decoding.CACHE_BLOCKS`). The same block count gives the same samples bit for bit; another
     changes log-probs by float rounding only.
 
     ``env``: a multi-turn environment (``builtin:calculator``, ``path/to/file.py:make_env`` or

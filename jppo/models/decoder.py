@@ -55,12 +55,12 @@ from jppo.models.layers import (
     swiglu,
     wide,
 )
-from jppo.models.sharding import constrain, decoding_copy, logical_names, param
+from jppo.models.decoding import layer_copier, with_decoding_copies, write_slot
+from jppo.models.sharding import constrain, param
 
 Array = jax.Array
 
 HIDDEN = ("batch", "length", None)
-NORM_SCALES = ("input_norm", "post_attention_norm", "q_norm", "k_norm", "norm")  # read in float32 by rms_norm
 CACHE = ("batch", "kv_heads", "length", "head_dim")
 
 
@@ -191,8 +191,8 @@ class DecoderLayers(nnx.Module):
                 layers: tuple | None = None) -> tuple[Array, tuple[Array, Array]]:
         """:meth:`__call__` that also returns every layer's keys and values, ``[L, B, K, T, E]`` each (heads
         before slots, the layout :func:`decode_attention` contracts without a transpose). With ``layers``
-        (:meth:`unstacked`) the layers run one after the other on those weights, the ones decoding then reads:
-        on a mesh that shards the stacks over the batch axes, the scan would gather every layer a second time."""
+        (:meth:`unstacked`) the layers run one after the other on the weights decoding then reads (the scan
+        would gather each layer of batch-sharded stacks a second time)."""
 
         def attend(q, k, v):
             keep = tuple(x.transpose(0, 2, 1, 3) for x in (k, v))
@@ -210,21 +210,13 @@ class DecoderLayers(nnx.Module):
         """Each layer's ``(weights, adapters)`` sliced out of the stacks: taken once before a decoding loop, since
         XLA does not hoist the slices out of it (they cost a tenth of a small model's decode step).
 
-        Each slice is the sampler's copy (:func:`~jppo.models.sharding.decoding_copy`): cast to the compute dtype
-        (the norms' scales excepted: :func:`rms_norm` reads them in float32) and laid out for decoding. Slicing
-        comes first, so the copy is one layer's weights per layer, never a second stack."""
+        Each slice is the sampler's copy (:func:`~jppo.models.decoding.layer_copier`), sliced first: one layer's
+        weights per layer, never a second stack."""
         weights, adapters = self._stacked_weights(), self._stacked_adapters()
-        names = {name: logical_names(value)[1:] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
-        dtype = self.config.compute_dtype
-
-        def copy(name: str, layer: Array) -> Array:
-            return decoding_copy(layer, names[name], None if name in NORM_SCALES else dtype)
-
-        return tuple(
-            ({name: copy(name, w[index]) for name, w in weights.items()},
-             {name: (a[index], b[index]) for name, (a, b) in adapters.items()})
-            for index in range(self.config.num_layers)
-        )
+        copy = layer_copier(self, self.config.compute_dtype)
+        return tuple(({name: copy(name, w[index]) for name, w in weights.items()},
+                      {name: (a[index], b[index]) for name, (a, b) in adapters.items()})
+                     for index in range(self.config.num_layers))
 
     def decode(
         self,
@@ -239,10 +231,8 @@ class DecoderLayers(nnx.Module):
         """One new token per row, ``hidden [R, 1, D]``: each layer writes the token's key and value at response
         slot ``slots[r]`` of row ``r`` and attends to the row's prompt block and response slots ``<= slots[r]``.
         ``layers`` is :meth:`unstacked`. Row ``r``'s prompt is ``prompt_rows[r]``; without ``prompt_rows`` the rows
-        are prompt-major, ``R / B`` per prompt, and read the shared blocks in place (no gather).
-
-        ``slots`` may be a scalar, every row at the same slot: which cache blocks some row can see is then known
-        without looking at the rows, so a mesh that splits the rows does not reduce a predicate over them.
+        are prompt-major, ``R / B`` per prompt, and read the shared blocks in place (no gather). ``slots`` may be
+        a scalar, every row at one slot: the blocks some row can see are then known with no reduction over rows.
 
         The layers are unrolled, each with its own cache arrays: a scan over stacked caches would copy a layer's
         whole cache out of the stack at every step (the cost then grows with the cache, not the arithmetic).
@@ -332,16 +322,6 @@ class Decoder(nnx.Module):
         return ResponseCache(keys=zeros(), values=zeros())
 
 
-def write_slot(block: Array, slots: Array, new: Array) -> Array:
-    """``block [R, K, M, E]`` with ``new [R, K, E]`` written at slot ``slots[r]`` of each row ``r``; a slot
-    outside ``[0, M)`` leaves the row as it was.
-
-    One write per row (``vmap`` over rows): XLA's partitioner then sees that each row writes only itself, and a
-    cache sharded by rows stays so with no communication. The same write as one scatter over ``(arange(R),
-    slots)`` is not seen as row-local and gathers every block at every decoding step on a batch-sharded mesh."""
-    return jax.vmap(lambda rows, slot, value: rows.at[:, slot].set(value, mode="drop"))(block, slots, new)
-
-
 def _check_inputs(input_ids: Array, positions: Array | None, segment_ids: Array | None) -> tuple[Array, Array]:
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
@@ -398,16 +378,7 @@ class CausalLM(nnx.Module):
         """This model with the sampler's copies (:func:`~jppo.models.sharding.decoding_copy`) of its embedding
         table and untied LM head, which every decoding step reads: cast to the compute dtype and laid out for
         decoding, made once before the loop. The layers' copies are :meth:`decoding_layers`'."""
-        graphdef, state = nnx.split(self)
-        dtype = self.config.compute_dtype
-
-        def copy(path, variable):
-            if path[-1] not in (jax.tree_util.DictKey("embed_tokens"), jax.tree_util.DictKey("lm_head")):
-                return variable
-            return variable.replace(decoding_copy(variable[...], logical_names(variable), dtype))
-
-        state = jax.tree_util.tree_map_with_path(copy, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        return nnx.merge(graphdef, state)
+        return with_decoding_copies(self, ("embed_tokens", "lm_head"))
 
     def decoding_layers(self) -> tuple:
         """Each layer's weights as arrays of their own, for :meth:`decode` (see ``DecoderLayers.unstacked``)."""

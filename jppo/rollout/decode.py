@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx, struct
 
 from jppo.core.errors import InvalidSetting
+from jppo.models.decoding import cache_block_count
 from jppo.models.sharding import constrain
 from jppo.rollout.processors import sample_tokens
 
@@ -206,22 +207,6 @@ def decode_rows(rows: int, max_num_seqs: int) -> int:
     """How many of a batch's ``rows`` are decoded at once, and so the rows of its response cache: the
     ``max_num_seqs`` slots of continuous batching when that is fewer, else every row (``0`` means every row)."""
     return max_num_seqs if 0 < max_num_seqs < rows else rows
-
-
-# Response-cache blocks per backend when SamplingParams.cache_blocks is 0. Each block after the first is a
-# ``lax.cond`` per layer and token. XLA:GPU runs a conditional by copying its predicate to the host and waiting,
-# so on GPU blocks would make decoding host-latency bound: one block there. XLA:CPU and TPUs branch on the device
-# (the host thread on CPU, the TPU's scalar core), so skipping the empty blocks pays: on CPU it halves a small
-# model's decode step (bench.rollout_shapes); on TPU it is unmeasured.
-CACHE_BLOCKS = {"gpu": 1, "cpu": 8, "tpu": 8}
-
-
-def cache_block_count(requested: int, backend: str | None = None) -> int:
-    """The response cache's block count: ``requested``, or with ``0`` the :data:`CACHE_BLOCKS` entry of
-    ``backend`` (default: JAX's default backend; 8 for a backend not listed)."""
-    if requested:
-        return requested
-    return CACHE_BLOCKS.get(backend or jax.default_backend(), 8)
 
 
 def response_cache(model: Any, rows: int, params: SamplingParams) -> Any:

@@ -298,7 +298,7 @@ def rollout_weights_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, 
     from flax import nnx  # noqa: PLC0415
 
     from jppo.config.views import sampling_config  # noqa: PLC0415
-    from jppo.models.decoder import NORM_SCALES  # noqa: PLC0415
+    from jppo.models.decoding import NORM_SCALES  # noqa: PLC0415
     from jppo.models.sharding import logical_names  # noqa: PLC0415
 
     decoding, sampler, total = {**mesh, "data": 1, "fsdp": 1}, sampling_config(cfg, policy), 0
