@@ -26,6 +26,7 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+QWEN_LAYERS = 24
 SHAPE = dict(prompts=16, prompt_len=128, n=4, new_tokens=256)  # a GSM8K-like rollout batch (2 prompts per device)
 
 
@@ -95,8 +96,6 @@ def main(argv=None) -> dict:
     print(f"  rollout_temp_after_over_before = {result['rollout_temp_after_over_before']:.3f}")
     return result
 
-
-QWEN_LAYERS = 24
 
 if __name__ == "__main__":
     main()
