@@ -32,10 +32,8 @@ from jppo.engine.driver import check_batch_sizes
 from jppo.engine.optim import check_optim
 from jppo.engine.update import policy_options
 from jppo.core.errors import ConfigError, InvalidSetting, one_line
-from jppo.losses import (
-    AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTION_MODES, check_policy_loss_mode, check_policy_options,
-    required_agg_mode,
-)
+from jppo.losses import (AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTION_MODES, check_policy_loss_mode,
+                          check_policy_options, required_agg_mode)
 from jppo.parallel.mesh import resolve_shape
 from jppo.rewards.verify import require_math_verify
 from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, check_attention_blocks
@@ -45,10 +43,8 @@ from jppo.models.lora import check_fits
 from jppo.core.paths import is_remote, missing_backend, run_path
 from jppo.rollout.env import BUILTIN_ENVS
 from jppo.config.schema import TrainConfig
-from jppo.config.views import (
-    SAMPLING_KEYS, adapted_model_config, engine_view, kl_controller, random_model_config, rollout_sequences,
-    sampling_params,
-)
+from jppo.config.views import (SAMPLING_KEYS, adapted_model_config, engine_view, kl_controller, random_model_config,
+                               rollout_sequences, sampling_params)
 
 
 def _choice(key: str, value: str, valid: Sequence[str]) -> None:
@@ -245,19 +241,14 @@ def _check_algorithm(cfg: TrainConfig) -> None:
     groups = algorithm.filter_groups
     _choice("algorithm.filter_groups.metric", groups.metric, FILTER_METRICS)
     _positive("algorithm.filter_groups.max_num_gen_batches", groups.max_num_gen_batches, allow_zero=True)
-    if groups.enable and cfg.rollout.n < 2:
-        raise ConfigError(
-            f"rollout.n={cfg.rollout.n}: algorithm.filter_groups.enable=True drops groups whose responses agree, "
-            "so it needs rollout.n >= 2"
-        )
     estimator = ADVANTAGE_ESTIMATORS[algorithm.adv_estimator]
+    for needs_groups, what in ((groups.enable, "algorithm.filter_groups.enable=True drops groups whose responses "
+                                "agree"), (estimator.needs_group_ids, f"algorithm.adv_estimator="
+                                           f"{algorithm.adv_estimator!r} compares the responses of one prompt")):
+        if needs_groups and cfg.rollout.n < 2:
+            raise ConfigError(f"rollout.n={cfg.rollout.n}: {what}, so it needs rollout.n >= 2")
     if estimator.needs_critic and cfg.critic.enable is False:
         raise ConfigError(f"critic.enable=False but algorithm.adv_estimator={algorithm.adv_estimator!r} needs a critic")
-    if estimator.needs_group_ids and cfg.rollout.n < 2:
-        raise ConfigError(
-            f"rollout.n={cfg.rollout.n}: algorithm.adv_estimator={algorithm.adv_estimator!r} compares the "
-            "responses of one prompt, so it needs rollout.n >= 2"
-        )
 
 
 def _check_rollout(cfg: TrainConfig) -> None:
@@ -367,8 +358,8 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
         shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices)
     except ValueError as error:
         raise ConfigError(one_line(error)) from None
-    shards = shape[0] * shape[1]
-    sequences = rollout_sequences(cfg)
+    _check_heads(cfg, shape[2])
+    shards, sequences = shape[0] * shape[1], rollout_sequences(cfg)
     if sequences % shards:
         raise ConfigError(
             f"data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n} = {sequences} sequences "
@@ -398,3 +389,13 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
         except ValueError as error:
             raise ConfigError(one_line(error)) from None
     return shape
+
+
+def _check_heads(cfg: TrainConfig, tensor: int) -> None:
+    """``mesh.tensor`` splits the head-major ``heads x head_dim`` projections into equal pieces: only a size that
+    divides both head counts cuts between heads (a head split across devices replicates its activations)."""
+    for role in cfg.roles if tensor > 1 else ():
+        m = adapted_model_config(cfg, role)
+        if m.num_heads % tensor or m.num_kv_heads % tensor:
+            raise ConfigError(f"mesh.tensor={tensor} must divide the {role} model's num_heads={m.num_heads} and "
+                              f"num_kv_heads={m.num_kv_heads}: use a mesh.tensor dividing both, mesh.fsdp for the rest")

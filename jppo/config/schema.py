@@ -111,6 +111,12 @@ class RolloutSection:
     finished rows (responses with a long tail of lengths), at a cost in parallelism per step; each row's tokens
     are the same either way (:mod:`jppo.rollout.decode`).
 
+    ``cache_blocks``: the response cache is stored in up to this many blocks, and a decoding step skips the blocks
+    no row has reached yet, at the cost of a conditional per block (after the first), layer and token. On GPU a
+    conditional waits for its predicate on the host, so ``auto`` takes one block there and 8 on CPU and TPU
+    (:data:`jppo.models.decoding.CACHE_BLOCKS`). The same block count gives the same samples bit for bit; another
+    changes log-probs by float rounding only.
+
     ``env``: a multi-turn environment (``builtin:calculator``, ``path/to/file.py:make_env`` or
     ``package.module:make_env``, see :mod:`jppo.rollout.env`); each response then alternates up to ``max_turns``
     model turns with the environment's observations, which are attended but masked out of every loss."""
@@ -128,6 +134,7 @@ class RolloutSection:
     env: Optional[str] = None  # multi-turn environment factory; None: single-turn
     max_turns: int = 4  # model turns per response with an env
     max_num_seqs: int = 0  # rows decoded at once; 0: every row of the batch (continuous batching below that)
+    cache_blocks: str = "auto"  # response-cache blocks: auto (1 on GPU, 8 on CPU and TPU) | an integer N >= 1
 
 
 @dataclasses.dataclass(frozen=True)

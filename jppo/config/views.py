@@ -21,6 +21,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Optional
 
 from jppo.config.schema import TrainConfig
+from jppo.core.errors import ConfigError
 from jppo.engine.config import ActorConfig, CriticConfig
 from jppo.rewards.kl_penalty import AdaptiveKLController, FixedKLController
 from jppo.models.config import ModelConfig
@@ -122,10 +123,20 @@ def sampling_config(cfg: TrainConfig, config: ModelConfig) -> ModelConfig:
 SAMPLING_KEYS = {
     "training": {"n": "rollout.n", "temperature": "rollout.temperature", "top_k": "rollout.top_k",
                  "top_p": "rollout.top_p", "max_new_tokens": "rollout.max_response_length",
-                 "max_num_seqs": "rollout.max_num_seqs"},
+                 "max_num_seqs": "rollout.max_num_seqs", "cache_blocks": "rollout.cache_blocks"},
     "evaluation": {"n": "rollout.val_n", "temperature": "rollout.val_temperature",
-                   "max_new_tokens": "rollout.max_response_length", "max_num_seqs": "rollout.max_num_seqs"},
+                   "max_new_tokens": "rollout.max_response_length", "max_num_seqs": "rollout.max_num_seqs",
+                   "cache_blocks": "rollout.cache_blocks"},
 }
+
+
+def cache_blocks(value: str) -> int:
+    """``rollout.cache_blocks`` as :attr:`SamplingParams.cache_blocks`: ``auto`` is 0 (chosen by backend), a
+    positive integer itself."""
+    text = str(value).strip()
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return 0 if text == "auto" else int(text)
+    raise ConfigError(f"rollout.cache_blocks={value!r} is invalid: it must be auto or an integer >= 1")
 
 
 def sampling_params(
@@ -136,7 +147,7 @@ def sampling_params(
     the vocabulary is loaded) there is no EOS and padding is token 0."""
     eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()  # every id that ends a response
     tokens = dict(eos_token_ids=eos, pad_token_id=0 if tokenizer is None else tokenizer.pad_id,
-                  max_num_seqs=cfg.rollout.max_num_seqs)
+                  max_num_seqs=cfg.rollout.max_num_seqs, cache_blocks=cache_blocks(cfg.rollout.cache_blocks))
     if greedy_baseline:
         return SamplingParams(max_new_tokens=cfg.rollout.max_response_length, greedy=True, n=1, **tokens)
     if evaluation:

@@ -177,17 +177,20 @@ RESPONSE_BLOCKS = 8  # more blocks skip more empty slots; each costs a condition
 MIN_RESPONSE_BLOCK = 32
 
 
-def response_blocks(length: int) -> tuple[int, ...]:
-    """The slot counts of the blocks a response cache of ``length`` slots is stored in: at most
-    :data:`RESPONSE_BLOCKS` blocks of at least :data:`MIN_RESPONSE_BLOCK` slots (the last may be shorter).
+def response_blocks(length: int, blocks: int = RESPONSE_BLOCKS) -> tuple[int, ...]:
+    """The slot counts of the blocks a response cache of ``length`` slots is stored in: at most ``blocks`` blocks
+    of at least :data:`MIN_RESPONSE_BLOCK` slots (the last may be shorter); ``blocks = 1`` is one block.
 
     A decoding step reads only the blocks that hold a slot some row can see (:func:`decode_attention`), so early
     steps, when most slots are still empty, read a fraction of the cache: reading it was most of a small model's
-    decode step on CPU (``python -m bench.rollout_shapes``; bench/README.md).
+    decode step on CPU (``python -m bench.rollout_shapes``; bench/README.md). Each block after the first costs a
+    conditional per layer and token (:func:`jppo.rollout.decode.cache_block_count` chooses them per backend).
     """
     if length < 1:
         raise ValueError(f"response cache length={length} is invalid: it must be an integer >= 1")
-    size = max(MIN_RESPONSE_BLOCK, -(-length // RESPONSE_BLOCKS))
+    if blocks < 1:
+        raise ValueError(f"response cache blocks={blocks} is invalid: it must be an integer >= 1")
+    size = length if blocks == 1 else max(MIN_RESPONSE_BLOCK, -(-length // blocks))
     return tuple(min(size, length - start) for start in range(0, length, size))
 
 
@@ -207,12 +210,13 @@ def decode_attention(
     the ``n = R / B`` consecutive rows of each prompt (rows prompt-major), so a prompt's keys are stored and read
     once for its ``n`` samples: its scores are one ``[n G, E] x [E, P]`` product per (prompt, kv head) instead of
     ``n`` matrix-vector products over ``n`` copies. The response slots come in blocks (:func:`response_blocks`):
-    ``response_keys``/``response_values`` hold ``[R, K, M_b, E]`` per block, ``response_visible [R, M]`` the
-    visible slots of all blocks in order. Heads-before-slots layouts make every contraction a plain batched matmul.
+    ``response_keys``/``response_values`` hold ``[R, K, M_b, E]`` per block, ``response_visible [R, M]`` (or ``[1, M]``,
+    the same for every row) the visible slots of all blocks in order. Heads-before-slots layouts make every contraction a plain batched matmul.
 
     Each block ``b`` gives its partial softmax: its scores' maximum ``m_b``, ``s_b = sum exp(score - m_b)`` and
-    ``o_b = sum exp(score - m_b) v``; a block no row can see is skipped (``lax.cond``: its ``m_b`` is the lowest
-    float, ``s_b = o_b = 0``). With ``m = max_b m_b`` the output is ``sum_b e^(m_b - m) o_b / sum_b e^(m_b - m)
+    ``o_b = sum exp(score - m_b) v``; a later block no row can see is skipped (``lax.cond``: its ``m_b`` is the
+    lowest float, ``s_b = o_b = 0``, what computing it would give); the first block is always computed. With
+    ``m = max_b m_b`` the output is ``sum_b e^(m_b - m) o_b / sum_b e^(m_b - m)
     s_b``, the single softmax up to rounding. Masked scores are replaced before the float32 exponentials and
     their weights zeroed, as in the reference, so a row with nothing visible gets 0.
     """
@@ -260,10 +264,13 @@ def decode_attention(
                                                                                           precision)
 
     start = 0
-    for keys, values in zip(response_keys, response_values):
+    for index, (keys, values) in enumerate(zip(response_keys, response_values)):
         visible = response_visible[:, start:start + keys.shape[2]]
         start += keys.shape[2]
-        parts.append(jax.lax.cond(jnp.any(visible), block, skipped, keys, values, visible))
+        if index == 0:  # slot 0 is visible from the first decoding step on: a conditional would only cost a sync
+            parts.append(block(keys, values, visible))
+        else:
+            parts.append(jax.lax.cond(jnp.any(visible), block, skipped, keys, values, visible))
     top = functools.reduce(jnp.maximum, [m for m, _, _ in parts])
     rescale = [jnp.exp(m - top) for m, _, _ in parts]
     total = sum(r * s for r, (_, s, _) in zip(rescale, parts))

@@ -49,6 +49,11 @@ KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sample
                        bucket(max_prompt_length)``, ``T = max_response_length``. With ``rollout.env`` every turn
                        prefills each row's own context, which grows to prompt + response: ``B = R =
                        train_batch_size x n / (data x fsdp)``, ``P = bucket(max_prompt_length + T - 1)``
+rollout weights        ``sum_w |w| / shards'(w) x (c_s, or p for the norms' scales)``: the sampler's copy of each
+                       weight it casts to ``c_s`` or lays out anew (:func:`jppo.models.sharding.decoding_copy`):
+                       replicated over ``data`` and ``fsdp`` (a decoding step's rows are split over them), split
+                       over ``tensor`` as the rule table says (``shards'``). None where the parameters already are
+                       that copy (``c_s = p`` and ``fsdp = 1``)
 =====================  ====================================================================================
 
 The peak is what lives through the whole run (parameters, optimizer states) plus the largest of the phases that
@@ -313,6 +318,24 @@ def sampler_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) ->
     return max(terms, key=lambda term: term.bytes)
 
 
+def rollout_weights_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
+    """The sampler's copy of the policy's weights (the rollout weights line of the module docstring)."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jppo.config.views import sampling_config  # noqa: PLC0415
+    from jppo.models.decoding import NORM_SCALES  # noqa: PLC0415
+    from jppo.models.sharding import logical_names  # noqa: PLC0415
+
+    decoding, sampler, total = {**mesh, "data": 1, "fsdp": 1}, sampling_config(cfg, policy), 0
+    for path, variable in nnx.to_flat_state(abstract_params(policy)):
+        shape, names = variable.shape, logical_names(variable)
+        cast = path[-1] not in NORM_SCALES and sampler.dtype != policy.param_dtype
+        if cast or shards(shape, names, mesh) != shards(shape, names, decoding):
+            size = sampler.dtype if cast else policy.param_dtype
+            total += math.prod(shape) // shards(shape, names, decoding) * dtype_bytes(size)
+    return Term("rollout_weights", total, f"weights / tensor shards x c_s={dtype_bytes(sampler.dtype)}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the plan
 
@@ -339,7 +362,7 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> MemoryPlan:
     for role, n in trained.items():
         copies = 3 if getattr(cfg, role).optim.name == "adamw" else 1
         persistent.append(Term(f"optimizer_state/{role}", n * a * copies, f"t={n:,} x a={a} x {copies}"))
-    rollout = (sampler_term(cfg, policy, mesh),)
+    rollout = (sampler_term(cfg, policy, mesh), rollout_weights_term(cfg, policy, mesh))
     updates = {}
     for role, n in trained.items():
         r, w = micro_batch_shape(cfg, role)
