@@ -18,6 +18,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.config.views import forward_micro_batching, sampling_params
@@ -115,6 +116,27 @@ def test_a_weight_push_is_visible_in_the_next_generation(setup):
     assert not np.array_equal(new.response_ids, old.response_ids)  # the change shows
     np.testing.assert_array_equal(new.response_ids, reference.response_ids)
     np.testing.assert_array_equal(new.response_mask, reference.response_mask)
+
+
+def test_with_lora_the_merged_weights_are_pushed(setup):
+    cfg = load_config(GRPO, VLLM + ["actor.lora.rank=4", "actor.lora.alpha=8"])
+    models = build.models(cfg, setup.tokenizer, setup.mesh)
+    assert build.rollout_engine(cfg, models.policy) is setup.engine  # same architecture: the process's engine
+    leaves, treedef = jax.tree.flatten(models.actor.params)  # the adapters (B starts at 0: make them count)
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    adapters = jax.tree.unflatten(treedef, [x + 0.3 * jax.random.normal(k, x.shape, x.dtype)
+                                            for x, k in zip(leaves, keys)])
+    weights = nnx.merge_state(models.actor.frozen, adapters)  # what collection samples with (TrainState.weights)
+    graphdef, bucket = build.sampling_graphdef(cfg, models.policy), cfg.rollout.prompt_bucket
+    params = sampling_params(cfg, setup.tokenizer, greedy_baseline=True)
+    jppo = JppoEngine(None).sampler(graphdef, setup.tokenizer.pad_id, setup.mesh, params, bucket)
+    vllm = setup.engine.sampler(graphdef, setup.tokenizer.pad_id, setup.mesh, params, bucket)
+    key = jax.random.key(0)
+    ours, theirs, base = (jppo(weights, setup.prompts, key), vllm(weights, setup.prompts, key),
+                          jppo(nnx.merge_state(models.actor.frozen, models.actor.params), setup.prompts, key))
+    assert not np.array_equal(ours.response_ids, base.response_ids)  # the adapters change the policy
+    np.testing.assert_array_equal(theirs.response_ids, ours.response_ids)
+    np.testing.assert_array_equal(theirs.response_mask, ours.response_mask)
 
 
 def test_a_grpo_run_with_vllm_learns_and_measures_the_engine_trainer_gap(setup, tmp_path):
