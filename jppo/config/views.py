@@ -27,6 +27,7 @@ from jppo.rewards.kl_penalty import AdaptiveKLController, FixedKLController
 from jppo.models.config import ModelConfig
 from jppo.models.hf import read_config
 from jppo.rollout.decode import SamplingParams
+from jppo.rollout.sampler import EngineSpec
 
 if TYPE_CHECKING:  # annotations only: the tokenizers come from jppo.data at run time
     from jppo.data import Tokenizer
@@ -117,6 +118,23 @@ def sampling_config(cfg: TrainConfig, config: ModelConfig) -> ModelConfig:
     """The policy's architecture ``config`` as the sampler runs it: computing (and caching keys and values) in
     ``rollout.dtype``, by default the policy's own compute dtype."""
     return dataclasses.replace(config, dtype=cfg.rollout.dtype or config.dtype)
+
+
+def engine_spec(cfg: TrainConfig, policy) -> EngineSpec:
+    """What ``rollout.engine`` starts with: the policy's architecture as the sampler runs it, the longest context
+    a request reaches (``data.max_prompt_length + rollout.max_response_length``; with ``rollout.env`` a turn's
+    context already holds up to ``max_response_length`` tokens of earlier turns and observations, and samples that
+    many more), ``trainer.seed``, the engine's options (``rollout.<engine>``, when the schema has them) and the
+    ``policy`` module itself."""
+    turns = 2 if cfg.rollout.env is not None else 1
+    context = cfg.data.max_prompt_length + turns * cfg.rollout.max_response_length
+    options = getattr(cfg.rollout, cfg.rollout.engine, None)
+    model = None if policy is None else sampling_config(cfg, policy.config)
+    return EngineSpec(model, context, cfg.trainer.seed, options, policy)
+
+
+# the keys of EngineSpec.max_model_len, for messages
+CONTEXT_KEYS = "data.max_prompt_length + rollout.max_response_length (x 2 with rollout.env)"
 
 
 # The sampler's settings (SamplingParams fields) and the config keys that give them, per use.

@@ -137,3 +137,11 @@ def sum_over_processes(values) -> np.ndarray:
     if jax.process_count() == 1:
         return np.asarray(values)
     return np.sum(multihost_utils.process_allgather(np.asarray(values)), axis=0)
+
+
+def gather_to_host(array: jax.Array) -> np.ndarray:
+    """The whole of ``array`` on this host: its shards assembled (from every process when some are remote); a
+    single-device CPU array comes back without a copy."""
+    if array.is_fully_addressable:
+        return np.asarray(jax.device_get(array))
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))

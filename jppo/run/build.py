@@ -17,12 +17,13 @@ from jax.sharding import Mesh
 
 from jppo.config import RANDOM_MODEL, ConfigError, TrainConfig
 from jppo.config.views import (
-    CHECKPOINT_OVERRIDES, checkpoint_overrides, random_model_config, sampling_config, tokenizer_spec,
+    CHECKPOINT_OVERRIDES, checkpoint_overrides, engine_spec, random_model_config, sampling_config, tokenizer_spec,
 )
 from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
 from jppo.models import CausalLM, ValueModel, create_model, load_pretrained, read_config
 from jppo.models.lora import LoRAConfig, attach_lora, trainable_filter
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
+from jppo.rollout import ROLLOUT_ENGINES
 from jppo.rollout.env import EnvFactory, load_env, stop_token_ids
 
 log = logging.getLogger("jppo.run.build")
@@ -79,6 +80,12 @@ def sampling_graphdef(cfg: TrainConfig, policy: CausalLM) -> nnx.GraphDef:
         return attach_lora(model, cfg.actor.lora, 0) if has_adapters(policy) else model  # the adapters too
 
     return nnx.split(nnx.eval_shape(structure), nnx.Param)[0]
+
+
+def rollout_engine(cfg: TrainConfig, policy: CausalLM):
+    """``rollout.engine`` started for ``policy`` (:data:`jppo.rollout.ROLLOUT_ENGINES`); what it cannot run (vLLM
+    missing, a model it cannot load) is a one-line :class:`ConfigError`, before anything is compiled."""
+    return ROLLOUT_ENGINES.lookup(cfg.rollout.engine)(engine_spec(cfg, policy))
 
 
 def build_critic(cfg: TrainConfig, policy: CausalLM, mesh: Mesh, seed: Optional[int] = None) -> ValueModel:

@@ -21,14 +21,13 @@ import logging
 from typing import Callable, Optional, Sequence
 
 import jax
-import numpy as np
 from etils import epath
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jppo.run import build
 from jppo.parallel import distributed
+from jppo.parallel.hostlocal import gather_to_host
 from jppo.run.checkpoint import CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint
 from jppo.run.collect import Collector, collect
 from jppo.runlog.timing import PhaseTimer
@@ -78,6 +77,7 @@ def setup(
     collector = Collector.create(
         cfg, mesh, inputs, graphdef, critic_graphdef, models.reference,
         sampling=build.sampling_graphdef(cfg, models.policy), base=models.base,
+        engine=build.rollout_engine(cfg, models.policy),
     )
     return state, collector, Learner.create(cfg, mesh, graphdef, critic_graphdef), graphdef
 
@@ -211,8 +211,3 @@ def export(
     if jax.process_index() == 0:
         export_policy(merged_policy(nnx.merge(graphdef, params)), cfg, tokenizer, path)
 
-
-def gather_to_host(array: jax.Array) -> np.ndarray:
-    if array.is_fully_addressable:
-        return np.asarray(jax.device_get(array))
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
