@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from jppo.models.config import ModelConfig
+from jppo.models.context import context_parallel, sequence_attention
 from jppo.models.layers import (
     apply_rope,
     attention,
@@ -185,6 +186,13 @@ class DecoderLayers(nnx.Module):
         attend = lambda q, k, v: (attention(q, k, v, mask, self.config.attention), None)  # noqa: E731
         return self._scan(hidden, rope, attend)[0]
 
+    def context_parallel(self, hidden: Array, rope: tuple[Array, Array], segment_ids: Array) -> Array:
+        """:meth:`__call__` with the tokens split over the ``sequence`` mesh axis (:mod:`jppo.models.context`): the
+        packed-row mask of ``segment_ids [B, T]``, each shard's queries over the gathered keys."""
+        implementation = self.config.attention
+        attend = lambda q, k, v: (sequence_attention(q, k, v, segment_ids, implementation), None)  # noqa: E731
+        return self._scan(hidden, rope, attend)[0]
+
     def prefill(self, hidden: Array, rope: tuple[Array, Array], mask: Array) -> tuple[Array, tuple[Array, Array]]:
         """:meth:`__call__` that also returns every layer's keys and values, ``[L, B, K, T, E]`` each (heads
         before slots, the layout :func:`decode_attention` contracts without a transpose)."""
@@ -273,6 +281,8 @@ class Decoder(nnx.Module):
     def __call__(self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
         positions, segment_ids = _check_inputs(input_ids, positions, segment_ids)
         hidden, rope = self._embed(input_ids, positions)
+        if context_parallel(input_ids.shape[1]):
+            return self._norm(self.layers.context_parallel(hidden, rope, segment_ids))
         mask = attention_mask(segment_ids, jnp.arange(input_ids.shape[1]), segment_ids)
         return self._norm(self.layers(hidden, rope, mask))
 
