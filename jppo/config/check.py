@@ -382,7 +382,7 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
         raise ConfigError(
             f"rollout.log_prob_micro_batch_size={forward} must divide the {sequences // shards} sequences per batch shard"
         )
-    longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    bucket, response = cfg.rollout.prompt_bucket, cfg.rollout.max_response_length
     for role in cfg.roles:
         view = engine_view(cfg, role)
         as_written = (f"{role}.ppo_mini_batch_size={getattr(cfg, role).ppo_mini_batch_size} (prompts) x "
@@ -391,9 +391,10 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
             check_batch_sizes(view, sequences, shards, role, as_written)
         except ValueError as error:
             raise ConfigError(one_line(error)) from None
-        # context parallelism: every row of the role's passes (its token budget, or prompt + response) splits evenly
-        width, key = ((view.ppo_max_token_len, f"{role}.ppo_max_token_len") if view.use_dynamic_bsz else
-                      (longest, "data.max_prompt_length + rollout.max_response_length"))
-        if width % shape[3]:
-            raise ConfigError(f"mesh.sequence={shape[3]} does not divide {key} = {width} tokens ({role}'s rows)")
+        # context parallelism: every row of the role's passes (its token budget, or bucketed prompt + response) splits
+        sizes = ({f"{role}.ppo_max_token_len": view.ppo_max_token_len} if view.use_dynamic_bsz else
+                 {"rollout.prompt_bucket": bucket, "rollout.max_response_length": response})
+        if any(size % shape[3] for size in sizes.values()):
+            raise ConfigError(f"mesh.sequence={shape[3]} must divide " + " and ".join(
+                f"{key}={size}" for key, size in sizes.items()) + f": it splits the tokens of each of {role}'s rows")
     return shape

@@ -39,12 +39,17 @@ from jppo.parallel.mesh import SEQUENCE_AXIS, fitted_spec, sequence_shards
 Array = jax.Array
 
 
-def context_parallel(length: int) -> bool:
-    """Whether rows of ``length`` tokens are split over the ``sequence`` axis of the mesh set at trace time: the
-    axis is larger than 1 and divides them (otherwise the rule table leaves the tokens whole)."""
+def sequence_shards_of(length: int) -> int:
+    """Into how many blocks rows of ``length`` tokens are split over the ``sequence`` axis of the mesh set at trace
+    time: the axis' size where it divides them, else 1 (the rule table leaves the tokens whole)."""
     mesh = jax.sharding.get_abstract_mesh()
     shards = 1 if mesh.empty else sequence_shards(dict(mesh.shape))
-    return shards > 1 and length % shards == 0
+    return shards if length % shards == 0 else 1
+
+
+def context_parallel(length: int) -> bool:
+    """Whether rows of ``length`` tokens are split over the ``sequence`` axis (:func:`sequence_shards_of` > 1)."""
+    return sequence_shards_of(length) > 1
 
 
 def sequence_attention(query: Array, key: Array, value: Array, segment_ids: Array, implementation: str) -> Array:
