@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from engine_cases import ragged_batch, reference_step, tiny_config
+from engine_cases import mesh_of, ragged_batch, reference_step, tiny_config
 from jppo import plan
 from jppo.run import memory
 from jppo.config import ConfigError, check_mesh, load_config
@@ -31,7 +31,6 @@ from jppo.models.decoder import CausalLM
 from jppo.models.log_probs import token_log_probs
 from jppo.models.sharding import create_model
 from jppo.models.value import ValueModel
-from jppo.parallel.mesh import make_mesh
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 SGD = OptimConfig(name="sgd", lr=0.5, grad_clip=0.0)
@@ -42,10 +41,6 @@ C = 8.0  # loss_scale_factor: the response width
 def x64():
     with jax.enable_x64(True):
         yield
-
-
-def mesh_of(shape):
-    return make_mesh(*shape, devices=jax.devices()[: int(np.prod(shape))])
 
 
 @pytest.fixture
