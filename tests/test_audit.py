@@ -65,7 +65,8 @@ def test_audit_reports_the_legacy_split_dependence_of_each_role(capsys):
     assert main(["--config", CONFIG, "--quick", *SMALL, *four, *legacy]) == 1
     out = capsys.readouterr().out
     actor, critic = first_step_diffs(out, "actor"), first_step_diffs(out, "critic")
-    assert len(actor) == len(critic) == 5 + 2  # one device: 5 cuts; (2, 2, 2): 2
+    # one device: 5 cuts; (2, 2, 2, 1): 2; the context-parallel (4, 1, 1, 2): 1
+    assert len(actor) == len(critic) == 5 + 2 + 1
     # the critic's legacy mode inflates by K (up to 4 here); the actor's averages micro-batch means, which only
     # reweighs tokens: split-dependent, far beyond rounding, but not inflated
     assert max(critic) > 1.0 and max(actor) > 1e-3
