@@ -15,9 +15,12 @@ SMALL = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_
 
 def test_mesh_shapes_cover_every_factorization_whose_shards_divide_the_batch():
     assert set(mesh_shapes(8, 8)) == {
-        (1, 1, 8), (1, 2, 4), (2, 1, 4), (1, 4, 2), (2, 2, 2), (4, 1, 2), (1, 8, 1), (2, 4, 1), (4, 2, 1), (8, 1, 1)
+        (1, 1, 8, 1), (1, 2, 4, 1), (2, 1, 4, 1), (1, 4, 2, 1), (2, 2, 2, 1), (4, 1, 2, 1), (1, 8, 1, 1), (2, 4, 1, 1),
+        (4, 2, 1, 1), (8, 1, 1, 1),
+        (4, 1, 1, 2), (2, 1, 2, 2),  # context parallel: the tokens of each row over two devices
     }
-    assert (4, 1, 1) not in mesh_shapes(4, 2) and (2, 1, 2) in mesh_shapes(4, 2)
+    assert (4, 1, 1, 1) not in mesh_shapes(4, 2) and (2, 1, 2, 1) in mesh_shapes(4, 2)
+    assert (2, 1, 1, 2) in mesh_shapes(4, 2) and not any(shape[3] > 1 for shape in mesh_shapes(3, 3))
 
 
 def last_values(out: str) -> dict[str, float]:
@@ -34,9 +37,11 @@ def test_audit_passes_the_quickstart_config(capsys):
     assert values["max_rel_first_step_grad_diff"] <= 1e-5
     assert values["max_rel_grad_diff"] <= 1e-4 and values["max_rel_metric_diff"] <= 1e-4
     rows = [line for line in lines if line.startswith(("actor ", "critic "))]
-    # one device: 5 cuts; (8,1,1) and (2,2,2): 2 cuts each; for both models
-    assert len(rows) == 2 * (5 + 2 + 2)
-    assert any("tokens<=" in row and "(2, 2, 2)" in row for row in rows)
+    # one device: 5 cuts; (8,1,1,1) and (2,2,2,1): 2 cuts each; the context-parallel (4,1,1,2): the tight budget;
+    # for both models
+    assert len(rows) == 2 * (5 + 2 + 2 + 1)
+    assert any("tokens<=" in row and "(2, 2, 2, 1)" in row for row in rows)
+    assert sum("(4, 1, 1, 2)" in row and "tokens<=" in row for row in rows) == 2
     # a whole training step: 16 prompts in mini-batches of 8, two epochs
     assert "4 actor optimizer steps, 4 critic" in lines[0]
 
@@ -60,7 +65,8 @@ def test_audit_reports_the_legacy_split_dependence_of_each_role(capsys):
     assert main(["--config", CONFIG, "--quick", *SMALL, *four, *legacy]) == 1
     out = capsys.readouterr().out
     actor, critic = first_step_diffs(out, "actor"), first_step_diffs(out, "critic")
-    assert len(actor) == len(critic) == 5 + 2  # one device: 5 cuts; (2, 2, 2): 2
+    # one device: 5 cuts; (2, 2, 2, 1): 2; the context-parallel (4, 1, 1, 2): 1
+    assert len(actor) == len(critic) == 5 + 2 + 1
     # the critic's legacy mode inflates by K (up to 4 here); the actor's averages micro-batch means, which only
     # reweighs tokens: split-dependent, far beyond rounding, but not inflated
     assert max(critic) > 1.0 and max(actor) > 1e-3

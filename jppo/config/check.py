@@ -354,35 +354,30 @@ def _check_batch_sizes(cfg: TrainConfig) -> None:
             )
 
 
-def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tuple[int, int, int]:
+def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tuple[int, int, int, int]:
     """The mesh shape for ``num_devices``, and every batch size checked against the batch shards it implies: the
     engine's own check on the engine's view of each role, its messages naming the sizes as the user wrote them."""
     try:
-        shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices)
+        shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices, cfg.mesh.sequence)
     except ValueError as error:
         raise ConfigError(one_line(error)) from None
     _check_heads(cfg, shape[2])
     shards, sequences = shape[0] * shape[1], rollout_sequences(cfg)
     if sequences % shards:
-        raise ConfigError(
-            f"data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n} = {sequences} sequences "
-            f"do not split over {shards} batch shards (mesh.data x mesh.fsdp)"
-        )
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n} = "
+                          f"{sequences} sequences do not split over {shards} batch shards (mesh.data x mesh.fsdp)")
     if num_processes > 1 and cfg.algorithm.filter_groups.enable:
-        raise ConfigError(
-            f"algorithm.filter_groups.enable=True runs in one process only (this run has {num_processes}): each "
-            "process would keep different prompts"
-        )
+        raise ConfigError(f"algorithm.filter_groups.enable=True runs in one process only (this run has "
+                          f"{num_processes}): each process would keep different prompts")
     if num_processes > 1 and cfg.data.train_batch_size % shards:
-        raise ConfigError(
-            f"data.train_batch_size={cfg.data.train_batch_size} prompts do not split over {shards} batch shards: with "
-            f"{num_processes} processes every process must hold whole prompts"
-        )
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} prompts do not split over {shards} batch "
+                          f"shards: with {num_processes} processes every process must hold whole prompts")
     forward = cfg.rollout.log_prob_micro_batch_size
     if forward is not None and (forward < 1 or (sequences // shards) % forward):
         raise ConfigError(
             f"rollout.log_prob_micro_batch_size={forward} must divide the {sequences // shards} sequences per batch shard"
         )
+    bucket, response = cfg.rollout.prompt_bucket, cfg.rollout.max_response_length
     for role in cfg.roles:
         view = engine_view(cfg, role)
         as_written = (f"{role}.ppo_mini_batch_size={getattr(cfg, role).ppo_mini_batch_size} (prompts) x "
@@ -391,6 +386,12 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
             check_batch_sizes(view, sequences, shards, role, as_written)
         except ValueError as error:
             raise ConfigError(one_line(error)) from None
+        # context parallelism: every row of the role's passes (its token budget, or bucketed prompt + response) splits
+        sizes = ({f"{role}.ppo_max_token_len": view.ppo_max_token_len} if view.use_dynamic_bsz else
+                 {"rollout.prompt_bucket": bucket, "rollout.max_response_length": response})
+        if any(size % shape[3] for size in sizes.values()):
+            raise ConfigError(f"mesh.sequence={shape[3]} must divide " + " and ".join(
+                f"{key}={size}" for key, size in sizes.items()) + f": it splits the tokens of each of {role}'s rows")
     return shape
 
 

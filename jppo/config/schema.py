@@ -208,11 +208,13 @@ class AlgorithmSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
-    """Mesh shape; one axis may be -1 (the remaining devices). Batch rows shard over data x fsdp."""
+    """Mesh shape; one axis may be -1 (the remaining devices). Batch rows shard over data x fsdp, the tokens of each
+    packed row of the updates and log-prob/value passes over sequence (the sampler's rows over data x fsdp only)."""
 
     data: int = -1  # devices along the data axis (replicas of the parameters, rows of the batch); -1: the rest
     fsdp: int = 1  # devices along the fsdp axis: rows of the batch and shards of the parameters
     tensor: int = 1  # devices along the tensor axis: shards of the hidden, head and vocabulary dimensions
+    sequence: int = 1  # devices along the sequence axis (context parallelism): contiguous blocks of each row's tokens
 
 
 @dataclasses.dataclass(frozen=True)

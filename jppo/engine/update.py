@@ -44,7 +44,7 @@ from jppo.core.experience import Experience
 from jppo.losses import actor_loss, value_loss
 from jppo.losses.policy import PolicyLossOptions, check_policy_options
 from jppo.core.masked import NormStats, global_norm_stats
-from jppo.parallel.mesh import BATCH_AXES
+from jppo.parallel.mesh import BATCH_AXES, ROW_AXES, SEQUENCE_AXIS, sequence_shards
 from jppo.engine.microbatch import MicroBatches
 from jppo.models.log_probs import token_log_probs
 
@@ -126,14 +126,19 @@ def _accumulator_dtype(params: nnx.State) -> jnp.dtype:
 
 
 def mini_batch_norm_stats(response_mask: jax.Array, loss_scale_factor: float, mesh: Mesh) -> NormStats:
-    """Whole-mini-batch N and S: each shard counts its own ``[K, 1, S, L]`` block, ``psum`` over the batch axes;
-    C is the update's ``loss_scale_factor`` (:func:`micro_batch_gradient` passes its config's)."""
+    """Whole-mini-batch N and S: each shard counts its own ``[K, 1, S, L / sequence]`` block, ``psum`` over the
+    batch axes (a row's tokens summed over the sequence axis before the row is counted); C is the update's
+    ``loss_scale_factor`` (:func:`micro_batch_gradient` passes its config's). A response width the sequence axis
+    does not divide stays whole on every shard of that axis, counted once."""
+    split = sequence_shards(mesh.shape) > 1 and response_mask.shape[-1] % sequence_shards(mesh.shape) == 0
+    tokens = SEQUENCE_AXIS if split else None
+    axes = BATCH_AXES if split else ROW_AXES
 
     def local_then_psum(mask):
-        return global_norm_stats(mask.reshape(-1, mask.shape[-1]), loss_scale_factor, axis_name=BATCH_AXES)
+        return global_norm_stats(mask.reshape(-1, mask.shape[-1]), loss_scale_factor, axis_name=axes, token_axis=tokens)
 
     return jax.shard_map(
-        local_then_psum, mesh=mesh, in_specs=PartitionSpec(None, BATCH_AXES), out_specs=PartitionSpec()
+        local_then_psum, mesh=mesh, in_specs=PartitionSpec(None, ROW_AXES, None, tokens), out_specs=PartitionSpec()
     )(response_mask)
 
 

@@ -43,6 +43,7 @@ from flax import nnx, struct
 
 from jppo.models.attention import AttentionRule
 from jppo.models.config import ModelConfig
+from jppo.models.context import context_parallel, sequence_attention
 from jppo.models.layers import (
     RESPONSE_BLOCKS, apply_rope, attention, decode_attention, dense, response_blocks, rms_norm, rope_tables, swiglu,
     wide,
@@ -184,6 +185,17 @@ class DecoderLayers(nnx.Module):
         attend = lambda q, k, v: (self._attention(q, k, v, rule), None)  # noqa: E731
         return self._scan(hidden, rope, attend)[0]
 
+    def context_parallel(self, hidden: Array, rope: tuple[Array, Array], segment_ids: Array) -> Array:
+        """:meth:`__call__` with the tokens split over the ``sequence`` mesh axis (:mod:`jppo.models.context`): the
+        packed rows of ``segment_ids [B, T]``, each shard's queries over the gathered keys."""
+        config = self.config
+        blocks = (config.attention_block_q, config.attention_block_kv)
+
+        def attend(q, k, v):
+            return sequence_attention(q, k, v, segment_ids, config.attention, blocks), None
+
+        return self._scan(hidden, rope, attend)[0]
+
     def prefill(self, hidden: Array, rope: tuple[Array, Array], rule: AttentionRule,
                 layers: tuple | None = None) -> tuple[Array, tuple[Array, Array]]:
         """:meth:`__call__` that also returns every layer's keys and values, ``[L, B, K, T, E]`` each (heads
@@ -282,6 +294,8 @@ class Decoder(nnx.Module):
     def __call__(self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
         positions, segment_ids = _check_inputs(input_ids, positions, segment_ids)
         hidden, rope = self._embed(input_ids, positions)
+        if context_parallel(input_ids.shape[1]):
+            return self._norm(self.layers.context_parallel(hidden, rope, segment_ids))
         return self._norm(self.layers(hidden, rope, AttentionRule.packed(segment_ids)))
 
     def prefill(self, input_ids: Array, positions: Array, segment_ids: Array,

@@ -127,7 +127,7 @@ def restore(
 
 
 def run(
-    cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: build.RunInputs,
+    cfg: TrainConfig, mesh_shape: tuple[int, int, int, int], inputs: build.RunInputs,
     devices: Optional[Sequence[jax.Device]] = None,
 ) -> dict[str, float]:
     """Trains to ``trainer.total_steps`` on ``devices`` (default: all), resuming when a checkpoint exists; returns

@@ -22,19 +22,20 @@ optimizer state        ``t a (2 + 1)``: AdamW's two moments and ``optax.MultiSte
 gradients              ``t p``: the gradient of one micro-batch, before it is added to the accumulator
 weights in use         ``(V' D + one layer's weights / mesh.tensor) c``: the embedding table and a layer's
                        weights cast to the compute dtype (and gathered over ``fsdp``) while they are used
-activations            ``r w (L s + x) + b`` for ``r`` rows of ``w`` tokens per device in one micro-batch
-                       (fixed: ``r = ppo_micro_batch_size``, ``w = bucket(max_prompt_length) +
-                       max_response_length``; token budget: ``r = 1``, ``w = ppo_max_token_len``). ``x``: what a
-                       layer keeps for its backward pass per token, ``c (4 D + 3 H'E + 3 K'E + 4 F') + a (2 D +
-                       H'E + K'E) + (2 a + c) H' w`` (the last term: the unfused attention's scores and
-                       probabilities, ``w`` keys per query; attention in blocks, ``model.attention: blockwise |
-                       pallas`` or ``auto`` on long rows, keeps ``a H'`` instead, its log-sum-exp, and works in
-                       ``b = (2 a + c) r H' min(b_q, w) min(b_kv, w)`` for one block pair at a time, ``b_q``,
-                       ``b_kv`` its block sizes; ``b = 0`` otherwise: activations linear in ``w``); ``s = x``
-                       without remat, ``s = c D`` (the layer's input only) with ``model.remat``, then one layer
-                       is recomputed at a time (``+ x``)
+activations            ``r (w / q) (L s + x) + b`` for ``r`` rows of ``w`` tokens in one micro-batch, ``w / q`` of
+                       them on each device (fixed: ``r = ppo_micro_batch_size``, ``w = bucket(max_prompt_length) +
+                       max_response_length``; token budget: ``r = 1``, ``w = ppo_max_token_len``; ``q`` =
+                       ``mesh.sequence``, which splits each row's tokens). ``x``: what a layer keeps for its backward
+                       pass per token, ``c (4 D + 3 H'E + 3 K'E + 4 F') + a (2 D + H'E + K'E) + (2 a + c) H' w +
+                       2 (q - 1) K'E c`` (the third term: the unfused attention's scores and probabilities, ``w``
+                       keys per query; attention in blocks, ``model.attention: blockwise | pallas`` or ``auto`` on
+                       long rows, keeps ``a H'`` instead, its log-sum-exp, and works in ``b = (2 a + c) r H'
+                       min(b_q, w / q) min(b_kv, w)`` for one block pair at a time, ``b_q``, ``b_kv`` its block
+                       sizes; ``b = 0`` otherwise; the last term: the keys and values gathered from the other
+                       shards of the row); ``s = x`` without remat, ``s = c D`` (the layer's input only) with
+                       ``model.remat``, then one layer is recomputed at a time (``+ x``)
 log-prob logits        ``3 r k V' a`` (actor only): the float32 logits of one chunk of ``k = min(
-                       log_prob_chunk_size, w)`` positions, their softmax and their gradient
+                       log_prob_chunk_size, w / q)`` positions, their softmax and their gradient
 optimizer step         ``4 t a``: the temporaries of applying the accumulated gradient (the last micro-batch's
                        gradient, the accumulated sum, the update, the new moments one after the other): XLA's
                        ``memory_analysis()`` of the update reports exactly ``4 n a`` of temporaries when the
@@ -73,7 +74,7 @@ import pathlib
 from typing import Optional, Sequence
 
 from jppo.config import TrainConfig
-from jppo.parallel.mesh import MESH_AXES, fitted_spec
+from jppo.parallel.mesh import MESH_AXES, fitted_spec, sequence_shards
 from jppo.models.config import DTYPES, ModelConfig
 from jppo.rollout.multiturn import longest_context
 from jppo.rollout.decode import decode_rows
@@ -223,7 +224,7 @@ def linear_attention(m: ModelConfig, width: int) -> bool:
 
 
 def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int]) -> int:
-    """``x``: what one layer keeps for its backward pass per token (see the module docstring)."""
+    """``x``: what one layer keeps for its backward pass per token of a row of ``width`` (module docstring)."""
     c, a = dtype_bytes(m.dtype), ACCUMULATOR_BYTES
     heads, d = split(m.num_heads, mesh), m.hidden_size
     q, kv, f = heads * m.head_dim, split(m.num_kv_heads, mesh) * m.head_dim, split(m.intermediate_size, mesh)
@@ -231,7 +232,15 @@ def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int]) -> i
         attention = a * heads  # the log-sum-exp of each query head, all the blocked backward pass keeps
     else:
         attention = (2 * a + c) * heads * width  # scores and probabilities (float32), probabilities cast back
-    return c * (4 * d + 3 * q + 3 * kv + 4 * f) + a * (2 * d + q + kv) + attention
+    gathered = 2 * (row_split(width, mesh) - 1) * kv * c  # the row's other keys and values, per local token
+    return c * (4 * d + 3 * q + 3 * kv + 4 * f) + a * (2 * d + q + kv) + attention + gathered
+
+
+def row_split(width: int, mesh: dict[str, int]) -> int:
+    """``q``: into how many blocks ``mesh.sequence`` splits a row of ``width`` tokens (1 where it does not divide:
+    the rule table then leaves the row whole)."""
+    shards = sequence_shards(mesh)
+    return shards if width % shards == 0 else 1
 
 
 def attention_block_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int]) -> int:
@@ -240,19 +249,22 @@ def attention_block_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str,
     if not linear_attention(m, width):
         return 0
     c, a, heads = dtype_bytes(m.dtype), ACCUMULATOR_BYTES, split(m.num_heads, mesh)
-    return (2 * a + c) * rows * heads * min(m.attention_block_q, width) * min(m.attention_block_kv, width)
+    local = width // row_split(width, mesh)
+    return (2 * a + c) * rows * heads * min(m.attention_block_q, local) * min(m.attention_block_kv, width)
 
 
 def activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int]) -> int:
-    """Activations one micro-batch of ``rows x width`` tokens per device keeps for its backward pass."""
+    """Activations one micro-batch of ``rows x width`` tokens keeps on one device for its backward pass."""
     per_layer = layer_bytes_per_token(m, width, mesh)
     kept = dtype_bytes(m.dtype) * m.hidden_size if m.remat else per_layer
     recomputed = per_layer if m.remat else 0
-    return rows * width * (m.num_layers * kept + recomputed) + attention_block_bytes(m, rows, width, mesh)
+    local = width // row_split(width, mesh)
+    return rows * local * (m.num_layers * kept + recomputed) + attention_block_bytes(m, rows, width, mesh)
 
 
 def logits_bytes(m: ModelConfig, rows: int, width: int, chunk_size: int, mesh: dict[str, int]) -> int:
-    return LOGIT_COPIES * rows * min(chunk_size, width) * split(m.vocab_size, mesh) * ACCUMULATOR_BYTES
+    local = width // row_split(width, mesh)
+    return LOGIT_COPIES * rows * min(chunk_size, local) * split(m.vocab_size, mesh) * ACCUMULATOR_BYTES
 
 
 def weights_in_use_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
@@ -370,12 +382,14 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> MemoryPlan:
             Term(f"gradients/{role}", n * p, f"t x p={p}"),
             Term(f"weights_in_use/{role}", weights_in_use_bytes(policy, mesh), "(V'D + layer/tensor) x c"),
             Term(f"activations/{role}", activation_bytes(policy, r, w, mesh),
-                 f"r={r} x w={w} x (L s + x){' + b' if linear_attention(policy, w) else ''}"
+                 f"r={r} x w={w}{f' / q={row_split(w, mesh)}' if row_split(w, mesh) > 1 else ''} x (L s + x)"
+                 f"{' + b' if linear_attention(policy, w) else ''}"
                  f"{' remat' if policy.remat else ''}"),
         ]
         if role == "actor":
             chunk = cfg.actor.log_prob_chunk_size
-            terms.append(Term("logits/actor", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={min(chunk, w)} V' a"))
+            k = min(chunk, w // row_split(w, mesh))
+            terms.append(Term("logits/actor", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={k} V' a"))
         updates[f"{role} backward"] = tuple(terms)
         copies = OPTIMIZER_STEP_COPIES
         updates[f"{role} optimizer step"] = (Term(f"optimizer_step/{role}", n * a * copies, f"t x a x {copies}"),)
