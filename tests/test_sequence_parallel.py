@@ -7,6 +7,7 @@ gradients of a row's shards; XLA sums partial products in another order): rtol 1
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import chex
@@ -72,11 +73,13 @@ def packed_rows(seed: int = 0):
     return ids, positions, segments, weights
 
 
-def log_prob_value_and_grad(mesh):
+def log_prob_value_and_grad(mesh, **attention):
     """``sum(w1 log_prob + w2 entropy)`` over the packed rows, with its gradient, on ``mesh`` (5-position chunks:
-    a shard's block of 12 or 6 tokens is not a multiple of the chunk)."""
+    a shard's block of 12 or 6 tokens is not a multiple of the chunk); ``attention``: ModelConfig's attention
+    keys."""
     ids, positions, segments, weights = packed_rows()
-    graphdef, params = nnx.split(create_model(CausalLM, tiny_config(), mesh, seed=0), nnx.Param)
+    config = dataclasses.replace(tiny_config(), **attention)
+    graphdef, params = nnx.split(create_model(CausalLM, config, mesh, seed=0), nnx.Param)
 
     def loss(params):
         model = nnx.merge(graphdef, params)
@@ -94,11 +97,16 @@ def one_device():
         return log_prob_value_and_grad(mesh_of((1, 1, 1, 1)))
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 1, 4), (1, 1, 2, 2)])  # heads split over tensor in the second
+# heads split over tensor in the second; the third: blockwise attention on each shard's slice of the rows (blocks
+# of 8 queries and 8 keys: a shard's 12 queries, 2 blocks of them, against 24 keys, some pairs invisible, skipped)
+@pytest.mark.parametrize("shape, attention", [
+    ((2, 1, 1, 4), {}), ((1, 1, 2, 2), {}),
+    ((1, 1, 1, 2), dict(attention="blockwise", attention_block_q=8, attention_block_kv=8)),
+])
 def test_packed_rows_split_over_the_sequence_axis_give_the_one_device_log_probs_and_gradients(
-    shape, one_device, traced
+    shape, attention, one_device, traced
 ):
-    (value, (log_probs, entropy)), grads = log_prob_value_and_grad(mesh_of(shape))
+    (value, (log_probs, entropy)), grads = log_prob_value_and_grad(mesh_of(shape), **attention)
     assert traced and all(q[1] == 24 for q in traced)  # the queries' global shape; each shard holds 24 / sequence
     (ref_value, (ref_log_probs, ref_entropy)), ref_grads = one_device
     valid = packed_rows()[2] > 0

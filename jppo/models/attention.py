@@ -71,6 +71,25 @@ def _visible(query_segments: Array, query_slots: Array, key_segments: Array, key
     return (same & causal & (query_segments != 0)[:, :, None])[:, None, None]
 
 
+def _varying(tree, *sources):
+    """``tree`` marked as varying over every manual mesh axis one of ``sources`` varies over. Inside ``shard_map``
+    (context parallelism calls this kernel on each shard's slice of the rows) a loop's initial carry must have the
+    type its body gives it, and the skipped branch of a block's ``lax.cond`` returns the carry unchanged; outside
+    ``shard_map`` nothing varies and ``tree`` is returned as it is."""
+    def vma(x) -> frozenset:  # the axes a value varies over: jax 0.10 keeps them in manual_axis_type, later `vma`
+        aval = jax.typeof(x)
+        kind = getattr(aval, "manual_axis_type", None)
+        return kind.varying if kind is not None else getattr(aval, "vma", frozenset())
+
+    axes = frozenset().union(*(vma(x) for x in jax.tree.leaves(sources)))
+
+    def cast(x):
+        missing = tuple(sorted(axes - vma(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
 def _scores(query: Array, key: Array, visible: Array, precision) -> Array:
     """Scaled scores ``[B, K, G, q, s]`` of a query block ``[B, K, G, q, E]`` against a key block ``[B, K, s, E]``,
     the invisible ones replaced by the lowest float."""
@@ -110,6 +129,7 @@ def _forward(query, key, value, query_segments, query_slots, key_segments, key_s
             return jax.lax.cond(jnp.any(visible), visit, lambda carry: carry, carry)
 
         init = (jnp.full(stats, lowest, precision), jnp.zeros(stats, precision), jnp.zeros(q.shape, precision))
+        init = _varying(init, q, key, value, q_segments, q_slots, k_segments, k_slots)
         top, total, out = jax.lax.fori_loop(0, key.shape[0], key_block, init)
         seen = total > 0
         out = out / jnp.where(seen, total, 1.0)[..., None]
@@ -164,11 +184,12 @@ def _blocked_attention_bwd(residuals, d_out):
             return jax.lax.cond(jnp.any(visible), visit, lambda carry: carry, carry)
 
         zeros = jnp.zeros(k.shape, precision)
-        d_query, d_key, d_value = jax.lax.fori_loop(0, query.shape[0], query_block, (d_query, zeros, zeros))
+        init = _varying((d_query, zeros, zeros), inputs, q_segments, q_slots, queries, lses, d_outs, deltas)
+        d_query, d_key, d_value = jax.lax.fori_loop(0, query.shape[0], query_block, init)
         return d_query, (d_key.astype(key.dtype), d_value.astype(value.dtype))
 
-    d_query, (d_key, d_value) = jax.lax.scan(key_block, jnp.zeros(query.shape, precision),
-                                             (key, value, key_segments, key_slots))
+    d_query = _varying(jnp.zeros(query.shape, precision), residuals, d_out)
+    d_query, (d_key, d_value) = jax.lax.scan(key_block, d_query, (key, value, key_segments, key_slots))
     return d_query.astype(query.dtype), d_key, d_value, None, None, None, None
 
 
