@@ -135,6 +135,14 @@ def read_meta(path: str | os.PathLike) -> dict:
     return _read_path(path, ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
 
 
+def saved_tree(path: str | os.PathLike) -> PyTree:
+    """The structure of the state of the complete checkpoint directory ``path`` as nested dicts and lists (a
+    dataclass or named tuple as a dict of its fields), an array's metadata at each leaf and None where the saved
+    tree held None; no array is read."""
+    path = _complete_checkpoint(run_path(path), "checkpoint")
+    return ocp.PyTreeCheckpointHandler().metadata(path / STATE_ITEM).tree
+
+
 def _restore_args(target: PyTree) -> ocp.args.Composite:
     abstract = jax.tree_util.tree_map_with_path(_abstract_leaf, target)
     return ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract), META_ITEM: ocp.args.JsonRestore()})
