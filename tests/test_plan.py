@@ -138,8 +138,9 @@ def test_the_command_prints_a_table_and_refuses_a_bad_config(tmp_path, capsys):
 def test_applying_the_gradient_takes_the_planned_float32_copies_of_the_parameters(num_micro_batches):
     """XLA's own accounting of a compiled update, on a model whose parameters dwarf its activations (vocabulary
     16k, 8 tokens a row): the temporaries are the plan's ``OPTIMIZER_STEP_COPIES`` float32 copies of the parameters
-    (plus the activations, under 3% here), whatever the number of micro-batches. optax's where-based
-    ``apply_if_finite`` and ``MultiSteps.update`` took 6 copies with one micro-batch and 7 with two."""
+    (plus the activations, under 3% here) with an accumulator (K = 2), ``DIRECT_STEP_COPIES`` without one (K = 1).
+    optax's where-based ``apply_if_finite`` and ``MultiSteps.update`` took 6 copies with one micro-batch and 7 with
+    two."""
     from bench.actor_update import BatchShape, synthetic_batch
     from jppo.engine import ActorConfig, actor_loss_fn, make_update_step
     from jppo.engine.layout import place
@@ -159,4 +160,6 @@ def test_applying_the_gradient_takes_the_planned_float32_copies_of_the_parameter
     step = jax.jit(make_update_step(graphdef, actor_loss_fn(cfg), cfg, mesh, "actor"), donate_argnums=0)
     with jax.set_mesh(mesh):
         temporaries = step.lower(state, place(micro.device_arrays(), mesh)).compile().memory_analysis().temp_size_in_bytes
-    assert memory.OPTIMIZER_STEP_COPIES * parameter_bytes <= temporaries <= 1.03 * memory.OPTIMIZER_STEP_COPIES * parameter_bytes
+    copies = memory.OPTIMIZER_STEP_COPIES if num_micro_batches > 1 else memory.DIRECT_STEP_COPIES
+    assert (state.opt_state.acc_grads is None) == (num_micro_batches == 1)
+    assert copies * parameter_bytes <= temporaries <= 1.03 * copies * parameter_bytes

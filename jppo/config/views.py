@@ -117,6 +117,11 @@ def sampling_config(cfg: TrainConfig, config: ModelConfig) -> ModelConfig:
     return dataclasses.replace(config, dtype=cfg.rollout.dtype or config.dtype)
 
 
+def reference_param_dtype(cfg: TrainConfig) -> str:
+    """The dtype the KL reference's weights are kept in: ``ref.param_dtype``, by default the compute dtype."""
+    return cfg.ref.param_dtype or cfg.model.dtype
+
+
 # The sampler's settings (SamplingParams fields) and the config keys that give them, per use.
 SAMPLING_KEYS = {
     "training": {"n": "rollout.n", "temperature": "rollout.temperature", "top_k": "rollout.top_k",

@@ -145,7 +145,8 @@ def run(
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
     mesh = make_mesh(*mesh_shape, devices=devices)
-    manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep)
+    manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep,
+                                async_save=cfg.trainer.async_checkpoint)
     state, collector, learner, policy, record = restore(cfg, mesh, inputs, resume)
     if resume.checkpoint is not None:
         log.info("resumed from %s at step %d", resume.checkpoint, state.steps_done)
