@@ -1,5 +1,6 @@
 """``jppo.plan``: the memory plan agrees with what the trainer builds, and scales with the rows per device."""
 
+import json
 import math
 import pathlib
 
@@ -163,3 +164,27 @@ def test_applying_the_gradient_takes_the_planned_float32_copies_of_the_parameter
     copies = memory.OPTIMIZER_STEP_COPIES if num_micro_batches > 1 else memory.DIRECT_STEP_COPIES
     assert (state.opt_state.acc_grads is None) == (num_micro_batches == 1)
     assert copies * parameter_bytes <= temporaries <= 1.03 * copies * parameter_bytes
+
+
+def test_a_peak_over_what_jax_s_allocator_takes_warns_in_one_line(tmp_path, capsys, monkeypatch):
+    """JAX's allocator takes 0.75 of a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise: a
+    device just large enough at 0.75 passes, one just too small warns (one line, exit 0), and a smaller fraction
+    makes the larger one warn too. Without --device-memory the CPU reports no limit: no warning."""
+    args = ["--config", str(QUICKSTART), "--devices", "1", f"trainer.output_dir={tmp_path / 'run'}", "mesh.data=1"]
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert plan.main([*args, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    peak, enough = printed["peak_bytes"], printed["peak_bytes"] / 0.75 / 2**30
+    assert printed["allocator_bytes"] is None and not capsys.readouterr().err
+
+    def warning(device_gib: float) -> str:
+        assert plan.main([*args, "--device-memory", str(device_gib)]) == 0
+        return capsys.readouterr().err
+
+    assert warning(enough * 1.01) == ""
+    line = warning(enough * 0.99)
+    assert line.count("\n") == 1 and "exceeds" in line and memory.human(peak) in line
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in warning(enough * 1.01)
+    assert plan.main([*args, "--device-memory", "0"]) == 2
+    assert "--device-memory" in capsys.readouterr().err
