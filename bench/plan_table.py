@@ -30,22 +30,14 @@ DEVICES = (1, 2, 4, 8)
 LORA = ("actor.lora.rank=64", "actor.lora.alpha=128")
 
 # The shapes of each model's config.json (Hugging Face: Qwen/Qwen2.5-*-Instruct, meta-llama/Llama-3.1-8B-Instruct).
+FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "tie_word_embeddings", "rope_theta")
 MODELS = {
-    "Qwen2.5-0.5B": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         tie_word_embeddings=True, rope_theta=1000000.0),
-    "Qwen2.5-1.5B": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         tie_word_embeddings=True, rope_theta=1000000.0),
-    "Qwen2.5-3B": dict(model_type="qwen2", vocab_size=151936, hidden_size=2048, intermediate_size=11008,
-                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-                       tie_word_embeddings=True, rope_theta=1000000.0),
-    "Qwen2.5-7B": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       tie_word_embeddings=False, rope_theta=1000000.0),
-    "Llama-3.1-8B": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         tie_word_embeddings=False, rope_theta=500000.0),
+    "Qwen2.5-0.5B": ("qwen2", 151936, 896, 4864, 24, 14, 2, True, 1e6),
+    "Qwen2.5-1.5B": ("qwen2", 151936, 1536, 8960, 28, 12, 2, True, 1e6),
+    "Qwen2.5-3B": ("qwen2", 151936, 2048, 11008, 36, 16, 2, True, 1e6),
+    "Qwen2.5-7B": ("qwen2", 152064, 3584, 18944, 28, 28, 4, False, 1e6),
+    "Llama-3.1-8B": ("llama", 128256, 4096, 14336, 32, 32, 8, False, 5e5),
 }
 COMMON = dict(rms_norm_eps=1e-6, max_position_embeddings=32768, hidden_act="silu", torch_dtype="bfloat16")
 
@@ -56,7 +48,7 @@ def write_checkpoints(root: pathlib.Path) -> dict[str, pathlib.Path]:
     for name, shape in MODELS.items():
         path = root / name
         path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps(COMMON | shape))
+        (path / "config.json").write_text(json.dumps(COMMON | dict(zip(FIELDS, shape))))
         paths[name] = path
     (root / "prompts.jsonl").write_text(json.dumps({"prompt": "1 + 1 = ?", "answer": "#### 2"}) + "\n")
     return paths

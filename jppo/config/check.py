@@ -179,8 +179,7 @@ def _check_model(cfg: TrainConfig) -> None:
         if cfg.rollout.dtype is not None:
             _check_cudnn_dtype("rollout.dtype", cfg.rollout.dtype)
     _check_trained_param_dtype(cfg.model.param_dtype)
-    if cfg.ref.param_dtype is not None:  # never trained: half precision is fine
-        _choice("ref.param_dtype", cfg.ref.param_dtype, list(DTYPES))
+    _choice("ref.param_dtype", cfg.ref.param_dtype or cfg.model.dtype, list(DTYPES))  # never trained: any dtype
     if cfg.model.path is not None and not (pathlib.Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path={cfg.model.path!r}: no Hugging Face checkpoint (config.json) there")
     if cfg.model.path is None and cfg.model.tokenizer is None:
