@@ -11,7 +11,7 @@ from typing import Mapping, Optional, Sequence
 
 from jppo import cli
 from jppo.config import ConfigError, check_mesh
-from jppo.run.memory import MemoryPlan, as_json, human, memory_plan, table
+from jppo.run.memory import MemoryPlan, human, memory_plan
 
 DEFAULT_MEM_FRACTION = 0.75  # the share of a GPU's memory JAX's allocator takes unless XLA_PYTHON_CLIENT_MEM_FRACTION
 
@@ -50,6 +50,30 @@ def over_limit(plan: MemoryPlan, limit: Optional[int], source: str) -> Optional[
     return (f"jppo.plan: warning: the peak of {human(plan.peak_bytes)} per device exceeds the {human(limit)} JAX's "
             f"allocator takes ({source}): expect out-of-memory; shard more (mesh.fsdp), cut smaller micro-batches, "
             "or turn on model.remat")
+
+
+def table(plan: MemoryPlan) -> str:
+    mesh = " x ".join(f"{axis}={size}" for axis, size in plan.mesh.items())
+    lines = [f"memory plan per device, mesh {mesh}", f"{'term':<26} {'bytes':>14} {'':>11}  formula"]
+    sections = [("persistent", plan.persistent), ("rollout", plan.rollout)]
+    sections += list(plan.updates.items())
+    for title, terms in sections:
+        lines.append(f"[{title}]")
+        lines += [f"  {t.name:<24} {t.bytes:>14,} {human(t.bytes):>11}  {t.formula}" for t in terms]
+        if title != "persistent":
+            total = sum(t.bytes for t in terms)
+            lines.append(f"  {'subtotal':<24} {total:>14,} {human(total):>11}")
+    lines.append(f"{'persistent total':<26} {plan.persistent_bytes:>14,} {human(plan.persistent_bytes):>11}")
+    lines.append(f"{'peak':<26} {plan.peak_bytes:>14,} {human(plan.peak_bytes):>11}  persistent + largest phase")
+    return "\n".join(lines)
+
+
+def as_json(plan: MemoryPlan) -> dict:
+    phases = {"persistent": plan.persistent, "rollout": plan.rollout, **plan.updates}
+    return {
+        "mesh": plan.mesh, "persistent_bytes": plan.persistent_bytes, "peak_bytes": plan.peak_bytes,
+        "terms": {t.name: t.bytes for terms in phases.values() for t in terms},
+    }
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

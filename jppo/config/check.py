@@ -38,7 +38,7 @@ from jppo.losses import (
 )
 from jppo.parallel.mesh import resolve_shape
 from jppo.rewards.verify import require_math_verify
-from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES
+from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, check_attention_blocks
 from jppo.models.families import MODEL_FAMILIES
 from jppo.models.layers import HALF_PRECISION_ATTENTION
 from jppo.models.lora import check_fits
@@ -174,10 +174,9 @@ def _check_model(cfg: TrainConfig) -> None:
     _choice("model.dtype", cfg.model.dtype, list(DTYPES))
     _choice("model.param_dtype", cfg.model.param_dtype, list(DTYPES))
     _choice("model.attention", cfg.model.attention, ATTENTION_IMPLEMENTATIONS)
-    if cfg.model.attention == "cudnn":
-        _check_cudnn_dtype("model.dtype", cfg.model.dtype)
-        if cfg.rollout.dtype is not None:
-            _check_cudnn_dtype("rollout.dtype", cfg.rollout.dtype)
+    if cfg.model.attention == "cudnn":  # the sampler's dtype too (default: model.dtype, checked first)
+        for key, dtype in ("model.dtype", cfg.model.dtype), ("rollout.dtype", cfg.rollout.dtype or cfg.model.dtype):
+            _check_cudnn_dtype(key, dtype)
     _check_trained_param_dtype(cfg.model.param_dtype)
     _choice("ref.param_dtype", cfg.ref.param_dtype or cfg.model.dtype, list(DTYPES))  # never trained: any dtype
     if cfg.model.path is not None and not (pathlib.Path(cfg.model.path) / "config.json").is_file():
@@ -189,8 +188,9 @@ def _check_model(cfg: TrainConfig) -> None:
                 f"model.tokenizer is required for data.task={task!r} without model.path (built-in vocabularies "
                 f"exist for: {', '.join(BUILTIN_TASKS)})"
             )
-    if cfg.model.path is None:  # a model built from this section: its own checks (a checkpoint brings its shape)
-        with _as_key({}, prefix="model."):
+    with _as_key({}, prefix="model."):  # a checkpoint's block sizes too (it brings its shape, not those)
+        check_attention_blocks(cfg.model.attention_block_q, cfg.model.attention_block_kv)
+        if cfg.model.path is None:  # a model built from this section: its own checks
             random_model_config(cfg, None)
 
 
