@@ -168,11 +168,11 @@ def _check_model(cfg: TrainConfig) -> None:
     _choice("model.dtype", cfg.model.dtype, list(DTYPES))
     _choice("model.param_dtype", cfg.model.param_dtype, list(DTYPES))
     _choice("model.attention", cfg.model.attention, ATTENTION_IMPLEMENTATIONS)
-    if cfg.model.attention == "cudnn":
-        _check_cudnn_dtype("model.dtype", cfg.model.dtype)
-        if cfg.rollout.dtype is not None:
-            _check_cudnn_dtype("rollout.dtype", cfg.rollout.dtype)
+    if cfg.model.attention == "cudnn":  # the sampler's dtype too (default: model.dtype, checked first)
+        for key, dtype in ("model.dtype", cfg.model.dtype), ("rollout.dtype", cfg.rollout.dtype or cfg.model.dtype):
+            _check_cudnn_dtype(key, dtype)
     _check_trained_param_dtype(cfg.model.param_dtype)
+    _choice("ref.param_dtype", cfg.ref.param_dtype or cfg.model.dtype, list(DTYPES))  # never trained: any dtype
     if cfg.model.path is not None and not (pathlib.Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path={cfg.model.path!r}: no Hugging Face checkpoint (config.json) there")
     if cfg.model.path is None and cfg.model.tokenizer is None:

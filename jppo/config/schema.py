@@ -94,9 +94,13 @@ class CriticSection(CriticFields, UpdateSectionFields):
 @dataclasses.dataclass(frozen=True)
 class RefSection:
     """The reference policy for KL terms, kept only when a KL term needs it. ``model_path`` defaults to the
-    policy's initial weights."""
+    policy's initial weights. ``param_dtype``: the reference never trains, so its weights are kept in the compute
+    dtype by default (``model.dtype``: bfloat16 halves a float32 copy); the norm scales, which the model reads in
+    float32, keep ``model.param_dtype``, so its log-probs are those of a copy kept in ``model.param_dtype``. With
+    LoRA and no ``model_path`` the reference is the policy's frozen base, read in place (no copy, no cast)."""
 
     model_path: Optional[str] = None  # a Hugging Face checkpoint; None: the policy's initial weights (LoRA: its base)
+    param_dtype: Optional[str] = None  # dtype its weights are kept in (it never trains); None: model.dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +238,7 @@ class TrainerSection:
     save_every: int = 0  # training steps between checkpoints; 0: only at the end
     resume: str = "auto"  # auto (output_dir's latest checkpoint, if any) | never | PATH (that checkpoint)
     max_checkpoints_to_keep: int = 2  # the newest checkpoints kept in output_dir/checkpoints; older ones are deleted
+    async_checkpoint: bool = True  # write checkpoints in the background, committed once written; false: block
     val_every: int = 0  # training steps between validations on held-out prompts; 0: no validation
     val_before_train: bool = False  # validate once before the first step (logged at step 0, not on resume)
     export_hf: bool = False  # at the end, write the policy as a Hugging Face checkpoint to output_dir/hf

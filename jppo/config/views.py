@@ -135,6 +135,9 @@ def engine_spec(cfg: TrainConfig, policy) -> EngineSpec:
 
 # the keys of EngineSpec.max_model_len, for messages
 CONTEXT_KEYS = "data.max_prompt_length + rollout.max_response_length (x 2 with rollout.env)"
+def reference_param_dtype(cfg: TrainConfig) -> str:
+    """The dtype the KL reference's weights are kept in: ``ref.param_dtype``, by default the compute dtype."""
+    return cfg.ref.param_dtype or cfg.model.dtype
 
 
 # The sampler's settings (SamplingParams fields) and the config keys that give them, per use.

@@ -20,6 +20,12 @@ from jppo.models.pallas_attention import pallas_attention
 Array = jax.Array
 
 
+def is_norm_scale(name: str) -> bool:
+    """Whether the parameter ``name`` (the last key of its path) is an RMSNorm scale (``*norm``): one that
+    :func:`rms_norm` reads in float32 whatever the compute dtype, unlike the weights read in the compute dtype."""
+    return name.endswith("norm")
+
+
 def rms_norm(x: Array, scale: Array, eps: float) -> Array:
     """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis, computed in float32, returned in ``x.dtype``."""
     x32 = x.astype(wide(x.dtype))

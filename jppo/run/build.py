@@ -17,10 +17,12 @@ from jax.sharding import Mesh
 
 from jppo.config import RANDOM_MODEL, ConfigError, TrainConfig
 from jppo.config.views import (
-    CHECKPOINT_OVERRIDES, checkpoint_overrides, engine_spec, random_model_config, sampling_config, tokenizer_spec,
+    CHECKPOINT_OVERRIDES, checkpoint_overrides, engine_spec, random_model_config, reference_param_dtype,
+    sampling_config, tokenizer_spec,
 )
 from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
 from jppo.models import CausalLM, ValueModel, create_model, load_pretrained, read_config
+from jppo.models.layers import is_norm_scale
 from jppo.models.lora import LoRAConfig, attach_lora, trainable_filter
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
 from jppo.rollout import ROLLOUT_ENGINES
@@ -99,14 +101,31 @@ def build_critic(cfg: TrainConfig, policy: CausalLM, mesh: Mesh, seed: Optional[
 
 
 def build_reference(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> Optional[nnx.State]:
-    """Parameters of the reference policy: ``ref.model_path``, or a copy of the policy's initial weights. A policy
-    with LoRA adapters needs no copy: its reference is its own frozen base weights, read in place (None here)."""
+    """Parameters of the reference policy: ``ref.model_path``, or a copy of the policy's initial weights, kept in
+    ``ref.param_dtype`` (:func:`kept_in`). A policy with LoRA adapters needs no copy: its reference is its own
+    frozen base weights, read in place (None here)."""
+    dtype = reference_param_dtype(cfg)
     if cfg.ref.model_path:
         model = load_pretrained(cfg.ref.model_path, mesh=mesh, **checkpoint_overrides(cfg))
-        return nnx.state(model, nnx.Param)
+        return kept_in(nnx.state(model, nnx.Param), dtype, copy=False)
     if has_adapters(policy):
         return None
-    return jax.tree.map(jnp.copy, nnx.state(policy, nnx.Param))
+    return kept_in(nnx.state(policy, nnx.Param), dtype, copy=True)  # a copy: the policy's arrays are donated
+
+
+def kept_in(params: nnx.State, dtype: str, copy: bool) -> nnx.State:
+    """``params`` with every weight the model reads in the compute dtype (kernels, embeddings, biases) cast to
+    ``dtype``; the norm scales (read in float32, :func:`jppo.models.layers.is_norm_scale`) as they are. A forward
+    pass in a compute dtype of ``dtype`` then gives bit for bit what it gives on ``params``: the cast is the one it
+    would make. ``copy``: arrays left as they are are copied too (none is shared with ``params``)."""
+
+    def keep(path, x: jax.Array) -> jax.Array:
+        name = next(key.key for key in reversed(path) if isinstance(key, jax.tree_util.DictKey))
+        if is_norm_scale(name) or x.dtype == jnp.dtype(dtype):
+            return jnp.copy(x) if copy else x
+        return x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(keep, params)
 
 
 def has_adapters(model: nnx.Module) -> bool:

@@ -29,6 +29,9 @@ from jppo.run import build
 from jppo.parallel import distributed
 from jppo.parallel.hostlocal import gather_to_host
 from jppo.run.checkpoint import CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint
+from jppo.run.checkpoint import (
+    CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint, saved_tree,
+)
 from jppo.run.collect import Collector, collect
 from jppo.runlog.timing import PhaseTimer
 from jppo.run.evaluate import evaluate
@@ -40,7 +43,9 @@ from jppo.run.learn import Learner, learn
 from jppo.parallel.mesh import make_mesh
 from jppo.core.paths import run_path
 from jppo.runlog import RunLogger
-from jppo.run.state import RunState, checkpointed, init_run_state, with_frozen
+from jppo.run.state import (
+    RunState, checkpointed, fitted_accumulators, init_run_state, saved_layout, with_frozen,
+)
 from jppo.config.views import engine_view, kl_controller
 
 log = logging.getLogger("jppo.run.loop")
@@ -122,7 +127,9 @@ def restore(
     if resume.checkpoint is not None:
         if resume.saved is not None:
             build.check_base_checksums(resume.saved, record, f"trainer.resume: checkpoint {resume.checkpoint!r}")
-        state = with_frozen(restore_checkpoint(resume.checkpoint, checkpointed(state))[0], state)
+        target = saved_layout(checkpointed(state), saved_tree(resume.checkpoint))  # K = 1: no accumulator
+        restored = restore_checkpoint(resume.checkpoint, target)[0]
+        state = with_frozen(fitted_accumulators(restored, state), state)
     return state, collector, learner, graphdef, record
 
 
@@ -139,7 +146,8 @@ def run(
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
     mesh = make_mesh(*mesh_shape, devices=devices)
-    manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep)
+    manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep,
+                                async_save=cfg.trainer.async_checkpoint)
     state, collector, learner, policy, record = restore(cfg, mesh, inputs, resume)
     if resume.checkpoint is not None:
         log.info("resumed from %s at step %d", resume.checkpoint, state.steps_done)

@@ -13,12 +13,15 @@ heads, key-value heads, head size; ``H' K' F' V'`` those divided by ``mesh.tenso
 rule table shards them). Bytes per device:
 
 =====================  ====================================================================================
-parameters             ``n p`` for the actor, the critic (when there is one) and the reference (KL terms); with
-                       LoRA (``actor.lora`` / ``critic.lora``) ``(n + t) p``, ``t`` the adapters' elements, and
-                       no reference copy (it reads the actor's frozen base)
+parameters             ``n p`` for the actor and the critic (when there is one); with LoRA (``actor.lora`` /
+                       ``critic.lora``) ``(n + t) p``, ``t`` the adapters' elements. The reference (KL terms):
+                       ``n_w r + n_s p``, its weights in ``r`` = the bytes of ``ref.param_dtype`` (default
+                       ``model.dtype``), its norm scales in ``p``; none with LoRA (it reads the actor's frozen
+                       base)
 optimizer state        ``t a (2 + 1)``: AdamW's two moments and ``optax.MultiSteps``' gradient accumulator
                        (SGD: the accumulator only) of the ``t`` trained parameters (``t = n`` without LoRA; the
-                       adapters, and a critic's value head, with it); a few scalar counters are left out
+                       adapters, and a critic's value head, with it); no accumulator when every optimizer step
+                       is one micro-batch (K = 1: ``t a 2``); a few scalar counters are left out
 gradients              ``t p``: the gradient of one micro-batch, before it is added to the accumulator
 weights in use         ``(V' D + one layer's weights / mesh.tensor) c``: the embedding table and a layer's
                        weights cast to the compute dtype (and gathered over ``fsdp``) while they are used
@@ -41,7 +44,8 @@ optimizer step         ``4 t a``: the temporaries of applying the accumulated gr
                        ``memory_analysis()`` of the update reports exactly ``4 n a`` of temporaries when the
                        activations are small (Qwen2-shaped models on CPU, float32; ``tests/test_plan.py``). optax's
                        where-based ``apply_if_finite`` and ``MultiSteps.update`` made it 6-7 (see
-                       :mod:`jppo.engine.optim`)
+                       :mod:`jppo.engine.optim`). ``2 t a`` with K = 1 (no accumulator: the gradient and the
+                       update)
 KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sampler's prompt cache (each prompt's
                        keys and values held once for its ``n`` samples, and a bool mask of its real tokens) and
                        response cache for ``B`` prompts and ``R = B n`` rows per device (``B = train_batch_size /
@@ -83,6 +87,7 @@ from jppo.rollout.sampler import bucket_length
 ACCUMULATOR_BYTES = 4  # float32 moments and accumulator (float64 only for float64 exactness tests)
 LOGIT_COPIES = 3  # one chunk's logits, their softmax, and their gradient
 OPTIMIZER_STEP_COPIES = 4  # per-parameter float32 temporaries of applying the accumulated gradient (measured)
+DIRECT_STEP_COPIES = 2  # the same with K = 1 and no accumulator: the gradient and the update (measured)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,11 +373,10 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> MemoryPlan:
         for role, n in local.items()
     ]
     if cfg.use_reference and not (cfg.actor.lora.enabled and not cfg.ref.model_path):  # LoRA: the frozen base
-        reference = model_config(cfg, cfg.ref.model_path) if cfg.ref.model_path else policy
-        n = local_elements(abstract_params(reference), mesh)
-        persistent.append(Term("parameters/reference", n * dtype_bytes(reference.param_dtype), f"n={n:,} x p"))
+        persistent.append(reference_term(cfg, policy, mesh))
+    accumulates = {role: accumulates_gradients(cfg, role, mesh) for role in cfg.roles}
     for role, n in trained.items():
-        copies = 3 if getattr(cfg, role).optim.name == "adamw" else 1
+        copies = (2 if getattr(cfg, role).optim.name == "adamw" else 0) + accumulates[role]
         persistent.append(Term(f"optimizer_state/{role}", n * a * copies, f"t={n:,} x a={a} x {copies}"))
     rollout = (sampler_term(cfg, policy, mesh), rollout_weights_term(cfg, policy, mesh))
     updates = {}
@@ -391,9 +395,35 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> MemoryPlan:
             k = min(chunk, w // row_split(w, mesh))
             terms.append(Term("logits/actor", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={k} V' a"))
         updates[f"{role} backward"] = tuple(terms)
-        copies = OPTIMIZER_STEP_COPIES
+        copies = OPTIMIZER_STEP_COPIES if accumulates[role] else DIRECT_STEP_COPIES
         updates[f"{role} optimizer step"] = (Term(f"optimizer_step/{role}", n * a * copies, f"t x a x {copies}"),)
     return MemoryPlan(mesh, tuple(persistent), rollout, updates)
+
+
+def reference_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
+    """The KL reference's weights: ``n_w r + n_s p``, its ``n_w`` weights in ``r`` = the bytes of
+    ``ref.param_dtype`` (default ``model.dtype``) and its ``n_s`` norm scales kept in ``p``
+    (:func:`jppo.run.build.kept_in`)."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jppo.config.views import reference_param_dtype  # noqa: PLC0415
+    from jppo.models.layers import is_norm_scale  # noqa: PLC0415
+
+    reference = model_config(cfg, cfg.ref.model_path) if cfg.ref.model_path else policy
+    params = abstract_params(reference)
+    scales = nnx.filter_state(params, lambda path, _: is_norm_scale(str(path[-1])))
+    n, n_s = local_elements(params, mesh), local_elements(scales, mesh)
+    r, p = dtype_bytes(reference_param_dtype(cfg)), dtype_bytes(reference.param_dtype)
+    return Term("parameters/reference", (n - n_s) * r + n_s * p, f"n_w={n - n_s:,} x r={r} + n_s={n_s:,} x p={p}")
+
+
+def accumulates_gradients(cfg: TrainConfig, role: str, mesh: dict[str, int]) -> bool:
+    """Whether ``role`` keeps a gradient accumulator: unless every optimizer step is one micro-batch
+    (:func:`jppo.engine.config.fixed_micro_batches`)."""
+    from jppo.config.views import engine_view  # noqa: PLC0415 (views imports the models; keep `--help` light)
+    from jppo.engine.config import fixed_micro_batches  # noqa: PLC0415
+
+    return fixed_micro_batches(engine_view(cfg, role), mesh["data"] * mesh["fsdp"]) != 1
 
 
 def human(size: int) -> str:
@@ -401,27 +431,3 @@ def human(size: int) -> str:
         if size >= scale:
             return f"{size / scale:.2f} {unit}"
     return f"{size} B"
-
-
-def table(plan: MemoryPlan) -> str:
-    mesh = " x ".join(f"{axis}={size}" for axis, size in plan.mesh.items())
-    lines = [f"memory plan per device, mesh {mesh}", f"{'term':<26} {'bytes':>14} {'':>11}  formula"]
-    sections = [("persistent", plan.persistent), ("rollout", plan.rollout)]
-    sections += list(plan.updates.items())
-    for title, terms in sections:
-        lines.append(f"[{title}]")
-        lines += [f"  {t.name:<24} {t.bytes:>14,} {human(t.bytes):>11}  {t.formula}" for t in terms]
-        if title != "persistent":
-            total = sum(t.bytes for t in terms)
-            lines.append(f"  {'subtotal':<24} {total:>14,} {human(total):>11}")
-    lines.append(f"{'persistent total':<26} {plan.persistent_bytes:>14,} {human(plan.persistent_bytes):>11}")
-    lines.append(f"{'peak':<26} {plan.peak_bytes:>14,} {human(plan.peak_bytes):>11}  persistent + largest phase")
-    return "\n".join(lines)
-
-
-def as_json(plan: MemoryPlan) -> dict:
-    phases = {"persistent": plan.persistent, "rollout": plan.rollout, **plan.updates}
-    return {
-        "mesh": plan.mesh, "persistent_bytes": plan.persistent_bytes, "peak_bytes": plan.peak_bytes,
-        "terms": {t.name: t.bytes for terms in phases.values() for t in terms},
-    }
