@@ -192,7 +192,7 @@ def test_a_block_size_that_does_not_fit_is_a_one_line_config_error(overrides, me
 
 
 def test_the_plan_puts_blocked_attention_activations_linear_in_the_row():
-    from jppo.run.memory import activation_bytes, attention_block_bytes
+    from jppo.run.footprint import activation_bytes, attention_block_bytes
 
     mesh = {"data": 1, "fsdp": 1, "tensor": 1}
     dense = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4)

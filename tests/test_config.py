@@ -20,7 +20,7 @@ from jppo.engine.driver import mini_batches
 from jppo.engine.optim import learning_rate_schedule
 from jppo.parallel.mesh import make_mesh
 from jppo.models import ModelConfig
-from jppo.config.check import check_mesh
+from jppo.config.devices import check_mesh
 from jppo.config.views import engine_view
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

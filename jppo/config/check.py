@@ -28,13 +28,11 @@ from jppo.data.datasets import file_list
 from jppo.data.tokenizer import BUILTIN_PREFIX
 from jppo.run.dynamic_sampling import FILTER_METRICS
 from jppo.engine.config import check_update
-from jppo.engine.driver import check_batch_sizes
 from jppo.engine.optim import check_optim
 from jppo.engine.update import policy_options
 from jppo.core.errors import ConfigError, InvalidSetting, one_line
 from jppo.losses import (AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTION_MODES, check_policy_loss_mode,
                           check_policy_options, required_agg_mode)
-from jppo.parallel.mesh import resolve_shape
 from jppo.rewards.verify import require_math_verify
 from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, check_attention_blocks
 from jppo.models.families import MODEL_FAMILIES
@@ -46,8 +44,7 @@ from jppo.rollout import ROLLOUT_ENGINES, vllm_engine
 from jppo.rollout.env import BUILTIN_ENVS
 from jppo.config.schema import TrainConfig
 from jppo.config.views import (
-    CONTEXT_KEYS, SAMPLING_KEYS, adapted_model_config, engine_spec, engine_view, kl_controller, random_model_config,
-    rollout_sequences, sampling_params,
+    CONTEXT_KEYS, SAMPLING_KEYS, adapted_model_config, engine_spec, kl_controller, random_model_config, sampling_params,
 )
 
 
@@ -352,54 +349,3 @@ def _check_batch_sizes(cfg: TrainConfig) -> None:
                 f"{role}.ppo_max_token_len={update.ppo_max_token_len} must be >= the longest sequence, "
                 f"data.max_prompt_length + rollout.max_response_length = {longest} tokens"
             )
-
-
-def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tuple[int, int, int, int]:
-    """The mesh shape for ``num_devices``, and every batch size checked against the batch shards it implies: the
-    engine's own check on the engine's view of each role, its messages naming the sizes as the user wrote them."""
-    try:
-        shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices, cfg.mesh.sequence)
-    except ValueError as error:
-        raise ConfigError(one_line(error)) from None
-    _check_heads(cfg, shape[2])
-    shards, sequences = shape[0] * shape[1], rollout_sequences(cfg)
-    if sequences % shards:
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n} = "
-                          f"{sequences} sequences do not split over {shards} batch shards (mesh.data x mesh.fsdp)")
-    if num_processes > 1 and cfg.algorithm.filter_groups.enable:
-        raise ConfigError(f"algorithm.filter_groups.enable=True runs in one process only (this run has "
-                          f"{num_processes}): each process would keep different prompts")
-    if num_processes > 1 and cfg.data.train_batch_size % shards:
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} prompts do not split over {shards} batch "
-                          f"shards: with {num_processes} processes every process must hold whole prompts")
-    forward = cfg.rollout.log_prob_micro_batch_size
-    if forward is not None and (forward < 1 or (sequences // shards) % forward):
-        raise ConfigError(
-            f"rollout.log_prob_micro_batch_size={forward} must divide the {sequences // shards} sequences per batch shard"
-        )
-    bucket, response = cfg.rollout.prompt_bucket, cfg.rollout.max_response_length
-    for role in cfg.roles:
-        view = engine_view(cfg, role)
-        as_written = (f"{role}.ppo_mini_batch_size={getattr(cfg, role).ppo_mini_batch_size} (prompts) x "
-                      f"rollout.n={cfg.rollout.n} = {view.ppo_mini_batch_size} sequences")
-        try:
-            check_batch_sizes(view, sequences, shards, role, as_written)
-        except ValueError as error:
-            raise ConfigError(one_line(error)) from None
-        # context parallelism: every row of the role's passes (its token budget, or bucketed prompt + response) splits
-        sizes = ({f"{role}.ppo_max_token_len": view.ppo_max_token_len} if view.use_dynamic_bsz else
-                 {"rollout.prompt_bucket": bucket, "rollout.max_response_length": response})
-        if any(size % shape[3] for size in sizes.values()):
-            raise ConfigError(f"mesh.sequence={shape[3]} must divide " + " and ".join(
-                f"{key}={size}" for key, size in sizes.items()) + f": it splits the tokens of each of {role}'s rows")
-    return shape
-
-
-def _check_heads(cfg: TrainConfig, tensor: int) -> None:
-    """``mesh.tensor`` splits the head-major ``heads x head_dim`` projections into equal pieces: only a size that
-    divides both head counts cuts between heads (a head split across devices replicates its activations)."""
-    for role in cfg.roles if tensor > 1 else ():
-        m = adapted_model_config(cfg, role)
-        if m.num_heads % tensor or m.num_kv_heads % tensor:
-            raise ConfigError(f"mesh.tensor={tensor} must divide the {role} model's num_heads={m.num_heads} and "
-                              f"num_kv_heads={m.num_kv_heads}: use a mesh.tensor dividing both, mesh.fsdp for the rest")

@@ -39,7 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 
 from jppo.models.attention import AttentionRule
 from jppo.models.config import ModelConfig
@@ -48,37 +48,13 @@ from jppo.models.layers import (
     RESPONSE_BLOCKS, apply_rope, attention, decode_attention, dense, response_blocks, rms_norm, rope_tables, swiglu,
     wide,
 )
-from jppo.models.decoding import layer_copier, with_decoding_copies, write_slot
+from jppo.models.decoding import PromptCache, ResponseCache, layer_copier, with_decoding_copies, write_slot
 from jppo.models.sharding import constrain, param
 
 Array = jax.Array
 
 HIDDEN = ("batch", "length", None)
 CACHE = ("batch", "kv_heads", "length", "head_dim")
-
-
-@struct.dataclass
-class PromptCache:
-    """Every layer's keys and values of a batch of prompts, stored once however many samples each prompt gets.
-
-    ``keys``/``values``: a tuple over layers of ``[B, K, P, E]`` arrays (compute dtype, after RoPE); ``visible``:
-    ``[B, P]`` bool, the real prompt tokens (padding is never attended).
-    """
-
-    keys: tuple[Array, ...]
-    values: tuple[Array, ...]
-    visible: Array
-
-
-@struct.dataclass
-class ResponseCache:
-    """Every layer's keys and values of the generated tokens, ``R`` rows of ``M`` slots (slot ``t`` holds the
-    ``t``-th generated token of the row): a tuple over layers of tuples over the blocks of
-    :func:`~jppo.models.layers.response_blocks`, ``[R, K, M_b, E]`` each, so that a decoding step reads only the
-    blocks that hold a visible slot."""
-
-    keys: tuple[Array, ...]
-    values: tuple[Array, ...]
 
 
 def normal_weights(rngs: nnx.Rngs, shape: tuple[int, ...], config: ModelConfig) -> Array:

@@ -1,14 +1,41 @@
-"""The sampler's view of the decoder: its copy of the weights, the response cache's blocks per backend, and the
-cache write of one decoding step. Pure functions; :mod:`jppo.models.decoder` calls them."""
+"""The sampler's view of the decoder: its caches (prompt and response keys and values), its copy of the weights, the
+response cache's blocks per backend, and the cache write of one decoding step. Pure functions and the caches'
+types; :mod:`jppo.models.decoder` calls them."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import jax
-from flax import nnx
+from flax import nnx, struct
 
 from jppo.models.sharding import decoding_copy, logical_names
+
+Array = jax.Array
+
+
+@struct.dataclass
+class PromptCache:
+    """Every layer's keys and values of a batch of prompts, stored once however many samples each prompt gets.
+
+    ``keys``/``values``: a tuple over layers of ``[B, K, P, E]`` arrays (compute dtype, after RoPE); ``visible``:
+    ``[B, P]`` bool, the real prompt tokens (padding is never attended).
+    """
+
+    keys: tuple[Array, ...]
+    values: tuple[Array, ...]
+    visible: Array
+
+
+@struct.dataclass
+class ResponseCache:
+    """Every layer's keys and values of the generated tokens, ``R`` rows of ``M`` slots (slot ``t`` holds the
+    ``t``-th generated token of the row): a tuple over layers of tuples over the blocks of
+    :func:`~jppo.models.layers.response_blocks`, ``[R, K, M_b, E]`` each, so that a decoding step reads only the
+    blocks that hold a visible slot."""
+
+    keys: tuple[Array, ...]
+    values: tuple[Array, ...]
 
 Array = jax.Array
 

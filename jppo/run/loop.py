@@ -28,7 +28,6 @@ from jax.sharding import Mesh
 from jppo.run import build
 from jppo.parallel import distributed
 from jppo.parallel.hostlocal import gather_to_host
-from jppo.run.checkpoint import CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint
 from jppo.run.checkpoint import (
     CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint, saved_tree,
 )
