@@ -30,7 +30,9 @@ def plans(devices: int, rank: int) -> dict[str, dict[str, int]]:
         (model / "config.json").write_text(json.dumps(ModelConfig(**QWEN2_5_0_5B).to_hf()))
         data.write_text('{"prompt": "1+1?", "answer": "#### 2"}\n' * 2)
         base = [f"model.path={model}", "model.tokenizer=builtin:reverse_digits", f"data.train_files={data}",
-                f"data.val_files={data}", "data.apply_chat_template=false"]
+                f"data.val_files={data}", "data.apply_chat_template=false",
+                # the 4096-token rows of one device (docs/lora.md), not the config's context-parallel 8-device mesh
+                "mesh.sequence=1", "actor.ppo_max_token_len=4096"]
         out = {}
         for name, lora in (("full", ["actor.lora.rank=0"]), (f"lora r={rank}",
                            [f"actor.lora.rank={rank}", f"actor.lora.alpha={2 * rank}"])):

@@ -52,8 +52,8 @@ CHATML = (
 OVERRIDES = [
     "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "data.max_prompt_length=64",
     "rollout.prompt_bucket=64", "rollout.max_response_length=32", "actor.ppo_max_token_len=128",
-    "actor.log_prob_chunk_size=32", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "trainer.val_every=0",
-    "data.val_files=null", "trainer.export_hf=false", "trainer.logger=[console,jsonl]",
+    "actor.log_prob_chunk_size=32", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.sequence=1",
+    "trainer.val_every=0", "data.val_files=null", "trainer.export_hf=false", "trainer.logger=[console,jsonl]",
     "trainer.plots=false", "trainer.resume=never",
     "trainer.compilation_cache=off",  # the first step includes compilation, every time
 ]

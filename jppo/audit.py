@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import jax
 
 from jppo import cli
-from jppo.config.check import check_mesh
+from jppo.config.devices import check_mesh
 from jppo.run import build
 from jppo.run.audit import TOLERANCE, WHOLE_STEP_FACTOR, audit
 

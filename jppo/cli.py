@@ -61,7 +61,7 @@ def log_to_stderr() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
 
-def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int]:
+def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int, int]:
     """What a command that runs the models does before anything compiles: the persistent compilation cache
     (``trainer.compilation_cache``), the processes (the multi-process flags), then the mesh shape the config asks
     for on every device of every process."""

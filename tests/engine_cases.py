@@ -19,8 +19,14 @@ from jppo.engine.update import policy_options
 from jppo.losses import actor_loss, value_loss
 from jppo.core.experience import Experience
 from jppo.models.config import ModelConfig
+from jppo.parallel.mesh import make_mesh
 
 VOCAB = 48
+
+
+def mesh_of(shape):
+    """A mesh of ``shape`` (data, fsdp, tensor[, sequence]) on the first devices it needs."""
+    return make_mesh(*shape, devices=jax.devices()[: int(np.prod(shape))])
 
 
 def tiny_config(dtype: str = "float64") -> ModelConfig:

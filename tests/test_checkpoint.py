@@ -179,36 +179,49 @@ def test_bad_requests_fail_with_one_line(tmp_path):
 
 # Saves step 1, then dies by SIGKILL in orbax's commit of step 2 after both items were committed inside the
 # temporary step directory: every file of step 2 is written, only the final rename is missing -- the worst moment
-# for a preemption.
+# for a preemption. With an asynchronous save (argv[2] == "async") the commit runs on orbax's background thread:
+# it is held there until the main thread has seen ``save`` return with step 2 uncommitted (printing so), then the
+# kill comes while the main thread waits for the save (as the next save or the end of the run does).
 KILLED_MID_SAVE = textwrap.dedent(
     """
-    import os, signal, sys
+    import os, signal, sys, threading
     import jax.numpy as jnp
     from orbax.checkpoint._src.path import atomicity
-    from jppo.run.checkpoint import CheckpointManager
+    from jppo.run.checkpoint import CheckpointManager, committed_steps
 
-    manager = CheckpointManager(sys.argv[1])
+    background = sys.argv[2] == "async"
+    manager = CheckpointManager(sys.argv[1], async_save=background)
     manager.save(1, {"x": jnp.arange(3.0)}, {"step": 1})
 
-    commit = atomicity.AtomicRenameTemporaryPath.finalize
+    commit, returned = atomicity.AtomicRenameTemporaryPath.finalize, threading.Event()
 
     async def killed_at_step_commit(self):
         if self.get_final().name == "2":
+            if background:
+                returned.wait(60)
             os.kill(os.getpid(), signal.SIGKILL)
         await commit(self)
 
     atomicity.AtomicRenameTemporaryPath.finalize = killed_at_step_commit
     manager.save(2, {"x": jnp.arange(3.0) + 1}, {"step": 2})
+    if background:
+        print("returned before the commit, committed:", committed_steps(sys.argv[1]), flush=True)
+        returned.set()
+        manager.wait()
     """
 )
 
 
-def test_save_killed_before_commit_is_never_picked_up(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_save_killed_before_commit_is_never_picked_up(tmp_path, mode):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     result = subprocess.run(
-        [sys.executable, "-c", KILLED_MID_SAVE, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", KILLED_MID_SAVE, str(tmp_path), mode], env=env, capture_output=True, text=True,
+        timeout=120,
     )
     assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    if mode == "async":  # save(2) returned while its commit was pending, step 1 the newest committed
+        assert "returned before the commit, committed: [1]" in result.stdout, result.stdout + result.stderr[-2000:]
     partial = tmp_path / "2.orbax-checkpoint-tmp"
     assert (partial / "state").is_dir() and (partial / "meta").is_dir()  # the data was there, uncommitted
 
@@ -224,3 +237,18 @@ def test_save_killed_before_commit_is_never_picked_up(tmp_path):
         restored, _ = manager.restore(3, {"x": jnp.zeros(3)})
     np.testing.assert_array_equal(restored["x"], np.arange(3.0) + 3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "3"]  # the partial save was cleaned up
+
+
+def test_asynchronous_saves_commit_in_order_and_close_waits(tmp_path):
+    """Each asynchronous save is committed before the next starts (orbax waits), pruning still keeps the newest,
+    and after ``close`` every save is complete and reads back exactly."""
+    with CheckpointManager(tmp_path, max_to_keep=2, async_save=True) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, {"x": jnp.arange(4.0) * step}, {"step": step})
+    assert resolve_resume("auto", tmp_path) == 3
+    with CheckpointManager(tmp_path) as manager:
+        assert manager.all_steps() == [2, 3]
+        for step in (2, 3):
+            restored, meta = manager.restore(step, {"x": jnp.zeros(4)})
+            np.testing.assert_array_equal(restored["x"], np.arange(4.0) * step)
+            assert meta == {"step": step}

@@ -20,7 +20,7 @@ import optax
 import pytest
 from flax import nnx
 
-from engine_cases import ragged_batch, reference_step, tiny_config
+from engine_cases import mesh_of, ragged_batch, reference_step, tiny_config
 from jppo.engine import (
     ActorConfig,
     CriticConfig,
@@ -50,10 +50,6 @@ C = 6.0  # loss_scale_factor: the response width
 def x64():
     with jax.enable_x64(True):
         yield
-
-
-def mesh_of(shape):
-    return make_mesh(*shape, devices=jax.devices()[: int(np.prod(shape))])
 
 
 def engine_step(model_cls, cfg, mesh, batch, seed=0, dtype="float64"):
@@ -296,7 +292,8 @@ def test_an_update_takes_an_engine_config_with_its_loss_scale_factor():
 
 
 def test_mesh_and_token_budget_errors():
-    with pytest.raises(ValueError, match="mesh.data=3 x mesh.fsdp=1 x mesh.tensor=1 = 3 devices, but 8 are available"):
+    with pytest.raises(ValueError, match="mesh.data=3 x mesh.fsdp=1 x mesh.tensor=1 x mesh.sequence=1 = 3 devices, "
+                                         "but 8 are available"):
         make_mesh(3, 1, 1)
     with pytest.raises(ValueError, match="ppo_max_token_len=4 is smaller than the longest sequence"):
         make_micro_batches(ragged_batch(0), 2, max_token_len=4)

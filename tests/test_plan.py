@@ -1,5 +1,6 @@
 """``jppo.plan``: the memory plan agrees with what the trainer builds, and scales with the rows per device."""
 
+import json
 import math
 import pathlib
 
@@ -138,8 +139,9 @@ def test_the_command_prints_a_table_and_refuses_a_bad_config(tmp_path, capsys):
 def test_applying_the_gradient_takes_the_planned_float32_copies_of_the_parameters(num_micro_batches):
     """XLA's own accounting of a compiled update, on a model whose parameters dwarf its activations (vocabulary
     16k, 8 tokens a row): the temporaries are the plan's ``OPTIMIZER_STEP_COPIES`` float32 copies of the parameters
-    (plus the activations, under 3% here), whatever the number of micro-batches. optax's where-based
-    ``apply_if_finite`` and ``MultiSteps.update`` took 6 copies with one micro-batch and 7 with two."""
+    (plus the activations, under 3% here) with an accumulator (K = 2), ``DIRECT_STEP_COPIES`` without one (K = 1).
+    optax's where-based ``apply_if_finite`` and ``MultiSteps.update`` took 6 copies with one micro-batch and 7 with
+    two."""
     from bench.actor_update import BatchShape, synthetic_batch
     from jppo.engine import ActorConfig, actor_loss_fn, make_update_step
     from jppo.engine.layout import place
@@ -159,4 +161,30 @@ def test_applying_the_gradient_takes_the_planned_float32_copies_of_the_parameter
     step = jax.jit(make_update_step(graphdef, actor_loss_fn(cfg), cfg, mesh, "actor"), donate_argnums=0)
     with jax.set_mesh(mesh):
         temporaries = step.lower(state, place(micro.device_arrays(), mesh)).compile().memory_analysis().temp_size_in_bytes
-    assert memory.OPTIMIZER_STEP_COPIES * parameter_bytes <= temporaries <= 1.03 * memory.OPTIMIZER_STEP_COPIES * parameter_bytes
+    copies = memory.OPTIMIZER_STEP_COPIES if num_micro_batches > 1 else memory.DIRECT_STEP_COPIES
+    assert (state.opt_state.acc_grads is None) == (num_micro_batches == 1)
+    assert copies * parameter_bytes <= temporaries <= 1.03 * copies * parameter_bytes
+
+
+def test_a_peak_over_what_jax_s_allocator_takes_warns_in_one_line(tmp_path, capsys, monkeypatch):
+    """JAX's allocator takes 0.75 of a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise: a
+    device just large enough at 0.75 passes, one just too small warns (one line, exit 0), and a smaller fraction
+    makes the larger one warn too. Without --device-memory the CPU reports no limit: no warning."""
+    args = ["--config", str(QUICKSTART), "--devices", "1", f"trainer.output_dir={tmp_path / 'run'}", "mesh.data=1"]
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert plan.main([*args, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    peak, enough = printed["peak_bytes"], printed["peak_bytes"] / 0.75 / 2**30
+    assert printed["allocator_bytes"] is None and not capsys.readouterr().err
+
+    def warning(device_gib: float) -> str:
+        assert plan.main([*args, "--device-memory", str(device_gib)]) == 0
+        return capsys.readouterr().err
+
+    assert warning(enough * 1.01) == ""
+    line = warning(enough * 0.99)
+    assert line.count("\n") == 1 and "exceeds" in line and memory.human(peak) in line
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in warning(enough * 1.01)
+    assert plan.main([*args, "--device-memory", "0"]) == 2
+    assert "--device-memory" in capsys.readouterr().err

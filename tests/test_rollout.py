@@ -76,13 +76,16 @@ class TinyLM(nnx.Module):
                    & (segment_ids[:, None, :] == segment_ids[:, :, None]) & (segment_ids[:, :, None] != 0))
         return self._attend(x, q, k, v, allowed)
 
-    def prefill(self, input_ids, positions, segment_ids):
+    def prefill(self, input_ids, positions, segment_ids, layers=None):
         _, _, k, v = self._qkv(input_ids, positions)
         return self.hidden_states(input_ids, positions, segment_ids), TinyPrompt(k, v, segment_ids != 0)
 
-    def init_response_cache(self, rows, length):
+    def init_response_cache(self, rows, length, blocks=1):
         zeros = jnp.zeros((rows, length, self.config.dim), jnp.float32)
         return TinyResponse(zeros, zeros)
+
+    def for_decoding(self):
+        return self
 
     def decoding_layers(self):
         return ()
@@ -90,6 +93,7 @@ class TinyLM(nnx.Module):
     def decode(self, tokens, positions, prompt, cache, slots, layers, prompt_rows=None):
         x, q, k, v = self._qkv(tokens[:, None], positions[:, None])
         rows = tokens.shape[0]
+        slots = jnp.broadcast_to(slots, (rows,))  # a scalar: every row at the same slot
         cache = TinyResponse(cache.keys.at[jnp.arange(rows), slots].set(k[:, 0]),
                              cache.values.at[jnp.arange(rows), slots].set(v[:, 0]))
         if prompt_rows is None:  # rows are prompt-major
@@ -315,18 +319,18 @@ def test_continuous_batching_gives_each_row_the_tokens_of_decoding_all_rows_at_o
 @pytest.mark.parametrize("max_num_seqs", [0, 4])
 def test_responses_cached_in_small_blocks_equal_one_block(causal_lm, monkeypatch, max_num_seqs):
     # blocks of 2 slots: a step reads only the blocks some row can see; the tokens must not change, and the
-    # log-probs only by the rounding of combining per-block softmax sums
-    params = dataclasses.replace(RAGGED, max_num_seqs=max_num_seqs)
+    # log-probs only by the rounding of combining per-block softmax sums (rollout.cache_blocks 8 vs 1)
+    params = dataclasses.replace(RAGGED, max_num_seqs=max_num_seqs, cache_blocks=1)
     prompt_ids, prompt_mask = pad_prompts(RAGGED_PROMPTS, pad_id=0, multiple=8)
-    one_block = generate(causal_lm, prompt_ids, prompt_mask, jax.random.key(4), params)
     monkeypatch.setattr(layers, "MIN_RESPONSE_BLOCK", 2)
-    monkeypatch.setattr(layers, "RESPONSE_BLOCKS", 64)
     make_generate_fn.cache_clear()  # the block sizes are read while tracing
     try:
-        blocks = generate(causal_lm, prompt_ids, prompt_mask, jax.random.key(4), params)
+        one_block = generate(causal_lm, prompt_ids, prompt_mask, jax.random.key(4), params)
+        blocks = generate(causal_lm, prompt_ids, prompt_mask, jax.random.key(4),
+                          dataclasses.replace(params, cache_blocks=8))
     finally:
         make_generate_fn.cache_clear()
-    assert len(layers.response_blocks(RAGGED.max_new_tokens)) == 5
+    assert len(layers.response_blocks(RAGGED.max_new_tokens, 8)) == 5
     for field in ("response_ids", "response_mask"):
         np.testing.assert_array_equal(np.asarray(getattr(blocks, field)), np.asarray(getattr(one_block, field)))
     np.testing.assert_allclose(np.asarray(blocks.log_probs), np.asarray(one_block.log_probs), atol=LOG_PROB_ATOL)

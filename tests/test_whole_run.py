@@ -30,6 +30,7 @@ CONFIGS = {"ppo": ROOT / "configs" / "quickstart.yaml", "grpo": ROOT / "configs"
 QUIET = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.plots=false", "trainer.logger=[console,jsonl]",
          "trainer.progress_bar=false", "trainer.save_every=0"]
 ROLES = ("actor", "critic")
+BUDGET_16 = [f"{role}.{key}" for role in ROLES for key in ("use_dynamic_bsz=true", "ppo_max_token_len=16")]
 
 # name -> (devices, overrides). No fixed-cut variant on the 2x2x1 mesh: a fixed cut sees the mesh only through its
 # number of batch shards, 4 as on 4x1x1, and that mesh's sampling, row placement and fsdp-sharded update run in
@@ -38,8 +39,10 @@ VARIANTS = {
     "mesh4x1x1": (4, ["mesh.data=4"]),
     "mesh1x2x2": (4, ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]),
     "micro1": (1, [f"{role}.ppo_micro_batch_size=1" for role in ROLES]),
-    "dynamic-mesh2x2x1": (4, ["mesh.data=2", "mesh.fsdp=2"]
-                          + [f"{role}.{key}" for role in ROLES for key in ("use_dynamic_bsz=true", "ppo_max_token_len=16")]),
+    "dynamic-mesh2x2x1": (4, ["mesh.data=2", "mesh.fsdp=2", *BUDGET_16]),
+    # context parallel: each 16-token packed row's tokens over two devices (the shipped fixed rows, 8 + 5 tokens,
+    # do not split in two)
+    "sequence2-mesh2x1x1x2": (4, ["mesh.data=2", "mesh.sequence=2", *BUDGET_16]),
 }
 
 

@@ -9,8 +9,8 @@ given, in its own units. Every problem is a :class:`~jppo.core.errors.ConfigErro
 value); the command-line entry points print it and exit with status 2, before anything is compiled.
 
 Importing this package loads the schema and the loader only: the validator (and the components whose own checks it
-runs) loads when a config is loaded, or when ``check_mesh`` (:func:`jppo.config.check.check_mesh`) is first asked
-for.
+runs) loads when a config is loaded, or when ``check_mesh`` (:func:`jppo.config.devices.check_mesh`) is first
+asked for.
 """
 
 from jppo.config.load import CONFIG_HELP, load_config, save_config, to_dict
@@ -21,7 +21,7 @@ from jppo.config.schema import (
 from jppo.core.errors import ConfigError
 from jppo.core.lazy import lazy_exports
 
-__getattr__ = lazy_exports(__name__, {"check": ("check_mesh",)})[0]  # the validator loads when first asked for
+__getattr__ = lazy_exports(__name__, {"devices": ("check_mesh",)})[0]  # the validator loads when first asked for
 
 __all__ = [
     "CONFIG_HELP", "RANDOM_MODEL", "ActorSection", "AlgorithmSection", "ConfigError", "CriticSection",

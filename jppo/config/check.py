@@ -27,25 +27,23 @@ from jppo.data.datasets import file_list
 from jppo.data.tokenizer import BUILTIN_PREFIX
 from jppo.run.dynamic_sampling import FILTER_METRICS
 from jppo.engine.config import check_old_log_prob, check_update
-from jppo.engine.driver import check_batch_sizes
 from jppo.engine.optim import check_optim
 from jppo.engine.update import policy_options
 from jppo.core.errors import ConfigError, InvalidSetting, one_line
-from jppo.losses import (
-    AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTION_MODES, check_policy_loss_mode, check_policy_options,
-    required_agg_mode,
-)
-from jppo.parallel.mesh import resolve_shape
+from jppo.losses import (AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTION_MODES, check_policy_loss_mode,
+                          check_policy_options, required_agg_mode)
 from jppo.rewards.verify import require_math_verify
-from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES
+from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, check_attention_blocks
 from jppo.models.families import MODEL_FAMILIES
 from jppo.models.layers import HALF_PRECISION_ATTENTION
 from jppo.models.lora import check_fits
 from jppo.core.paths import is_remote, missing_backend, run_path
+from jppo.models.hf import read_config
+from jppo.rollout import ROLLOUT_ENGINES, vllm_engine
 from jppo.rollout.env import BUILTIN_ENVS
 from jppo.config.schema import TrainConfig
 from jppo.config.views import (
-    SAMPLING_KEYS, adapted_model_config, engine_view, kl_controller, random_model_config, rollout_sequences,
+    CONTEXT_KEYS, SAMPLING_KEYS, adapted_model_config, engine_spec, engine_view, kl_controller, random_model_config,
     sampling_params,
 )
 
@@ -117,10 +115,8 @@ def _check_sources(cfg: TrainConfig) -> None:
         for key, value in (("trainer.val_every", cfg.trainer.val_every),
                            ("trainer.val_before_train", cfg.trainer.val_before_train)):
             if value:
-                raise ConfigError(
-                    f"{key}={value!r} needs held-out prompts: with data.task='files' set data.val_files "
-                    "(or turn validation off)"
-                )
+                raise ConfigError(f"{key}={value!r} needs held-out prompts: with data.task='files' set "
+                                  "data.val_files (or turn validation off)")
     for key in ("critic.model_path", "ref.model_path", "reward.model_path"):
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -132,9 +128,8 @@ def _check_reward(cfg: TrainConfig) -> None:
     """An optional package a reward kind needs must be installed; the overlong buffer fits in the length limit."""
     buffer, limit = cfg.reward.overlong_buffer, cfg.rollout.max_response_length
     if buffer.enable and not 1 <= buffer.len < limit:
-        raise ConfigError(
-            f"reward.overlong_buffer.len={buffer.len!r} must be >= 1 and < rollout.max_response_length={limit}"
-        )
+        raise ConfigError(f"reward.overlong_buffer.len={buffer.len!r} must be >= 1 and < "
+                          f"rollout.max_response_length={limit}")
     if buffer.enable:
         _positive("reward.overlong_buffer.penalty_factor", buffer.penalty_factor, allow_zero=True)
     if cfg.reward.kind == "math_verify":
@@ -153,19 +148,16 @@ def _check_trained_param_dtype(param_dtype: str) -> None:
     """``model.param_dtype`` is the dtype of every trained model's weights (the actor's, and the critic's, which is
     built from the same section); mixed precision keeps them in float32 and computes in ``model.dtype``."""
     if param_dtype in HALF_PRECISION:
-        raise ConfigError(
-            f"model.param_dtype={param_dtype!r}: trained weights (actor, critic) in {param_dtype} lose Adam's small "
-            "updates to rounding; use float32 master weights with model.dtype: bfloat16 (mixed precision)"
-        )
+        raise ConfigError(f"model.param_dtype={param_dtype!r}: trained weights (actor, critic) in {param_dtype} lose "
+                          "Adam's small updates to rounding; use float32 master weights with model.dtype: bfloat16 "
+                          "(mixed precision)")
 
 
 def _check_cudnn_dtype(key: str, dtype: str) -> None:
     """cuDNN's fused attention computes in bfloat16 or float16 only; ``model.attention: auto`` falls back by itself."""
     if dtype not in HALF_PRECISION_ATTENTION:
-        raise ConfigError(
-            f"{key}={dtype!r}: model.attention='cudnn' needs {' or '.join(HALF_PRECISION_ATTENTION)} compute "
-            "(use model.attention: auto to fall back)"
-        )
+        raise ConfigError(f"{key}={dtype!r}: model.attention='cudnn' needs {' or '.join(HALF_PRECISION_ATTENTION)} "
+                          "compute (use model.attention: auto to fall back)")
 
 
 def _check_model(cfg: TrainConfig) -> None:
@@ -173,11 +165,11 @@ def _check_model(cfg: TrainConfig) -> None:
     _choice("model.dtype", cfg.model.dtype, list(DTYPES))
     _choice("model.param_dtype", cfg.model.param_dtype, list(DTYPES))
     _choice("model.attention", cfg.model.attention, ATTENTION_IMPLEMENTATIONS)
-    if cfg.model.attention == "cudnn":
-        _check_cudnn_dtype("model.dtype", cfg.model.dtype)
-        if cfg.rollout.dtype is not None:
-            _check_cudnn_dtype("rollout.dtype", cfg.rollout.dtype)
+    if cfg.model.attention == "cudnn":  # the sampler's dtype too (default: model.dtype, checked first)
+        for key, dtype in ("model.dtype", cfg.model.dtype), ("rollout.dtype", cfg.rollout.dtype or cfg.model.dtype):
+            _check_cudnn_dtype(key, dtype)
     _check_trained_param_dtype(cfg.model.param_dtype)
+    _choice("ref.param_dtype", cfg.ref.param_dtype or cfg.model.dtype, list(DTYPES))  # never trained: any dtype
     if cfg.model.path is not None and not (pathlib.Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path={cfg.model.path!r}: no Hugging Face checkpoint (config.json) there")
     if cfg.model.path is None and cfg.model.tokenizer is None:
@@ -187,8 +179,9 @@ def _check_model(cfg: TrainConfig) -> None:
                 f"model.tokenizer is required for data.task={task!r} without model.path (built-in vocabularies "
                 f"exist for: {', '.join(BUILTIN_TASKS)})"
             )
-    if cfg.model.path is None:  # a model built from this section: its own checks (a checkpoint brings its shape)
-        with _as_key({}, prefix="model."):
+    with _as_key({}, prefix="model."):  # a checkpoint's block sizes too (it brings its shape, not those)
+        check_attention_blocks(cfg.model.attention_block_q, cfg.model.attention_block_kv)
+        if cfg.model.path is None:  # a model built from this section: its own checks
             random_model_config(cfg, None)
 
 
@@ -245,19 +238,14 @@ def _check_algorithm(cfg: TrainConfig) -> None:
     groups = algorithm.filter_groups
     _choice("algorithm.filter_groups.metric", groups.metric, FILTER_METRICS)
     _positive("algorithm.filter_groups.max_num_gen_batches", groups.max_num_gen_batches, allow_zero=True)
-    if groups.enable and cfg.rollout.n < 2:
-        raise ConfigError(
-            f"rollout.n={cfg.rollout.n}: algorithm.filter_groups.enable=True drops groups whose responses agree, "
-            "so it needs rollout.n >= 2"
-        )
     estimator = ADVANTAGE_ESTIMATORS[algorithm.adv_estimator]
+    for needs_groups, what in ((groups.enable, "algorithm.filter_groups.enable=True drops groups whose responses "
+                                "agree"), (estimator.needs_group_ids, f"algorithm.adv_estimator="
+                                           f"{algorithm.adv_estimator!r} compares the responses of one prompt")):
+        if needs_groups and cfg.rollout.n < 2:
+            raise ConfigError(f"rollout.n={cfg.rollout.n}: {what}, so it needs rollout.n >= 2")
     if estimator.needs_critic and cfg.critic.enable is False:
         raise ConfigError(f"critic.enable=False but algorithm.adv_estimator={algorithm.adv_estimator!r} needs a critic")
-    if estimator.needs_group_ids and cfg.rollout.n < 2:
-        raise ConfigError(
-            f"rollout.n={cfg.rollout.n}: algorithm.adv_estimator={algorithm.adv_estimator!r} compares the "
-            "responses of one prompt, so it needs rollout.n >= 2"
-        )
 
 
 def _check_rollout(cfg: TrainConfig) -> None:
@@ -271,6 +259,11 @@ def _check_rollout(cfg: TrainConfig) -> None:
         _choice("rollout.env", env, [BUILTIN_PREFIX + name for name in BUILTIN_ENVS])
     if cfg.rollout.dtype is not None:
         _choice("rollout.dtype", cfg.rollout.dtype, [name for name in DTYPES if name != "float64"])
+    _choice("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
+    if cfg.rollout.engine == "vllm":  # installed, its options, the policy's shape: before anything is built
+        shape, keys = ((read_config(cfg.model.path), f"model.path={cfg.model.path!r}") if cfg.model.path
+                       else (random_model_config(cfg, None), "model.hidden_size / model.num_heads"))
+        vllm_engine.check_settings(cfg.rollout.vllm, shape, keys, engine_spec(cfg, None).max_model_len, CONTEXT_KEYS)
 
 
 def _check_output_dir(output_dir: str) -> None:
@@ -358,43 +351,3 @@ def _check_batch_sizes(cfg: TrainConfig) -> None:
                 f"{role}.ppo_max_token_len={update.ppo_max_token_len} must be >= the longest sequence, "
                 f"data.max_prompt_length + rollout.max_response_length = {longest} tokens"
             )
-
-
-def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tuple[int, int, int]:
-    """The mesh shape for ``num_devices``, and every batch size checked against the batch shards it implies: the
-    engine's own check on the engine's view of each role, its messages naming the sizes as the user wrote them."""
-    try:
-        shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices)
-    except ValueError as error:
-        raise ConfigError(one_line(error)) from None
-    shards = shape[0] * shape[1]
-    sequences = rollout_sequences(cfg)
-    if sequences % shards:
-        raise ConfigError(
-            f"data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n} = {sequences} sequences "
-            f"do not split over {shards} batch shards (mesh.data x mesh.fsdp)"
-        )
-    if num_processes > 1 and cfg.algorithm.filter_groups.enable:
-        raise ConfigError(
-            f"algorithm.filter_groups.enable=True runs in one process only (this run has {num_processes}): each "
-            "process would keep different prompts"
-        )
-    if num_processes > 1 and cfg.data.train_batch_size % shards:
-        raise ConfigError(
-            f"data.train_batch_size={cfg.data.train_batch_size} prompts do not split over {shards} batch shards: with "
-            f"{num_processes} processes every process must hold whole prompts"
-        )
-    forward = cfg.rollout.log_prob_micro_batch_size
-    if forward is not None and (forward < 1 or (sequences // shards) % forward):
-        raise ConfigError(
-            f"rollout.log_prob_micro_batch_size={forward} must divide the {sequences // shards} sequences per batch shard"
-        )
-    for role in cfg.roles:
-        view = engine_view(cfg, role)
-        as_written = (f"{role}.ppo_mini_batch_size={getattr(cfg, role).ppo_mini_batch_size} (prompts) x "
-                      f"rollout.n={cfg.rollout.n} = {view.ppo_mini_batch_size} sequences")
-        try:
-            check_batch_sizes(view, sequences, shards, role, as_written)
-        except ValueError as error:
-            raise ConfigError(one_line(error)) from None
-    return shape

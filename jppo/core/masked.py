@@ -156,6 +156,7 @@ def global_norm_stats(
     loss_scale_factor: float | Array = 1.0,
     axis_name: str | Sequence[str] | None = None,
     dtype: jnp.dtype | None = None,
+    token_axis: str | None = None,
 ) -> NormStats:
     """Counts ``N`` and ``S`` of ``mask`` and sums them over the batch mesh axes.
 
@@ -170,15 +171,24 @@ def global_norm_stats(
         loss_scale_factor: ``C`` for ``seq-mean-token-sum-norm``.
         axis_name: mesh axes to sum over, or ``None``.
         dtype: float dtype of the statistics; defaults to float32 (float64 when x64 is on and the mask is float64).
+        token_axis: the one of ``axis_name`` that splits each row's tokens (context parallelism), or ``None``: a
+            row's token count is summed over it before the row is counted, so a row whose valid tokens all sit
+            on one shard counts once, and a row split over shards is one sequence, not one per shard.
     """
     check_token_arrays(mask)
     if dtype is None:
         dtype = mask.dtype if jnp.issubdtype(mask.dtype, jnp.floating) else jnp.float32
     valid = mask.astype(bool)
     num_tokens = jnp.sum(valid, dtype=dtype)
-    num_seqs = jnp.sum(jnp.any(valid, axis=-1), dtype=dtype)
-    if axis_name is not None:
-        num_tokens, num_seqs = jax.lax.psum((num_tokens, num_seqs), axis_name)
+    if token_axis is None:
+        num_seqs = jnp.sum(jnp.any(valid, axis=-1), dtype=dtype)
+        if axis_name is not None:
+            num_tokens, num_seqs = jax.lax.psum((num_tokens, num_seqs), axis_name)
+    else:  # n_i over every shard of the row first: S counts the rows with n_i > 0, once each
+        names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+        row_tokens = jax.lax.psum(jnp.sum(valid, axis=-1, dtype=dtype), token_axis)
+        num_tokens = jax.lax.psum(num_tokens, names)
+        num_seqs = jax.lax.psum(jnp.sum(row_tokens > 0, dtype=dtype), tuple(n for n in names if n != token_axis))
     return NormStats(
         num_tokens=num_tokens,
         num_seqs=num_seqs,

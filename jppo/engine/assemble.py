@@ -7,7 +7,7 @@ host. So a batch's tokens and per-token fields cross to the devices once per use
 further cut of the same rows (another epoch, another mini-batch order, another forward pass) costs its cut, two
 int32 arrays of one entry per slot, instead of a re-cut copy of the rows.
 
-The rows are sharded over the batch axes like any batch; the cut's slots name global rows, so a slot on shard d
+The rows are sharded over the row axes like any batch; the cut's slots name global rows, so a slot on shard d
 may read a row held by another shard (or host): the gather runs inside one jitted program, where XLA moves rows
 between the devices, never through a host.
 """
@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jppo.engine.layout import place
 from jppo.core.experience import Experience
-from jppo.parallel.mesh import BATCH_AXES
+from jppo.parallel.mesh import ROW_AXES
 from jppo.engine.microbatch import MicroBatches, fixed_gather_index
 
 Cut = tuple[np.ndarray, np.ndarray]  # row_ids, offsets: [..., D, S] each
@@ -45,7 +45,7 @@ def host_rows(batch: Experience, per_token: tuple[str, ...] | None) -> Experienc
 
 
 def device_rows(batch: Experience, per_token: tuple[str, ...] | None, mesh: Mesh) -> Experience:
-    """This process's rows of :func:`host_rows` as global arrays ``[N, ...]`` sharded over the batch axes."""
+    """This process's rows of :func:`host_rows` as global arrays ``[N, ...]`` sharded over the row axes."""
     return place(host_rows(batch, per_token), mesh, scanned=0)
 
 
@@ -107,19 +107,19 @@ def _slots(rows: Experience, safe: jax.Array, present: jax.Array) -> Experience 
 
 @functools.lru_cache(maxsize=32)
 def _assembler(mesh: Mesh, width: int | None, scanned: int):
-    sharding = NamedSharding(mesh, PartitionSpec(*([None] * scanned), BATCH_AXES))
+    sharding = NamedSharding(mesh, PartitionSpec(*([None] * scanned), ROW_AXES))
     return jax.jit(functools.partial(assemble_rows, width=width), out_shardings=sharding)
 
 
 def place_cut(cut: Cut, mesh: Mesh) -> dict[str, jax.Array]:
     """This process's part of a cut (``[..., D_local, S]``: its own shards' slots, naming global rows) as global
-    arrays ``row_ids`` and ``offsets``, sharded over the batch axes."""
+    arrays ``row_ids`` and ``offsets``, sharded over the row axes."""
     return place({"row_ids": cut[0], "offsets": cut[1]}, mesh, scanned=cut[0].ndim - 2)
 
 
 def assemble(rows: Experience, cut: Cut | dict[str, jax.Array], mesh: Mesh, width: int | None) -> MicroBatches:
     """:func:`assemble_rows` of a cut (host arrays, or already placed by :func:`place_cut`), as global
-    micro-batch arrays sharded over the batch axes like :func:`jppo.engine.layout.place`'s."""
+    micro-batch arrays sharded over the row axes like :func:`jppo.engine.layout.place`'s."""
     placed = place_cut(cut, mesh) if isinstance(cut, tuple) else cut
     with jax.set_mesh(mesh):
         scanned = placed["row_ids"].ndim - 2

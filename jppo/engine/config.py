@@ -144,6 +144,15 @@ def check_update(cfg: UpdateFields) -> None:
             raise InvalidSetting(f"{type(cfg).__name__}.", name, getattr(cfg, name), valid)
 
 
+def fixed_micro_batches(cfg: UpdateConfig, num_shards: int) -> Optional[int]:
+    """K, the micro-batches of every optimizer step on each of ``num_shards`` batch shards, when the cut fixes it:
+    ``ppo_mini_batch_size / num_shards / ppo_micro_batch_size``; None with ``use_dynamic_bsz`` (K then follows
+    each mini-batch's token counts)."""
+    if cfg.use_dynamic_bsz:
+        return None
+    return max(cfg.ppo_mini_batch_size // num_shards // cfg.ppo_micro_batch_size, 1)
+
+
 def require_engine_config(cfg: UpdateFields, *, for_update: bool = False) -> None:
     """``TypeError`` unless ``cfg`` is an :class:`UpdateConfig` (a trainer config section counts prompts). With
     ``for_update``, also what an optimizer step needs: :func:`check_update`, and ``loss_scale_factor`` set."""

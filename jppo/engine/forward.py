@@ -22,7 +22,7 @@ from jppo.engine.assemble import assemble, device_rows, place_cut
 from jppo.engine.update import Batch, policy_outputs, value_outputs
 from jppo.parallel.hostlocal import local_rows, local_shards, max_over_processes, to_local
 from jppo.core.experience import Experience
-from jppo.parallel.mesh import BATCH_AXES, batch_shards
+from jppo.parallel.mesh import ROW_AXES, batch_shards
 from jppo.engine.microbatch import pad_cut, cut_micro_batches
 
 
@@ -108,7 +108,7 @@ def local_cut(lengths: np.ndarray, mesh: Mesh, **sizes) -> tuple[np.ndarray, np.
 @functools.lru_cache(maxsize=16)
 def _in_row_order(mesh: Mesh, num_rows: int):
     """Jitted ``(slots [K, D, S, L], row_ids [K, D, S]) -> [num_rows, L]``: each slot's outputs written to its
-    global row (empty slots dropped), sharded over the batch axes like the rows."""
+    global row (empty slots dropped), sharded over the row axes like the rows."""
 
     def scatter(slots, row_ids):
         flat = row_ids.reshape(-1)
@@ -116,4 +116,4 @@ def _in_row_order(mesh: Mesh, num_rows: int):
         target = jnp.where(flat >= 0, flat, num_rows)  # out of range: dropped
         return jnp.zeros((num_rows, slots.shape[-1]), slots.dtype).at[target].set(values, mode="drop")
 
-    return jax.jit(scatter, out_shardings=NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
+    return jax.jit(scatter, out_shardings=NamedSharding(mesh, PartitionSpec(ROW_AXES)))

@@ -17,6 +17,11 @@ applied or skipped, and passes in. It is part of the optimizer state, so a check
 layout is optax's ``adamw``/``sgd`` one (checkpoints written before this change restore as they are; their
 ``gradient_step`` already counted every optimizer step).
 
+No accumulator when K = 1: a role whose every optimizer step is one micro-batch (fixed-size micro-batches of the
+whole per-shard mini-batch, :func:`jppo.engine.config.fixed_micro_batches`) keeps its ``MultiStepsState`` with
+``acc_grads=None`` (:func:`without_accumulator`): the accumulator would only ever hold zeros, and costs one float32
+copy of the trained parameters. The gradient of the one micro-batch goes to ``inner`` as it is.
+
 Memory: optax's ``apply_if_finite`` and ``MultiSteps.update`` compute the new state and then pick it or the old one
 with ``where``, so both are alive at once; XLA's ``memory_analysis()`` of a Qwen2-shaped update put the
 temporaries of applying the gradient at 6 float32 copies of the parameters (7 with K = 2). Here the finite check is a
@@ -30,11 +35,12 @@ optimizer received, through the same compiled step that training runs.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 
 from jppo.engine.config import OptimConfig
 from jppo.core.errors import InvalidSetting
@@ -195,7 +201,8 @@ def accumulating_optimizer(
     """``MultiSteps`` over ``num_micro_batches`` summed micro-batch gradients.
 
     The state layout does not depend on ``num_micro_batches``, so one state serves every K a run uses (token-budget
-    micro-batching may change K between steps).
+    micro-batching may change K between steps). A run whose every step has K = 1 keeps its state without the
+    accumulator (:func:`without_accumulator`).
     """
     return optax.MultiSteps(
         inner_optimizer(cfg, keep_gradient, optimizer_steps_per_training_step), every_k_schedule=num_micro_batches, use_grad_mean=False,
@@ -203,24 +210,38 @@ def accumulating_optimizer(
     )
 
 
+def without_accumulator(opt_state: optax.MultiStepsState) -> optax.MultiStepsState:
+    """``opt_state`` with no gradient accumulator (``acc_grads=None``): what a role whose every optimizer step has
+    one micro-batch keeps, saving one float32 copy of its trained parameters. Its counters and inner state are
+    ``MultiSteps``' own; an update step given more than one micro-batch accumulates in a temporary instead."""
+    return opt_state._replace(acc_grads=None)
+
+
+def with_accumulator(opt_state: optax.MultiStepsState, params: Any, dtype) -> optax.MultiStepsState:
+    """``opt_state`` with an empty accumulator of ``params``' shapes in ``dtype`` (one :func:`without_accumulator`
+    lacks), for an update step of K > 1 micro-batches; it lives as long as that step."""
+    return opt_state._replace(acc_grads=jax.tree.map(lambda p: jnp.zeros_like(p, dtype), params))
+
+
 def apply_accumulated(
     inner: optax.GradientTransformation, grads: Any, opt_state: optax.MultiStepsState, params: Any
 ) -> tuple[Any, optax.MultiStepsState]:
-    """The K-th micro-step of a ``MultiSteps`` state: ``inner`` on the accumulated gradient plus ``grads``, the
-    parameters updated, the accumulator emptied (zeros, not ``0 *`` it, which would keep a NaN) and the micro-step
-    count reset. This is what ``MultiSteps.update`` does on its K-th call, without computing the result of the
+    """The K-th micro-step of a ``MultiSteps`` state: ``inner`` on the accumulated gradient plus ``grads`` (``grads``
+    alone for a state :func:`without_accumulator`), the parameters updated, the accumulator emptied (zeros, not
+    ``0 *`` it, which would keep a NaN) and the micro-step count reset. This is what ``MultiSteps.update`` does on its K-th call, without computing the result of the
     other calls beside it (see the module docstring).
 
     ``inner`` is given ``optimizer_step=gradient_step`` (the optimizer steps before this one, skipped ones
     included), the counter its learning rate is evaluated at (:func:`scale_by_schedule_at`); ``gradient_step``
     then advances whether or not the step was applied."""
-    total = jax.tree.map(jnp.add, opt_state.acc_grads, grads)
+    held = opt_state.acc_grads is not None  # a state without an accumulator (K = 1): the gradient is the total
+    total = jax.tree.map(jnp.add, opt_state.acc_grads, grads) if held else grads
     updates, inner_state = inner.update(
         total, opt_state.inner_opt_state, params, optimizer_step=opt_state.gradient_step
     )
     new_state = opt_state._replace(
         mini_step=jnp.zeros_like(opt_state.mini_step), gradient_step=opt_state.gradient_step + 1,
-        inner_opt_state=inner_state, acc_grads=jax.tree.map(jnp.zeros_like, total),
+        inner_opt_state=inner_state, acc_grads=jax.tree.map(jnp.zeros_like, total) if held else None,
     )
     return optax.apply_updates(params, updates), new_state
 
@@ -232,3 +253,28 @@ def step_report(opt_state: optax.MultiStepsState) -> dict[str, Any]:
     return {
         "grad_norm": record.grad_norm, "skipped": jnp.logical_not(finite_state.last_finite), "gradient": record.gradient,
     }
+
+
+def opt_state_shardings(
+    tx: optax.GradientTransformation, init: Callable, params: Any, replicated: NamedSharding
+):
+    """Each per-parameter leaf of the optimizer state (moments, accumulator) sharded like its parameter, the
+    counters replicated. jit does not carry a parameter's sharding over to ``zeros_like(parameter)`` by itself: the
+    moments would come out whole on every device, and FSDP would shard only the parameters."""
+
+    def like(param: jax.Array):
+        sharding = getattr(param, "sharding", None)
+        return sharding if isinstance(sharding, NamedSharding) and sharding.mesh == replicated.mesh else replicated
+
+    shardings = jax.tree.map(like, params)
+    return optax.tree_map_params(
+        tx, lambda _, sharding: sharding, jax.eval_shape(init, params), shardings,
+        transform_non_params=lambda _: replicated,
+    )
+
+
+def accumulator_dtype(params: Any) -> jnp.dtype:
+    """float32 (bf16 gradients would lose the small micro-batch contributions), float64 when the parameters are
+    float64 (exactness tests)."""
+    widest = max((jnp.dtype(x.dtype) for x in jax.tree.leaves(params)), key=lambda d: d.itemsize)
+    return jnp.float64 if widest == jnp.float64 else jnp.float32

@@ -32,17 +32,20 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jppo.core import metrics as metrics_lib
-from jppo.engine.config import ActorConfig, ActorFields, CriticConfig, UpdateConfig, require_engine_config
+from jppo.engine.config import (
+    ActorConfig, ActorFields, CriticConfig, UpdateConfig, fixed_micro_batches, require_engine_config,
+)
 from jppo.engine.layout import flatten_shards, gather_slots, next_token_targets
 from jppo.engine.optim import (
     accumulating_optimizer, apply_accumulated, inner_optimizer, learning_rate_schedule, step_report,
+    accumulator_dtype, opt_state_shardings, with_accumulator, without_accumulator,
 )
 from jppo.core.experience import Experience
 from jppo.losses import actor_loss, value_loss
 from jppo.losses.policy import PolicyLossOptions, check_policy_options
 from jppo.losses.rollout_correction import sampler_mismatch
 from jppo.core.masked import NormStats, global_norm_stats
-from jppo.parallel.mesh import BATCH_AXES
+from jppo.parallel.mesh import BATCH_AXES, ROW_AXES, SEQUENCE_AXIS, batch_shards, sequence_shards
 from jppo.engine.microbatch import MicroBatches
 from jppo.models.log_probs import token_log_probs
 
@@ -76,15 +79,21 @@ def init_train_state(
 ) -> TrainState:
     """Optimizer state laid out like the (trained) parameters; its scalars (step counters) replicated over ``mesh``.
     ``keep_gradient``: the state has room for the last accumulated gradient (for an update step that returns it).
-    ``frozen``: parameters that are read but not trained (kept as they are, see :class:`TrainState`).
+    ``frozen``: parameters that are read but not trained (kept as they are, see :class:`TrainState`). When every
+    optimizer step of ``cfg`` on ``mesh`` is one micro-batch, the state has no gradient accumulator
+    (:func:`~jppo.engine.optim.without_accumulator`).
 
     The optimizer works in the accumulator's dtype (float32 at least): it receives the summed gradient in it, and
     its moments are kept in it, also for bfloat16 parameters (whose updates are rounded only when applied)."""
-    dtype = _accumulator_dtype(params)
+    dtype = accumulator_dtype(params)
     tx = accumulating_optimizer(cfg.optim, 1, dtype, keep_gradient)
     replicated = NamedSharding(mesh, PartitionSpec())
     init = lambda p: tx.init(jax.tree.map(lambda x: x.astype(dtype), p))  # noqa: E731
-    opt_state = jax.jit(init, out_shardings=_opt_state_shardings(tx, init, params, replicated))(params)
+    shardings = opt_state_shardings(tx, init, params, replicated)
+    if fixed_micro_batches(cfg, batch_shards(mesh)) == 1:  # every step one micro-batch: nothing to accumulate
+        full, shardings = init, without_accumulator(shardings)
+        init = lambda p: without_accumulator(full(p))  # noqa: E731 (the accumulator's zeros are never made)
+    opt_state = jax.jit(init, out_shardings=shardings)(params)
     state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
 
     def on_mesh(x: jax.Array) -> jax.Array:
@@ -98,40 +107,20 @@ def init_train_state(
     return jax.tree.map(on_mesh, state).replace(frozen=frozen)
 
 
-def _opt_state_shardings(
-    tx: optax.GradientTransformation, init: Callable, params: nnx.State, replicated: NamedSharding
-):
-    """Each per-parameter leaf of the optimizer state (moments, accumulator) sharded like its parameter, the
-    counters replicated. jit does not carry a parameter's sharding over to ``zeros_like(parameter)`` by itself: the
-    moments would come out whole on every device, and FSDP would shard only the parameters."""
-
-    def like(param: jax.Array):
-        sharding = getattr(param, "sharding", None)
-        return sharding if isinstance(sharding, NamedSharding) and sharding.mesh == replicated.mesh else replicated
-
-    shardings = jax.tree.map(like, params)
-    return optax.tree_map_params(
-        tx, lambda _, sharding: sharding, jax.eval_shape(init, params), shardings,
-        transform_non_params=lambda _: replicated,
-    )
-
-
-def _accumulator_dtype(params: nnx.State) -> jnp.dtype:
-    # Accumulate in float32 (bf16 gradients would lose the small micro-batch contributions), float64 when the
-    # parameters are float64 (exactness tests).
-    widest = max((jnp.dtype(x.dtype) for x in jax.tree.leaves(params)), key=lambda d: d.itemsize)
-    return jnp.float64 if widest == jnp.float64 else jnp.float32
-
-
 def mini_batch_norm_stats(response_mask: jax.Array, loss_scale_factor: float, mesh: Mesh) -> NormStats:
-    """Whole-mini-batch N and S: each shard counts its own ``[K, 1, S, L]`` block, ``psum`` over the batch axes;
-    C is the update's ``loss_scale_factor`` (:func:`micro_batch_gradient` passes its config's)."""
+    """Whole-mini-batch N and S: each shard counts its own ``[K, 1, S, L / sequence]`` block, ``psum`` over the
+    batch axes (a row's tokens summed over the sequence axis before the row is counted); C is the update's
+    ``loss_scale_factor`` (:func:`micro_batch_gradient` passes its config's). A response width the sequence axis
+    does not divide stays whole on every shard of that axis, counted once."""
+    split = sequence_shards(mesh.shape) > 1 and response_mask.shape[-1] % sequence_shards(mesh.shape) == 0
+    tokens = SEQUENCE_AXIS if split else None
+    axes = BATCH_AXES if split else ROW_AXES
 
     def local_then_psum(mask):
-        return global_norm_stats(mask.reshape(-1, mask.shape[-1]), loss_scale_factor, axis_name=BATCH_AXES)
+        return global_norm_stats(mask.reshape(-1, mask.shape[-1]), loss_scale_factor, axis_name=axes, token_axis=tokens)
 
     return jax.shard_map(
-        local_then_psum, mesh=mesh, in_specs=PartitionSpec(None, BATCH_AXES), out_specs=PartitionSpec()
+        local_then_psum, mesh=mesh, in_specs=PartitionSpec(None, ROW_AXES, None, tokens), out_specs=PartitionSpec()
     )(response_mask)
 
 
@@ -312,15 +301,21 @@ def make_update_step(
         inner = inner_optimizer(cfg.optim, keep_gradient, cfg.optimizer_steps_per_training_step)
         differentiate = prepare(state.params, batch, state.frozen)
         metrics_shape = jax.eval_shape(differentiate, state.params, jax.tree.map(lambda x: x[0], batch))[1]
+        dtype, held = accumulator_dtype(state.params), state.opt_state.acc_grads is not None
+        # a state without an accumulator given K > 1 micro-batches accumulates in a temporary
+        opt_state = state.opt_state if held or k == 1 else with_accumulator(state.opt_state, state.params, dtype)
 
         def micro_step(carry, micro):
             params, opt_state, total = carry
             grads, metrics = differentiate(params, micro)
             # in the accumulator's dtype (float32 at least), so the summed gradient reaches the optimizer unrounded
-            grads = jax.tree.map(lambda g, acc: g.astype(acc.dtype), grads, opt_state.acc_grads)
-            params, opt_state = jax.lax.cond(
-                opt_state.mini_step == k - 1, apply_last, accumulate, params, opt_state, grads
-            )
+            grads = jax.tree.map(lambda g: g.astype(dtype), grads)
+            if opt_state.acc_grads is None:  # K = 1 and nothing accumulated: this is the optimizer step
+                params, opt_state = apply_last(params, opt_state, grads)
+            else:
+                params, opt_state = jax.lax.cond(
+                    opt_state.mini_step == k - 1, apply_last, accumulate, params, opt_state, grads
+                )
             return (params, opt_state, metrics_lib.combine(total, metrics)), None
 
         def accumulate(params, opt_state, grads):
@@ -333,8 +328,9 @@ def make_update_step(
             return apply_accumulated(inner, grads, opt_state, params)
 
         (params, opt_state, total), _ = jax.lax.scan(
-            micro_step, (state.params, state.opt_state, _zeros(metrics_shape)), batch
+            micro_step, (state.params, opt_state, _zeros(metrics_shape)), batch
         )
+        opt_state = opt_state if held else without_accumulator(opt_state)
         report = step_report(opt_state)
         applied = jnp.logical_not(report["skipped"])
         values = metrics_lib.finish(total)

@@ -8,7 +8,8 @@ from jppo.core.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
     "config": ("ModelConfig", "RopeScaling"),
-    "decoder": ("CausalLM", "PromptCache", "ResponseCache"),
+    "decoder": ("CausalLM",),
+    "decoding": ("PromptCache", "ResponseCache"),
     "families": ("MODEL_FAMILIES", "Family"),
     "hf": ("CheckpointError", "load_pretrained", "read_config", "save_pretrained"),
     "log_probs": ("token_log_probs",),

@@ -39,51 +39,22 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 
+from jppo.models.attention import AttentionRule
 from jppo.models.config import ModelConfig
+from jppo.models.context import context_parallel, sequence_attention
 from jppo.models.layers import (
-    apply_rope,
-    attention,
-    attention_mask,
-    decode_attention,
-    dense,
-    response_blocks,
-    rms_norm,
-    rope_tables,
-    swiglu,
+    RESPONSE_BLOCKS, apply_rope, attention, decode_attention, dense, response_blocks, rms_norm, rope_tables, swiglu,
     wide,
 )
+from jppo.models.decoding import PromptCache, ResponseCache, layer_copier, with_decoding_copies, write_slot
 from jppo.models.sharding import constrain, param
 
 Array = jax.Array
 
 HIDDEN = ("batch", "length", None)
 CACHE = ("batch", "kv_heads", "length", "head_dim")
-
-
-@struct.dataclass
-class PromptCache:
-    """Every layer's keys and values of a batch of prompts, stored once however many samples each prompt gets.
-
-    ``keys``/``values``: a tuple over layers of ``[B, K, P, E]`` arrays (compute dtype, after RoPE); ``visible``:
-    ``[B, P]`` bool, the real prompt tokens (padding is never attended).
-    """
-
-    keys: tuple[Array, ...]
-    values: tuple[Array, ...]
-    visible: Array
-
-
-@struct.dataclass
-class ResponseCache:
-    """Every layer's keys and values of the generated tokens, ``R`` rows of ``M`` slots (slot ``t`` holds the
-    ``t``-th generated token of the row): a tuple over layers of tuples over the blocks of
-    :func:`~jppo.models.layers.response_blocks`, ``[R, K, M_b, E]`` each, so that a decoding step reads only the
-    blocks that hold a visible slot."""
-
-    keys: tuple[Array, ...]
-    values: tuple[Array, ...]
 
 
 def normal_weights(rngs: nnx.Rngs, shape: tuple[int, ...], config: ModelConfig) -> Array:
@@ -180,30 +151,57 @@ class DecoderLayers(nnx.Module):
         unroll = self.config.resolved_layer_loop == "unroll"
         return jax.lax.scan(layer, hidden, (self._stacked_weights(), self._stacked_adapters()), unroll=unroll)
 
-    def __call__(self, hidden: Array, rope: tuple[Array, Array], mask: Array) -> Array:
-        """Runs all layers on ``hidden [B, T, D]``, each query attending the keys of ``mask [B, T, T]``."""
-        attend = lambda q, k, v: (attention(q, k, v, mask, self.config.attention), None)  # noqa: E731
+    def _attention(self, q: Array, k: Array, v: Array, rule: AttentionRule) -> Array:
+        config = self.config
+        return attention(q, k, v, rule, config.attention, (config.attention_block_q, config.attention_block_kv))
+
+    def __call__(self, hidden: Array, rope: tuple[Array, Array], rule: AttentionRule) -> Array:
+        """Runs all layers on ``hidden [B, T, D]``, each query attending the keys its ``rule`` shows it (segments
+        and slots: the dense ``[B, T, T]`` mask is built only by the implementations that take one)."""
+        attend = lambda q, k, v: (self._attention(q, k, v, rule), None)  # noqa: E731
         return self._scan(hidden, rope, attend)[0]
 
-    def prefill(self, hidden: Array, rope: tuple[Array, Array], mask: Array) -> tuple[Array, tuple[Array, Array]]:
+    def context_parallel(self, hidden: Array, rope: tuple[Array, Array], segment_ids: Array) -> Array:
+        """:meth:`__call__` with the tokens split over the ``sequence`` mesh axis (:mod:`jppo.models.context`): the
+        packed rows of ``segment_ids [B, T]``, each shard's queries over the gathered keys."""
+        config = self.config
+        blocks = (config.attention_block_q, config.attention_block_kv)
+
+        def attend(q, k, v):
+            return sequence_attention(q, k, v, segment_ids, config.attention, blocks), None
+
+        return self._scan(hidden, rope, attend)[0]
+
+    def prefill(self, hidden: Array, rope: tuple[Array, Array], rule: AttentionRule,
+                layers: tuple | None = None) -> tuple[Array, tuple[Array, Array]]:
         """:meth:`__call__` that also returns every layer's keys and values, ``[L, B, K, T, E]`` each (heads
-        before slots, the layout :func:`decode_attention` contracts without a transpose)."""
+        before slots, the layout :func:`decode_attention` contracts without a transpose). With ``layers``
+        (:meth:`unstacked`) the layers run one after the other on the weights decoding then reads (the scan
+        would gather each layer of batch-sharded stacks a second time)."""
 
         def attend(q, k, v):
             keep = tuple(x.transpose(0, 2, 1, 3) for x in (k, v))
-            return attention(q, k, v, mask, self.config.attention), keep
+            return self._attention(q, k, v, rule), keep
 
-        return self._scan(hidden, rope, attend)
+        if layers is None:
+            return self._scan(hidden, rope, attend)
+        kept = []
+        for weights, adapters in layers:
+            hidden, layer_kept = self._block(hidden, weights, adapters, rope, attend)
+            kept.append(layer_kept)
+        return hidden, tuple(jnp.stack(x) for x in zip(*kept))
 
     def unstacked(self) -> tuple[tuple[dict, dict], ...]:
         """Each layer's ``(weights, adapters)`` sliced out of the stacks: taken once before a decoding loop, since
-        XLA does not hoist the slices out of it (they cost a tenth of a small model's decode step)."""
+        XLA does not hoist the slices out of it (they cost a tenth of a small model's decode step).
+
+        Each slice is the sampler's copy (:func:`~jppo.models.decoding.layer_copier`), sliced first: one layer's
+        weights per layer, never a second stack."""
         weights, adapters = self._stacked_weights(), self._stacked_adapters()
-        return tuple(
-            ({name: w[index] for name, w in weights.items()},
-             {name: (a[index], b[index]) for name, (a, b) in adapters.items()})
-            for index in range(self.config.num_layers)
-        )
+        copy = layer_copier(self, self.config.compute_dtype)
+        return tuple(({name: copy(name, w[index]) for name, w in weights.items()},
+                      {name: (a[index], b[index]) for name, (a, b) in adapters.items()})
+                     for index in range(self.config.num_layers))
 
     def decode(
         self,
@@ -218,14 +216,15 @@ class DecoderLayers(nnx.Module):
         """One new token per row, ``hidden [R, 1, D]``: each layer writes the token's key and value at response
         slot ``slots[r]`` of row ``r`` and attends to the row's prompt block and response slots ``<= slots[r]``.
         ``layers`` is :meth:`unstacked`. Row ``r``'s prompt is ``prompt_rows[r]``; without ``prompt_rows`` the rows
-        are prompt-major, ``R / B`` per prompt, and read the shared blocks in place (no gather).
+        are prompt-major, ``R / B`` per prompt, and read the shared blocks in place (no gather). ``slots`` may be
+        a scalar, every row at one slot: the blocks some row can see are then known with no reduction over rows.
 
         The layers are unrolled, each with its own cache arrays: a scan over stacked caches would copy a layer's
         whole cache out of the stack at every step (the cost then grows with the cache, not the arithmetic).
         """
-        rows = hidden.shape[0]
-        sizes = tuple(block.shape[2] for block in cache.keys[0])
-        response_visible = jnp.arange(sum(sizes))[None, :] <= slots[:, None]
+        rows, sizes = hidden.shape[0], tuple(block.shape[2] for block in cache.keys[0])
+        response_visible = jnp.arange(sum(sizes))[None, :] <= jnp.reshape(slots, (-1, 1))  # [R or 1, M]
+        slots = jnp.broadcast_to(slots, (rows,))
         visible = prompt.visible if prompt_rows is None else prompt.visible[prompt_rows]
         rows_of = (lambda x: x) if prompt_rows is None else (lambda x: x[prompt_rows])  # noqa: E731
         starts = [sum(sizes[:b]) for b in range(len(sizes))]
@@ -237,10 +236,8 @@ class DecoderLayers(nnx.Module):
 
             def attend(q, k, v, index=index):
                 for stack, new in ((keys, k), (values, v)):
-                    stack[index] = tuple(
-                        block.at[jnp.arange(rows), :, where].set(new[:, 0].astype(block.dtype), mode="drop")
-                        for block, where in zip(stack[index], local)
-                    )
+                    stack[index] = tuple(write_slot(block, where, new[:, 0].astype(block.dtype))
+                                         for block, where in zip(stack[index], local))
                 out = decode_attention(q[:, 0], rows_of(prompt.keys[index]), rows_of(prompt.values[index]), visible,
                                        keys[index], values[index], response_visible)
                 return out[:, None], None
@@ -273,15 +270,17 @@ class Decoder(nnx.Module):
     def __call__(self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
         positions, segment_ids = _check_inputs(input_ids, positions, segment_ids)
         hidden, rope = self._embed(input_ids, positions)
-        mask = attention_mask(segment_ids, jnp.arange(input_ids.shape[1]), segment_ids)
-        return self._norm(self.layers(hidden, rope, mask))
+        if context_parallel(input_ids.shape[1]):
+            return self._norm(self.layers.context_parallel(hidden, rope, segment_ids))
+        return self._norm(self.layers(hidden, rope, AttentionRule.packed(segment_ids)))
 
-    def prefill(self, input_ids: Array, positions: Array, segment_ids: Array) -> tuple[Array, PromptCache]:
-        """:meth:`__call__` on a prompt batch, plus its :class:`PromptCache`."""
+    def prefill(self, input_ids: Array, positions: Array, segment_ids: Array,
+                layers: tuple | None = None) -> tuple[Array, PromptCache]:
+        """:meth:`__call__` on a prompt batch, plus its :class:`PromptCache` (``layers``: see
+        :meth:`DecoderLayers.prefill`)."""
         positions, segment_ids = _check_inputs(input_ids, positions, segment_ids)
         hidden, rope = self._embed(input_ids, positions)
-        mask = attention_mask(segment_ids, jnp.arange(input_ids.shape[1]), segment_ids)
-        hidden, (keys, values) = self.layers.prefill(hidden, rope, mask)
+        hidden, (keys, values) = self.layers.prefill(hidden, rope, AttentionRule.packed(segment_ids), layers)
         per_layer = lambda stack: tuple(constrain(layer, CACHE) for layer in stack)  # noqa: E731
         return self._norm(hidden), PromptCache(keys=per_layer(keys), values=per_layer(values),
                                                visible=segment_ids != 0)
@@ -290,18 +289,19 @@ class Decoder(nnx.Module):
         self, tokens: Array, positions: Array, prompt: PromptCache, cache: ResponseCache, slots: Array, layers: tuple,
         prompt_rows: Array | None = None,
     ) -> tuple[Array, ResponseCache]:
-        """``tokens [R]`` at ``positions [R]``, written at response slots ``slots [R]``: hidden ``[R, D]``."""
+        """``tokens [R]`` at ``positions [R]``, written at response slots ``slots [R]`` (or one slot for all rows,
+        a scalar): hidden ``[R, D]``."""
         hidden, rope = self._embed(tokens[:, None], positions[:, None])
         hidden, cache = self.layers.decode(hidden, rope, prompt, cache, slots, layers, prompt_rows)
         by_block = lambda layers: tuple(tuple(constrain(b, CACHE) for b in layer) for layer in layers)  # noqa: E731
         cache = ResponseCache(keys=by_block(cache.keys), values=by_block(cache.values))
         return self._norm(hidden[:, 0]), cache
 
-    def init_response_cache(self, rows: int, length: int) -> ResponseCache:
+    def init_response_cache(self, rows: int, length: int, blocks: int = RESPONSE_BLOCKS) -> ResponseCache:
         config = self.config
         zeros = lambda: tuple(  # noqa: E731  (own buffers, one per layer and block)
             tuple(constrain(jnp.zeros((rows, config.num_kv_heads, size, config.head_dim), config.compute_dtype),
-                            CACHE) for size in response_blocks(length))
+                            CACHE) for size in response_blocks(length, blocks))
             for _ in range(config.num_layers)
         )
         return ResponseCache(keys=zeros(), values=zeros())
@@ -343,9 +343,11 @@ class CausalLM(nnx.Module):
         """Final-norm hidden states ``[B, T, D]`` (compute dtype)."""
         return self.decoder(input_ids, positions, segment_ids)
 
-    def prefill(self, input_ids: Array, positions: Array, segment_ids: Array) -> tuple[Array, PromptCache]:
-        """Hidden states of a prompt batch ``[B, P]`` and its :class:`PromptCache` (segment 0 is padding)."""
-        return self.decoder.prefill(input_ids, positions, segment_ids)
+    def prefill(self, input_ids: Array, positions: Array, segment_ids: Array,
+                layers: tuple | None = None) -> tuple[Array, PromptCache]:
+        """Hidden states of a prompt batch ``[B, P]`` and its :class:`PromptCache` (segment 0 is padding); with
+        ``layers`` (:meth:`decoding_layers`) computed on the sampler's copies of the weights."""
+        return self.decoder.prefill(input_ids, positions, segment_ids, layers)
 
     def decode(
         self, tokens: Array, positions: Array, prompt: PromptCache, cache: ResponseCache, slots: Array, layers: tuple,
@@ -357,13 +359,20 @@ class CausalLM(nnx.Module):
         :meth:`decoding_layers`, taken once before the decoding loop. Returns hidden ``[R, D]`` and the cache."""
         return self.decoder.decode(tokens, positions, prompt, cache, slots, layers, prompt_rows)
 
+    def for_decoding(self) -> "CausalLM":
+        """This model with the sampler's copies (:func:`~jppo.models.sharding.decoding_copy`) of its embedding
+        table and untied LM head, which every decoding step reads: cast to the compute dtype and laid out for
+        decoding, made once before the loop. The layers' copies are :meth:`decoding_layers`'."""
+        return with_decoding_copies(self, ("embed_tokens", "lm_head"))
+
     def decoding_layers(self) -> tuple:
         """Each layer's weights as arrays of their own, for :meth:`decode` (see ``DecoderLayers.unstacked``)."""
         return self.decoder.layers.unstacked()
 
-    def init_response_cache(self, rows: int, length: int) -> ResponseCache:
-        """An empty :class:`ResponseCache` of ``rows`` rows and ``length`` slots."""
-        return self.decoder.init_response_cache(rows, length)
+    def init_response_cache(self, rows: int, length: int, blocks: int = RESPONSE_BLOCKS) -> ResponseCache:
+        """An empty :class:`ResponseCache` of ``rows`` rows and ``length`` slots, in up to ``blocks`` blocks
+        (:func:`~jppo.models.layers.response_blocks`)."""
+        return self.decoder.init_response_cache(rows, length, blocks)
 
     def logits(self, hidden: Array) -> Array:
         """``hidden [..., D] -> logits [..., V]`` in float32."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -129,13 +129,15 @@ def load_pretrained(
     remat: bool | None = None,
     attention: str | None = None,
     layer_loop: str | None = None,
+    attention_block_q: int | None = None,
+    attention_block_kv: int | None = None,
 ) -> CausalLM | ValueModel:
     """A :class:`CausalLM` (``head="lm"``) or :class:`ValueModel` (``head="value"``) from a Hugging Face
     checkpoint directory, each parameter placed straight onto its sharding over ``mesh`` when given.
 
     ``dtype``/``param_dtype`` default to float32 (the checkpoint's own dtype is converted); ``remat`` (default
-    off) recomputes each layer in the backward pass; ``attention`` (default ``reference``) and ``layer_loop``
-    (default ``auto``) are ModelConfig's. For ``"value"`` the
+    off) recomputes each layer in the backward pass; ``attention`` (default ``reference``), its block sizes
+    and ``layer_loop`` (default ``auto``) are ModelConfig's. For ``"value"`` the
     decoder comes from the checkpoint and the value head too if it has ``score.weight`` (a critic checkpoint);
     otherwise (a policy checkpoint, as verl initialises critics) the head is new, drawn from ``seed``.
     Raises :class:`CheckpointError` naming the missing file or tensor, the mismatched shape, or the
@@ -145,7 +147,8 @@ def load_pretrained(
         raise ValueError(f"unknown head {head!r}; valid: {', '.join(HEADS)}")
     path = pathlib.Path(path)
     given = (("dtype", dtype), ("param_dtype", param_dtype), ("remat", remat), ("attention", attention),
-             ("layer_loop", layer_loop))
+             ("layer_loop", layer_loop), ("attention_block_q", attention_block_q),
+             ("attention_block_kv", attention_block_kv))
     overrides = {key: value for key, value in given if value is not None}
     config = read_config(path, **overrides)
     checkpoint = _Checkpoint(path)
@@ -171,15 +174,16 @@ def load_pretrained(
 
 
 def save_pretrained(
-    model: CausalLM | ValueModel, path: PathLike, *, dtype: str | None = None, max_shard_bytes: int | None = None
+    model: CausalLM | ValueModel, path: PathLike, *, dtype: str | None = None, max_shard_bytes: int | None = None,
+    to_host: Callable[[Array], np.ndarray] | None = None,
 ) -> list[str]:
     """Writes ``config.json`` and the weights that transformers loads: a :class:`CausalLM` as ``*ForCausalLM``, a
     :class:`ValueModel` as ``*ForTokenClassification``; returns the names of the files written.
 
     ``dtype``: the stored dtype (default: the parameter dtype), also written as the config's ``dtype``.
     ``max_shard_bytes``: above it the weights are cut into shards plus ``model.safetensors.index.json``
-    (default: one ``model.safetensors``). One jppo parameter at a time is gathered to the host
-    (single-process only)."""
+    (default: one ``model.safetensors``). One jppo parameter at a time is brought to the host by ``to_host``
+    (default ``jax.device_get``: single-process only)."""
     head = {CausalLM: "lm", ValueModel: "value"}.get(type(model))
     if head is None:
         raise CheckpointError(f"cannot save a {type(model).__name__}; expected CausalLM or ValueModel")
@@ -189,27 +193,58 @@ def save_pretrained(
         raise CheckpointError(f"cannot save weights as dtype={dtype!r}; valid: {', '.join(DTYPES)}")
     path = run_path(path)  # a local folder or a gs:// URI
     path.mkdir(parents=True, exist_ok=True)
-    table = config.family.tensor_names
     layout, sources = [], {}
-    for path_parts, variable in nnx.to_flat_state(nnx.state(model)):
-        key = ".".join(str(part) for part in path_parts)
-        names, transposed = _hf_names(key, table, config)
-        stacked = key.startswith("decoder.layers.")
-        per_layer = variable.shape[1:] if stacked else variable.shape
-        for layer, name in enumerate(names):
-            layout.append((name, per_layer[::-1] if transposed else per_layer, np.dtype(DTYPES[dtype])))
-            sources[name] = (variable, layer if stacked else None, transposed)
-
-    host: dict[int, np.ndarray] = {}
-
-    def fetch(name: str) -> np.ndarray:
-        variable, layer, transposed = sources[name]
-        if id(variable) not in host:  # gather one parameter (all its layers) at a time
-            host.clear()
-            host[id(variable)] = np.asarray(jax.device_get(variable[...]))
-        array = host[id(variable)] if layer is None else host[id(variable)][layer]
-        return array.T if transposed else array
+    for name, variable, layer, transposed in hf_layout(model):
+        shape = variable.shape[1:] if layer is not None else variable.shape
+        layout.append((name, shape[::-1] if transposed else shape, np.dtype(DTYPES[dtype])))
+        sources[name] = (variable, layer, transposed)
+    to_host = to_host or (lambda array: np.asarray(jax.device_get(array)))
+    fetch = _host_tensors(sources, lambda variable: to_host(variable[...]))
 
     hf_config = config.to_hf(head) | {"dtype": dtype}
     (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return ["config.json", *write_sharded_safetensors(path, layout, fetch, max_shard_bytes)]
+
+
+# one Hugging Face tensor: (its name, the jppo variable holding it, its layer in a stacked variable or None, transposed)
+HFTensor = tuple[str, nnx.Variable, "int | None", bool]
+
+
+def hf_layout(model: CausalLM | ValueModel) -> list[HFTensor]:
+    """Where each Hugging Face tensor of ``model`` lies in its jppo parameters, in the order of the parameters (so
+    a reader that walks it gathers one parameter, all its layers, at a time)."""
+    table, out = model.config.family.tensor_names, []
+    for path_parts, variable in nnx.to_flat_state(nnx.state(model)):
+        key = ".".join(str(part) for part in path_parts)
+        names, transposed = _hf_names(key, table, model.config)
+        stacked = key.startswith("decoder.layers.")
+        out.extend((name, variable, layer if stacked else None, transposed) for layer, name in enumerate(names))
+    return out
+
+
+def _host_tensors(sources: Mapping[str, tuple], to_host: Callable[[nnx.Variable], np.ndarray]):
+    """``fetch(name)``: the Hugging Face tensor ``name`` (``[out, in]`` for a linear layer) as a view into the host
+    copy of its jppo parameter; one parameter is kept on the host at a time."""
+    host: dict[int, np.ndarray] = {}
+
+    def fetch(name: str) -> np.ndarray:
+        variable, layer, transposed = sources[name]
+        if id(variable) not in host:
+            host.clear()
+            host[id(variable)] = to_host(variable)
+        array = host[id(variable)] if layer is None else host[id(variable)][layer]
+        return array.T if transposed else array
+
+    return fetch
+
+
+def hf_tensors(
+    model: CausalLM | ValueModel, to_host: Callable[[Array], np.ndarray]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """``(Hugging Face name, host array)`` of every tensor of ``model``, as ``save_pretrained`` writes them, without
+    a file: ``to_host`` brings one jppo parameter (all its layers) to the host (e.g. gathered from its shards),
+    and each tensor is a view into that copy (a layer of it, transposed where Hugging Face stores ``[out, in]``)."""
+    layout = hf_layout(model)
+    fetch = _host_tensors({name: (v, layer, t) for name, v, layer, t in layout}, lambda v: to_host(v[...]))
+    for name, *_ in layout:
+        yield name, fetch(name)

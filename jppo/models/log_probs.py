@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from jppo.losses.entropy import entropy_from_logits
+from jppo.models.context import sequence_shards_of
 from jppo.models.decoder import CausalLM
+from jppo.models.sharding import constrain
 
 Array = jax.Array
 
@@ -54,17 +56,30 @@ def token_log_probs(
     if isinstance(temperature, (int, float)) and temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     hidden = model.hidden_states(input_ids, positions, segment_ids)
+    targets = jnp.clip(targets, 0, model.config.vocab_size - 1)
+    shards = sequence_shards_of(hidden.shape[1])
+    if shards > 1:
+        return _split_token_log_probs(model, hidden, targets, shards, temperature, chunk_size, with_entropy)
     batch, length, width = hidden.shape
     chunk = min(chunk_size, length)
     num_chunks = -(-length // chunk)
     pad = num_chunks * chunk - length
-    targets = jnp.clip(targets, 0, model.config.vocab_size - 1)
     hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
     # [num_chunks, B, chunk, ...]: each step of the map sees every row
     hidden = hidden.reshape(batch, num_chunks, chunk, width).swapaxes(0, 1)
     targets = targets.reshape(batch, num_chunks, chunk).swapaxes(0, 1)
 
+    one_chunk = _chunk_fn(model, temperature, with_entropy)
+    if num_chunks == 1:
+        log_probs, entropy = jax.tree.map(lambda x: x[None], one_chunk((hidden[0], targets[0])))
+    else:
+        log_probs, entropy = jax.lax.map(jax.checkpoint(one_chunk), (hidden, targets))
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(batch, num_chunks * chunk)[:, :length]  # noqa: E731
+    return unchunk(log_probs), (unchunk(entropy) if with_entropy else None)
+
+
+def _chunk_fn(model: CausalLM, temperature: float | Array, with_entropy: bool):
     def one_chunk(chunk_inputs: tuple[Array, Array]) -> tuple[Array, Array]:
         chunk_hidden, chunk_targets = chunk_inputs
         scaled = model.logits(chunk_hidden) / temperature
@@ -75,11 +90,37 @@ def token_log_probs(
         # With several chunks, the checkpoint recomputes these [B, chunk, V] temporaries in the backward pass.
         return chosen - normalizer, entropy_from_logits(scaled)
 
+    return one_chunk
+
+
+def _split_token_log_probs(
+    model: CausalLM, hidden: Array, targets: Array, shards: int, temperature, chunk_size: int, with_entropy: bool
+) -> tuple[Array, Array | None]:
+    """:func:`token_log_probs` of ``hidden [B, T, D]`` whose tokens are split over the ``sequence`` axis in
+    ``shards`` blocks of ``T / shards`` (:mod:`jppo.models.context`): every shard runs the chunks of its own block,
+    ``[B, shards, chunk, V]`` logits at a time with the ``shards`` axis split, so no shard computes another's
+    logits and the hidden states never move. The targets (the next tokens) were taken from the whole row."""
+    batch, length, width = hidden.shape
+    block = length // shards
+    chunk = min(chunk_size, block)
+    num_chunks = -(-block // chunk)
+    pad = num_chunks * chunk - block
+
+    def by_chunk(x: Array) -> Array:  # [B, T, ...] -> [num_chunks, B, shards, chunk, ...], shards split
+        x = constrain(x.reshape(batch, shards, block, *x.shape[2:]), ("batch", "length") + (None,) * (x.ndim - 1))
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3))
+        return jnp.moveaxis(x.reshape(batch, shards, num_chunks, chunk, *x.shape[3:]), 2, 0)
+
+    one_chunk = _chunk_fn(model, temperature, with_entropy)
+    inputs = (by_chunk(hidden), by_chunk(targets))
     if num_chunks == 1:
-        log_probs, entropy = jax.tree.map(lambda x: x[None], one_chunk((hidden[0], targets[0])))
+        log_probs, entropy = jax.tree.map(lambda x: x[None], one_chunk(jax.tree.map(lambda x: x[0], inputs)))
     else:
-        log_probs, entropy = jax.lax.map(jax.checkpoint(one_chunk), (hidden, targets))
-    unchunk = lambda x: x.swapaxes(0, 1).reshape(batch, num_chunks * chunk)[:, :length]  # noqa: E731
+        log_probs, entropy = jax.lax.map(jax.checkpoint(one_chunk), inputs)
+
+    def unchunk(x: Array) -> Array:  # [num_chunks, B, shards, chunk] -> [B, T]
+        return jnp.moveaxis(x, 0, 2).reshape(batch, shards, -1)[:, :, :block].reshape(batch, length)
+
     return unchunk(log_probs), (unchunk(entropy) if with_entropy else None)
 
 

@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jppo.parallel.mesh import LOGICAL_RULES, fitted_spec, logical_to_spec
+from jppo.parallel.mesh import BATCH_AXES, LOGICAL_RULES, fitted_spec, logical_to_spec
 from jppo.models.config import ModelConfig
 
 Array = jax.Array
@@ -49,6 +49,31 @@ def constrain(x: Array, names: Sequence[str | None]) -> Array:
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, fitted_spec(x.shape, names, dict(mesh.shape)))
+
+
+def without_batch_axes(spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` with the batch axes (``data``, ``fsdp``) taken out of every dimension: replicated over them."""
+
+    def kept(axes):
+        group = tuple(axis for axis in ((axes,) if isinstance(axes, str) else (axes or ())) if axis not in BATCH_AXES)
+        return group[0] if len(group) == 1 else (group or None)
+
+    return PartitionSpec(*(kept(axes) for axes in spec))
+
+
+def decoding_copy(value: Array, names: Sequence[str | None], dtype=None) -> Array:
+    """The sampler's copy of a weight: cast to ``dtype`` (``None``: kept) where its shards are, so that gathering
+    it moves ``dtype`` bytes, then laid out for decoding under the mesh set with ``jax.set_mesh``: replicated over
+    the batch axes, which split a decoding step's rows (a weight sharded over them would be gathered at every
+    step, or, hoisted out of the loop by XLA, held whole in its stored dtype), and split over ``tensor`` as the
+    rule table says. Without a mesh: the cast only."""
+    if dtype is not None and value.dtype != dtype:
+        value = constrain(value.astype(dtype), names)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return value
+    return jax.lax.with_sharding_constraint(value, without_batch_axes(fitted_spec(value.shape, names,
+                                                                                  dict(mesh.shape))))
 
 
 def variable_spec(variable: nnx.Variable, mesh: Mesh) -> PartitionSpec:

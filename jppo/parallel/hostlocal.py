@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jppo.parallel.mesh import BATCH_AXES, batch_shards
+from jppo.parallel.mesh import ROW_AXES, batch_shards
 
 T = TypeVar("T")
 
@@ -27,7 +27,7 @@ T = TypeVar("T")
 def local_shards(mesh: Mesh) -> range:
     """The batch shards whose devices belong to this process (a contiguous range of shard indices)."""
     shards = batch_shards(mesh)
-    index_map = NamedSharding(mesh, PartitionSpec(BATCH_AXES)).addressable_devices_indices_map((shards,))
+    index_map = NamedSharding(mesh, PartitionSpec(ROW_AXES)).addressable_devices_indices_map((shards,))
     owned = sorted({index[0].start or 0 for index in index_map.values()})
     if owned != list(range(owned[0], owned[0] + len(owned))):
         raise ValueError(
@@ -48,8 +48,8 @@ def local_rows(mesh: Mesh, num_rows: int) -> range:
 
 def to_global(local: np.ndarray, mesh: Mesh, scanned: int = 0) -> jax.Array:
     """The global array whose batch-shard axis (axis ``scanned``, after ``scanned`` replicated leading axes) is
-    sharded over the batch axes, from this process's part of it."""
-    spec = PartitionSpec(*([None] * scanned), BATCH_AXES, *([None] * (local.ndim - scanned - 1)))
+    sharded over the row axes, from this process's part of it."""
+    spec = PartitionSpec(*([None] * scanned), ROW_AXES, *([None] * (local.ndim - scanned - 1)))
     sharding = NamedSharding(mesh, spec)
     shape = list(local.shape)
     shape[scanned] = shape[scanned] * batch_shards(mesh) // len(local_shards(mesh))
@@ -105,7 +105,7 @@ def take_rows(rows: T, order: np.ndarray, mesh: Mesh, through_devices: bool | No
 
 @functools.lru_cache(maxsize=16)
 def _row_gather(mesh: Mesh):
-    rows = NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    rows = NamedSharding(mesh, PartitionSpec(ROW_AXES))
     return jax.jit(lambda arrays, index: jax.tree.map(lambda a: jnp.take(a, index, axis=0), arrays), out_shardings=rows)
 
 
@@ -137,3 +137,11 @@ def sum_over_processes(values) -> np.ndarray:
     if jax.process_count() == 1:
         return np.asarray(values)
     return np.sum(multihost_utils.process_allgather(np.asarray(values)), axis=0)
+
+
+def gather_to_host(array: jax.Array) -> np.ndarray:
+    """The whole of ``array`` on this host: its shards assembled (from every process when some are remote); a
+    single-device CPU array comes back without a copy."""
+    if array.is_fully_addressable:
+        return np.asarray(jax.device_get(array))
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))

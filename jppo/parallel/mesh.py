@@ -1,8 +1,11 @@
 """The device mesh and the one sharding rule table.
 
-Three mesh axes: ``data`` (replicas of the parameters, rows of the batch), ``fsdp`` (rows of the batch and shards
-of the parameters) and ``tensor`` (shards of the hidden, head and vocabulary dimensions). The batch axes, the
-axes that split rows of a batch and so the axes every global count is summed over, are ``data`` and ``fsdp``.
+Four mesh axes: ``data`` (replicas of the parameters, rows of the batch), ``fsdp`` (rows of the batch and shards
+of the parameters), ``tensor`` (shards of the hidden, head and vocabulary dimensions) and ``sequence`` (context
+parallelism: the tokens of every packed row of a training or log-prob pass, split in contiguous blocks). The row
+axes, which split the rows of a batch, are ``data`` and ``fsdp`` (:data:`ROW_AXES`); the batch axes, which split
+rows or tokens and so are the axes every global count is summed over, are those and ``sequence``
+(:data:`BATCH_AXES`, ``CONTRACT.md``).
 
 Parameters and activations are annotated with *logical* axis names; :data:`LOGICAL_RULES` maps each logical
 name to mesh axes. It is the only place that decides how anything is laid out: change it here and the model,
@@ -18,13 +21,16 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
-BATCH_AXES: tuple[str, str] = ("data", "fsdp")
+# sequence last: a 1-sized sequence axis leaves the devices where a (data, fsdp, tensor) mesh put them
+MESH_AXES: tuple[str, str, str, str] = ("data", "fsdp", "tensor", "sequence")
+ROW_AXES: tuple[str, str] = ("data", "fsdp")
+SEQUENCE_AXIS = "sequence"
+BATCH_AXES: tuple[str, str, str] = (*ROW_AXES, SEQUENCE_AXIS)
 
 # logical axis name -> mesh axis (or axes, or None for replicated)
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": BATCH_AXES,
-    "length": None,
+    "batch": ROW_AXES,
+    "length": SEQUENCE_AXIS,  # the tokens of a row (activations); size 1 unless context-parallel
     "vocab": "tensor",
     "embed": "fsdp",
     "mlp": "tensor",
@@ -58,16 +64,21 @@ def fitted_spec(shape: Sequence[int], names: Sequence[str | None], mesh_shape: M
     return PartitionSpec(*spec)
 
 
-def resolve_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
-    """Mesh shape with at most one ``-1`` filled in so that the product is ``num_devices``.
+def resolve_shape(
+    data: int, fsdp: int, tensor: int, num_devices: int, sequence: int = 1
+) -> tuple[int, int, int, int]:
+    """Mesh shape ``(data, fsdp, tensor, sequence)`` with at most one ``-1`` filled in so that the product is
+    ``num_devices``.
 
     Raises ``ValueError`` naming ``mesh.<axis>`` when the shape cannot match the device count.
     """
-    shape = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    shape = {"data": data, "fsdp": fsdp, "tensor": tensor, "sequence": sequence}
     free = [name for name, size in shape.items() if size == -1]
     for name, size in shape.items():
         if size == 0 or size < -1:
             raise ValueError(f"mesh.{name}={size} is invalid: use a positive size or -1 to fill")
+    if sequence > 1 and num_devices % sequence:
+        raise ValueError(f"mesh.sequence={sequence} does not divide the {num_devices} devices")
     if len(free) > 1:
         raise ValueError(f"only one mesh axis may be -1; got {', '.join('mesh.' + n + '=-1' for n in free)}")
     fixed = int(np.prod([size for size in shape.values() if size != -1]))
@@ -79,26 +90,29 @@ def resolve_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[
         shape[free[0]] = num_devices // fixed
     elif fixed != num_devices:
         raise ValueError(
-            f"mesh.data={shape['data']} x mesh.fsdp={shape['fsdp']} x mesh.tensor={shape['tensor']} = {fixed} "
+            " x ".join(f"mesh.{name}={size}" for name, size in shape.items()) + f" = {fixed} "
             f"devices, but {num_devices} are available"
         )
-    return shape["data"], shape["fsdp"], shape["tensor"]
+    return shape["data"], shape["fsdp"], shape["tensor"], shape["sequence"]
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: all), with one size allowed to be ``-1``.
+def make_mesh(
+    data: int = -1, fsdp: int = 1, tensor: int = 1, sequence: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """A ``(data, fsdp, tensor, sequence)`` mesh over ``devices`` (default: all), with one size allowed to be
+    ``-1``.
 
     Axes are ``Auto``: jit propagates shardings from the inputs and from ``with_sharding_constraint`` hints
     (``jax.make_mesh`` would default to ``Explicit`` axes, which put shardings in the types).
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_shape(data, fsdp, tensor, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    shape = resolve_shape(data, fsdp, tensor, len(devices), sequence)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def batch_spec(ndim: int = 2) -> PartitionSpec:
-    """Rows over the batch axes, every other dimension replicated."""
-    return PartitionSpec(BATCH_AXES, *([None] * (ndim - 1)))
+    """Rows over the row axes, every other dimension replicated."""
+    return PartitionSpec(ROW_AXES, *([None] * (ndim - 1)))
 
 
 def named(mesh: Mesh, spec: PartitionSpec) -> NamedSharding:
@@ -106,5 +120,10 @@ def named(mesh: Mesh, spec: PartitionSpec) -> NamedSharding:
 
 
 def batch_shards(mesh: Mesh) -> int:
-    """Number of pieces the batch rows are cut into (product of the batch axes' sizes)."""
-    return int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
+    """Number of pieces the batch rows are cut into (product of the row axes' sizes)."""
+    return int(np.prod([mesh.shape[axis] for axis in ROW_AXES]))
+
+
+def sequence_shards(mesh_shape: Mapping[str, int]) -> int:
+    """Number of pieces each row's tokens are cut into (the ``sequence`` axis' size; 1 on a mesh without it)."""
+    return int(mesh_shape.get(SEQUENCE_AXIS, 1))

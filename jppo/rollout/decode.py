@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx, struct
 
 from jppo.core.errors import InvalidSetting
+from jppo.models.decoding import cache_block_count
 from jppo.models.sharding import constrain
 from jppo.rollout.processors import sample_tokens
 
@@ -63,6 +64,9 @@ class SamplingParams:
         pad_token_id: fills response slots after the end.
         max_num_seqs: rows decoded at once (continuous batching: a finished row's slot is refilled with the next
             waiting row); ``0``, or at least the number of rows, decodes every row together.
+        cache_blocks: the most blocks the response cache is stored in (:func:`cache_block_count`); ``0`` chooses
+            by backend. Tokens and log-probs are bitwise the same for one block count; across block counts they
+            differ by the rounding of combining per-block softmax sums.
     """
 
     max_new_tokens: int
@@ -74,11 +78,12 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
     max_num_seqs: int = 0
+    cache_blocks: int = 0
 
     def __post_init__(self) -> None:
         # A list would make the params unhashable and so unusable as a static argument.
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        for name in ("max_new_tokens", "top_k", "n", "pad_token_id", "max_num_seqs"):
+        for name in ("max_new_tokens", "top_k", "n", "pad_token_id", "max_num_seqs", "cache_blocks"):
             if not isinstance(getattr(self, name), (int, np.integer)):
                 raise InvalidSetting("SamplingParams.", name, getattr(self, name), "an integer")
         problems = {
@@ -89,6 +94,7 @@ class SamplingParams:
             "n": (self.n, self.n >= 1, "an integer >= 1"),
             "pad_token_id": (self.pad_token_id, self.pad_token_id >= 0, "a token id >= 0"),
             "max_num_seqs": (self.max_num_seqs, self.max_num_seqs >= 0, "an integer >= 0 (0 = every row at once)"),
+            "cache_blocks": (self.cache_blocks, self.cache_blocks >= 0, "an integer >= 0 (0 = by backend)"),
             "eos_token_ids": (self.eos_token_ids, all(t >= 0 for t in self.eos_token_ids), "token ids >= 0"),
         }
         for name, (value, ok, valid) in problems.items():
@@ -184,12 +190,12 @@ def _record(state: _DecodeState, logits: Array, keys: Array, params: SamplingPar
     )
 
 
-def prefill(model: Any, prompt_ids: Array, prompt_mask: Array) -> tuple[Any, Array, Array]:
+def prefill(model: Any, prompt_ids: Array, prompt_mask: Array, layers: Any = None) -> tuple[Any, Array, Array]:
     """Encodes the prompt batch once: its cache, each prompt's real token count, and the logits of each prompt's
-    last real token (which give the first new token)."""
+    last real token (which give the first new token); ``layers``: the model's ``decoding_layers()``, to run on."""
     counts = jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32)
     positions = jnp.where(prompt_mask, counts - 1, 0)
-    hidden, prompt = model.prefill(prompt_ids, positions, prompt_mask.astype(jnp.int32))
+    hidden, prompt = model.prefill(prompt_ids, positions, prompt_mask.astype(jnp.int32), layers)
     # The first new token follows each row's last real prompt token (the last column for left-padded prompts).
     prompt_len = prompt_ids.shape[1]
     last_real = prompt_len - 1 - jnp.argmax(prompt_mask[:, ::-1], axis=1)
@@ -205,16 +211,18 @@ def decode_rows(rows: int, max_num_seqs: int) -> int:
 
 def response_cache(model: Any, rows: int, params: SamplingParams) -> Any:
     """The empty response cache the decoding loop fills for a batch of ``rows`` rows: one row per row decoded at
-    once (:func:`decode_rows`), ``params.max_new_tokens`` slots each. With the prompt cache of :func:`prefill` it
-    is all the sampler keeps of keys and values."""
-    return model.init_response_cache(decode_rows(rows, params.max_num_seqs), params.max_new_tokens)
+    once (:func:`decode_rows`), ``params.max_new_tokens`` slots each, in :func:`cache_block_count` blocks. With
+    the prompt cache of :func:`prefill` it is all the sampler keeps of keys and values."""
+    return model.init_response_cache(decode_rows(rows, params.max_num_seqs), params.max_new_tokens,
+                                     cache_block_count(params.cache_blocks))
 
 
 def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
     """Samples responses; a traceable function of arrays (call it under ``jax.jit``, or use :func:`generate`).
 
     Args:
-        model: a ``CausalLM`` (``prefill``/``decode``/``init_response_cache``/``logits``).
+        model: a ``CausalLM`` (``for_decoding``/``prefill``/``decode``/``decoding_layers``/``init_response_cache``/
+            ``logits``).
         prompt_ids: ``[B, P]`` integer, padded (left-padded by :func:`~jppo.rollout.sampler.pad_prompts`; any layout works, since
             each row continues after its last real token).
         prompt_mask: ``[B, P]`` bool (or 0/1), 1 on real prompt tokens.
@@ -226,13 +234,14 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
     n, max_new = params.n, params.max_new_tokens
     prompt_ids = prompt_ids.astype(jnp.int32)
     prompt_mask = prompt_mask.astype(bool)
-    prompt, prompt_counts, first_logits = prefill(model, prompt_ids, prompt_mask)
+    model = model.for_decoding()
+    layers = model.decoding_layers()
+    prompt, prompt_counts, first_logits = prefill(model, prompt_ids, prompt_mask, layers)
     if decode_rows(batch * n, params.max_num_seqs) < batch * n:
-        out = continuous_rollout(model, prompt, prompt_counts, first_logits, key, params)
+        out = continuous_rollout(model, prompt, prompt_counts, first_logits, key, params, layers)
         return out.replace(prompt_ids=jnp.repeat(prompt_ids, n, axis=0), prompt_mask=jnp.repeat(prompt_mask, n, axis=0))
 
     rows = batch * n
-    layers = model.decoding_layers()
     keys = row_keys(key, jnp.arange(rows))
     prompt_tokens = jnp.repeat(prompt_counts, n)
     state = _DecodeState(
@@ -250,9 +259,8 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         return (state.step < max_new) & ~jnp.all(state.done)
 
     def decode_step(state: _DecodeState) -> _DecodeState:
-        fed = state.step - 1
-        slots = jnp.full((rows,), fed)
-        hidden, cache = model.decode(state.last_tokens, prompt_tokens + fed, prompt, state.cache, slots, layers)
+        fed = state.step - 1  # one slot for every row: a scalar, so no predicate is reduced over the rows
+        hidden, cache = model.decode(state.last_tokens, prompt_tokens + fed, prompt, state.cache, fed, layers)
         return _record(state.replace(cache=cache), model.logits(hidden), keys, params)
 
     state = jax.lax.while_loop(unfinished, decode_step, state)
@@ -281,20 +289,22 @@ class _SlotState:
 
 
 def continuous_rollout(
-    model: Any, prompt: Any, prompt_counts: Array, first_logits: Array, key: Array, params: SamplingParams
+    model: Any, prompt: Any, prompt_counts: Array, first_logits: Array, key: Array, params: SamplingParams,
+    layers: Any = None,
 ) -> RolloutBatch:
     """Continuous batching over ``S = params.max_num_seqs`` slots: rows (prompt-major, ``R = B n``) wait in order;
     a slot whose row finished takes the next waiting row at once, so no decoding step is spent on a finished row
     while rows wait. A slot's response cache restarts at slot 0 for its new row (older entries are masked, then
     overwritten); its prompt block is read from the shared :class:`~jppo.models.PromptCache`. Row ``r`` draws its
     tokens with the keys of :func:`row_keys` and so gets the same tokens as decoding every row at once. Returns
-    the response fields (the caller adds the prompts).
+    the response fields (the caller adds the prompts). ``layers``: ``model.decoding_layers()`` (made here if not
+    given).
     """
     n, max_new, num_slots = params.n, params.max_new_tokens, params.max_num_seqs
     rows = first_logits.shape[0] * n
     keys = row_keys(key, jnp.arange(rows + 1))  # + an idle slot's key, never used
     eos = jnp.asarray(params.eos_token_ids, dtype=jnp.int32)
-    layers = model.decoding_layers()
+    layers = model.decoding_layers() if layers is None else layers
 
     def write(state: _SlotState, rows_written: Array, steps: Array, tokens: Array, log_probs: Array, live: Array):
         where = (jnp.where(live, rows_written, rows), steps)  # an out-of-range row: the write is dropped

@@ -3,8 +3,9 @@ the host-side left-padding of prompts to bucketed widths, so that one compilatio
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -12,6 +13,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jppo.core.experience import Experience
+from jppo.core.registry import Registry
+from jppo.models.config import ModelConfig
 from jppo.parallel.hostlocal import local_rows, to_global, to_local
 from jppo.parallel.mesh import batch_shards
 from jppo.rollout.decode import SamplingParams, make_generate_fn
@@ -85,3 +88,40 @@ class Sampler:
             response_mask=local(out.response_mask), rollout_log_prob=np.asarray(local(out.log_probs), np.float32),
             group_ids=group_ids[keep],
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """What a rollout engine is started with, once per run: the policy's architecture (as the sampler computes:
+    ``dtype``), the longest context a request can reach (prompt and response tokens), the run's seed, the
+    engine's own options (``rollout.<engine>``, None for jppo's) and the policy module as built (an external
+    engine starts from its Hugging Face form)."""
+
+    model: ModelConfig
+    max_model_len: int
+    seed: int
+    options: Any = None
+    policy: Any = None
+
+
+# rollout.engine: name -> start(EngineSpec) -> an engine with ``sampler(graphdef, pad_id, mesh, params, bucket)``
+# (a callable like Sampler) and ``push(state)`` (the policy's weights into the engine; False when it had them).
+ROLLOUT_ENGINES: Registry[Callable[[EngineSpec], Any]] = Registry("rollout engine")
+
+
+@ROLLOUT_ENGINES.register("jppo")
+class JppoEngine:
+    """jppo's own KV-cache sampler, the default and the reference: it runs the trainer's model function on the
+    trainer's arrays, so there is nothing to start and no weight to push."""
+
+    pushes_weights = False
+
+    def __init__(self, spec: EngineSpec):
+        del spec
+
+    def sampler(self, graphdef: nnx.GraphDef, pad_id: int, mesh: Mesh, params: SamplingParams, bucket: int) -> Sampler:
+        return Sampler(graphdef, pad_id, mesh, params, bucket)
+
+    def push(self, state: nnx.State) -> bool:
+        del state
+        return False

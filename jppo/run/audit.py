@@ -42,12 +42,21 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 WHOLE_STEP_FACTOR = 10  # later optimizer steps and metrics: see Worst.passes
 
 
-def mesh_shapes(num_devices: int, rows: int) -> list[tuple[int, int, int]]:
-    """Every (data, fsdp, tensor) with product ``num_devices`` whose batch shards divide ``rows``."""
+SEQUENCE = 2  # the sequence axis of the context-parallel meshes the audit adds
+
+
+def mesh_shapes(num_devices: int, rows: int) -> list[tuple[int, int, int, int]]:
+    """Every (data, fsdp, tensor, 1) with product ``num_devices`` whose batch shards divide ``rows``, and the
+    context-parallel (data, 1, 1, 2) and (data, 1, tensor, 2) of the same devices where they exist."""
     shapes = []
     for data, fsdp in itertools.product(range(1, num_devices + 1), repeat=2):
         if num_devices % (data * fsdp) == 0 and rows % (data * fsdp) == 0:
-            shapes.append((data, fsdp, num_devices // (data * fsdp)))
+            shapes.append((data, fsdp, num_devices // (data * fsdp), 1))
+    if num_devices % SEQUENCE == 0:
+        rest = num_devices // SEQUENCE
+        for data in sorted({rest, rest // 2} - {0}):
+            if rest % data == 0 and rows % data == 0:
+                shapes.append((data, 1, rest // data, SEQUENCE))
     return shapes
 
 
@@ -58,6 +67,8 @@ def audit_batch(cfg: TrainConfig, inputs: build.RunInputs, rows: int, seed: int 
     rng = np.random.default_rng(seed)
     prompts = inputs.train_data.batch_at(0, rows, cfg.trainer.seed)[1]
     width = max(len(p) for p in prompts)
+    # one more padding column where needed, so that fixed micro-batches' rows split over the sequence axis too
+    width += (width + cfg.rollout.max_response_length) % SEQUENCE
     prompt_ids = np.zeros((rows, width), np.int32)
     prompt_mask = np.zeros((rows, width), bool)
     for i, p in enumerate(prompts):
@@ -82,10 +93,11 @@ def audit_batch(cfg: TrainConfig, inputs: build.RunInputs, rows: int, seed: int 
     )
 
 
-def cuts(mini_batch: int, shards: int, longest: int, every: bool) -> list[tuple[str, dict]]:
+def cuts(mini_batch: int, shards: int, longest: int, every: bool, sequence: int = 1) -> list[tuple[str, dict]]:
     """Fixed micro-batches and token budgets, as overrides of the update config. ``every``: all of them (a whole
     shard, halves, single sequences; a tight and a loose budget); otherwise the two that cut finest (single
-    sequences, the tight budget)."""
+    sequences, the tight budget). Budgets are rounded up to a multiple of ``sequence``, so rows split over it."""
+    longest += (-longest) % sequence
     fixed = lambda m: (f"fixed micro={m}", {"use_dynamic_bsz": False, "ppo_micro_batch_size": m})  # noqa: E731
     budget = lambda t: (f"tokens<={t}", {"use_dynamic_bsz": True, "ppo_max_token_len": t})  # noqa: E731
     if not every:
@@ -184,14 +196,15 @@ class Worst:
 
 def audit(cfg: TrainConfig, inputs: build.RunInputs, quick: bool = False, out=None) -> Worst:
     """Prints the table; returns the largest relative differences. Every cut runs on one device; each mesh of all
-    devices runs the finest cuts (``quick``: only the pure data-parallel mesh and a 3-D one)."""
+    devices runs the finest cuts (``quick``: only the pure data-parallel mesh, a 3-D one and a context-parallel
+    one, the last with the tight token budget alone)."""
     out = sys.stdout if out is None else out
     devices = jax.device_count()
     rows = rollout_sequences(cfg)
     # verl's rejection modes clear rows' masks at collection, before the batch is cut: the audit does the same
     batch, rejection = rejected_rows_cleared(audit_batch(cfg, inputs, rows), cfg.actor.rollout_correction)
     longest = int(batch.lengths().max())
-    reference_mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    reference_mesh = make_mesh(1, 1, 1, 1, devices=jax.devices()[:1])
     worst = Worst()
     steps = {role: optimizer_steps_per_training_step(cfg, role) for role in cfg.roles}
     print(f"jppo.audit: one training step of {rows} sequences ({steps['actor']} actor optimizer steps"
@@ -199,7 +212,7 @@ def audit(cfg: TrainConfig, inputs: build.RunInputs, quick: bool = False, out=No
           f"tokens, {devices} devices, normalization actor={cfg.actor.normalization} critic={cfg.critic.normalization}, "
           f"rollout correction {cfg.actor.rollout_correction.mode}"
           + "".join(f" ({name} {value:.3g})" for name, value in rejection.items()), file=out)
-    header = (f"{'model':<7} {'mesh (d,f,t)':<13} {'cut':<16} {'K':>3} {'grad step 1':>12} {'grad all steps':>14} "
+    header = (f"{'model':<7} {'mesh (d,f,t,s)':<14} {'cut':<16} {'K':>3} {'grad step 1':>12} {'grad all steps':>14} "
               f"{'metrics':>10}  {'worst metric':<22}")
     print(header, file=out)
     print("-" * len(header), file=out)
@@ -207,12 +220,17 @@ def audit(cfg: TrainConfig, inputs: build.RunInputs, quick: bool = False, out=No
         mini = role.cfg.ppo_mini_batch_size
         reference = role.run(reference_mesh, batch, {"use_dynamic_bsz": False, "ppo_micro_batch_size": mini})
         print(f"compared ({role.name}): {', '.join(sorted(reference.metrics))}", file=out)
-        meshes = [(1, 1, 1)] + [shape for shape in mesh_shapes(devices, mini) if shape != (1, 1, 1)]
+        one = (1, 1, 1, 1)
+        meshes = [one] + [shape for shape in mesh_shapes(devices, mini) if shape != one]
         if quick:
-            meshes = [shape for shape in meshes if shape in {(1, 1, 1), (devices, 1, 1), (2, 2, devices // 4)}]
+            sequence = {shape for shape in meshes if shape[3] > 1}
+            meshes = [shape for shape in meshes
+                      if shape in {one, (devices, 1, 1, 1), (2, 2, devices // 4, 1), max(sequence, default=one)}]
         for shape in meshes:
             mesh = make_mesh(*shape, devices=jax.devices()[: int(np.prod(shape))])
-            for label, cut in cuts(mini, batch_shards(mesh), longest, every=shape == (1, 1, 1)):
+            chosen = cuts(mini, batch_shards(mesh), longest, every=shape == one, sequence=shape[3])
+            # quick: the context-parallel mesh runs the tight budget alone (packed rows, each split over the axis)
+            for label, cut in chosen[1:] if quick and shape[3] > 1 else chosen:
                 outcome = role.run(mesh, batch, cut)
                 first, diff = gradient_diffs(outcome, reference)
                 missing = set(reference.metrics) ^ set(outcome.metrics)
@@ -222,6 +240,6 @@ def audit(cfg: TrainConfig, inputs: build.RunInputs, quick: bool = False, out=No
                 name, metric_diff = max(metric_diffs.items(), key=lambda item: item[1])
                 worst.first_step, worst.gradient = max(worst.first_step, first), max(worst.gradient, diff)
                 worst.metric = max(worst.metric, metric_diff)
-                print(f"{role.name:<7} {str(shape):<13} {label:<16} {outcome.micro_batches:>3} {first:>12.3e} "
+                print(f"{role.name:<7} {str(shape):<14} {label:<16} {outcome.micro_batches:>3} {first:>12.3e} "
                       f"{diff:>14.3e} {metric_diff:>10.3e}  {name if metric_diff > 0 else '-'}", file=out)
     return worst

@@ -17,12 +17,15 @@ from jax.sharding import Mesh
 
 from jppo.config import RANDOM_MODEL, ConfigError, TrainConfig
 from jppo.config.views import (
-    CHECKPOINT_OVERRIDES, checkpoint_overrides, random_model_config, sampling_config, tokenizer_spec,
+    CHECKPOINT_OVERRIDES, checkpoint_overrides, engine_spec, random_model_config, reference_param_dtype,
+    sampling_config, tokenizer_spec,
 )
 from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
 from jppo.models import CausalLM, ValueModel, create_model, load_pretrained, read_config
+from jppo.models.layers import is_norm_scale
 from jppo.models.lora import LoRAConfig, attach_lora, trainable_filter
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
+from jppo.rollout import ROLLOUT_ENGINES
 from jppo.rollout.env import EnvFactory, load_env, stop_token_ids
 
 log = logging.getLogger("jppo.run.build")
@@ -81,6 +84,12 @@ def sampling_graphdef(cfg: TrainConfig, policy: CausalLM) -> nnx.GraphDef:
     return nnx.split(nnx.eval_shape(structure), nnx.Param)[0]
 
 
+def rollout_engine(cfg: TrainConfig, policy: CausalLM):
+    """``rollout.engine`` started for ``policy`` (:data:`jppo.rollout.ROLLOUT_ENGINES`); what it cannot run (vLLM
+    missing, a model it cannot load) is a one-line :class:`ConfigError`, before anything is compiled."""
+    return ROLLOUT_ENGINES.lookup(cfg.rollout.engine)(engine_spec(cfg, policy))
+
+
 def build_critic(cfg: TrainConfig, policy: CausalLM, mesh: Mesh, seed: Optional[int] = None) -> ValueModel:
     """The critic starts from the policy's backbone with a new value head (or from ``critic.model_path``), the
     head drawn from ``seed + 1`` (``seed`` as :func:`build_policy`'s)."""
@@ -92,14 +101,31 @@ def build_critic(cfg: TrainConfig, policy: CausalLM, mesh: Mesh, seed: Optional[
 
 
 def build_reference(cfg: TrainConfig, policy: CausalLM, mesh: Mesh) -> Optional[nnx.State]:
-    """Parameters of the reference policy: ``ref.model_path``, or a copy of the policy's initial weights. A policy
-    with LoRA adapters needs no copy: its reference is its own frozen base weights, read in place (None here)."""
+    """Parameters of the reference policy: ``ref.model_path``, or a copy of the policy's initial weights, kept in
+    ``ref.param_dtype`` (:func:`kept_in`). A policy with LoRA adapters needs no copy: its reference is its own
+    frozen base weights, read in place (None here)."""
+    dtype = reference_param_dtype(cfg)
     if cfg.ref.model_path:
         model = load_pretrained(cfg.ref.model_path, mesh=mesh, **checkpoint_overrides(cfg))
-        return nnx.state(model, nnx.Param)
+        return kept_in(nnx.state(model, nnx.Param), dtype, copy=False)
     if has_adapters(policy):
         return None
-    return jax.tree.map(jnp.copy, nnx.state(policy, nnx.Param))
+    return kept_in(nnx.state(policy, nnx.Param), dtype, copy=True)  # a copy: the policy's arrays are donated
+
+
+def kept_in(params: nnx.State, dtype: str, copy: bool) -> nnx.State:
+    """``params`` with every weight the model reads in the compute dtype (kernels, embeddings, biases) cast to
+    ``dtype``; the norm scales (read in float32, :func:`jppo.models.layers.is_norm_scale`) as they are. A forward
+    pass in a compute dtype of ``dtype`` then gives bit for bit what it gives on ``params``: the cast is the one it
+    would make. ``copy``: arrays left as they are are copied too (none is shared with ``params``)."""
+
+    def keep(path, x: jax.Array) -> jax.Array:
+        name = next(key.key for key in reversed(path) if isinstance(key, jax.tree_util.DictKey))
+        if is_norm_scale(name) or x.dtype == jnp.dtype(dtype):
+            return jnp.copy(x) if copy else x
+        return x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(keep, params)
 
 
 def has_adapters(model: nnx.Module) -> bool:

@@ -10,7 +10,15 @@ Layout of a checkpoint directory ``DIRECTORY/<step>/``:
 Atomicity: orbax 0.12.8 writes everything into ``DIRECTORY/<step>.orbax-checkpoint-tmp`` and, once all items are
 on disk, renames it to ``DIRECTORY/<step>`` (``AtomicRenameTemporaryPath``). A process killed mid-save leaves only
 the ``-tmp`` directory, which orbax never lists as a step; the next ``CheckpointManager`` on the directory deletes
-it. Saves are synchronous: when :meth:`CheckpointManager.save` returns, the checkpoint is committed.
+it. A bucket (``gs://``) has no rename: there orbax writes into ``DIRECTORY/<step>`` itself and commits by writing
+``commit_success.txt`` last (``CommitFileTemporaryPath``); a step without that file is not complete, and is never
+listed or resumed either.
+
+Synchronous saves (``async_save=False``): when :meth:`CheckpointManager.save` returns, the checkpoint is committed.
+Asynchronous saves (``async_save=True``, ``trainer.async_checkpoint``): ``save`` returns once the arrays are copied
+off the devices (to host memory: the next update may overwrite the device buffers), while a background thread
+writes them and then commits, after the last byte is written, as above. The next ``save``, :meth:`wait` and
+:meth:`close` wait for it; a process killed before the commit leaves the previous complete checkpoint the newest.
 
 Restoring reads each array into the shardings of the *target*, so a checkpoint saved on one mesh restores onto
 another mesh or onto a single device; only shapes and the tree structure must match.
@@ -43,15 +51,16 @@ class CheckpointManager:
     shards); orbax lets only the primary process write ``meta`` and rename the directory.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3):
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool = False):
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep={max_to_keep} is invalid: keep at least 1 checkpoint")
+        self.async_save = async_save
         self._manager = ocp.CheckpointManager(
             run_path(directory),  # a local folder or a cloud URI (every host must see the same one)
             item_names=(STATE_ITEM, META_ITEM),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep,
-                enable_async_checkpointing=False,
+                enable_async_checkpointing=async_save,  # written in the background, committed once written
                 # Partial saves of an interrupted run are never listed as steps; deleting them only frees the disk.
                 cleanup_tmp_directories=True,
             ),
@@ -62,7 +71,9 @@ class CheckpointManager:
         return run_path(self._manager.directory)
 
     def save(self, step: int, state: PyTree, meta: dict) -> Path:
-        """Writes checkpoint ``step`` and returns its directory once committed; prunes beyond ``max_to_keep``.
+        """Writes checkpoint ``step`` and returns its directory once committed (with ``async_save``: once its arrays
+        are copied off the devices, the write and the commit following in the background); prunes beyond
+        ``max_to_keep``.
 
         ``step`` must come after every step already in the directory: a resumed run that rewound to an older
         checkpoint would otherwise mix two histories, and pruning could delete the step just written.
@@ -113,7 +124,12 @@ class CheckpointManager:
             return self._manager.restore(int(step), args=args)
         return _read_path(step, args)
 
+    def wait(self) -> None:
+        """Returns once the save in flight (with ``async_save``), if any, is written and committed."""
+        self._manager.wait_until_finished()
+
     def close(self) -> None:
+        """Waits for the save in flight, then releases the manager."""
         self._manager.close()
 
     def __enter__(self) -> CheckpointManager:
@@ -133,6 +149,14 @@ def restore_checkpoint(path: str | os.PathLike, target: PyTree) -> tuple[PyTree,
 def read_meta(path: str | os.PathLike) -> dict:
     """Only the JSON ``meta`` of the checkpoint directory ``path`` (no array is read), without a manager."""
     return _read_path(path, ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
+
+
+def saved_tree(path: str | os.PathLike) -> PyTree:
+    """The structure of the state of the complete checkpoint directory ``path`` as nested dicts and lists (a
+    dataclass or named tuple as a dict of its fields), an array's metadata at each leaf and None where the saved
+    tree held None; no array is read."""
+    path = _complete_checkpoint(run_path(path), "checkpoint")
+    return ocp.PyTreeCheckpointHandler().metadata(path / STATE_ITEM).tree
 
 
 def _restore_args(target: PyTree) -> ocp.args.Composite:

@@ -47,7 +47,7 @@ from jppo.rewards.kl_penalty import kl_in_reward
 from jppo.rewards.model import RewardModel
 from jppo.rewards.overlong import overlong_penalty
 from jppo.rewards.placement import env_rewards, place_rewards
-from jppo.rollout import Sampler
+from jppo.rollout import JppoEngine, Sampler
 from jppo.rollout.multiturn import MultiTurnSampler
 from jppo.run.state import RunState, advance
 from jppo.runlog.timing import PhaseTimer
@@ -69,25 +69,28 @@ class Collector:
     reward_model: Optional[RewardModel]
     # LoRA: the reference is the actor's frozen base weights, read through the structure without adapters
     ref_log_probs_of: Optional[object] = None
+    engine: object = None  # rollout.engine's (jppo.rollout.ROLLOUT_ENGINES): the samplers' engine
 
     @classmethod
     def create(
         cls, cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs, policy: nnx.GraphDef,
         critic: Optional[nnx.GraphDef], ref_params: Optional[nnx.State], sampling: Optional[nnx.GraphDef] = None,
-        base: Optional[nnx.GraphDef] = None,
+        base: Optional[nnx.GraphDef] = None, engine: object = None,
     ) -> "Collector":
         """``sampling``: the policy's structure as the sampler runs it (``rollout.dtype``; default ``policy``).
         ``base``: the policy's structure without its LoRA adapters (None without LoRA); the reference log-probs
-        then run it on ``ref_params``, or on the actor's frozen base weights when there is no ``ref.model_path``."""
+        then run it on ``ref_params``, or on the actor's frozen base weights when there is no ``ref.model_path``.
+        ``engine``: the started ``rollout.engine`` every sampler samples with (default: jppo's own sampler)."""
         tokenizer = inputs.tokenizer
+        engine = JppoEngine(None) if engine is None else engine
 
         def sampler(**kind) -> Sampler | MultiTurnSampler:
             params = views.sampling_params(cfg, tokenizer, **kind)
             if inputs.env_factory is None:
-                return Sampler(sampling or policy, tokenizer.pad_id, mesh, params, cfg.rollout.prompt_bucket)
+                return engine.sampler(sampling or policy, tokenizer.pad_id, mesh, params, cfg.rollout.prompt_bucket)
             turn = dataclasses.replace(params, n=1, eos_token_ids=params.eos_token_ids + inputs.stop_ids)
             return MultiTurnSampler(
-                Sampler(sampling or policy, tokenizer.pad_id, mesh, turn, cfg.rollout.prompt_bucket),
+                engine.sampler(sampling or policy, tokenizer.pad_id, mesh, turn, cfg.rollout.prompt_bucket),
                 inputs.env_factory, tokenizer, n=params.n, stop_ids=inputs.stop_ids, max_turns=cfg.rollout.max_turns,
                 max_length=cfg.rollout.max_response_length, bucket=cfg.rollout.prompt_bucket,
                 max_prompt_length=cfg.data.max_prompt_length, env=cfg.rollout.env,
@@ -105,7 +108,7 @@ class Collector:
                 policy, temperature=cfg.rollout.temperature, chunk_size=cfg.actor.log_prob_chunk_size
             ),
             values_of=None if critic is None else value_fn(critic),
-            ref_params=ref_params, reward_model=reward_model,
+            ref_params=ref_params, reward_model=reward_model, engine=engine,
             ref_log_probs_of=None if base is None or not cfg.use_reference else log_prob_fn(
                 base, temperature=cfg.rollout.temperature, chunk_size=cfg.actor.log_prob_chunk_size
             ),
@@ -153,6 +156,9 @@ def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer
     while True:
         examples, prompts, position = c.inputs.train_data.batch_at(position, size, cfg.trainer.seed)
         key = state.key(step) if gen == 0 else jax.random.fold_in(state.key(step), gen)
+        if c.engine.pushes_weights and gen == 0:  # an external engine gets the updated policy (the sampler would too)
+            with timer("weight_push"):
+                c.engine.push(state.actor.weights)
         with timer("rollout"):
             exp = sample(c.sampler, state.actor.weights, prompts, key, examples)  # group_ids: each row's prompt
         with timer("reward"):

@@ -21,15 +21,16 @@ import logging
 from typing import Callable, Optional, Sequence
 
 import jax
-import numpy as np
 from etils import epath
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jppo.run import build
 from jppo.parallel import distributed
-from jppo.run.checkpoint import CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint
+from jppo.parallel.hostlocal import gather_to_host
+from jppo.run.checkpoint import (
+    CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint, saved_tree,
+)
 from jppo.run.collect import Collector, collect
 from jppo.runlog.timing import PhaseTimer
 from jppo.run.evaluate import evaluate
@@ -41,7 +42,9 @@ from jppo.run.learn import Learner, learn
 from jppo.parallel.mesh import make_mesh
 from jppo.core.paths import run_path
 from jppo.runlog import RunLogger
-from jppo.run.state import RunState, checkpointed, init_run_state, with_frozen
+from jppo.run.state import (
+    RunState, checkpointed, fitted_accumulators, init_run_state, saved_layout, with_frozen,
+)
 from jppo.config.views import engine_view, kl_controller
 
 log = logging.getLogger("jppo.run.loop")
@@ -78,6 +81,7 @@ def setup(
     collector = Collector.create(
         cfg, mesh, inputs, graphdef, critic_graphdef, models.reference,
         sampling=build.sampling_graphdef(cfg, models.policy), base=models.base,
+        engine=build.rollout_engine(cfg, models.policy),
     )
     return state, collector, Learner.create(cfg, mesh, graphdef, critic_graphdef), graphdef
 
@@ -122,12 +126,14 @@ def restore(
     if resume.checkpoint is not None:
         if resume.saved is not None:
             build.check_base_checksums(resume.saved, record, f"trainer.resume: checkpoint {resume.checkpoint!r}")
-        state = with_frozen(restore_checkpoint(resume.checkpoint, checkpointed(state))[0], state)
+        target = saved_layout(checkpointed(state), saved_tree(resume.checkpoint))  # K = 1: no accumulator
+        restored = restore_checkpoint(resume.checkpoint, target)[0]
+        state = with_frozen(fitted_accumulators(restored, state), state)
     return state, collector, learner, graphdef, record
 
 
 def run(
-    cfg: TrainConfig, mesh_shape: tuple[int, int, int], inputs: build.RunInputs,
+    cfg: TrainConfig, mesh_shape: tuple[int, int, int, int], inputs: build.RunInputs,
     devices: Optional[Sequence[jax.Device]] = None,
 ) -> dict[str, float]:
     """Trains to ``trainer.total_steps`` on ``devices`` (default: all), resuming when a checkpoint exists; returns
@@ -139,7 +145,8 @@ def run(
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
     mesh = make_mesh(*mesh_shape, devices=devices)
-    manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep)
+    manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep,
+                                async_save=cfg.trainer.async_checkpoint)
     state, collector, learner, policy, record = restore(cfg, mesh, inputs, resume)
     if resume.checkpoint is not None:
         log.info("resumed from %s at step %d", resume.checkpoint, state.steps_done)
@@ -211,8 +218,3 @@ def export(
     if jax.process_index() == 0:
         export_policy(merged_policy(nnx.merge(graphdef, params)), cfg, tokenizer, path)
 
-
-def gather_to_host(array: jax.Array) -> np.ndarray:
-    if array.is_fully_addressable:
-        return np.asarray(jax.device_get(array))
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))

@@ -13,30 +13,39 @@ heads, key-value heads, head size; ``H' K' F' V'`` those divided by ``mesh.tenso
 rule table shards them). Bytes per device:
 
 =====================  ====================================================================================
-parameters             ``n p`` for the actor, the critic (when there is one) and the reference (KL terms); with
-                       LoRA (``actor.lora`` / ``critic.lora``) ``(n + t) p``, ``t`` the adapters' elements, and
-                       no reference copy (it reads the actor's frozen base)
+parameters             ``n p`` for the actor and the critic (when there is one); with LoRA (``actor.lora`` /
+                       ``critic.lora``) ``(n + t) p``, ``t`` the adapters' elements. The reference (KL terms):
+                       ``n_w r + n_s p``, its weights in ``r`` = the bytes of ``ref.param_dtype`` (default
+                       ``model.dtype``), its norm scales in ``p``; none with LoRA (it reads the actor's frozen
+                       base)
 optimizer state        ``t a (2 + 1)``: AdamW's two moments and ``optax.MultiSteps``' gradient accumulator
                        (SGD: the accumulator only) of the ``t`` trained parameters (``t = n`` without LoRA; the
-                       adapters, and a critic's value head, with it); a few scalar counters are left out
+                       adapters, and a critic's value head, with it); no accumulator when every optimizer step
+                       is one micro-batch (K = 1: ``t a 2``); a few scalar counters are left out
 gradients              ``t p``: the gradient of one micro-batch, before it is added to the accumulator
 weights in use         ``(V' D + one layer's weights / mesh.tensor) c``: the embedding table and a layer's
                        weights cast to the compute dtype (and gathered over ``fsdp``) while they are used
-activations            ``r w (L s + x)`` for ``r`` rows of ``w`` tokens per device in one micro-batch
-                       (fixed: ``r = ppo_micro_batch_size``, ``w = bucket(max_prompt_length) +
-                       max_response_length``; token budget: ``r = 1``, ``w = ppo_max_token_len``). ``x``: what a
-                       layer keeps for its backward pass per token, ``c (4 D + 3 H'E + 3 K'E + 4 F') + a (2 D +
-                       H'E + K'E) + (2 a + c) H' w`` (the last term: the unfused attention's scores and
-                       probabilities, ``w`` keys per query); ``s = x`` without remat, ``s = c D`` (the layer's
-                       input only) with ``model.remat``, then one layer is recomputed at a time (``+ x``)
+activations            ``r (w / q) (L s + x) + b`` for ``r`` rows of ``w`` tokens in one micro-batch, ``w / q`` of
+                       them on each device (fixed: ``r = ppo_micro_batch_size``, ``w = bucket(max_prompt_length) +
+                       max_response_length``; token budget: ``r = 1``, ``w = ppo_max_token_len``; ``q`` =
+                       ``mesh.sequence``, which splits each row's tokens). ``x``: what a layer keeps for its backward
+                       pass per token, ``c (4 D + 3 H'E + 3 K'E + 4 F') + a (2 D + H'E + K'E) + (2 a + c) H' w +
+                       2 (q - 1) K'E c`` (the third term: the unfused attention's scores and probabilities, ``w``
+                       keys per query; attention in blocks, ``model.attention: blockwise | pallas`` or ``auto`` on
+                       long rows, keeps ``a H'`` instead, its log-sum-exp, and works in ``b = (2 a + c) r H'
+                       min(b_q, w / q) min(b_kv, w)`` for one block pair at a time, ``b_q``, ``b_kv`` its block
+                       sizes; ``b = 0`` otherwise; the last term: the keys and values gathered from the other
+                       shards of the row); ``s = x`` without remat, ``s = c D`` (the layer's input only) with
+                       ``model.remat``, then one layer is recomputed at a time (``+ x``)
 log-prob logits        ``3 r k V' a`` (actor only): the float32 logits of one chunk of ``k = min(
-                       log_prob_chunk_size, w)`` positions, their softmax and their gradient
+                       log_prob_chunk_size, w / q)`` positions, their softmax and their gradient
 optimizer step         ``4 t a``: the temporaries of applying the accumulated gradient (the last micro-batch's
                        gradient, the accumulated sum, the update, the new moments one after the other): XLA's
                        ``memory_analysis()`` of the update reports exactly ``4 n a`` of temporaries when the
                        activations are small (Qwen2-shaped models on CPU, float32; ``tests/test_plan.py``). optax's
                        where-based ``apply_if_finite`` and ``MultiSteps.update`` made it 6-7 (see
-                       :mod:`jppo.engine.optim`)
+                       :mod:`jppo.engine.optim`). ``2 t a`` with K = 1 (no accumulator: the gradient and the
+                       update)
 KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sampler's prompt cache (each prompt's
                        keys and values held once for its ``n`` samples, and a bool mask of its real tokens) and
                        response cache for ``B`` prompts and ``R = B n`` rows per device (``B = train_batch_size /
@@ -45,6 +54,11 @@ KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sample
                        bucket(max_prompt_length)``, ``T = max_response_length``. With ``rollout.env`` every turn
                        prefills each row's own context, which grows to prompt + response: ``B = R =
                        train_batch_size x n / (data x fsdp)``, ``P = bucket(max_prompt_length + T - 1)``
+rollout weights        ``sum_w |w| / shards'(w) x (c_s, or p for the norms' scales)``: the sampler's copy of each
+                       weight it casts to ``c_s`` or lays out anew (:func:`jppo.models.sharding.decoding_copy`):
+                       replicated over ``data`` and ``fsdp`` (a decoding step's rows are split over them), split
+                       over ``tensor`` as the rule table says (``shards'``). None where the parameters already are
+                       that copy (``c_s = p`` and ``fsdp = 1``)
 =====================  ====================================================================================
 
 The peak is what lives through the whole run (parameters, optimizer states) plus the largest of the phases that
@@ -64,15 +78,18 @@ import pathlib
 from typing import Optional, Sequence
 
 from jppo.config import TrainConfig
-from jppo.parallel.mesh import MESH_AXES, fitted_spec
-from jppo.models.config import DTYPES, ModelConfig
+from jppo.parallel.mesh import MESH_AXES
+from jppo.models.config import ModelConfig
 from jppo.rollout.multiturn import longest_context
 from jppo.rollout.decode import decode_rows
 from jppo.rollout.sampler import bucket_length
+from jppo.run.footprint import (
+    ACCUMULATOR_BYTES, activation_bytes, dtype_bytes, kv_cache_bytes, linear_attention, local_elements, logits_bytes,
+    row_split, shards, weights_in_use_bytes,
+)
 
-ACCUMULATOR_BYTES = 4  # float32 moments and accumulator (float64 only for float64 exactness tests)
-LOGIT_COPIES = 3  # one chunk's logits, their softmax, and their gradient
 OPTIMIZER_STEP_COPIES = 4  # per-parameter float32 temporaries of applying the accumulated gradient (measured)
+DIRECT_STEP_COPIES = 2  # the same with K = 1 and no accumulator: the gradient and the update (measured)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,75 +187,8 @@ def _value_head(config: ModelConfig):
     return ValueHead(config, rngs=nnx.Rngs(0))
 
 
-def shards(shape: Sequence[int], names: Sequence[Optional[str]], mesh: dict[str, int]) -> int:
-    """Into how many pieces the rule table cuts an array of ``shape`` whose dimensions carry logical ``names``."""
-    count = 1
-    for axes in fitted_spec(shape, names, mesh):
-        for axis in (axes,) if isinstance(axes, str) else (axes or ()):
-            count *= mesh[axis]
-    return count
-
-
-def local_elements(params, mesh: dict[str, int]) -> int:
-    """``n``: the parameters one device holds, each tensor divided by its shards."""
-    from flax import nnx  # noqa: PLC0415
-
-    from jppo.models.sharding import logical_names  # noqa: PLC0415
-
-    total = 0
-    for _, variable in nnx.to_flat_state(params):
-        total += math.prod(variable.shape) // shards(variable.shape, logical_names(variable), mesh)
-    return total
-
-
-def split(size: int, mesh: dict[str, int]) -> int:
-    """``size`` over ``mesh.tensor`` when it divides it (the rule table leaves it whole otherwise)."""
-    return size // mesh["tensor"] if size % mesh["tensor"] == 0 else size
-
-
-def dtype_bytes(name: str) -> int:
-    return DTYPES[name].itemsize
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # terms
-
-
-def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int]) -> int:
-    """``x``: what one layer keeps for its backward pass per token (see the module docstring)."""
-    c, a = dtype_bytes(m.dtype), ACCUMULATOR_BYTES
-    heads, d = split(m.num_heads, mesh), m.hidden_size
-    q, kv, f = heads * m.head_dim, split(m.num_kv_heads, mesh) * m.head_dim, split(m.intermediate_size, mesh)
-    attention = (2 * a + c) * heads * width  # scores and probabilities (float32), probabilities cast back
-    return c * (4 * d + 3 * q + 3 * kv + 4 * f) + a * (2 * d + q + kv) + attention
-
-
-def activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int]) -> int:
-    """Activations one micro-batch of ``rows x width`` tokens per device keeps for its backward pass."""
-    per_layer = layer_bytes_per_token(m, width, mesh)
-    kept = dtype_bytes(m.dtype) * m.hidden_size if m.remat else per_layer
-    recomputed = per_layer if m.remat else 0
-    return rows * width * (m.num_layers * kept + recomputed)
-
-
-def logits_bytes(m: ModelConfig, rows: int, width: int, chunk_size: int, mesh: dict[str, int]) -> int:
-    return LOGIT_COPIES * rows * min(chunk_size, width) * split(m.vocab_size, mesh) * ACCUMULATOR_BYTES
-
-
-def weights_in_use_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
-    d, f = m.hidden_size, m.intermediate_size
-    layer = d * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.num_heads * m.head_dim * d + 3 * d * f
-    return (split(m.vocab_size, mesh) * d + layer // mesh["tensor"]) * dtype_bytes(m.dtype)
-
-
-def kv_cache_bytes(m: ModelConfig, prompts: int, prompt_len: int, rows: int, length: int,
-                   mesh: dict[str, int]) -> int:
-    """The sampler's caches on one device for a model computing in ``m.dtype``: a
-    :class:`~jppo.models.PromptCache` of ``prompts`` prompts of ``prompt_len`` slots (stored once for all samples
-    of a prompt, plus its bool visibility mask) and a :class:`~jppo.models.ResponseCache` of ``rows`` rows (the
-    rows decoded at once) of ``length`` slots."""
-    keys_and_values = 2 * m.num_layers * split(m.num_kv_heads, mesh) * m.head_dim * dtype_bytes(m.dtype)
-    return prompts * prompt_len * (keys_and_values + 1) + rows * length * keys_and_values
 
 
 def micro_batch_shape(cfg: TrainConfig, role: str) -> tuple[int, int]:
@@ -288,6 +238,24 @@ def sampler_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) ->
     return max(terms, key=lambda term: term.bytes)
 
 
+def rollout_weights_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
+    """The sampler's copy of the policy's weights (the rollout weights line of the module docstring)."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jppo.config.views import sampling_config  # noqa: PLC0415
+    from jppo.models.decoding import NORM_SCALES  # noqa: PLC0415
+    from jppo.models.sharding import logical_names  # noqa: PLC0415
+
+    decoding, sampler, total = {**mesh, "data": 1, "fsdp": 1}, sampling_config(cfg, policy), 0
+    for path, variable in nnx.to_flat_state(abstract_params(policy)):
+        shape, names = variable.shape, logical_names(variable)
+        cast = path[-1] not in NORM_SCALES and sampler.dtype != policy.param_dtype
+        if cast or shards(shape, names, mesh) != shards(shape, names, decoding):
+            size = sampler.dtype if cast else policy.param_dtype
+            total += math.prod(shape) // shards(shape, names, decoding) * dtype_bytes(size)
+    return Term("rollout_weights", total, f"weights / tensor shards x c_s={dtype_bytes(sampler.dtype)}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the plan
 
@@ -308,13 +276,12 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> MemoryPlan:
         for role, n in local.items()
     ]
     if cfg.use_reference and not (cfg.actor.lora.enabled and not cfg.ref.model_path):  # LoRA: the frozen base
-        reference = model_config(cfg, cfg.ref.model_path) if cfg.ref.model_path else policy
-        n = local_elements(abstract_params(reference), mesh)
-        persistent.append(Term("parameters/reference", n * dtype_bytes(reference.param_dtype), f"n={n:,} x p"))
+        persistent.append(reference_term(cfg, policy, mesh))
+    accumulates = {role: accumulates_gradients(cfg, role, mesh) for role in cfg.roles}
     for role, n in trained.items():
-        copies = 3 if getattr(cfg, role).optim.name == "adamw" else 1
+        copies = (2 if getattr(cfg, role).optim.name == "adamw" else 0) + accumulates[role]
         persistent.append(Term(f"optimizer_state/{role}", n * a * copies, f"t={n:,} x a={a} x {copies}"))
-    rollout = (sampler_term(cfg, policy, mesh),)
+    rollout = (sampler_term(cfg, policy, mesh), rollout_weights_term(cfg, policy, mesh))
     updates = {}
     for role, n in trained.items():
         r, w = micro_batch_shape(cfg, role)
@@ -322,15 +289,44 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> MemoryPlan:
             Term(f"gradients/{role}", n * p, f"t x p={p}"),
             Term(f"weights_in_use/{role}", weights_in_use_bytes(policy, mesh), "(V'D + layer/tensor) x c"),
             Term(f"activations/{role}", activation_bytes(policy, r, w, mesh),
-                 f"r={r} x w={w} x (L s + x){' remat' if policy.remat else ''}"),
+                 f"r={r} x w={w}{f' / q={row_split(w, mesh)}' if row_split(w, mesh) > 1 else ''} x (L s + x)"
+                 f"{' + b' if linear_attention(policy, w) else ''}"
+                 f"{' remat' if policy.remat else ''}"),
         ]
         if role == "actor":
             chunk = cfg.actor.log_prob_chunk_size
-            terms.append(Term("logits/actor", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={min(chunk, w)} V' a"))
+            k = min(chunk, w // row_split(w, mesh))
+            terms.append(Term("logits/actor", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={k} V' a"))
         updates[f"{role} backward"] = tuple(terms)
-        copies = OPTIMIZER_STEP_COPIES
+        copies = OPTIMIZER_STEP_COPIES if accumulates[role] else DIRECT_STEP_COPIES
         updates[f"{role} optimizer step"] = (Term(f"optimizer_step/{role}", n * a * copies, f"t x a x {copies}"),)
     return MemoryPlan(mesh, tuple(persistent), rollout, updates)
+
+
+def reference_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
+    """The KL reference's weights: ``n_w r + n_s p``, its ``n_w`` weights in ``r`` = the bytes of
+    ``ref.param_dtype`` (default ``model.dtype``) and its ``n_s`` norm scales kept in ``p``
+    (:func:`jppo.run.build.kept_in`)."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jppo.config.views import reference_param_dtype  # noqa: PLC0415
+    from jppo.models.layers import is_norm_scale  # noqa: PLC0415
+
+    reference = model_config(cfg, cfg.ref.model_path) if cfg.ref.model_path else policy
+    params = abstract_params(reference)
+    scales = nnx.filter_state(params, lambda path, _: is_norm_scale(str(path[-1])))
+    n, n_s = local_elements(params, mesh), local_elements(scales, mesh)
+    r, p = dtype_bytes(reference_param_dtype(cfg)), dtype_bytes(reference.param_dtype)
+    return Term("parameters/reference", (n - n_s) * r + n_s * p, f"n_w={n - n_s:,} x r={r} + n_s={n_s:,} x p={p}")
+
+
+def accumulates_gradients(cfg: TrainConfig, role: str, mesh: dict[str, int]) -> bool:
+    """Whether ``role`` keeps a gradient accumulator: unless every optimizer step is one micro-batch
+    (:func:`jppo.engine.config.fixed_micro_batches`)."""
+    from jppo.config.views import engine_view  # noqa: PLC0415 (views imports the models; keep `--help` light)
+    from jppo.engine.config import fixed_micro_batches  # noqa: PLC0415
+
+    return fixed_micro_batches(engine_view(cfg, role), mesh["data"] * mesh["fsdp"]) != 1
 
 
 def human(size: int) -> str:
@@ -338,27 +334,3 @@ def human(size: int) -> str:
         if size >= scale:
             return f"{size / scale:.2f} {unit}"
     return f"{size} B"
-
-
-def table(plan: MemoryPlan) -> str:
-    mesh = " x ".join(f"{axis}={size}" for axis, size in plan.mesh.items())
-    lines = [f"memory plan per device, mesh {mesh}", f"{'term':<26} {'bytes':>14} {'':>11}  formula"]
-    sections = [("persistent", plan.persistent), ("rollout", plan.rollout)]
-    sections += list(plan.updates.items())
-    for title, terms in sections:
-        lines.append(f"[{title}]")
-        lines += [f"  {t.name:<24} {t.bytes:>14,} {human(t.bytes):>11}  {t.formula}" for t in terms]
-        if title != "persistent":
-            total = sum(t.bytes for t in terms)
-            lines.append(f"  {'subtotal':<24} {total:>14,} {human(total):>11}")
-    lines.append(f"{'persistent total':<26} {plan.persistent_bytes:>14,} {human(plan.persistent_bytes):>11}")
-    lines.append(f"{'peak':<26} {plan.peak_bytes:>14,} {human(plan.peak_bytes):>11}  persistent + largest phase")
-    return "\n".join(lines)
-
-
-def as_json(plan: MemoryPlan) -> dict:
-    phases = {"persistent": plan.persistent, "rollout": plan.rollout, **plan.updates}
-    return {
-        "mesh": plan.mesh, "persistent_bytes": plan.persistent_bytes, "peak_bytes": plan.peak_bytes,
-        "terms": {t.name: t.bytes for terms in phases.values() for t in terms},
-    }

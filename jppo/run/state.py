@@ -16,6 +16,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jppo.engine import TrainState
+from jppo.engine.optim import accumulator_dtype
 from jppo.rewards.kl_penalty import KLControlState
 
 
@@ -93,3 +94,35 @@ def with_frozen(restored: RunState, like: RunState) -> RunState:
         actor=restored.actor.replace(frozen=like.actor.frozen),
         critic=None if restored.critic is None else restored.critic.replace(frozen=like.critic.frozen),
     )
+
+
+def saved_layout(target: RunState, saved: dict) -> RunState:
+    """The restore target of a checkpoint whose state has the structure ``saved``
+    (:func:`jppo.run.checkpoint.saved_tree`): ``target`` with each role's gradient accumulator as the checkpoint
+    holds it. A role whose every optimizer step is one micro-batch keeps no accumulator (``acc_grads=None``), so
+    a checkpoint written before that, or on a mesh with another K, may hold one where ``target`` has none (read
+    as shapes, then dropped by :func:`fitted_accumulators`) or none where ``target`` has one. Between optimizer
+    steps an accumulator holds zeros, so neither loses anything."""
+    roles = {}
+    for role in ("actor", "critic"):
+        train = getattr(target, role)
+        if train is None or not isinstance(saved.get(role), dict):
+            continue
+        held = saved[role].get("opt_state", {}).get("acc_grads") is not None
+        if held == (train.opt_state.acc_grads is not None):
+            continue
+        dtype = accumulator_dtype(train.params)
+        shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding), train.params)
+        roles[role] = train.replace(opt_state=train.opt_state._replace(acc_grads=shapes if held else None))
+    return target.replace(**roles)
+
+
+def fitted_accumulators(restored: RunState, like: RunState) -> RunState:
+    """``restored`` (read into :func:`saved_layout`) with each role's accumulator as ``like`` (the freshly built
+    state) has it: none, or ``like``'s own (zeros)."""
+    roles = {}
+    for role in ("actor", "critic"):
+        train, fresh = getattr(restored, role), getattr(like, role)
+        if train is not None and (train.opt_state.acc_grads is None) != (fresh.opt_state.acc_grads is None):
+            roles[role] = train.replace(opt_state=train.opt_state._replace(acc_grads=fresh.opt_state.acc_grads))
+    return restored.replace(**roles)

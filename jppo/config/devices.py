@@ -1,0 +1,63 @@
+"""The configured mesh against the devices of a run: ``check_mesh`` resolves ``mesh.*`` for the devices and
+processes it runs on, then checks what depends on that shape (whole heads per tensor shard, rows per batch shard,
+each role's cut, tokens per sequence shard), with one-line messages naming the keys as the user wrote them; the
+checks that hold on any mesh are :func:`jppo.config.check.check`'s."""
+
+from __future__ import annotations
+
+from jppo.config.schema import TrainConfig
+from jppo.config.views import adapted_model_config, engine_view, rollout_sequences
+from jppo.core.errors import ConfigError, one_line
+from jppo.engine.driver import check_batch_sizes
+from jppo.parallel.mesh import resolve_shape
+
+
+def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tuple[int, int, int, int]:
+    """The mesh shape for ``num_devices``, and every batch size checked against the batch shards it implies: the
+    engine's own check on the engine's view of each role, its messages naming the sizes as the user wrote them."""
+    try:
+        shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices, cfg.mesh.sequence)
+    except ValueError as error:
+        raise ConfigError(one_line(error)) from None
+    _check_heads(cfg, shape[2])
+    shards, sequences = shape[0] * shape[1], rollout_sequences(cfg)
+    if sequences % shards:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n} = "
+                          f"{sequences} sequences do not split over {shards} batch shards (mesh.data x mesh.fsdp)")
+    if num_processes > 1 and cfg.algorithm.filter_groups.enable:
+        raise ConfigError(f"algorithm.filter_groups.enable=True runs in one process only (this run has "
+                          f"{num_processes}): each process would keep different prompts")
+    if num_processes > 1 and cfg.data.train_batch_size % shards:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} prompts do not split over {shards} batch "
+                          f"shards: with {num_processes} processes every process must hold whole prompts")
+    forward = cfg.rollout.log_prob_micro_batch_size
+    if forward is not None and (forward < 1 or (sequences // shards) % forward):
+        raise ConfigError(
+            f"rollout.log_prob_micro_batch_size={forward} must divide the {sequences // shards} sequences per batch shard"
+        )
+    bucket, response = cfg.rollout.prompt_bucket, cfg.rollout.max_response_length
+    for role in cfg.roles:
+        view = engine_view(cfg, role)
+        as_written = (f"{role}.ppo_mini_batch_size={getattr(cfg, role).ppo_mini_batch_size} (prompts) x "
+                      f"rollout.n={cfg.rollout.n} = {view.ppo_mini_batch_size} sequences")
+        try:
+            check_batch_sizes(view, sequences, shards, role, as_written)
+        except ValueError as error:
+            raise ConfigError(one_line(error)) from None
+        # context parallelism: every row of the role's passes (its token budget, or bucketed prompt + response) splits
+        sizes = ({f"{role}.ppo_max_token_len": view.ppo_max_token_len} if view.use_dynamic_bsz else
+                 {"rollout.prompt_bucket": bucket, "rollout.max_response_length": response})
+        if any(size % shape[3] for size in sizes.values()):
+            raise ConfigError(f"mesh.sequence={shape[3]} must divide " + " and ".join(
+                f"{key}={size}" for key, size in sizes.items()) + f": it splits the tokens of each of {role}'s rows")
+    return shape
+
+
+def _check_heads(cfg: TrainConfig, tensor: int) -> None:
+    """``mesh.tensor`` splits the head-major ``heads x head_dim`` projections into equal pieces: only a size that
+    divides both head counts cuts between heads (a head split across devices replicates its activations)."""
+    for role in cfg.roles if tensor > 1 else ():
+        m = adapted_model_config(cfg, role)
+        if m.num_heads % tensor or m.num_kv_heads % tensor:
+            raise ConfigError(f"mesh.tensor={tensor} must divide the {role} model's num_heads={m.num_heads} and "
+                              f"num_kv_heads={m.num_kv_heads}: use a mesh.tensor dividing both, mesh.fsdp for the rest")

@@ -1,0 +1,90 @@
+"""The sampler's view of the decoder: its caches (prompt and response keys and values), its copy of the weights, the
+response cache's blocks per backend, and the cache write of one decoding step. Pure functions and the caches'
+types; :mod:`jppo.models.decoder` calls them."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from flax import nnx, struct
+
+from jppo.models.sharding import decoding_copy, logical_names
+
+Array = jax.Array
+
+
+@struct.dataclass
+class PromptCache:
+    """Every layer's keys and values of a batch of prompts, stored once however many samples each prompt gets.
+
+    ``keys``/``values``: a tuple over layers of ``[B, K, P, E]`` arrays (compute dtype, after RoPE); ``visible``:
+    ``[B, P]`` bool, the real prompt tokens (padding is never attended).
+    """
+
+    keys: tuple[Array, ...]
+    values: tuple[Array, ...]
+    visible: Array
+
+
+@struct.dataclass
+class ResponseCache:
+    """Every layer's keys and values of the generated tokens, ``R`` rows of ``M`` slots (slot ``t`` holds the
+    ``t``-th generated token of the row): a tuple over layers of tuples over the blocks of
+    :func:`~jppo.models.layers.response_blocks`, ``[R, K, M_b, E]`` each, so that a decoding step reads only the
+    blocks that hold a visible slot."""
+
+    keys: tuple[Array, ...]
+    values: tuple[Array, ...]
+
+Array = jax.Array
+
+NORM_SCALES = ("input_norm", "post_attention_norm", "q_norm", "k_norm", "norm")  # read in float32 by rms_norm
+
+
+# Response-cache blocks per backend when SamplingParams.cache_blocks is 0. Each block after the first is a
+# ``lax.cond`` per layer and token. XLA:GPU runs a conditional by copying its predicate to the host and waiting,
+# so on GPU blocks would make decoding host-latency bound: one block there. XLA:CPU and TPUs branch on the device
+# (the host thread on CPU, the TPU's scalar core), so skipping the empty blocks pays: on CPU a small model's
+# decode step took a quarter less at 128 new tokens (docs/sampling.md); on TPU it is unmeasured.
+CACHE_BLOCKS = {"gpu": 1, "cpu": 8, "tpu": 8}
+
+
+def cache_block_count(requested: int, backend: str | None = None) -> int:
+    """The response cache's block count: ``requested``, or with ``0`` the :data:`CACHE_BLOCKS` entry of
+    ``backend`` (default: JAX's default backend; 8 for a backend not listed)."""
+    if requested:
+        return requested
+    return CACHE_BLOCKS.get(backend or jax.default_backend(), 8)
+
+
+def layer_copier(layers: nnx.Module, dtype) -> Callable[[str, Array], Array]:
+    """``copy(name, layer)``: the sampler's copy of one layer's slice of the stacked weight ``name`` of ``layers``
+    (:func:`~jppo.models.sharding.decoding_copy`), cast to ``dtype`` except the norms' scales."""
+    names = {name: logical_names(value)[1:] for name, value in vars(layers).items() if isinstance(value, nnx.Param)}
+    return lambda name, layer: decoding_copy(layer, names[name], None if name in NORM_SCALES else dtype)
+
+
+def with_decoding_copies(model: Any, names: tuple[str, ...]) -> Any:
+    """``model`` with the sampler's copies of its parameters called ``names`` (those every decoding step reads
+    whole: the embedding table, an untied LM head), cast to the compute dtype, made once before the loop."""
+    graphdef, state = nnx.split(model)
+    keys = {jax.tree_util.DictKey(name) for name in names}
+
+    def copy(path, variable):
+        if path[-1] not in keys:
+            return variable
+        return variable.replace(decoding_copy(variable[...], logical_names(variable), model.config.compute_dtype))
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(copy, state,
+                                                                is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def write_slot(block: Array, slots: Array, new: Array) -> Array:
+    """``block [R, K, M, E]`` with ``new [R, K, E]`` written at slot ``slots[r]`` of each row ``r``; a slot
+    outside ``[0, M)`` leaves the row as it was.
+
+    One write per row (``vmap`` over rows): XLA's partitioner then sees that each row writes only itself, and a
+    cache sharded by rows stays so with no communication. The same write as one scatter over ``(arange(R),
+    slots)`` is not seen as row-local and gathers every block at every decoding step on a batch-sharded mesh."""
+    return jax.vmap(lambda rows, slot, value: rows.at[:, slot].set(value, mode="drop"))(block, slots, new)

