@@ -123,7 +123,7 @@ def test_tpu_scripts_dry_run_print_the_gcloud_commands():
     setup = script("setup.sh", "--name", "jppo-pod", "--zone", "z", "--repo", "https://example.org/jppo.git",
                    "--dry-run")
     assert "gcloud compute tpus tpu-vm ssh jppo-pod --zone z --worker=all --command" in setup.stdout
-    assert "jax\\[tpu\\]" in setup.stdout or "jax[tpu]" in setup.stdout
+    assert "~/jppo\\'\\[tpu\\]\\'" in setup.stdout  # jppo's tpu extra: jax[tpu] of the line its Python selects
     with_data = script("setup.sh", "--name", "p", "--zone", "z", "--repo", "https://example.org/jppo.git",
                        "--gcs-data", "gs://bucket/data/", "--dry-run")
     # the prefix's contents land in the data directory itself, not in a nested data/data
