@@ -127,6 +127,13 @@ def test_launch_outlives_its_ssh_logs_per_worker_and_expands_home_on_the_worker(
     assert session == pid.read_text().strip() != parent_session  # its own session: a hang-up never reaches it
 
 
+def test_logs_follows_one_worker_without_touching_the_run():
+    result = script("logs.sh", "--name", "p", "--zone", "z", "--worker", "3", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "--worker=3 --command tail\\ -n\\ +1\\ -F\\ ~/jppo-logs/worker-3.log" in result.stdout
+    assert script("logs.sh", "--help").returncode == 0
+
+
 @pytest.mark.parametrize("backend,variable,flag", [
     ("gpu", "XLA_FLAGS", "--xla_gpu_enable_pipelined_all_gather"),
     ("tpu", "LIBTPU_INIT_ARGS", "--xla_tpu_enable_async_collective_fusion"),
