@@ -72,9 +72,10 @@ EOF
 )
   if [[ -n "$missing" ]]; then
     echo "device_check: installing from $WHEELS: $(echo $missing)" >&2
-    # shellcheck disable=SC2086
-    "$PYTHON" -m pip install --no-index --find-links "$WHEELS" $missing > "$OUT/pip.log" 2>&1 \
-      || echo "device_check: warning: pip could not install everything (see $OUT/pip.log)" >&2
+    for requirement in $missing; do  # one at a time: a package the folder leaves out (matplotlib) blocks no other
+      "$PYTHON" -m pip install --no-index --find-links "$WHEELS" "$requirement" >> "$OUT/pip.log" 2>&1 \
+        || echo "device_check: warning: $requirement is not in $WHEELS (see $OUT/pip.log)" >&2
+    done
   fi
 fi
 

@@ -61,3 +61,14 @@ follow_log() {
   run gcloud compute tpus tpu-vm ssh "$name" --zone "$zone" "${extra[@]}" --worker="$worker" \
     --command "tail -n +1 -F $logs/worker-$worker.log"
 }
+
+# common_option ARGS...: the options every script takes (--project, --dry-run, --help), else an unknown argument;
+# sets SHIFT_BY to the words it took.
+common_option() {
+  case "$1" in
+    --project) takes "$@"; PROJECT=$2; SHIFT_BY=2 ;;
+    --dry-run) DRY_RUN=1; SHIFT_BY=1 ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument $1 (see --help)" ;;
+  esac
+}

@@ -32,13 +32,10 @@ while [[ $# -gt 0 ]]; do
     --zone) takes "$@"; ZONE=$2; shift 2 ;;
     --accelerator-type) takes "$@"; TYPE=$2; shift 2 ;;
     --version) takes "$@"; VERSION=$2; shift 2 ;;
-    --project) takes "$@"; PROJECT=$2; shift 2 ;;
     --queued) QUEUED=1; shift ;;
     --wait-timeout) takes "$@"; WAIT=$2; shift 2 ;;
     --spot) SPOT=1; shift ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) usage; exit 0 ;;
-    *) die "unknown argument $1 (see --help)" ;;
+    *) common_option "$@"; shift "$SHIFT_BY" ;;
   esac
 done
 need name "$NAME"; need zone "$ZONE"; need accelerator-type "$TYPE"

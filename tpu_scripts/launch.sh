@@ -43,11 +43,8 @@ while [[ $# -gt 0 ]]; do
       if [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]]; then FOLLOW=$2; shift 2; else FOLLOW=0; shift; fi ;;
     --collect) takes "$@"; COLLECT=$2; shift 2 ;;
     --background) shift ;;
-    --project) takes "$@"; PROJECT=$2; shift 2 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) usage; exit 0 ;;
     --) shift; OVERRIDES=("$@"); break ;;
-    *) die "unknown argument $1 (see --help)" ;;
+    *) common_option "$@"; shift "$SHIFT_BY" ;;
   esac
 done
 need name "$NAME"; need zone "$ZONE"; need config "$CONFIG"

@@ -25,10 +25,7 @@ while [[ $# -gt 0 ]]; do
     --zone) takes "$@"; ZONE=$2; shift 2 ;;
     --worker) takes "$@"; WORKER=$2; shift 2 ;;
     --log-dir) takes "$@"; LOGS=$2; shift 2 ;;
-    --project) takes "$@"; PROJECT=$2; shift 2 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) usage; exit 0 ;;
-    *) die "unknown argument $1 (see --help)" ;;
+    *) common_option "$@"; shift "$SHIFT_BY" ;;
   esac
 done
 need name "$NAME"; need zone "$ZONE"

@@ -38,10 +38,7 @@ while [[ $# -gt 0 ]]; do
     --python) takes "$@"; PYTHON=$2; shift 2 ;;
     --gcs-data) takes "$@"; GCS=$2; shift 2 ;;
     --data-dir) takes "$@"; DATA=$2; shift 2 ;;
-    --project) takes "$@"; PROJECT=$2; shift 2 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) usage; exit 0 ;;
-    *) die "unknown argument $1 (see --help)" ;;
+    *) common_option "$@"; shift "$SHIFT_BY" ;;
   esac
 done
 need name "$NAME"; need zone "$ZONE"
