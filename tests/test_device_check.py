@@ -40,11 +40,17 @@ def test_cpu_mode_stays_in_its_budget_and_every_stage_writes_valid_json(rehearsa
         # a stage may run out of its box on a loaded machine (its JSON then says so), never fail
         assert record["status"] in ("ok", "timeout"), (stage, record.get("error"), record.get("log_tail"))
         assert summary[stage]["status"] == record["status"]
+    assert not list(out.glob("**/*.safetensors")), "model files were written into the folder that travels back"
+
+
+def test_versions_stage_names_the_software_and_the_matmul_rate(rehearsal):
+    out, _, _ = rehearsal
     versions = json.loads((out / "versions.json").read_text())
-    assert versions["status"] == "ok", versions
+    if versions["status"] == "timeout":  # seconds at most on an idle machine; a machine loaded many times over
+        pytest.skip("the versions stage ran out of its box on this machine (its JSON says so)")
     assert versions["backend"] == "cpu" and versions["bf16_matmul"]["tflops"] > 0
     assert versions["versions"]["jax"] and versions["versions"]["flax"]
-    assert not list(out.glob("**/*.safetensors")), "model files were written into the folder that travels back"
+    assert versions["python"].startswith("3.") and "XLA_FLAGS" in versions["environment"]
 
 
 def test_attention_stage_covers_every_implementation(rehearsal):
