@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import subprocess
+import sys
 import time
 
 import pytest
@@ -90,3 +91,13 @@ def test_real_size_tokenizer_has_the_models_whole_vocabulary(tmp_path):
     tokenizer = load_tokenizer(str(tmp_path))
     text = "Ana has 12 apples. #### 12"
     assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_bench_run_for_the_accelerator_alone_imports_no_torch():
+    # an accelerator image has its own jax and often no torch: `bench.run --only accelerator` must not need it
+    code = ("import sys, bench.run, bench.device_check.stages, bench.device_check.runs; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -13,8 +13,9 @@
 # layer's compute. XLA_PYTHON_CLIENT_MEM_FRACTION: JAX preallocates 75% of a GPU's memory by default; jppo's
 # memory plan (python -m jppo.plan) counts against what the allocator takes, so the fraction is set here once.
 #
-# TPU (libtpu's flags, MaxText's set for asynchronous collectives; libtpu is not installed on the CI machine, so
-# these names are not checked there: a libtpu that does not know a flag refuses to start, with the flag's name):
+# TPU (libtpu's flags, MaxText's set for asynchronous collectives; every name below is in libtpu.so of libtpu
+# 0.0.42.1 and 0.0.48.1, the versions jax 0.10.2's and jax 0.11.2's `tpu` extras pin, and of 0.0.52; a libtpu that
+# does not know a flag refuses to start, naming it):
 # collective fusion runs all-gathers and reduce-scatters asynchronously beside the compute that does not depend on
 # them, over several steps of the layer loop.
 
