@@ -212,6 +212,26 @@ def _memory(result: dict) -> list[str]:
     return lines + [""]
 
 
+def _long_context(result: dict) -> list[str]:
+    model = result["model"]
+    lines = _table_section(
+        "Long rows: attention in blocks",
+        f"One update step of {model['layers']} layers d{model['hidden']} ({model['heads']} heads) on one packed row "
+        f"of T tokens, reference (dense [T, T] scores) vs blockwise ({result['blocks']['block_q']} x "
+        f"{result['blocks']['block_kv']} blocks); time only up to 4k tokens.",
+        ["T", "reference XLA temp MiB", "blockwise XLA temp MiB", "memory ratio", "reference ms", "blockwise ms",
+         "time ratio"],
+    )
+    for length, row in result["lengths"].items():
+        reference, blockwise = row["reference"], row["blockwise"]
+        ms = lambda r: f"{1e3 * r['median_s']:,.0f}" if "median_s" in r else "n/a"  # noqa: E731
+        lines.append(
+            f"| {length} | {reference['xla_temp_bytes'] / MIB:,.1f} | {blockwise['xla_temp_bytes'] / MIB:,.1f} | "
+            f"{row['memory_ratio']:.3f} | {ms(reference)} | {ms(blockwise)} | {_num(row.get('time_ratio'))} |"
+        )
+    return lines + [""]
+
+
 def _accelerator(result: dict) -> list[str]:
     update, decode, peak = result["update"], result["decode"], result["device_peak_bytes"]
     batch = update["batch"]
@@ -305,6 +325,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "memory": _memory,
     "accelerator": _accelerator,
     "transfers": _transfers,
+    "long_context": _long_context,
 }
 
 

@@ -36,7 +36,7 @@ from typing import Callable
 
 import jax
 
-from bench import accelerator, accumulation, batching, end_to_end, memory, transfers
+from bench import accelerator, accumulation, batching, end_to_end, long_context, memory, transfers
 from bench.environment import describe, match_torch_threads
 from bench.report import write_markdown
 from jppo.config import ConfigError
@@ -45,7 +45,7 @@ from jppo.config import ConfigError
 QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0"
 ORDER = (
     "memory", "accumulation", "update_vs_torch", "sampler", "rollout_shapes", "batching", "end_to_end", "peers",
-    "transfers", "accelerator",
+    "transfers", "long_context", "accelerator",
 )
 RATIO_MEANINGS = {
     "accumulation_overhead_k8": "actor update time per token with K=8 micro-batches / with K=1 (goal <= 1.10)",
@@ -81,6 +81,10 @@ RATIO_MEANINGS = {
     "transfers_d2h_per_experience": "device->host bytes of one GRPO step (ppo_epochs=1) / bytes of its Experience",
     "transfers_h2d_per_extra_epoch": "host->device bytes each further ppo_epoch adds / bytes of the Experience "
     "(goal: 0)",
+    "attention_memory_ratio_8k": "XLA temporary bytes of one update step (2 layers d256) on a packed row of 8k "
+    "tokens, blockwise / reference attention (goal <= 0.125)",
+    "attention_time_ratio_4k": "seconds of that step at 4k tokens, blockwise / reference attention (goal <= 1.2 on a "
+    "CPU)",
     "accelerator_mfu": "model FLOPs utilisation of the ~0.5B bf16 update step (accelerator mode)",
     "accelerator_decode_vs_roofline": "decode tokens/s / memory-bandwidth roofline (accelerator mode)",
 }
@@ -133,9 +137,15 @@ def _headlines(name: str, result: dict) -> dict:
             "transfers_d2h_per_experience": result["d2h_per_experience"],
             "transfers_h2d_per_extra_epoch": result["h2d_per_extra_epoch"] / unit,
         }
+    if name == "long_context":
+        return {key: result[key] for key in ("attention_memory_ratio_8k", "attention_time_ratio_4k")}
     if name == "accelerator":
         return {
-            "accelerator_mfu": result["update"]["mfu"],
+            "attention_memory_ratio_8k": "XLA temporary bytes of one update step (2 layers d256) on a packed row of 8k "
+    "tokens, blockwise / reference attention (goal <= 0.125)",
+    "attention_time_ratio_4k": "seconds of that step at 4k tokens, blockwise / reference attention (goal <= 1.2 on a "
+    "CPU)",
+    "accelerator_mfu": result["update"]["mfu"],
             "accelerator_decode_vs_roofline": result["decode"]["fraction_of_roofline"],
         }
     raise KeyError(f"unknown benchmark {name!r}; valid: {', '.join(ORDER)}")
@@ -183,6 +193,7 @@ def benchmarks(args: argparse.Namespace, out: pathlib.Path, names: list[str]) ->
         "peers": lambda: _torch_benchmark("peers").measure(args.quick),
         "end_to_end": lambda: end_to_end.measure(args.quick, out / "quickstart_run", extra_overrides=args.e2e_set),
         "transfers": lambda: transfers.measure(args.quick),
+        "long_context": lambda: long_context.measure(args.quick, repeats),
         "accelerator": lambda: accelerator.measure(accelerator.STAND_IN_SIZE if stand_in else accelerator.FULL, *peaks),
     }
     order = ([name for name in names if name != "memory"] + ["memory"]) if memory_first else names

@@ -112,7 +112,7 @@ def test_whole_model_log_probs_agree_under_reference_and_xla_attention():
     assert_close(fused[real], reference[real])  # log-probs are O(log V) ~ 4: a 4e-5 absolute bound
 
 
-def test_auto_picks_cudnn_on_a_gpu_for_half_precision_and_the_measured_fallback_elsewhere():
+def test_auto_picks_cudnn_on_a_gpu_for_half_precision_and_the_measured_fallback_elsewhere():  # on short rows
     assert resolve_attention("auto", jnp.bfloat16, "gpu") == "cudnn"
     assert resolve_attention("auto", jnp.float16, "gpu") == "cudnn"
     assert resolve_attention("auto", jnp.float32, "gpu") == AUTO_FALLBACK
@@ -138,7 +138,7 @@ def test_model_attention_key_reaches_the_model_config():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.attention=flash"], "model.attention='flash' is not valid; valid: reference, xla, cudnn, auto"),
+    (["model.attention=flash"], "model.attention='flash' is not valid; valid: reference, xla, cudnn, blockwise, pallas, auto"),
     (["model.attention=cudnn"], "model.dtype='float32': model.attention='cudnn' needs bfloat16 or float16"),
     (["model.attention=cudnn", "model.dtype=bfloat16", "rollout.dtype=float32"],
      "rollout.dtype='float32': model.attention='cudnn' needs bfloat16 or float16"),

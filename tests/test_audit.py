@@ -70,30 +70,8 @@ def test_audit_reports_the_legacy_split_dependence_of_each_role(capsys):
 
 GRPO = ["critic.enable=false", "algorithm.adv_estimator=grpo", "rollout.n=2"]
 # verl's sequence-level rejection, critic-free (a critic's explained variance over the few tokens a rejection leaves
-# is not a metric to compare): the audit runs it twice, clean and with a metric made mesh-dependent; a rejection
-# changes masks, not programs, so the second run's programs come from the compile cache the first one filled
+# is not a metric to compare)
 SEQ_RS = [*GRPO, "actor.rollout_correction.mode=seq_rs"]
-
-
-def test_audit_exit_status_depends_on_every_metric(capsys, monkeypatch):
-    """A metric that changes with the mesh fails the audit even when every gradient agrees."""
-    import jppo.run.audit as audit_module
-    from jppo.parallel.mesh import batch_shards
-
-    real = audit_module.run_updates
-
-    def clip_fraction_off_on_several_shards(step, state, batch, cfg, mesh, rng):
-        updated = real(step, state, batch, cfg, mesh, rng)
-        if batch_shards(mesh) > 1 and "actor/pg_clipfrac" in updated.metrics:
-            updated.metrics["actor/pg_clipfrac"] += 1e-2
-        return updated
-
-    monkeypatch.setattr(audit_module, "run_updates", clip_fraction_off_on_several_shards)
-    assert main(["--config", CONFIG, "--quick", *SMALL, *SEQ_RS]) == 1
-    out = capsys.readouterr().out
-    values = last_values(out)
-    assert values["max_rel_grad_diff"] <= 1e-4 and values["max_rel_metric_diff"] > 1e-3
-    assert "actor/pg_clipfrac" in out
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -108,12 +86,30 @@ def test_odd_arguments_are_refused_in_one_line(capsys, overrides, message):
     assert len(lines) == 1 and lines[0].startswith("jppo.audit: error: ") and message in lines[0], lines
 
 
-def test_audit_covers_rollout_correction(capsys):
-    """The audit batch carries sampler log-probs unlike the old ones: verl's rejection (rows cleared before the
-    cut, as collection does) audits clean and the rollout_corr/* metrics are compared (every mode's weights and
-    metrics are split-invariant in test_rollout_correction; a single audit keeps this file's time down)."""
-    assert main(["--config", CONFIG, "--quick", *SMALL, *SEQ_RS]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+def rows_of(out: str, role: str, mesh: str) -> list[str]:
+    return [line for line in out.strip().splitlines() if line.startswith(f"{role} ") and f" {mesh} " in line]
+
+
+def test_audit_covers_rollout_correction_and_fails_on_any_metric(capsys, monkeypatch):
+    """One audit of verl's sequence-level rejection (rows cleared before the cut, as collection does), with one
+    metric made mesh-dependent on the 3-D mesh alone: the rollout_corr/* metrics are compared, every gradient
+    agrees, the one-device cuts and the data-parallel mesh audit clean, and the 3-D mesh's altered clip fraction
+    alone fails the run (every mode's weights and metrics are split-invariant in test_rollout_correction; one audit
+    run for both checks keeps this file's time down)."""
+    import jppo.run.audit as audit_module
+
+    real = audit_module.run_updates
+
+    def clip_fraction_off_on_the_3d_mesh(step, state, batch, cfg, mesh, rng):
+        updated = real(step, state, batch, cfg, mesh, rng)
+        if mesh.shape["tensor"] > 1 and "actor/pg_clipfrac" in updated.metrics:
+            updated.metrics["actor/pg_clipfrac"] += 1e-2
+        return updated
+
+    monkeypatch.setattr(audit_module, "run_updates", clip_fraction_off_on_the_3d_mesh)
+    assert main(["--config", CONFIG, "--quick", *SMALL, *SEQ_RS]) == 1
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
     compared = [line for line in lines if line.startswith("compared (actor): ")]
     assert len(compared) == 1
     for name in ("rollout_corr/kl", "rollout_corr/ratio_mean", "rollout_corr/masked_fraction", "actor/pg_loss"):
@@ -121,6 +117,14 @@ def test_audit_covers_rollout_correction(capsys):
     assert "rollout correction seq_rs" in lines[0]
     fraction = float(lines[0].split("rollout_corr/rejected_fraction ")[1].rstrip(")"))
     assert 0 < fraction < 1  # some rows rejected, not all
+    values = last_values(out)
+    assert values["max_rel_first_step_grad_diff"] <= 1e-5 and values["max_rel_grad_diff"] <= 1e-4
+    assert values["max_rel_metric_diff"] > 1e-3
+    clean, altered = rows_of(out, "actor", "(1, 1, 1)") + rows_of(out, "actor", "(8, 1, 1)"), rows_of(out, "actor", "(2, 2, 2)")
+    assert len(clean) == 5 + 2 and len(altered) == 2
+    assert all(float(re.findall(NUMBER, row)[2]) <= 1e-4 for row in clean), clean  # the metrics column
+    assert all(row.rstrip().endswith("actor/pg_clipfrac") and float(re.findall(NUMBER, row)[2]) > 1e-3
+               for row in altered), altered
 
 
 def test_an_error_inside_the_audit_is_one_line(capsys, tmp_path):

@@ -27,6 +27,7 @@ REQUIRED = (
     "accumulation_overhead_k8", "normalization_overhead", "update_vs_torch_tiny", "update_vs_torch_small",
     "sampler_vs_recompute", "sampler_vs_transformers", "rollout_vs_transformers_gsm8k_shape",
     "rollout_useful_slot_fraction", "rollout_continuous_vs_all_rows", "rollout_shared_prefix_memory_ratio",
+    "attention_memory_ratio_8k", "attention_time_ratio_4k",
 )
 TRL_KEYS = ("e2e_vs_trl_grpo", "e2e_vs_trl_grpo_quickstart", "e2e_vs_trl_grpo_gsm8k_shape")
 

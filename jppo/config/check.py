@@ -38,7 +38,7 @@ from jppo.losses import (
 )
 from jppo.parallel.mesh import resolve_shape
 from jppo.rewards.verify import require_math_verify
-from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES
+from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, check_attention_blocks
 from jppo.models.families import MODEL_FAMILIES
 from jppo.models.layers import HALF_PRECISION_ATTENTION
 from jppo.models.lora import check_fits
@@ -188,8 +188,9 @@ def _check_model(cfg: TrainConfig) -> None:
                 f"model.tokenizer is required for data.task={task!r} without model.path (built-in vocabularies "
                 f"exist for: {', '.join(BUILTIN_TASKS)})"
             )
-    if cfg.model.path is None:  # a model built from this section: its own checks (a checkpoint brings its shape)
-        with _as_key({}, prefix="model."):
+    with _as_key({}, prefix="model."):  # a checkpoint's block sizes too (it brings its shape, not those)
+        check_attention_blocks(cfg.model.attention_block_q, cfg.model.attention_block_kv)
+        if cfg.model.path is None:  # a model built from this section: its own checks
             random_model_config(cfg, None)
 
 

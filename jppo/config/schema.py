@@ -21,7 +21,7 @@ from jppo.rewards import RewardConfig
 class ModelSection:
     """The policy. ``path``: a local Hugging Face checkpoint directory; without it a model of the shape given by
     the other keys (:data:`RANDOM_MODEL`) is initialised at random (``trainer.seed``); ``dtype`` (compute),
-    ``param_dtype`` (stored weights), ``remat``, ``attention`` and ``layer_loop`` apply to a checkpoint too, and to the critic built from it. Mixed precision is
+    ``param_dtype`` (stored weights), ``remat``, ``attention`` (and its block sizes) and ``layer_loop`` apply to a checkpoint too, and to the critic built from it. Mixed precision is
     ``param_dtype: float32`` with ``dtype: bfloat16``; half-precision weights are refused, as Adam's updates would
     round away. ``tokenizer``: a directory holding ``tokenizer.json`` (default:
     ``path``), or ``builtin:<task>`` for a built-in task's character vocabulary (the default without ``path``).
@@ -44,7 +44,10 @@ class ModelSection:
     param_dtype: str = "float32"  # dtype the weights are stored and updated in; must not be half precision
     remat: bool = False  # recompute each layer in the backward pass instead of keeping its activations
     initializer_range: float = 0.02  # standard deviation of the random initial weights (> 0)
-    attention: str = "reference"  # reference | xla | cudnn | auto: how attention is computed (jppo.models.layers)
+    attention: str = "reference"  # reference | xla | cudnn | blockwise | pallas | auto: how attention is computed
+
+    attention_block_q: int = 512  # query tokens per block of blockwise/pallas attention (a multiple of 8)
+    attention_block_kv: int = 512  # key tokens per block of blockwise/pallas attention (a multiple of 8)
     layer_loop: str = "auto"  # scan | unroll | auto (unrolled up to AUTO_UNROLL_LAYERS layers): the layers' loop
 
     def architecture(self) -> dict[str, Any]:

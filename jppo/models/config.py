@@ -23,14 +23,25 @@ DTYPES: dict[str, jnp.dtype] = {
 }
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 # How attention is computed (jppo.models.layers.attention): the masked float32 softmax, jax.nn.dot_product_attention
-# lowered by XLA or by cuDNN, or "auto" (cuDNN on a GPU for bfloat16/float16, else the faster one on this backend).
-ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = ("reference", "xla", "cudnn", "auto")
+# lowered by XLA or by cuDNN, blocks in linear memory (jppo.models.attention), the Pallas flash kernels (splash on a
+# TPU, Triton on a GPU; jppo.models.pallas_attention), or "auto" (jppo.models.layers.resolve_attention).
+ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = ("reference", "xla", "cudnn", "blockwise", "pallas", "auto")
+ATTENTION_BLOCK_MULTIPLE = 8  # block sizes come in multiples of 8 tokens (the sublane tile of TPU and GPU kernels)
 # How the layers run in forward and backward passes (DecoderLayers._scan): one rolled lax.scan, unrolled, or "auto".
 LAYER_LOOPS: tuple[str, ...] = ("auto", "scan", "unroll")
 # "auto" unrolls up to this depth: at 4 layers an unrolled actor update compiled as fast as the scan and stepped
 # ~9% faster on CPU (the scan zero-fills and copies its stacked activations every step); at 24 layers it compiled
 # in twice the time (bench/README.md, issue 15 after, "Update step").
 AUTO_UNROLL_LAYERS = 8
+
+
+def check_attention_blocks(block_q: Any, block_kv: Any) -> None:
+    """Raises :class:`InvalidSetting` unless both block sizes fit the kernels' tiles: positive integer multiples
+    of :data:`ATTENTION_BLOCK_MULTIPLE` tokens."""
+    for name, value in (("attention_block_q", block_q), ("attention_block_kv", block_kv)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % ATTENTION_BLOCK_MULTIPLE:
+            raise InvalidSetting("", name, value, f"a positive multiple of {ATTENTION_BLOCK_MULTIPLE} tokens, to fit "
+                                 "attention's tiles")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +104,13 @@ class ModelConfig:
     :class:`RopeScaling`. ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of the weights
     (softmax, norms and logits are float32 either way). ``remat`` recomputes each layer in the backward pass
     instead of keeping its activations. ``attention`` picks how attention is computed (one of
-    :data:`ATTENTION_IMPLEMENTATIONS`, see :func:`jppo.models.layers.attention`). ``layer_loop`` runs the layers of
-    forward and backward passes as one ``lax.scan`` (``scan``: compile time independent of depth), unrolled
-    (``unroll``: faster steps, compile time growing with depth) or ``auto`` (unrolled up to
-    :data:`AUTO_UNROLL_LAYERS` layers); the sampler's decoding steps are always unrolled. Token ids are carried only
-    to write them back to ``config.json``.
+    :data:`ATTENTION_IMPLEMENTATIONS`, see :func:`jppo.models.layers.attention`); ``attention_block_q`` and
+    ``attention_block_kv`` are the query and key tokens per block of the ``blockwise`` and ``pallas`` ones
+    (positive multiples of :data:`ATTENTION_BLOCK_MULTIPLE`; a row shorter than a block is one block).
+    ``layer_loop`` runs the layers of forward and backward passes as one ``lax.scan`` (``scan``: compile time
+    independent of depth), unrolled (``unroll``: faster steps, compile time growing with depth) or ``auto``
+    (unrolled up to :data:`AUTO_UNROLL_LAYERS` layers); the sampler's decoding steps are always unrolled. Token
+    ids are carried only to write them back to ``config.json``.
     """
 
     vocab_size: int
@@ -121,6 +134,8 @@ class ModelConfig:
     initializer_range: float = 0.02
     remat: bool = False
     attention: str = "reference"
+    attention_block_q: int = 512
+    attention_block_kv: int = 512
     layer_loop: str = "auto"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -133,6 +148,7 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(DTYPES)}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise InvalidSetting("", "attention", self.attention, f"one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        check_attention_blocks(self.attention_block_q, self.attention_block_kv)
         if self.layer_loop not in LAYER_LOOPS:
             raise InvalidSetting("", "layer_loop", self.layer_loop, f"one of {', '.join(LAYER_LOOPS)}")
         if self.num_kv_heads is None:
@@ -217,7 +233,7 @@ class ModelConfig:
     def from_hf(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         """Reads a Hugging Face ``config.json`` dict (transformers 4.x ``rope_theta``/``rope_scaling`` or 5.x
         ``rope_parameters``). ``overrides`` set jppo-only fields such as ``dtype``, ``param_dtype``, ``remat``,
-        ``attention``, ``layer_loop``.
+        ``attention``, ``attention_block_q``, ``attention_block_kv``, ``layer_loop``.
 
         Raises ``ValueError`` for families or features this decoder does not implement (naming them).
         """

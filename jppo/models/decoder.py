@@ -41,11 +41,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from jppo.models.attention import AttentionRule
 from jppo.models.config import ModelConfig
 from jppo.models.layers import (
     apply_rope,
     attention,
-    attention_mask,
     decode_attention,
     dense,
     response_blocks,
@@ -180,18 +180,25 @@ class DecoderLayers(nnx.Module):
         unroll = self.config.resolved_layer_loop == "unroll"
         return jax.lax.scan(layer, hidden, (self._stacked_weights(), self._stacked_adapters()), unroll=unroll)
 
-    def __call__(self, hidden: Array, rope: tuple[Array, Array], mask: Array) -> Array:
-        """Runs all layers on ``hidden [B, T, D]``, each query attending the keys of ``mask [B, T, T]``."""
-        attend = lambda q, k, v: (attention(q, k, v, mask, self.config.attention), None)  # noqa: E731
+    def _attention(self, q: Array, k: Array, v: Array, rule: AttentionRule) -> Array:
+        config = self.config
+        return attention(q, k, v, rule, config.attention, (config.attention_block_q, config.attention_block_kv))
+
+    def __call__(self, hidden: Array, rope: tuple[Array, Array], rule: AttentionRule) -> Array:
+        """Runs all layers on ``hidden [B, T, D]``, each query attending the keys its ``rule`` shows it (segments
+        and slots: the dense ``[B, T, T]`` mask is built only by the implementations that take one)."""
+        attend = lambda q, k, v: (self._attention(q, k, v, rule), None)  # noqa: E731
         return self._scan(hidden, rope, attend)[0]
 
-    def prefill(self, hidden: Array, rope: tuple[Array, Array], mask: Array) -> tuple[Array, tuple[Array, Array]]:
+    def prefill(
+        self, hidden: Array, rope: tuple[Array, Array], rule: AttentionRule
+    ) -> tuple[Array, tuple[Array, Array]]:
         """:meth:`__call__` that also returns every layer's keys and values, ``[L, B, K, T, E]`` each (heads
         before slots, the layout :func:`decode_attention` contracts without a transpose)."""
 
         def attend(q, k, v):
             keep = tuple(x.transpose(0, 2, 1, 3) for x in (k, v))
-            return attention(q, k, v, mask, self.config.attention), keep
+            return self._attention(q, k, v, rule), keep
 
         return self._scan(hidden, rope, attend)
 
@@ -273,15 +280,13 @@ class Decoder(nnx.Module):
     def __call__(self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
         positions, segment_ids = _check_inputs(input_ids, positions, segment_ids)
         hidden, rope = self._embed(input_ids, positions)
-        mask = attention_mask(segment_ids, jnp.arange(input_ids.shape[1]), segment_ids)
-        return self._norm(self.layers(hidden, rope, mask))
+        return self._norm(self.layers(hidden, rope, AttentionRule.packed(segment_ids)))
 
     def prefill(self, input_ids: Array, positions: Array, segment_ids: Array) -> tuple[Array, PromptCache]:
         """:meth:`__call__` on a prompt batch, plus its :class:`PromptCache`."""
         positions, segment_ids = _check_inputs(input_ids, positions, segment_ids)
         hidden, rope = self._embed(input_ids, positions)
-        mask = attention_mask(segment_ids, jnp.arange(input_ids.shape[1]), segment_ids)
-        hidden, (keys, values) = self.layers.prefill(hidden, rope, mask)
+        hidden, (keys, values) = self.layers.prefill(hidden, rope, AttentionRule.packed(segment_ids))
         per_layer = lambda stack: tuple(constrain(layer, CACHE) for layer in stack)  # noqa: E731
         return self._norm(hidden), PromptCache(keys=per_layer(keys), values=per_layer(values),
                                                visible=segment_ids != 0)

@@ -13,15 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jppo.models.attention import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, AttentionRule, blockwise_attention, wide
 from jppo.models.config import ModelConfig, RopeScaling
+from jppo.models.pallas_attention import pallas_attention
 
 Array = jax.Array
-
-
-def wide(dtype) -> jnp.dtype:
-    """The precision of norms, softmax, RoPE and logits for a compute dtype: float32, or float64 for a float64
-    model (exactness tests run the whole model in float64)."""
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def rms_norm(x: Array, scale: Array, eps: float) -> Array:
@@ -74,35 +70,71 @@ def attention_mask(query_segments: Array, query_slots: Array, key_segments: Arra
     return causal[None] & same_segment & (query_segments != 0)[:, :, None]
 
 
-# Where ``auto`` does not pick cuDNN: the faster on CPU for a small model's forward and backward pass
-# (``python -m bench.attention``; README, Performance: a tie with "xla", so the exact-in-float64 reference stays).
+# Where ``auto`` does not pick a kernel of its own: the faster on CPU for a small model's forward and backward pass
+# on short rows (``python -m bench.attention``; README, Performance: a tie with "xla", so the exact-in-float64
+# reference stays).
 AUTO_FALLBACK = "reference"
 HALF_PRECISION_ATTENTION = ("bfloat16", "float16")  # the dtypes cuDNN's fused attention takes
+# Rows of at least this many tokens take blocks in linear memory under ``auto`` (``blockwise`` on CPU, ``pallas`` on
+# a GPU): at 1k tokens the 2-layer d256 update step took 0.76x the reference's time on CPU, 0.41x at 2k, with 0.47x
+# and 0.28x its temporaries (python -m bench.long_context; bench/README.md); below 1k a row is one or two blocks.
+AUTO_LONG_ROW = 1024
+# The implementations that need the rule (segments and slots) rather than a dense mask.
+RULE_ONLY = ("blockwise", "pallas")
 
 
-def resolve_attention(name: str, dtype, backend: str) -> str:
-    """The implementation ``attention`` runs for the config value ``name`` (ModelConfig.attention): ``auto`` is
-    ``cudnn`` on a GPU for a half-precision compute ``dtype`` and :data:`AUTO_FALLBACK` otherwise, except float64
-    (exactness tests), which keeps ``reference`` since ``jax.nn.dot_product_attention`` takes its softmax in
-    float32. Other names are returned as given."""
+def resolve_attention(name: str, dtype, backend: str, length: int = 0) -> str:
+    """The implementation ``attention`` runs for the config value ``name`` (ModelConfig.attention) on rows of
+    ``length`` query tokens. ``auto`` is:
+
+    - ``reference`` for a float64 ``dtype`` (exactness tests; the kernels take their softmax in float32 or less);
+    - ``pallas`` on a TPU (splash attention);
+    - on a GPU, for a half-precision ``dtype``, ``cudnn`` on rows shorter than :data:`AUTO_LONG_ROW` and
+      ``pallas`` (the Triton flash kernel, linear memory) on longer ones;
+    - otherwise ``blockwise`` on rows of :data:`AUTO_LONG_ROW` tokens or more, :data:`AUTO_FALLBACK` below.
+
+    Other names are returned as given."""
     if name != "auto":
         return name
+    if jnp.dtype(dtype) == jnp.float64:
+        return "reference"
+    long_row = length >= AUTO_LONG_ROW
+    if backend == "tpu":
+        return "pallas"
     if backend == "gpu" and jnp.dtype(dtype).name in HALF_PRECISION_ATTENTION:
-        return "cudnn"
-    return "reference" if jnp.dtype(dtype) == jnp.float64 else AUTO_FALLBACK
+        return "pallas" if long_row else "cudnn"
+    return "blockwise" if long_row else AUTO_FALLBACK
 
 
-def attention(query: Array, key: Array, value: Array, mask: Array, implementation: str = "reference") -> Array:
-    """Grouped-query attention ``softmax(q k^T / sqrt(E) | mask) v``, by :func:`reference_attention` or, for
-    ``implementation`` ``"xla"``/``"cudnn"``, by :func:`fused_attention` (the same function, to float tolerance).
-    ``"auto"`` is resolved on the default backend by :func:`resolve_attention`."""
+def attention(
+    query: Array, key: Array, value: Array, mask: Array | AttentionRule, implementation: str = "reference",
+    blocks: tuple[int, int] = (DEFAULT_BLOCK_Q, DEFAULT_BLOCK_KV),
+) -> Array:
+    """Grouped-query attention ``softmax(q k^T / sqrt(E) | mask) v``: by :func:`reference_attention`, for
+    ``implementation`` ``"xla"``/``"cudnn"`` by :func:`fused_attention`, for ``"blockwise"`` by
+    :func:`~jppo.models.attention.blockwise_attention` in ``blocks = (block_q, block_kv)``, for ``"pallas"`` by
+    :func:`~jppo.models.pallas_attention.pallas_attention` (the same function, to float tolerance). ``"auto"`` is
+    resolved on the default backend by :func:`resolve_attention`.
+
+    ``mask`` is a dense ``[B, T, S]`` mask or, for rows in linear memory, the :class:`AttentionRule` it is built
+    from; ``blockwise`` and ``pallas`` need the rule (``auto`` falls back to the reference given a dense mask)."""
     backend = jax.default_backend()
-    implementation = resolve_attention(implementation, query.dtype, backend)
+    requested, implementation = implementation, resolve_attention(implementation, query.dtype, backend, query.shape[1])
+    is_rule = isinstance(mask, AttentionRule)
+    if implementation in RULE_ONLY and not is_rule and requested == "auto":
+        implementation = resolve_attention("auto", query.dtype, backend)  # the short rows' choice takes a mask
+    if implementation in RULE_ONLY and not is_rule:
+        raise ValueError(f"attention={implementation!r} needs an AttentionRule (segments and slots), not a mask")
     if implementation == "cudnn" and backend != "gpu":
         raise ValueError(f"attention='cudnn' runs on a GPU only, this backend is {backend!r}; use 'auto' or 'xla'")
+    if implementation == "blockwise":
+        return blockwise_attention(query, key, value, *mask, block_q=blocks[0], block_kv=blocks[1])
+    if implementation == "pallas":
+        return pallas_attention(query, key, value, mask, blocks)
+    dense_mask = mask.mask() if is_rule else mask
     if implementation == "reference":
-        return reference_attention(query, key, value, mask)
-    return fused_attention(query, key, value, mask, implementation)
+        return reference_attention(query, key, value, dense_mask)
+    return fused_attention(query, key, value, dense_mask, implementation)
 
 
 def reference_attention(query: Array, key: Array, value: Array, mask: Array) -> Array:

@@ -22,13 +22,17 @@ optimizer state        ``t a (2 + 1)``: AdamW's two moments and ``optax.MultiSte
 gradients              ``t p``: the gradient of one micro-batch, before it is added to the accumulator
 weights in use         ``(V' D + one layer's weights / mesh.tensor) c``: the embedding table and a layer's
                        weights cast to the compute dtype (and gathered over ``fsdp``) while they are used
-activations            ``r w (L s + x)`` for ``r`` rows of ``w`` tokens per device in one micro-batch
+activations            ``r w (L s + x) + b`` for ``r`` rows of ``w`` tokens per device in one micro-batch
                        (fixed: ``r = ppo_micro_batch_size``, ``w = bucket(max_prompt_length) +
                        max_response_length``; token budget: ``r = 1``, ``w = ppo_max_token_len``). ``x``: what a
                        layer keeps for its backward pass per token, ``c (4 D + 3 H'E + 3 K'E + 4 F') + a (2 D +
                        H'E + K'E) + (2 a + c) H' w`` (the last term: the unfused attention's scores and
-                       probabilities, ``w`` keys per query); ``s = x`` without remat, ``s = c D`` (the layer's
-                       input only) with ``model.remat``, then one layer is recomputed at a time (``+ x``)
+                       probabilities, ``w`` keys per query; attention in blocks, ``model.attention: blockwise |
+                       pallas`` or ``auto`` on long rows, keeps ``a H'`` instead, its log-sum-exp, and works in
+                       ``b = (2 a + c) r H' min(b_q, w) min(b_kv, w)`` for one block pair at a time, ``b_q``,
+                       ``b_kv`` its block sizes; ``b = 0`` otherwise: activations linear in ``w``); ``s = x``
+                       without remat, ``s = c D`` (the layer's input only) with ``model.remat``, then one layer
+                       is recomputed at a time (``+ x``)
 log-prob logits        ``3 r k V' a`` (actor only): the float32 logits of one chunk of ``k = min(
                        log_prob_chunk_size, w)`` positions, their softmax and their gradient
 optimizer step         ``4 t a``: the temporaries of applying the accumulated gradient (the last micro-batch's
@@ -204,13 +208,34 @@ def dtype_bytes(name: str) -> int:
 # terms
 
 
+def linear_attention(m: ModelConfig, width: int) -> bool:
+    """Whether attention over rows of ``width`` tokens runs in blocks (``blockwise`` or ``pallas``, linear in the
+    row) rather than over dense ``[w, w]`` scores. ``auto`` is planned by its rule off a TPU (blocks from
+    :data:`~jppo.models.layers.AUTO_LONG_ROW` tokens on; a TPU takes splash attention at every length)."""
+    from jppo.models.layers import RULE_ONLY, resolve_attention  # noqa: PLC0415
+
+    return resolve_attention(m.attention, m.compute_dtype, "cpu", width) in RULE_ONLY
+
+
 def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int]) -> int:
     """``x``: what one layer keeps for its backward pass per token (see the module docstring)."""
     c, a = dtype_bytes(m.dtype), ACCUMULATOR_BYTES
     heads, d = split(m.num_heads, mesh), m.hidden_size
     q, kv, f = heads * m.head_dim, split(m.num_kv_heads, mesh) * m.head_dim, split(m.intermediate_size, mesh)
-    attention = (2 * a + c) * heads * width  # scores and probabilities (float32), probabilities cast back
+    if linear_attention(m, width):
+        attention = a * heads  # the log-sum-exp of each query head, all the blocked backward pass keeps
+    else:
+        attention = (2 * a + c) * heads * width  # scores and probabilities (float32), probabilities cast back
     return c * (4 * d + 3 * q + 3 * kv + 4 * f) + a * (2 * d + q + kv) + attention
+
+
+def attention_block_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int]) -> int:
+    """``b``: blocked attention's working set, one block pair's scores and probabilities at a time (0 for dense
+    attention, whose scores are in ``x``)."""
+    if not linear_attention(m, width):
+        return 0
+    c, a, heads = dtype_bytes(m.dtype), ACCUMULATOR_BYTES, split(m.num_heads, mesh)
+    return (2 * a + c) * rows * heads * min(m.attention_block_q, width) * min(m.attention_block_kv, width)
 
 
 def activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int]) -> int:
@@ -218,7 +243,7 @@ def activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int]
     per_layer = layer_bytes_per_token(m, width, mesh)
     kept = dtype_bytes(m.dtype) * m.hidden_size if m.remat else per_layer
     recomputed = per_layer if m.remat else 0
-    return rows * width * (m.num_layers * kept + recomputed)
+    return rows * width * (m.num_layers * kept + recomputed) + attention_block_bytes(m, rows, width, mesh)
 
 
 def logits_bytes(m: ModelConfig, rows: int, width: int, chunk_size: int, mesh: dict[str, int]) -> int:
@@ -322,7 +347,8 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> MemoryPlan:
             Term(f"gradients/{role}", n * p, f"t x p={p}"),
             Term(f"weights_in_use/{role}", weights_in_use_bytes(policy, mesh), "(V'D + layer/tensor) x c"),
             Term(f"activations/{role}", activation_bytes(policy, r, w, mesh),
-                 f"r={r} x w={w} x (L s + x){' remat' if policy.remat else ''}"),
+                 f"r={r} x w={w} x (L s + x){' + b' if linear_attention(policy, w) else ''}"
+                 f"{' remat' if policy.remat else ''}"),
         ]
         if role == "actor":
             chunk = cfg.actor.log_prob_chunk_size
