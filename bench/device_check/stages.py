@@ -54,24 +54,23 @@ def versions(cpu: bool, out: pathlib.Path) -> dict:
     }
 
 
-def packed_mask(batch: int, length: int, seed: int = 0) -> np.ndarray:
-    """``[B, T, T]``: each row two causal sequences of random lengths, then padding (what a packed micro-batch is)."""
-    from jppo.models.layers import attention_mask  # noqa: PLC0415
-
+def packed_segments(batch: int, length: int, seed: int = 0) -> np.ndarray:
+    """``[B, T]`` segment ids: each row two sequences of random lengths, then padding (a packed micro-batch)."""
     rng = np.random.default_rng(seed)
     segments = np.zeros((batch, length), np.int32)
     for row in range(batch):
         first = int(rng.integers(length // 4, length // 2))
         second = int(rng.integers(length // 4, length - first))
         segments[row, :first], segments[row, first:first + second] = 1, 2
-    return np.asarray(attention_mask(jnp.asarray(segments), jnp.arange(length), jnp.asarray(segments)))
+    return segments
 
 
 def attention(cpu: bool, out: pathlib.Path) -> dict:
     """Forward + backward (``grad`` of ``sum(attention * cotangent)`` in q, k, v) of every implementation of
     ``jppo.models.config.ATTENTION_IMPLEMENTATIONS`` at Qwen2.5-0.5B's heads (14 query, 2 key-value, size 64), bf16
-    (float32 on CPU), and the largest error of its output and gradients against ``reference``'s, relative to the
+    (float32 on CPU), on packed rows with padding, and the largest error of its output and gradients against ``reference``'s, relative to the
     largest magnitude of ``reference``'s."""
+    from jppo.models.attention import AttentionRule  # noqa: PLC0415
     from jppo.models.config import ATTENTION_IMPLEMENTATIONS  # noqa: PLC0415
     from jppo.models.layers import attention as attend  # noqa: PLC0415
 
@@ -85,11 +84,11 @@ def attention(cpu: bool, out: pathlib.Path) -> dict:
         k = jax.random.normal(keys[1], (batch, length, kv_heads, size), dtype)
         v = jax.random.normal(keys[2], (batch, length, kv_heads, size), dtype)
         cotangent = jax.random.normal(keys[3], q.shape, dtype)
-        mask = jnp.asarray(packed_mask(batch, length))
+        rule = AttentionRule.packed(jnp.asarray(packed_segments(batch, length)))  # what every implementation takes
 
         def forward_backward(name):
             def loss(q, k, v):
-                o = attend(q, k, v, mask, name)
+                o = attend(q, k, v, rule, name)
                 return jnp.sum(o.astype(jnp.float32) * cotangent.astype(jnp.float32)), o
             return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
 
