@@ -141,4 +141,5 @@ for stage in "${STAGES[@]}"; do
 done
 summary+="\"cpu_mode\": $([[ "$CPU" == 1 ]] && echo true || echo false), \"total_s\": $((SECONDS - started))}"
 echo "$summary" > "$OUT/summary.json"
+rm -rf "$DEVICE_CHECK_WORK"  # models, prompts and runs: GBs on a GPU
 echo "device_check: wrote $OUT (total $((SECONDS - started))s)" >&2

@@ -20,17 +20,17 @@ BUDGET = 60
 
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-    out = tmp_path_factory.mktemp("device_check")
+    out, work = tmp_path_factory.mktemp("device_check"), tmp_path_factory.mktemp("device_check_work")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env |= {"OUT": str(out), "DEVICE_CHECK_WORK": str(out / "work"), "DEVICE_CHECK_BUDGET": str(BUDGET)}
+    env |= {"OUT": str(out), "DEVICE_CHECK_WORK": str(work / "scratch"), "DEVICE_CHECK_BUDGET": str(BUDGET)}
     started = time.monotonic()
     done = subprocess.run(["bash", str(ROOT / "bench" / "device_check.sh"), "--cpu"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=BUDGET + 60)
-    return out, done, time.monotonic() - started
+    return out, done, time.monotonic() - started, work / "scratch"
 
 
 def test_cpu_mode_stays_in_its_budget_and_every_stage_writes_valid_json(rehearsal):
-    out, done, wall = rehearsal
+    out, done, wall, work = rehearsal
     assert done.returncode == 0, done.stderr[-3000:]
     assert wall < BUDGET + 20  # the boxes share the budget; each kill allows 5 s of grace at most, once
     summary = json.loads((out / "summary.json").read_text())
@@ -42,10 +42,11 @@ def test_cpu_mode_stays_in_its_budget_and_every_stage_writes_valid_json(rehearsa
         assert record["status"] in ("ok", "timeout"), (stage, record.get("error"), record.get("log_tail"))
         assert summary[stage]["status"] == record["status"]
     assert not list(out.glob("**/*.safetensors")), "model files were written into the folder that travels back"
+    assert not work.exists(), "the scratch folder (models, runs) was left behind"
 
 
 def test_versions_stage_names_the_software_and_the_matmul_rate(rehearsal):
-    out, _, _ = rehearsal
+    out, _, _, _ = rehearsal
     versions = json.loads((out / "versions.json").read_text())
     if versions["status"] == "timeout":  # seconds at most on an idle machine; a machine loaded many times over
         pytest.skip("the versions stage ran out of its box on this machine (its JSON says so)")
@@ -55,7 +56,7 @@ def test_versions_stage_names_the_software_and_the_matmul_rate(rehearsal):
 
 
 def test_attention_stage_covers_every_implementation(rehearsal):
-    out, _, _ = rehearsal
+    out, _, _, _ = rehearsal
     record = json.loads((out / "attention.json").read_text())
     if record["status"] == "timeout":
         pytest.skip("the attention stage ran out of its box on this machine (its JSON says so)")
@@ -80,6 +81,8 @@ def test_the_block_count_knob_is_found_or_the_module_constant_is_used():
         assert isinstance(layers.RESPONSE_BLOCKS, int)  # what the stage sets while tracing each candidate
     else:
         assert knob[0] in ("SamplingParams", "ModelConfig") and "block" in knob[1]
+    # attention's tile sizes (attention_block_q / _kv) are blocks too, but not the response cache's
+    assert knob is None or not knob[1].startswith("attention_")
 
 
 def test_real_size_tokenizer_has_the_models_whole_vocabulary(tmp_path):

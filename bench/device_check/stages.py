@@ -115,15 +115,17 @@ def attention(cpu: bool, out: pathlib.Path) -> dict:
 
 
 def block_knob():
-    """How the decode's response-cache block count is chosen: the name of a config field for it, where the
-    sampler or the model has one (``SamplingParams`` first), else None (then ``jppo.models.layers.RESPONSE_BLOCKS``,
+    """How the decode's response-cache block count is chosen: the name of a config field for it (``*block*`` with
+    ``response``, ``decode`` or ``cache`` in its name), where the sampler or the model has one (``SamplingParams``
+    first), else None (then ``jppo.models.layers.RESPONSE_BLOCKS``,
     read while the decode step is traced, is set for each candidate)."""
     from jppo.models import ModelConfig  # noqa: PLC0415
     from jppo.rollout import SamplingParams  # noqa: PLC0415
 
     for owner in (SamplingParams, ModelConfig):
         for field in dataclasses.fields(owner):
-            if "block" in field.name and field.type in (int, "int", "Optional[int]", "int | None"):
+            words = field.name.split("_")  # attention_block_q is attention's tile, not the cache's block count
+            if any(w.startswith("block") for w in words) and {"response", "decode", "cache"} & set(words):
                 return owner.__name__, field.name
     return None
 
