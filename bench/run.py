@@ -25,6 +25,7 @@ top-level keys of ``results.json`` (their meanings under ``ratio_meanings``); ev
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -35,10 +36,7 @@ from typing import Callable
 
 import jax
 
-from bench import (
-    accelerator, accumulation, batching, end_to_end, long_context, memory, peers, rollout_shapes, sampler,
-    transfers, update_vs_torch,
-)
+from bench import accelerator, accumulation, batching, end_to_end, long_context, memory, transfers
 from bench.environment import describe, match_torch_threads
 from bench.report import write_markdown
 from jppo.config import ConfigError
@@ -164,6 +162,15 @@ def finite_or_null(tree):
     return tree
 
 
+# The benchmarks whose peers are PyTorch / transformers models import torch: loaded only when they run, so that
+# `--only accelerator` runs on an image without torch (a GPU image with its own jax).
+TORCH_BENCHMARKS = ("update_vs_torch", "sampler", "rollout_shapes", "peers")
+
+
+def _torch_benchmark(name: str):
+    return importlib.import_module(f"bench.{name}")
+
+
 def benchmarks(args: argparse.Namespace, out: pathlib.Path, names: list[str]) -> dict[str, Callable[[], dict]]:
     """A function per selected benchmark, in the order to call them. In quick mode the memory children (which
     measure only memory) are started first and run while the rest runs; they are waited for last."""
@@ -178,12 +185,12 @@ def benchmarks(args: argparse.Namespace, out: pathlib.Path, names: list[str]) ->
         "memory": finish_memory or (lambda: memory.measure(args.quick)),
         "accumulation": lambda: accumulation.measure(args.quick, repeats),
         "update_vs_torch": lambda: {
-            size: update_vs_torch.measure(size, args.quick, repeats) for size in ("tiny", "small")
+            size: _torch_benchmark("update_vs_torch").measure(size, args.quick, repeats) for size in ("tiny", "small")
         },
-        "sampler": lambda: sampler.measure(args.quick, repeats),
+        "sampler": lambda: _torch_benchmark("sampler").measure(args.quick, repeats),
         "batching": lambda: batching.measure(args.quick, repeats),
-        "rollout_shapes": lambda: rollout_shapes.measure(args.quick, repeats),
-        "peers": lambda: peers.measure(args.quick),
+        "rollout_shapes": lambda: _torch_benchmark("rollout_shapes").measure(args.quick, repeats),
+        "peers": lambda: _torch_benchmark("peers").measure(args.quick),
         "end_to_end": lambda: end_to_end.measure(args.quick, out / "quickstart_run", extra_overrides=args.e2e_set),
         "transfers": lambda: transfers.measure(args.quick),
         "long_context": lambda: long_context.measure(args.quick, repeats),
@@ -259,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_enable_compilation_cache", False)  # compile times are part of what is measured
     started = time.perf_counter()
     environment = describe() | {
-        "torch_threads": match_torch_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")
+        "torch_threads": match_torch_threads() if set(names) & set(TORCH_BENCHMARKS) else None,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     results: dict = {
         "mode": "quick" if args.quick else "full", "environment": environment, "ratio_meanings": RATIO_MEANINGS

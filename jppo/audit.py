@@ -12,10 +12,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-import jax
-
 from jppo import cli
-from jppo.config.devices import check_mesh
 from jppo.run import build
 from jppo.run.audit import TOLERANCE, WHOLE_STEP_FACTOR, audit
 
@@ -25,7 +22,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         argv, "audit", __doc__.split("\n\n")[0],
         lambda parser: parser.add_argument("--quick", action="store_true",
                                            help="fewer meshes: data-parallel and one 3-D mesh"),
-        overrides="key.sub=value overrides",
+        overrides="key.sub=value overrides", processes=True,
     )
 
 
@@ -34,10 +31,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started = time.perf_counter()
     try:  # a bad setting found while building or running the updates is a one-line error too, not a traceback
         cfg = cli.load_config(args)
-        check_mesh(cfg, jax.device_count())
+        cli.start("audit", cfg, args)  # the processes of a pod first, as train and eval start them
         inputs = build.load_inputs(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, val_every=0)))
         worst = audit(cfg, inputs, quick=args.quick)
-    except cli.INPUT_ERRORS as error:
+    except cli.START_ERRORS as error:
         return cli.fail("audit", error)
     tolerance = TOLERANCE.get(cfg.model.dtype, 1e-5)
     passed = worst.passes(tolerance)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -25,6 +26,8 @@ from jppo.parallel import distributed
 INPUT_ERRORS = (ValueError, KeyError, FileNotFoundError)
 # ... and, for a command that starts processes, a process that cannot join the others
 START_ERRORS = (*INPUT_ERRORS, distributed.DistributedError)
+# The environment that tunes XLA and the TPU runtime, logged when a command starts (tpu_scripts/xla_flags.sh)
+XLA_ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
 def parse_args(
@@ -70,8 +73,11 @@ def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int, i
     from jppo.config import check_mesh  # noqa: PLC0415
     from jppo.run import compile_cache  # noqa: PLC0415
 
+    log = logging.getLogger(f"jppo.{command}")
     cache = compile_cache.apply(cfg.trainer.compilation_cache)  # before anything compiles
-    logging.getLogger(f"jppo.{command}").info("compilation cache: %s", cache or "off")
+    log.info("compilation cache: %s", cache or "off")
+    for name in XLA_ENVIRONMENT:  # what the launch scripts' tpu_scripts/xla_flags.sh set, or the user did
+        log.info("%s=%s", name, os.environ.get(name, "(unset)"))
     distributed.initialize(args)
     return check_mesh(cfg, jax.device_count(), jax.process_count())
 

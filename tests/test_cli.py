@@ -113,3 +113,17 @@ def test_training_and_the_audit_build_the_same_models_and_an_actor_alone_is_the_
     other_seed = build.models(cfg, inputs.tokenizer, mesh, seed=cfg.trainer.seed + 1)
     assert not leaves_equal(other_seed.actor.params, state.actor.params)
     assert not leaves_equal(other_seed.critic.params, state.critic.params)
+
+
+def test_a_command_logs_the_xla_environment_it_started_with(monkeypatch, caplog):
+    from jppo import cli  # noqa: PLC0415
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=true")
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    args = cli.parse_args(["--config", str(QUICKSTART), "trainer.compilation_cache=off"], "train", "t",
+                          overrides="o", processes=True)
+    with caplog.at_level("INFO", logger="jppo.train"):
+        cli.start("train", cli.load_config(args), args)
+    logged = [record.getMessage() for record in caplog.records if record.name == "jppo.train"]
+    assert "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true" in logged
+    assert "LIBTPU_INIT_ARGS=(unset)" in logged

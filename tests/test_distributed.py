@@ -5,6 +5,7 @@ arguments fail fast with one line."""
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
 import os
 import pathlib
@@ -12,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -121,7 +123,7 @@ def test_tpu_scripts_dry_run_print_the_gcloud_commands():
     setup = script("setup.sh", "--name", "jppo-pod", "--zone", "z", "--repo", "https://example.org/jppo.git",
                    "--dry-run")
     assert "gcloud compute tpus tpu-vm ssh jppo-pod --zone z --worker=all --command" in setup.stdout
-    assert "jax\\[tpu\\]" in setup.stdout or "jax[tpu]" in setup.stdout
+    assert "~/jppo\\'\\[tpu\\]\\'" in setup.stdout  # jppo's tpu extra: jax[tpu] of the line its Python selects
     with_data = script("setup.sh", "--name", "p", "--zone", "z", "--repo", "https://example.org/jppo.git",
                        "--gcs-data", "gs://bucket/data/", "--dry-run")
     # the prefix's contents land in the data directory itself, not in a nested data/data
@@ -223,3 +225,91 @@ def test_dry_run_prints_processes_local_devices_and_mesh():
     out = result.stdout
     assert "processes: 4; this process: 2" in out and "local device ids: 0,1,2,3,4,5,6,7" in out
     assert "mesh (data, fsdp, tensor): (4, 1, 8) over 32 devices" in out
+
+
+class _Metadata(http.server.BaseHTTPRequestHandler):
+    """A GCE metadata server on the loopback: the instance attributes of worker 1 of a 4-worker TPU slice, answered
+    only with the header JAX and jppo send."""
+
+    attributes = {"worker-network-endpoints": "t1k:w-0:10.0.0.2,t1k:w-1:10.0.0.3,t1k:w-2:10.0.0.4,t1k:w-3:10.0.0.5",
+                  "agent-worker-number": "1"}
+
+    def do_GET(self):
+        key = self.path.rpartition("/")[2]
+        if self.headers.get("Metadata-Flavor") != "Google" or key not in self.attributes:
+            self.send_response(404)
+            self.end_headers()
+            return
+        body = self.attributes[key].encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def metadata_server():
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Metadata)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+
+
+def fake_pci(root: pathlib.Path, devices: dict[str, tuple[str, str]]) -> str:
+    for slot, (vendor, device) in devices.items():
+        (root / slot).mkdir(parents=True)
+        (root / slot / "vendor").write_text(vendor + "\n")
+        (root / slot / "device").write_text(device + "\n")
+    return str(root)
+
+
+def test_tpu_chips_are_counted_on_the_pci_bus_and_a_gvnic_is_not_one(tmp_path):
+    # a v5e-4 host's four chips and its gVNIC (Google's vendor id too), an NVIDIA GPU; none on a plain machine
+    pci = fake_pci(tmp_path / "pci", {"0000:00:04.0": ("0x1ae0", "0x0042"), "0000:00:05.0": ("0x10de", "0x2335"),
+                                      **{f"0000:00:0{i + 6}.0": ("0x1ae0", "0x0063") for i in range(4)}})
+    assert distributed.tpu_chips(pci) == 4
+    assert distributed.tpu_chips(fake_pci(tmp_path / "gpu", {"0000:00:04.0": ("0x1ae0", "0x0042")})) == 0
+    assert distributed.tpu_chips(str(tmp_path / "absent")) == 0
+
+
+def test_a_gce_tpu_pod_is_found_through_the_metadata_server(monkeypatch, metadata_server, tmp_path):
+    for name in [n for n in os.environ if n.startswith(("SLURM_", "JAX_", "TPU_"))]:
+        monkeypatch.delenv(name, raising=False)
+    environ = {"GCE_METADATA_IP": metadata_server}
+    assert distributed.gce_tpu_workers(environ, on_tpu_vm=True) == (["10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"], 1)
+    # off a TPU VM nothing is asked; where JAX found no chip (TPU_SKIP_MDS_QUERY) neither
+    assert distributed.gce_tpu_workers(environ, on_tpu_vm=False) is None
+    assert distributed.gce_tpu_workers({**environ, "TPU_SKIP_MDS_QUERY": "1"}, on_tpu_vm=True) is None
+    # no server (a closed port): None within the timeout, not a hang
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    assert distributed.gce_tpu_workers({"GCE_METADATA_IP": f"127.0.0.1:{port}"}, on_tpu_vm=True) is None
+    # so a command with no process flags on a pod's worker starts JAX's cluster detection (train, eval and audit
+    # alike), and the dry run names the pod's size and this worker, as JAX will number them
+    monkeypatch.setenv("GCE_METADATA_IP", metadata_server)
+    monkeypatch.setattr(distributed, "PCI_DEVICES", fake_pci(tmp_path, {"0000:00:05.0": ("0x1ae0", "0x005e")}))
+    assert distributed.settings(start_args()) == {}
+    plan = distributed.start_plan(start_args("--distributed", "dry-run"))
+    assert (plan.num_processes, plan.process_id) == (4, 1)
+    from jax._src.clusters import cloud_tpu_cluster  # noqa: PLC0415 (the detection jax.distributed.initialize runs)
+
+    for key, value in _Metadata.attributes.items():  # JAX's own reading of the same server agrees
+        assert cloud_tpu_cluster.get_metadata(key)[0] == value
+    # one worker (a single-host TPU VM): one process, as before
+    monkeypatch.setitem(_Metadata.attributes, "worker-network-endpoints", "t1k:w-0:10.0.0.2")
+    assert distributed.settings(start_args()) is None
+
+
+@pytest.mark.parametrize("command", ["eval", "audit"])
+def test_eval_and_audit_take_the_process_flags_of_train(command):
+    module = __import__(f"jppo.{command}", fromlist=["parse_args"])
+    args = module.parse_args(["--config", CONFIG, "--coordinator", "h:1234", "--num-processes", "2", "--process-id",
+                              "1", "--distributed", "auto", "--init-timeout", "5"])
+    assert distributed.settings(args) == {"coordinator_address": "h:1234", "num_processes": 2, "process_id": 1}

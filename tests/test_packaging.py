@@ -1,10 +1,14 @@
-"""Packaging guard: pyproject.toml states the Python the pinned dependencies need and installs accelerator jax
-through its extras, with torch (a test-only reference) kept out of every other install; the test command runs
+"""Packaging guard: pyproject.toml states the Python the pinned dependencies need, gives each Python its jax line
+(3.11: jax 0.10 with flax <= 0.12.8; >= 3.12: jax 0.11 with flax >= 0.12.12) and installs accelerator jax through
+its extras, with torch (a test-only reference) kept out of every other install; the test command runs
 whole files, the longest first."""
 
 import pathlib
 import re
 import tomllib
+
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 PYPROJECT = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
 
@@ -18,10 +22,43 @@ def test_requires_python_is_at_least_3_11():
     assert minimum is not None and tuple(map(int, minimum.groups())) >= (3, 11)
 
 
-def test_accelerator_extras_pin_jax_and_torch_is_only_for_tests():
+def requirements_for(python: str, deps: list[str]) -> dict[str, SpecifierSet]:
+    """The requirements of ``deps`` that apply on Python ``python`` (their markers evaluated), by name."""
+    chosen = {}
+    for line in deps:
+        requirement = Requirement(line)
+        if requirement.marker is None or requirement.marker.evaluate({"python_version": python}):
+            assert requirement.name not in chosen, f"two {requirement.name} requirements apply on Python {python}"
+            chosen[requirement.name] = requirement.specifier
+    return chosen
+
+
+# (Python, jax versions its line admits, jax versions it refuses, flax admitted, flax refused)
+LINES = [
+    ("3.11", ["0.10.2"], ["0.10.1", "0.11.0", "0.11.2"], ["0.12.8"], ["0.12.12"]),
+    ("3.12", ["0.11.2", "0.11.9"], ["0.10.2", "0.11.1", "0.12.0"], ["0.12.12"], ["0.12.8"]),
+    ("3.13", ["0.11.2"], ["0.10.2"], ["0.12.12"], ["0.12.8"]),
+]
+
+
+def test_each_python_gets_its_own_jax_line_and_a_working_omegaconf():
     extras = project()["optional-dependencies"]
-    for extra in ("cuda12", "tpu"):
-        assert extras[extra] == [f"jax[{extra}]>=0.10.2,<0.11"]
+    for python, jax_in, jax_out, flax_in, flax_out in LINES:
+        deps = requirements_for(python, project()["dependencies"])
+        for name in ("jax", "jaxlib"):
+            assert all(v in deps[name] for v in jax_in) and not any(v in deps[name] for v in jax_out), (python, name)
+        assert all(v in deps["flax"] for v in flax_in) and not any(v in deps["flax"] for v in flax_out), python
+        # omegaconf 2.3.x fails every shipped config ("data.task: Cannot set value of read-only config node")
+        assert "2.4.0" in deps["omegaconf"] and "2.3.1" not in deps["omegaconf"]
+        for extra in ("cuda12", "cuda13", "tpu"):  # jax's own accelerator build, of the same line
+            line = requirements_for(python, extras[extra])
+            assert list(line) == ["jax"] and line["jax"] == deps["jax"], (python, extra)
+
+
+def test_accelerator_extras_are_in_the_readme_and_torch_is_only_for_tests():
+    extras = project()["optional-dependencies"]
+    for extra in ("cuda12", "cuda13", "tpu"):
+        assert all(Requirement(line).extras == {extra} for line in extras[extra])
         assert f"'.[{extra}]'" in (PYPROJECT.parent / "README.md").read_text()
     with_torch = {name for name, deps in extras.items() if any(re.match(r"torch\b", d) for d in deps)}
     assert with_torch == {"test"}

@@ -23,10 +23,7 @@ while [[ $# -gt 0 ]]; do
     --zone) takes "$@"; ZONE=$2; shift 2 ;;
     --queued) QUEUED=1; shift ;;
     --stop-only) STOP_ONLY=1; shift ;;
-    --project) takes "$@"; PROJECT=$2; shift 2 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) usage; exit 0 ;;
-    *) die "unknown argument $1 (see --help)" ;;
+    *) common_option "$@"; shift "$SHIFT_BY" ;;
   esac
 done
 need name "$NAME"; need zone "$ZONE"

@@ -1,29 +1,35 @@
 #!/usr/bin/env bash
-# Launch the same training command on every worker of a TPU VM; logs are kept per worker.
+# Launch the same training command on every worker of a TPU VM, detached from the ssh session (setsid nohup: a
+# dropped connection does not end the run), from the environment setup.sh made, with the flags of xla_flags.sh;
+# each worker logs to its own file (follow one with --follow here, or logs.sh later).
 source "$(dirname "$0")/common.sh"
 
 usage() {
   cat <<USAGE
 usage: $(basename "$0") --name NAME --zone ZONE --config CONFIG [options] [-- key.sub=value ...]
 
-Runs "python -m jppo.train --config CONFIG --distributed auto [overrides]" on every worker at once (JAX finds its
-peers on a TPU pod by itself). Each worker writes its output to LOG_DIR/worker-<id>.log on that worker;
---collect copies them back afterwards.
+Starts "VENV/bin/python -m jppo.train --config CONFIG --distributed auto [overrides]" on every worker at once
+(JAX finds its peers on a TPU pod by itself), detached: the run goes on when this script or its ssh ends. Each
+worker writes its output to LOG_DIR/worker-<id>.log and its process id to LOG_DIR/worker-<id>.pid on that worker.
+Overrides are passed to the workers as written: quote a \$HOME or ~ in them so that each worker expands it
+('model.path=\$HOME/qwen'), not this machine.
 
   --name NAME        TPU name
   --zone ZONE        its zone
   --config CONFIG    config path relative to the code directory (e.g. configs/qwen2_5_0_5b_gsm8k_grpo.yaml)
   --dir PATH         code directory on the workers (default: ~/jppo)
+  --venv PATH        the Python environment on the workers (default: ~/jppo-venv, what setup.sh makes)
   --log-dir PATH     log directory on the workers (default: ~/jppo-logs)
-  --collect DIR      after the run, copy every worker's log into this local directory
-  --background       start detached (nohup) and return at once
+  --follow [WORKER]  after starting, print worker WORKER's log as it grows (default 0; Ctrl-C stops following only)
+  --collect DIR      copy every worker's log (as it is now) into this local directory
+  --background       (the default) return once every worker has started
   --project PROJECT  Google Cloud project (default: gcloud's)
   --dry-run          print the commands without running them
   -h, --help         this help
 USAGE
 }
 
-NAME="" ZONE="" CONFIG="" DIR='~/jppo' LOGS='~/jppo-logs' COLLECT="" BACKGROUND=0 PROJECT=""
+NAME="" ZONE="" CONFIG="" DIR='~/jppo' LOGS='~/jppo-logs' COLLECT="" FOLLOW="" PROJECT="" VENV=$DEFAULT_VENV
 OVERRIDES=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -31,26 +37,34 @@ while [[ $# -gt 0 ]]; do
     --zone) takes "$@"; ZONE=$2; shift 2 ;;
     --config) takes "$@"; CONFIG=$2; shift 2 ;;
     --dir) takes "$@"; DIR=$2; shift 2 ;;
+    --venv) takes "$@"; VENV=$2; shift 2 ;;
     --log-dir) takes "$@"; LOGS=$2; shift 2 ;;
+    --follow)
+      if [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]]; then FOLLOW=$2; shift 2; else FOLLOW=0; shift; fi ;;
     --collect) takes "$@"; COLLECT=$2; shift 2 ;;
-    --background) BACKGROUND=1; shift ;;
-    --project) takes "$@"; PROJECT=$2; shift 2 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) usage; exit 0 ;;
+    --background) shift ;;
     --) shift; OVERRIDES=("$@"); break ;;
-    *) die "unknown argument $1 (see --help)" ;;
+    *) common_option "$@"; shift "$SHIFT_BY" ;;
   esac
 done
 need name "$NAME"; need zone "$ZONE"; need config "$CONFIG"
 require_gcloud
 quoted=""
-for item in "${OVERRIDES[@]}"; do quoted+=" $(printf '%q' "$item")"; done
+# Quoted for the workers' shell, except \$: a $HOME or $USER in an override is the worker's (the README's
+# 'model.path=$HOME/qwen', in single quotes so that this machine's shell leaves it alone).
+for item in "${OVERRIDES[@]}"; do
+  item=$(printf '%q' "$item")
+  quoted+=" ${item//\\\$/\$}"
+done
 worker='$(hostname | sed -E "s/.*-w-([0-9]+)$/\1/")'
-train="cd $DIR && mkdir -p $LOGS && python3 -m jppo.train --config $CONFIG --distributed auto$quoted > $LOGS/worker-$worker.log 2>&1"
-if [[ "$BACKGROUND" == 1 ]]; then
-  train="nohup bash -c '$train' > /dev/null 2>&1 &"
-fi
-ssh_all "$NAME" "$ZONE" "$PROJECT" "$train"
+log="$LOGS/worker-$worker"
+train="$VENV/bin/python -m jppo.train --config $CONFIG --distributed auto$quoted"
+# setsid: a new session, so the ssh's hang-up never reaches the run; nohup and </dev/null: no terminal either.
+start="cd $DIR && mkdir -p $LOGS && source tpu_scripts/xla_flags.sh"
+start+=" && { setsid nohup $train > $log.log 2>&1 < /dev/null & echo \$! > $log.pid; }"
+start+=" && echo \"worker $worker: started, pid \$(cat $log.pid), log $log.log\""
+ssh_all "$NAME" "$ZONE" "$PROJECT" "$start"
+[[ -n "$FOLLOW" ]] && { follow_log "$NAME" "$ZONE" "$PROJECT" "$LOGS" "$FOLLOW" || true; }
 if [[ -n "$COLLECT" ]]; then
   extra=()
   [[ -n "$PROJECT" ]] && extra+=(--project "$PROJECT")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up every worker of a TPU VM: install jppo with jax[tpu], from a git URL or a local copy.
+# Set up every worker of a TPU VM: a Python >= 3.11 environment made with uv (the VM image's python3 is 3.10 on
+# tpu-ubuntu2204-base, below jppo's floor), and jppo with its `tpu` extra in it, from a git URL or a local copy.
 source "$(dirname "$0")/common.sh"
 
 usage() {
@@ -14,6 +15,8 @@ Installs jppo on every worker of the TPU VM NAME.
   --ref REF          branch, tag or commit to check out (default: main)
   --copy DIR         instead of cloning: copy this local checkout to every worker (gcloud scp)
   --dir PATH         where the code goes on the workers (default: ~/jppo)
+  --venv PATH        the Python environment made on the workers, which launch.sh uses (default: ~/jppo-venv)
+  --python VERSION   its Python, installed by uv (default: 3.12: the jax 0.11 line; 3.11: the jax 0.10 line)
   --gcs-data URI     optional gs:// prefix whose contents are copied into --data-dir on every worker
   --data-dir PATH    destination of --gcs-data (default: ~/data)
   --project PROJECT  Google Cloud project (default: gcloud's)
@@ -22,7 +25,7 @@ Installs jppo on every worker of the TPU VM NAME.
 USAGE
 }
 
-NAME="" ZONE="" REPO="" REF="main" COPY="" DIR='~/jppo' GCS="" DATA='~/data' PROJECT=""
+NAME="" ZONE="" REPO="" REF="main" COPY="" DIR='~/jppo' GCS="" DATA='~/data' PROJECT="" VENV=$DEFAULT_VENV PYTHON=3.12
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --name) takes "$@"; NAME=$2; shift 2 ;;
@@ -31,12 +34,11 @@ while [[ $# -gt 0 ]]; do
     --ref) takes "$@"; REF=$2; shift 2 ;;
     --copy) takes "$@"; COPY=$2; shift 2 ;;
     --dir) takes "$@"; DIR=$2; shift 2 ;;
+    --venv) takes "$@"; VENV=$2; shift 2 ;;
+    --python) takes "$@"; PYTHON=$2; shift 2 ;;
     --gcs-data) takes "$@"; GCS=$2; shift 2 ;;
     --data-dir) takes "$@"; DATA=$2; shift 2 ;;
-    --project) takes "$@"; PROJECT=$2; shift 2 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) usage; exit 0 ;;
-    *) die "unknown argument $1 (see --help)" ;;
+    *) common_option "$@"; shift "$SHIFT_BY" ;;
   esac
 done
 need name "$NAME"; need zone "$ZONE"
@@ -44,6 +46,7 @@ if [[ -z "$REPO" && -z "$COPY" ]] || [[ -n "$REPO" && -n "$COPY" ]]; then
   die "give exactly one of --repo URL or --copy DIR"
 fi
 [[ -n "$COPY" && ! -f "$COPY/pyproject.toml" ]] && die "--copy $COPY is not a jppo checkout (no pyproject.toml)"
+[[ "$PYTHON" =~ ^3\.(1[1-9]|[2-9][0-9])$ ]] || die "--python $PYTHON: jppo needs Python 3.11 or later (e.g. 3.12)"
 require_gcloud
 extra=()
 [[ -n "$PROJECT" ]] && extra+=(--project "$PROJECT")
@@ -53,8 +56,12 @@ if [[ -n "$COPY" ]]; then
 else
   fetch="(test -d $DIR/.git || git clone $REPO $DIR) && git -C $DIR fetch --all && git -C $DIR checkout $REF"
 fi
-ssh_all "$NAME" "$ZONE" "$PROJECT" \
-  "set -e; $fetch; python3 -m pip install --upgrade pip; python3 -m pip install -e $DIR 'jax[tpu]>=0.10.2,<0.11'"
+# uv from PyPI with the image's pip (into ~/.local/bin); uv installs the Python it is asked for, makes the
+# environment, and installs jppo's `tpu` extra (jax[tpu] of the jax line that Python selects) into it.
+install="python3 -m pip install --user --quiet --upgrade uv && export PATH=\$HOME/.local/bin:\$PATH"
+install+=" && uv venv --allow-existing --python $PYTHON $VENV && uv pip install --python $VENV/bin/python -e $DIR'[tpu]'"
+install+=" && $VENV/bin/python -c 'import jax, jppo; print(jax.__version__)'"
+ssh_all "$NAME" "$ZONE" "$PROJECT" "set -e; $fetch; $install"
 if [[ -n "$GCS" ]]; then
   ssh_all "$NAME" "$ZONE" "$PROJECT" "mkdir -p $DATA && gcloud storage rsync --recursive ${GCS%/} $DATA"
 fi

@@ -5,7 +5,9 @@
 1. explicit flags ``--coordinator HOST:PORT --num-processes N --process-id I``;
 2. the standard environment variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``;
 3. a cluster JAX detects by itself (a Cloud TPU pod slice, a SLURM job), when ``--distributed auto`` is given or
-   those environments are found;
+   those environments are found: SLURM's variables, GKE's ``TPU_WORKER_HOSTNAMES``, or, on a GCE TPU VM (where no
+   variable names the pod: JAX asks the VM's metadata server), a slice of more than one worker in the metadata
+   server's ``worker-network-endpoints`` (:func:`gce_tpu_workers`, what ``jax._src.clusters.GceTpuCluster`` reads);
 4. otherwise a single process (nothing to do).
 
 Under SLURM, JAX (0.10, ``jax._src.clusters.ClusterEnv``) makes each process see only the GPU numbered by its
@@ -30,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import os
 import re
+import urllib.request
 from typing import Mapping, Optional
 
 from jppo.parallel.rendezvous import DistributedError, rendezvous
@@ -117,10 +121,69 @@ def slurm_local_device_ids(environ: Mapping[str, str] = os.environ) -> Optional[
     return list(range(local * per_task, (local + 1) * per_task))
 
 
-def _cluster_detected() -> bool:
-    return "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1 or (
-        "TPU_WORKER_HOSTNAMES" in os.environ and "," in os.environ["TPU_WORKER_HOSTNAMES"]
-    )
+# A TPU chip on the PCI bus: Google's vendor id with one of the TPU device ids (v3, v4, v5p, v5e, v6e, 7x; as
+# jax._src.hardware_utils lists them). Google's vendor id alone is not enough: a GCE VM's gVNIC network card has it.
+GOOGLE_PCI_VENDOR = "0x1ae0"
+TPU_PCI_DEVICES = frozenset({"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"})
+PCI_DEVICES = "/sys/bus/pci/devices"
+# Seconds to wait for the metadata server, which answers within milliseconds on a VM and does not exist elsewhere.
+METADATA_TIMEOUT = 2.0
+
+
+def tpu_chips(pci_devices: Optional[str] = None) -> int:
+    """TPU chips attached to this machine (0 off a TPU VM), counted on the PCI bus (``PCI_DEVICES``) as JAX counts
+    them."""
+    chips = 0
+    pci_devices = PCI_DEVICES if pci_devices is None else pci_devices
+    for vendor in glob.glob(os.path.join(pci_devices, "*", "vendor")):
+        device = os.path.join(os.path.dirname(vendor), "device")
+        try:
+            with open(vendor) as v, open(device) as d:
+                chips += v.read().strip() == GOOGLE_PCI_VENDOR and d.read().strip() in TPU_PCI_DEVICES
+        except OSError:
+            continue
+    return chips
+
+
+def gce_metadata(key: str, environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The TPU VM's instance attribute ``key`` from the GCE metadata server (``$GCE_METADATA_IP``, as JAX reads it),
+    or None when no server answers within ``METADATA_TIMEOUT`` seconds."""
+    host = environ.get("GCE_METADATA_IP", "metadata.google.internal")
+    request = urllib.request.Request(f"http://{host}/computeMetadata/v1/instance/attributes/{key}",
+                                     headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=METADATA_TIMEOUT) as response:
+            return response.read().decode()
+    except (OSError, ValueError):
+        return None
+
+
+def gce_tpu_workers(environ: Mapping[str, str] = os.environ, on_tpu_vm: Optional[bool] = None
+                    ) -> Optional[tuple[list[str], int]]:
+    """(the workers of this GCE TPU VM's slice, this worker's index) from the metadata server, as JAX's
+    ``GceTpuCluster`` finds them; None off a TPU VM (no TPU chip on the PCI bus, or ``TPU_SKIP_MDS_QUERY`` set, which
+    JAX sets where it found no chip) or when the server does not say. ``worker-network-endpoints`` is a list of
+    hostnames or of ``name:id:ip`` triples, in worker order."""
+    if on_tpu_vm is None:
+        on_tpu_vm = tpu_chips() > 0
+    if not on_tpu_vm or "TPU_SKIP_MDS_QUERY" in environ:
+        return None
+    endpoints, worker = gce_metadata("worker-network-endpoints", environ), gce_metadata("agent-worker-number", environ)
+    if not endpoints or worker is None or not worker.strip().isdigit():
+        return None
+    return [item.split(":")[-1] for item in endpoints.strip().split(",")], int(worker)
+
+
+def _cluster_detected(environ: Mapping[str, str] = os.environ) -> bool:
+    """A multi-process cluster JAX would join by itself: a SLURM job of several tasks, a GKE TPU slice of several
+    hosts, or a GCE TPU VM slice of several workers."""
+    if "SLURM_JOB_ID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:
+        return True
+    hosts = environ.get("TPU_PROCESS_ADDRESSES") or environ.get("TPU_WORKER_HOSTNAMES")
+    if hosts is not None:
+        return "," in hosts
+    workers = gce_tpu_workers(environ)
+    return workers is not None and len(workers[0]) > 1
 
 
 def settings(args: argparse.Namespace) -> Optional[dict]:
@@ -209,15 +272,20 @@ class StartPlan:
 
 
 def start_plan(args: argparse.Namespace) -> StartPlan:
-    """The :func:`settings` of this process, with what SLURM says of the rest (JAX reads the same variables)."""
+    """The :func:`settings` of this process, with what SLURM or a GCE TPU VM's metadata server says of the rest
+    (JAX reads the same)."""
     kwargs = settings(args)
     slurm = all(name in os.environ for name in SLURM_VARIABLES)
     if kwargs is None or (not kwargs and not slurm and not _cluster_detected()):  # one process
         return StartPlan(1, 0, None, None)
-    from_slurm = lambda name: int(os.environ[name]) if slurm else None  # noqa: E731
+    if slurm:
+        count, index = int(os.environ["SLURM_NTASKS"]), int(os.environ["SLURM_PROCID"])
+    else:
+        tpu = None if "coordinator_address" in kwargs else gce_tpu_workers()
+        count, index = (len(tpu[0]), tpu[1]) if tpu else (None, None)
     return StartPlan(
-        kwargs.get("num_processes", from_slurm("SLURM_NTASKS")), kwargs.get("process_id", from_slurm("SLURM_PROCID")),
-        kwargs.get("coordinator_address"), kwargs.get("local_device_ids"),
+        kwargs.get("num_processes", count), kwargs.get("process_id", index), kwargs.get("coordinator_address"),
+        kwargs.get("local_device_ids"),
     )
 
 
