@@ -34,7 +34,7 @@ def dry_run(cfg: TrainConfig, args: argparse.Namespace) -> str:
         mesh = "mesh: decided once JAX has started (the device count is not known before)"
     else:
         shape = check_mesh(cfg, devices, plan.num_processes)
-        mesh = f"mesh (data, fsdp, tensor): {shape} over {devices} devices"
+        mesh = f"mesh (data, fsdp, tensor, sequence): {shape} over {devices} devices"
     return f"jppo.train: dry run: {plan.describe()}; {mesh}"
 
 

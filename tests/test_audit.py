@@ -99,7 +99,7 @@ def rows_of(out: str, role: str, mesh: str) -> list[str]:
 def test_audit_covers_rollout_correction_and_fails_on_any_metric(capsys, monkeypatch):
     """One audit of verl's sequence-level rejection (rows cleared before the cut, as collection does), with one
     metric made mesh-dependent on the 3-D mesh alone: the rollout_corr/* metrics are compared, every gradient
-    agrees, the one-device cuts and the data-parallel mesh audit clean, and the 3-D mesh's altered clip fraction
+    agrees, the one-device cuts, the data-parallel and the context-parallel meshes audit clean, and the 3-D mesh's altered clip fraction
     alone fails the run (every mode's weights and metrics are split-invariant in test_rollout_correction; one audit
     run for both checks keeps this file's time down)."""
     import jppo.run.audit as audit_module
@@ -126,8 +126,11 @@ def test_audit_covers_rollout_correction_and_fails_on_any_metric(capsys, monkeyp
     values = last_values(out)
     assert values["max_rel_first_step_grad_diff"] <= 1e-5 and values["max_rel_grad_diff"] <= 1e-4
     assert values["max_rel_metric_diff"] > 1e-3
-    clean, altered = rows_of(out, "actor", "(1, 1, 1)") + rows_of(out, "actor", "(8, 1, 1)"), rows_of(out, "actor", "(2, 2, 2)")
-    assert len(clean) == 5 + 2 and len(altered) == 2
+    rows = [line for line in lines if line.startswith("actor ")]
+    altered = rows_of(out, "actor", "(2, 2, 2, 1)")
+    clean = [row for row in rows if row not in altered]
+    # one device: 5 cuts; the data-parallel mesh and the 3-D one: 2 each; the context-parallel mesh: 1
+    assert len(rows) == 5 + 2 + 2 + 1 and len(altered) == 2
     assert all(float(re.findall(NUMBER, row)[2]) <= 1e-4 for row in clean), clean  # the metrics column
     assert all(row.rstrip().endswith("actor/pg_clipfrac") and float(re.findall(NUMBER, row)[2]) > 1e-3
                for row in altered), altered
