@@ -17,11 +17,18 @@ from jppo.run import build
 from jppo.run.audit import TOLERANCE, WHOLE_STEP_FACTOR, audit
 
 
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer meshes: data-parallel, one 3-D mesh and one context-parallel mesh")
+    parser.add_argument("--meshes", metavar="DxFxTxS,...",
+                        help="audit these mesh shapes (data x fsdp x tensor x sequence) only, e.g. 1x1x1x1,2x2x2x1; "
+                             "a one-device shape runs every cut, the others the finest")
+
+
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return cli.parse_args(
         argv, "audit", __doc__.split("\n\n")[0],
-        lambda parser: parser.add_argument("--quick", action="store_true",
-                                           help="fewer meshes: data-parallel and one 3-D mesh"),
+        options,
         overrides="key.sub=value overrides", processes=True,
     )
 
@@ -33,7 +40,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = cli.load_config(args)
         cli.start("audit", cfg, args)  # the processes of a pod first, as train and eval start them
         inputs = build.load_inputs(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, val_every=0)))
-        worst = audit(cfg, inputs, quick=args.quick)
+        worst = audit(cfg, inputs, quick=args.quick, meshes=args.meshes)
     except cli.START_ERRORS as error:
         return cli.fail("audit", error)
     tolerance = TOLERANCE.get(cfg.model.dtype, 1e-5)

@@ -57,16 +57,17 @@ def first_step_diffs(out: str, role: str) -> list[float]:
 
 def test_audit_reports_the_legacy_split_dependence_of_each_role(capsys):
     """Both roles in the legacy mode, in one audit: each role's updates come from its own loss on the same batch, so
-    one run shows each role's split-dependence row by row, as one run per role did. Mini-batches of 4 (8 prompts):
-    the 8-shard mesh, which a mini-batch of 4 cannot fill, is left out, 2 compiled cuts fewer per role."""
+    one run shows each role's split-dependence row by row, as one run per role did. The one-device cuts alone
+    (``--meshes 1x1x1x1``) show it: the meshes' rows are what the other audits here check."""
     legacy = ["actor.normalization=per_micro_batch", "critic.normalization=per_micro_batch"]
     four = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4", "mesh.data=4",
             "mesh.tensor=2"]  # the configured mesh must split a mini-batch too: 4 batch shards
-    assert main(["--config", CONFIG, "--quick", *SMALL, *four, *legacy]) == 1
+    assert main(["--config", CONFIG, "--quick", "--meshes", "1x1x1x1", *SMALL, *four, *legacy]) == 1
     out = capsys.readouterr().out
     actor, critic = first_step_diffs(out, "actor"), first_step_diffs(out, "critic")
-    # one device: 5 cuts; (2, 2, 2, 1): 2; the context-parallel (4, 1, 1, 2): 1
-    assert len(actor) == len(critic) == 5 + 2 + 1
+    # one device: fixed micro-batches of 4, 2 and 1, token budgets of the longest row and twice it
+    assert len(actor) == len(critic) == 5
+    assert all(" (1, 1, 1, 1) " in row for row in out.splitlines() if row.startswith(("actor ", "critic ")))
     # the critic's legacy mode inflates by K (up to 4 here); the actor's averages micro-batch means, which only
     # reweighs tokens: split-dependent, far beyond rounding, but not inflated
     assert max(critic) > 1.0 and max(actor) > 1e-3
@@ -85,6 +86,9 @@ SEQ_RS = [*GRPO, "actor.rollout_correction.mode=seq_rs"]
     (["actor.clip_ratio_c=0.5"], "actor.clip_ratio_c=0.5 is invalid"),
     (["data.task_options=[1,2]"], "data.task_options=[1,2]"),
     (["model.tokenizer=abc"], "model.tokenizer"),
+    (["--meshes", "3x1x1x1", *SMALL], "--meshes='3x1x1x1' is invalid"),  # 3 batch shards of a mini-batch of 8
+    (["--meshes", "2x2x2", *SMALL], "--meshes='2x2x2' is invalid"),
+    (["--meshes", "4x4x1x1", *SMALL], "of at most 8 devices"),
 ])
 def test_odd_arguments_are_refused_in_one_line(capsys, overrides, message):
     assert main(["--config", CONFIG, *overrides]) == 2
@@ -99,8 +103,8 @@ def rows_of(out: str, role: str, mesh: str) -> list[str]:
 def test_audit_covers_rollout_correction_and_fails_on_any_metric(capsys, monkeypatch):
     """One audit of verl's sequence-level rejection (rows cleared before the cut, as collection does), with one
     metric made mesh-dependent on the 3-D mesh alone: the rollout_corr/* metrics are compared, every gradient
-    agrees, the one-device cuts, the data-parallel and the context-parallel meshes audit clean, and the 3-D mesh's altered clip fraction
-    alone fails the run (every mode's weights and metrics are split-invariant in test_rollout_correction; one audit
+    agrees, the one-device cuts and the context-parallel mesh audit clean, and the 3-D mesh's altered clip fraction
+    alone fails the run (``--meshes`` leaves out the pure data-parallel mesh, which the quickstart audit runs) (every mode's weights and metrics are split-invariant in test_rollout_correction; one audit
     run for both checks keeps this file's time down)."""
     import jppo.run.audit as audit_module
 
@@ -113,7 +117,7 @@ def test_audit_covers_rollout_correction_and_fails_on_any_metric(capsys, monkeyp
         return updated
 
     monkeypatch.setattr(audit_module, "run_updates", clip_fraction_off_on_the_3d_mesh)
-    assert main(["--config", CONFIG, "--quick", *SMALL, *SEQ_RS]) == 1
+    assert main(["--config", CONFIG, "--quick", "--meshes", "1x1x1x1,2x2x2x1,4x1x1x2", *SMALL, *SEQ_RS]) == 1
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
     compared = [line for line in lines if line.startswith("compared (actor): ")]
@@ -129,8 +133,8 @@ def test_audit_covers_rollout_correction_and_fails_on_any_metric(capsys, monkeyp
     rows = [line for line in lines if line.startswith("actor ")]
     altered = rows_of(out, "actor", "(2, 2, 2, 1)")
     clean = [row for row in rows if row not in altered]
-    # one device: 5 cuts; the data-parallel mesh and the 3-D one: 2 each; the context-parallel mesh: 1
-    assert len(rows) == 5 + 2 + 2 + 1 and len(altered) == 2
+    # one device: 5 cuts; the 3-D mesh: 2; the context-parallel mesh: 1 (the tight budget, --quick)
+    assert len(rows) == 5 + 2 + 1 and len(altered) == 2 and len(rows_of(out, "actor", "(4, 1, 1, 2)")) == 1
     assert all(float(re.findall(NUMBER, row)[2]) <= 1e-4 for row in clean), clean  # the metrics column
     assert all(row.rstrip().endswith("actor/pg_clipfrac") and float(re.findall(NUMBER, row)[2]) > 1e-3
                for row in altered), altered

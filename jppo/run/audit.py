@@ -34,6 +34,7 @@ from jppo.engine import (
 )
 from jppo.run.learn import mini_batch_rng
 from jppo.parallel.mesh import batch_shards, make_mesh
+from jppo.core.errors import InvalidSetting
 from jppo.core.experience import Experience
 from jppo.models import param_shardings
 from jppo.config.views import engine_view, optimizer_steps_per_training_step, rollout_sequences
@@ -42,6 +43,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 WHOLE_STEP_FACTOR = 10  # later optimizer steps and metrics: see Worst.passes
 
 
+ONE_DEVICE = (1, 1, 1, 1)  # the mesh that runs every cut
 SEQUENCE = 2  # the sequence axis of the context-parallel meshes the audit adds
 
 
@@ -57,6 +59,24 @@ def mesh_shapes(num_devices: int, rows: int) -> list[tuple[int, int, int, int]]:
         for data in sorted({rest, rest // 2} - {0}):
             if rest % data == 0 and rows % data == 0:
                 shapes.append((data, 1, rest // data, SEQUENCE))
+    return shapes
+
+
+def parse_meshes(text: str, num_devices: int, rows: int) -> list[tuple[int, int, int, int]]:
+    """The meshes of ``--meshes``: ``DxFxTxS`` shapes (data, fsdp, tensor, sequence), comma-separated, each of at
+    most ``num_devices`` devices whose batch shards (data x fsdp) divide ``rows``, the mini-batch. A shape that
+    breaks either is refused, naming it."""
+    valid = (f"comma-separated DxFxTxS mesh shapes (e.g. 1x1x1x1,2x2x2x1) of at most {num_devices} devices whose "
+             f"data x fsdp divides the mini-batch of {rows}")
+    shapes = []
+    for part in text.split(","):
+        fields = part.strip().split("x")
+        if len(fields) != 4 or not all(f.isdigit() and int(f) > 0 for f in fields):
+            raise InvalidSetting("", "--meshes", text, valid)
+        shape = tuple(int(f) for f in fields)
+        if int(np.prod(shape)) > num_devices or rows % (shape[0] * shape[1]):
+            raise InvalidSetting("", "--meshes", text, valid)
+        shapes.append(shape)
     return shapes
 
 
@@ -194,18 +214,36 @@ class Worst:
         return self.first_step <= tolerance and self.gradient <= whole and self.metric <= whole
 
 
-def audit(cfg: TrainConfig, inputs: build.RunInputs, quick: bool = False, out=None) -> Worst:
+def role_meshes(devices: int, mini: int, quick: bool) -> list[tuple[int, int, int, int]]:
+    """The meshes a role is audited on: one device first, then every mesh of all devices (:func:`mesh_shapes`);
+    ``quick``: of those, the pure data-parallel one, a 3-D one and the widest context-parallel one."""
+    meshes = [ONE_DEVICE] + [shape for shape in mesh_shapes(devices, mini) if shape != ONE_DEVICE]
+    if quick:
+        sequence = {shape for shape in meshes if shape[3] > 1}
+        quick_ones = {ONE_DEVICE, (devices, 1, 1, 1), (2, 2, devices // 4, 1), max(sequence, default=ONE_DEVICE)}
+        meshes = [shape for shape in meshes if shape in quick_ones]
+    return meshes
+
+
+def audit(
+    cfg: TrainConfig, inputs: build.RunInputs, quick: bool = False, out=None, meshes: str | None = None
+) -> Worst:
     """Prints the table; returns the largest relative differences. Every cut runs on one device; each mesh of all
     devices runs the finest cuts (``quick``: only the pure data-parallel mesh, a 3-D one and a context-parallel
-    one, the last with the tight token budget alone)."""
+    one, the last with the tight token budget alone). ``meshes`` (``--meshes``): these shapes instead, in this
+    order (:func:`parse_meshes`); a one-device shape runs every cut."""
     out = sys.stdout if out is None else out
     devices = jax.device_count()
     rows = rollout_sequences(cfg)
     # verl's rejection modes clear rows' masks at collection, before the batch is cut: the audit does the same
     batch, rejection = rejected_rows_cleared(audit_batch(cfg, inputs, rows), cfg.actor.rollout_correction)
     longest = int(batch.lengths().max())
-    reference_mesh = make_mesh(1, 1, 1, 1, devices=jax.devices()[:1])
+    reference_mesh = make_mesh(*ONE_DEVICE, devices=jax.devices()[:1])
     worst = Worst()
+    chosen_meshes = None
+    if meshes is not None:  # checked against every role's mini-batch before anything is built or compiled
+        for role in cfg.roles:
+            chosen_meshes = parse_meshes(meshes, devices, engine_view(cfg, role).ppo_mini_batch_size)
     steps = {role: optimizer_steps_per_training_step(cfg, role) for role in cfg.roles}
     print(f"jppo.audit: one training step of {rows} sequences ({steps['actor']} actor optimizer steps"
           + (f", {steps['critic']} critic" if cfg.use_critic else "") + f"), {int(batch.response_mask.sum())} loss "
@@ -220,15 +258,9 @@ def audit(cfg: TrainConfig, inputs: build.RunInputs, quick: bool = False, out=No
         mini = role.cfg.ppo_mini_batch_size
         reference = role.run(reference_mesh, batch, {"use_dynamic_bsz": False, "ppo_micro_batch_size": mini})
         print(f"compared ({role.name}): {', '.join(sorted(reference.metrics))}", file=out)
-        one = (1, 1, 1, 1)
-        meshes = [one] + [shape for shape in mesh_shapes(devices, mini) if shape != one]
-        if quick:
-            sequence = {shape for shape in meshes if shape[3] > 1}
-            meshes = [shape for shape in meshes
-                      if shape in {one, (devices, 1, 1, 1), (2, 2, devices // 4, 1), max(sequence, default=one)}]
-        for shape in meshes:
+        for shape in chosen_meshes or role_meshes(devices, mini, quick):
             mesh = make_mesh(*shape, devices=jax.devices()[: int(np.prod(shape))])
-            chosen = cuts(mini, batch_shards(mesh), longest, every=shape == one, sequence=shape[3])
+            chosen = cuts(mini, batch_shards(mesh), longest, every=shape == ONE_DEVICE, sequence=shape[3])
             # quick: the context-parallel mesh runs the tight budget alone (packed rows, each split over the axis)
             for label, cut in chosen[1:] if quick and shape[3] > 1 else chosen:
                 outcome = role.run(mesh, batch, cut)
