@@ -259,8 +259,8 @@ class TrainerSection:
     critic_warmup: int = 0  # first training steps that update only the critic (the policy stays as it is)
     # auto | off (also none, null) | an absolute FOLDER: the persistent XLA cache (jppo.run.compile_cache)
     compilation_cache: Optional[str] = "auto"
-    # k in [0, MAX_OFF_POLICY_STEPS]: each batch sampled by the weights of min(step - 1, k) updates ago, the next
-    # one generated while this step trains (jppo.run.offpolicy); 0: on-policy, collect and learn in turn
+    # k in [0, 4]: each step's batch sampled by the weights of min(step - 1, k) updates before, the next batch
+    # generated while this step trains (jppo.run.offpolicy, docs/scale-out.md); 0: on-policy, collect then learn
     off_policy_steps: int = 0
 
 
