@@ -86,6 +86,7 @@ def run_in_process(overrides: list[str]) -> list[dict]:
 def measure_engine(overrides: list[str], out: pathlib.Path, fresh: bool) -> dict:
     """k = 0 then k = 1 on the same config (``fresh``: each in its own process, :func:`bench.peers.run_side`)."""
     result = {}
+    out.mkdir(parents=True, exist_ok=True)
     for k in (0, 1):
         run = [*overrides, f"trainer.off_policy_steps={k}", f"trainer.output_dir={out / f'k{k}'}"]
         if fresh:
