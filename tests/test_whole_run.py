@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jppo.run import build
-from jppo.config import check_mesh, load_config
+from jppo.config import ConfigError, check_mesh, load_config
 from jppo.run.collect import collect
 from jppo.runlog.timing import PhaseTimer
 from jppo.run.learn import learn
@@ -166,3 +166,7 @@ def test_an_off_policy_run_that_fails_mid_update_resumes_bitwise(tmp_path, off_p
     monkeypatch.setattr(loop, "learn", learn)
     resumed = train("grpo", tmp_path, 1, [*OFF_POLICY, *saving])
     assert without_waits(resumed) == without_waits(off_policy_run)
+    other_k = load_config(CONFIGS["grpo"], [*QUIET, f"trainer.output_dir={tmp_path}", "trainer.off_policy_steps=2"])
+    with pytest.raises(ConfigError, match=r"^trainer.off_policy_steps=2: checkpoint .* was written with "
+                                          r"trainer.off_policy_steps=1 \(resume with that, or trainer.resume=never\)$"):
+        loop.plan_resume(other_k, tmp_path / "checkpoints")  # its queue holds 1 batch's weights, k=2 needs 2
