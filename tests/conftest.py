@@ -7,6 +7,12 @@ import pathlib
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+# XLA's CPU backend at its lowest optimization level: the suite's programs compile about a third faster (most of its
+# time is compilation) and every test checks numbers, never speed. Subprocesses inherit it; the multi-process runs of
+# tests/test_distributed.py drop it, so the suite also runs the optimized programs a user's run compiles.
+# JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the whole suite optimized.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+jax.config.update("jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] not in ("0", "false"))
 _CACHE = pathlib.Path(os.environ.get("JAX_COMPILATION_CACHE_DIR", pathlib.Path(__file__).resolve().parents[1] / ".jax_cache"))
 jax.config.update("jax_compilation_cache_dir", str(_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -41,6 +41,7 @@ from jppo.run.collect import Collector, sample_and_score
 from jppo.run.state import RunState
 from jppo.runlog.timing import PhaseTimer
 
+
 def behaviour_updates(step: int, k: int) -> int:
     """How many updates the weights that sample training step ``step``'s batch (1-based) have had."""
     return max(0, step - 1 - k)
