@@ -160,6 +160,15 @@ def overlap_s(first: list[Span], second: list[Span]) -> float:
     return total / 1e9
 
 
+def covered_s(thunks: list[Span]) -> float:
+    """Seconds during which at least one of ``thunks`` ran (the union of their spans)."""
+    total, reach = 0.0, float("-inf")
+    for span in sorted(thunks, key=lambda s: s.start_ns):
+        total += max(0.0, span.end_ns - max(span.start_ns, reach))
+        reach = max(reach, span.end_ns)
+    return total / 1e9
+
+
 def trace_events(profile) -> list[tuple[str, float, float]]:
     """The thunk events of a ``jax.profiler.ProfileData``: ``(hlo op name or "end: name", start, duration)``."""
     out = []
@@ -172,12 +181,14 @@ def trace_events(profile) -> list[tuple[str, float, float]]:
 
 
 def head_seconds(thunks: list[Span], hlo_text: str, tokens: int, hidden: int, vocab: int) -> dict[str, float]:
-    """Seconds of every part of the step (the sum of its thunks' spans; control flow left out) and
-    ``grad_products_overlap``: how long the two gradient products of the head ran at the same time."""
+    """Seconds of every part of the step (the sum of its thunks' spans; control flow left out),
+    ``grad_products_overlap`` (how long the two gradient products of the head ran at the same time) and
+    ``covered`` (how long any thunk ran: against the step's wall time, what the trace did not see)."""
     table, members = instructions(hlo_text)
     parts: dict[str, list[Span]] = {}
     for span in thunks:
         parts.setdefault(classify(span.name, table, members, tokens, hidden, vocab), []).append(span)
     seconds = {part: sum(s.end_ns - s.start_ns for s in parts.get(part, [])) / 1e9 for part in (*HEAD_PARTS, "rest")}
     seconds["grad_products_overlap"] = overlap_s(parts.get("grad_hidden", []), parts.get("grad_weight", []))
+    seconds["covered"] = covered_s([s for part, group in parts.items() if part != "control" for s in group])
     return seconds

@@ -366,3 +366,13 @@ def test_update_profile_finds_the_head_products_in_a_compiled_step_and_its_trace
     assert update_profile.torch_part("aten::mm", [[vocab, tokens], [tokens, hidden]], *dims) == "grad_weight"
     assert update_profile.torch_part("aten::_log_softmax", [[2, 48, vocab], []], *dims) == "vocab_elementwise"
     assert update_profile.torch_part("aten::mm", [[tokens, hidden], [hidden, hidden]], *dims) == "rest"
+
+
+def test_thunk_spans_reach_their_end_events_and_overlaps_are_counted_once():
+    events = [("dot", 0.0, 5.0), ("fusion", 5.0, 3.0), ("end: dot", 20.0, 0.0), ("dot", 30.0, 2.0)]
+    got = sorted(hlo_profile.spans(events), key=lambda s: s.start_ns)
+    # the first dot runs until its result is ready (its end event), the second has none: its own event
+    assert [(s.name, s.start_ns, s.end_ns) for s in got] == [("dot", 0.0, 20.0), ("fusion", 5.0, 8.0),
+                                                             ("dot", 30.0, 32.0)]
+    assert hlo_profile.overlap_s([got[0], got[2]], [got[1]]) == pytest.approx(3e-9)
+    assert hlo_profile.covered_s(got) == pytest.approx(22e-9)
