@@ -94,15 +94,15 @@ def head_part(dot: Instruction, table: dict[str, Instruction], tokens: int, hidd
     lhs = table.get(dot.operands[0]) if dot.operands else None
     if lhs is None or lhs.dims is None or dot.dims is None:
         return None
-    contracted = math.prod(lhs.dims[i] for i in dot.lhs_contracting)
-    out = math.prod(dot.dims)
-    if contracted == vocab and out == tokens * hidden:
-        return "grad_hidden"
-    if contracted == hidden and out == tokens * vocab:
-        return "forward"
-    if contracted == tokens and out == hidden * vocab:
-        return "grad_weight"
-    return None
+    return product_part(math.prod(lhs.dims[i] for i in dot.lhs_contracting), math.prod(dot.dims), tokens, hidden, vocab)
+
+
+def product_part(contracted: int, out: int, tokens: int, hidden: int, vocab: int) -> Optional[str]:
+    """The head product (see :func:`head_part`) a matrix product of ``contracted`` summed elements per output and
+    ``out`` outputs is, or ``None``."""
+    named = {(vocab, tokens * hidden): "grad_hidden", (hidden, tokens * vocab): "forward",
+             (tokens, hidden * vocab): "grad_weight"}
+    return named.get((contracted, out))
 
 
 def classify(name: str, table: dict[str, Instruction], members: dict[str, list[str]], tokens: int, hidden: int,

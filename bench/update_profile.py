@@ -56,13 +56,9 @@ def torch_part(name: str, shapes: list, tokens: int, hidden: int, vocab: int) ->
     arrays = [list(s) for s in shapes if isinstance(s, (list, tuple)) and s and all(isinstance(d, int) for d in s)]
     if name in MATMULS and len(arrays) >= 2:
         lhs, rhs = arrays[-2], arrays[-1]
-        contracted, out = lhs[-1], int(np.prod(lhs[:-1])) * rhs[-1]
-        if contracted == vocab and out == tokens * hidden:
-            return "grad_hidden"
-        if contracted == hidden and out == tokens * vocab:
-            return "forward"
-        if contracted == tokens and out == hidden * vocab:
-            return "grad_weight"
+        part = hlo_profile.product_part(lhs[-1], int(np.prod(lhs[:-1])) * rhs[-1], tokens, hidden, vocab)
+        if part is not None:
+            return part
     if any(int(np.prod(s)) == tokens * vocab and vocab in s for s in arrays):
         return "vocab_elementwise"
     return "rest"
