@@ -17,8 +17,8 @@ import torch
 from flax import nnx
 
 import bench
-from bench import accelerator, end_to_end, hlo_profile, peers, report, run as bench_run, transfers, trl_alone
-from bench import update_profile
+from bench import accelerator, async_rl, end_to_end, hlo_profile, peers, report, run as bench_run, transfers
+from bench import trl_alone, update_profile
 from bench.trl_side import per_step_seconds
 from jppo.config.views import old_log_prob_source
 from bench.timing import time_side_by_side
@@ -182,6 +182,17 @@ def test_row_movement_benchmark_smoke():
     assert set(ratios) == {"global_vs_per_shard_cut", "per_shard_cut_vs_update", "global_cut_vs_update",
                            "device_row_move_vs_update"}
     assert all(math.isfinite(float(value)) and float(value) > 0 for value in ratios.values())
+
+
+def test_async_rl_benchmark_smoke():
+    """``bench.async_rl --quick`` (in this process, one device) times k = 0 and k = 1 and gives both ratios and the
+    k = 1 waits (their values are not checked: times)."""
+    result = async_rl.measure(quick=True, engines=["jppo"])["engines"]["jppo"]
+    for k in ("k0", "k1"):
+        assert len(result[k]["steps"]) == async_rl.QUICK_STEPS
+        assert all(math.isfinite(result[k][name]) and result[k][name] >= 0 for name in ("step_s", "rollout_s", "train_s"))
+    assert {"train_wait_s", "rollout_wait_s"} <= set(result["k1"]) and "train_wait_s" not in result["k0"]
+    assert result["async_k1_vs_k0"] > 0 and result["async_bound_speedup"] >= 1
 
 
 @pytest.mark.parametrize("args, message", [

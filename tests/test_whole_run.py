@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jppo.run import build
-from jppo.config import check_mesh, load_config
+from jppo.config import ConfigError, check_mesh, load_config
 from jppo.run.collect import collect
 from jppo.runlog.timing import PhaseTimer
 from jppo.run.learn import learn
@@ -119,3 +119,54 @@ def test_a_short_run_compiles_the_update_steps_and_the_sampler_once(tmp_path, mo
         state, metrics = learn(learner, state, experience, PhaseTimer())
     assert state.steps_done == 3 and np.isfinite(metrics["actor/pg_loss"])
     assert traces == {"rollout": 1, "actor": 1, "critic": 1}
+
+
+# trainer.off_policy_steps=1 (GRPO, 3 steps): step 2 trains on a batch one update old, and validates
+OFF_POLICY = ["trainer.off_policy_steps=1", "trainer.total_steps=3", "trainer.val_every=2", "data.num_val_examples=16"]
+
+
+def without_waits(rows: list[dict]) -> list[dict]:
+    """Rows without the async wait seconds (measured times, like timing/*)."""
+    return [{k: v for k, v in row.items() if not k.endswith("_wait_s")} for row in rows]
+
+
+@pytest.fixture(scope="module")
+def off_policy_run(tmp_path_factory):
+    """One device: the next rollout generated on a thread beside the update."""
+    return train("grpo", tmp_path_factory.mktemp("off-policy"), 1, OFF_POLICY)
+
+
+def test_an_off_policy_run_does_not_depend_on_the_mesh_or_the_thread(tmp_path, off_policy_run):
+    """Four devices generate in turn, one device beside the update: the same numbers (float32, as above)."""
+    assert [row["async/staleness"] for row in off_policy_run] == [0.0, 1.0, 1.0]
+    assert all(row["async/train_wait_s"] >= 0 and row["async/rollout_wait_s"] >= 0 for row in off_policy_run)
+    assert "val/reward/mean" in off_policy_run[1] and "val/reward/mean" not in off_policy_run[2]
+    actual, expected = without_waits(train("grpo", tmp_path, 4, ["mesh.data=4", *OFF_POLICY])), without_waits(off_policy_run)
+    assert [row["step"] for row in actual] == [1, 2, 3]
+    for step, (a, b) in enumerate(zip(actual, expected), start=1):
+        assert set(a) == set(b), set(a) ^ set(b)
+        for name, value in b.items():
+            np.testing.assert_allclose(a[name], value, rtol=1e-4, atol=1e-6, err_msg=f"step {step}: {name}")
+
+
+def test_an_off_policy_run_that_fails_mid_update_resumes_bitwise(tmp_path, off_policy_run, monkeypatch):
+    """The run dies in step 2's update, with step 3's rollout in flight; the checkpoint of step 1 holds the weights
+    that sample step 2's batch, so the resumed run regenerates it and logs what the uninterrupted run logged."""
+    import jppo.run.loop as loop
+
+    def dies_in_step_2(learner, state, experience, timer):
+        if state.steps_done + 1 == 2:
+            raise RuntimeError("killed in step 2's update")
+        return learn(learner, state, experience, timer)
+
+    saving = ["trainer.save_every=1", "trainer.async_checkpoint=false"]
+    monkeypatch.setattr(loop, "learn", dies_in_step_2)
+    with pytest.raises(RuntimeError, match="killed in step 2"):
+        train("grpo", tmp_path, 1, [*OFF_POLICY, *saving])
+    monkeypatch.setattr(loop, "learn", learn)
+    resumed = train("grpo", tmp_path, 1, [*OFF_POLICY, *saving])
+    assert without_waits(resumed) == without_waits(off_policy_run)
+    other_k = load_config(CONFIGS["grpo"], [*QUIET, f"trainer.output_dir={tmp_path}", "trainer.off_policy_steps=2"])
+    with pytest.raises(ConfigError, match=r"^trainer.off_policy_steps=2: checkpoint .* was written with "
+                                          r"trainer.off_policy_steps=1 \(resume with that, or trainer.resume=never\)$"):
+        loop.plan_resume(other_k, tmp_path / "checkpoints")  # its queue holds 1 batch's weights, k=2 needs 2

@@ -41,7 +41,7 @@ from jppo.core.paths import is_remote, missing_backend, run_path
 from jppo.models.hf import read_config
 from jppo.rollout import ROLLOUT_ENGINES, vllm_engine
 from jppo.rollout.env import BUILTIN_ENVS
-from jppo.config.schema import TrainConfig
+from jppo.config.schema import MAX_OFF_POLICY_STEPS, TrainConfig
 from jppo.config.views import (
     CONTEXT_KEYS, SAMPLING_KEYS, adapted_model_config, engine_spec, engine_view, kl_controller, random_model_config,
     sampling_params,
@@ -103,6 +103,7 @@ def check(cfg: TrainConfig) -> None:
     _check_algorithm(cfg)
     _check_rollout(cfg)
     _check_trainer(cfg)
+    _check_off_policy(cfg)
     _check_batch_sizes(cfg)
 
 
@@ -317,6 +318,24 @@ def _check_trainer(cfg: TrainConfig) -> None:
         resolve_resume(trainer.resume, run_path(trainer.output_dir) / "checkpoints")
     except ValueError as error:
         raise ConfigError(one_line(error)) from None
+
+
+def _check_off_policy(cfg: TrainConfig) -> None:
+    """``trainer.off_policy_steps`` in range, and nothing that needs the batch sampled by the weights it trains."""
+    k = cfg.trainer.off_policy_steps
+    key = f"trainer.off_policy_steps={k!r}"
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_OFF_POLICY_STEPS:
+        raise ConfigError(f"{key} must be an integer in [0, {MAX_OFF_POLICY_STEPS}]")
+    if not k:
+        return
+    if cfg.actor.old_log_prob == "rollout":
+        raise ConfigError(f"actor.old_log_prob='rollout' with {key}: the sampler's log-probs are the behaviour "
+                          "policy's, up to k updates behind the trained weights, and the PPO ratio needs the proximal "
+                          "(trained) weights' (use auto or recompute; actor.rollout_correction corrects the gap)")
+    if cfg.algorithm.filter_groups.enable:
+        raise ConfigError(f"algorithm.filter_groups.enable=True with {key}: dynamic sampling draws as many batches as "
+                          "it takes to fill the step with varied groups, which the one background batch per step "
+                          "does not do (turn one of them off)")
 
 
 def _check_logger(sinks: list[str]) -> None:

@@ -224,6 +224,10 @@ class MeshSection:
     sequence: int = 1  # devices along the sequence axis (context parallelism): contiguous blocks of each row's tokens
 
 
+# trainer.off_policy_steps' bound: the staleness a batch may have, and the weight copies a run holds for it
+MAX_OFF_POLICY_STEPS = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainerSection:
     """The loop. ``val_every`` steps (0: never) and, with ``val_before_train``, once before the first step, the
@@ -255,6 +259,9 @@ class TrainerSection:
     critic_warmup: int = 0  # first training steps that update only the critic (the policy stays as it is)
     # auto | off (also none, null) | an absolute FOLDER: the persistent XLA cache (jppo.run.compile_cache)
     compilation_cache: Optional[str] = "auto"
+    # k in [0, 4]: each step's batch sampled by the weights of min(step - 1, k) updates before, the next batch
+    # generated while this step trains (jppo.run.offpolicy, docs/scale-out.md); 0: on-policy, collect then learn
+    off_policy_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,7 +89,9 @@ def old_log_prob_source(cfg: TrainConfig) -> str:
     weights that sampled it (one epoch over one mini-batch: one optimizer step per training step), and nothing at
     collection reads the old log-probs before the update: no KL in the reward, no rejection
     (``actor.rollout_correction`` ``seq_rs`` / ``geo_rs``), no overlong filter (whose ``rollout/log_prob_abs_diff``
-    counts the rows it then removes from the loss); otherwise ``recompute``."""
+    counts the rows it then removes from the loss); otherwise ``recompute``. With ``trainer.off_policy_steps`` >= 1
+    the rows were sampled by older weights, but the update's own first log-probs are still those of the weights it
+    trains (the proximal policy the ratio is taken against), so the choice is the same."""
     choice = cfg.actor.old_log_prob
     if choice not in OLD_LOG_PROB_CHOICES:
         raise InvalidSetting("actor.", "old_log_prob", choice, f"one of {', '.join(OLD_LOG_PROB_CHOICES)}")

@@ -182,12 +182,16 @@ def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer
     return concat(kept, c.inputs.tokenizer.pad_id), position, sampling_metrics(num_varied, size)
 
 
-def collect(c: Collector, state: RunState, timer: PhaseTimer) -> tuple[RunState, Experience, dict[str, float]]:
+def collect(
+    c: Collector, state: RunState, timer: PhaseTimer, sampled: Optional[tuple] = None
+) -> tuple[RunState, Experience, dict[str, float]]:
     """Step ``state.step + 1``'s experience (this process's rows), the state with the data position and KL
-    controller advanced, and the rollout's metrics (whole batch, combined over processes)."""
+    controller advanced, and the rollout's metrics (whole batch, combined over processes). ``sampled``: the step's
+    :func:`sample_and_score` result when it was generated already (off-policy steps, :mod:`jppo.run.offpolicy`);
+    everything after it uses ``state``'s weights, the ones the update trains."""
     cfg, tokenizer = c.cfg, c.inputs.tokenizer
     step = state.steps_done + 1
-    scored, data_position, sampling_metrics = sample_and_score(c, state, step, timer)
+    scored, data_position, sampling_metrics = sampled or sample_and_score(c, state, step, timer)
     exp, examples, prompts = scored.exp, scored.examples, scored.prompts
     row_examples, texts, finished, scores = scored.row_examples, scored.texts, scored.finished, scored.rewards
     reward_baselines = None

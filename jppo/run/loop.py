@@ -8,6 +8,9 @@ The loop, as :func:`run` reads::
         state, metrics = learn(state, experience)         # ppo_epochs x mini-batches: critic, then actor
         for hook in hooks: hook(state, metrics)           # evaluate, log, checkpoint, each every N steps
 
+With ``trainer.off_policy_steps`` k >= 1 the batch of a step is the one generated during the step before, from
+older weights (:mod:`jppo.run.offpolicy`; :func:`train_step`), on a schedule fixed by the seed, the step and k.
+
 Collection (:mod:`jppo.run.collect`) works on the whole rollout batch; learning (:mod:`jppo.run.learn`) cuts it into
 mini- and micro-batches in the engine. Restarting the same command resumes from the newest complete checkpoint
 (``trainer.resume: auto``): the whole :class:`~jppo.run.state.RunState` is restored, and every random draw is a
@@ -16,6 +19,7 @@ function of (seed, step), so the resumed run continues exactly as an uninterrupt
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Callable, Optional, Sequence
@@ -32,9 +36,10 @@ from jppo.run.checkpoint import (
     CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint, saved_tree,
 )
 from jppo.run.collect import Collector, collect
+from jppo.run.offpolicy import OffPolicy, can_overlap, initial_behind
 from jppo.runlog.timing import PhaseTimer
 from jppo.run.evaluate import evaluate
-from jppo.config import TrainConfig, save_config, to_dict
+from jppo.config import ConfigError, TrainConfig, save_config, to_dict
 from jppo.data import Tokenizer
 from jppo.engine import init_train_state
 from jppo.run.export import export_policy, merged_policy
@@ -43,11 +48,12 @@ from jppo.parallel.mesh import make_mesh
 from jppo.core.paths import run_path
 from jppo.runlog import RunLogger
 from jppo.run.state import (
-    RunState, checkpointed, fitted_accumulators, init_run_state, saved_layout, with_frozen,
+    RunState, checkpointed, fitted_accumulators, init_run_state, saved_fields, saved_layout, with_frozen,
 )
 from jppo.config.views import engine_view, kl_controller
 
 log = logging.getLogger("jppo.run.loop")
+OFF_POLICY_META = "off_policy_steps"  # in a checkpoint's meta when k >= 1 (absent: 0, as before the key existed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +83,8 @@ def setup(
         critic_graphdef = models.critic.graphdef
         critic = init_train_state(models.critic.params, engine_view(cfg, "critic"), mesh, frozen=models.critic.frozen)
     actor = init_train_state(models.actor.params, engine_view(cfg, "actor"), mesh, frozen=models.actor.frozen)
-    state = init_run_state(actor, critic, kl_controller(cfg).init(), cfg.trainer.seed, mesh)
+    behind = initial_behind(actor.params, cfg.trainer.off_policy_steps)
+    state = init_run_state(actor, critic, kl_controller(cfg).init(), cfg.trainer.seed, mesh, behind)
     collector = Collector.create(
         cfg, mesh, inputs, graphdef, critic_graphdef, models.reference,
         sampling=build.sampling_graphdef(cfg, models.policy), base=models.base,
@@ -104,7 +111,12 @@ def plan_resume(cfg: TrainConfig, checkpoints: epath.Path) -> Resume:
     if resume is None:
         return Resume(None, cfg.trainer.seed, None)
     checkpoint = str(checkpoints / str(resume) if isinstance(resume, int) else resume)
-    seed, saved = build.checkpoint_models(cfg, read_meta(checkpoint), f"trainer.resume: checkpoint {checkpoint!r}")
+    meta = read_meta(checkpoint)
+    saved_k, k = meta.get(OFF_POLICY_META, 0), cfg.trainer.off_policy_steps
+    if saved_k != k:  # its weight queue holds saved_k batches' weights; another k has another schedule
+        raise ConfigError(f"trainer.off_policy_steps={k}: checkpoint {checkpoint!r} was written with "
+                          f"trainer.off_policy_steps={saved_k} (resume with that, or trainer.resume=never)")
+    seed, saved = build.checkpoint_models(cfg, meta, f"trainer.resume: checkpoint {checkpoint!r}")
     return Resume(checkpoint, seed, saved)
 
 
@@ -126,8 +138,9 @@ def restore(
     if resume.checkpoint is not None:
         if resume.saved is not None:
             build.check_base_checksums(resume.saved, record, f"trainer.resume: checkpoint {resume.checkpoint!r}")
-        target = saved_layout(checkpointed(state), saved_tree(resume.checkpoint))  # K = 1: no accumulator
-        restored = restore_checkpoint(resume.checkpoint, target)[0]
+        saved = saved_tree(resume.checkpoint)
+        target = saved_layout(checkpointed(state), saved)  # K = 1: no accumulator
+        restored = RunState(**restore_checkpoint(resume.checkpoint, saved_fields(target, saved))[0])
         state = with_frozen(fitted_accumulators(restored, state), state)
     return state, collector, learner, graphdef, record
 
@@ -162,13 +175,13 @@ def run(
         if cfg.trainer.val_before_train and has_val and fresh:
             # the initial policy's evaluation, at step 0 (verl's global step 0); a resumed run does not repeat it
             logger.log(0, evaluate_and_log(collector, state, logger, 0))
-        while state.steps_done < total:
-            timer = PhaseTimer()
-            state, experience, metrics = collect(collector, state, timer)
-            state, learned = learn(learner, state, experience, timer)
-            metrics = learned | metrics | timer.report(tokens=metrics["perf/total_num_tokens"])
-            for hook in hooks:
-                hook(state.steps_done, total, state, metrics)
+        with off_policy(cfg, collector) as rollouts:
+            while state.steps_done < total:
+                timer = PhaseTimer()
+                state, metrics = train_step(collector, learner, state, timer, rollouts)
+                metrics = metrics | timer.report(tokens=metrics["perf/total_num_tokens"])
+                for hook in hooks:
+                    hook(state.steps_done, total, state, metrics)
     manager.close()
     if cfg.trainer.export_hf:
         export(policy, state.actor.weights, cfg, inputs.tokenizer, out / "hf")
@@ -177,6 +190,30 @@ def run(
 
         plot_run(out)
     return metrics
+
+
+def off_policy(cfg: TrainConfig, collector: Collector) -> contextlib.AbstractContextManager:
+    """The run's :class:`~jppo.run.offpolicy.OffPolicy` rollouts with k >= 1 off-policy steps; None at k = 0."""
+    k = cfg.trainer.off_policy_steps
+    if not k:
+        return contextlib.nullcontext()
+    return OffPolicy(collector, k, cfg.trainer.total_steps, overlap=can_overlap(collector))
+
+
+def train_step(
+    collector: Collector, learner: Learner, state: RunState, timer: PhaseTimer, rollouts: Optional[OffPolicy]
+) -> tuple[RunState, dict[str, float]]:
+    """One training step: collect, then learn; with off-policy ``rollouts``, on the batch generated during the last
+    step, the next one generated (beside the update where it can) from weights the update does not change."""
+    if rollouts is None:
+        state, experience, metrics = collect(collector, state, timer)
+        state, learned = learn(learner, state, experience, timer)
+        return state, learned | metrics
+    state, experience, metrics = collect(collector, state, timer, rollouts.take(state, timer))
+    before = rollouts.start_next(state)
+    state, learned = learn(learner, state, experience, timer)
+    state, waits = rollouts.finish(state, before, timer)
+    return state, learned | metrics | waits
 
 
 def run_logger(cfg: TrainConfig, start_step: int) -> RunLogger:
@@ -206,7 +243,10 @@ def save(manager: CheckpointManager, state: RunState, cfg: TrainConfig, record: 
     step = state.steps_done
     if manager.latest_step() != step:
         record = run_model_record(cfg, state, cfg.trainer.seed) if record is None else record
-        manager.save(step, checkpointed(state), {"step": step, build.MODELS_META: record, "config": to_dict(cfg)})
+        meta = {"step": step, build.MODELS_META: record, "config": to_dict(cfg)}
+        if cfg.trainer.off_policy_steps:
+            meta[OFF_POLICY_META] = cfg.trainer.off_policy_steps
+        manager.save(step, checkpointed(state), meta)
 
 
 def export(

@@ -29,6 +29,8 @@ class RunState:
         data_position: prompts consumed so far (the data order is a function of the seed and the position).
         step: training steps done.
         rng: the run's root key, as raw key data (what orbax stores).
+        behind: with ``trainer.off_policy_steps`` k >= 1, the k copies of the actor's trained parameters that
+            sample the next k batches, oldest first (:mod:`jppo.run.offpolicy`); None at k = 0.
     """
 
     actor: TrainState
@@ -37,6 +39,7 @@ class RunState:
     data_position: jax.Array
     step: jax.Array
     rng: jax.Array
+    behind: Optional[tuple] = None
 
     @property
     def steps_done(self) -> int:
@@ -48,9 +51,11 @@ class RunState:
 
 
 def init_run_state(
-    actor: TrainState, critic: Optional[TrainState], kl: KLControlState, seed: int, mesh: Mesh
+    actor: TrainState, critic: Optional[TrainState], kl: KLControlState, seed: int, mesh: Mesh,
+    behind: Optional[tuple] = None,
 ) -> RunState:
-    """Step 0, data position 0; the scalars replicated over ``mesh`` (so a checkpoint restores onto any mesh)."""
+    """Step 0, data position 0; the scalars replicated over ``mesh`` (so a checkpoint restores onto any mesh).
+    ``behind``: the off-policy weight queue (:func:`jppo.run.offpolicy.initial_behind`)."""
     replicated = NamedSharding(mesh, PartitionSpec())
     scalars = dict(
         kl=KLControlState(coef=jnp.asarray(kl.coef, jnp.float32)),
@@ -58,7 +63,7 @@ def init_run_state(
         step=jnp.zeros((), jnp.int32),
         rng=jax.random.key_data(jax.random.key(seed)),
     )
-    return RunState(actor=actor, critic=critic, **jax.device_put(scalars, replicated))
+    return RunState(actor=actor, critic=critic, behind=behind, **jax.device_put(scalars, replicated))
 
 
 def advance(state: RunState, **changes) -> RunState:
@@ -115,6 +120,13 @@ def saved_layout(target: RunState, saved: dict) -> RunState:
         shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding), train.params)
         roles[role] = train.replace(opt_state=train.opt_state._replace(acc_grads=shapes if held else None))
     return target.replace(**roles)
+
+
+def saved_fields(target: RunState, saved: dict) -> dict:
+    """The restore target of a checkpoint whose state has the structure ``saved``, as a dict of the fields it
+    holds: one written before a field existed (``behind``, at k = 0) is read without it, and
+    ``RunState(**restored)`` gives the field its default."""
+    return {field: getattr(target, field) for field in target.__dataclass_fields__ if field in saved}
 
 
 def fitted_accumulators(restored: RunState, like: RunState) -> RunState:

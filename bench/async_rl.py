@@ -1,0 +1,128 @@
+"""Off-policy steps: seconds per GRPO training step with ``trainer.off_policy_steps`` 0 and 1, side by side.
+
+    python -m bench.async_rl [--quick] [--steps N] [--engines jppo,vllm]
+
+The shape is :mod:`bench.peers`' GSM8K-like one (4 layers d256, 8 prompts x 8, prompts of 64 tokens, responses up
+to 128, one optimizer step per training step), its policy exported and loaded by ``model.path`` as there. For each
+engine (``rollout.engine``: jppo's sampler, and vLLM when it imports) the two runs alternate (k = 0, then k = 1),
+each in a fresh process on one device, where k = 1 generates the next batch on a thread beside the update.
+Printed as JSON, per engine and k: the median over steps ``MEDIAN_FROM``.. (but the last) of ``timing/step``, of the rollout
+phase (``timing/rollout`` + ``reward`` + ``weight_push``: what the generation side does), of the train phase (every
+other ``timing/*`` phase: old log-probs, advantages, the update) and of the ``async/*`` waits; and the ratios
+
+- ``async_k1_vs_k0``: the k = 0 step's seconds over the k = 1 step's (> 1: off-policy steps are faster here);
+- ``async_bound_speedup``: (rollout + train) / max(rollout, train) from the k = 0 phases: the step time one
+  overlap could reach when the two sides do not share hardware (a generator beside the trainer on an
+  accelerator), the bound the k = 1 step approaches.
+
+On a shared 2-core CPU both sides run on the same two cores: the overlap can only use cores one side leaves idle
+(the sampler's small decode steps do not fill both), so ``async_k1_vs_k0`` here is well below the bound, and
+says that the overlap works and costs nothing, not what an accelerator gains. ``--quick``: tiny sizes, 4 steps,
+in this process (a smoke run whose numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
+from typing import Optional, Sequence
+
+import jax
+
+from bench import peers
+from jppo.config import check_mesh, load_config
+from jppo.rollout import vllm_engine
+from jppo.run import build, loop
+from jppo.runlog import METRICS_FILE, read_metrics
+
+FULL_STEPS, QUICK_STEPS = 7, 4
+# medians over steps MEDIAN_FROM .. the one before the last: steps 1-2 compile (and k = 1 generates its first batch
+# in turn), and the last step of a k = 1 run generates nothing (no batch past the last step)
+MEDIAN_FROM = 3
+ROLLOUT_PHASES = ("timing/rollout", "timing/reward", "timing/weight_push")
+# vLLM's CPU build as bench.vllm_engine runs it: eager, a small KV cache
+VLLM = ("rollout.engine=vllm", "rollout.vllm.enforce_eager=true", "rollout.vllm.kv_cache_memory_bytes=268435456")
+
+
+def phases(record: dict) -> tuple[float, float]:
+    """``(rollout, train)`` seconds of one step's metrics: the generation side's phases, and every other phase."""
+    timed = {k: v for k, v in record.items() if k.startswith("timing/") and k != "timing/step"}
+    rollout = sum(timed.get(name, 0.0) for name in ROLLOUT_PHASES)
+    return rollout, sum(timed.values()) - rollout
+
+
+def summarize(records: list[dict], first: int) -> dict:
+    """Medians over steps ``first`` .. the one before the last of the step, its two phases and the waits (the
+    waits only where logged)."""
+    last = max(r["step"] for r in records)
+    kept = [r for r in records if first <= r["step"] < last] or records[-1:]
+    median = lambda values: statistics.median(values)  # noqa: E731
+    out = {"step_s": median([r["timing/step"] for r in kept]),
+           "rollout_s": median([phases(r)[0] for r in kept]), "train_s": median([phases(r)[1] for r in kept]),
+           "steps": [round(r["timing/step"], 3) for r in records]}
+    for name in ("async/train_wait_s", "async/rollout_wait_s"):
+        if name in kept[0]:
+            out[name.split("/")[1]] = median([r[name] for r in kept])
+    return out
+
+
+def ratios(k0: dict, k1: dict) -> dict:
+    """``async_k1_vs_k0`` and ``async_bound_speedup`` (see the module docstring)."""
+    bound = (k0["rollout_s"] + k0["train_s"]) / max(k0["rollout_s"], k0["train_s"])
+    return {"async_k1_vs_k0": k0["step_s"] / k1["step_s"], "async_bound_speedup": bound}
+
+
+def run_in_process(overrides: list[str]) -> list[dict]:
+    """One training run on one device; its ``metrics.jsonl`` records of steps >= 1."""
+    cfg = load_config(peers.QUICKSTART_GRPO, overrides)
+    loop.run(cfg, check_mesh(cfg, 1), build.load_inputs(cfg), devices=jax.devices()[:1])
+    return [r for r in read_metrics(pathlib.Path(cfg.trainer.output_dir) / METRICS_FILE) if r["step"] >= 1]
+
+
+def measure_engine(overrides: list[str], out: pathlib.Path, fresh: bool) -> dict:
+    """k = 0 then k = 1 on the same config (``fresh``: each in its own process, :func:`bench.peers.run_side`)."""
+    result = {}
+    out.mkdir(parents=True, exist_ok=True)
+    for k in (0, 1):
+        run = [*overrides, f"trainer.off_policy_steps={k}", f"trainer.output_dir={out / f'k{k}'}"]
+        if fresh:
+            records = peers.run_side({"side": "jppo", "overrides": run}, out / f"k{k}.json")["records"]
+        else:
+            records = run_in_process(run)
+        result[f"k{k}"] = summarize(records, MEDIAN_FROM)
+    return result | ratios(result["k0"], result["k1"])
+
+
+def measure(quick: bool, steps: Optional[int] = None, engines: Sequence[str] = ("jppo", "vllm")) -> dict:
+    """Every engine's k = 0 / k = 1 comparison; an engine that cannot run here gets its reason instead."""
+    shape = (peers.QUICK_SHAPES if quick else peers.SHAPES)["gsm8k_shape"]
+    steps = steps or (QUICK_STEPS if quick else FULL_STEPS)
+    result: dict = {"mode": "quick" if quick else "full", "steps": steps, "median_from": MEDIAN_FROM, "engines": {}}
+    with tempfile.TemporaryDirectory(prefix="jppo-async-") as tmp:
+        _, overrides = peers.shape_config(shape, steps, pathlib.Path(tmp))
+        for engine in engines:
+            if engine == "vllm" and not vllm_engine.installed():
+                result["engines"][engine] = {"missing": "vLLM is not installed"}
+                continue
+            extra = list(VLLM) if engine == "vllm" else []
+            result["engines"][engine] = measure_engine(overrides + extra, pathlib.Path(tmp) / engine, fresh=not quick)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.async_rl", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shape, 4 steps, jppo's engine, in this process")
+    parser.add_argument("--steps", type=int, help=f"training steps per run (default {FULL_STEPS}, quick {QUICK_STEPS})")
+    parser.add_argument("--engines", help="comma-separated rollout engines (default: jppo,vllm; quick: jppo)")
+    args = parser.parse_args(argv)
+    engines = args.engines.split(",") if args.engines else (["jppo"] if args.quick else ["jppo", "vllm"])
+    print(json.dumps(measure(args.quick, args.steps, engines), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
