@@ -1,6 +1,7 @@
 """End to end against a peer trainer: seconds per GRPO training step of jppo vs TRL's ``GRPOTrainer``.
 
     python -m bench.peers [--quick] [--shapes quickstart,gsm8k_shape] [--steps N] [--rounds R]
+                          [--omp user|passive] [--alone]
 
 Both trainers run on this CPU, in float32, on the same model, task, prompts, reward, batch, group size and lengths,
 alternated (jppo, TRL, jppo, TRL, ... for ``--rounds``), never concurrently, each run in a FRESH PROCESS of its own
@@ -9,6 +10,12 @@ alternated (jppo, TRL, jppo, TRL, ... for ``--rounds``), never concurrently, eac
 TRL's step 11.8 s), against 2.6 s (step 5.6-6.6 s) in an independent run; the parent process only exports the
 weights, checks the logits and reads the children's results. The TRL child sets torch's threads to the cores
 XLA's pool uses and reports the count torch had at the start and the end of training (``torch_threads``).
+Every child runs with ``OMP_WAIT_POLICY`` as the user's shell has it (``--omp user``, the default), not the
+``PASSIVE`` that importing :mod:`bench` sets for its in-process comparisons: TRL's sampling is thousands of small
+torch ops, and passive OpenMP threads sleep between them (TRL's GSM8K-shaped step: 7.96 s passive, 6.83 s as the
+user runs it). ``--omp passive`` measures the other way; results record the mode and each child's policy.
+``--alone`` adds :mod:`bench.trl_alone` after TRL's run in every round: TRL's own ``GRPOTrainer`` with nothing
+wrapped, in a process that imports nothing of this harness (``trl_alone_s_per_step``).
 
 - **weights**: jppo's initial policy (built from the config as the trainer builds it) is written as a Hugging
   Face directory by :func:`jppo.run.export.export_policy` (float32, with the tokenizer); jppo trains from it
@@ -63,15 +70,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Optional, Sequence
 
 import jax
 import numpy as np
 import torch
 
+from bench import OMP_MODES, child_environment
 from bench.environment import match_torch_threads
 from bench.report import section
+from bench.trl_side import run_trl, trl_arguments
 from jppo.run import build
 from jppo.run import loop
 from jppo.config import TrainConfig, check_mesh, load_config
@@ -150,29 +158,6 @@ def wide_alphabet(task_alphabet: str, vocab_size: int) -> str:
     return task_alphabet + "".join(next(extra) for _ in range(wanted))
 
 
-def trl_arguments(cfg: TrainConfig) -> dict:
-    """TRL's batch settings for one jppo training step (see the module docstring), in sequences."""
-    n = cfg.rollout.n
-    batch, mini = cfg.data.train_batch_size * n, cfg.actor.ppo_mini_batch_size * n
-    micro = cfg.actor.ppo_micro_batch_size
-    if batch % mini or mini % micro:
-        raise ValueError(f"batch {batch}, mini-batch {mini}, micro-batch {micro} sequences: each must divide the last")
-    return {
-        "per_device_train_batch_size": micro,
-        "gradient_accumulation_steps": mini // micro,
-        "steps_per_generation": batch // micro,
-        "num_iterations": cfg.actor.ppo_epochs,
-        "num_generations": n,
-        "max_completion_length": cfg.rollout.max_response_length,
-        "optimizer_steps_per_generation": cfg.actor.ppo_epochs * batch // mini,
-    }
-
-
-def per_step_seconds(boundaries: Sequence[float]) -> list[float]:
-    """Seconds of each training step from the clock at the start and at the end of every step."""
-    return [after - before for before, after in zip(boundaries, boundaries[1:])]
-
-
 def logits_max_abs_diff(export_dir: str | pathlib.Path, ids: np.ndarray) -> float:
     """Largest |jppo logit - transformers logit| of the exported model on ``ids`` ([B, T], no padding)."""
     import transformers
@@ -212,103 +197,17 @@ def run_jppo(cfg: TrainConfig) -> dict:
     return {"records": [r for r in read_metrics(pathlib.Path(cfg.trainer.output_dir) / METRICS_FILE) if r["step"] >= 1]}
 
 
-def run_trl(cfg: TrainConfig, steps: int, out: pathlib.Path) -> dict:
-    """``steps`` training steps of TRL's ``GRPOTrainer`` matching ``cfg``; per-step seconds and phases."""
-    import datasets
-    import transformers
-    from trl import GRPOConfig, GRPOTrainer
-
-    inputs = build.load_inputs(cfg)
-    task = build.task_of(cfg.data)
-    batch = trl_arguments(cfg)
-    per_step = batch.pop("optimizer_steps_per_generation")
-    prompts = cfg.data.train_batch_size * steps
-    examples = task.examples("train", prompts, cfg.trainer.seed)
-    answers = {example.prompt: example for example in examples}
-    dataset = datasets.Dataset.from_dict(
-        {"prompt": [e.prompt for e in examples], "answer": [e.answer for e in examples]}
-    )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.model.path)
-    eos = set(inputs.tokenizer.eos_ids)
-    lengths: list[int] = []
-
-    def reward(prompts, completions, completion_ids, **_):
-        finished = [len(ids) > 0 and ids[-1] in eos for ids in completion_ids]
-        lengths.extend(len(ids) for ids in completion_ids)
-        rows = [answers[prompt] for prompt in prompts]
-        return [float(x) for x in inputs.reward_fn(list(completions), rows, finished)]
-
-    phases: list[dict[str, float]] = []
-
-    class TimedGRPOTrainer(GRPOTrainer):
-        """Notes the seconds of the step's parts (see the module docstring)."""
-
-        def _generate_and_score_completions(self, *args, **kwargs):
-            phases.append({"generate": 0.0, "old_log_prob": 0.0})
-            start = time.perf_counter()
-            result = super()._generate_and_score_completions(*args, **kwargs)
-            phases[-1]["generate_and_score"] = time.perf_counter() - start
-            return result
-
-        def _generate_single_turn(self, *args, **kwargs):
-            start = time.perf_counter()
-            result = super()._generate_single_turn(*args, **kwargs)
-            phases[-1]["generate"] += time.perf_counter() - start
-            return result
-
-        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-            start = time.perf_counter()
-            result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-            if not torch.is_grad_enabled() and phases:
-                phases[-1]["old_log_prob"] += time.perf_counter() - start
-            return result
-
-    marks: list[float] = []
-    threads = {"set": torch.get_num_threads()}  # what accelerate / transformers leave to the training loop
-
-    class StepClock(transformers.TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            threads["train_begin"] = torch.get_num_threads()
-            marks.append(time.perf_counter())
-
-        def on_train_end(self, args, state, control, **kwargs):
-            threads["train_end"] = torch.get_num_threads()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step % per_step == 0:
-                marks.append(time.perf_counter())
-
-    optim = cfg.actor.optim
-    args = GRPOConfig(
-        output_dir=str(out / "trl"), use_vllm=False, report_to=[], bf16=False, fp16=False, use_cpu=True,
-        **batch, temperature=cfg.rollout.temperature, top_k=0, top_p=1.0, beta=0.0, epsilon=cfg.actor.clip_ratio,
-        loss_type="dapo", scale_rewards="group" if cfg.algorithm.norm_adv_by_std_in_grpo else "none",
-        learning_rate=optim.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=optim.weight_decay,
-        max_grad_norm=optim.grad_clip, max_steps=steps * per_step, logging_steps=10**6, save_strategy="no",
-        disable_tqdm=True, seed=cfg.trainer.seed, log_completions=False, dataloader_num_workers=0,
-        mask_truncated_completions=False, gradient_checkpointing=False,  # TRL's default recomputes; jppo's does not
-    )
-    model = transformers.Qwen2ForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
-    trainer = TimedGRPOTrainer(
-        model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=[StepClock()],
-    )
-    trainer.train()
-    seconds = per_step_seconds(marks)
-    for record, total in zip(phases, seconds):
-        record["score_and_rest"] = record["generate_and_score"] - record["generate"] - record["old_log_prob"]
-        record["update"] = total - record.pop("generate_and_score")
-        record["step"] = total
-    return {"steps": phases[: len(seconds)], "mean_response_length": float(np.mean(lengths)) if lengths else None,
-            "torch_threads": threads}
-
-
 def _median(values: list[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def summarize(jppo_runs: list[dict], trl_runs: list[dict], first: int) -> dict:
-    """Medians over steps ``first``.. of every run, per phase and for the whole step, and the ratio."""
+def _trl_step_median(run: dict, first: int) -> Optional[float]:
+    return _median([s["step"] for s in run["steps"][first - 1:]])
+
+
+def summarize(jppo_runs: list[dict], trl_runs: list[dict], first: int, alone_runs: Sequence[dict] = ()) -> dict:
+    """Medians over steps ``first``.. of every run, per phase and for the whole step, and the ratio; with
+    ``alone_runs`` (:mod:`bench.trl_alone`, one per round) TRL's own step beside its in-harness one."""
     jppo_steps = [r for run in jppo_runs for r in run["records"] if r["step"] >= first]
     trl_steps = [s for run in trl_runs for s in run["steps"][first - 1:]]
     jppo_phases = sorted({k for r in jppo_steps for k in r if k.startswith("timing/")})
@@ -316,10 +215,17 @@ def summarize(jppo_runs: list[dict], trl_runs: list[dict], first: int) -> dict:
     theirs = {k: _median([s[k] for s in trl_steps]) for k in (trl_steps[0] if trl_steps else {})}
     ratio = theirs["step"] / ours["step"] if theirs.get("step") and ours.get("step") else None
     rounds = [{"jppo": _median([r["timing/step"] for r in j["records"] if r["step"] >= first]),
-               "trl": _median([s["step"] for s in t["steps"][first - 1:]])} for j, t in zip(jppo_runs, trl_runs)]
+               "trl": _trl_step_median(t, first)} for j, t in zip(jppo_runs, trl_runs)]
+    for entry, alone in zip(rounds, alone_runs):
+        entry["trl_alone"] = _trl_step_median(alone, first)
+    runs = {"jppo": jppo_runs, "trl": trl_runs, "trl_alone": list(alone_runs)}
     return {
         "rounds_s_per_step": rounds, "trl_torch_threads": [run.get("torch_threads") for run in trl_runs],
         "jppo_s_per_step": ours.get("step"), "trl_s_per_step": theirs.get("step"), "trl_over_jppo": ratio,
+        "trl_alone_s_per_step": _median([s["step"] for run in alone_runs for s in run["steps"][first - 1:]]),
+        "trl_alone_train_s": [run["train_s"] for run in alone_runs],
+        "omp_wait_policy": {side: [run.get("omp_wait_policy") for run in side_runs]
+                            for side, side_runs in runs.items() if side_runs},
         "jppo_phases_s": ours, "trl_phases_s": theirs,
         "jppo_first_step_s": [run["records"][0]["timing/step"] for run in jppo_runs if run["records"]],
         "trl_first_step_s": [run["steps"][0]["step"] for run in trl_runs if run["steps"]],
@@ -363,39 +269,50 @@ def describe(cfg: TrainConfig, overrides: Sequence[str]) -> dict:
     }
 
 
-def measure_shape(name: str, shape: Shape, steps: int, rounds: int) -> dict:
-    """``rounds`` alternated runs of jppo and TRL at ``shape``, ``steps`` training steps each, summarized."""
+def measure_shape(name: str, shape: Shape, steps: int, rounds: int, omp: str = "user", alone: bool = False) -> dict:
+    """``rounds`` alternated runs of jppo and TRL (and, with ``alone``, :mod:`bench.trl_alone`) at ``shape``,
+    ``steps`` training steps each, in OpenMP's ``omp`` environment (:func:`child_environment`), summarized."""
+    env = child_environment(omp)
     with tempfile.TemporaryDirectory() as scratch:
         out = pathlib.Path(scratch)
         cfg, overrides = shape_config(shape, steps, out)
         diff = check_logits(name, cfg)
-        jppo_runs, trl_runs = [], []
+        jppo_runs, trl_runs, alone_runs = [], [], []
         for index in range(rounds):  # alternated, one fresh process per run
             run_dir = out / f"jppo_{index}"
             jppo_runs.append(run_side({"side": "jppo", "overrides": overrides + [f"trainer.output_dir={run_dir}"]},
-                                      out / f"jppo_{index}.json"))
-            trl_runs.append(run_side({"side": "trl", "overrides": overrides, "steps": steps,
-                                      "out": str(out / f"trl_{index}")}, out / f"trl_{index}.json"))
+                                      out / f"jppo_{index}.json", env))
+            trl_spec = {"overrides": overrides, "steps": steps, "out": str(out / f"trl_{index}")}
+            trl_runs.append(run_side(trl_spec | {"side": "trl"}, out / f"trl_{index}.json", env))
+            if alone:
+                alone_runs.append(run_side(trl_spec | {"side": "trl_alone", "config": str(QUICKSTART_GRPO)},
+                                           out / f"trl_alone_{index}.json", env))
         shape_info = describe(cfg, overrides)
     first = MEDIAN_FROM if steps > MEDIAN_FROM else 2
-    return summarize(jppo_runs, trl_runs, first) | {
+    return summarize(jppo_runs, trl_runs, first, alone_runs) | {
         "shape": shape_info, "logits_max_abs_diff": diff, "steps": steps, "rounds": rounds, "median_from_step": first,
     }
 
 
-def run_side(spec: dict, path: pathlib.Path) -> dict:
-    """One run of ``spec["side"]`` (``jppo``: :func:`run_jppo`; ``trl``: :func:`run_trl` with torch's threads set
-    to XLA's cores) in a fresh Python process, ``python -m bench.peers --child SPEC``, its result read back from
-    ``SPEC.result``. Nothing of the other trainer (threads, heap, caches, allocations) is in that process. Its
-    output goes to this process's stderr."""
+def side_command(spec: dict, path: pathlib.Path) -> list[str]:
+    """The command line of one run: ``python -m bench.trl_alone SPEC`` or ``python -m bench.peers --child SPEC``."""
+    if spec["side"] == "trl_alone":
+        return [sys.executable, "-m", "bench.trl_alone", str(path)]
+    return [sys.executable, "-m", "bench.peers", "--child", str(path)]
+
+
+def run_side(spec: dict, path: pathlib.Path, env: dict[str, str]) -> dict:
+    """One run of ``spec["side"]`` (``jppo``: :func:`run_jppo`; ``trl``: :func:`bench.trl_side.run_trl` with
+    torch's threads set to XLA's cores; ``trl_alone``: :mod:`bench.trl_alone`) in a fresh Python process with
+    environment ``env``, its result read back from ``SPEC.result``. Nothing of the other trainer (threads, heap,
+    caches, allocations) is in that process. Its output goes to this process's stderr."""
     path.write_text(json.dumps(spec))
-    command = [sys.executable, "-m", "bench.peers", "--child", str(path)]
-    subprocess.run(command, cwd=ROOT, check=True, stdout=sys.stderr.fileno())
+    subprocess.run(side_command(spec, path), cwd=ROOT, check=True, stdout=sys.stderr.fileno(), env=env)
     return json.loads(path.with_suffix(".result").read_text())
 
 
 def child(path: pathlib.Path) -> None:
-    """The body of :func:`run_side`'s process."""
+    """The body of :func:`run_side`'s process for ``jppo`` and ``trl``."""
     spec = json.loads(path.read_text())
     cfg = load_config(QUICKSTART_GRPO, spec["overrides"])
     if spec["side"] == "jppo":
@@ -403,15 +320,16 @@ def child(path: pathlib.Path) -> None:
     else:
         match_torch_threads()
         result = run_trl(cfg, spec["steps"], pathlib.Path(spec["out"]))
+    result["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
     path.with_suffix(".result").write_text(json.dumps(result))
 
 
 def measure(quick: bool, shapes: Sequence[str] = tuple(SHAPES), steps: Optional[int] = None,
-            rounds: Optional[int] = None) -> dict:
+            rounds: Optional[int] = None, omp: str = "user", alone: bool = False) -> dict:
     """Every shape's comparison (see the module docstring); ``None`` ratios and the reason without TRL."""
     missing = trl_missing()
     table = QUICK_SHAPES if quick else SHAPES
-    result: dict = {"trl_missing": missing, "shapes": {}}
+    result: dict = {"trl_missing": missing, "shapes": {}, "omp": omp}
     if missing is None:
         import trl
 
@@ -420,11 +338,25 @@ def measure(quick: bool, shapes: Sequence[str] = tuple(SHAPES), steps: Optional[
         for name in shapes:
             result["shapes"][name] = measure_shape(
                 name, table[name], steps or (QUICK_STEPS if quick else FULL_STEPS),
-                rounds or (1 if quick else FULL_ROUNDS),
+                rounds or (1 if quick else FULL_ROUNDS), omp, alone,
             )
     ratios = {name: result["shapes"].get(name, {}).get("trl_over_jppo") for name in SHAPES}
     return result | {"e2e_vs_trl_grpo_quickstart": ratios["quickstart"],
                      "e2e_vs_trl_grpo_gsm8k_shape": ratios["gsm8k_shape"]}
+
+
+def argument_problem(args: argparse.Namespace, shapes: Sequence[str]) -> Optional[str]:
+    """What is wrong with the arguments, in one line (``None``: nothing)."""
+    unknown = [name for name in shapes if name not in SHAPES]
+    if unknown or not shapes:
+        return f"--shapes={args.shapes}: must name some of {', '.join(SHAPES)}"
+    if args.omp not in OMP_MODES:
+        return f"--omp={args.omp}: must be one of {', '.join(OMP_MODES)}"
+    if args.steps is not None and args.steps < 2:
+        return f"--steps={args.steps} must be >= 2 (a step's time is measured from the previous step's end)"
+    if args.rounds is not None and args.rounds < 1:
+        return f"--rounds={args.rounds} must be >= 1"
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -435,13 +367,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, help=f"alternated jppo/TRL runs per shape (default {FULL_ROUNDS}, quick 1)"
     )
+    parser.add_argument("--omp", default="user", help="OMP_WAIT_POLICY of the trainer processes: user (as this "
+                        "shell has it; default) or passive (bench's default for its in-process comparisons)")
+    parser.add_argument("--alone", action="store_true",
+                        help="also run TRL by itself (bench.trl_alone) after its in-harness run of every round")
     parser.add_argument("--child", type=pathlib.Path, help=argparse.SUPPRESS)  # one run_side process
     args = parser.parse_args(argv)
     if args.child is not None:
         child(args.child)
         return 0
     shapes = [name.strip() for name in args.shapes.split(",") if name.strip()]
-    result = measure(args.quick, shapes, args.steps, args.rounds)
+    problem = argument_problem(args, shapes)
+    if problem is not None:
+        print(f"bench.peers: error: {problem}", file=sys.stderr)
+        return 2
+    result = measure(args.quick, shapes, args.steps, args.rounds, args.omp, args.alone)
     print(section("peers", result))
     return 0
 

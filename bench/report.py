@@ -171,10 +171,11 @@ def _peers(result: dict) -> list[str]:
     lines = _table_section(
         "End to end vs TRL GRPOTrainer",
         f"Seconds per GRPO training step, jppo vs TRL {result['versions']['trl']} on the same exported weights, "
-        f"prompts, reward, batch and lengths, float32 on CPU (torch with {result['torch_threads']} threads); medians "
-        "of the steps after the warm-up, runs alternated.",
+        f"prompts, reward, batch and lengths, float32 on CPU (torch with {result['torch_threads']} threads, "
+        f"OMP_WAIT_POLICY {result.get('omp', 'user')}); medians of the steps after the warm-up, runs alternated; "
+        "TRL alone: bench.trl_alone, TRL's own trainer class in a process of its own (`--alone`).",
         ["shape", "model", "prompts x n", "prompt / max response (mean jppo, TRL)", "optimizer steps",
-         "logits max diff", "jppo s/step", "TRL s/step", "TRL / jppo", "first step jppo, TRL s"],
+         "logits max diff", "jppo s/step", "TRL s/step", "TRL alone s/step", "TRL / jppo", "first step jppo, TRL s"],
     )
     for name, shape in result["shapes"].items():
         s = shape["shape"]
@@ -185,7 +186,8 @@ def _peers(result: dict) -> list[str]:
             f"{s['prompt_tokens']} / {s['max_response_length']} ({lengths}) | "
             f"{s['optimizer_steps_per_training_step']} | "
             f"{shape['logits_max_abs_diff']:.1e} | {_num(shape['jppo_s_per_step'], 3)} | "
-            f"{_num(shape['trl_s_per_step'], 3)} | {_num(shape['trl_over_jppo'], 2)} | {firsts} |"
+            f"{_num(shape['trl_s_per_step'], 3)} | {_num(shape.get('trl_alone_s_per_step'), 3)} | "
+            f"{_num(shape['trl_over_jppo'], 2)} | {firsts} |"
         )
     return lines + ["", "Phases, medians (s); rest: reward, advantages, logging, ...; each run in its own process:",
                     ""] + peer_phases(result) + [""]
@@ -198,7 +200,8 @@ PEER_PHASES = {"sampling": ("rollout", "generate"), "old log-probs": ("old_log_p
 
 def peer_phases(result: dict) -> list[str]:
     """Seconds per step and per phase of each side at each shape (medians over all rounds' steps; 0 for a phase
-    a side did not run), the rest of the step, each round's median step, and TRL s / jppo s."""
+    a side did not run), the rest of the step, each round's median step (TRL's own run beside TRL's, where
+    measured), and TRL s / jppo s."""
     lines = ["| shape | side | step | " + " | ".join(PEER_PHASES) + " | rest | rounds (s/step) | TRL / jppo |",
              "|---|---|---:|" + "---:|" * len(PEER_PHASES) + "---:|---|---:|"]
     for name, shape in result["shapes"].items():
@@ -206,6 +209,9 @@ def peer_phases(result: dict) -> list[str]:
             phases, step = shape[f"{side}_phases_s"], shape[f"{side}_s_per_step"] or 0.0
             values = [phases.get(keys[index]) or 0.0 for keys in PEER_PHASES.values()]
             rounds = ", ".join(_num(r[side], 3) for r in shape.get("rounds_s_per_step", []))
+            alone = [r["trl_alone"] for r in shape.get("rounds_s_per_step", []) if "trl_alone" in r]
+            if side == "trl" and alone:
+                rounds += " (alone: " + ", ".join(_num(x, 3) for x in alone) + ")"
             ratio = _num(shape["trl_over_jppo"], 2) if index == 0 else ""
             cells = [f"{step:.3f}"] + [f"{v:.3f}" for v in values] + [f"{step - sum(values):.3f}", rounds, ratio]
             lines.append(f"| {name} | {side} | " + " | ".join(cells) + " |")

@@ -16,7 +16,10 @@ import pytest
 import torch
 from flax import nnx
 
-from bench import accelerator, async_rl, end_to_end, peers, report, run as bench_run, transfers
+import bench
+from bench import accelerator, async_rl, end_to_end, hlo_profile, peers, report, run as bench_run, transfers
+from bench import trl_alone, update_profile
+from bench.trl_side import per_step_seconds
 from jppo.config.views import old_log_prob_source
 from bench.timing import time_side_by_side
 from bench.torch_decoder import TorchCausalLM
@@ -279,19 +282,23 @@ def test_peer_gets_jppo_initial_weights_and_prompt_ids(tmp_path):
 
 
 def test_peer_step_bookkeeping():
-    assert peers.per_step_seconds([1.0, 3.0, 3.5, 6.0]) == [2.0, 0.5, 2.5]
+    assert per_step_seconds([1.0, 3.0, 3.5, 6.0]) == [2.0, 0.5, 2.5]
     jppo = [{"records": [{"step": s, "timing/step": t, "timing/rollout": t / 2} for s, t in
                          enumerate([9.0, 5.0, 1.0, 3.0], start=1)]}]
-    trl = [{"steps": [{"step": t, "generate": 1.0} for t in (7.0, 6.0, 2.0, 4.0)], "mean_response_length": 4.0}]
-    result = peers.summarize(jppo, trl, first=3)
+    trl = [{"steps": [{"step": t, "generate": 1.0} for t in (7.0, 6.0, 2.0, 4.0)], "mean_response_length": 4.0,
+            "omp_wait_policy": None}]
+    alone = [{"steps": [{"step": t} for t in (8.0, 6.0, 3.0, 5.0)], "train_s": 22.0, "omp_wait_policy": None}]
+    result = peers.summarize(jppo, trl, first=3, alone_runs=alone)
+    assert result["trl_alone_s_per_step"] == 4.0 and result["trl_alone_train_s"] == [22.0]
+    assert result["omp_wait_policy"] == {"jppo": [None], "trl": [None], "trl_alone": [None]}
     assert result["jppo_s_per_step"] == 2.0 and result["trl_s_per_step"] == 3.0  # medians of steps 3 and 4
     assert result["trl_over_jppo"] == 1.5 and result["jppo_phases_s"]["rollout"] == 1.0
     assert result["jppo_first_step_s"] == [9.0] and result["trl_first_step_s"] == [7.0]
-    assert result["rounds_s_per_step"] == [{"jppo": 2.0, "trl": 3.0}]
+    assert result["rounds_s_per_step"] == [{"jppo": 2.0, "trl": 3.0, "trl_alone": 4.0}]
     # the report's phase table: the step, its phases (0 for one a side did not run) and the rest
     table = report.peer_phases({"shapes": {"quickstart": result}})
     assert table[2] == "| quickstart | jppo | 2.000 | 1.000 | 0.000 | 0.000 | 1.000 | 2.000 | 1.50 |"
-    assert table[3] == "| quickstart | trl | 3.000 | 1.000 | 0.000 | 0.000 | 2.000 | 3.000 |  |"
+    assert table[3] == "| quickstart | trl | 3.000 | 1.000 | 0.000 | 0.000 | 2.000 | 3.000 (alone: 4.000) |  |"
 
 
 def test_peers_without_trl_reports_null_with_the_reason(monkeypatch):
@@ -299,3 +306,84 @@ def test_peers_without_trl_reports_null_with_the_reason(monkeypatch):
     result = peers.measure(quick=True)
     assert result["e2e_vs_trl_grpo_quickstart"] is None and result["e2e_vs_trl_grpo_gsm8k_shape"] is None
     assert peers.HIDE_TRL_ENV in result["trl_missing"] and result["shapes"] == {}
+
+
+@pytest.mark.parametrize("omp", ["user", "passive"])
+def test_trainer_processes_get_the_users_openmp_policy_or_passive(omp):
+    """A child started with ``bench.child_environment`` keeps the policy it was given through its own import of
+    ``bench`` (which otherwise sets PASSIVE): the user's (here whatever this shell had, maybe none) or PASSIVE."""
+    probe = "import bench, os; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = bench.child_environment(omp)
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    expected = "PASSIVE" if omp == "passive" else str(bench.user_environment().get("OMP_WAIT_POLICY"))
+    assert done.returncode == 0 and done.stdout.strip() == expected, done.stderr
+    # without the marker, importing bench sets its default for in-process comparisons
+    plain = {key: value for key, value in env.items() if key not in ("OMP_WAIT_POLICY", bench.OMP_AS_USER_ENV)}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=plain, capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "PASSIVE", done.stderr
+    with pytest.raises(ValueError, match="omp='spin'"):
+        bench.child_environment("spin")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--omp", "spin"], "--omp=spin: must be one of user, passive"),
+    (["--shapes", "gsm9k"], "--shapes=gsm9k: must name some of quickstart, gsm8k_shape"),
+    (["--steps", "1"], "--steps=1 must be >= 2"),
+    (["--rounds", "0"], "--rounds=0 must be >= 1"),
+])
+def test_peers_refuses_odd_arguments_in_one_line_before_measuring(capsys, args, message):
+    assert peers.main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench.peers: error: ") and message in lines[0], lines
+
+
+def test_trl_alone_and_update_profile_refuse_odd_arguments_in_one_line(capsys):
+    assert trl_alone.main([]) == 2
+    assert update_profile.main(["--repeats", "0"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["bench.trl_alone: error: expected one argument, the JSON spec bench.peers writes",
+                     "bench.update_profile: error: --repeats=0 must be >= 1"]
+
+
+def test_update_profile_finds_the_head_products_in_a_compiled_step_and_its_trace():
+    """A head forward + backward (logits, log-softmax, target log-prob; gradients w.r.t. h and W) compiled and
+    run under the profiler: every product is found by its sizes and has a span; torch's ops are named alike."""
+    from jax.profiler import ProfileData
+
+    tokens, hidden, vocab = 96, 40, 320  # all different, so contraction and output sizes tell the products apart
+    rng = np.random.default_rng(0)
+    h, w = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.float32), jnp.asarray(rng.normal(size=(hidden, vocab)))
+    targets = jnp.asarray(rng.integers(0, vocab, tokens))
+
+    def log_prob_sum(h, w):
+        logits = h @ w
+        return jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:, None], axis=-1))
+
+    compiled = jax.jit(jax.grad(log_prob_sum, argnums=(0, 1))).lower(h, w).compile()
+    jax.block_until_ready(compiled(h, w))
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder):
+            jax.block_until_ready(compiled(h, w))
+        path = next(pathlib.Path(folder).rglob("*.xplane.pb"))
+        thunks = hlo_profile.spans(hlo_profile.trace_events(ProfileData.from_file(str(path))))
+    seconds = hlo_profile.head_seconds(thunks, compiled.as_text(), tokens, hidden, vocab)
+    assert all(seconds[part] > 0 for part in hlo_profile.HEAD_PARTS), seconds
+    assert seconds["grad_products_overlap"] >= 0
+    dims = (tokens, hidden, vocab)
+    assert update_profile.torch_part("aten::mm", [[tokens, hidden], [hidden, vocab]], *dims) == "forward"
+    assert update_profile.torch_part("aten::mm", [[tokens, vocab], [vocab, hidden]], *dims) == "grad_hidden"
+    assert update_profile.torch_part("aten::mm", [[vocab, tokens], [tokens, hidden]], *dims) == "grad_weight"
+    assert update_profile.torch_part("aten::_log_softmax", [[2, 48, vocab], []], *dims) == "vocab_elementwise"
+    assert update_profile.torch_part("aten::mm", [[tokens, hidden], [hidden, hidden]], *dims) == "rest"
+
+
+def test_thunk_spans_reach_their_end_events_and_overlaps_are_counted_once():
+    events = [("dot", 0.0, 5.0), ("fusion", 5.0, 3.0), ("end: dot", 20.0, 0.0), ("dot", 30.0, 2.0)]
+    got = sorted(hlo_profile.spans(events), key=lambda s: s.start_ns)
+    # the first dot runs until its result is ready (its end event), the second has none: its own event
+    assert [(s.name, s.start_ns, s.end_ns) for s in got] == [("dot", 0.0, 20.0), ("fusion", 5.0, 8.0),
+                                                             ("dot", 30.0, 32.0)]
+    assert hlo_profile.overlap_s([got[0], got[2]], [got[1]]) == pytest.approx(3e-9)
+    assert hlo_profile.covered_s(got) == pytest.approx(22e-9)
