@@ -162,6 +162,32 @@ def test_a_grpo_run_with_vllm_learns_and_measures_the_engine_trainer_gap(setup, 
     assert all(m["timing/weight_push"] > 0 for m in steps)
 
 
+def test_one_step_off_policy_with_vllm_does_not_depend_on_the_thread(setup, tmp_path, monkeypatch):
+    """``trainer.off_policy_steps=1``: vLLM samples step t + 1's batch on a thread beside step t's update; the same
+    run with the generation in turn logs the same numbers, bit for bit: the schedule, not the timing, decides which
+    weights sample which batch (the module's engine serves both runs, pushed before every generation)."""
+    import jppo.run.loop as loop
+
+    def three_steps(out: pathlib.Path) -> list[dict]:
+        cfg = load_config(GRPO, VLLM + [
+            "trainer.off_policy_steps=1", "trainer.total_steps=3", "trainer.val_every=0", f"trainer.output_dir={out}",
+            "trainer.logger=[jsonl]", "trainer.plots=false", "trainer.progress_bar=false",
+        ])
+        loop.run(cfg, check_mesh(cfg, len(jax.devices())), build.load_inputs(cfg))
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        timing = ("timing/", "perf/", "async/train_wait_s", "async/rollout_wait_s")
+        return [{k: v for k, v in row.items() if not k.startswith(timing)} for row in rows]
+
+    overlap, chosen = loop.can_overlap, []
+    monkeypatch.setattr(loop, "can_overlap", lambda collector: chosen.append(overlap(collector)) or chosen[-1])
+    beside = three_steps(tmp_path / "beside")
+    monkeypatch.setattr(loop, "can_overlap", lambda collector: False)
+    in_turn = three_steps(tmp_path / "in-turn")
+    assert chosen == [True]  # vLLM in one process, no reward model: the first run generated on the thread
+    assert [row["async/staleness"] for row in beside] == [0.0, 1.0, 1.0]
+    assert beside == in_turn
+
+
 def test_bad_vllm_settings_are_one_line_before_anything_starts():
     for value in ("0.0", "1.5"):
         with pytest.raises(ConfigError, match=rf"^rollout.vllm.gpu_memory_utilization={value} is invalid: it must be "
