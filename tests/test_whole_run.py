@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
 
 import chex
 import jax
@@ -149,21 +154,45 @@ def test_an_off_policy_run_does_not_depend_on_the_mesh_or_the_thread(tmp_path, o
             np.testing.assert_allclose(a[name], value, rtol=1e-4, atol=1e-6, err_msg=f"step {step}: {name}")
 
 
-def test_an_off_policy_run_that_fails_mid_update_resumes_bitwise(tmp_path, off_policy_run, monkeypatch):
-    """The run dies in step 2's update, with step 3's rollout in flight; the checkpoint of step 1 holds the weights
-    that sample step 2's batch, so the resumed run regenerates it and logs what the uninterrupted run logged."""
+# A run killed by SIGKILL in step 2's update, step 3's rollout in flight on its thread (jppo.run.offpolicy): the
+# config and overrides come as arguments; the process's one CPU device is the 1-device mesh of off_policy_run.
+KILLED_IN_STEP_2 = textwrap.dedent(
+    """
+    import os, signal, sys
     import jppo.run.loop as loop
+    from jppo.config import check_mesh, load_config
+    from jppo.run import build
 
-    def dies_in_step_2(learner, state, experience, timer):
+    learn = loop.learn
+
+    def killed_in_step_2(learner, state, experience, timer):
         if state.steps_done + 1 == 2:
-            raise RuntimeError("killed in step 2's update")
+            os.kill(os.getpid(), signal.SIGKILL)
         return learn(learner, state, experience, timer)
 
+    loop.learn = killed_in_step_2
+    cfg = load_config(sys.argv[1], sys.argv[2:])
+    loop.run(cfg, check_mesh(cfg, 1), build.load_inputs(cfg))
+    """
+)
+
+
+def test_an_off_policy_run_killed_mid_update_resumes_bitwise(tmp_path, off_policy_run):
+    """SIGKILL in step 2's update, with step 3's rollout in flight; the checkpoint of step 1 holds the weights that
+    sample step 2's batch, so the resumed run regenerates it and logs what the uninterrupted run logged: no step
+    lost, none twice."""
+    import jppo.run.loop as loop
+
     saving = ["trainer.save_every=1", "trainer.async_checkpoint=false"]
-    monkeypatch.setattr(loop, "learn", dies_in_step_2)
-    with pytest.raises(RuntimeError, match="killed in step 2"):
-        train("grpo", tmp_path, 1, [*OFF_POLICY, *saving])
-    monkeypatch.setattr(loop, "learn", learn)
+    overrides = [*QUIET, f"trainer.output_dir={tmp_path}", "mesh.data=1", *OFF_POLICY, *saving]
+    # the suite's optimization level (inherited) and compilation cache, so the programs are the in-process ones
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               JAX_COMPILATION_CACHE_DIR=str(jax.config.jax_compilation_cache_dir))
+    env.pop("XLA_FLAGS", None)
+    killed = subprocess.run([sys.executable, "-c", KILLED_IN_STEP_2, str(CONFIGS["grpo"]), *overrides], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert [row["step"] for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == [1]
     resumed = train("grpo", tmp_path, 1, [*OFF_POLICY, *saving])
     assert without_waits(resumed) == without_waits(off_policy_run)
     other_k = load_config(CONFIGS["grpo"], [*QUIET, f"trainer.output_dir={tmp_path}", "trainer.off_policy_steps=2"])
