@@ -109,8 +109,8 @@ def test_resolved_config_round_trips(tmp_path):
         (["critic.use_dynamic_bsz=true", "critic.ppo_max_token_len=12"],
          "critic.ppo_max_token_len=12 must be >= the longest sequence, data.max_prompt_length + "
          "rollout.max_response_length = 13 tokens"),
-        (["trainer.off_policy_steps=-1"], "trainer.off_policy_steps=-1 must be an integer in [0, 4]"),
-        (["trainer.off_policy_steps=5"], "trainer.off_policy_steps=5 must be an integer in [0, 4]"),
+        (["trainer.off_policy_steps=-1"], "trainer.off_policy_steps=-1 must be in [0, 4]"),
+        (["trainer.off_policy_steps=5"], "trainer.off_policy_steps=5 must be in [0, 4]"),
         (["trainer.off_policy_steps=1", "actor.old_log_prob=rollout"],
          "actor.old_log_prob='rollout' with trainer.off_policy_steps=1: the sampler's log-probs are the behaviour"),
         (["trainer.off_policy_steps=2", "algorithm.filter_groups.enable=true", "rollout.n=2"],

@@ -322,10 +322,9 @@ def _check_trainer(cfg: TrainConfig) -> None:
 
 def _check_off_policy(cfg: TrainConfig) -> None:
     """``trainer.off_policy_steps`` in range, and nothing that needs the batch sampled by the weights it trains."""
-    k = cfg.trainer.off_policy_steps
+    k = cfg.trainer.off_policy_steps  # an integer: the typed schema refuses anything else when it loads
     key = f"trainer.off_policy_steps={k!r}"
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_OFF_POLICY_STEPS:
-        raise ConfigError(f"{key} must be an integer in [0, {MAX_OFF_POLICY_STEPS}]")
+    _within("trainer.off_policy_steps", k, 0, MAX_OFF_POLICY_STEPS)
     if not k:
         return
     if cfg.actor.old_log_prob == "rollout":
