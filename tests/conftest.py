@@ -4,7 +4,11 @@ longest test files first."""
 import os
 import pathlib
 
-import jax
+# The suite runs on the CPU. libtpu (the test extra brings it, to compile for TPU targets with compile-only devices)
+# would otherwise try to open a TPU in every process, ours and the subprocesses', and print its warnings.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 # XLA's CPU backend at its lowest optimization level: the suite's programs compile about a third faster (most of its

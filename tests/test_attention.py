@@ -152,3 +152,26 @@ def test_bad_attention_setting_is_a_one_line_config_error(overrides, message):
 def test_model_config_refuses_an_unknown_attention():
     with pytest.raises(ValueError, match="attention='flash' is invalid"):
         ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, attention="flash")
+
+
+def test_the_platform_is_that_of_the_traced_programs_mesh_not_the_hosts():
+    """A program for a TPU slice traced on this CPU host (libtpu's compile-only devices) must choose the TPU's
+    kernels: ``platform()`` reads the devices of the mesh set at trace time, and falls back to the host's backend."""
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jppo.parallel.mesh import platform
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+    mesh = Mesh(np.array(topology.devices), ("data",))
+    seen = []
+
+    def traced(x):
+        seen.append((platform(), resolve_attention("auto", x.dtype, platform(), 4096)))
+        return x
+
+    row = jax.ShapeDtypeStruct((4, 8), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec("data")))
+    with jax.set_mesh(mesh):
+        jax.jit(traced).lower(row)
+    assert seen == [("tpu", "pallas")]
+    assert platform() == "cpu"

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec
 
 from jppo.models.attention import AttentionRule
 from jppo.models.layers import attention, resolve_attention
-from jppo.parallel.mesh import SEQUENCE_AXIS, fitted_spec, sequence_shards
+from jppo.parallel.mesh import SEQUENCE_AXIS, fitted_spec, platform, sequence_shards
 
 Array = jax.Array
 
@@ -79,7 +79,7 @@ def sequence_attention(
         slots = lambda first, n: jnp.broadcast_to(first + jnp.arange(n, dtype=jnp.int32), (q.shape[0], n))  # noqa: E731
         rule = AttentionRule(query_segments, key_segments, slots(jax.lax.axis_index(SEQUENCE_AXIS) * block, block),
                              slots(0, k.shape[1]))
-        chosen = resolve_attention(implementation, q.dtype, jax.default_backend(), k.shape[1])
+        chosen = resolve_attention(implementation, q.dtype, platform(), k.shape[1])
         return attention(q, k, v, rule, "blockwise" if chosen == "pallas" else chosen, blocks)
 
     return jax.shard_map(

@@ -10,6 +10,7 @@ import jax
 from flax import nnx, struct
 
 from jppo.models.sharding import decoding_copy, logical_names
+from jppo.parallel.mesh import platform
 
 Array = jax.Array
 
@@ -52,10 +53,10 @@ CACHE_BLOCKS = {"gpu": 1, "cpu": 8, "tpu": 8}
 
 def cache_block_count(requested: int, backend: str | None = None) -> int:
     """The response cache's block count: ``requested``, or with ``0`` the :data:`CACHE_BLOCKS` entry of
-    ``backend`` (default: JAX's default backend; 8 for a backend not listed)."""
+    ``backend`` (default: the traced program's :func:`~jppo.parallel.mesh.platform`; 8 for a backend not listed)."""
     if requested:
         return requested
-    return CACHE_BLOCKS.get(backend or jax.default_backend(), 8)
+    return CACHE_BLOCKS.get(backend or platform(), 8)
 
 
 def layer_copier(layers: nnx.Module, dtype) -> Callable[[str, Array], Array]:

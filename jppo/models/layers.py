@@ -16,6 +16,7 @@ import numpy as np
 from jppo.models.attention import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, AttentionRule, blockwise_attention, wide
 from jppo.models.config import ModelConfig, RopeScaling
 from jppo.models.pallas_attention import pallas_attention
+from jppo.parallel.mesh import platform
 
 Array = jax.Array
 
@@ -120,11 +121,12 @@ def attention(
     ``implementation`` ``"xla"``/``"cudnn"`` by :func:`fused_attention`, for ``"blockwise"`` by
     :func:`~jppo.models.attention.blockwise_attention` in ``blocks = (block_q, block_kv)``, for ``"pallas"`` by
     :func:`~jppo.models.pallas_attention.pallas_attention` (the same function, to float tolerance). ``"auto"`` is
-    resolved on the default backend by :func:`resolve_attention`.
+    resolved for the traced program's platform (:func:`~jppo.parallel.mesh.platform`) by
+    :func:`resolve_attention`.
 
     ``mask`` is a dense ``[B, T, S]`` mask or, for rows in linear memory, the :class:`AttentionRule` it is built
     from; ``blockwise`` and ``pallas`` need the rule (``auto`` falls back to the reference given a dense mask)."""
-    backend = jax.default_backend()
+    backend = platform()
     requested, implementation = implementation, resolve_attention(implementation, query.dtype, backend, query.shape[1])
     is_rule = isinstance(mask, AttentionRule)
     if implementation in RULE_ONLY and not is_rule and requested == "auto":

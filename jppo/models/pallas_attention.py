@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jppo.models.attention import AttentionRule
+from jppo.parallel.mesh import platform
 
 Array = jax.Array
 
@@ -86,7 +87,7 @@ def pallas_attention(
     ``rule``'s query segments as the rows' segment ids) by the Pallas ``kernel`` (default: :func:`kernel_for` the
     backend), in interpret mode unless on its own hardware (``interpret`` overrides). ``blocks`` are the configured
     ``(block_q, block_kv)``, fitted to the kernel's tiles."""
-    backend = jax.default_backend()
+    backend = platform()
     kernel = kernel or kernel_for(backend)
     if kernel not in KERNELS:
         raise ValueError(f"Pallas attention kernel {kernel!r} is unknown; valid: {', '.join(KERNELS)}")

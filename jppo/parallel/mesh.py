@@ -115,6 +115,23 @@ def batch_spec(ndim: int = 2) -> PartitionSpec:
     return PartitionSpec(ROW_AXES, *([None] * (ndim - 1)))
 
 
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def platform() -> str:
+    """The platform of the program being traced: that of the devices of the mesh set with ``jax.set_mesh``
+    (``"tpu"``, ``"gpu"`` or ``"cpu"``), else JAX's default backend.
+
+    Read at trace time wherever a program's choice depends on the hardware (attention kernels, Pallas interpret
+    mode, cache blocks), never ``jax.default_backend()``: a program for a TPU or GPU mesh traced on a CPU host, with
+    the compile-only devices of ``jax.experimental.topologies``, must pick the target's kernels, not the host's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    if device is None:
+        return jax.default_backend()
+    return "gpu" if device.platform in GPU_PLATFORMS else device.platform
+
+
 def named(mesh: Mesh, spec: PartitionSpec) -> NamedSharding:
     return NamedSharding(mesh, spec)
 
