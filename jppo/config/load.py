@@ -19,8 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from jppo.config.schema import TrainConfig
 from jppo.core.errors import ConfigError, one_line
-from jppo.data.tokenizer import BUILTIN_PREFIX
-from jppo.models.hub import local_model_dir
+from jppo.core.inputs import BUILTIN_PREFIX
 
 # The --config help of every command line (train, eval, plan): what runs without a file.
 CONFIG_HELP = (
@@ -41,8 +40,10 @@ def resolve_sources(cfg: TrainConfig) -> TrainConfig:
     for key in MODEL_SOURCE_KEYS:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if value is None or value.startswith(BUILTIN_PREFIX):
-            continue
+        if value is None or value.startswith(BUILTIN_PREFIX) or os.path.isdir(os.path.expanduser(value)):
+            continue  # a local directory always wins (jppo.models.hub): nothing to look up
+        from jppo.models.hub import local_model_dir  # noqa: PLC0415 (a repo id: the cache's reader loads now)
+
         resolved = local_model_dir(key, value)
         if resolved != value:
             sections.setdefault(section, {})[name] = resolved

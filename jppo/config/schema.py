@@ -2,7 +2,8 @@
 
 Each section is a frozen dataclass with verl's section and key names; the values are in the units a user writes
 (``ppo_mini_batch_size`` counts prompts). Fields shared with a component's own config are declared once, in that
-component (:class:`~jppo.engine.config.ActorFields`, :class:`~jppo.models.lora.LoRAConfig`, ...), and composed here.
+component's records, in :mod:`jppo.core.settings` and :mod:`jppo.core.inputs` (:class:`~jppo.core.settings.ActorFields`,
+:class:`~jppo.core.settings.LoRAConfig`, ...), and composed here: the schema loads nothing of jppo but ``jppo.core``.
 """
 
 from __future__ import annotations
@@ -10,12 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from jppo.advantages import ADVANTAGE_ESTIMATORS
-from jppo.data import DataConfig
-from jppo.engine.config import ActorFields, CriticFields
-from jppo.models.lora import LoRAConfig
 from jppo.core.errors import InvalidSetting
-from jppo.rewards import RewardConfig
+from jppo.core.inputs import DataConfig, RewardConfig
+from jppo.core.settings import ActorFields, CriticFields, LoRAConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,6 +279,8 @@ class TrainConfig:
     def use_critic(self) -> bool:
         if self.critic.enable is not None:
             return self.critic.enable
+        from jppo.advantages import ADVANTAGE_ESTIMATORS  # noqa: PLC0415 (the registry; the schema stands alone)
+
         return ADVANTAGE_ESTIMATORS[self.algorithm.adv_estimator].needs_critic
 
     @property

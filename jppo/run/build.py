@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+import jppo.config.components  # noqa: F401 (every component's check of a config, registered before one is loaded)
 from jppo.config import RANDOM_MODEL, ConfigError, TrainConfig
 from jppo.config.views import (
     CHECKPOINT_OVERRIDES, checkpoint_overrides, engine_spec, random_model_config, reference_param_dtype,
