@@ -127,3 +127,22 @@ def test_a_command_logs_the_xla_environment_it_started_with(monkeypatch, caplog)
     logged = [record.getMessage() for record in caplog.records if record.name == "jppo.train"]
     assert "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true" in logged
     assert "LIBTPU_INIT_ARGS=(unset)" in logged
+
+
+def test_every_command_runs_the_components_checks_before_it_compiles():
+    """The components register their config checks (jppo.core.checks) and ``jppo.config`` alone loads none of
+    them: every command of a config reads it through ``cli.load_config``, which loads them all first (export reads
+    a run's config through jppo.run.export, which loads jppo.run.build, which loads them too). In a fresh process,
+    a value only a component's registered check refuses (a policy loss no module registered) ends the command in one
+    line, status 2."""
+    for command in CONFIG_COMMANDS:
+        source = (ROOT / "jppo" / f"{command}.py").read_text()
+        assert "cli.load_config(args)" in source and "load_config(" not in source.replace("cli.load_config(", ""), command
+    assert "jppo.run.build" in imported_modules(ROOT / "jppo" / "run" / "export.py")
+    assert "jppo.config.components" in imported_modules(ROOT / "jppo" / "run" / "build.py")
+    result = subprocess.run([sys.executable, "-m", "jppo.plan", "--config", str(QUICKSTART), "actor.policy_loss=nope"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "jppo.plan: error: actor.policy_loss='nope' is not valid; valid: cispo, dppo_kl, dppo_tv, dro, geo_mean, gpg, "
+        "gspo, sapo, vanilla"]

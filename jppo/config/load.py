@@ -2,8 +2,8 @@
 
 OmegaConf merges the file and the overrides onto the schema and checks keys and types; model sources given as
 Hugging Face repo ids are resolved to their cached snapshots (:func:`resolve_sources`), and
-:func:`jppo.config.check.check` then checks every value. The validator and what it imports (the components whose
-own checks it runs) load when a config is loaded, not with this module.
+:func:`jppo.config.check.check` then checks every value: its own checks, then those the loaded components registered
+(:mod:`jppo.config.components` loads them all; every command imports it before it reads a config).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def load_config(path: str | pathlib.Path | None, overrides: Sequence[str] = ()) 
         raise ConfigError(_omegaconf_message(error)) from None
     except ValueError as error:  # a section's own check (its message names the key)
         raise ConfigError(one_line(error)) from None
-    from jppo.config.check import check  # noqa: PLC0415 (the validator loads the components it checks by)
+    from jppo.config.check import check  # noqa: PLC0415 (loaded with the first config)
 
     cfg = resolve_sources(cfg)  # Hugging Face repo ids -> cached snapshot directories
     check(cfg)
