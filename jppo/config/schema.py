@@ -106,8 +106,8 @@ class RefSection:
 
 @dataclasses.dataclass(frozen=True)
 class VLLMSection:
-    """``rollout.vllm``: what ``vllm.LLM`` is started with (used only with ``rollout.engine: vllm``,
-    :mod:`jppo.rollout.vllm_engine`)."""
+    """``rollout.vllm``: what ``vllm.LLM`` is started with (read only with ``rollout.engine: vllm``, refused when set
+    with ``jppo``; :mod:`jppo.rollout.vllm_engine`)."""
 
     gpu_memory_utilization: float = 0.1  # share of accelerator memory vLLM reserves (CPU build: of host memory); (0, 1]
     kv_cache_memory_bytes: int = 0  # KV cache bytes, instead of what gpu_memory_utilization leaves; 0: derived
@@ -153,7 +153,8 @@ class RolloutSection:
     model function), or ``vllm``, one vLLM engine per process started from the policy's Hugging Face config with
     ``vllm``'s options, the policy's weights pushed into it after every update (:mod:`jppo.rollout.vllm_engine`).
     With ``vllm`` the keys ``prompt_bucket`` (shapes only), ``dtype`` and sampling keys keep their meaning;
-    ``max_num_seqs`` is jppo's sampler's (vLLM's is ``vllm.max_num_seqs``)."""
+    ``max_num_seqs`` and ``cache_blocks`` are jppo's sampler's, refused with ``vllm`` when set (vLLM's is
+    ``vllm.max_num_seqs``; it pages its own cache), and ``vllm``'s keys are refused with ``jppo``."""
 
     n: int = 1  # responses sampled per training prompt (a GRPO group)
     temperature: float = 1.0  # training rollouts' logits are divided by it (> 0); log-probs use the same T
