@@ -146,3 +146,19 @@ def test_every_command_runs_the_components_checks_before_it_compiles():
     assert result.stderr.strip().splitlines() == [
         "jppo.plan: error: actor.policy_loss='nope' is not valid; valid: cispo, dppo_kl, dppo_tv, dro, geo_mean, gpg, "
         "gspo, sapo, vanilla"]
+
+
+def test_a_config_loaded_before_the_components_is_checked_by_them_before_anything_is_built(tmp_path):
+    """A program that reads its config with ``jppo.config`` alone gets the config layer's checks; the components'
+    (here the policy loss's name) run when it builds the run's models, before anything compiles."""
+    code = (
+        "import jppo.config\n"
+        f"cfg = jppo.config.load_config({str(QUICKSTART)!r}, ['actor.policy_loss=nope', "
+        f"'trainer.output_dir={tmp_path / 'run'}'])\n"
+        "from jppo.run import build\n"
+        "try:\n    build.models(cfg, None, None)\n"
+        "except jppo.config.ConfigError as error:\n    print(error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == ("actor.policy_loss='nope' is not valid; valid: cispo, dppo_kl, dppo_tv, dro, "
+                                   "geo_mean, gpg, gspo, sapo, vanilla"), done.stderr

@@ -5,7 +5,8 @@ to resume) registers a check of the whole config here, ``@register_config_check(
 the module that knows the limit; it raises :class:`~jppo.core.errors.ConfigError` (one line naming the key and the
 value). :func:`jppo.config.check.check` runs its own checks, then every registered one, in registration order.
 A check runs when its module is loaded: every command loads them all (:mod:`jppo.config.components`) before it
-reads its config, and :mod:`jppo.run.build` loads them too, so nothing compiles on a config they have not seen.
+reads its config, and :mod:`jppo.run.build` loads them too and runs those a config loaded earlier has not passed
+(:func:`run_missing_checks`), so nothing compiles on a config they have not seen.
 
 The helpers below (:func:`choice`, :func:`positive`, :func:`within`, :func:`as_key`, :func:`check_local_dir`) word
 every check's message alike, wherever it is registered.
@@ -32,10 +33,30 @@ def register_config_check(name: str) -> Callable[[ConfigCheck], ConfigCheck]:
     return CONFIG_CHECKS.register(name)
 
 
+# the attribute of a checked config that names the registered checks it passed (not a field: not saved, not
+# compared, and a config made by dataclasses.replace starts without it)
+_CHECKED = "_config_checks_passed"
+
+
 def run_config_checks(cfg: Any) -> None:
-    """Every registered check on ``cfg``, in registration order; the first problem raises."""
+    """Every registered check on ``cfg``, in registration order; the first problem raises. The config then
+    records which checks it passed (:func:`run_missing_checks`)."""
     for check in CONFIG_CHECKS.values():
         check(cfg)
+    object.__setattr__(cfg, _CHECKED, frozenset(CONFIG_CHECKS))  # a frozen dataclass: set past its __setattr__
+
+
+def run_missing_checks(cfg: Any) -> None:
+    """The registered checks a loaded config has not passed: those of the components loaded after it was loaded
+    (a program that reads its config before it imports the run). Nothing for a config that was never loaded (made
+    in code): what it holds is its maker's."""
+    passed = getattr(cfg, _CHECKED, None)
+    if passed is None or passed >= set(CONFIG_CHECKS):
+        return
+    for name, check in CONFIG_CHECKS.items():
+        if name not in passed:
+            check(cfg)
+    object.__setattr__(cfg, _CHECKED, frozenset(CONFIG_CHECKS))
 
 
 def choice(key: str, value: str, valid: Sequence[str]) -> None:
