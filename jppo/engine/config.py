@@ -2,7 +2,8 @@
 
 What a user and the engine count alike (micro-batch sizes in sequences per batch shard, as verl's ``*_per_gpu``
 sizes; token budgets; epochs; losses; the optimizer) is declared once, in :class:`UpdateFields`,
-:class:`ActorFields` and :class:`CriticFields`. Two kinds of config add the rest to them:
+:class:`ActorFields` and :class:`CriticFields` (:mod:`jppo.core.settings`, re-exported here: the trainer's config
+composes them without loading the engine). Two kinds of config add the rest to them:
 
 - the engine's :class:`ActorConfig` and :class:`CriticConfig` (both an :class:`UpdateConfig`):
   ``ppo_mini_batch_size`` counts *sequences* (prompt + one response), and an update needs ``loss_scale_factor``;
