@@ -192,11 +192,12 @@ def _loaded_modules(code: str) -> set[str]:
 def test_loading_and_checking_a_config_loads_the_config_layer_and_core_only():
     """``import jppo.config`` and ``load_config`` of a shipped config (its every check that needs the config alone)
     load jppo, jppo.config.* and jppo.core.* only: the records the schema composes live in jppo.core, and the
-    components' checks register themselves (jppo.core.checks) where they live. Both quickstarts: one with a critic
-    (gae), one critic-free (grpo, whose ``use_critic`` asks the estimator registry only when a component does)."""
+    components' checks register themselves (jppo.core.checks) where they live. Every shipped quickstart (a critic,
+    critic-free estimators, LoRA, DAPO, multi-turn tools). A config naming a Hugging Face repo id also loads the
+    cache's reader (jppo.models.hub) to resolve it."""
     imported = _loaded_modules("import jppo.config")
-    loaded = _loaded_modules("import jppo.config\nfor name in ('quickstart', 'quickstart_grpo'):\n"
-                             "    jppo.config.load_config(f'configs/{name}.yaml')")
+    loaded = _loaded_modules("import glob, jppo.config\nfor path in sorted(glob.glob('configs/quickstart*.yaml')):\n"
+                             "    jppo.config.load_config(path)")
     allowed = lambda name: name == "jppo" or name.startswith(("jppo.config.", "jppo.core.")) or name in (
         "jppo.config", "jppo.core")
     for what, modules in (("import jppo.config", imported), ("load_config", loaded)):
