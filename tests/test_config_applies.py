@@ -8,7 +8,6 @@ import ast
 import inspect
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -82,8 +81,8 @@ def test_the_estimator_options_apply_to_the_estimators_that_take_them():
 
 
 def test_the_policy_options_apply_to_the_losses_they_change():
-    """Each policy loss's per-token loss and its gradient, with each option moved from its default: a loss listed
-    for an option changes with it, a loss not listed does not (ratios spread over [e^-1.5, e^1.5], advantages of
+    """Each policy loss's per-token loss, with each option moved from its default: a loss listed for an option
+    changes with it, a loss not listed does not (ratios spread over [e^-1.5, e^1.5], advantages of
     both signs, so every clip, gate and truncation is reached)."""
     rng = np.random.default_rng(0)
     old = jnp.asarray(np.log(rng.uniform(0.05, 0.95, (8, 16))), jnp.float32)
@@ -95,17 +94,13 @@ def test_the_policy_options_apply_to_the_losses_they_change():
              "tau_neg": 3.0, "dro_beta": 0.5}
     assert set(moved) == {field for field in PolicyLossOptions.__dataclass_fields__}
 
-    def loss_and_grad(name, options):
-        fn = POLICY_LOSSES[name]
-        total = lambda lp: jnp.sum(fn(lp, old, advantages, mask, PolicyLossOptions(**options)).loss)
-        value, grad = jax.value_and_grad(total)(new)
-        return np.asarray(value), np.asarray(grad)
+    def per_token(name, options):
+        return np.asarray(POLICY_LOSSES[name](new, old, advantages, mask, PolicyLossOptions(**options)).loss)
 
     for name in POLICY_LOSSES:
-        reference = loss_and_grad(name, base)
+        reference = per_token(name, base)
         for option, value in moved.items():
-            changed = loss_and_grad(name, {**base, option: value})
-            differs = any(not np.array_equal(a, b) for a, b in zip(reference, changed))
+            differs = not np.array_equal(reference, per_token(name, {**base, option: value}))
             listed = name in POLICY_OPTIONS[f"actor.{option}"]
             assert differs == listed, f"actor.{option} for policy_loss {name}: changes it {differs}, listed {listed}"
 
