@@ -123,7 +123,7 @@ class RewardConfig:
     function_style: str = "jppo"
     kind: str = "task"  # the scorer without reward.function: task | gsm8k | boxed | math_verify | none
     gsm8k_flexible: bool = False  # gsm8k: the last number of the response instead of the one after "####"
-    format_weight: float = 0.0  # weight of the format term added to the score (module docstring); 0: off
+    format_weight: float = 0.0  # weight of the format term added to the score (jppo.rewards.reward_fn); 0: off
     # Spread a built-in task's per-position credit over the response tokens (a dense reward that sums to the
     # score) instead of putting the whole score on the last token. Needs a task with a ``credit`` method.
     token_level: bool = False

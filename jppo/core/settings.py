@@ -62,7 +62,7 @@ class PolicyLossOptions:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutCorrection:
-    """How the policy loss corrects for the sampler's policy differing from the trainer's (module docstring).
+    """How the policy loss corrects for the sampler's policy differing from the trainer's (:mod:`jppo.losses.rollout_correction`).
 
     Attributes:
         mode: one of :data:`ROLLOUT_CORRECTION_MODES`: ``none``, truncated importance weights per token
@@ -190,8 +190,8 @@ class _PolicyLossName(UpdateFields):
 class ActorFields(PolicyLossOptions, _PolicyLossName):
     """The policy update: a registered policy loss, optional entropy bonus and KL loss to the reference, and the
     correction of the sampler/trainer mismatch (:mod:`jppo.losses.rollout_correction`). The policy loss's options
-    (``clip_ratio``, ..., ``dro_beta``) are the fields of :class:`~jppo.losses.policy.PolicyLossOptions`, declared
-    there once: a new option is a new field there."""
+    (``clip_ratio``, ..., ``dro_beta``) are the fields of :class:`PolicyLossOptions`, declared above once: a new
+    option is a new field there."""
 
     entropy_coeff: float = 0.0  # weight of the token entropy subtracted from the loss (an exploration bonus); 0: none
     use_kl_loss: bool = False  # add kl_loss_coef x the KL to the reference policy to the loss (GRPO's KL term)
