@@ -148,7 +148,8 @@ def _check_rollout(cfg: TrainConfig) -> None:
 
 
 def _check_resume(cfg: TrainConfig) -> None:
-    """``trainer.resume``: ``auto``, ``never`` or a checkpoint that is there (:func:`jppo.run.checkpoint.resolve_resume`)."""
+    """``trainer.resume``: ``auto``, ``never`` or a checkpoint that is there
+    (:func:`jppo.run.checkpoint.resolve_resume`)."""
     from jppo.run.checkpoint import resolve_resume  # noqa: PLC0415 (orbax: loaded when a config is checked)
 
     try:

