@@ -53,7 +53,9 @@ def parse_args(
 
 
 def load_config(args: argparse.Namespace):
-    """The checked, frozen config of ``--config`` and the overrides."""
+    """The checked, frozen config of ``--config`` and the overrides: the config layer's checks and every
+    component's (:mod:`jppo.config.components` registers them), before anything compiles."""
+    import jppo.config.components  # noqa: F401, PLC0415 (registers the components' checks; plot's --help needs none)
     from jppo.config import load_config as load  # noqa: PLC0415 (plot's --help reads no config)
 
     return load(args.config, args.overrides)

@@ -43,13 +43,15 @@ def this_devices_limit() -> Optional[int]:
     return stats.get("bytes_limit")
 
 
-def over_limit(plan: MemoryPlan, limit: Optional[int], source: str) -> Optional[str]:
-    """One warning line when the plan's peak exceeds ``limit`` bytes (what the allocator takes, from ``source``)."""
+def over_limit(plan: MemoryPlan, limit: Optional[int], source: str, remat: bool = False) -> Optional[str]:
+    """One warning line when the plan's peak exceeds ``limit`` bytes (what the allocator takes, from ``source``),
+    suggesting only what the config has not done yet (``remat``: ``model.remat`` is already on)."""
     if limit is None or plan.peak_bytes <= limit:
         return None
+    remedies = "shard more (mesh.fsdp) or cut smaller micro-batches" + (
+        " (model.remat is already on)" if remat else ", or turn on model.remat")
     return (f"jppo.plan: warning: the peak of {human(plan.peak_bytes)} per device exceeds the {human(limit)} JAX's "
-            f"allocator takes ({source}): expect out-of-memory; shard more (mesh.fsdp), cut smaller micro-batches, "
-            "or turn on model.remat")
+            f"allocator takes ({source}): expect out-of-memory; {remedies}")
 
 
 def table(plan: MemoryPlan) -> str:
@@ -103,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except cli.INPUT_ERRORS as error:
         return cli.fail("plan", error)
     print(json.dumps(as_json(plan) | {"allocator_bytes": limit}, indent=2) if args.json else table(plan))
-    warning = over_limit(plan, limit, source)
+    warning = over_limit(plan, limit, source, remat=cfg.model.remat)
     if warning:
         print(warning, file=sys.stderr)
     return 0

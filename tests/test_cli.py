@@ -127,3 +127,39 @@ def test_a_command_logs_the_xla_environment_it_started_with(monkeypatch, caplog)
     logged = [record.getMessage() for record in caplog.records if record.name == "jppo.train"]
     assert "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true" in logged
     assert "LIBTPU_INIT_ARGS=(unset)" in logged
+
+
+def test_every_command_runs_the_components_checks_before_it_compiles():
+    """The components register their config checks (jppo.core.checks) and ``jppo.config`` alone loads none of
+    them: every command of a config reads it through ``cli.load_config``, which loads them all first (export reads
+    a run's config through jppo.run.export, which loads jppo.run.build, which loads them too). In a fresh process,
+    a value only a component's registered check refuses (a policy loss no module registered) ends the command in one
+    line, status 2."""
+    for command in CONFIG_COMMANDS:
+        source = (ROOT / "jppo" / f"{command}.py").read_text()
+        others = source.replace("cli.load_config(", "")
+        assert "cli.load_config(args)" in source and "load_config(" not in others, command
+    assert "jppo.run.build" in imported_modules(ROOT / "jppo" / "run" / "export.py")
+    assert "jppo.config.components" in imported_modules(ROOT / "jppo" / "run" / "build.py")
+    result = subprocess.run([sys.executable, "-m", "jppo.plan", "--config", str(QUICKSTART), "actor.policy_loss=nope"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "jppo.plan: error: actor.policy_loss='nope' is not valid; valid: cispo, dppo_kl, dppo_tv, dro, geo_mean, gpg, "
+        "gspo, sapo, vanilla"]
+
+
+def test_a_config_loaded_before_the_components_is_checked_by_them_before_anything_is_built(tmp_path):
+    """A program that reads its config with ``jppo.config`` alone gets the config layer's checks; the components'
+    (here the policy loss's name) run when it builds the run's models, before anything compiles."""
+    code = (
+        "import jppo.config\n"
+        f"cfg = jppo.config.load_config({str(QUICKSTART)!r}, ['actor.policy_loss=nope', "
+        f"'trainer.output_dir={tmp_path / 'run'}'])\n"
+        "from jppo.run import build\n"
+        "try:\n    build.models(cfg, None, None)\n"
+        "except jppo.config.ConfigError as error:\n    print(error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == ("actor.policy_loss='nope' is not valid; valid: cispo, dppo_kl, dppo_tv, dro, "
+                                   "geo_mean, gpg, gspo, sapo, vanilla"), done.stderr

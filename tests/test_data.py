@@ -20,6 +20,7 @@ from jppo.data import (
     load_tokenizer,
     task_of,
 )
+from jppo.config import ConfigError, load_config
 from jppo.data import prepare_gsm8k, tasks
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -298,13 +299,19 @@ def test_reasoning_gym_errors(monkeypatch):
     [
         ({"truncation": "right"}, r"data.truncation='right' is invalid: valid values are \['error', 'left'\]"),
         ({"train_batch_size": 0}, "data.train_batch_size=0 is invalid"),
-        ({"task": "reverse"}, "data.task='reverse' is unknown; valid tasks: .*'files'"),
         ({"task": "files"}, "data.task='files' needs data.train_files"),
     ],
 )
 def test_data_config_errors(fields, message):
     with pytest.raises(ValueError, match=message):
         DataConfig(**fields)
+
+
+def test_an_unknown_task_is_refused_with_the_config():
+    """The task's name against the registry: jppo.data.tasks registers the check that load_config runs (the record,
+    in jppo.core, knows no registry)."""
+    with pytest.raises(ConfigError, match=r"^data.task='reverse' is unknown; valid tasks: .*'files'$"):
+        load_config(None, ["data.task=reverse"])
 
 
 def test_builtin_dataset_tokenizes_once_with_bos():

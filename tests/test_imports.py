@@ -41,10 +41,15 @@ def _imports(tree: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
-def _targets(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool, modules: set[str]) -> set[str]:
+def _targets(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool, modules: set[str],
+             packages: frozenset[str] = frozenset()) -> set[str]:
     """The modules of jppo that ``node`` (in ``importer``) imports: ``pkg.mod`` itself, and for ``from pkg import
-    name`` the submodule ``pkg.name`` when there is one, else ``pkg``. No edge to the parents of an imported module
-    (Python runs them, but they are not what the importer depends on)."""
+    name`` the submodule ``pkg.name`` when there is one, else ``pkg``. ``from pkg import name`` of a package (one of
+    ``packages``) also reads the package's namespace, so it depends on the package's ``__init__`` and what that
+    imports: a module that its own package's ``__init__`` imports and that imports its siblings this way closes a
+    cycle through the ``__init__`` (it works only while the half-run ``__init__`` happens to hold the name). No edge
+    to the parents of ``import pkg.mod`` or ``from pkg.mod import name`` (Python runs them, but the importer reads
+    only the module)."""
     if isinstance(node, ast.Import):
         return {alias.name for alias in node.names if alias.name in modules}
     base = node.module or ""
@@ -53,7 +58,7 @@ def _targets(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool,
         for _ in range(node.level - 1):
             package = package.rpartition(".")[0]
         base = f"{package}.{base}" if base else package
-    found = set()
+    found = {base} if base in packages else set()
     for alias in node.names:
         child = f"{base}.{alias.name}"
         if child in modules:
@@ -77,13 +82,14 @@ def import_graph() -> dict[str, set[str]]:
     """Module -> the modules of jppo it imports (itself excluded)."""
     paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
     modules = set(paths)
+    packages = frozenset(name for name, path in paths.items() if path.name == "__init__.py")
     graph = {}
     for name, path in paths.items():
         tree = ast.parse(path.read_text(), filename=str(path))
         is_package = path.name == "__init__.py"
         edges = set()
         for node in _imports(tree):
-            edges |= _targets(node, name, is_package, modules)
+            edges |= _targets(node, name, is_package, modules, packages)
         if is_package:
             edges |= {f"{name}.{child}" for child in _lazy_exports(tree)}
         graph[name] = edges - {name}
@@ -163,6 +169,11 @@ def test_the_graph_sees_imports_in_functions_and_skips_type_checking():
     components = [c for c in strongly_connected(cyclic) if len(c) > 1]
     assert components == [["jppo.a", "jppo.b", "jppo.c"]]
     assert a_cycle(cyclic, components[0]) == ["jppo.a", "jppo.b", "jppo.c", "jppo.a"]
+    # a sibling taken from its package's namespace depends on the package's __init__ (which may import the importer)
+    sibling = ast.parse("from jppo.p import b\nimport jppo.p.c as c\n")
+    modules, packages = {"jppo", "jppo.p", "jppo.p.a", "jppo.p.b", "jppo.p.c"}, frozenset({"jppo", "jppo.p"})
+    found = set().union(*(_targets(node, "jppo.p.a", False, modules, packages) for node in _imports(sibling)))
+    assert found == {"jppo.p", "jppo.p.b", "jppo.p.c"}
 
 
 def test_no_import_cycle_between_modules():
@@ -171,37 +182,45 @@ def test_no_import_cycle_between_modules():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
 
 
-# What ``import jppo.config`` may load besides the config layer itself (jppo.config, .schema, .load), and why:
-CONFIG_LAYER_IMPORTS = {
-    # what the schema composes: a component's own config dataclass and what its module imports
-    "jppo.data", "jppo.data.datasets", "jppo.data.tasks", "jppo.data.tokenizer",  # DataConfig
-    "jppo.rewards", "jppo.rewards.adapters", "jppo.rewards.overlong", "jppo.rewards.plugin",  # RewardConfig
-    "jppo.rewards.reward_fn", "jppo.rewards.rules", "jppo.rewards.verify",
-    "jppo.engine", "jppo.engine.config",  # ActorFields, CriticFields (jppo.engine exports lazily)
-    "jppo.models", "jppo.models.lora", "jppo.models.config", "jppo.models.sharding",  # LoRAConfig
-    "jppo.models.families",  # ModelConfig.family: the registered families (plain records, no arrays)
-    "jppo.parallel", "jppo.parallel.mesh",  # the logical axes LoRA's adapters are placed with
-    # ActorFields.rollout_correction: jppo.losses' package loads every loss term with it (layer 1, pure math)
-    "jppo.losses", "jppo.losses.actor", "jppo.losses.aggregate", "jppo.losses.entropy", "jppo.losses.kl",
-    "jppo.losses.policy", "jppo.losses.rollout_correction", "jppo.losses.value",
-    # TrainConfig.use_critic asks the estimator registry (layer 1)
-    "jppo.advantages", "jppo.advantages.estimate", "jppo.advantages.group", "jppo.advantages.registry",
-    "jppo.advantages.returns",
-    # the loader: model sources given as Hugging Face repo ids are resolved to local snapshots
-    "jppo.models.hub",
-}
+def _loaded_modules(code: str) -> set[str]:
+    """The jppo modules a fresh interpreter holds after running ``code`` (no other test's imports count)."""
+    code += "\nimport sys; print(' '.join(sorted(m for m in sys.modules if m.startswith('jppo'))))"
+    return set(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.split())
 
 
-def test_importing_the_config_loads_the_config_layer_only():
-    """``import jppo.config`` loads the schema and the loader, what the schema composes and what those modules
-    import (:data:`CONFIG_LAYER_IMPORTS`, with the reason of each), and jppo.core: not the validator nor the views
-    (they load when a config is loaded and checked), nor any module of jppo.run, jppo.rollout, jppo.runlog, the
-    update engine's programs or the decoder. A fresh interpreter, so no other test's imports count."""
-    code = "import jppo.config, sys; print(' '.join(sorted(m for m in sys.modules if m.startswith('jppo'))))"
-    loaded = set(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.split())
-    config_layer = {"jppo", "jppo.config", "jppo.config.schema", "jppo.config.load"}
-    core = {name for name in import_graph() if name == "jppo.core" or name.startswith("jppo.core.")}
-    unexpected = sorted(loaded - config_layer - core - CONFIG_LAYER_IMPORTS)
-    assert not unexpected, f"import jppo.config loads {len(loaded)} modules, beyond the config layer: {unexpected}"
-    assert config_layer <= loaded
+def test_loading_and_checking_a_config_loads_the_config_layer_and_core_only():
+    """``import jppo.config`` and ``load_config`` of a shipped config (its every check that needs the config alone)
+    load jppo, jppo.config.* and jppo.core.* only: the records the schema composes live in jppo.core, and the
+    components' checks register themselves (jppo.core.checks) where they live. Every shipped quickstart (a critic,
+    critic-free estimators, LoRA, DAPO, multi-turn tools). A config naming a Hugging Face repo id also loads the
+    cache's reader (jppo.models.hub) to resolve it."""
+    imported = _loaded_modules("import jppo.config")
+    loaded = _loaded_modules("import glob, jppo.config\nfor path in sorted(glob.glob('configs/quickstart*.yaml')):\n"
+                             "    jppo.config.load_config(path)")
+    allowed = lambda name: name == "jppo" or name.startswith(("jppo.config.", "jppo.core.")) or name in (
+        "jppo.config", "jppo.core")
+    for what, modules in (("import jppo.config", imported), ("load_config", loaded)):
+        beyond = sorted(name for name in modules if not allowed(name))
+        assert not beyond, f"{what} loads {len(modules)} modules, beyond the config layer and core: {beyond}"
+    assert {"jppo.config.load", "jppo.config.schema"} <= imported
+    assert {"jppo.config.check", "jppo.core.checks"} <= loaded
+    assert "jppo.config.components" not in loaded  # the components' checks load with the components
+
+
+def test_every_component_check_is_loaded_by_every_command():
+    """What registers a check of a config is imported by :mod:`jppo.config.components`, which every command
+    loads before it reads its config (``cli.load_config``) and ``jppo.run.build`` loads with the models."""
+    graph = import_graph()
+    registering = {name for name, path in ((module_name(p), p) for p in PACKAGE.rglob("*.py"))
+                   if "@register_config_check(" in path.read_text() and name != "jppo.core.checks"}
+    assert registering >= {"jppo.config.components", "jppo.data.tasks", "jppo.rewards.reward_fn",
+                           "jppo.run.compile_cache", "jppo.run.dynamic_sampling", "jppo.runlog"}
+    reached, frontier = set(), ["jppo.config.components"]
+    while frontier:
+        node = frontier.pop()
+        if node not in reached:
+            reached.add(node)
+            frontier.extend(graph[node])
+    assert registering <= reached, f"not loaded with the components' checks: {sorted(registering - reached)}"
+    assert "jppo.config.components" in graph["jppo.cli"] and "jppo.config.components" in graph["jppo.run.build"]

@@ -29,6 +29,7 @@ from jppo.rewards import REWARD_KINDS, RewardConfig, build_credit_fn, build_rewa
 from jppo.rollout.env import BUILTIN_ENVS, load_env
 from jppo.advantages.estimate import compute_advantages
 from jppo.runlog import SINKS, RunLogger, sinks
+import jppo.config.components  # noqa: F401 (the components' checks of a config, as every command loads them)
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 REGISTRIES = (POLICY_LOSSES, ADVANTAGE_ESTIMATORS, BUILTIN_ENVS, BUILTIN_TASKS, REWARD_KINDS, SINKS, MODEL_FAMILIES)
@@ -172,8 +173,11 @@ def test_a_reward_kind_registered_in_its_file_scores_and_has_a_format():
     cfg = load_config(QUICKSTART, ["reward.kind=length", "reward.format_weight=10", "reward.token_level=false"])
     reward = build_reward_fn(cfg.reward, None)
     np.testing.assert_array_equal(reward(["ab.", "abc"], [Example("", "")] * 2, [True, True]), [13.0, 3.0])
+    # the registry's names are checked with the config (jppo.rewards.reward_fn registers the check) and at use
     with pytest.raises(ValueError, match=r"^reward.kind='nope' is invalid: valid kinds are \['task', .*, 'length'\]$"):
-        RewardConfig(kind="nope")
+        load_config(QUICKSTART, ["reward.kind=nope"])
+    with pytest.raises(ValueError, match=r"^reward.kind='nope' is invalid: valid kinds are \['task', .*, 'length'\]$"):
+        build_reward_fn(RewardConfig(kind="nope"), None)
 
 
 def test_every_module_of_the_sinks_package_is_loaded_and_registers_the_sink_it_is_named_after():

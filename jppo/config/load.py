@@ -2,8 +2,8 @@
 
 OmegaConf merges the file and the overrides onto the schema and checks keys and types; model sources given as
 Hugging Face repo ids are resolved to their cached snapshots (:func:`resolve_sources`), and
-:func:`jppo.config.check.check` then checks every value. The validator and what it imports (the components whose
-own checks it runs) load when a config is loaded, not with this module.
+:func:`jppo.config.check.check` then checks every value: its own checks, then those the loaded components registered
+(:mod:`jppo.config.components` loads them all; every command imports it before it reads a config).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from jppo.config.schema import TrainConfig
 from jppo.core.errors import ConfigError, one_line
-from jppo.data.tokenizer import BUILTIN_PREFIX
-from jppo.models.hub import local_model_dir
+from jppo.core.inputs import BUILTIN_PREFIX
 
 # The --config help of every command line (train, eval, plan): what runs without a file.
 CONFIG_HELP = (
@@ -41,8 +40,10 @@ def resolve_sources(cfg: TrainConfig) -> TrainConfig:
     for key in MODEL_SOURCE_KEYS:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if value is None or value.startswith(BUILTIN_PREFIX):
-            continue
+        if value is None or value.startswith(BUILTIN_PREFIX) or os.path.isdir(os.path.expanduser(value)):
+            continue  # a local directory always wins (jppo.models.hub): nothing to look up
+        from jppo.models.hub import local_model_dir  # noqa: PLC0415 (a repo id: the cache's reader loads now)
+
         resolved = local_model_dir(key, value)
         if resolved != value:
             sections.setdefault(section, {})[name] = resolved
@@ -114,7 +115,7 @@ def load_config(path: str | pathlib.Path | None, overrides: Sequence[str] = ()) 
         raise ConfigError(_omegaconf_message(error)) from None
     except ValueError as error:  # a section's own check (its message names the key)
         raise ConfigError(one_line(error)) from None
-    from jppo.config.check import check  # noqa: PLC0415 (the validator loads the components it checks by)
+    from jppo.config.check import check  # noqa: PLC0415 (loaded with the first config)
 
     cfg = resolve_sources(cfg)  # Hugging Face repo ids -> cached snapshot directories
     check(cfg)

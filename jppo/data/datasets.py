@@ -21,101 +21,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from jppo.data.tasks import BUILTIN_TASKS, REASONING_GYM_PREFIX, SPLITS, Example, Task, get_task
+# declared in core: the trainer's config composes DataConfig
+from jppo.core.inputs import (  # noqa: F401 (re-exported)
+    FILES_TASK, RESERVED_TEMPLATE_VARIABLES, TRUNCATIONS, DataConfig, Files, check_template_kwargs, file_list,
+)
+from jppo.data.tasks import SPLITS, Example, Task, get_task
 from jppo.data.tokenizer import Tokenizer
-
-TRUNCATIONS = ("error", "left")
-FILES_TASK = "files"
-# Variables of the chat template that jppo sets itself (the messages, and the assistant header it always adds).
-RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt")
-
-Files = Union[str, list, None]  # "a.jsonl", "a.jsonl,b.jsonl" or ["a.jsonl", "b.jsonl"]
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """Where prompts come from and how they are batched (verl's ``data`` section names where they exist).
-
-    ``seed`` seeds the generated examples of built-in and reasoning-gym tasks (the shuffle seed is the one given
-    to :meth:`PromptDataset.batch_at`). ``max_prompt_length`` counts tokens after the chat template; a longer
-    prompt is an error at load time, or with ``truncation: left`` loses its first tokens.
-    """
-
-    task: str = "reverse_digits"  # a built-in task, "reasoning_gym:<dataset>", or "files" (train_files/val_files)
-    train_files: Any = None  # Files: one path, "a.jsonl,b.jsonl", or a list of paths
-    val_files: Any = None  # the held-out prompts of task "files", given as train_files is
-    prompt_key: str = "prompt"  # a file row's prompt column (dotted for a nested one): a string or chat messages
-    answer_key: str = "answer"  # a file row's answer column (dotted, e.g. reward_model.ground_truth)
-    train_batch_size: int = 32  # prompts per training step (each sampled rollout.n times)
-    val_batch_size: int = 64  # prompts per validation batch
-    num_train_examples: int = 20000  # examples a generated task draws for training (not used by "files")
-    num_val_examples: int = 256  # held-out examples a generated task draws
-    max_prompt_length: int = 32
-    truncation: str = "error"  # a prompt over max_prompt_length: "error" at load time, or "left" drops its first tokens
-    apply_chat_template: bool = False  # wrap each prompt in the tokenizer's chat template (a string as a user turn)
-    apply_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # variables of the chat template
-    shuffle: bool = True  # a new order of the training prompts every epoch (validation keeps the stored order)
-    seed: int = 0
-    task_options: dict = dataclasses.field(default_factory=dict)  # the task's own options (reverse_digits: min_len)
-
-    def __post_init__(self) -> None:
-        if self.truncation not in TRUNCATIONS:
-            raise ValueError(f"data.truncation={self.truncation!r} is invalid: valid values are {list(TRUNCATIONS)}")
-        positive = ("train_batch_size", "val_batch_size", "num_train_examples", "num_val_examples", "max_prompt_length")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"data.{name}={value!r} is invalid: it must be an integer >= 1")
-        known = self.task in (FILES_TASK, *BUILTIN_TASKS) or self.task.startswith(REASONING_GYM_PREFIX)
-        if not known:
-            raise ValueError(
-                f"data.task={self.task!r} is unknown; valid tasks: {sorted(BUILTIN_TASKS)}, "
-                f"'{REASONING_GYM_PREFIX}<dataset>', '{FILES_TASK}'"
-            )
-        for key in ("train_files", "val_files"):
-            file_list(getattr(self, key), f"data.{key}")
-        if self.task == FILES_TASK and not file_list(self.train_files, "data.train_files"):
-            raise ValueError(
-                "data.task='files' needs data.train_files (a JSONL or Parquet path, or a list of paths)"
-            )
-        check_template_kwargs(self.apply_chat_template_kwargs, self.apply_chat_template)
-
-
-def file_list(files: Files, key: str) -> list[str]:
-    """The paths of a ``train_files``/``val_files`` value, in order: a string is split at commas, a list is taken
-    item by item (each a string); anything else is an error naming ``key``."""
-    if files is None:
-        return []
-    if isinstance(files, str):
-        return [path.strip() for path in files.split(",") if path.strip()]
-    if isinstance(files, (list, tuple)):
-        for item in files:
-            if not isinstance(item, str) or not item.strip():
-                raise ValueError(f"{key}={list(files)!r} is invalid: every item of the list must be a file path")
-        return [item.strip() for item in files]
-    raise ValueError(
-        f"{key}={files!r} is invalid: give a path, comma-separated paths, or a list of paths (not a "
-        f"{type(files).__name__})"
-    )
-
-
-def check_template_kwargs(kwargs: Any, apply_chat_template: bool) -> None:
-    """The extra chat-template variables must be a mapping with string keys that jppo does not set itself, and
-    only given when the template is applied."""
-    key = "data.apply_chat_template_kwargs"
-    if not isinstance(kwargs, dict):
-        raise ValueError(f"{key}={kwargs!r} is invalid: it must be a mapping of template variables")
-    for name in kwargs:
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"{key} has the key {name!r}: template variable names must be identifiers")
-        if name in RESERVED_TEMPLATE_VARIABLES:
-            raise ValueError(f"{key} sets {name!r}, which jppo sets itself; remove it")
-    if kwargs and not apply_chat_template:
-        raise ValueError(f"{key}={kwargs!r} needs data.apply_chat_template=true (there is no template to give it)")
 
 
 def task_of(cfg: DataConfig) -> Optional[Task]:

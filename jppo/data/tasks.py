@@ -27,10 +27,12 @@ import re
 import zlib
 from typing import Any, Callable, Optional, Protocol
 
+from jppo.core.checks import register_config_check
+from jppo.core.errors import ConfigError
+from jppo.core.inputs import FILES_TASK, REASONING_GYM_PREFIX
 from jppo.core.registry import Registry
 
 SPLITS = ("train", "val")
-REASONING_GYM_PREFIX = "reasoning_gym:"
 # The built-in tasks by name: each task class registers itself with ``@BUILTIN_TASKS.register(name)``.
 BUILTIN_TASKS: Registry[type[Task]] = Registry(
     "task",
@@ -38,6 +40,21 @@ BUILTIN_TASKS: Registry[type[Task]] = Registry(
         f"data.task={name!r} is unknown; valid tasks: {sorted(names)}, '{REASONING_GYM_PREFIX}<dataset>'"
     ),
 )
+
+
+@register_config_check("data.task")
+def check_task_name(cfg) -> None:
+    """``data.task`` is a built-in task, ``reasoning_gym:<dataset>`` or ``files``; a generated task without
+    ``model.path`` needs a tokenizer unless it is built in (its character vocabulary)."""
+    task = cfg.data.task
+    if not (task in (FILES_TASK, *BUILTIN_TASKS) or task.startswith(REASONING_GYM_PREFIX)):
+        raise ConfigError(f"data.task={task!r} is unknown; valid tasks: {sorted(BUILTIN_TASKS)}, "
+                          f"'{REASONING_GYM_PREFIX}<dataset>', '{FILES_TASK}'")
+    if cfg.model.path is None and cfg.model.tokenizer is None and task not in BUILTIN_TASKS:
+        raise ConfigError(f"model.tokenizer is required for data.task={task!r} without model.path (built-in "
+                          f"vocabularies exist for: {', '.join(BUILTIN_TASKS)})")
+
+
 _HELD_OUT_MODULUS = 10  # one prompt in ten is reserved for validation
 _MAX_DRAWS_PER_EXAMPLE = 100  # a split holding under ~1% of a task's prompts is an error, not an endless loop
 

@@ -62,6 +62,7 @@ import jax.numpy as jnp
 from jppo.core import metrics as metrics_lib
 from jppo.core.errors import InvalidSetting
 from jppo.core.registry import Registry
+from jppo.core.settings import PolicyLossOptions  # declared in core: the trainer's config composes it
 from jppo.losses.aggregate import agg_loss, check_mode
 from jppo.core.masked import NormStats, masked_mean, select_valid
 
@@ -73,46 +74,6 @@ _LOG_RATIO_BOUND = 20.0
 _GSPO_LOG_RATIO_MAX = 10.0
 # DPPO-KL's binary KL divides 1 - p_old by 1 - p; this keeps p = 1 finite (part of the definition).
 _BINARY_KL_EPS = 1e-8
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyLossOptions:
-    """Static options of the policy-loss variants (hashable, so usable as a ``jit`` static argument).
-
-    Attributes:
-        clip_ratio: default of both clip ratios (PPO epsilon; DPPO's divergence threshold).
-        clip_ratio_low: ``eps_lo``; ``None`` uses ``clip_ratio``.
-        clip_ratio_high: ``eps_hi``; ``None`` uses ``clip_ratio``.
-        clip_ratio_c: dual-clip bound of ``vanilla`` (must be > 1); ratio truncation of DPPO.
-        tau_pos: SAPO gate temperature for positive advantages.
-        tau_neg: SAPO gate temperature for non-positive advantages.
-        dro_beta: DRO's quadratic log-ratio penalty (required, > 0, by ``dro``).
-    """
-
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float = 3.0
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
-    dro_beta: float | None = None
-
-    @classmethod
-    def create(cls, **options: float | None) -> PolicyLossOptions:
-        """Builds options from keyword arguments; an unknown name raises ``ValueError`` listing the valid ones."""
-        valid = [field.name for field in dataclasses.fields(cls)]
-        unknown = sorted(set(options) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown policy loss option(s) {', '.join(unknown)}; valid options: {', '.join(valid)}")
-        return cls(**options)
-
-    @property
-    def low(self) -> float:
-        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
-
-    @property
-    def high(self) -> float:
-        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
 
 class PerToken(NamedTuple):

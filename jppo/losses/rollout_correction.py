@@ -43,49 +43,21 @@ With ``seq_rs`` / ``geo_rs`` these cover the kept rows, and collection reports `
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
 from jppo.core import metrics as metrics_lib
-from jppo.core.errors import InvalidSetting
 from jppo.core.masked import masked_mean, masked_sum, select_valid
+# declared in core: the trainer's config composes them
+from jppo.core.settings import REJECTION_MODES, ROLLOUT_CORRECTION_MODES, RolloutCorrection  # noqa: F401
 
 Array = jax.Array
 
-ROLLOUT_CORRECTION_MODES: tuple[str, ...] = ("none", "token_tis", "seq_tis", "geo_tis", "seq_rs", "geo_rs", "geo_mask")
-# the modes that remove rows from the batch at collection, and how each aggregates a row's log-ratios
-REJECTION_MODES: tuple[str, ...] = ("seq_rs", "geo_rs")
 _ROW_LEVEL = {"seq_tis": "seq", "geo_tis": "geo", "seq_rs": "seq", "geo_rs": "geo", "geo_mask": "geo"}
 # exp(20) ~ 5e8: keeps the token ratio finite (the same bound as the policy losses' log-ratio clamp).
 _LOG_RATIO_BOUND = 20.0
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutCorrection:
-    """How the policy loss corrects for the sampler's policy differing from the trainer's (module docstring).
-
-    Attributes:
-        mode: one of :data:`ROLLOUT_CORRECTION_MODES`: ``none``, truncated importance weights per token
-            (``token_tis``), sequence (``seq_tis``) or geometric mean (``geo_tis``), rows rejected outside
-            ``[1/tau, tau]`` (``seq_rs``, ``geo_rs``) or given no policy gradient (``geo_mask``).
-        threshold: ``tau``: the truncation of the TIS weights (> 0), or the acceptance band ``[1/tau, tau]`` of
-            the rejection modes (> 1). Unused by ``none``.
-    """
-
-    mode: str = "none"
-    threshold: float = 2.0
-
-    def check(self) -> None:
-        """:class:`~jppo.core.errors.InvalidSetting` naming the first setting the mode cannot use."""
-        if self.mode not in ROLLOUT_CORRECTION_MODES:
-            raise InvalidSetting("rollout_correction.", "mode", self.mode, f"one of {', '.join(ROLLOUT_CORRECTION_MODES)}")
-        if self.mode in REJECTION_MODES + ("geo_mask",) and not self.threshold > 1:
-            raise InvalidSetting("rollout_correction.", "threshold", self.threshold, f"> 1 for mode {self.mode!r}")
-        if self.mode in ("token_tis", "seq_tis", "geo_tis") and not self.threshold > 0:
-            raise InvalidSetting("rollout_correction.", "threshold", self.threshold, f"> 0 for mode {self.mode!r}")
 
 
 def _bounded_exp(log_ratio: Array) -> Array:

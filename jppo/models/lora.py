@@ -17,7 +17,6 @@ layout): ``A = lora_A.weight^T`` and ``B = lora_B.weight^T``; the merged Hugging
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import pathlib
@@ -28,56 +27,11 @@ import numpy as np
 from flax import nnx
 
 from jppo.core.errors import InvalidSetting
+from jppo.core.settings import LORA_TARGETS, LoRAConfig  # declared in core: the trainer's config composes them
 from jppo.models.config import ModelConfig
 from jppo.models.sharding import param_shardings
 
 Array = jax.Array
-
-# projection -> (jppo kernel attribute, Hugging Face module path within a layer)
-LORA_TARGETS: dict[str, str] = {
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj",
-    "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class LoRAConfig:
-    """``rank`` 0 turns LoRA off (the whole model trains); ``rank >= 1`` trains only adapters on
-    ``target_modules`` (Hugging Face projection names), scaled by ``alpha / rank``. ``dropout`` must be 0."""
-
-    rank: int = 0
-    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (> 0)
-    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
-    dropout: float = 0.0
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    def check(self) -> None:
-        """:class:`InvalidSetting` for the first setting the adapters cannot use."""
-        if not isinstance(self.rank, int) or self.rank < 0:
-            raise InvalidSetting("lora.", "rank", self.rank, ">= 1 (0: LoRA off)")
-        if not self.alpha > 0:
-            raise InvalidSetting("lora.", "alpha", self.alpha, "> 0")
-        unknown = [name for name in self.target_modules if name not in LORA_TARGETS]
-        if unknown or not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
-            raise InvalidSetting(
-                "lora.", "target_modules", list(self.target_modules),
-                f"a non-empty list of distinct names among {', '.join(LORA_TARGETS)}",
-            )
-        if self.dropout != 0:
-            raise InvalidSetting("lora.", "dropout", self.dropout, "0 (dropout on adapters is not implemented)")
-
 
 def check_fits(lora: LoRAConfig, config: ModelConfig) -> None:
     """:class:`InvalidSetting` when ``rank`` exceeds the narrowest side of a target kernel (such an adapter is no

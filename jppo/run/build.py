@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+import jppo.config.components  # noqa: F401 (every component's check of a config, registered before one is loaded)
 from jppo.config import RANDOM_MODEL, ConfigError, TrainConfig
+from jppo.core.checks import run_missing_checks
 from jppo.config.views import (
     CHECKPOINT_OVERRIDES, checkpoint_overrides, engine_spec, random_model_config, reference_param_dtype,
     sampling_config, tokenizer_spec,
@@ -194,6 +196,7 @@ def models(
     policy's backbone, before the policy's adapters), each role's adapters, and the KL reference when the config
     uses one and ``reference``. ``seed``: what the random weights are drawn from (default ``trainer.seed``; a
     checkpoint's models: the seed it records), with the offsets :data:`ADAPTER_SEED_OFFSETS`."""
+    run_missing_checks(cfg)  # a config loaded before the components' checks were: theirs, before anything compiles
     seed = cfg.trainer.seed if seed is None else seed
     policy = build_policy(cfg, tokenizer, mesh, seed)
     critic_model = build_critic(cfg, policy, mesh, seed) if cfg.use_critic and "critic" in roles else None

@@ -30,6 +30,7 @@ from typing import Mapping, Optional
 
 import jax
 
+from jppo.core.checks import as_key, check_local_dir, register_config_check
 from jppo.core.errors import InvalidSetting
 
 AUTO = "auto"
@@ -72,6 +73,18 @@ def folder(setting: str) -> pathlib.Path:
     if not setting.strip() or not path.is_absolute():
         raise InvalidSetting("trainer.", "compilation_cache", setting, VALID)
     return path
+
+
+@register_config_check("trainer.compilation_cache")
+def check_setting(cfg) -> None:
+    """``trainer.compilation_cache``: ``auto``, ``off`` (or one of their spellings) or an absolute local folder the
+    run can create (:func:`folder`)."""
+    value = cfg.trainer.compilation_cache
+    if normalize(value) in (AUTO, OFF):
+        return
+    with as_key({}, prefix="trainer."):
+        folder(value)
+    check_local_dir("trainer.compilation_cache", value)
 
 
 def plan(setting: Optional[str], configured: Optional[str], environ: Mapping[str, str]) -> CachePlan:

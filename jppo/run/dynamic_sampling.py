@@ -16,9 +16,15 @@ import dataclasses
 
 import numpy as np
 
+from jppo.core.checks import choice, register_config_check
 from jppo.core.experience import Experience
 
 FILTER_METRICS = ("reward", "score")
+
+
+@register_config_check("algorithm.filter_groups.metric")
+def check_metric(cfg) -> None:
+    choice("algorithm.filter_groups.metric", cfg.algorithm.filter_groups.metric, FILTER_METRICS)
 
 
 class DynamicSamplingError(RuntimeError):

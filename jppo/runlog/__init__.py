@@ -35,6 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
+from jppo.core.checks import choice, register_config_check
+from jppo.core.errors import ConfigError
 from jppo.core.paths import is_remote, run_path
 from jppo.runlog.sinks import SINKS, SinkRun  # every sink, registered
 from jppo.runlog.sinks.jsonl import GENERATIONS_DIR, METRICS_FILE, read_metrics
@@ -43,6 +45,22 @@ from jppo.runlog.sinks.wandb import WANDB_FILES_DIR, WANDB_ID_FILE, import_wandb
 
 RESUMED_FILES = (METRICS_FILE, WANDB_ID_FILE)  # what a sink reads back when a run resumes
 DEFAULT_SINKS = ("console", "jsonl", "tensorboard")
+
+
+@register_config_check("trainer.logger")
+def check_sinks(cfg) -> None:
+    """``trainer.logger``: known sink names, each once; ``wandb`` only where its package imports (an optional
+    extra)."""
+    sinks = cfg.trainer.logger
+    for name in sinks:
+        choice("trainer.logger", name, SINKS)
+    if len(set(sinks)) < len(sinks):
+        raise ConfigError(f"trainer.logger={list(sinks)!r} names a sink twice")
+    if "wandb" in sinks:
+        try:
+            import_wandb()
+        except ImportError as error:
+            raise ConfigError(f"trainer.logger={list(sinks)!r}: {error}") from None
 
 
 class RunLogger:
