@@ -7,6 +7,9 @@ import pathlib
 # The suite runs on the CPU. libtpu (the test extra brings it, to compile for TPU targets with compile-only devices)
 # would otherwise try to open a TPU in every process, ours and the subprocesses', and print its warnings.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu takes a lock file per machine; the two test workers (and any other process compiling for a TPU target on
+# this host) only compile, never open a TPU, so they may hold libtpu at once.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 
