@@ -30,6 +30,7 @@ from flax import nnx
 from jppo.core.errors import InvalidSetting
 from jppo.models.config import ModelConfig
 from jppo.models.sharding import param_shardings
+from jppo.parallel.hostlocal import placed
 
 Array = jax.Array
 
@@ -139,7 +140,7 @@ def attach_lora(model: nnx.Module, lora: LoRAConfig, seed: int) -> nnx.Module:
     sharding = None if isinstance(kernel, jax.core.Tracer) else kernel.sharding  # traced: an abstract model
     if isinstance(sharding, jax.sharding.NamedSharding):
         state = nnx.state(adapters)
-        nnx.update(adapters, jax.device_put(state, param_shardings(state, sharding.mesh)))
+        nnx.update(adapters, placed(state, param_shardings(state, sharding.mesh)))
     layers.lora = nnx.data(adapters)
     return model
 

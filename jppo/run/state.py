@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jppo.engine import TrainState
 from jppo.engine.optim import accumulator_dtype
+from jppo.parallel.hostlocal import placed
 from jppo.rewards.kl_penalty import KLControlState
 
 
@@ -63,7 +64,7 @@ def init_run_state(
         step=jnp.zeros((), jnp.int32),
         rng=jax.random.key_data(jax.random.key(seed)),
     )
-    return RunState(actor=actor, critic=critic, behind=behind, **jax.device_put(scalars, replicated))
+    return RunState(actor=actor, critic=critic, behind=behind, **placed(scalars, replicated))
 
 
 def advance(state: RunState, **changes) -> RunState:
@@ -71,7 +72,7 @@ def advance(state: RunState, **changes) -> RunState:
     they replace."""
 
     def like(old: jax.Array, new) -> jax.Array:
-        return jax.device_put(jnp.asarray(new, old.dtype), old.sharding)
+        return placed(jnp.asarray(new, old.dtype), old.sharding)
 
     fixed = {}
     for name, value in changes.items():
