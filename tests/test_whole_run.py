@@ -199,3 +199,62 @@ def test_an_off_policy_run_killed_mid_update_resumes_bitwise(tmp_path, off_polic
     with pytest.raises(ConfigError, match=r"^trainer.off_policy_steps=2: checkpoint .* was written with "
                                           r"trainer.off_policy_steps=1 \(resume with that, or trainer.resume=never\)$"):
         loop.plan_resume(other_k, tmp_path / "checkpoints")  # its queue holds 1 batch's weights, k=2 needs 2
+
+
+# Where a signal may land in a step of the off-policy run (k = 1, one device: the next rollout on its thread): the
+# collection, the rollout (of the next step, on its thread, beside the update), the update, the wait for the
+# rollout, the logging and the periodic save (trainer.save_every=2: step 2's).
+SIGNAL_POINTS = ("collect", "rollout", "update", "wait", "log", "save")
+
+
+def signal_at(monkeypatch, step: int, point: str, number: int) -> None:
+    """Sends ``number`` to this process once, when training step ``step`` enters ``point``."""
+    import jppo.run.loop as loop
+    import jppo.run.offpolicy as offpolicy
+    from jppo.runlog import RunLogger
+
+    owner, name = {"collect": (loop, "collect"), "rollout": (offpolicy, "generate"), "update": (loop, "learn"),
+                   "wait": (offpolicy.OffPolicy, "finish"), "log": (RunLogger, "log"), "save": (loop, "save")}[point]
+    current, fired, train_step, original = [0], [], loop.train_step, getattr(owner, name)
+
+    def counted(collector, learner, state, *args):
+        current[0] = state.steps_done + 1
+        return train_step(collector, learner, state, *args)
+
+    def signalled(*args, **kwargs):
+        if current[0] == step and not fired:
+            fired.append(point)
+            os.kill(os.getpid(), number)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", counted)
+    monkeypatch.setattr(owner, name, signalled)
+
+
+def test_an_off_policy_run_stopped_by_signals_resumes_bitwise(tmp_path, off_policy_run, monkeypatch):
+    """SIGTERM or SLURM's SIGUSR1 at a seeded random point of step 1, then of step 2 of the resumed run: each time
+    the run saves the step it is in and stops (jppo.run.preemption.Preempted; step 1 is not a periodic save); the
+    last resume logs what the uninterrupted run logged, bit for bit: no step lost, none twice."""
+    import random
+    import threading
+
+    from jppo.run.checkpoint import committed_steps
+    from jppo.run.preemption import Preempted
+
+    assert threading.current_thread() is threading.main_thread()  # where the run's signal handlers go
+    handler, draw = signal.getsignal(signal.SIGTERM), random.Random(20261203)
+    saving = ["trainer.save_every=2", "trainer.async_checkpoint=true"]
+    first = draw.choice(SIGNAL_POINTS[:-1])  # two points apart
+    for step, point in ((1, first), (2, draw.choice([p for p in SIGNAL_POINTS if p != first]))):
+        number = draw.choice([signal.SIGTERM, signal.SIGUSR1])
+        with monkeypatch.context() as patch:
+            signal_at(patch, step, point, number)
+            with pytest.raises(Preempted, match=f"after step {step}, checkpointed") as stopped:
+                train("grpo", tmp_path, 1, [*OFF_POLICY, *saving])
+        assert stopped.value.signal_name == signal.Signals(number).name, point
+        assert committed_steps(tmp_path / "checkpoints") == list(range(1, step + 1)), point
+        logged = [row["step"] for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
+        assert logged == list(range(1, step + 1)), point
+        assert signal.getsignal(signal.SIGTERM) == handler  # the run's handlers are gone with it
+    resumed = train("grpo", tmp_path, 1, [*OFF_POLICY, *saving])
+    assert without_waits(resumed) == without_waits(off_policy_run)

@@ -6,7 +6,8 @@ The loop, as :func:`run` reads::
     while state.step < trainer.total_steps:
         state, experience, metrics = collect(state)       # sample, score, forward passes, KL in reward, advantages
         state, metrics = learn(state, experience)         # ppo_epochs x mini-batches: critic, then actor
-        for hook in hooks: hook(state, metrics)           # evaluate, log, checkpoint, each every N steps
+        for hook in hooks: hook(state, metrics)           # evaluate, log, checkpoint, each every N steps;
+                                                          # on a signal: checkpoint, stop (jppo.run.preemption)
 
 With ``trainer.off_policy_steps`` k >= 1 the batch of a step is the one generated during the step before, from
 older weights (:mod:`jppo.run.offpolicy`; :func:`train_step`), on a schedule fixed by the seed, the step and k.
@@ -37,6 +38,7 @@ from jppo.run.checkpoint import (
 )
 from jppo.run.collect import Collector, collect
 from jppo.run.offpolicy import OffPolicy, can_overlap, initial_behind
+from jppo.run.preemption import StopRequest
 from jppo.runlog.timing import PhaseTimer
 from jppo.run.evaluate import evaluate
 from jppo.config import ConfigError, TrainConfig, save_config, to_dict
@@ -160,29 +162,32 @@ def run(
     mesh = make_mesh(*mesh_shape, devices=devices)
     manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep,
                                 async_save=cfg.trainer.async_checkpoint)
-    state, collector, learner, policy, record = restore(cfg, mesh, inputs, resume)
-    if resume.checkpoint is not None:
-        log.info("resumed from %s at step %d", resume.checkpoint, state.steps_done)
-    fresh, total, metrics = state.steps_done == 0, cfg.trainer.total_steps, {}
-    with run_logger(cfg, start_step=0 if fresh else state.steps_done + 1) as logger:
-        has_val = inputs.val_data is not None
-        hooks = [
-            Hook(cfg.trainer.val_every if has_val else 0,
-                 lambda step, s, m: m.update(evaluate_and_log(collector, s, logger, step))),
-            Hook(1, lambda step, s, m: logger.log(step, m)),
-            Hook(cfg.trainer.save_every, lambda step, s, m: save(manager, s, cfg, record), at_end=True),
-        ]
-        if cfg.trainer.val_before_train and has_val and fresh:
-            # the initial policy's evaluation, at step 0 (verl's global step 0); a resumed run does not repeat it
-            logger.log(0, evaluate_and_log(collector, state, logger, 0))
-        with off_policy(cfg, collector) as rollouts:
-            while state.steps_done < total:
-                timer = PhaseTimer()
-                state, metrics = train_step(collector, learner, state, timer, rollouts)
-                metrics = metrics | timer.report(tokens=metrics["perf/total_num_tokens"])
-                for hook in hooks:
-                    hook(state.steps_done, total, state, metrics)
-    manager.close()
+    with manager, StopRequest() as stop:  # leaving waits for a save in flight; a signal stops at a step boundary
+        state, collector, learner, policy, record = restore(cfg, mesh, inputs, resume)
+        if resume.checkpoint is not None:
+            log.info("resumed from %s at step %d", resume.checkpoint, state.steps_done)
+        fresh, total, metrics = state.steps_done == 0, cfg.trainer.total_steps, {}
+        with run_logger(cfg, start_step=0 if fresh else state.steps_done + 1) as logger:
+            has_val = inputs.val_data is not None
+            hooks = [
+                Hook(cfg.trainer.val_every if has_val else 0,
+                     lambda step, s, m: m.update(evaluate_and_log(collector, s, logger, step))),
+                Hook(1, lambda step, s, m: logger.log(step, m)),
+                Hook(cfg.trainer.save_every, lambda step, s, m: save(manager, s, cfg, record), at_end=True),
+                # preemption (jppo.run.preemption): every process saves this step and leaves with Preempted
+                Hook(1, lambda step, s, m: stop.at_boundary(step, total, lambda: save(manager, s, cfg, record),
+                                                            manager.wait)),
+            ]
+            if cfg.trainer.val_before_train and has_val and fresh:
+                # the initial policy's evaluation, at step 0 (verl's global step 0); a resumed run does not repeat it
+                logger.log(0, evaluate_and_log(collector, state, logger, 0))
+            with off_policy(cfg, collector) as rollouts:
+                while state.steps_done < total:
+                    timer = PhaseTimer()
+                    state, metrics = train_step(collector, learner, state, timer, rollouts)
+                    metrics = metrics | timer.report(tokens=metrics["perf/total_num_tokens"])
+                    for hook in hooks:
+                        hook(state.steps_done, total, state, metrics)
     if cfg.trainer.export_hf:
         export(policy, state.actor.weights, cfg, inputs.tokenizer, out / "hf")
     if cfg.trainer.plots and main:
