@@ -29,6 +29,7 @@ from jppo.runlog.timing import PhaseTimer
 from jppo.run.learn import learn
 from jppo.parallel.mesh import make_mesh
 from jppo.run.loop import run, setup
+from signals import SIGNAL_POINTS, signal_at
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {"ppo": ROOT / "configs" / "quickstart.yaml", "grpo": ROOT / "configs" / "quickstart_grpo.yaml"}
@@ -201,38 +202,8 @@ def test_an_off_policy_run_killed_mid_update_resumes_bitwise(tmp_path, off_polic
         loop.plan_resume(other_k, tmp_path / "checkpoints")  # its queue holds 1 batch's weights, k=2 needs 2
 
 
-# Where a signal may land in a step of the off-policy run (k = 1, one device: the next rollout on its thread): the
-# collection, the rollout (of the next step, on its thread, beside the update), the update, the wait for the
-# rollout, the logging and the periodic save (trainer.save_every=2: step 2's).
-SIGNAL_POINTS = ("collect", "rollout", "update", "wait", "log", "save")
-
-
-def signal_at(monkeypatch, step: int, point: str, number: int) -> None:
-    """Sends ``number`` to this process once, when training step ``step`` enters ``point``."""
-    import jppo.run.loop as loop
-    import jppo.run.offpolicy as offpolicy
-    from jppo.runlog import RunLogger
-
-    owner, name = {"collect": (loop, "collect"), "rollout": (offpolicy, "generate"), "update": (loop, "learn"),
-                   "wait": (offpolicy.OffPolicy, "finish"), "log": (RunLogger, "log"), "save": (loop, "save")}[point]
-    current, fired, train_step, original = [0], [], loop.train_step, getattr(owner, name)
-
-    def counted(collector, learner, state, *args):
-        current[0] = state.steps_done + 1
-        return train_step(collector, learner, state, *args)
-
-    def signalled(*args, **kwargs):
-        if current[0] == step and not fired:
-            fired.append(point)
-            os.kill(os.getpid(), number)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "train_step", counted)
-    monkeypatch.setattr(owner, name, signalled)
-
-
 def test_an_off_policy_run_stopped_by_signals_resumes_bitwise(tmp_path, off_policy_run, monkeypatch):
-    """SIGTERM or SLURM's SIGUSR1 at a seeded random point of step 1, then of step 2 of the resumed run: each time
+    """SIGTERM or SLURM's SIGUSR1 at a seeded random point (tests/signals.py) of step 1, then of step 2 of the resumed run: each time
     the run saves the step it is in and stops (jppo.run.preemption.Preempted; step 1 is not a periodic save); the
     last resume logs what the uninterrupted run logged, bit for bit: no step lost, none twice."""
     import random

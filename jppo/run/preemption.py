@@ -42,11 +42,14 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a preemption notice; SLURM's --sig
 
 
 class Preempted(Exception):
-    """The run stopped on a signal after step ``step``, whose checkpoint is committed."""
+    """The run stopped on a signal after step ``step``, whose checkpoint is committed ``seconds`` after this
+    process received the signal (None: another process received it)."""
 
-    def __init__(self, step: int, signal_name: str):
-        super().__init__(f"stopped on {signal_name} after step {step}, checkpointed")
-        self.step, self.signal_name = step, signal_name
+    def __init__(self, step: int, signal_name: Optional[str], seconds: Optional[float]):
+        cause = signal_name or "another process's signal"
+        within = "" if seconds is None else f" {seconds:.1f} s after the signal"
+        super().__init__(f"stopped on {cause} after step {step}, checkpointed{within}")
+        self.step, self.signal_name, self.seconds = step, signal_name, seconds
 
 
 class StopRequest:
@@ -89,8 +92,5 @@ class StopRequest:
         wait()
         if jax.process_count() > 1:  # the commit is the primary's: no process leaves before it
             multihost_utils.sync_global_devices("jppo: preemption checkpoint committed")
-        raise Preempted(step, self.received or "another process's signal")
-
-    @property
-    def seconds_since_signal(self) -> Optional[float]:
-        return None if self.received_at is None else time.monotonic() - self.received_at
+        seconds = None if self.received_at is None else time.monotonic() - self.received_at
+        raise Preempted(step, self.received, seconds)
