@@ -50,12 +50,14 @@ from jppo.parallel.mesh import make_mesh
 from jppo.core.paths import run_path
 from jppo.runlog import RunLogger
 from jppo.run.state import (
-    RunState, checkpointed, fitted_accumulators, init_run_state, saved_fields, saved_layout, with_frozen,
+    RunState, checkpointed, fitted_accumulators, init_run_state, rescheduled, saved_fields, saved_layout, with_frozen,
 )
-from jppo.config.views import engine_view, kl_controller
+from jppo.config.views import engine_view, kl_controller, optimizer_steps_per_training_step
 
 log = logging.getLogger("jppo.run.loop")
 OFF_POLICY_META = "off_policy_steps"  # in a checkpoint's meta when k >= 1 (absent: 0, as before the key existed)
+# optimizer steps per training step of each role, by role (absent in older checkpoints: taken as this run's)
+OPTIMIZER_STEPS_META = "optimizer_steps_per_training_step"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +100,13 @@ def setup(
 @dataclasses.dataclass(frozen=True)
 class Resume:
     """The checkpoint a run continues from (None: a fresh run), the seed its models are drawn from and the
-    :func:`jppo.run.build.model_record` the checkpoint holds (None without one)."""
+    :func:`jppo.run.build.model_record` the checkpoint holds (None without one), and the optimizer steps per
+    training step of its roles (:func:`~jppo.run.state.rescheduled`; empty: this run's)."""
 
     checkpoint: Optional[str]
     seed: int
     saved: Optional[dict]
+    optimizer_steps: dict = dataclasses.field(default_factory=dict)
 
 
 def plan_resume(cfg: TrainConfig, checkpoints: epath.Path) -> Resume:
@@ -119,7 +123,7 @@ def plan_resume(cfg: TrainConfig, checkpoints: epath.Path) -> Resume:
         raise ConfigError(f"trainer.off_policy_steps={k}: checkpoint {checkpoint!r} was written with "
                           f"trainer.off_policy_steps={saved_k} (resume with that, or trainer.resume=never)")
     seed, saved = build.checkpoint_models(cfg, meta, f"trainer.resume: checkpoint {checkpoint!r}")
-    return Resume(checkpoint, seed, saved)
+    return Resume(checkpoint, seed, saved, meta.get(OPTIMIZER_STEPS_META, {}))
 
 
 def run_model_record(cfg: TrainConfig, state: RunState, seed: int) -> dict:
@@ -144,6 +148,7 @@ def restore(
         target = saved_layout(checkpointed(state), saved)  # K = 1: no accumulator
         restored = RunState(**restore_checkpoint(resume.checkpoint, saved_fields(target, saved))[0])
         state = with_frozen(fitted_accumulators(restored, state), state)
+        state = rescheduled(state, resume.optimizer_steps, optimizer_steps(cfg))  # another ppo_epochs: same schedule
     return state, collector, learner, graphdef, record
 
 
@@ -248,10 +253,17 @@ def save(manager: CheckpointManager, state: RunState, cfg: TrainConfig, record: 
     step = state.steps_done
     if manager.latest_step() != step:
         record = run_model_record(cfg, state, cfg.trainer.seed) if record is None else record
-        meta = {"step": step, build.MODELS_META: record, "config": to_dict(cfg)}
+        meta = {"step": step, build.MODELS_META: record, "config": to_dict(cfg),
+                OPTIMIZER_STEPS_META: optimizer_steps(cfg)}
         if cfg.trainer.off_policy_steps:
             meta[OFF_POLICY_META] = cfg.trainer.off_policy_steps
         manager.save(step, checkpointed(state), meta)
+
+
+def optimizer_steps(cfg: TrainConfig) -> dict[str, int]:
+    """Optimizer steps per training step of each role the run trains."""
+    roles = ("actor", "critic") if cfg.use_critic else ("actor",)
+    return {role: optimizer_steps_per_training_step(cfg, role) for role in roles}
 
 
 def export(

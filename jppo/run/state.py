@@ -102,6 +102,24 @@ def with_frozen(restored: RunState, like: RunState) -> RunState:
     )
 
 
+def rescheduled(state: RunState, saved: dict, now: dict) -> RunState:
+    """``state``, restored from a checkpoint whose roles took ``saved[role]`` optimizer steps per training step
+    (``ppo_epochs`` x mini-batches), with each role's optimizer-step count in this run's ``now[role]``.
+
+    The learning rate of optimizer step ``c`` is the schedule's at training step ``c // now``
+    (:func:`jppo.engine.optim.learning_rate_schedule`). A checkpoint is written between training steps, so its
+    count is ``c = u * saved`` after ``u`` training steps' updates; resumed with another count per step it becomes
+    ``c // saved * now``: the schedule goes on from training step ``u``, whatever ``ppo_epochs`` is now."""
+    roles = {}
+    for role, after in now.items():
+        train, before = getattr(state, role), saved.get(role, after)
+        if train is None or before == after:
+            continue
+        count = train.opt_state.gradient_step
+        roles[role] = train.replace(opt_state=train.opt_state._replace(gradient_step=count // before * after))
+    return state.replace(**roles)
+
+
 def saved_layout(target: RunState, saved: dict) -> RunState:
     """The restore target of a checkpoint whose state has the structure ``saved``
     (:func:`jppo.run.checkpoint.saved_tree`): ``target`` with each role's gradient accumulator as the checkpoint
