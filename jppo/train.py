@@ -6,6 +6,7 @@ checkpoint (run the same command again to continue)."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -16,7 +17,7 @@ from jppo.config import ConfigError, TrainConfig, check_mesh
 from jppo.parallel import distributed
 from jppo.run import build
 from jppo.run.loop import run
-from jppo.run.preemption import PREEMPTED_EXIT, Preempted
+from jppo.run.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -58,6 +59,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as error:  # a checkpoint that does not match the config, or a limit only the data can break
         return cli.fail("train", error)
     except Preempted as stop:  # a signal: the step is checkpointed; the same command resumes from it
+        for number in SIGNALS:  # on the way out: a later SIGTERM (srun ending the step) must not change the status
+            signal.signal(number, signal.SIG_IGN)
         print(f"jppo.train: {stop}; the same command resumes (exit status {PREEMPTED_EXIT})", file=sys.stderr)
         return PREEMPTED_EXIT
     if not distributed.is_main_process():
