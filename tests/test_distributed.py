@@ -9,10 +9,13 @@ import http.server
 import json
 import os
 import pathlib
+import random
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 
 import pytest
@@ -99,6 +102,67 @@ def test_two_processes_of_two_devices_match_one_device_and_resume_on_it(tmp_path
     assert [row["step"] for row in resumed] == [1, 2, 3]
     for name, value in single[2].items():
         assert resumed[2][name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+
+
+TRAINED = ("actor/", "critic/")  # what the updates compute, the same sums on the same mesh in any process layout
+# A process of `python -m jppo.train` that sends itself SIGTERM at a point of a step (tests/signals.py); arguments:
+# the tests folder, the step, the point, then the command's own.
+SIGNALLED = textwrap.dedent(
+    """
+    import signal, sys
+    import pytest
+    sys.path.insert(0, sys.argv[1])
+    from signals import signal_at
+    signal_at(pytest.MonkeyPatch(), int(sys.argv[2]), sys.argv[3], signal.SIGTERM)
+    from jppo.train import main
+    sys.exit(main(sys.argv[4:]))
+    """
+)
+
+
+def test_two_processes_of_one_device_stop_together_on_one_sigterm_and_resume_bitwise(tmp_path):
+    """The layout of a GPU cluster run with a process per GPU: 2 processes of 1 device each (their checkpoints once
+    failed in orbax). SIGTERM reaches process 1 alone, at a seeded random point of step 2 of a PPO run one step
+    off-policy (step 3's batch, regenerated after the resume, comes from the trained weights the queue holds); both
+    processes save that step (they agree at each step boundary) and exit 75; the same command resumes, and the run
+    trains what one process of 2 devices, the same mesh, trains uninterrupted, bit for bit."""
+    from signals import SIGNAL_POINTS
+
+    step, point = 2, random.Random(43).choice(SIGNAL_POINTS[:-1])  # no periodic save: the stop saves
+    extra = ["trainer.total_steps=3", "trainer.off_policy_steps=1", "trainer.save_every=0", "trainer.export_hf=true"]
+    out = f"trainer.output_dir={tmp_path / 'two'}"
+
+    def pair(signalled: bool) -> list[subprocess.Popen]:
+        flags = ["--coordinator", f"localhost:{free_port()}", "--num-processes", "2"]
+        processes = []
+        for i in (0, 1):
+            command = ["-c", SIGNALLED, str(ROOT / "tests"), str(step), point] if signalled and i else ["-m", "jppo.train"]
+            processes.append(subprocess.Popen(
+                [sys.executable, *command, *flags, "--process-id", str(i), "--config", CONFIG, *SMALL, out, *extra],
+                cwd=ROOT, env=env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        return processes
+
+    stopped = pair(signalled=True)
+    one = train(f"trainer.output_dir={tmp_path / 'one'}", *extra, devices=2)
+    outputs = [process.communicate(timeout=600)[0] for process in stopped]
+    assert [process.returncode for process in stopped] == [75, 75], outputs[1][-3000:]
+    assert f"jppo.train: stopped on another process's signal after step {step}, checkpointed;" in outputs[0]
+    assert re.search(rf"jppo.train: stopped on SIGTERM after step {step}, checkpointed [0-9.]+ s after", outputs[1])
+    assert [row["step"] for row in metrics(tmp_path / "two")] == list(range(1, step + 1))
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == [str(step)]  # committed, no -tmp
+    for process in pair(signalled=False):
+        finish(process)
+    finish(one)
+    policy = [(tmp_path / run / "hf" / "model.safetensors").read_bytes() for run in ("two", "one")]
+    assert policy[0] == policy[1]  # the trained weights, bit for bit
+    resumed, uninterrupted = metrics(tmp_path / "two"), metrics(tmp_path / "one")
+    assert [row["step"] for row in resumed] == [1, 2, 3]
+    for a, b in zip(resumed, uninterrupted):
+        assert set(a) == set(b)
+        assert {k: v for k, v in a.items() if k.startswith(TRAINED)} == {k: v for k, v in b.items() if k.startswith(TRAINED)}
+        for name, value in b.items():
+            # batch means over the rows of both processes are summed per process first: float32 rounding (~1e-7)
+            assert a[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
+import signal
 import subprocess
 import time
 
 import pytest
+
+from jppo.run.preemption import PREEMPTED_EXIT, SIGNALS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tpu_scripts"
@@ -123,8 +127,9 @@ def test_launch_outlives_its_ssh_logs_per_worker_and_expands_home_on_the_worker(
     assert f"args: -m jppo.train --config configs/quickstart.yaml --distributed auto model.path={home}/qwen " \
            "trainer.total_steps=5" in out
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out
-    session, parent_session = out.split("session: ")[1].split()[:2]
-    assert session == pid.read_text().strip() != parent_session  # its own session: a hang-up never reaches it
+    session = out.split("session: ")[1].split()[0]
+    # its own session (led by resume_loop.sh, the pid launch.sh reports), not the ssh's: a hang-up never reaches it
+    assert session == pid.read_text().strip() != str(os.getsid(0))
 
 
 def test_logs_follows_one_worker_without_touching_the_run():
@@ -183,3 +188,42 @@ def test_gpu_slurm_starts_the_run_with_the_flags_file(tmp_path):
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in result.stdout
     assert "cmd: --kill-on-bad-exit=1 python -m jppo.train --config configs/quickstart.yaml --distributed auto " \
            "mesh.fsdp=-1" in result.stdout
+
+
+def stand_in(folder: pathlib.Path, name: str, body: str) -> None:
+    (folder / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+    (folder / name).chmod(0o755)
+
+
+@pytest.mark.parametrize("status,requeued", [(PREEMPTED_EXIT, True), (3, False), (0, False)])
+def test_gpu_slurm_requeues_a_run_stopped_on_its_signal(tmp_path, status, requeued):
+    """The signal the sbatch header asks SLURM for is one jppo stops on; a run that stopped on it (exit 75) is queued
+    again (and resumes), any other status is the job's."""
+    header = (SCRIPTS / "gpu_slurm.sbatch").read_text()
+    sent = re.search(r"^#SBATCH --signal=(\w+)@(\d+)$", header, re.MULTILINE)
+    assert sent and getattr(signal, f"SIG{sent[1]}") in SIGNALS and "#SBATCH --requeue" in header
+    stand_in(tmp_path, "srun", f"exit {status}")
+    stand_in(tmp_path, "scontrol", f'echo "$*" >> {tmp_path / "scontrol.log"}')
+    env = {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "4242"}
+    result = subprocess.run(["bash", str(SCRIPTS / "gpu_slurm.sbatch"), "configs/quickstart.yaml"], capture_output=True,
+                            text=True, env={**os.environ, **env}, timeout=60, cwd=tmp_path)
+    assert result.returncode == (0 if requeued else status), result.stderr
+    log = tmp_path / "scontrol.log"
+    assert (log.read_text() if log.exists() else "") == ("requeue 4242\n" if requeued else "")
+
+
+def test_launch_starts_a_run_stopped_on_a_signal_again_until_told_to_stop(tmp_path):
+    """resume_loop.sh (what launch.sh runs on each worker): exit 75 starts the run again, another status ends the
+    loop with it, and a stop file (delete.sh --stop-only) ends it after the stop."""
+    count = tmp_path / "count"
+    # the run's stand-in: stopped by a signal twice (75), then done (0)
+    stand_in(tmp_path, "run", f'echo x >> {count}; n=$(wc -l < {count}); [[ $n -ge 3 ]] && exit 0; exit {PREEMPTED_EXIT}')
+    result = script("resume_loop.sh", str(tmp_path / "stop"), str(tmp_path / "run"))
+    assert result.returncode == 0 and count.read_text().count("x") == 3, result.stdout
+    assert result.stdout.count("starting again to resume") == 2
+    count.unlink()
+    (tmp_path / "stop").touch()
+    result = script("resume_loop.sh", str(tmp_path / "stop"), str(tmp_path / "run"))
+    assert result.returncode == PREEMPTED_EXIT and count.read_text().count("x") == 1
+    stopped = script("delete.sh", "--name", "p", "--zone", "z", "--stop-only", "--dry-run")
+    assert "touch\\ \\\"\\$\\{f%.log\\}.stop\\\"" in stopped.stdout and "pkill" in stopped.stdout

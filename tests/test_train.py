@@ -284,3 +284,49 @@ def test_the_actor_s_mini_batches_do_not_depend_on_whether_a_critic_exists(tmp_p
     actor_params = [jax.tree.leaves(jax.device_get(run.actor.params)) for run in (alone, both)]
     for a, b in zip(*actor_params):
         np.testing.assert_array_equal(a, b)  # the same compiled update on the same rows: bit for bit
+
+
+def test_resume_with_other_ppo_epochs_keeps_the_learning_rate_schedule_s_place(tmp_path):
+    """Step 2 after a resume with half the epochs: the cosine schedule is at training step 1 (of 4), as in a run
+    that never changed (lr_t = lr * (1 + cos(pi t / 4)) / 2); the checkpoint counted 2 x 2 optimizer steps per
+    training step, the resumed run counts 1 x 2."""
+    schedule = ["actor.optim.lr_schedule=cosine", "actor.optim.decay_steps=4", "actor.optim.min_lr_ratio=0"]
+    first = train(tmp_path, "trainer.total_steps=1", "actor.ppo_epochs=2", *schedule, config=GRPO)
+    rows = train(tmp_path, "trainer.total_steps=2", "actor.ppo_epochs=1", *schedule, config=GRPO)
+    lr = load_config(GRPO, []).actor.optim.lr
+    assert [row["step"] for row in rows] == [1, 2] and first[0]["actor/lr"] == pytest.approx(lr, rel=1e-6)
+    # float32 rates: to 1e-6
+    assert rows[1]["actor/lr"] == pytest.approx(lr * (1 + math.cos(math.pi / 4)) / 2, rel=1e-6)
+
+
+def test_resume_with_another_vocabulary_or_critic_is_refused_in_one_line(tmp_path):
+    """A checkpoint of the quickstart (14-token vocabulary, a critic from the policy, hidden size 64), resumed with
+    another task's vocabulary or a critic of another shape from critic.model_path: one line naming the key and both
+    values, from the checkpoint's meta, before any model is built (an orbax traceback at restore before)."""
+    from jppo.config import ConfigError
+    from jppo.models import CausalLM, create_model, save_pretrained
+    from jppo.config.views import random_model_config
+    from jppo.run.checkpoint import CheckpointManager
+    from jppo.run.loop import plan_resume, save
+
+    cfg = load_config(QUICKSTART, [*SMALL, f"trainer.output_dir={tmp_path / 'run'}"])
+    inputs = build.load_inputs(cfg)
+    state = setup(cfg, make_mesh(*check_mesh(cfg, 1), devices=jax.devices()[:1]), inputs)[0]
+    with CheckpointManager(tmp_path / "run" / "checkpoints") as manager:
+        save(manager, state, cfg)  # step 0: what a run writes, with its record of the models
+    checkpoints, source = tmp_path / "run" / "checkpoints", f"trainer.resume: checkpoint '{tmp_path}/run/checkpoints/0'"
+    other = load_config(QUICKSTART, [*SMALL, f"trainer.output_dir={tmp_path / 'run'}", "data.task=add_small"])
+    with pytest.raises(ConfigError) as refused:
+        plan_resume(other, checkpoints)
+    assert str(refused.value) == (f"{source} was trained with model.vocab_size=14, but this config has "
+                                  "model.vocab_size=15 (the vocabulary of the tokenizer 'builtin:add_small')")
+    narrow = load_config(QUICKSTART, ["model.hidden_size=32"])
+    save_pretrained(create_model(CausalLM, random_model_config(narrow, inputs.tokenizer), None, seed=0), tmp_path / "critic")
+    other = load_config(QUICKSTART, [*SMALL, f"trainer.output_dir={tmp_path / 'run'}",
+                                     f"critic.model_path={tmp_path / 'critic'}"])
+    with pytest.raises(ConfigError) as refused:
+        plan_resume(other, checkpoints)
+    assert str(refused.value) == (f"{source} was trained with critic.model_path=None (a critic of critic.hidden_size=64),"
+                                  f" but this config has critic.model_path='{tmp_path / 'critic'}' (a critic of "
+                                  "critic.hidden_size=32)")
+    assert plan_resume(cfg, checkpoints).checkpoint == str(checkpoints / "0")  # the run's own config resumes

@@ -29,6 +29,7 @@ from jppo.runlog.timing import PhaseTimer
 from jppo.run.learn import learn
 from jppo.parallel.mesh import make_mesh
 from jppo.run.loop import run, setup
+from signals import SIGNAL_POINTS, signal_at
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {"ppo": ROOT / "configs" / "quickstart.yaml", "grpo": ROOT / "configs" / "quickstart_grpo.yaml"}
@@ -199,3 +200,32 @@ def test_an_off_policy_run_killed_mid_update_resumes_bitwise(tmp_path, off_polic
     with pytest.raises(ConfigError, match=r"^trainer.off_policy_steps=2: checkpoint .* was written with "
                                           r"trainer.off_policy_steps=1 \(resume with that, or trainer.resume=never\)$"):
         loop.plan_resume(other_k, tmp_path / "checkpoints")  # its queue holds 1 batch's weights, k=2 needs 2
+
+
+def test_an_off_policy_run_stopped_by_signals_resumes_bitwise(tmp_path, off_policy_run, monkeypatch):
+    """SIGTERM or SLURM's SIGUSR1 at a seeded random point (tests/signals.py) of step 1, then of step 2 of the resumed run: each time
+    the run saves the step it is in and stops (jppo.run.preemption.Preempted; step 1 is not a periodic save); the
+    last resume logs what the uninterrupted run logged, bit for bit: no step lost, none twice."""
+    import random
+    import threading
+
+    from jppo.run.checkpoint import committed_steps
+    from jppo.run.preemption import Preempted
+
+    assert threading.current_thread() is threading.main_thread()  # where the run's signal handlers go
+    handler, draw = signal.getsignal(signal.SIGTERM), random.Random(20261203)
+    saving = ["trainer.save_every=2", "trainer.async_checkpoint=true"]
+    first = draw.choice(SIGNAL_POINTS[:-1])  # two points apart
+    for step, point in ((1, first), (2, draw.choice([p for p in SIGNAL_POINTS if p != first]))):
+        number = draw.choice([signal.SIGTERM, signal.SIGUSR1])
+        with monkeypatch.context() as patch:
+            signal_at(patch, step, point, number)
+            with pytest.raises(Preempted, match=f"after step {step}, checkpointed") as stopped:
+                train("grpo", tmp_path, 1, [*OFF_POLICY, *saving])
+        assert stopped.value.signal_name == signal.Signals(number).name, point
+        assert committed_steps(tmp_path / "checkpoints") == list(range(1, step + 1)), point
+        logged = [row["step"] for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
+        assert logged == list(range(1, step + 1)), point
+        assert signal.getsignal(signal.SIGTERM) == handler  # the run's handlers are gone with it
+    resumed = train("grpo", tmp_path, 1, [*OFF_POLICY, *saving])
+    assert without_waits(resumed) == without_waits(off_policy_run)

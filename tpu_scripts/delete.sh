@@ -9,7 +9,8 @@ usage: $(basename "$0") --name NAME --zone ZONE [--queued] [--stop-only] [option
   --name NAME        TPU name
   --zone ZONE        its zone
   --queued           it was created as a queued resource (deletes that too)
-  --stop-only        only kill the jppo processes on every worker; keep the VM
+  --stop-only        only stop the jppo processes on every worker (SIGTERM: they save a checkpoint at the end
+                     of the step and exit; launch.sh does not start them again); keep the VM
   --project PROJECT  Google Cloud project (default: gcloud's)
   --dry-run          print the commands without running them
   -h, --help         this help
@@ -28,7 +29,9 @@ while [[ $# -gt 0 ]]; do
 done
 need name "$NAME"; need zone "$ZONE"
 require_gcloud
-ssh_all "$NAME" "$ZONE" "$PROJECT" "pkill -f 'jppo.train' || true"
+# launch.sh's stop files first (its default LOG_DIR): a run stopped by this signal is not started again
+stop='for f in ~/jppo-logs/worker-*.log; do [ -e "$f" ] && touch "${f%.log}.stop"; done'
+ssh_all "$NAME" "$ZONE" "$PROJECT" "$stop; pkill -f 'jppo.train' || true"
 [[ "$STOP_ONLY" == 1 ]] && exit 0
 extra=(--quiet)
 [[ -n "$PROJECT" ]] && extra+=(--project "$PROJECT")

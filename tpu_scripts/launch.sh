@@ -11,6 +11,9 @@ usage: $(basename "$0") --name NAME --zone ZONE --config CONFIG [options] [-- ke
 Starts "VENV/bin/python -m jppo.train --config CONFIG --distributed auto [overrides]" on every worker at once
 (JAX finds its peers on a TPU pod by itself), detached: the run goes on when this script or its ssh ends. Each
 worker writes its output to LOG_DIR/worker-<id>.log and its process id to LOG_DIR/worker-<id>.pid on that worker.
+A run stopped by SIGTERM or SIGUSR1 after a checkpoint (exit status 75) starts again there and resumes from it
+(tpu_scripts/resume_loop.sh), unless delete.sh --stop-only stopped it. After a spot VM's preemption, create.sh,
+setup.sh and this script again resume the run from its newest checkpoint (trainer.output_dir on gs://).
 Overrides are passed to the workers as written: quote a \$HOME or ~ in them so that each worker expands it
 ('model.path=\$HOME/qwen'), not this machine.
 
@@ -61,7 +64,8 @@ log="$LOGS/worker-$worker"
 train="$VENV/bin/python -m jppo.train --config $CONFIG --distributed auto$quoted"
 # setsid: a new session, so the ssh's hang-up never reaches the run; nohup and </dev/null: no terminal either.
 start="cd $DIR && mkdir -p $LOGS && source tpu_scripts/xla_flags.sh"
-start+=" && { setsid nohup $train > $log.log 2>&1 < /dev/null & echo \$! > $log.pid; }"
+# resume_loop.sh: exit status 75 (stopped on a signal, checkpointed) starts the run again: it resumes
+start+=" && rm -f $log.stop && { setsid nohup bash tpu_scripts/resume_loop.sh $log.stop $train > $log.log 2>&1 < /dev/null & echo \$! > $log.pid; }"
 start+=" && echo \"worker $worker: started, pid \$(cat $log.pid), log $log.log\""
 ssh_all "$NAME" "$ZONE" "$PROJECT" "$start"
 [[ -n "$FOLLOW" ]] && { follow_log "$NAME" "$ZONE" "$PROJECT" "$LOGS" "$FOLLOW" || true; }

@@ -45,6 +45,7 @@ from jppo.losses import actor_loss, value_loss
 from jppo.losses.policy import PolicyLossOptions, check_policy_options
 from jppo.losses.rollout_correction import sampler_mismatch
 from jppo.core.masked import NormStats, global_norm_stats
+from jppo.parallel.hostlocal import placed
 from jppo.parallel.mesh import BATCH_AXES, ROW_AXES, SEQUENCE_AXIS, batch_shards, sequence_shards
 from jppo.engine.microbatch import MicroBatches
 from jppo.models.log_probs import token_log_probs
@@ -102,7 +103,7 @@ def init_train_state(
         sharding = x.sharding
         if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
             return x
-        return jax.device_put(x, replicated)
+        return placed(x, replicated)
 
     return jax.tree.map(on_mesh, state).replace(frozen=frozen)
 

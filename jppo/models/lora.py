@@ -92,8 +92,10 @@ def attach_lora(model: nnx.Module, lora: LoRAConfig, seed: int) -> nnx.Module:
     kernel = layers.q_proj[...]
     sharding = None if isinstance(kernel, jax.core.Tracer) else kernel.sharding  # traced: an abstract model
     if isinstance(sharding, jax.sharding.NamedSharding):
+        from jppo.parallel.hostlocal import placed  # noqa: PLC0415 (the config layer loads LoRAConfig from here)
+
         state = nnx.state(adapters)
-        nnx.update(adapters, jax.device_put(state, param_shardings(state, sharding.mesh)))
+        nnx.update(adapters, placed(state, param_shardings(state, sharding.mesh)))
     layers.lora = nnx.data(adapters)
     return model
 

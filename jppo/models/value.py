@@ -11,6 +11,7 @@ from jppo.models.config import ModelConfig
 from jppo.models.decoder import CausalLM, Decoder, normal_weights
 from jppo.models.layers import wide
 from jppo.models.sharding import param, param_shardings
+from jppo.parallel.hostlocal import placed
 
 Array = jax.Array
 
@@ -57,5 +58,5 @@ class ValueModel(nnx.Module):
         sharding = policy.decoder.embed_tokens[...].sharding
         if isinstance(sharding, jax.sharding.NamedSharding):
             head = nnx.state(model.value_head)
-            nnx.update(model.value_head, jax.device_put(head, param_shardings(head, sharding.mesh)))
+            nnx.update(model.value_head, placed(head, param_shardings(head, sharding.mesh)))
         return model

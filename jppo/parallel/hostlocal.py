@@ -139,6 +139,24 @@ def sum_over_processes(values) -> np.ndarray:
     return np.sum(multihost_utils.process_allgather(np.asarray(values)), axis=0)
 
 
+def placed(tree: T, shardings) -> T:
+    """``jax.device_put(tree, shardings)`` of values every process holds alike (host values, or this process's own
+    single-device arrays of them) onto shardings of the run's mesh (one sharding, or a tree of them).
+
+    With several processes a single-device array travels through host memory: jax's ``device_put`` of one onto a
+    replicated sharding of which this process holds a single device returns an array whose one local shard claims
+    the whole global sharding; programs still read it, but orbax cannot save it ("the input arrays must have one
+    shard each"), which broke every checkpoint of a run of one device per process. A numpy value is placed
+    correctly."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def on_host(x):
+        return np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x
+
+    return jax.device_put(jax.tree.map(on_host, tree), shardings)
+
+
 def gather_to_host(array: jax.Array) -> np.ndarray:
     """The whole of ``array`` on this host: its shards assembled (from every process when some are remote); a
     single-device CPU array comes back without a copy."""

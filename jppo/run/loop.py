@@ -6,7 +6,8 @@ The loop, as :func:`run` reads::
     while state.step < trainer.total_steps:
         state, experience, metrics = collect(state)       # sample, score, forward passes, KL in reward, advantages
         state, metrics = learn(state, experience)         # ppo_epochs x mini-batches: critic, then actor
-        for hook in hooks: hook(state, metrics)           # evaluate, log, checkpoint, each every N steps
+        for hook in hooks: hook(state, metrics)           # evaluate, log, checkpoint, each every N steps;
+                                                          # on a signal: checkpoint, stop (jppo.run.preemption)
 
 With ``trainer.off_policy_steps`` k >= 1 the batch of a step is the one generated during the step before, from
 older weights (:mod:`jppo.run.offpolicy`; :func:`train_step`), on a schedule fixed by the seed, the step and k.
@@ -37,6 +38,7 @@ from jppo.run.checkpoint import (
 )
 from jppo.run.collect import Collector, collect
 from jppo.run.offpolicy import OffPolicy, can_overlap, initial_behind
+from jppo.run.preemption import StopRequest
 from jppo.runlog.timing import PhaseTimer
 from jppo.run.evaluate import evaluate
 from jppo.config import ConfigError, TrainConfig, save_config, to_dict
@@ -48,12 +50,14 @@ from jppo.parallel.mesh import make_mesh
 from jppo.core.paths import run_path
 from jppo.runlog import RunLogger
 from jppo.run.state import (
-    RunState, checkpointed, fitted_accumulators, init_run_state, saved_fields, saved_layout, with_frozen,
+    RunState, checkpointed, fitted_accumulators, init_run_state, rescheduled, saved_fields, saved_layout, with_frozen,
 )
-from jppo.config.views import engine_view, kl_controller
+from jppo.config.views import engine_view, kl_controller, optimizer_steps_per_training_step
 
 log = logging.getLogger("jppo.run.loop")
 OFF_POLICY_META = "off_policy_steps"  # in a checkpoint's meta when k >= 1 (absent: 0, as before the key existed)
+# optimizer steps per training step of each role, by role (absent in older checkpoints: taken as this run's)
+OPTIMIZER_STEPS_META = "optimizer_steps_per_training_step"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +100,13 @@ def setup(
 @dataclasses.dataclass(frozen=True)
 class Resume:
     """The checkpoint a run continues from (None: a fresh run), the seed its models are drawn from and the
-    :func:`jppo.run.build.model_record` the checkpoint holds (None without one)."""
+    :func:`jppo.run.build.model_record` the checkpoint holds (None without one), and the optimizer steps per
+    training step of its roles (:func:`~jppo.run.state.rescheduled`; empty: this run's)."""
 
     checkpoint: Optional[str]
     seed: int
     saved: Optional[dict]
+    optimizer_steps: dict = dataclasses.field(default_factory=dict)
 
 
 def plan_resume(cfg: TrainConfig, checkpoints: epath.Path) -> Resume:
@@ -117,7 +123,7 @@ def plan_resume(cfg: TrainConfig, checkpoints: epath.Path) -> Resume:
         raise ConfigError(f"trainer.off_policy_steps={k}: checkpoint {checkpoint!r} was written with "
                           f"trainer.off_policy_steps={saved_k} (resume with that, or trainer.resume=never)")
     seed, saved = build.checkpoint_models(cfg, meta, f"trainer.resume: checkpoint {checkpoint!r}")
-    return Resume(checkpoint, seed, saved)
+    return Resume(checkpoint, seed, saved, meta.get(OPTIMIZER_STEPS_META, {}))
 
 
 def run_model_record(cfg: TrainConfig, state: RunState, seed: int) -> dict:
@@ -142,6 +148,7 @@ def restore(
         target = saved_layout(checkpointed(state), saved)  # K = 1: no accumulator
         restored = RunState(**restore_checkpoint(resume.checkpoint, saved_fields(target, saved))[0])
         state = with_frozen(fitted_accumulators(restored, state), state)
+        state = rescheduled(state, resume.optimizer_steps, optimizer_steps(cfg))  # another ppo_epochs: same schedule
     return state, collector, learner, graphdef, record
 
 
@@ -160,29 +167,32 @@ def run(
     mesh = make_mesh(*mesh_shape, devices=devices)
     manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep,
                                 async_save=cfg.trainer.async_checkpoint)
-    state, collector, learner, policy, record = restore(cfg, mesh, inputs, resume)
-    if resume.checkpoint is not None:
-        log.info("resumed from %s at step %d", resume.checkpoint, state.steps_done)
-    fresh, total, metrics = state.steps_done == 0, cfg.trainer.total_steps, {}
-    with run_logger(cfg, start_step=0 if fresh else state.steps_done + 1) as logger:
-        has_val = inputs.val_data is not None
-        hooks = [
-            Hook(cfg.trainer.val_every if has_val else 0,
-                 lambda step, s, m: m.update(evaluate_and_log(collector, s, logger, step))),
-            Hook(1, lambda step, s, m: logger.log(step, m)),
-            Hook(cfg.trainer.save_every, lambda step, s, m: save(manager, s, cfg, record), at_end=True),
-        ]
-        if cfg.trainer.val_before_train and has_val and fresh:
-            # the initial policy's evaluation, at step 0 (verl's global step 0); a resumed run does not repeat it
-            logger.log(0, evaluate_and_log(collector, state, logger, 0))
-        with off_policy(cfg, collector) as rollouts:
-            while state.steps_done < total:
-                timer = PhaseTimer()
-                state, metrics = train_step(collector, learner, state, timer, rollouts)
-                metrics = metrics | timer.report(tokens=metrics["perf/total_num_tokens"])
-                for hook in hooks:
-                    hook(state.steps_done, total, state, metrics)
-    manager.close()
+    with manager, StopRequest() as stop:  # leaving waits for a save in flight; a signal stops at a step boundary
+        state, collector, learner, policy, record = restore(cfg, mesh, inputs, resume)
+        if resume.checkpoint is not None:
+            log.info("resumed from %s at step %d", resume.checkpoint, state.steps_done)
+        fresh, total, metrics = state.steps_done == 0, cfg.trainer.total_steps, {}
+        with run_logger(cfg, start_step=0 if fresh else state.steps_done + 1) as logger:
+            has_val = inputs.val_data is not None
+            hooks = [
+                Hook(cfg.trainer.val_every if has_val else 0,
+                     lambda step, s, m: m.update(evaluate_and_log(collector, s, logger, step))),
+                Hook(1, lambda step, s, m: logger.log(step, m)),
+                Hook(cfg.trainer.save_every, lambda step, s, m: save(manager, s, cfg, record), at_end=True),
+                # preemption (jppo.run.preemption): every process saves this step and leaves with Preempted
+                Hook(1, lambda step, s, m: stop.at_boundary(step, total, lambda: save(manager, s, cfg, record),
+                                                            manager.wait)),
+            ]
+            if cfg.trainer.val_before_train and has_val and fresh:
+                # the initial policy's evaluation, at step 0 (verl's global step 0); a resumed run does not repeat it
+                logger.log(0, evaluate_and_log(collector, state, logger, 0))
+            with off_policy(cfg, collector) as rollouts:
+                while state.steps_done < total:
+                    timer = PhaseTimer()
+                    state, metrics = train_step(collector, learner, state, timer, rollouts)
+                    metrics = metrics | timer.report(tokens=metrics["perf/total_num_tokens"])
+                    for hook in hooks:
+                        hook(state.steps_done, total, state, metrics)
     if cfg.trainer.export_hf:
         export(policy, state.actor.weights, cfg, inputs.tokenizer, out / "hf")
     if cfg.trainer.plots and main:
@@ -243,10 +253,17 @@ def save(manager: CheckpointManager, state: RunState, cfg: TrainConfig, record: 
     step = state.steps_done
     if manager.latest_step() != step:
         record = run_model_record(cfg, state, cfg.trainer.seed) if record is None else record
-        meta = {"step": step, build.MODELS_META: record, "config": to_dict(cfg)}
+        meta = {"step": step, build.MODELS_META: record, "config": to_dict(cfg),
+                OPTIMIZER_STEPS_META: optimizer_steps(cfg)}
         if cfg.trainer.off_policy_steps:
             meta[OFF_POLICY_META] = cfg.trainer.off_policy_steps
         manager.save(step, checkpointed(state), meta)
+
+
+def optimizer_steps(cfg: TrainConfig) -> dict[str, int]:
+    """Optimizer steps per training step of each role the run trains."""
+    roles = ("actor", "critic") if cfg.use_critic else ("actor",)
+    return {role: optimizer_steps_per_training_step(cfg, role) for role in roles}
 
 
 def export(

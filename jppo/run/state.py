@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jppo.engine import TrainState
 from jppo.engine.optim import accumulator_dtype
+from jppo.parallel.hostlocal import placed
 from jppo.rewards.kl_penalty import KLControlState
 
 
@@ -63,7 +64,7 @@ def init_run_state(
         step=jnp.zeros((), jnp.int32),
         rng=jax.random.key_data(jax.random.key(seed)),
     )
-    return RunState(actor=actor, critic=critic, behind=behind, **jax.device_put(scalars, replicated))
+    return RunState(actor=actor, critic=critic, behind=behind, **placed(scalars, replicated))
 
 
 def advance(state: RunState, **changes) -> RunState:
@@ -71,7 +72,7 @@ def advance(state: RunState, **changes) -> RunState:
     they replace."""
 
     def like(old: jax.Array, new) -> jax.Array:
-        return jax.device_put(jnp.asarray(new, old.dtype), old.sharding)
+        return placed(jnp.asarray(new, old.dtype), old.sharding)
 
     fixed = {}
     for name, value in changes.items():
@@ -99,6 +100,24 @@ def with_frozen(restored: RunState, like: RunState) -> RunState:
         actor=restored.actor.replace(frozen=like.actor.frozen),
         critic=None if restored.critic is None else restored.critic.replace(frozen=like.critic.frozen),
     )
+
+
+def rescheduled(state: RunState, saved: dict, now: dict) -> RunState:
+    """``state``, restored from a checkpoint whose roles took ``saved[role]`` optimizer steps per training step
+    (``ppo_epochs`` x mini-batches), with each role's optimizer-step count in this run's ``now[role]``.
+
+    The learning rate of optimizer step ``c`` is the schedule's at training step ``c // now``
+    (:func:`jppo.engine.optim.learning_rate_schedule`). A checkpoint is written between training steps, so its
+    count is ``c = u * saved`` after ``u`` training steps' updates; resumed with another count per step it becomes
+    ``c // saved * now``: the schedule goes on from training step ``u``, whatever ``ppo_epochs`` is now."""
+    roles = {}
+    for role, after in now.items():
+        train, before = getattr(state, role), saved.get(role, after)
+        if train is None or before == after:
+            continue
+        count = train.opt_state.gradient_step
+        roles[role] = train.replace(opt_state=train.opt_state._replace(gradient_step=count // before * after))
+    return state.replace(**roles)
 
 
 def saved_layout(target: RunState, saved: dict) -> RunState:
