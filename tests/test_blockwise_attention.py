@@ -180,10 +180,12 @@ def test_block_size_keys_reach_the_model_config():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.attention_block_q=100"],
-     "model.attention_block_q=100 is invalid: it must be a positive multiple of 8 tokens, to fit attention's tiles"),
-    (["model.attention_block_kv=0"],
-     "model.attention_block_kv=0 is invalid: it must be a positive multiple of 8 tokens, to fit attention's tiles"),
+    (["model.attention_block_q=96"],
+     "model.attention_block_q=96 is invalid: it must be a power of two >= 8 tokens (the GPU's Triton attention tiles "
+     "are powers of two)"),
+    (["model.attention_block_kv=4"],
+     "model.attention_block_kv=4 is invalid: it must be a power of two >= 8 tokens (the GPU's Triton attention tiles "
+     "are powers of two)"),
 ])
 def test_a_block_size_that_does_not_fit_is_a_one_line_config_error(overrides, message):
     with pytest.raises(ConfigError) as error:

@@ -77,3 +77,20 @@ def test_a_model_with_splash_attention_compiles_for_a_tpu_slice(shape):
     with jax.set_mesh(mesh):
         compiled = jax.jit(step).lower(state, tokens, tokens, tokens, tokens).compile()
     assert compiled.as_text().count("tpu_custom_call") >= 3  # splash's forward, dq and dkv kernels
+
+
+@pytest.mark.parametrize("length, blocks", [(100, (128, 128)), (40, (512, 8)), (5, (64, 64))])
+def test_the_triton_kernel_takes_power_of_two_tiles_on_any_row(length, blocks):
+    """JAX's Triton lowering (pure Python, run here for a CUDA target without a GPU) refuses a tile that is not a
+    power of two ("requires that all operations have array arguments and results whose size is a power of 2"):
+    a 100-token row took 100-token tiles. Forward and backward lower for CUDA on rows of any length."""
+    rule = AttentionRule.packed(jnp.ones((1, length), jnp.int32))
+    q = jnp.zeros((1, length, 2, 64), jnp.bfloat16)
+
+    def forward_and_backward(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: pallas_attention(q, k, v, rule, blocks, "triton", interpret=False), q, k, v)
+        return vjp(out)
+
+    text = jax.jit(forward_and_backward).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 3  # forward, backward's pre-pass, backward
+

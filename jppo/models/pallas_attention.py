@@ -33,6 +33,7 @@ Array = jax.Array
 
 GPU_FORWARD_BLOCK = 128  # the Triton kernel's default forward tiles; larger ones outgrow a GPU's shared memory
 GPU_BACKWARD_BLOCK = 32  # and its backward tiles (jax.experimental.pallas.ops.gpu.attention.BlockSizes)
+GPU_MIN_BLOCK = 16  # a smaller tile fills less than one tensor-core product (16 rows); short rows are padded to it
 TPU_BLOCK = 128  # splash attention's tiles are multiples of 128 tokens (the TPU's lane width)
 KERNELS = ("splash", "triton")
 
@@ -47,24 +48,37 @@ def _pad_tokens(x: Array, multiple: int) -> Array:
     return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
 
+def _power_of_two_at_most(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def _gpu_blocks(blocks: tuple[int, int], length: int) -> tuple[int, int, int]:
-    """``(block_q, block_k, block_backward)`` for a row of ``length``: the configured sizes capped at the kernel's
-    own tiles, and no larger than the row."""
-    block_q, block_k = (min(b, GPU_FORWARD_BLOCK, length) for b in blocks)
+    """``(block_q, block_k, block_backward)`` for a row of ``length``: powers of two (the only tiles JAX's Triton
+    lowering takes), each the configured size rounded down to one, capped at the kernel's own tiles and at the
+    smallest power of two that holds the row (a 100-token row takes 128-token tiles, padded); never below
+    :data:`GPU_MIN_BLOCK`."""
+    block_q, block_k = (max(GPU_MIN_BLOCK, min(_power_of_two_at_most(b), GPU_FORWARD_BLOCK,
+                                               _power_of_two_at_least(length))) for b in blocks)
     return block_q, block_k, min(block_q, block_k, GPU_BACKWARD_BLOCK)
 
 
 def _triton(query: Array, key: Array, value: Array, segments: Array, blocks: tuple[int, int], interpret: bool):
+    """The Triton kernel on rows padded to a multiple of its tiles (it pads the head size to a power of two
+    itself)."""
     from jax.experimental.pallas.ops.gpu import attention as triton_attention
 
-    block_q, block_k, backward = _gpu_blocks(blocks, query.shape[1])
-    multiple = math.lcm(block_q, block_k, backward)
+    length, head_dim = query.shape[1], query.shape[-1]
+    block_q, block_k, backward = _gpu_blocks(blocks, length)
     sizes = triton_attention.BlockSizes(block_q=block_q, block_k=block_k, block_q_dkv=backward,
                                         block_kv_dkv=backward, block_q_dq=backward, block_kv_dq=backward)
-    q, k, v, ids = (_pad_tokens(x, multiple) for x in (query, key, value, segments))
-    out = triton_attention.mha(q, k, v, ids, sm_scale=query.shape[-1] ** -0.5, causal=True, block_sizes=sizes,
+    q, k, v, ids = (_pad_tokens(x, max(block_q, block_k)) for x in (query, key, value, segments))
+    out = triton_attention.mha(q, k, v, ids, sm_scale=head_dim**-0.5, causal=True, block_sizes=sizes,
                                interpret=interpret)
-    return out[:, :query.shape[1]]
+    return out[:, :length]
 
 
 def _splash(query: Array, key: Array, value: Array, segments: Array, blocks: tuple[int, int], interpret: bool):
