@@ -20,11 +20,12 @@ from test_attention import packed_segments
 from test_blockwise_attention import FLOAT32, assert_close, random_qkv, value_and_grads
 
 
-@pytest.mark.parametrize("kernel", ["triton", "splash"])
-def test_the_kernel_split_over_rows_and_heads_matches_the_reference_on_8_devices(kernel):
+def test_the_kernel_split_over_rows_and_heads_matches_the_reference_on_8_devices():
     """4 rows over ``data`` 4, 4 query heads (2 key-value heads) over ``tensor`` 2: each device runs the kernel on
-    one row and two heads (its interpreter on the CPU); values and q/k/v gradients equal the unsharded reference's
-    to float32 rounding (the same tolerance as one device's kernel)."""
+    one row and two heads (splash attention's interpreter on the CPU; the split is the same for the Triton kernel,
+    whose interpreted backward pass compiles several times slower); values and q/k/v gradients equal the unsharded
+    reference's to float32 rounding (the same tolerance as one device's kernel)."""
+    kernel = "splash"
     mesh = make_mesh(data=4, tensor=2)
     rows, length = [[7, 0, 20, 5], [40], [], [3, 30]], 40
     segments = jnp.asarray(packed_segments(rows, length))
