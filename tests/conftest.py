@@ -7,8 +7,9 @@ import pathlib
 # The suite runs on the CPU. libtpu (the test extra brings it, to compile for TPU targets with compile-only devices)
 # would otherwise try to open a TPU in every process, ours and the subprocesses', and print its warnings.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# libtpu takes a lock file per machine; the two test workers (and any other process compiling for a TPU target on
-# this host) only compile, never open a TPU, so they may hold libtpu at once.
+# Loading libtpu for compile-only TPU devices takes a machine-wide lock file (/tmp/libtpu_lockfile) for the life of
+# the process, meant to keep two processes off one TPU: the second xdist worker (or any other process) to compile for
+# a TPU target would fail with "Internal error when accessing libtpu multi-process lockfile". There is no TPU here.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402

@@ -181,10 +181,12 @@ def test_block_size_keys_reach_the_model_config():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.attention_block_q=100"],
-     "model.attention_block_q=100 is invalid: it must be a positive multiple of 8 tokens, to fit attention's tiles"),
-    (["model.attention_block_kv=0"],
-     "model.attention_block_kv=0 is invalid: it must be a positive multiple of 8 tokens, to fit attention's tiles"),
+    (["model.attention_block_q=96"],
+     "model.attention_block_q=96 is invalid: it must be a power of two >= 8 tokens (the GPU's Triton attention tiles "
+     "are powers of two)"),
+    (["model.attention_block_kv=4"],
+     "model.attention_block_kv=4 is invalid: it must be a power of two >= 8 tokens (the GPU's Triton attention tiles "
+     "are powers of two)"),
 ])
 def test_a_block_size_that_does_not_fit_is_a_one_line_config_error(overrides, message):
     with pytest.raises(ConfigError) as error:
@@ -206,3 +208,37 @@ def test_the_plan_puts_blocked_attention_activations_linear_in_the_row():
     assert attention_block_bytes(blocked, 2, 8192, mesh) == attention_block_bytes(blocked, 2, 4096, mesh) > 0
     assert per_token_rows(dense, 8192) > 2 * per_token_rows(dense, 4096)  # the [w, w] scores
     assert activation_bytes(blocked, 2, 8192, mesh) < activation_bytes(dense, 2, 8192, mesh) / 8
+
+
+def gpu_mesh():
+    """A one-device abstract mesh whose device is an H100: what ``platform()`` reads when a program for a GPU is
+    traced (here without one, and without JAX's CUDA plugin)."""
+    from jax.sharding import AbstractMesh
+
+    from jppo.parallel.mesh import MESH_AXES
+    device_type = type(jax.make_mesh((1,), ("x",)).abstract_mesh.abstract_device)
+    return AbstractMesh((1, 1, 1, 1), MESH_AXES, abstract_device=device_type("NVIDIA H100 80GB HBM3", None, "gpu"))
+
+
+def test_blockwise_for_a_gpu_has_no_conditionals_and_the_same_numbers():
+    """XLA:GPU runs a conditional by copying its predicate to the host and waiting: traced for a GPU, blockwise
+    attention's forward and backward pass lower to StableHLO without one (on the CPU: one per block pair loop,
+    forward and backward), computing the invisible block pairs instead, whose zeros leave every value and gradient
+    bit for bit what skipping them gives."""
+    rows = [[5, 0, 11, 3], [2, 2, 0, 9, 1]]
+    rule = AttentionRule.packed(jnp.asarray(packed_segments(rows, 24)))
+    q, k, v, cotangent = random_qkv(9, len(rows), 24, 24, heads=2, kv_heads=1)
+
+    def forward_and_backward(q, k, v, cotangent, skip=None):
+        return value_and_grads(lambda q, k, v: blockwise_attention(q, k, v, *rule, block_q=8, block_kv=8, skip=skip),
+                               q, k, v, cotangent)
+
+    conditionals = lambda text: text.count("stablehlo.case") + text.count("stablehlo.if")  # noqa: E731
+    on_cpu = jax.jit(forward_and_backward).trace(q, k, v, cotangent).lower().as_text()
+    with jax.sharding.use_abstract_mesh(gpu_mesh()):
+        on_gpu = jax.jit(forward_and_backward).trace(q, k, v, cotangent).lower(lowering_platforms=("cuda",)).as_text()
+    assert conditionals(on_cpu) == 2 and conditionals(on_gpu) == 0
+    skipped, computed = (jax.jit(forward_and_backward, static_argnums=4)(q, k, v, cotangent, skip)
+                         for skip in (True, False))
+    for a, b in zip(skipped, computed):
+        np.testing.assert_array_equal(a, b)

@@ -45,8 +45,8 @@ class ModelSection:
     initializer_range: float = 0.02  # standard deviation of the random initial weights (> 0)
     attention: str = "reference"  # reference | xla | cudnn | blockwise | pallas | auto: how attention is computed
 
-    attention_block_q: int = 512  # query tokens per block of blockwise/pallas attention (a multiple of 8)
-    attention_block_kv: int = 512  # key tokens per block of blockwise/pallas attention (a multiple of 8)
+    attention_block_q: int = 512  # query tokens per block of blockwise/pallas attention (a power of two >= 8)
+    attention_block_kv: int = 512  # key tokens per block of blockwise/pallas attention (a power of two >= 8)
     layer_loop: str = "auto"  # scan | unroll | auto (unrolled up to AUTO_UNROLL_LAYERS layers): the layers' loop
 
     def architecture(self) -> dict[str, Any]:

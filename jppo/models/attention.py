@@ -20,16 +20,20 @@ log-sum-exp ``m + log l`` is kept. The backward pass recomputes each block's pro
 from it: ``dv = p^T do``, ``ds = p (do v^T - rowsum(do * out))``, ``dq = ds k / sqrt(E)``, ``dk = ds^T q /
 sqrt(E)``; no ``[T, S]`` array is stored, only ``O(T)`` residuals (the inputs, the output and the log-sum-exp).
 A block pair with no visible (query, key) in any row is skipped (``lax.cond``): under causal masking about half of
-them. Masked scores are replaced before the exponentials and their weights zeroed, as in the reference, so a query
+them; except on a GPU, where XLA runs a conditional by copying its predicate to the host and waiting for it, once per
+block pair: there every pair is computed, the invisible ones adding exact zeros. Masked scores are replaced before the exponentials and their weights zeroed, as in the reference, so a query
 with nothing visible (padding) gets exactly 0, and so do the gradients through it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jppo.parallel.mesh import platform
 
 Array = jax.Array
 
@@ -97,9 +101,16 @@ def _scores(query: Array, key: Array, visible: Array, precision) -> Array:
     return jnp.where(visible, scores * (query.shape[-1] ** -0.5), jnp.finfo(precision).min)
 
 
-def _forward(query, key, value, query_segments, query_slots, key_segments, key_slots):
+def _visit_if(skip: bool, visible: Array, visit, carry):
+    """``visit(carry)``, or with ``skip`` the ``carry`` itself when nothing is ``visible`` (one ``lax.cond``).
+    Without ``skip`` an invisible block is still computed: every weight of it is 0, so it adds exact zeros (the
+    carry's maximum is kept, rescaled by ``e^0 = 1``)."""
+    return jax.lax.cond(jnp.any(visible), visit, lambda carry: carry, carry) if skip else visit(carry)
+
+
+def _forward(query, key, value, query_segments, query_slots, key_segments, key_slots, skip=True):
     """Blocked inputs: ``query [n_q, B, K, G, q, E]``, ``key``/``value [n_kv, B, K, s, E]``, segments and slots
-    ``[n, B, q|s]``. Returns the output ``[n_q, B, K, G, q, E]`` (query dtype) and the log-sum-exp
+    ``[n, B, q|s]``; ``skip``: see :func:`_visit_if`. Returns the output ``[n_q, B, K, G, q, E]`` (query dtype) and the log-sum-exp
     ``[n_q, B, K, G, q]`` (float32, 0 where nothing is visible)."""
     precision = wide(query.dtype)
     lowest = jnp.finfo(precision).min
@@ -126,7 +137,7 @@ def _forward(query, key, value, query_segments, query_slots, key_segments, key_s
                                     preferred_element_type=precision)
                 return new_top, total, out * rescale[..., None] + update
 
-            return jax.lax.cond(jnp.any(visible), visit, lambda carry: carry, carry)
+            return _visit_if(skip, visible, visit, carry)
 
         init = (jnp.full(stats, lowest, precision), jnp.zeros(stats, precision), jnp.zeros(q.shape, precision))
         init = _varying(init, q, key, value, q_segments, q_slots, k_segments, k_slots)
@@ -139,20 +150,20 @@ def _forward(query, key, value, query_segments, query_slots, key_segments, key_s
     return out, lse
 
 
-@jax.custom_vjp
-def _blocked_attention(query, key, value, query_segments, query_slots, key_segments, key_slots):
-    return _forward(query, key, value, query_segments, query_slots, key_segments, key_slots)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _blocked_attention(query, key, value, query_segments, query_slots, key_segments, key_slots, skip):
+    return _forward(query, key, value, query_segments, query_slots, key_segments, key_slots, skip)[0]
 
 
-def _blocked_attention_fwd(query, key, value, query_segments, query_slots, key_segments, key_slots):
+def _blocked_attention_fwd(query, key, value, query_segments, query_slots, key_segments, key_slots, skip):
     inputs = (query, key, value, query_segments, query_slots, key_segments, key_slots)
     # the VJP is _blocked_attention_bwd's; under a scan over layers JAX still linearizes this rule's loops (their
     # every step's carry then kept for nothing, [n_q, n_kv, ...]) unless told that no derivative flows through them
-    out, lse = _forward(*(jax.lax.stop_gradient(x) for x in inputs))
+    out, lse = _forward(*(jax.lax.stop_gradient(x) for x in inputs), skip)
     return out, (*inputs, out, lse)
 
 
-def _blocked_attention_bwd(residuals, d_out):
+def _blocked_attention_bwd(skip, residuals, d_out):
     query, key, value, query_segments, query_slots, key_segments, key_slots, out, lse = residuals
     precision = wide(query.dtype)
     scale = query.shape[-1] ** -0.5
@@ -181,7 +192,7 @@ def _blocked_attention_bwd(residuals, d_out):
                                            preferred_element_type=precision)
                 return d_query.at[i].add(d_q), d_key, d_value
 
-            return jax.lax.cond(jnp.any(visible), visit, lambda carry: carry, carry)
+            return _visit_if(skip, visible, visit, carry)
 
         zeros = jnp.zeros(k.shape, precision)
         init = _varying((d_query, zeros, zeros), inputs, q_segments, q_slots, queries, lses, d_outs, deltas)
@@ -213,13 +224,14 @@ def _blocks(x: Array, block: int, fill=0) -> Array:
 
 def blockwise_attention(
     query: Array, key: Array, value: Array, query_segments: Array, key_segments: Array, query_slots: Array,
-    key_slots: Array, block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV,
+    key_slots: Array, block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV, skip: bool | None = None,
 ) -> Array:
     """Grouped-query attention ``softmax(q k^T / sqrt(E) | rule) v`` (the rule in the module's docstring) in
     blocks of ``block_q`` queries and ``block_kv`` keys: ``query [B, T, H, E]``, ``key``/``value [B, S, K, E]``
     (query head ``h`` reads key head ``h // (H/K)``), integer segments and slots ``[B, T]`` / ``[B, S]``.
     Returns ``[B, T, H, E]`` in the query's dtype; scores, softmax and accumulations in float32 (float64 for a
-    float64 query)."""
+    float64 query). ``skip``: whether a block pair nothing sees is skipped by a conditional (default: except on a
+    GPU, :func:`~jppo.parallel.mesh.platform`; the same numbers either way)."""
     batch, length, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[2]
     group = num_heads // num_kv_heads
@@ -230,6 +242,7 @@ def blockwise_attention(
     k, v = (_blocks(x, block_kv).transpose(0, 1, 3, 2, 4) for x in (key, value))  # [n_kv, B, K, s, E]
     q_segments, k_segments = _blocks(query_segments, block_q), _blocks(key_segments, block_kv)
     q_slots, k_slots = _blocks(query_slots, block_q), _blocks(key_slots, block_kv)
-    out = _blocked_attention(q, k, v, q_segments, q_slots, k_segments, k_slots)  # [n_q, B, K, G, q, E]
+    skip = platform() != "gpu" if skip is None else skip
+    out = _blocked_attention(q, k, v, q_segments, q_slots, k_segments, k_slots, skip)  # [n_q, B, K, G, q, E]
     out = out.transpose(1, 0, 4, 2, 3, 5).reshape(batch, -1, num_heads, head_dim)
     return out[:, :length]

@@ -26,7 +26,7 @@ SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "llama3")
 # lowered by XLA or by cuDNN, blocks in linear memory (jppo.models.attention), the Pallas flash kernels (splash on a
 # TPU, Triton on a GPU; jppo.models.pallas_attention), or "auto" (jppo.models.layers.resolve_attention).
 ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = ("reference", "xla", "cudnn", "blockwise", "pallas", "auto")
-ATTENTION_BLOCK_MULTIPLE = 8  # block sizes come in multiples of 8 tokens (the sublane tile of TPU and GPU kernels)
+ATTENTION_MIN_BLOCK = 8  # blocks have at least 8 tokens (the sublane tile of TPU and GPU kernels)
 # How the layers run in forward and backward passes (DecoderLayers._scan): one rolled lax.scan, unrolled, or "auto".
 LAYER_LOOPS: tuple[str, ...] = ("auto", "scan", "unroll")
 # "auto" unrolls up to this depth: at 4 layers an unrolled actor update compiled as fast as the scan and stepped
@@ -36,12 +36,14 @@ AUTO_UNROLL_LAYERS = 8
 
 
 def check_attention_blocks(block_q: Any, block_kv: Any) -> None:
-    """Raises :class:`InvalidSetting` unless both block sizes fit the kernels' tiles: positive integer multiples
-    of :data:`ATTENTION_BLOCK_MULTIPLE` tokens."""
+    """Raises :class:`InvalidSetting` unless both block sizes fit the kernels' tiles: powers of two of at least
+    :data:`ATTENTION_MIN_BLOCK` tokens (JAX's Triton lowering takes power-of-two tiles only; splash attention
+    rounds a block up to its 128-token tiles, which powers of two from 128 on already are)."""
     for name, value in (("attention_block_q", block_q), ("attention_block_kv", block_kv)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % ATTENTION_BLOCK_MULTIPLE:
-            raise InvalidSetting("", name, value, f"a positive multiple of {ATTENTION_BLOCK_MULTIPLE} tokens, to fit "
-                                 "attention's tiles")
+        if (not isinstance(value, int) or isinstance(value, bool) or value < ATTENTION_MIN_BLOCK
+                or value & (value - 1)):
+            raise InvalidSetting("", name, value, f"a power of two >= {ATTENTION_MIN_BLOCK} tokens (the GPU's "
+                                 "Triton attention tiles are powers of two)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +108,7 @@ class ModelConfig:
     instead of keeping its activations. ``attention`` picks how attention is computed (one of
     :data:`ATTENTION_IMPLEMENTATIONS`, see :func:`jppo.models.layers.attention`); ``attention_block_q`` and
     ``attention_block_kv`` are the query and key tokens per block of the ``blockwise`` and ``pallas`` ones
-    (positive multiples of :data:`ATTENTION_BLOCK_MULTIPLE`; a row shorter than a block is one block).
+    (powers of two from :data:`ATTENTION_MIN_BLOCK`; a row shorter than a block is one block).
     ``layer_loop`` runs the layers of forward and backward passes as one ``lax.scan`` (``scan``: compile time
     independent of depth), unrolled (``unroll``: faster steps, compile time growing with depth) or ``auto``
     (unrolled up to :data:`AUTO_UNROLL_LAYERS` layers); the sampler's decoding steps are always unrolled. Token
