@@ -7,6 +7,9 @@ import pathlib
 # The suite runs on the CPU. libtpu (the test extra brings it, to compile for TPU targets with compile-only devices)
 # would otherwise try to open a TPU in every process, ours and the subprocesses', and print its warnings.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compile-only TPU devices take libtpu's lock file; the suite's two workers (and any other process on the machine)
+# may each open libtpu at once.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 

@@ -21,6 +21,11 @@ Row ``r`` draws token ``t`` with ``fold_in(fold_in(key, r), t)`` (:func:`row_key
 key, its index and its own logits only, whether or not the loop stops early. Nothing leaves the device inside
 the loop, so the program runs unchanged with rows sharded over a mesh.
 
+On a mesh the program is traced in the sampler's layout (:func:`~jppo.parallel.mesh.decoding_layout`): the prompts
+and rows are split over every batch axis (``data``, ``fsdp`` and ``sequence``), each device prefills and decodes its
+own rows from its own caches, so a decoding step communicates nothing on a mesh without ``tensor``; the rows leave
+in the layout of every other batch (over ``data`` and ``fsdp``), gathered over ``sequence`` once per rollout.
+
 Compilation depends on the shapes ``(B, P)`` and on :class:`SamplingParams`, never on the prompt contents: pad
 prompts to a few bucketed widths (:func:`jppo.rollout.sampler.pad_prompts`) and one compilation serves every
 batch in a bucket.
@@ -44,6 +49,7 @@ from flax import nnx, struct
 from jppo.core.errors import InvalidSetting
 from jppo.models.decoding import cache_block_count
 from jppo.models.sharding import constrain
+from jppo.parallel.mesh import decoding_layout
 from jppo.rollout.processors import sample_tokens
 
 Array = jax.Array
@@ -218,7 +224,8 @@ def response_cache(model: Any, rows: int, params: SamplingParams) -> Any:
 
 
 def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
-    """Samples responses; a traceable function of arrays (call it under ``jax.jit``, or use :func:`generate`).
+    """Samples responses; a traceable function of arrays (call it under ``jax.jit``, or use :func:`generate`),
+    in the sampler's layout (module docstring); its rows come back in the layout of any other batch.
 
     Args:
         model: a ``CausalLM`` (``for_decoding``/``prefill``/``decode``/``decoding_layers``/``init_response_cache``/
@@ -230,6 +237,14 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         params: static :class:`SamplingParams`.
     """
     _check_inputs(model.config.vocab_size, prompt_ids, prompt_mask, params)
+    with decoding_layout():
+        by_row = lambda x: constrain(x, ("batch", None))  # noqa: E731
+        out = _sample(model, by_row(prompt_ids), by_row(prompt_mask), key, params)
+    return jax.tree.map(lambda x: constrain(x, ("batch", None)) if x.ndim == 2 else x, out)
+
+
+def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
+    """:func:`rollout`'s program, traced in the sampler's layout."""
     batch = prompt_ids.shape[0]
     n, max_new = params.n, params.max_new_tokens
     prompt_ids = prompt_ids.astype(jnp.int32)
