@@ -27,6 +27,7 @@ from jppo.models.decoding import write_slot
 from bench.hlo_loops import decode_loop
 from jppo.parallel.mesh import batch_spec, make_mesh, resolve_shape
 from jppo.rollout import SamplingParams, make_generate_fn
+from jppo.rollout.sampler import Sampler
 from jppo.models.decoding import cache_block_count
 from jppo.rollout.decode import draw, prefill
 
@@ -223,3 +224,22 @@ def test_tensor_parallel_decoding_reduces_the_split_products_and_gathers_no_cach
     # reduced every token; the embedding lookup and the sampling's reductions over the split vocabulary add theirs
     loop = decode_loop(compiled_rollout((1, 4, 2, 1)).as_text())
     assert loop.body["all-reduce"] >= 2 * CONFIG.num_layers and loop.body["collective-permute"] == 0
+
+
+def test_the_sampler_fills_the_prompts_up_to_every_batch_axis_and_samples_what_one_device_samples():
+    # 5 prompts on fsdp 2 x sequence 4: filled with 3 empty prompts (dropped again), one per device; the rows keep
+    # their global indices, so their keys and tokens are those of one device
+    model = create_model(CausalLM, CONFIG, seed=0)
+    graphdef, state = nnx.split(model)
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11, 12]]
+    params = SamplingParams(max_new_tokens=6, n=3, temperature=1.2)
+    got = []
+    for shape in ((1, 1, 1, 1), (1, 2, 1, 4)):
+        mesh = make_mesh(*shape, devices=jax.devices()[:int(np.prod(shape))])
+        sharded = jax.device_put(state, param_shardings(state, mesh))
+        got.append(Sampler(graphdef, 0, mesh, params, 8)(sharded, prompts, jax.random.key(3)))
+    one, split = got
+    np.testing.assert_array_equal(split.group_ids, np.repeat(np.arange(5), 3))
+    np.testing.assert_array_equal(split.response_ids, one.response_ids)
+    # float32 log-probs: the same rows, only the sharded programs' summation order differs
+    np.testing.assert_allclose(split.rollout_log_prob, one.rollout_log_prob, atol=2e-5)
