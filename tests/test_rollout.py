@@ -429,19 +429,22 @@ def test_bucket_length():
 
 
 @pytest.mark.parametrize("max_num_seqs", [0, 3])
-def test_rows_sharded_over_a_mesh_give_the_same_samples(causal_lm, max_num_seqs):
+@pytest.mark.parametrize("shape", [(4, 2, 1), (1, 2, 4)], ids=["data4xfsdp2", "fsdp2xsequence4"])
+def test_rows_sharded_over_a_mesh_give_the_same_samples(causal_lm, max_num_seqs, shape):
+    # on a sequence axis the sampler splits its rows over it too (each device decodes prompts of its own)
     prompts = PROMPTS + [[2, 7], [1, 1, 1], [5], [4, 4, 8, 1]]
     prompt_ids, prompt_mask = pad_prompts(prompts, pad_id=0, multiple=8)
     params = SamplingParams(max_new_tokens=8, temperature=1.3, top_k=8, n=2, max_num_seqs=max_num_seqs)
     want = generate(causal_lm, prompt_ids, prompt_mask, jax.random.key(5), params)
-    mesh = make_mesh(data=4, fsdp=2)
+    mesh = make_mesh(data=shape[0], fsdp=shape[1], sequence=shape[2])
     with jax.set_mesh(mesh):
         graphdef, state = nnx.split(causal_lm)
         sharded = nnx.merge(graphdef, jax.device_put(state, param_shardings(state, mesh)))
         rows = jax.sharding.NamedSharding(mesh, batch_spec())
         got = generate(sharded, jax.device_put(prompt_ids, rows), jax.device_put(prompt_mask, rows),
                        jax.random.key(5), params)
-    assert got.response_ids.sharding.spec == batch_spec(1)
+    # the rows leave over data x fsdp, as every other batch (replicated over sequence)
+    assert got.response_ids.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, batch_spec()), 2)
     # Random bits do not depend on the sharding, so the draws are the same; log-probs differ by rounding only.
     np.testing.assert_array_equal(np.asarray(got.response_ids), np.asarray(want.response_ids))
     np.testing.assert_allclose(np.asarray(got.log_probs), np.asarray(want.log_probs), atol=LOG_PROB_ATOL)

@@ -7,6 +7,8 @@ the compiled rollout, lowered on abstract arrays (nothing is allocated)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import pathlib
 import re
 
@@ -14,14 +16,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.models import CausalLM, ModelConfig, create_model, layers, param_shardings
 from jppo.models.decoding import write_slot
-from jppo.parallel.mesh import batch_spec, make_mesh
+from bench.hlo_loops import decode_loop
+from jppo.parallel.mesh import batch_spec, make_mesh, resolve_shape
 from jppo.rollout import SamplingParams, make_generate_fn
+from jppo.rollout.sampler import Sampler
 from jppo.models.decoding import cache_block_count
 from jppo.rollout.decode import draw, prefill
 import jppo.config.components  # noqa: F401 (the components' checks of a config, as every command loads them)
@@ -161,3 +167,80 @@ def test_the_plan_counts_the_samplers_copy_of_the_weights(tmp_path, overrides, b
     state = nnx.state(nnx.eval_shape(lambda: CausalLM(policy, rngs=nnx.Rngs(0))), nnx.Param)
     weights = sum(x.size for path, x in nnx.to_flat_state(state) if not str(path[-1]).endswith("norm"))
     assert plan.term("rollout_weights") == weights * bytes_per_weight
+
+
+# The shipped configs' meshes on 8 devices (quickstart*: data 8; the GSM8K configs: fsdp 2 x sequence 4), read from
+# their mesh sections (the GSM8K configs name data files this machine does not have).
+SHIPPED_MESHES = sorted({resolve_shape(**{axis: yaml.safe_load(path.read_text())["mesh"].get(axis, 1)
+                                          for axis in ("data", "fsdp", "tensor", "sequence")}, num_devices=8)
+                         for path in QUICKSTART.parent.glob("*.yaml")})
+PROMPTS = 16  # x n = 2: 32 rows, 4 per device on every 8-device mesh
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_rollout(shape: tuple[int, int, int, int], target: str = "cpu"):
+    """The sampler's whole program (prefill and decoding loop), compiled on abstract arrays for ``shape`` (data,
+    fsdp, tensor, sequence) on the 8 simulated CPU devices or on a TPU slice's compile-only devices."""
+    devices = jax.devices() if target == "cpu" else topologies.get_topology_desc(
+        platform="tpu", topology_name=target).devices
+    # blockwise attention: splash attention's kernel needs its own partitioning for the prefill on a TPU mesh
+    config = dataclasses.replace(CONFIG, attention="blockwise" if target != "cpu" else CONFIG.attention)
+    mesh = make_mesh(*shape, devices=devices)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0))))
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                            param_shardings(state, mesh))
+    rows = NamedSharding(mesh, batch_spec())
+    ids = jax.ShapeDtypeStruct((PROMPTS, PROMPT), jnp.int32, sharding=rows)
+    mask = jax.ShapeDtypeStruct((PROMPTS, PROMPT), jnp.bool_, sharding=rows)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+    with jax.set_mesh(mesh):
+        return make_generate_fn(graphdef, SamplingParams(max_new_tokens=SLOTS, n=2)).lower(
+            abstract, ids, mask, key).compile()
+
+
+NOTHING = dict.fromkeys(COLLECTIVES, 0)
+
+
+@pytest.mark.parametrize("shape, target", [*((shape, "cpu") for shape in SHIPPED_MESHES), ((1, 2, 1, 4), "v5p:2x2x2")],
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else x)
+def test_a_decoded_token_communicates_nothing_on_the_shipped_configs_meshes(shape, target):
+    # The sampler's rows are split over every batch axis, sequence included, and a row's response-cache slots stay
+    # on its device. Before, the slots were split over `sequence`: on fsdp 2 x sequence 4 each decoded token ran
+    # 2 all-reduces per layer (16 per layer at Qwen2.5-0.5B's size on a TPU) in the loop's body.
+    loop = decode_loop(compiled_rollout(shape, target).as_text())
+    assert loop.body == NOTHING
+    # what is left per token: the loop's condition, whether every row has finished (one predicate reduced)
+    assert loop.condition == {**NOTHING, "all-reduce": 1}
+
+
+def test_the_sequence_devices_decode_rows_of_their_own_not_each_others():
+    # fsdp 2 x sequence 4 and data 8 both give each device 4 of the 32 rows: the same work per device. Before, every
+    # decoding matmul ran on each of the 4 sequence devices for the 8 rows of its fsdp shard: 3.6x data 8's flops.
+    flops = {shape: compiled_rollout(shape).cost_analysis()["flops"] for shape in ((8, 1, 1, 1), (1, 2, 1, 4))}
+    assert flops[(1, 2, 1, 4)] < 1.05 * flops[(8, 1, 1, 1)]
+
+
+def test_tensor_parallel_decoding_reduces_the_split_products_and_gathers_no_cache():
+    # mesh.tensor splits heads and the MLP: each layer's two output products (o_proj, down_proj) are partial sums,
+    # reduced every token; the embedding lookup and the sampling's reductions over the split vocabulary add theirs
+    loop = decode_loop(compiled_rollout((1, 4, 2, 1)).as_text())
+    assert loop.body["all-reduce"] >= 2 * CONFIG.num_layers and loop.body["collective-permute"] == 0
+
+
+def test_the_sampler_fills_the_prompts_up_to_every_batch_axis_and_samples_what_one_device_samples():
+    # 5 prompts on fsdp 2 x sequence 4: filled with 3 empty prompts (dropped again), one per device; the rows keep
+    # their global indices, so their keys and tokens are those of one device
+    model = create_model(CausalLM, CONFIG, seed=0)
+    graphdef, state = nnx.split(model)
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11, 12]]
+    params = SamplingParams(max_new_tokens=6, n=3, temperature=1.2)
+    got = []
+    for shape in ((1, 1, 1, 1), (1, 2, 1, 4)):
+        mesh = make_mesh(*shape, devices=jax.devices()[:int(np.prod(shape))])
+        sharded = jax.device_put(state, param_shardings(state, mesh))
+        got.append(Sampler(graphdef, 0, mesh, params, 8)(sharded, prompts, jax.random.key(3)))
+    one, split = got
+    np.testing.assert_array_equal(split.group_ids, np.repeat(np.arange(5), 3))
+    np.testing.assert_array_equal(split.response_ids, one.response_ids)
+    # float32 log-probs: the same rows, only the sharded programs' summation order differs
+    np.testing.assert_allclose(split.rollout_log_prob, one.rollout_log_prob, atol=2e-5)

@@ -11,11 +11,19 @@ Parameters and activations are annotated with *logical* axis names; :data:`LOGIC
 name to mesh axes. It is the only place that decides how anything is laid out: change it here and the model,
 the engine and checkpoints follow. On a given mesh, :func:`fitted_spec` leaves a dimension the mesh does not
 divide replicated.
+
+The sampler lays its arrays out by :data:`DECODING_RULES` (:func:`decoding_layout`), the same table with two rows
+changed: a decoding step has one token per row, so there are no tokens of a row to split, and every batch axis
+splits the rows instead (``batch`` -> ``data, fsdp, sequence``; ``length`` -> whole). Each device then decodes rows
+of its own from its own caches and weights: no collective per decoded token on a mesh of batch axes, and no matmul
+repeated on the devices of the ``sequence`` axis.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import contextlib
+import contextvars
+from typing import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -41,14 +49,39 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "value": None,
 }
 
+# The sampler's table: the rows of a decoding batch over every batch axis, a row's slots whole on its device.
+DECODING_RULES: dict[str, str | tuple[str, ...] | None] = {**LOGICAL_RULES, "batch": BATCH_AXES, "length": None}
+
+# The table in force while a program is traced; a context variable, so that a rollout traced on a thread of its own
+# (trainer.off_policy_steps) does not change the layout of an update traced beside it.
+_RULES: contextvars.ContextVar[Mapping[str, str | tuple[str, ...] | None]] = contextvars.ContextVar(
+    "jppo_logical_rules", default=LOGICAL_RULES)
+
+
+@contextlib.contextmanager
+def decoding_layout() -> Iterator[None]:
+    """Within it, logical names map to mesh axes by :data:`DECODING_RULES` (the sampler's layout); the rollout
+    program is traced inside it, every other program by :data:`LOGICAL_RULES`."""
+    token = _RULES.set(DECODING_RULES)
+    try:
+        yield
+    finally:
+        _RULES.reset(token)
+
+
+def logical_rules() -> Mapping[str, str | tuple[str, ...] | None]:
+    """The rule table in force: :data:`DECODING_RULES` inside :func:`decoding_layout`, else :data:`LOGICAL_RULES`."""
+    return _RULES.get()
+
 
 def logical_to_spec(names: Sequence[str | None]) -> PartitionSpec:
-    """``PartitionSpec`` of an array whose dimensions carry the given logical names (``None``: replicated)."""
-    axes = []
+    """``PartitionSpec`` of an array whose dimensions carry the given logical names (``None``: replicated), by the
+    rule table in force (:func:`logical_rules`)."""
+    rules, axes = logical_rules(), []
     for name in names:
-        if name is not None and name not in LOGICAL_RULES:
-            raise KeyError(f"logical axis {name!r} has no rule; known: {', '.join(sorted(LOGICAL_RULES))}")
-        axes.append(None if name is None else LOGICAL_RULES[name])
+        if name is not None and name not in rules:
+            raise KeyError(f"logical axis {name!r} has no rule; known: {', '.join(sorted(rules))}")
+        axes.append(None if name is None else rules[name])
     return PartitionSpec(*axes)
 
 
@@ -139,6 +172,11 @@ def named(mesh: Mesh, spec: PartitionSpec) -> NamedSharding:
 def batch_shards(mesh: Mesh) -> int:
     """Number of pieces the batch rows are cut into (product of the row axes' sizes)."""
     return int(np.prod([mesh.shape[axis] for axis in ROW_AXES]))
+
+
+def decoding_shards(mesh_shape: Mapping[str, int]) -> int:
+    """Number of pieces the sampler cuts its rows into (:data:`DECODING_RULES`' ``batch``: every batch axis)."""
+    return int(np.prod([mesh_shape.get(axis, 1) for axis in DECODING_RULES["batch"]]))
 
 
 def sequence_shards(mesh_shape: Mapping[str, int]) -> int:

@@ -21,6 +21,11 @@ Row ``r`` draws token ``t`` with ``fold_in(fold_in(key, r), t)`` (:func:`row_key
 key, its index and its own logits only, whether or not the loop stops early. Nothing leaves the device inside
 the loop, so the program runs unchanged with rows sharded over a mesh.
 
+On a mesh the program is traced in the sampler's layout (:func:`~jppo.parallel.mesh.decoding_layout`): the prompts
+and rows are split over every batch axis (``data``, ``fsdp`` and ``sequence``), each device prefills and decodes its
+own rows from its own caches, so a decoding step communicates nothing on a mesh without ``tensor``; the rows leave
+in the layout of every other batch (over ``data`` and ``fsdp``), gathered over ``sequence`` once per rollout.
+
 Compilation depends on the shapes ``(B, P)`` and on :class:`SamplingParams`, never on the prompt contents: pad
 prompts to a few bucketed widths (:func:`jppo.rollout.sampler.pad_prompts`) and one compilation serves every
 batch in a bucket.
@@ -32,7 +37,6 @@ distribution (vLLM can return them after top-k/top-p), and ``temperature <= 0`` 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -41,65 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jppo.core.errors import InvalidSetting
 from jppo.models.decoding import cache_block_count
 from jppo.models.sharding import constrain
+from jppo.parallel.mesh import decoding_layout
+from jppo.rollout.params import SamplingParams
 from jppo.rollout.processors import sample_tokens
 
 Array = jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How to sample; hashable, so it is a static argument of the compiled program.
-
-    Attributes:
-        max_new_tokens: response slots per row (at least 1).
-        temperature: logits are divided by it; must be positive unless ``greedy``.
-        top_k: keep the ``k`` most likely tokens; ``0`` switches the filter off.
-        top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p``; ``1`` is off.
-        greedy: take the most likely token (the key, ``top_k`` and ``top_p`` are then unused).
-        n: samples per prompt.
-        eos_token_ids: tokens that end a response (included in it).
-        pad_token_id: fills response slots after the end.
-        max_num_seqs: rows decoded at once (continuous batching: a finished row's slot is refilled with the next
-            waiting row); ``0``, or at least the number of rows, decodes every row together.
-        cache_blocks: the most blocks the response cache is stored in (:func:`cache_block_count`); ``0`` chooses
-            by backend. Tokens and log-probs are bitwise the same for one block count; across block counts they
-            differ by the rounding of combining per-block softmax sums.
-    """
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    greedy: bool = False
-    n: int = 1
-    eos_token_ids: tuple[int, ...] = ()
-    pad_token_id: int = 0
-    max_num_seqs: int = 0
-    cache_blocks: int = 0
-
-    def __post_init__(self) -> None:
-        # A list would make the params unhashable and so unusable as a static argument.
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        for name in ("max_new_tokens", "top_k", "n", "pad_token_id", "max_num_seqs", "cache_blocks"):
-            if not isinstance(getattr(self, name), (int, np.integer)):
-                raise InvalidSetting("SamplingParams.", name, getattr(self, name), "an integer")
-        problems = {
-            "max_new_tokens": (self.max_new_tokens, self.max_new_tokens >= 1, "an integer >= 1"),
-            "temperature": (self.temperature, self.greedy or self.temperature > 0, "> 0 (or greedy=True)"),
-            "top_k": (self.top_k, self.top_k >= 0, "an integer >= 0 (0 = off)"),
-            "top_p": (self.top_p, 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
-            "n": (self.n, self.n >= 1, "an integer >= 1"),
-            "pad_token_id": (self.pad_token_id, self.pad_token_id >= 0, "a token id >= 0"),
-            "max_num_seqs": (self.max_num_seqs, self.max_num_seqs >= 0, "an integer >= 0 (0 = every row at once)"),
-            "cache_blocks": (self.cache_blocks, self.cache_blocks >= 0, "an integer >= 0 (0 = by backend)"),
-            "eos_token_ids": (self.eos_token_ids, all(t >= 0 for t in self.eos_token_ids), "token ids >= 0"),
-        }
-        for name, (value, ok, valid) in problems.items():
-            if not ok:
-                raise InvalidSetting("SamplingParams.", name, value, valid)
 
 
 @struct.dataclass
@@ -218,7 +170,8 @@ def response_cache(model: Any, rows: int, params: SamplingParams) -> Any:
 
 
 def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
-    """Samples responses; a traceable function of arrays (call it under ``jax.jit``, or use :func:`generate`).
+    """Samples responses; a traceable function of arrays (call it under ``jax.jit``, or use :func:`generate`),
+    in the sampler's layout (module docstring); its rows come back in the layout of any other batch.
 
     Args:
         model: a ``CausalLM`` (``for_decoding``/``prefill``/``decode``/``decoding_layers``/``init_response_cache``/
@@ -230,6 +183,14 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         params: static :class:`SamplingParams`.
     """
     _check_inputs(model.config.vocab_size, prompt_ids, prompt_mask, params)
+    with decoding_layout():
+        by_row = lambda x: constrain(x, ("batch", None))  # noqa: E731
+        out = _sample(model, by_row(prompt_ids), by_row(prompt_mask), key, params)
+    return jax.tree.map(lambda x: constrain(x, ("batch", None)) if x.ndim == 2 else x, out)
+
+
+def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
+    """:func:`rollout`'s program, traced in the sampler's layout."""
     batch = prompt_ids.shape[0]
     n, max_new = params.n, params.max_new_tokens
     prompt_ids = prompt_ids.astype(jnp.int32)

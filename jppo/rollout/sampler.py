@@ -16,7 +16,7 @@ from jppo.core.experience import Experience
 from jppo.core.registry import Registry
 from jppo.models.config import ModelConfig
 from jppo.parallel.hostlocal import local_rows, to_global, to_local
-from jppo.parallel.mesh import batch_shards
+from jppo.parallel.mesh import decoding_shards
 from jppo.rollout.decode import SamplingParams, make_generate_fn
 
 
@@ -56,9 +56,11 @@ def pad_prompts(
 class Sampler:
     """Samples ``params.n`` responses per prompt, rows sharded over the batch axes of ``mesh``.
 
-    Prompts are left-padded to a multiple of ``bucket`` tokens and the batch is filled up to a multiple of the
-    batch shards with empty rows (dropped again), so the sampler compiles once per bucket. Every process passes the
-    same prompt list and gets back the rows of its own shards.
+    Prompts are left-padded to a multiple of ``bucket`` tokens and the batch is filled with empty rows (dropped
+    again) up to a multiple of the pieces the sampler cuts its prompts into (every batch axis, ``sequence``
+    included: :func:`~jppo.parallel.mesh.decoding_shards`), so the sampler compiles once per bucket and each device
+    decodes whole prompts of its own. Every process passes the same prompt list and gets back the rows of its own
+    shards.
     """
 
     def __init__(self, graphdef: nnx.GraphDef, pad_id: int, mesh: Mesh, params: SamplingParams, bucket: int):
@@ -70,7 +72,7 @@ class Sampler:
 
     def __call__(self, state: nnx.State, prompts: list[list[int]], key: jax.Array) -> Experience:
         """This process's sequences; ``group_ids`` holds each row's index in ``prompts``."""
-        filler = (-len(prompts)) % batch_shards(self._mesh)
+        filler = (-len(prompts)) % decoding_shards(self._mesh.shape)
         ids, mask = pad_prompts(list(prompts) + [[]] * filler, self._pad, multiple=self._bucket)
         mine = local_rows(self._mesh, len(ids))
         with jax.set_mesh(self._mesh):

@@ -49,11 +49,12 @@ optimizer step         ``4 t a``: the temporaries of applying the accumulated gr
 KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sampler's prompt cache (each prompt's
                        keys and values held once for its ``n`` samples, and a bool mask of its real tokens) and
                        response cache for ``B`` prompts and ``R = B n`` rows per device (``B = train_batch_size /
-                       (data x fsdp)``, or the validation batch when its caches are larger), of which ``S =
-                       min(rollout.max_num_seqs, R)`` are decoded at once (``S = R`` when it is 0); ``P =
+                       (data x fsdp x sequence)``, the sampler's rows split over every batch axis, or the validation
+                       batch when its caches are larger), of which ``S = min(rollout.max_num_seqs, R)`` are decoded
+                       at once (``S = R`` when it is 0); ``P =
                        bucket(max_prompt_length)``, ``T = max_response_length``. With ``rollout.env`` every turn
                        prefills each row's own context, which grows to prompt + response: ``B = R =
-                       train_batch_size x n / (data x fsdp)``, ``P = bucket(max_prompt_length + T - 1)``
+                       train_batch_size x n / (data x fsdp x sequence)``, ``P = bucket(max_prompt_length + T - 1)``
 rollout weights        ``sum_w |w| / shards'(w) x (c_s, or p for the norms' scales)``: the sampler's copy of each
                        weight it casts to ``c_s`` or lays out anew (:func:`jppo.models.sharding.decoding_copy`):
                        replicated over ``data`` and ``fsdp`` (a decoding step's rows are split over them), split
@@ -78,7 +79,7 @@ import pathlib
 from typing import Optional, Sequence
 
 from jppo.config import TrainConfig
-from jppo.parallel.mesh import MESH_AXES
+from jppo.parallel.mesh import MESH_AXES, decoding_shards
 from jppo.models.config import ModelConfig
 from jppo.rollout.multiturn import longest_context
 from jppo.rollout.decode import decode_rows
@@ -214,9 +215,9 @@ def sampler_prompt_width(cfg: TrainConfig) -> int:
 
 def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]]:
     """``(prompts, rows)`` one device samples at once, for the training batch and (when the run validates) the
-    validation batch. The sampler fills a batch up to a multiple of the batch shards; a multi-turn rollout calls
-    it on every row's own context (``n = 1``), so each row is a prompt."""
-    batch_shards = mesh["data"] * mesh["fsdp"]
+    validation batch. The sampler fills a batch up to a multiple of its shards (every batch axis); a multi-turn
+    rollout calls it on every row's own context (``n = 1``), so each row is a prompt."""
+    batch_shards = decoding_shards(mesh)  # the sampler splits its prompts over every batch axis, sequence included
     batches = [(cfg.data.train_batch_size, cfg.rollout.n)]
     if cfg.trainer.val_every > 0 or cfg.trainer.val_before_train:
         batches.append((cfg.data.val_batch_size, cfg.rollout.val_n))

@@ -1,0 +1,170 @@
+"""What one decoded token reads per device, beside its lower bound, for the shipped configs' rollouts.
+
+    python -m bench.decode_bound [--target cpu|v5p:2x2x2|...] [--quick] [--json]
+
+For each ``configs/*.yaml``, its mesh on 8 devices (the simulated CPU devices, or a TPU slice's compile-only
+devices with ``--target``), its rollout's shape (``data.train_batch_size`` prompts filled up to the sampler's
+shards, ``rollout.n``, the bucketed prompt width, ``rollout.max_response_length``) and its policy's shape (the GSM8K
+configs: Qwen2.5-0.5B's, :data:`bench.real_size.QWEN2_5_0_5B`; ``--quick``: 2 of its layers), sampling in
+``rollout.dtype``. Everything is abstract (no weights, no data): two programs are compiled, the sampler's
+preparation (its copy of the weights, the prefill, the empty response cache) and ONE decoding step at the last
+response slot (every slot visible, so the step reads the whole cache; one cache block, so that XLA's cost model sees
+no conditional), with the shardings the first program gives its outputs.
+
+Per device: ``read`` = the decoding step's ``cost_analysis()['bytes accessed']`` (a single step: no loop whose body
+the cost model would count once); ``bound`` = the bytes a step cannot avoid reading, the device's shards of the
+sampler's weights and of the live caches (the prompt cache and the response cache up to the current slot, here
+all of it); ``ratio = read / bound`` (the aim: <= 1.5); ``excess / logits``, what the step reads beyond the bound
+in units of the device's float32 logits (the sampling's passes over the vocabulary); ``collectives`` of the step. On XLA:CPU a bfloat16 matmul
+is computed in float32, so its operands are converted and read twice: the CPU ratio over-states a TPU's or GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def device_bytes(tree) -> int:
+    """Bytes of one device's shards of every array of ``tree`` (``ShapeDtypeStruct`` with shardings)."""
+    import jax
+
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def load(path: pathlib.Path, tmp: pathlib.Path, quick: bool):
+    """The config at ``path``; the GSM8K configs with Qwen2.5-0.5B's ``config.json`` and a stand-in data file."""
+    from bench.real_size import QWEN2_5_0_5B
+    from jppo.config import load_config
+    from jppo.models import ModelConfig
+
+    text = path.read_text()
+    if "/path/to/" not in text:
+        return load_config(path, ["model.num_layers=2"] if quick and "num_layers" not in text else [])
+    model, data = tmp / "model", tmp / "rows.jsonl"
+    model.mkdir(exist_ok=True)
+    shape = QWEN2_5_0_5B | (dict(num_layers=2) if quick else {})
+    (model / "config.json").write_text(json.dumps(ModelConfig(**shape).to_hf()))
+    data.write_text('{"prompt": "1+1?", "answer": "#### 2"}\n' * 2)
+    return load_config(path, [f"model.path={model}", "model.tokenizer=builtin:reverse_digits",
+                              f"data.train_files={data}", f"data.val_files={data}", "data.apply_chat_template=false"])
+
+
+def measure(path: pathlib.Path, target: str, quick: bool, tmp: pathlib.Path) -> dict:
+    """The decoding step's bytes per device against its bound, for the config at ``path`` on ``target``."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from bench.hlo_loops import count_collectives
+    from jppo.config import check_mesh
+    from jppo.config.views import adapted_model_config, sampling_config
+    from jppo.models import CausalLM, param_shardings
+    from jppo.parallel.mesh import batch_spec, decoding_layout, decoding_shards, make_mesh
+    from jppo.rollout.decode import draw, prefill
+    from jppo.rollout.params import SamplingParams
+    from jppo.run.memory import sampler_prompt_width
+
+    cfg = load(path, tmp, quick)
+    shape = check_mesh(cfg, 8)
+    devices = jax.devices() if target == "cpu" else topologies.get_topology_desc(
+        platform="tpu", topology_name=target).devices
+    mesh = make_mesh(*shape, devices=devices)
+    policy = dataclasses.replace(adapted_model_config(cfg, "actor"), param_dtype=cfg.model.param_dtype,
+                                 dtype=cfg.model.dtype, attention=cfg.model.attention)
+    config = sampling_config(cfg, policy)
+    if target != "cpu" and config.attention in ("auto", "pallas"):
+        config = dataclasses.replace(config, attention="blockwise")  # the prefill's Pallas kernel is partitioned apart
+    shards = decoding_shards(mesh.shape)
+    prompts = -(-cfg.data.train_batch_size // shards) * shards
+    rows, width, slots = prompts * cfg.rollout.n, sampler_prompt_width(cfg), cfg.rollout.max_response_length
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0))))
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                            param_shardings(state, mesh))
+    by_row = NamedSharding(mesh, batch_spec())
+    ids = jax.ShapeDtypeStruct((prompts, width), jnp.int32, sharding=by_row)
+    mask = jax.ShapeDtypeStruct((prompts, width), jnp.bool_, sharding=by_row)
+    params = SamplingParams(max_new_tokens=slots, n=cfg.rollout.n, temperature=cfg.rollout.temperature)
+
+    def prepare(state, ids, mask):
+        with decoding_layout():
+            model = nnx.merge(graphdef, state).for_decoding()
+            layers = model.decoding_layers()
+            prompt, counts, _ = prefill(model, ids, mask, layers)
+            return nnx.state(model), layers, prompt, jnp.repeat(counts, params.n), model.init_response_cache(
+                rows, slots, 1)
+
+    def step(state, layers, prompt, counts, cache, tokens, keys):
+        with decoding_layout():
+            model = nnx.merge(graphdef, state)
+            slot = jnp.asarray(slots - 1, jnp.int32)
+            hidden, cache = model.decode(tokens, counts + slot, prompt, cache, slot, layers)
+            return draw(keys, jnp.broadcast_to(slot, tokens.shape), model.logits(hidden), params), cache
+
+    with jax.set_mesh(mesh):
+        prepared = jax.jit(prepare).lower(abstract, ids, mask).compile()
+        outputs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                               jax.eval_shape(prepare, abstract, ids, mask), prepared.output_shardings)
+        spec = NamedSharding(mesh, PartitionSpec(("data", "fsdp", "sequence")))
+        tokens = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=spec)
+        keys = jax.ShapeDtypeStruct((rows,), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=spec)
+        compiled = jax.jit(step, donate_argnums=(4,)).lower(*outputs, tokens, keys).compile()
+    copies, layers, prompt, _, cache = outputs
+    # what a step reads of the model's own state: the embedding and LM head copies and the final norm (the stacked
+    # layers in it are unused: a step reads each layer's copy in ``layers``)
+    read_whole = [leaf for where, leaf in jax.tree_util.tree_flatten_with_path(copies)[0]
+                  if "layers" not in jax.tree_util.keystr(where)]
+    weights = device_bytes(layers) + device_bytes(read_whole)
+    caches = device_bytes(prompt) + device_bytes(cache)
+    read = float(compiled.cost_analysis()["bytes accessed"])
+    return {"config": path.name, "target": target, "mesh": dict(zip(("data", "fsdp", "tensor", "sequence"), shape)),
+            "layers": config.num_layers, "rows_per_device": rows // shards, "prompt_width": width, "slots": slots,
+            "weights_bytes": weights, "cache_bytes": caches, "bound_bytes": weights + caches, "read_bytes": read,
+            "ratio": read / (weights + caches), "collectives": count_collectives(compiled.as_text().splitlines()),
+            # the float32 logits of the device's rows: the excess over the bound in these units is the sampling's
+            # passes over the vocabulary (temperature, log-softmax, the Gumbel draw's random bits)
+            "logits_bytes": rows // shards * config.vocab_size * 4}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.decode_bound", description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="cpu", help="cpu (8 simulated devices) or a TPU topology (v5p:2x2x2)")
+    parser.add_argument("--quick", action="store_true", help="2 layers of the GSM8K configs' model")
+    parser.add_argument("--configs", nargs="*", default=None, help="config files (default: configs/*.yaml)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    import os
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    paths = [pathlib.Path(p) for p in args.configs] if args.configs else sorted((ROOT / "configs").glob("*.yaml"))
+    with tempfile.TemporaryDirectory() as tmp:
+        results = [measure(path, args.target, args.quick, pathlib.Path(tmp)) for path in paths]
+    if args.json:
+        print(json.dumps(results, indent=1))
+        return 0
+    print(f"{'config':<30}{'mesh d,f,t,s':>14}{'L':>4}{'rows':>6}{'P+T':>10}{'weights MiB':>13}{'caches MiB':>12}"
+          f"{'read MiB':>10}{'read/bound':>12}{'excess/logits':>15}  collectives")
+    for r in results:
+        mesh = ",".join(str(v) for v in r["mesh"].values())
+        ops = {k: v for k, v in r["collectives"].items() if v} or "none"
+        print(f"{r['config']:<30}{mesh:>14}{r['layers']:>4}{r['rows_per_device']:>6}"
+              f"{str(r['prompt_width']) + '+' + str(r['slots']):>10}{r['weights_bytes'] / 2**20:>13.2f}"
+              f"{r['cache_bytes'] / 2**20:>12.2f}{r['read_bytes'] / 2**20:>10.2f}{r['ratio']:>12.2f}"
+              f"{(r['read_bytes'] - r['bound_bytes']) / r['logits_bytes']:>15.1f}  {ops}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
