@@ -118,6 +118,13 @@ def test_the_pages_quote_the_generated_numbers():
     assert not wrong, f"pages quoting other numbers than docs/measured/numbers.json (page, key, quoted, file): {wrong}"
 
 
+def test_pages_are_rewritten_from_the_file_at_their_markers_only():
+    text = "from <!--m:a.b-->0.12 to <!--m:a.c-->97% (0.12 unmarked), <!--m:x.y-->-0.03 kept"
+    assert docs_numbers.quoted(text) == [("a.b", "0.12"), ("a.c", "97%"), ("x.y", "-0.03")]
+    assert docs_numbers.rewrite(text, {"a.b": "0.15", "a.c": "88%"}) == (
+        "from <!--m:a.b-->0.15 to <!--m:a.c-->88% (0.12 unmarked), <!--m:x.y-->-0.03 kept")
+
+
 def test_the_generated_plan_numbers_are_what_the_plan_says_now():
     """The planned numbers cost no run: a change to the plan that moves them must regenerate the file (and so the
     pages, `python -m bench.docs_numbers --only plan --pages`)."""
