@@ -37,7 +37,7 @@ def parse_args(
 ) -> argparse.Namespace:
     """The arguments of ``python -m jppo.<command>``: ``--config`` (when the command takes ``overrides``, their
     help), the command's own ``options``, the positional ``overrides``, and the multi-process flags of
-    :func:`jppo.parallel.distributed.add_arguments` (``processes``)."""
+    :func:`jppo.parallel.distributed.add_arguments` (``processes``). Positionals and flags may come in any order."""
     parser = argparse.ArgumentParser(prog=f"python -m jppo.{command}", description=description)
     if overrides is not None:
         from jppo.config import CONFIG_HELP  # noqa: PLC0415 (plot's --help reads no config)
@@ -49,7 +49,9 @@ def parse_args(
         parser.add_argument("overrides", nargs="*", help=overrides)
     if processes:
         distributed.add_arguments(parser)
-    return parser.parse_args(argv)
+    # Intermixed: the overrides may sit on either side of a flag (`--config C $ARGS --devices 8 mesh.fsdp=8`), where
+    # plain parsing takes the first run of positionals only and refuses the rest as unrecognized.
+    return parser.parse_intermixed_args(argv)
 
 
 def load_config(args: argparse.Namespace):

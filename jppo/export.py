@@ -1,5 +1,6 @@
-"""``python -m jppo.export RUN_DIR_OR_CHECKPOINT OUT_DIR [--dtype D] [--max-shard-size 2GB] [--step N]``: a trained
-policy as a Hugging Face directory that ``AutoModelForCausalLM``, ``AutoTokenizer`` and ``vllm serve`` read as is.
+"""``python -m jppo.export RUN_DIR_OR_CHECKPOINT OUT_DIR [--dtype D] [--max-shard-size 2GB] [--step N]
+[--adapters | --base]``: a trained policy as a Hugging Face directory that ``AutoModelForCausalLM``,
+``AutoTokenizer`` and ``vllm serve`` read as is (a LoRA run's merged weights, its adapters, or their base).
 
 What is read and what ``OUT_DIR`` receives: :mod:`jppo.run.export`. Errors are one line, exit status 2.
 """
@@ -15,8 +16,8 @@ from jppo.core.paths import run_path
 from jppo.data import load_tokenizer
 from jppo.config import views
 from jppo.run.export import (
-    DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES, export_adapters, export_policy, find_checkpoint, merged_policy, parse_size,
-    restore_policy, run_config,
+    DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES, ExportError, base_policy, export_adapters, export_policy, find_checkpoint,
+    merged_policy, parse_size, restore_policy, run_config,
 )
 
 
@@ -30,6 +31,9 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty OUT")
     parser.add_argument("--adapters", action="store_true",
                         help="write only the LoRA adapters, in PEFT's layout (default: weights with adapters merged)")
+    parser.add_argument("--base", action="store_true",
+                        help="write the base model the LoRA adapters were trained on, without them (a random base "
+                             "too): the model to load them onto with peft.PeftModel.from_pretrained(base, ADAPTERS)")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -39,6 +43,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
+        if args.adapters and args.base:
+            raise ExportError("--adapters and --base write different directories: export each to its own OUT")
         max_shard_bytes = parse_size(args.max_shard_size)
         checkpoint = find_checkpoint(run_path(args.source), args.step)
         cfg = run_config(checkpoint)
@@ -47,7 +53,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.adapters:
             files = export_adapters(model, cfg, args.out, dtype=args.dtype or "float32", replace=args.overwrite)
         else:
-            files = export_policy(merged_policy(model), cfg, tokenizer, args.out, dtype=args.dtype,
+            policy = base_policy(model) if args.base else merged_policy(model)
+            files = export_policy(policy, cfg, tokenizer, args.out, dtype=args.dtype,
                                   max_shard_bytes=max_shard_bytes, replace=args.overwrite)
     except (*cli.INPUT_ERRORS, OSError) as error:  # OSError: a directory that cannot be read or written
         return cli.fail("export", error)

@@ -62,6 +62,25 @@ def test_every_command_of_a_config_takes_the_same_config_argument(command, capsy
 
 
 @pytest.mark.parametrize(
+    "command,argv,expected",
+    [("train", ["--config", "C", "a.b=1", "--num-processes", "2", "c.d=2", "--process-id", "1", "e.f=3"],
+      {"config": "C", "overrides": ["a.b=1", "c.d=2", "e.f=3"], "num_processes": 2, "process_id": 1}),
+     ("eval", ["a.b=1", "--out", "O", "c.d=2", "--config", "C"],
+      {"config": "C", "out": "O", "overrides": ["a.b=1", "c.d=2"]}),
+     ("audit", ["--config", "C", "a.b=1", "--quick", "c.d=2"], {"quick": True, "overrides": ["a.b=1", "c.d=2"]}),
+     ("plan", ["--config", "C", "a.b=1", "c.d=2", "--devices", "8", "mesh.fsdp=8"],
+      {"devices": 8, "overrides": ["a.b=1", "c.d=2", "mesh.fsdp=8"]}),
+     ("export", ["RUN", "--adapters", "OUT", "--step", "3"],
+      {"source": "RUN", "out": "OUT", "adapters": True, "step": 3})],
+)
+def test_every_command_takes_its_positionals_on_either_side_of_a_flag(command, argv, expected):
+    """``--config C $ARGS --devices 8 mesh.fsdp=8``: overrides (and export's RUN OUT) split around a flag are all
+    taken, in order, where plain argparse refuses the second run as unrecognized arguments."""
+    args = importlib.import_module(f"jppo.{command}").parse_args(argv)
+    assert {key: getattr(args, key) for key in expected} == expected
+
+
+@pytest.mark.parametrize(
     "command,argv,message",
     [(command, ["--config", str(QUICKSTART), "actor.ppo_epoch=2"], "actor.ppo_epoch") for command in CONFIG_COMMANDS]
     + [("export", ["/nonexistent/run", "/nonexistent/out"], "'/nonexistent/run' is neither a run directory"),

@@ -532,7 +532,7 @@ def test_prepare_gsm8k_converts_rows(tmp_path, suffix, capsys):
         import pyarrow.parquet
 
         pyarrow.parquet.write_table(pyarrow.Table.from_pylist(GSM8K_ROWS), str(source))
-    output = tmp_path / "out.jsonl"
+    output = tmp_path / "data" / "gsm8k" / "out.jsonl"  # a folder that does not exist yet, as on a fresh clone
     prepare_gsm8k.main([str(source), str(output)])
     assert "wrote 2 examples" in capsys.readouterr().out
     converted = [json.loads(line) for line in output.read_text().splitlines()]
@@ -551,10 +551,11 @@ def test_prepare_gsm8k_errors(tmp_path):
 
 
 @pytest.mark.parametrize("make_args, message", [
-    (lambda tmp: [str(tmp / "missing.jsonl"), str(tmp / "o.jsonl")], "missing.jsonl' does not exist"),
+    (lambda tmp: [str(tmp / "missing.jsonl"), str(tmp / "o.jsonl")], "the input SRC: file '"),
     (lambda tmp: [str(write_jsonl(tmp / "t.jsonl", [{"question": "q"}])), str(tmp / "o.jsonl")],
      "t.jsonl row 1 has no text under ['answer']"),
-    (lambda tmp: [str(write_jsonl(tmp / "g.jsonl", GSM8K_ROWS)), str(tmp / "g.jsonl" / "o.jsonl")], "Not a directory"),
+    (lambda tmp: [str(write_jsonl(tmp / "g.jsonl", GSM8K_ROWS)), str(tmp / "g.jsonl" / "o.jsonl")],
+     "the output OUT"),
 ])
 def test_prepare_gsm8k_cli_refuses_in_one_line(tmp_path, capsys, make_args, message):
     assert prepare_gsm8k.main(make_args(tmp_path)) == 2

@@ -1,5 +1,5 @@
 """Model sources given as Hugging Face repo ids resolve through the local Hugging Face cache only: a fake cache laid
-out as ``huggingface-cli download`` leaves it (``models--Org--Name/snapshots/<commit>/`` and ``refs/main``), written
+out as ``hf download`` leaves it (``models--Org--Name/snapshots/<commit>/`` and ``refs/main``), written
 with jppo's own ``save_pretrained``; nothing is downloaded."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_an_uncached_repo_id_is_one_line_naming_key_id_cache_and_how_to_fetch(hf
     message = str(error.value)
     assert "\n" not in message and message.startswith("critic.model_path='Org/Missing': ")
     assert "not in the local Hugging Face cache" in message and str(hf_cache.parents[2]) in message
-    assert "huggingface-cli download Org/Missing" in message
+    assert "hf download Org/Missing" in message
 
 
 def test_an_existing_local_directory_wins_over_a_cached_repo_id(hf_cache):

@@ -322,6 +322,34 @@ def test_a_lora_checkpoint_evaluates_and_exports_the_trained_policy_whatever_tra
         np.testing.assert_array_equal(np.asarray(got[path][...]), np.asarray(want[...]), err_msg=str(path))
 
 
+def test_the_lora_quickstart_exports_its_random_base_and_peft_loads_its_adapters_onto_it(lora_run, tmp_path):
+    """docs/lora.md's two exports of a run whose base was drawn at random: ``--base`` (the frozen weights alone, a
+    plain Hugging Face model) and ``--adapters``; PEFT's model of the two computes the trained policy."""
+    torch = pytest.importorskip("torch")
+    from etils import epath
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from jppo.data import load_tokenizer
+    from jppo.export import main
+    from jppo.run.export import find_checkpoint, restore_policy, run_config
+
+    assert main([str(lora_run), str(tmp_path / "base"), "--base"]) == 0
+    assert main([str(lora_run), str(tmp_path / "adapters"), "--adapters"]) == 0
+    checkpoint = find_checkpoint(epath.Path(lora_run), None)
+    cfg = run_config(checkpoint)
+    policy = restore_policy(checkpoint, cfg, load_tokenizer(views.tokenizer_spec(cfg)))
+    ids = np.asarray([[1, 5, 2, 7, 3, 11, 4, 9]])
+    expected = np.asarray(policy(jnp.asarray(ids)))
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    with torch.no_grad():
+        alone = base(torch.from_numpy(ids)).logits.numpy()
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()(torch.from_numpy(ids)).logits.numpy()
+    # float32 on both sides, 2 layers: the 1e-4 of the merged-weights test above
+    np.testing.assert_allclose(adapted, expected, rtol=1e-4, atol=1e-4)
+    assert np.abs(alone - expected).max() > 1e-3  # the step moved the adapters: the base alone is not the policy
+
+
 def test_a_resume_with_another_seed_keeps_the_checkpoints_base(lora_run, tmp_path):
     import shutil
 

@@ -180,6 +180,27 @@ def test_a_sequence_axis_that_does_not_split_the_devices_or_the_rows_is_one_line
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("name,roles", [("qwen2_5_0_5b_gsm8k_grpo.yaml", ("actor",)),
+                                        ("qwen2_5_0_5b_gsm8k_ppo.yaml", ("actor", "critic"))])
+@pytest.mark.parametrize("devices,sequence,budget", [(1, 1, 4096), (2, 2, 8192)])
+def test_a_sequence_axis_too_large_for_the_devices_says_what_to_set_and_that_runs(
+        tmp_path, name, roles, devices, sequence, budget):
+    """The GSM8K configs split rows over mesh.sequence=4: on 1 or 2 devices the one-line error names the overrides
+    that keep each device's 4096 tokens, and the config with them passes the same check."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1?", "answer": "#### 2"}\n')
+    paths = [f"model.path={tmp_path / 'ckpt'}", f"data.train_files={tmp_path / 'rows.jsonl'}",
+             f"data.val_files={tmp_path / 'rows.jsonl'}"]
+    config = QUICKSTART.parent / name
+    with pytest.raises(ConfigError) as error:
+        check_mesh(load_config(config, paths), devices)
+    fitting = [f"mesh.sequence={sequence}", *(f"{role}.ppo_max_token_len={budget}" for role in roles)]
+    assert str(error.value) == (f"mesh.sequence=4 does not divide the {devices} devices; on {devices} device(s) set "
+                                f"{' '.join(fitting)} (the same 4096 tokens per device)")
+    assert check_mesh(load_config(config, [*paths, *fitting]), devices)[3] == sequence
+
+
 def test_the_command_refuses_a_sequence_axis_in_one_line_with_exit_status_2(capsys):
     assert plan.main(["--config", str(QUICKSTART), "--devices", "8", "mesh.sequence=2"]) == 2
     err = capsys.readouterr().err

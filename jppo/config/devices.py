@@ -5,6 +5,8 @@ checks that hold on any mesh are :func:`jppo.config.check.check`'s."""
 
 from __future__ import annotations
 
+import math
+
 from jppo.config.schema import TrainConfig
 from jppo.config.views import adapted_model_config, engine_view, rollout_sequences
 from jppo.core.errors import ConfigError, one_line
@@ -18,7 +20,7 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
     try:
         shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices, cfg.mesh.sequence)
     except ValueError as error:
-        raise ConfigError(one_line(error)) from None
+        raise ConfigError(one_line(error) + _fitting_sequence(cfg, num_devices)) from None
     _check_heads(cfg, shape[2])
     shards, sequences = shape[0] * shape[1], rollout_sequences(cfg)
     if sequences % shards:
@@ -51,6 +53,21 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
             raise ConfigError(f"mesh.sequence={shape[3]} must divide " + " and ".join(
                 f"{key}={size}" for key, size in sizes.items()) + f": it splits the tokens of each of {role}'s rows")
     return shape
+
+
+def _fitting_sequence(cfg: TrainConfig, num_devices: int) -> str:
+    """What to set when ``mesh.sequence`` = s does not divide the N devices: s' = gcd(s, N), and each token budget T
+    of a role cut by tokens scaled to ``T s' / s``, which keeps the ``T / s`` tokens a device holds (and so its
+    memory) as configured. Empty when the sequence axis is not what failed."""
+    sequence = cfg.mesh.sequence
+    if sequence <= 1 or num_devices % sequence == 0:
+        return ""
+    fitting = math.gcd(sequence, num_devices)
+    budgets = {f"{role}.ppo_max_token_len": getattr(cfg, role).ppo_max_token_len
+               for role in cfg.roles if getattr(cfg, role).use_dynamic_bsz}
+    overrides = [f"mesh.sequence={fitting}"] + [f"{key}={size * fitting // sequence}" for key, size in budgets.items()]
+    kept = f" (the same {min(budgets.values()) // sequence} tokens per device)" if budgets else ""
+    return f"; on {num_devices} device(s) set {' '.join(overrides)}{kept}"
 
 
 def _check_heads(cfg: TrainConfig, tensor: int) -> None:

@@ -28,8 +28,9 @@ INSTRUCTION = ' Think step by step, then give the final answer on the last line 
 
 
 def convert(source: str, output: str) -> int:
-    """Writes the converted rows of ``source`` to ``output``; returns how many were written."""
-    rows = read_rows(source, "SRC")
+    """Writes the converted rows of ``source`` to ``output`` (its folder made if missing); returns how many were
+    written."""
+    rows = read_rows(source, "the input SRC")
     lines = []
     for number, row in rows:
         missing = [key for key in ("question", "answer") if not isinstance(row.get(key), str)]
@@ -42,7 +43,12 @@ def convert(source: str, output: str) -> int:
                 f"{source} row {number}: answer has no '####' final-answer marker: {row['answer'][-60:]!r}"
             )
         lines.append(json.dumps({"prompt": row["question"].strip() + INSTRUCTION, "answer": row["answer"]}))
-    pathlib.Path(output).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    out = pathlib.Path(output)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # `data/gsm8k/train.jsonl` on a fresh clone
+    except OSError as error:
+        raise OSError(f"the output OUT {output!r}: cannot make its folder {str(out.parent)!r}: {error}") from None
+    out.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return len(lines)
 
 

@@ -3,7 +3,7 @@
 A model or tokenizer setting (``model.path``, ``critic.model_path``, ...) is either a local directory or a repo id
 such as ``Qwen/Qwen2.5-0.5B-Instruct``. :func:`local_model_dir` turns it into the directory to read: an existing
 local directory always wins; otherwise a repo id is looked up with ``huggingface_hub.snapshot_download(...,
-local_files_only=True)`` in the cache that ``huggingface-cli download`` fills (``HF_HUB_CACHE``, else
+local_files_only=True)`` in the cache that ``hf download`` fills (``HF_HUB_CACHE``, else
 ``HF_HOME/hub``, read when called), which returns the snapshot folder ``models--Org--Name/snapshots/<commit>/``
 that ``refs/main`` points at. A run never reaches the network for a model: an uncached id is a config error.
 """
@@ -49,5 +49,5 @@ def local_model_dir(key: str, value: str) -> str:
         raise ConfigError(
             f"{key}={value!r}: no such local directory, and Hugging Face repo {value!r} is not in the local Hugging "
             f"Face cache ({cache}; set HF_HUB_CACHE or HF_HOME to use another); fetch it first with "
-            f"`huggingface-cli download {value}` (jppo never downloads)"
+            f"`hf download {value}` (jppo never downloads)"
         ) from None

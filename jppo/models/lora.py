@@ -118,23 +118,31 @@ def merged(model: nnx.Module) -> nnx.Module:
     """The model without adapters whose target kernels are ``W + s A B`` (in the kernels' dtype): what the
     adapted model computes, as plain weights (host or device arrays alike). A model without adapters is returned
     as it is."""
+    return _without_adapters(model, merge=True)
+
+
+def base_model(model: nnx.Module) -> nnx.Module:
+    """The frozen base the adapters sit on, without them: the kernels ``W`` as they are (what PEFT's
+    ``PeftModel.from_pretrained(base, adapters)`` needs under the adapters, for a base drawn at random too)."""
+    return _without_adapters(model, merge=False)
+
+
+def _without_adapters(model: nnx.Module, merge: bool) -> nnx.Module:
     layers = model.decoder.layers
-    if getattr(layers, "lora", None) is None:
+    adapters = getattr(layers, "lora", None)
+    if adapters is None:
         return model
     base_graphdef = nnx.graphdef(nnx.eval_shape(lambda: type(model)(model.config, rngs=nnx.Rngs(0))))
-    adapters = getattr(layers, "lora", None)
-    base = nnx.state(model, nnx.Param)
-    flat = dict(nnx.to_flat_state(base))
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     kept = {path: variable for path, variable in flat.items() if "lora" not in path}
-    if adapters is not None:
-        for name, (a, b) in adapters.stacked().items():
-            path = ("decoder", "layers", name)
-            kernel = kept[path][...]
-            kept[path] = kept[path].replace(
-                (kernel.astype(jnp.promote_types(kernel.dtype, jnp.float32)) + delta(a, b, adapters.scale)).astype(
-                    kernel.dtype
-                )
+    for name, (a, b) in adapters.stacked().items() if merge else ():
+        path = ("decoder", "layers", name)
+        kernel = kept[path][...]
+        kept[path] = kept[path].replace(
+            (kernel.astype(jnp.promote_types(kernel.dtype, jnp.float32)) + delta(a, b, adapters.scale)).astype(
+                kernel.dtype
             )
+        )
     return nnx.merge(base_graphdef, nnx.from_flat_state(kept))
 
 

@@ -40,7 +40,7 @@ from jppo.config import TrainConfig, load_config, views
 from jppo.data import CharTokenizer, Tokenizer
 from jppo.models import CausalLM, ModelConfig, read_config, save_pretrained
 from jppo.models.config import DTYPES
-from jppo.models.lora import merged, save_peft_adapter
+from jppo.models.lora import base_model, merged, save_peft_adapter
 from jppo.core.paths import is_remote, run_path
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
@@ -150,6 +150,13 @@ def _restore_actor_params(checkpoint: epath.Path, abstract: nnx.State, cpu) -> n
 def merged_policy(model: CausalLM) -> CausalLM:
     """The policy as plain weights: LoRA adapters merged into their kernels (``W + alpha / r A B``)."""
     return merged(model)
+
+
+def base_policy(model: CausalLM) -> CausalLM:
+    """The base weights a LoRA policy's adapters were trained on, without the adapters (``--base``)."""
+    if model.decoder.layers.lora is None:
+        raise ExportError("--base: the run trained no LoRA adapters (actor.lora.rank is 0): its policy is the model")
+    return base_model(model)
 
 
 def export_adapters(
