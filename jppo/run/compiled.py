@@ -17,6 +17,7 @@ at its limit: ``budget // (P + L)`` sequences in each packed row). The rollout's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -190,21 +191,34 @@ def lowerings(cfg: TrainConfig, mesh: Mesh) -> tuple[dict[str, Callable[[], jax.
     return lower, resident_in, resident
 
 
-def compile_run(cfg: TrainConfig, target: Target) -> list[Compiled]:
-    """Every program of a run of ``cfg`` compiled for ``target``, in :data:`PROGRAMS` order; a program that fails
-    to lower or compile is reported with the first line of its error, the others still compiled."""
+def compile_run(cfg: TrainConfig, target: Target, only: Optional[tuple[str, ...]] = None) -> list[Compiled]:
+    """Every program of a run of ``cfg`` compiled for ``target`` (those named in ``only``, when given), in
+    :data:`PROGRAMS` order; a program that fails to lower or compile is reported with the first line of its
+    error, the others still compiled."""
     mesh = make_mesh(*check_mesh(cfg, len(target.devices), target.hosts), devices=target.devices)
     lower, resident_in, resident = lowerings(cfg, mesh)
     out = []
-    for name in (name for name in PROGRAMS if name in lower):
+    for name in (name for name in PROGRAMS if name in lower and (only is None or name in only)):
         try:
-            executable = lower[name]().compile()
+            with without_persistent_cache():  # a compile-only executable cannot be loaded back from it
+                executable = lower[name]().compile()
         except Exception as error:  # noqa: BLE001 (what the compiler refuses is the finding: reported, not raised)
             out.append(Compiled(name, False, error=one_line(error)))
             continue
         steps = cfg.rollout.max_response_length - 1 if name in ("rollout", "validation") else None
         out.append(analyse(name, executable, resident - resident_in[name], steps))
     return out
+
+
+@contextlib.contextmanager
+def without_persistent_cache():
+    """JAX's persistent compilation cache switched off (and back as it was)."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
 
 
 def analyse(name: str, executable, elsewhere: int, decode_steps: Optional[int] = None) -> Compiled:
