@@ -118,13 +118,11 @@ def trip_count(module: Module, instruction: Instruction) -> Optional[int]:
     if match:
         return int(match[1])
     condition = re.search(r"condition=%([\w.\-]+)", instruction.attributes)
-    body = module.computations.get(condition[1], []) if condition else []
-    root = body[-1] if body else None
-    for line in body:
-        root = line if line.root else root
+    test = module.computations.get(condition[1], []) if condition else []
+    root = next((line for line in test if line.root), test[-1] if test else None)
     if root is None or root.opcode != "compare" or "direction=LT" not in root.attributes or len(root.operands) != 2:
         return None
-    counter = next((i for i in body if i.name == root.operands[0]), None)
+    counter = next((i for i in test if i.name == root.operands[0]), None)
     limit = _constant(module, root.operands[1])
     if counter is None or counter.opcode != "get-tuple-element" or limit is None:
         return None
@@ -148,17 +146,57 @@ def _own_flops(module: Module, instruction: Instruction) -> float:
         contracted = [lhs[int(i)] for i in found[1].split(",") if i] if found and lhs else []
         return 2.0 * math.prod(out) * math.prod(contracted)
     if instruction.opcode == "convolution":
-        kernel = dims(module.shapes.get(instruction.operands[1], ""))
-        labels = re.search(r"dim_labels=\w*_(\w+)->", instruction.attributes)
-        if not labels or len(labels[1]) != len(kernel):
-            return 0.0
-        return 2.0 * math.prod(out) * math.prod(d for d, label in zip(kernel, labels[1]) if label != "o")
+        return _convolution_flops(module, instruction, out)
     if instruction.opcode == "custom-call" and any(f'"{t}"' in instruction.attributes for t in GEMM_TARGETS):
         lhs = dims(module.shapes.get(instruction.operands[0], ""))
         found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instruction.attributes)
         contracted = [lhs[int(i)] for i in json.loads(f"[{found[1]}]")] if found and lhs else []
         return 2.0 * math.prod(out) * math.prod(contracted)
     return 0.0
+
+
+def _window(window: str, key: str, default: int, rank: int) -> list[int]:
+    """One field of a convolution's ``window={size=4x8 lhs_dilate=4x8 ...}``, one integer per spatial dimension."""
+    found = re.search(rf"\b{key}=([\dx]+)", window)
+    return [int(n) for n in found[1].split("x")] if found else [default] * rank
+
+
+def _taps(out_size: int, size: int, stride: int, pad_low: int, lhs_dilate: int, rhs_dilate: int, in_size: int) -> int:
+    """The (output position, window position) pairs of one spatial dimension that meet a real input element (not
+    padding, not a hole of a dilated input): XLA writes a product with batch dimensions as such a convolution."""
+    dilated = (in_size - 1) * lhs_dilate + 1
+    if out_size * size > 1 << 20:  # a true convolution's long dimension: every tap but the dilation's holes
+        return out_size * -(-size // lhs_dilate)
+    taps = 0
+    for o in range(out_size):
+        for k in range(size):
+            p = o * stride + k * rhs_dilate - pad_low
+            taps += 0 <= p < dilated and p % lhs_dilate == 0
+    return taps
+
+
+def _convolution_flops(module: Module, instruction: Instruction, out: list[int]) -> float:
+    """2 x (output elements outside the spatial dimensions) x input features x the taps of each spatial
+    dimension (:func:`_taps`)."""
+    lhs, kernel = (dims(module.shapes.get(name, "")) for name in instruction.operands[:2])
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instruction.attributes)
+    if not labels or (len(labels[1]), len(labels[2]), len(labels[3])) != (len(lhs), len(kernel), len(out)):
+        return 0.0
+    lhs_labels, kernel_labels, out_labels = labels[1], labels[2], labels[3]
+    spatial = sorted(label for label in out_labels if label.isdigit())
+    found = re.search(r"window=\{([^}]*)\}", instruction.attributes)
+    window, rank = (found[1] if found else ""), len(spatial)
+    sizes, strides = _window(window, "size", 1, rank), _window(window, "stride", 1, rank)
+    lhs_dilate, rhs_dilate = _window(window, "lhs_dilate", 1, rank), _window(window, "rhs_dilate", 1, rank)
+    pads = re.search(r"\bpad=([\d_x-]+)", window)
+    pad_low = [int(p.split("_")[0]) for p in pads[1].split("x")] if pads else [0] * rank
+    taps = 1
+    for d, label in enumerate(spatial):
+        taps *= _taps(out[out_labels.index(label)], sizes[d], strides[d], pad_low[d], lhs_dilate[d],
+                      rhs_dilate[d], lhs[lhs_labels.index(label)])
+    others = math.prod(n for n, label in zip(out, out_labels) if not label.isdigit())
+    features = math.prod(n for n, label in zip(kernel, kernel_labels) if label == "i")
+    return 2.0 * others * features * taps
 
 
 def _callees(instruction: Instruction) -> list[tuple[str, str]]:

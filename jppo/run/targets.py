@@ -59,8 +59,8 @@ def tpu_target(name: str) -> Target:
         topology = topologies.get_topology_desc(platform="tpu", topology_name=name)
     except Exception as error:  # noqa: BLE001 (libtpu missing, or a name it does not know: its own message)
         reason = " ".join(str(error).split())[:200]
-        raise ConfigError(f"--compile-for {name!r}: not a TPU topology libtpu compiles for ({reason}); install "
-                          "libtpu with pip install 'jax[tpu]'") from None
+        hint = "" if "Invalid" in reason else "; the TPU compiler comes with pip install 'jax[tpu]'"
+        raise ConfigError(f"--compile-for {name!r}: not a TPU topology libtpu compiles for ({reason}){hint}") from None
     devices = tuple(topology.devices)
     return Target(name, "tpu", devices, len({d.process_index for d in devices}),
                   TPU_MEMORY.get(devices[0].device_kind))
@@ -83,8 +83,8 @@ def gpu_target(name: str, gpu: str, per_node: int, nodes: int) -> Target:
         )
     except Exception as error:  # noqa: BLE001 (no CUDA plugin here: its own message)
         reason = " ".join(str(error).split())[:200]
-        raise ConfigError(f"--compile-for {name!r}: jax cannot compile for CUDA here ({reason}); install "
-                          "jax[cuda12]") from None
+        raise ConfigError(f"--compile-for {name!r}: jax cannot compile for CUDA here ({reason}); the GPU "
+                          "compiler comes with pip install 'jax[cuda12]'") from None
     memory = re.search(r"device_memory_size:\s*(\d+)", spec)
     devices = tuple(topology.devices)
     return Target(name, "gpu", devices, nodes, int(memory[1]) if memory else None)
