@@ -120,7 +120,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def compile_for(args: argparse.Namespace) -> int:
     """``--compile-for TARGET``: every program compiled for the target; 0 when all compile and fit, else 1."""
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host's own backend only: the target's devices are described
+    import jax  # noqa: PLC0415
+
+    if not os.environ.get("JAX_PLATFORMS"):  # the host's CPU only: the target's devices are described, not opened
+        jax.config.update("jax_platforms", "cpu")
     try:
         if args.devices is not None or args.device_memory is not None:
             raise ConfigError("--compile-for takes its devices and their memory from TARGET: leave out --devices "

@@ -203,11 +203,17 @@ def compile_run(cfg: TrainConfig, target: Target, only: Optional[tuple[str, ...]
             with without_persistent_cache():  # a compile-only executable cannot be loaded back from it
                 executable = lower[name]().compile()
         except Exception as error:  # noqa: BLE001 (what the compiler refuses is the finding: reported, not raised)
-            out.append(Compiled(name, False, error=one_line(error)))
+            out.append(Compiled(name, False, error=first_line(error)))
             continue
         steps = cfg.rollout.max_response_length - 1 if name in ("rollout", "validation") else None
         out.append(analyse(name, executable, resident - resident_in[name], steps))
     return out
+
+
+def first_line(error: Exception) -> str:
+    """The compiler's message in one line, without the Python stack XLA appends to it."""
+    text = one_line(error).split(" Suspected Python Code Location")[0]
+    return text if len(text) <= 400 else text[:399] + "…"
 
 
 @contextlib.contextmanager
