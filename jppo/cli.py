@@ -52,11 +52,11 @@ def parse_args(
     return parser.parse_args(argv)
 
 
-def load_config(args: argparse.Namespace):
-    """The checked, frozen config of ``--config`` and the overrides."""
+def load_config(args: argparse.Namespace, data_files: bool = True):
+    """The checked, frozen config of ``--config`` and the overrides (``data_files`` False: prompt files unread)."""
     from jppo.config import load_config as load  # noqa: PLC0415 (plot's --help reads no config)
 
-    return load(args.config, args.overrides)
+    return load(args.config, args.overrides, data_files)
 
 
 def log_to_stderr() -> None:
