@@ -15,7 +15,7 @@ from typing import Mapping, Optional, Sequence
 
 from jppo import cli
 from jppo.config import ConfigError, check_mesh
-from jppo.run.memory import MemoryPlan, human, memory_plan
+from jppo.run.memory import MemoryPlan, human, memory_plan, program_bytes
 
 DEFAULT_MEM_FRACTION = 0.75  # the share of a GPU's memory JAX's allocator takes unless XLA_PYTHON_CLIENT_MEM_FRACTION
 
@@ -133,7 +133,7 @@ def compile_for(args: argparse.Namespace) -> int:
 
         target = targets.target(args.compile_for)
         mesh_shape = check_mesh(cfg, len(target.devices), target.hosts)
-        planned = compiled.plan_bytes(cfg, mesh_shape)
+        planned = program_bytes(cfg, mesh_shape)
         limit = target.device_memory
         if limit is not None and target.platform == "gpu":
             limit = allocator_bytes(limit, os.environ)
