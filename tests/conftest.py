@@ -7,6 +7,10 @@ import pathlib
 # The suite runs on the CPU. libtpu (the test extra brings it, to compile for TPU targets with compile-only devices)
 # would otherwise try to open a TPU in every process, ours and the subprocesses', and print its warnings.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Loading libtpu for compile-only TPU devices takes a machine-wide lock file (/tmp/libtpu_lockfile) for the life of
+# the process, meant to keep two processes off one TPU: the second xdist worker (or any other process) to compile for
+# a TPU target would fail with "Internal error when accessing libtpu multi-process lockfile". There is no TPU here.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 

@@ -10,6 +10,11 @@ and the kernels want whole blocks, so a row is padded with segment-0 tokens to a
 cut back. They attend a whole row to itself (slots ``0 .. T-1``, :meth:`AttentionRule.packed`): queries that are a
 slice of the row (context parallelism) take ``blockwise`` instead. Grouped-query heads are repeated to the query
 heads (the kernels are multi-head; the repeat's gradient sums the group back).
+
+A Mosaic (TPU) or Triton (GPU) kernel is opaque to XLA's partitioner, which refuses to split it across devices:
+under a mesh the kernel runs in ``jax.shard_map`` (:func:`_per_shard`), each device on its own rows (the row axes
+``data``/``fsdp``) and heads (``tensor``), where they divide the rows and heads; an axis that divides neither holds a
+copy of the work. Attention mixes neither rows nor heads, so every shard's result is the single-device one.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from jppo.models.attention import AttentionRule
-from jppo.parallel.mesh import platform
+from jax.sharding import AxisType, PartitionSpec
+
+from jppo.parallel.mesh import fitted_spec, platform
 
 Array = jax.Array
 
@@ -79,6 +86,31 @@ def _splash(query: Array, key: Array, value: Array, segments: Array, blocks: tup
     return jax.vmap(row)(q, k, v, ids).transpose(0, 2, 1, 3)[:, :length]
 
 
+def _per_shard(kernel, query: Array, key: Array, value: Array, segments: Array) -> Array:
+    """``kernel(query, key, value, segments)`` (all ``[B, T, H, ...]``, heads already repeated) under the mesh set
+    at trace time: in ``jax.shard_map`` over its axes not yet manual, rows over the row axes and heads over
+    ``tensor`` where :func:`~jppo.parallel.mesh.fitted_spec` says they divide (else whole on every device). No
+    mesh, or one device: the call itself."""
+    mesh = jax.sharding.get_abstract_mesh()
+    free = () if mesh.empty else tuple(
+        name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind != AxisType.Manual)
+    if math.prod(mesh.shape[name] for name in free) == 1:
+        return kernel(query, key, value, segments)
+    shape = dict(mesh.shape)
+
+    def ours(spec: PartitionSpec) -> PartitionSpec:  # axes an enclosing shard_map made manual are not ours to split
+        def kept(axes):
+            group = tuple(a for a in ((axes,) if isinstance(axes, str) else (axes or ())) if a in free)
+            return group if group else None
+        return PartitionSpec(*(kept(axes) for axes in spec))
+
+    heads = ours(fitted_spec(query.shape, ("batch", None, "q_heads", None), shape))
+    rows = ours(fitted_spec(segments.shape, ("batch", None), shape))
+    # check_vma=False: the kernels' pallas_call declares its outputs without the axes they vary over
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(heads, heads, heads, rows), out_specs=heads,
+                         axis_names=frozenset(free), check_vma=False)(query, key, value, segments)
+
+
 def pallas_attention(
     query: Array, key: Array, value: Array, rule: AttentionRule, blocks: tuple[int, int], kernel: str | None = None,
     interpret: bool | None = None,
@@ -102,5 +134,5 @@ def pallas_attention(
     key, value = (jnp.repeat(x, group, axis=2) for x in (key, value))
     segments = rule.query_segments.astype(jnp.int32)
     run = _splash if kernel == "splash" else _triton
-    out = run(query, key, value, segments, blocks, interpret)
+    out = _per_shard(lambda q, k, v, ids: run(q, k, v, ids, blocks, interpret), query, key, value, segments)
     return jnp.where((segments != 0)[:, :, None, None], out, jnp.zeros_like(out))
