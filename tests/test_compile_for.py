@@ -2,11 +2,10 @@
 (8 compile-only chips, libtpu's), on this CPU machine.
 
 A quickstart-sized run (a 2-layer, 64-wide decoder) on three meshes: rows over ``data`` with the reference
-attention (through the command, its JSON), rows over ``data`` x ``fsdp`` with XLA's attention, and ``fsdp`` x
-``sequence`` (context parallelism) with blockwise attention. Every program compiles; the decoding loop of a batch-only mesh
-runs no collective per token but its stop test (one all-reduce of a scalar: have all rows ended?). Pallas
-attention (splash on a TPU) is not among them: on a multi-chip mesh it does not compile yet ("Mosaic kernels
-cannot be automatically partitioned")."""
+attention (through the command, its JSON), rows over ``data`` x ``fsdp`` with Pallas attention (splash, the TPU's
+kernel), and ``fsdp`` x ``sequence`` (context parallelism) with blockwise attention. Every program compiles; the
+decoding loop of a batch-only mesh runs no collective per token but its stop test (one all-reduce of a scalar:
+have all rows ended?)."""
 
 import json
 
@@ -47,7 +46,7 @@ def test_the_command_compiles_every_program_of_the_run(capsys):
 
 
 @pytest.mark.parametrize("mesh, attention, batch_only", [
-    (["mesh.data=2", "mesh.fsdp=4"], "xla", True),
+    (["mesh.data=2", "mesh.fsdp=4"], "pallas", True),
     (["mesh.data=1", "mesh.fsdp=2", "mesh.sequence=4", "rollout.max_response_length=8"], "blockwise", False),
 ])
 def test_update_and_rollout_compile_for_a_two_host_slice(v5p, mesh, attention, batch_only):
