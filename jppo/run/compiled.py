@@ -141,14 +141,16 @@ def sampling_params(cfg: TrainConfig, evaluation: bool):
 def lowerings(cfg: TrainConfig, mesh: Mesh) -> tuple[dict[str, Callable[[], jax.stages.Lowered]], dict, int]:
     """``(lower, resident_in, resident)``: for each program the run compiles, a function lowering it; the bytes per
     device of its arguments the run keeps on the device anyway; and the bytes per device of all the run keeps
-    (train states, reference weights)."""
+    (train states, reference weights, the off-policy steps' queue of parameters)."""
     models = build.abstract_models(cfg, model_config(cfg), mesh)
     actor_view = views.engine_view(cfg, "actor")
     actor = abstract_train_state(models.actor.params, actor_view, mesh, frozen=models.actor.frozen)
     critic = None if models.critic is None else abstract_train_state(
         models.critic.params, views.engine_view(cfg, "critic"), mesh, frozen=models.critic.frozen)
     learner = Learner.create(cfg, mesh, models.actor.graphdef, None if critic is None else models.critic.graphdef)
-    resident = device_bytes(actor) + device_bytes(critic) + device_bytes(models.reference)
+    # trainer.off_policy_steps k: the weight queue holds k copies of the actor's trained parameters
+    queue = cfg.trainer.off_policy_steps * device_bytes(actor.params)
+    resident = device_bytes(actor) + device_bytes(critic) + device_bytes(models.reference) + queue
     lower, resident_in = {}, {}
 
     def under_mesh(fn, *args):
