@@ -220,13 +220,19 @@ def first_line(error: Exception) -> str:
 
 @contextlib.contextmanager
 def without_persistent_cache():
-    """JAX's persistent compilation cache switched off (and back as it was)."""
+    """JAX's persistent compilation cache switched off (and back as it was). JAX decides once per process whether
+    it uses the cache: the decision is reset on the way in and out, so it is made again with the setting of the
+    moment."""
+    from jax.experimental.compilation_cache import compilation_cache  # noqa: PLC0415
+
     before = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
 
 
 def analyse(name: str, executable, elsewhere: int, decode_steps: Optional[int] = None) -> Compiled:
