@@ -54,13 +54,14 @@ def parse_args(
     return parser.parse_intermixed_args(argv)
 
 
-def load_config(args: argparse.Namespace):
+def load_config(args: argparse.Namespace, data_files: bool = True):
     """The checked, frozen config of ``--config`` and the overrides: the config layer's checks and every
-    component's (:mod:`jppo.config.components` registers them), before anything compiles."""
+    component's (:mod:`jppo.config.components` registers them), before anything compiles (``data_files`` False:
+    the prompt files are not read, for what needs only shapes: compiling for a target)."""
     import jppo.config.components  # noqa: F401, PLC0415 (registers the components' checks; plot's --help needs none)
     from jppo.config import load_config as load  # noqa: PLC0415 (plot's --help reads no config)
 
-    return load(args.config, args.overrides)
+    return load(args.config, args.overrides, data_files)
 
 
 def log_to_stderr() -> None:

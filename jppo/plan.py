@@ -1,5 +1,9 @@
 """``python -m jppo.plan --config CFG [--devices N] [--json] [key.sub=value ...]``: the memory a run needs on each
-device, computed from the config and the model's shapes before anything is allocated (:mod:`jppo.run.memory`)."""
+device, computed from the config and the model's shapes before anything is allocated (:mod:`jppo.run.memory`).
+
+``--compile-for TARGET`` compiles every program of the run for a TPU slice or GPU nodes on this machine, with no
+accelerator, weight or data file (:mod:`jppo.run.compiled`), and prints per program XLA's bytes per device beside
+the plan's, its collectives and its flops; exit status 1 when a program does not compile or does not fit."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from typing import Mapping, Optional, Sequence
 
 from jppo import cli
 from jppo.config import ConfigError, check_mesh
-from jppo.run.memory import MemoryPlan, human, memory_plan
+from jppo.run.memory import MemoryPlan, human, memory_plan, program_bytes
 
 DEFAULT_MEM_FRACTION = 0.75  # the share of a GPU's memory JAX's allocator takes unless XLA_PYTHON_CLIENT_MEM_FRACTION
 
@@ -19,6 +23,9 @@ DEFAULT_MEM_FRACTION = 0.75  # the share of a GPU's memory JAX's allocator takes
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, help="plan for this many devices (default: this machine's)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--compile-for", metavar="TARGET",
+                        help="compile every program of the run for TARGET's compile-only devices: a TPU topology as "
+                             "libtpu names it (v5p:2x2x2, v6e:4x4) or GPU nodes h100x8, h200x8, h200x8x2 (nodes)")
     parser.add_argument("--device-memory", type=float, metavar="GIB",
                         help="memory of one device in GiB, to check the peak against what JAX's allocator takes of "
                              "it (default: this machine's first device, when JAX reports its limit)")
@@ -85,6 +92,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.compile_for is not None:
+        return compile_for(args)
     try:
         cfg = cli.load_config(args)
         if args.devices is not None and args.devices < 1:
@@ -109,6 +118,74 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if warning:
         print(warning, file=sys.stderr)
     return 0
+
+
+def compile_for(args: argparse.Namespace) -> int:
+    """``--compile-for TARGET``: every program compiled for the target; 0 when all compile and fit, else 1."""
+    import jax  # noqa: PLC0415
+
+    if not os.environ.get("JAX_PLATFORMS"):  # the host's CPU only: the target's devices are described, not opened
+        jax.config.update("jax_platforms", "cpu")
+    try:
+        if args.devices is not None or args.device_memory is not None:
+            raise ConfigError("--compile-for takes its devices and their memory from TARGET: leave out --devices "
+                              "and --device-memory")
+        cfg = cli.load_config(args, data_files=False)
+        from jppo.run import compiled, targets  # noqa: PLC0415 (jax and the models: only when compiling)
+
+        target = targets.target(args.compile_for)
+        mesh_shape = check_mesh(cfg, len(target.devices), target.hosts)
+        planned = program_bytes(cfg, mesh_shape)
+        limit = target.device_memory
+        if limit is not None and target.platform == "gpu":
+            limit = allocator_bytes(limit, os.environ)
+        programs = compiled.compile_run(cfg, target)
+    except cli.INPUT_ERRORS as error:
+        return cli.fail("plan", error)
+    report = compiled_report(target, mesh_shape, limit, programs, planned)
+    print(json.dumps(report, indent=2) if args.json else compiled_table(report))
+    fails = [p["name"] for p in report["programs"] if not p["compiled"] or not p["fits"]]
+    if fails:
+        print(f"jppo.plan: {', '.join(fails)}: did not compile or does not fit {args.compile_for}", file=sys.stderr)
+    return 1 if fails else 0
+
+
+def compiled_report(target, mesh_shape, limit: Optional[int], programs, planned: dict) -> dict:
+    from jppo.parallel.mesh import MESH_AXES  # noqa: PLC0415
+
+    rows = []
+    for p in programs:
+        fits = p.compiled and (limit is None or p.peak_bytes <= limit)
+        rows.append({"name": p.name, "compiled": p.compiled, "error": p.error, "xla_bytes": p.xla_bytes,
+                     "plan_bytes": planned.get(p.name), "peak_bytes": p.peak_bytes, "fits": fits,
+                     "collectives": p.collectives, "decode_step_collectives": p.decode_step_collectives,
+                     "flops": p.flops})
+    return {"target": target.name, "devices": len(target.devices), "hosts": target.hosts,
+            "mesh": dict(zip(MESH_AXES, mesh_shape)), "device_memory": limit, "programs": rows}
+
+
+def compiled_table(report: dict) -> str:
+    mesh = " x ".join(f"{axis}={size}" for axis, size in report["mesh"].items())
+    memory = "unknown" if report["device_memory"] is None else human(report["device_memory"])
+    lines = [f"compiled for {report['target']}: {report['devices']} devices on {report['hosts']} hosts, mesh {mesh}, "
+             f"{memory} per device",
+             f"{'program':<14} {'compiled':<9} {'XLA':>11} {'plan':>11} {'peak':>11}  {'flops':>9}  collectives"]
+    ops = lambda counts: ", ".join(f"{n} {op}" for op, n in counts.items()) or "none"  # noqa: E731
+    for p in report["programs"]:
+        if not p["compiled"]:
+            lines.append(f"{p['name']:<14} {'no':<9} {p['error']}")
+            continue
+        plan = "" if p["plan_bytes"] is None else human(p["plan_bytes"])
+        flops = "?" if p["flops"] is None else f"{p['flops']:.3g}"
+        fit = "" if p["fits"] else "  DOES NOT FIT"
+        lines.append(f"{p['name']:<14} {'yes':<9} {human(p['xla_bytes']):>11} {plan:>11} {human(p['peak_bytes']):>11}"
+                     f"  {flops:>9}  {ops(p['collectives'])}{fit}")
+        if p["decode_step_collectives"] is not None:
+            lines.append(f"{'':<14} per decoded token: {ops(p['decode_step_collectives'])}")
+    lines.append("XLA: arguments + outputs - donated + temporaries per device; plan: python -m jppo.plan's figure for "
+                 "the phase; peak: XLA's plus the run's other resident arrays; flops: matrix products per device, "
+                 "loops multiplied out (decoding at its longest)")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -188,3 +188,18 @@ def test_a_peak_over_what_jax_s_allocator_takes_warns_in_one_line(tmp_path, caps
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in warning(enough * 1.01)
     assert plan.main([*args, "--device-memory", "0"]) == 2
     assert "--device-memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config, overrides, programs", [
+    (QUICKSTART, (), {"actor_update", "critic_update", "old_log_prob", "values", "rollout", "validation"}),
+    (QUICKSTART.parent / "quickstart_grpo.yaml", ("trainer.val_every=0", "actor.use_kl_loss=true"),
+     {"actor_update", "old_log_prob", "ref_log_prob", "rollout"}),
+], ids=["ppo", "grpo-kl"])
+def test_each_program_has_a_planned_peak_that_holds_its_parameters(tmp_path, config, overrides, programs):
+    cfg = load_config(config, [f"trainer.output_dir={tmp_path / 'run'}", "mesh.data=1", *overrides])
+    planned, per_program = memory.memory_plan(cfg, (1, 1, 1)), memory.program_bytes(cfg, (1, 1, 1))
+    assert set(per_program) == programs
+    assert per_program["actor_update"] > planned.term("parameters/actor") + planned.term("optimizer_state/actor")
+    sampling = max(per_program["rollout"], per_program.get("validation", 0))
+    assert sampling >= planned.term("parameters/actor") + planned.term("kv_cache") > planned.term("parameters/actor")
+    assert max(per_program.values()) <= planned.peak_bytes + planned.term("parameters/actor")

@@ -40,15 +40,16 @@ def _leaves(node: Any, prefix: str = ""):
             yield f"{prefix}{field.name}", value
 
 
-def check(cfg: TrainConfig) -> None:
+def check(cfg: TrainConfig, data_files: bool = True) -> None:
     """What the config alone decides, then every registered component check (the sampler's, the policy loss's,
     the optimizer's, the model's, ...), so a value a component would refuse at run time is refused here, before
     anything compiles. The mesh against the device count is checked by :func:`check_mesh`; files and plug-ins are
-    read by :func:`jppo.run.build.load_inputs`."""
+    read by :func:`jppo.run.build.load_inputs`. ``data_files`` False: the prompt files need not exist (what needs
+    only shapes: compiling for a target)."""
     for key, value in _leaves(cfg):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value!r} must be a finite number")
-    _check_sources(cfg)
+    _check_sources(cfg, data_files)
     _check_reward(cfg)
     _check_trained_param_dtype(cfg.model.param_dtype)
     for section in ("actor", "critic"):
@@ -61,8 +62,8 @@ def check(cfg: TrainConfig) -> None:
     run_config_checks(cfg)
 
 
-def _check_sources(cfg: TrainConfig) -> None:
-    for key in ("data.train_files", "data.val_files"):
+def _check_sources(cfg: TrainConfig, data_files: bool = True) -> None:
+    for key in ("data.train_files", "data.val_files") if data_files else ():
         for item in file_list(getattr(cfg.data, key.split(".")[1]), key):
             if not pathlib.Path(item).is_file():
                 raise ConfigError(f"{key}={item!r}: no such file")

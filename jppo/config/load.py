@@ -89,8 +89,11 @@ def _override_layer(item: str):
         raise ConfigError(f"override {item!r} is not valid YAML ({one_line(error)})") from None
 
 
-def load_config(path: str | pathlib.Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
+def load_config(
+    path: str | pathlib.Path | None, overrides: Sequence[str] = (), data_files: bool = True
+) -> TrainConfig:
     """The schema defaults, then the YAML file, then ``key.sub=value`` overrides; validated and frozen.
+    ``data_files`` False: the prompt files are not looked for (a command that needs only shapes).
 
     Layers are merged one at a time, so a value of the wrong shape is reported with the override (or file) that
     brought it. Replacing ``data.task`` on the command line drops the file's ``data.task_options``
@@ -118,7 +121,7 @@ def load_config(path: str | pathlib.Path | None, overrides: Sequence[str] = ()) 
     from jppo.config.check import check  # noqa: PLC0415 (loaded with the first config)
 
     cfg = resolve_sources(cfg)  # Hugging Face repo ids -> cached snapshot directories
-    check(cfg)
+    check(cfg, data_files)
     return cfg
 
 

@@ -27,26 +27,23 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import optax
-from flax import nnx, struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
 from jppo.core import metrics as metrics_lib
-from jppo.engine.config import (
-    ActorConfig, ActorFields, CriticConfig, UpdateConfig, fixed_micro_batches, require_engine_config,
-)
+from jppo.engine.config import ActorConfig, ActorFields, CriticConfig, UpdateConfig, require_engine_config
 from jppo.engine.layout import flatten_shards, gather_slots, next_token_targets
 from jppo.engine.optim import (
-    accumulating_optimizer, apply_accumulated, inner_optimizer, learning_rate_schedule, step_report,
-    accumulator_dtype, opt_state_shardings, with_accumulator, without_accumulator,
+    apply_accumulated, inner_optimizer, learning_rate_schedule, step_report, accumulator_dtype, with_accumulator,
+    without_accumulator,
 )
+from jppo.engine.state import TrainState  # noqa: F401 (its home until it moved: jppo.engine.update.TrainState)
 from jppo.core.experience import Experience
 from jppo.losses import actor_loss, value_loss
 from jppo.losses.policy import PolicyLossOptions, check_policy_options
 from jppo.losses.rollout_correction import sampler_mismatch
 from jppo.core.masked import NormStats, global_norm_stats
-from jppo.parallel.hostlocal import placed
-from jppo.parallel.mesh import BATCH_AXES, ROW_AXES, SEQUENCE_AXIS, batch_shards, sequence_shards
+from jppo.parallel.mesh import BATCH_AXES, ROW_AXES, SEQUENCE_AXIS, sequence_shards
 from jppo.engine.microbatch import MicroBatches
 from jppo.models.log_probs import token_log_probs
 
@@ -54,58 +51,6 @@ log = logging.getLogger(__name__)
 
 Batch = MicroBatches  # one micro-batch [D, ...] or a stack of them [K, D, ...] / [M, K, D, ...], on the devices
 LossFn = Callable[[nnx.Module, Batch, NormStats], tuple[jax.Array, dict[str, metrics_lib.Metric]]]
-
-
-@struct.dataclass
-class TrainState:
-    """Trained parameters and their optimizer state; ``step`` counts applied (not skipped) optimizer steps (the
-    learning-rate schedule counts every optimizer step: ``opt_state.gradient_step``, see :mod:`jppo.engine.optim`).
-    ``frozen``: parameters the model reads but never trains (the base weights under LoRA adapters, whose ``params``
-    are then the adapters alone), None when everything trains; they get no gradient, moment or accumulator."""
-
-    params: nnx.State
-    opt_state: optax.MultiStepsState
-    step: jax.Array
-    frozen: Optional[nnx.State] = None
-
-    @property
-    def weights(self) -> nnx.State:
-        """Every parameter of the model (frozen and trained), for forward passes: ``nnx.merge(graphdef, weights)``.
-        No array is copied."""
-        return self.params if self.frozen is None else nnx.merge_state(self.frozen, self.params)
-
-
-def init_train_state(
-    params: nnx.State, cfg: UpdateConfig, mesh: Mesh, keep_gradient: bool = False, frozen: Optional[nnx.State] = None
-) -> TrainState:
-    """Optimizer state laid out like the (trained) parameters; its scalars (step counters) replicated over ``mesh``.
-    ``keep_gradient``: the state has room for the last accumulated gradient (for an update step that returns it).
-    ``frozen``: parameters that are read but not trained (kept as they are, see :class:`TrainState`). When every
-    optimizer step of ``cfg`` on ``mesh`` is one micro-batch, the state has no gradient accumulator
-    (:func:`~jppo.engine.optim.without_accumulator`).
-
-    The optimizer works in the accumulator's dtype (float32 at least): it receives the summed gradient in it, and
-    its moments are kept in it, also for bfloat16 parameters (whose updates are rounded only when applied)."""
-    dtype = accumulator_dtype(params)
-    tx = accumulating_optimizer(cfg.optim, 1, dtype, keep_gradient)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    init = lambda p: tx.init(jax.tree.map(lambda x: x.astype(dtype), p))  # noqa: E731
-    shardings = opt_state_shardings(tx, init, params, replicated)
-    if fixed_micro_batches(cfg, batch_shards(mesh)) == 1:  # every step one micro-batch: nothing to accumulate
-        full, shardings = init, without_accumulator(shardings)
-        init = lambda p: without_accumulator(full(p))  # noqa: E731 (the accumulator's zeros are never made)
-    opt_state = jax.jit(init, out_shardings=shardings)(params)
-    state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
-
-    def on_mesh(x: jax.Array) -> jax.Array:
-        # jit propagates the parameters' shardings to moments and accumulators; leaves computed from nothing
-        # (counters) land on one device and would pin the update to it.
-        sharding = x.sharding
-        if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
-            return x
-        return placed(x, replicated)
-
-    return jax.tree.map(on_mesh, state).replace(frozen=frozen)
 
 
 def mini_batch_norm_stats(response_mask: jax.Array, loss_scale_factor: float, mesh: Mesh) -> NormStats:
@@ -387,11 +332,22 @@ class UpdateStep:
         self._mesh = mesh
         self._jitted: Any = None
 
-    def __call__(self, state: TrainState, steps: Batch) -> tuple[TrainState, dict[str, jax.Array], Any]:
-        frozen, trained = state.frozen, state.replace(frozen=None)
+    def _program(self, trained: TrainState):
         if self._jitted is None:
             state_shardings = jax.tree.map(lambda x: x.sharding, trained)
             self._jitted = jax.jit(self._steps, donate_argnums=(0,), out_shardings=(state_shardings, None, None))
+        return self._jitted
+
+    def __call__(self, state: TrainState, steps: Batch) -> tuple[TrainState, dict[str, jax.Array], Any]:
+        frozen, trained = state.frozen, state.replace(frozen=None)
         with jax.set_mesh(self._mesh):
-            new, metrics, gradients = self._jitted(trained, frozen, steps)
+            new, metrics, gradients = self._program(trained)(trained, frozen, steps)
         return new.replace(frozen=frozen), metrics, gradients
+
+    def lower(self, state: TrainState, steps: Batch) -> jax.stages.Lowered:
+        """The program :meth:`__call__` runs, lowered for ``state`` and ``steps`` (arrays, or ``ShapeDtypeStruct``
+        leaves with shardings: :func:`jppo.engine.state.abstract_train_state`) on this step's mesh, which may be
+        made of another machine's devices; ``.compile()`` it for that machine's compiler."""
+        frozen, trained = state.frozen, state.replace(frozen=None)
+        with jax.set_mesh(self._mesh):
+            return self._program(trained).lower(trained, frozen, steps)

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 import jppo.config.components  # noqa: F401 (every component's check of a config, registered before one is loaded)
 from jppo.config import RANDOM_MODEL, ConfigError, TrainConfig
@@ -23,7 +23,7 @@ from jppo.config.views import (
     sampling_config, tokenizer_spec,
 )
 from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
-from jppo.models import CausalLM, ValueModel, create_model, load_pretrained, read_config
+from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pretrained, read_config
 from jppo.models.layers import is_norm_scale
 from jppo.models.lora import LoRAConfig, attach_lora, trainable_filter
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
@@ -210,6 +210,55 @@ def models(
         add_adapters(critic_model, cfg.critic.lora, seed + ADAPTER_SEED_OFFSETS["critic"])
         critic = Trained(*split_trained(critic_model))
     return Models(policy, actor, base, critic, ref_params)
+
+
+def abstract_models(cfg: TrainConfig, policy_config: ModelConfig, mesh: Mesh) -> Models:
+    """What :func:`models` builds, as structure and shapes only: every array a ``jax.ShapeDtypeStruct`` carrying
+    its sharding on ``mesh`` (which may be another machine's compile-only devices). ``policy_config``: the policy's
+    architecture (``model.path``'s ``config.json``; no weight is read). The critic, adapters and reference are
+    the ones :func:`models` makes for the config (a ``critic.model_path`` / ``ref.model_path`` by its
+    ``config.json``)."""
+    seed, overrides = cfg.trainer.seed, checkpoint_overrides(cfg)
+
+    def construct():
+        policy = CausalLM(policy_config, rngs=nnx.Rngs(seed))
+        critic = None
+        if cfg.use_critic:
+            # the policy's backbone with a value head (ValueModel.from_policy's structure), or critic.model_path's
+            shape = read_config(cfg.critic.model_path, **overrides) if cfg.critic.model_path else policy_config
+            critic = ValueModel(shape, rngs=nnx.Rngs(seed + 1))
+        for model, role in ((policy, "actor"), (critic, "critic")):
+            if model is not None and getattr(cfg, role).lora.enabled:
+                attach_lora(model, getattr(cfg, role).lora, seed + ADAPTER_SEED_OFFSETS[role])
+        return policy, critic
+
+    policy, critic_model = nnx.eval_shape(construct)
+    base = nnx.graphdef(nnx.eval_shape(lambda: CausalLM(policy_config, rngs=nnx.Rngs(seed))))
+    reference = None
+    if cfg.use_reference and (cfg.ref.model_path or not has_adapters(policy)):
+        source = (nnx.eval_shape(lambda: CausalLM(read_config(cfg.ref.model_path, **overrides), rngs=nnx.Rngs(0)))
+                  if cfg.ref.model_path else policy)
+        reference = jax.eval_shape(lambda p: kept_in(p, reference_param_dtype(cfg), copy=False),
+                                   nnx.state(source, nnx.Param))
+    placed = lambda state: None if state is None else on_devices(state, mesh)  # noqa: E731
+    actor = Trained(*split_trained(policy))
+    actor = Trained(actor.graphdef, placed(actor.params), placed(actor.frozen))
+    critic = None
+    if critic_model is not None:
+        critic = Trained(*split_trained(critic_model))
+        critic = Trained(critic.graphdef, placed(critic.params), placed(critic.frozen))
+    return Models(policy, actor, base if has_adapters(policy) else None, critic, placed(reference))
+
+
+def on_devices(state: nnx.State, mesh: Mesh) -> nnx.State:
+    """Abstract parameters with the sharding the rule table gives each on ``mesh``, as ``ShapeDtypeStruct``s."""
+    from jppo.models.sharding import variable_spec  # noqa: PLC0415
+
+    def place(variable: nnx.Variable) -> nnx.Variable:
+        sharding = NamedSharding(mesh, variable_spec(variable, mesh))
+        return variable.replace(jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding))
+
+    return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def model_record(cfg: TrainConfig, seed: int, checksums: Optional[dict[str, Optional[str]]] = None) -> dict:

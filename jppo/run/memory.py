@@ -85,8 +85,8 @@ from jppo.rollout.multiturn import longest_context
 from jppo.rollout.decode import decode_rows
 from jppo.rollout.sampler import bucket_length
 from jppo.run.footprint import (
-    ACCUMULATOR_BYTES, activation_bytes, dtype_bytes, kv_cache_bytes, linear_attention, local_elements, logits_bytes,
-    row_split, shards, weights_in_use_bytes,
+    ACCUMULATOR_BYTES, LOGIT_COPIES, activation_bytes, dtype_bytes, kv_cache_bytes, layer_bytes_per_token,
+    linear_attention, local_elements, logits_bytes, row_split, shards, weights_in_use_bytes,
 )
 
 OPTIMIZER_STEP_COPIES = 4  # per-parameter float32 temporaries of applying the accumulated gradient (measured)
@@ -226,8 +226,9 @@ def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]
     return [(-(-prompts // batch_shards), -(-prompts // batch_shards) * n) for prompts, n in batches]
 
 
-def sampler_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
-    """The sampler's caches (the KV cache line of the module docstring) for the batch whose caches are largest."""
+def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> list[Term]:
+    """The sampler's caches (the KV cache line of the module docstring) of the training batch and (when the run
+    validates) the validation batch, in that order."""
     from jppo.config.views import sampling_config  # noqa: PLC0415 (views imports the models; keep `--help` light)
 
     sampler, width, new = sampling_config(cfg, policy), sampler_prompt_width(cfg), cfg.rollout.max_response_length
@@ -236,7 +237,12 @@ def sampler_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) ->
         decoded = decode_rows(rows, cfg.rollout.max_num_seqs)
         terms.append(Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
                           f"B={prompts} x P={width} + S={decoded} x T={new} x ..., c_s={dtype_bytes(sampler.dtype)}"))
-    return max(terms, key=lambda term: term.bytes)
+    return terms
+
+
+def sampler_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
+    """The sampler's caches for the batch whose caches are largest."""
+    return max(sampler_terms(cfg, policy, mesh), key=lambda term: term.bytes)
 
 
 def rollout_weights_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
@@ -302,6 +308,50 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> MemoryPlan:
         copies = OPTIMIZER_STEP_COPIES if accumulates[role] else DIRECT_STEP_COPIES
         updates[f"{role} optimizer step"] = (Term(f"optimizer_step/{role}", n * a * copies, f"t x a x {copies}"),)
     return MemoryPlan(mesh, tuple(persistent), rollout, updates)
+
+
+def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int]) -> dict[str, int]:
+    """The plan's peak per device of each program the run compiles, keyed as ``python -m jppo.plan --compile-for``
+    names them: the arrays the program reads (a role's parameters and optimizer state, the sampler's weights) and
+    what it keeps live while it runs. ``actor_update`` / ``critic_update``: parameters + optimizer state + the
+    larger of the backward pass and the optimizer step; ``old_log_prob`` / ``ref_log_prob`` / ``values``: the
+    weights read, the weights in use and one layer's activations of a forward micro-batch (plus the actor's logits
+    chunk, without its gradient); ``rollout`` / ``validation``: the policy's parameters, the sampler's weights and
+    the caches of the training / validation batch."""
+    from jppo.config.views import forward_micro_batching, old_log_prob_source  # noqa: PLC0415
+
+    plan = memory_plan(cfg, mesh_shape)
+    mesh, policy = plan.mesh, model_config(cfg)
+    phase = lambda title: sum(t.bytes for t in plan.updates.get(title, ()))  # noqa: E731
+    out = {}
+    for role in cfg.roles:
+        state = plan.term(f"parameters/{role}") + plan.term(f"optimizer_state/{role}")
+        out[f"{role}_update"] = state + max(phase(f"{role} backward"), phase(f"{role} optimizer step"))
+    caches = sampler_terms(cfg, policy, mesh)
+    if cfg.rollout.engine == "jppo":
+        for name, cache in zip(("rollout", "validation"), caches):
+            out[name] = plan.term("parameters/actor") + plan.term("rollout_weights") + cache.bytes
+    forwards = {"values": ("critic", "parameters/critic")} if "critic" in cfg.roles else {}
+    if old_log_prob_source(cfg) == "recompute":
+        forwards["old_log_prob"] = ("actor", "parameters/actor")
+    if cfg.use_reference:  # with LoRA and no reference model: the actor's frozen base
+        forwards["ref_log_prob"] = ("actor", "parameters/reference" if plan.term("parameters/reference")
+                                    else "parameters/actor")
+    for name, (role, params) in forwards.items():
+        out[name] = plan.term(params) + forward_bytes(cfg, policy, role, forward_micro_batching(cfg, role), mesh)
+    return out
+
+
+def forward_bytes(cfg: TrainConfig, policy: ModelConfig, role: str, cut: dict, mesh: dict[str, int]) -> int:
+    """What a forward pass keeps live besides the weights it reads: the weights in use, one layer's activations
+    of a micro-batch (nothing is kept for a backward pass) and, for log-probs, a chunk's logits and softmax."""
+    r, w = (1, cut["max_token_len"]) if "max_token_len" in cut else (
+        cut["micro_batch_size"], prompt_width(cfg) + cfg.rollout.max_response_length)
+    local = w // row_split(w, mesh)
+    total = weights_in_use_bytes(policy, mesh) + r * local * layer_bytes_per_token(policy, w, mesh)
+    if role == "actor":
+        total += logits_bytes(policy, r, w, cfg.actor.log_prob_chunk_size, mesh) * 2 // LOGIT_COPIES
+    return total
 
 
 def reference_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:

@@ -1,0 +1,113 @@
+"""``python -m jppo.plan --compile-for``: the run's programs compiled by the TPU compiler for a 2-host v5p slice
+(8 compile-only chips, libtpu's), on this CPU machine.
+
+A quickstart-sized run (a 2-layer, 64-wide decoder) on three meshes: rows over ``data`` with the reference
+attention (through the command, its JSON), rows over ``data`` x ``fsdp`` with Pallas attention (splash, the TPU's
+kernel), and ``fsdp`` x ``sequence`` (context parallelism) with blockwise attention. Every program compiles; the
+decoding loop of a batch-only mesh runs no collective per token but its stop test (one all-reduce of a scalar:
+have all rows ended?)."""
+
+import json
+
+import pytest
+
+from jppo import plan
+from jppo.config import load_config
+from jppo.run import compiled, targets
+
+TARGET = "v5p:2x2x2"
+TINY = ["trainer.val_every=0", "actor.ppo_epochs=1", "critic.ppo_epochs=1"]
+
+
+@pytest.fixture(scope="module")
+def v5p():
+    return targets.target(TARGET)
+
+
+def test_the_command_compiles_every_program_of_the_run(capsys):
+    """GRPO's quickstart (reference attention, rows over ``data``) through the command."""
+    code = plan.main(["--config", "configs/quickstart_grpo.yaml", "--compile-for", TARGET, "--json",
+                      "model.attention=reference", *TINY])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert (report["target"], report["devices"], report["hosts"]) == (TARGET, 8, 2)
+    assert report["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1, "sequence": 1}
+    names = [p["name"] for p in report["programs"]]
+    assert names == ["actor_update", "old_log_prob", "rollout"]
+    for program in report["programs"]:
+        assert set(program) >= {"name", "compiled", "error", "xla_bytes", "plan_bytes", "collectives",
+                                "decode_step_collectives", "flops"}
+        assert program["compiled"] and program["error"] is None, program
+        assert program["xla_bytes"] > 0 and program["plan_bytes"] > 0 and program["flops"] > 0
+        assert all(isinstance(n, int) and n > 0 for n in program["collectives"].values())
+    rollout = report["programs"][-1]
+    assert rollout["decode_step_collectives"] == {"all-reduce": 1}  # the stop test, nothing per layer
+    assert all(p["decode_step_collectives"] is None for p in report["programs"][:-1])
+
+
+@pytest.mark.parametrize("mesh, attention, batch_only", [
+    (["mesh.data=2", "mesh.fsdp=4"], "pallas", True),
+    (["mesh.data=1", "mesh.fsdp=2", "mesh.sequence=4", "rollout.max_response_length=8"], "blockwise", False),
+])
+def test_update_and_rollout_compile_for_a_two_host_slice(v5p, mesh, attention, batch_only):
+    cfg = load_config("configs/quickstart_grpo.yaml", [*mesh, f"model.attention={attention}", *TINY],
+                      data_files=False)
+    programs = {p.name: p for p in compiled.compile_run(cfg, v5p, only=("actor_update", "rollout"))}
+    assert set(programs) == {"actor_update", "rollout"}
+    for program in programs.values():
+        assert program.compiled, (program.name, program.error)
+        assert 0 < program.xla_bytes <= program.peak_bytes
+    step = programs["rollout"].decode_step_collectives
+    if batch_only:
+        assert step == {"all-reduce": 1}
+    else:
+        assert step  # context parallelism: the decode step's attention runs over the sequence shards
+
+
+@pytest.mark.parametrize("name, message", [
+    ("v9:2x2", "--compile-for 'v9:2x2': not a TPU topology libtpu compiles for"),
+    ("h100", "--compile-for 'h100': not a target"),
+    ("b200x8", "--compile-for 'b200x8': no description of the GPU 'b200'"),
+])
+def test_a_bad_target_is_one_line_and_exit_2(capsys, name, message):
+    code = plan.main(["--config", "configs/quickstart.yaml", "--compile-for", name])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"jppo.plan: error: {message}") and err.count("\n") == 1
+
+
+def test_flops_are_xlas_own_count_with_loops_multiplied_out(v5p):
+    """Matrix-product flops read off the compiled text equal XLA's ``cost_analysis()`` on programs without loops
+    (a product, a batched one and its gradient, as the TPU compiler rewrites them into convolutions; XLA also
+    counts the few elementwise flops of the squares, < 1%), and a ``lax.scan`` of 5 products counts 5 of them
+    where XLA counts its body once."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
+
+    from jppo.run import hlo  # noqa: PLC0415
+
+    mesh = Mesh(np.array(v5p.devices).reshape(2, 4), ("a", "b"))
+    arg = lambda *shape, spec=PartitionSpec(): jax.ShapeDtypeStruct(  # noqa: E731
+        shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+    batched = lambda q, k: jnp.einsum("bhqd,bhkd->bhqk", q, k)  # noqa: E731
+    squares = lambda q, k: jnp.sum(batched(q, k).astype(jnp.float32) ** 2)  # noqa: E731
+
+    def compiled(fn, *args):
+        executable = jax.jit(fn).lower(*args).compile()
+        return hlo.flops(hlo.parse(executable.as_text())), executable.cost_analysis()["flops"]
+
+    for fn, args in [
+        (jnp.matmul, (arg(256, 512, spec=PartitionSpec("a")), arg(512, 1024, spec=PartitionSpec(None, "b")))),
+        (batched, (arg(4, 8, 128, 64), arg(4, 8, 256, 64))),
+        (jax.grad(squares, argnums=(0, 1)), (arg(4, 8, 128, 64), arg(4, 8, 256, 64))),
+    ]:
+        ours, xla = compiled(fn, *args)
+        assert ours <= xla <= 1.01 * ours
+
+    def scanned(w, x):
+        return jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=5)[0]
+
+    ours, xla = compiled(scanned, arg(512, 512), arg(256, 512))
+    assert ours == 5 * xla == 5 * 2 * 256 * 512 * 512
