@@ -38,6 +38,7 @@ from bench import docs_numbers
 from bench.plan_table import MODELS, write_checkpoints
 from jppo import cli
 from jppo.config import ConfigError, check_mesh
+from jppo.run import targets
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -199,14 +200,22 @@ def mesh(words: list[str]) -> None:
     (which this machine never wrote) left out."""
     module, argv = module_main(words)
     argv = [word for word in argv if not re.match(r"trainer\.resume=runs/(" + "|".join(GPU_ONLY) + ")", word)]
+    # compiling for a target reads the model's config.json, never the prompt files (tests/test_compile_for.py
+    # compiles): the page's model folder is the workdir's folder of Qwen2.5-0.5B's shape
+    data_files = getattr(module.parse_args(argv), "compile_for", None) is None
+    if not data_files:
+        argv = [re.sub(r"^model\.path=/data/qwen2\.5-0\.5b-instruct$", "model.path=shapes/Qwen2.5-0.5B", word)
+                for word in argv]
     try:
-        cfg = cli.load_config(module.parse_args(argv))
+        cfg = cli.load_config(module.parse_args(argv), data_files)
     except ConfigError as error:
         # without vLLM installed (CI installs its CPU build) the line is refused for that alone: the rest is checked
         if "rollout.engine='vllm' needs vLLM" not in str(error) or importlib.util.find_spec("vllm") is not None:
             raise
-        cfg = cli.load_config(module.parse_args([word for word in argv if word != "rollout.engine=vllm"]))
-    for devices in (1, 8):
+        cfg = cli.load_config(module.parse_args([word for word in argv if word != "rollout.engine=vllm"]), data_files)
+    compile_for = getattr(module.parse_args(argv), "compile_for", None)
+    counts = (1, 8) if compile_for is None else (len(targets.target(compile_for).devices),)  # the target's chips
+    for devices in counts:
         check_mesh(cfg, devices)
 
 

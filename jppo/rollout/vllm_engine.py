@@ -135,6 +135,17 @@ def as_torch(array: np.ndarray):
         return torch.from_numpy(array)
 
 
+def resolve_vllm_platform() -> None:
+    """On a CPU, tell vLLM its platform is the CPU (``VLLM_TARGET_DEVICE=cpu``, unless the user set it).
+
+    vLLM takes an importable ``libtpu`` for a TPU machine, but jax's TPU compiler (the test extra, and anyone who
+    compiles for a TPU slice with ``jppo.plan --compile-for``) installs libtpu on CPU machines too: vLLM would then
+    find two platforms (``tpu`` and ``cpu``) and refuse to start. The variable, unlike any in-process choice, also
+    reaches the subprocesses vLLM starts to inspect the model."""
+    if jax.default_backend() == "cpu":
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
 class VLLMEngine:
     """The process's ``vllm.LLM`` for one architecture, and the weights it holds (see the module docstring)."""
 
@@ -150,6 +161,7 @@ class VLLMEngine:
         folder = tempfile.mkdtemp(prefix="jppo-vllm-")
         try:
             save_pretrained(merged(spec.policy), folder, to_host=gather_to_host)  # LoRA: W + s A B
+            resolve_vllm_platform()
             from vllm import LLM  # noqa: PLC0415 (optional; a minute to import on a CPU)
 
             extra = {"kv_cache_memory_bytes": options.kv_cache_memory_bytes} if options.kv_cache_memory_bytes else {}
