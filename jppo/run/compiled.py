@@ -237,21 +237,8 @@ def analyse(name: str, executable, elsewhere: int, decode_steps: Optional[int] =
 
 
 def plan_bytes(cfg: TrainConfig, mesh_shape) -> dict[str, int]:
-    """The plan's bytes per device of each program (:data:`PROGRAMS`) on a mesh of ``mesh_shape``: the
-    phase's terms of :func:`jppo.run.memory.memory_plan` and the resident arrays the program reads."""
-    from jppo.run.memory import memory_plan  # noqa: PLC0415
+    """The plan's bytes per device of each program (:data:`PROGRAMS`) on a mesh of ``mesh_shape``
+    (:func:`jppo.run.memory.program_bytes`)."""
+    from jppo.run.memory import program_bytes  # noqa: PLC0415
 
-    plan = memory_plan(cfg, mesh_shape)
-    phase = lambda title: sum(t.bytes for t in plan.updates.get(title, ()))  # noqa: E731
-    out = {"rollout": plan.term("parameters/actor") + sum(t.bytes for t in plan.rollout)}
-    out["validation"] = out["rollout"]
-    for role in cfg.roles:
-        state = plan.term(f"parameters/{role}") + plan.term(f"optimizer_state/{role}")
-        out[f"{role}_update"] = state + max(phase(f"{role} backward"), phase(f"{role} optimizer step"))
-    forward = {"old_log_prob": ("parameters/actor", "actor"), "ref_log_prob": ("parameters/reference", "actor"),
-               "values": ("parameters/critic", "critic")}
-    for name, (params, role) in forward.items():
-        out[name] = plan.term(params or "") + plan.term(f"weights_in_use/{role}")
-    if cfg.actor.lora.enabled and not cfg.ref.model_path:
-        out["ref_log_prob"] += plan.term("parameters/actor")  # the reference reads the actor's frozen base
-    return out
+    return program_bytes(cfg, mesh_shape)
