@@ -271,5 +271,5 @@ def test_the_command_reports_the_off_policy_copies_in_its_peak(tmp_path, capsys)
     assert behind["terms"]["off_policy_queue"] == 4 * copy
     assert behind["peak_bytes"] - on_policy["peak_bytes"] == 5 * copy
     one, one_behind = peak(1, 0), peak(1, 4)
-    rollout = one_behind["terms"]["kv_cache"] + one_behind["terms"]["rollout_weights"]
+    rollout = sum(one_behind["terms"][name] for name in ("kv_cache", "sampler_logits", "rollout_weights"))
     assert one_behind["peak_bytes"] == one["peak_bytes"] + 5 * copy + rollout

@@ -16,6 +16,7 @@ from jppo.parallel.mesh import fitted_spec, sequence_shards
 
 ACCUMULATOR_BYTES = 4  # float32 moments and accumulator (float64 only for float64 exactness tests)
 LOGIT_COPIES = 3  # one chunk's logits, their softmax, and their gradient
+SAMPLER_LOGIT_COPIES = 4  # a decoding step's logits, log-softmax, random bits and noised logits (compiled: TPU, GPU)
 
 
 def shards(shape: Sequence[int], names: Sequence[Optional[str]], mesh: dict[str, int]) -> int:
@@ -114,7 +115,15 @@ def kv_cache_bytes(m: ModelConfig, prompts: int, prompt_len: int, rows: int, len
     of a prompt, plus its bool visibility mask) and a :class:`~jppo.models.ResponseCache` of ``rows`` rows (the
     rows decoded at once) of ``length`` slots."""
     keys_and_values = 2 * m.num_layers * split(m.num_kv_heads, mesh) * m.head_dim * dtype_bytes(m.dtype)
-    return prompts * prompt_len * (keys_and_values + 1) + rows * length * keys_and_values
+    # the caches' slots lie on mesh.sequence, as a row's tokens do (decoder.CACHE), where its size divides them
+    prompt_slots, response_slots = prompt_len // row_split(prompt_len, mesh), length // row_split(length, mesh)
+    return prompts * prompt_slots * (keys_and_values + 1) + rows * response_slots * keys_and_values
+
+
+def sampler_logits_bytes(m: ModelConfig, rows: int, mesh: dict[str, int]) -> int:
+    """A decoding step's working set over the vocabulary for ``rows`` rows decoded at once: the float32 logits,
+    their log-softmax (the drawn token's log-prob), the random bits and the noised logits of the categorical draw."""
+    return SAMPLER_LOGIT_COPIES * rows * split(m.vocab_size, mesh) * ACCUMULATOR_BYTES
 
 
 def model_config(cfg: TrainConfig, path: Optional[str] = None) -> ModelConfig:

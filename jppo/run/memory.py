@@ -46,14 +46,18 @@ optimizer step         ``4 t a``: the temporaries of applying the accumulated gr
                        where-based ``apply_if_finite`` and ``MultiSteps.update`` made it 6-7 (see
                        :mod:`jppo.engine.optim`). ``2 t a`` with K = 1 (no accumulator: the gradient and the
                        update)
-KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sampler's prompt cache (each prompt's
+KV cache               ``B P' (2 L K' E c_s + 1) + S T' 2 L K' E c_s``: the sampler's prompt cache (each prompt's
                        keys and values held once for its ``n`` samples, and a bool mask of its real tokens) and
                        response cache for ``B`` prompts and ``R = B n`` rows per device (``B = train_batch_size /
-                       (data x fsdp)``, or the validation batch when its caches are larger), of which ``S =
+                       (data x fsdp)``; the validation batch in a phase of its own), of which ``S =
                        min(rollout.max_num_seqs, R)`` are decoded at once (``S = R`` when it is 0); ``P =
-                       bucket(max_prompt_length)``, ``T = max_response_length``. With ``rollout.env`` every turn
+                       bucket(max_prompt_length)``, ``T = max_response_length``, ``P' T'`` those over ``q`` where
+                       it divides them (the caches' slots lie on ``mesh.sequence``). With ``rollout.env`` every turn
                        prefills each row's own context, which grows to prompt + response: ``B = R =
                        train_batch_size x n / (data x fsdp)``, ``P = bucket(max_prompt_length + T - 1)``
+sampler logits         ``4 S V' a``: a decoding step's float32 logits of the ``S`` rows, their log-softmax (the
+                       drawn token's log-prob), the categorical draw's random bits and noised logits (the four
+                       ``[S, V']`` arrays of the compiled decoding step on TPU and GPU)
 rollout weights        ``sum_w |w| / shards'(w) x (c_s, or p for the norms' scales)``: the sampler's copy of each
                        weight it casts to ``c_s`` or lays out anew (:func:`jppo.models.sharding.decoding_copy`):
                        replicated over ``data`` and ``fsdp`` (a decoding step's rows are split over them), split
@@ -94,7 +98,8 @@ from jppo.rollout.multiturn import longest_context
 from jppo.rollout.decode import decode_rows
 from jppo.rollout.sampler import bucket_length
 from jppo.run.footprint import (  # noqa: F401 (model_config and abstract_params: read here by their users)
-    abstract_params, adapter_params, model_config, trained_elements, ACCUMULATOR_BYTES, LOGIT_COPIES, activation_bytes, dtype_bytes, kv_cache_bytes, layer_bytes_per_token,
+    abstract_params, adapter_params, model_config, trained_elements, ACCUMULATOR_BYTES, LOGIT_COPIES, activation_bytes,
+    dtype_bytes, kv_cache_bytes, layer_bytes_per_token, sampler_logits_bytes,
     linear_attention, local_elements, logits_bytes, row_split, shards, weights_in_use_bytes,
 )
 
@@ -177,17 +182,19 @@ def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]
     return [(-(-prompts // batch_shards), -(-prompts // batch_shards) * n) for prompts, n in batches]
 
 
-def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> list[Term]:
-    """The sampler's caches (the KV cache line of the module docstring) of the training batch and (when the run
-    validates) the validation batch, in that order."""
+def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> list[tuple[Term, Term]]:
+    """The sampler's caches and a decoding step's logits (the KV cache and sampler logits lines of the module
+    docstring) of the training batch and (when the run validates) the validation batch, in that order."""
     from jppo.config.views import sampling_config  # noqa: PLC0415 (views imports the models; keep `--help` light)
 
     sampler, width, new = sampling_config(cfg, policy), sampler_prompt_width(cfg), cfg.rollout.max_response_length
     terms = []
     for prompts, rows in rollout_rows(cfg, mesh):
         decoded = decode_rows(rows, cfg.rollout.max_num_seqs)
-        terms.append(Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
-                          f"B={prompts} x P={width} + S={decoded} x T={new} x ..., c_s={dtype_bytes(sampler.dtype)}"))
+        q = "" if row_split(new, mesh) == 1 else f" / q={row_split(new, mesh)}"
+        terms.append((Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
+                           f"(B={prompts} x P={width} + S={decoded} x T={new}){q} x ..., c_s={dtype_bytes(sampler.dtype)}"),
+                      Term("sampler_logits", sampler_logits_bytes(sampler, decoded, mesh), f"4 S={decoded} V' a")))
     return terms
 
 
@@ -241,8 +248,8 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> MemoryPlan:
         in_flight = (Term("weights_before_update", copy, f"t={trained['actor']:,} x p={p}"),)
     weights = rollout_weights_term(cfg, policy, mesh)
     caches = sampler_terms(cfg, policy, mesh)
-    rollout = (caches[0], weights)
-    validation = tuple(dataclasses.replace(term, name=f"{term.name}/validation") for term in (*caches[1:], weights)
+    rollout = (*caches[0], weights)
+    validation = tuple(dataclasses.replace(term, name=f"{term.name}/validation") for term in (*caches[-1], weights)
                        if len(caches) > 1)
     updates = {}
     for role, n in trained.items():
