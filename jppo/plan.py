@@ -64,21 +64,26 @@ def over_limit(plan: MemoryPlan, limit: Optional[int], source: str, remat: bool 
 def table(plan: MemoryPlan) -> str:
     mesh = " x ".join(f"{axis}={size}" for axis, size in plan.mesh.items())
     lines = [f"memory plan per device, mesh {mesh}", f"{'term':<26} {'bytes':>14} {'':>11}  formula"]
-    sections = [("persistent", plan.persistent), ("rollout", plan.rollout)]
+    sections = [("persistent", plan.persistent)]
+    sections += [("each step", plan.in_flight)] if plan.in_flight else []
+    sections += [("rollout", plan.rollout)] + ([("validation", plan.validation)] if plan.validation else [])
     sections += list(plan.updates.items())
     for title, terms in sections:
         lines.append(f"[{title}]")
         lines += [f"  {t.name:<24} {t.bytes:>14,} {human(t.bytes):>11}  {t.formula}" for t in terms]
-        if title != "persistent":
+        if title not in ("persistent", "each step"):
             total = sum(t.bytes for t in terms)
             lines.append(f"  {'subtotal':<24} {total:>14,} {human(total):>11}")
     lines.append(f"{'persistent total':<26} {plan.persistent_bytes:>14,} {human(plan.persistent_bytes):>11}")
-    lines.append(f"{'peak':<26} {plan.peak_bytes:>14,} {human(plan.peak_bytes):>11}  persistent + largest phase")
+    phase = "rollout + largest update phase (sampled beside the update)" if plan.concurrent else "largest phase"
+    each = " + each step" if plan.in_flight else ""
+    lines.append(f"{'peak':<26} {plan.peak_bytes:>14,} {human(plan.peak_bytes):>11}  persistent{each} + {phase}")
     return "\n".join(lines)
 
 
 def as_json(plan: MemoryPlan) -> dict:
-    phases = {"persistent": plan.persistent, "rollout": plan.rollout, **plan.updates}
+    phases = {"persistent": plan.persistent, "each step": plan.in_flight, "rollout": plan.rollout,
+              "validation": plan.validation, **plan.updates}
     return {
         "mesh": plan.mesh, "persistent_bytes": plan.persistent_bytes, "peak_bytes": plan.peak_bytes,
         "terms": {t.name: t.bytes for terms in phases.values() for t in terms},

@@ -203,3 +203,73 @@ def test_each_program_has_a_planned_peak_that_holds_its_parameters(tmp_path, con
     sampling = max(per_program["rollout"], per_program.get("validation", 0))
     assert sampling >= planned.term("parameters/actor") + planned.term("kv_cache") > planned.term("parameters/actor")
     assert max(per_program.values()) <= planned.peak_bytes + planned.term("parameters/actor")
+
+
+GRPO = QUICKSTART.parent / "quickstart_grpo.yaml"
+
+
+@pytest.fixture(scope="module")
+def grpo_programs(tmp_path_factory):
+    """The quickstart GRPO run's update and rollout compiled for this machine's first CPU device (the off-policy
+    steps change neither program, only what else the run holds beside them)."""
+    from jppo.run import compiled
+    from jppo.run.targets import Target
+
+    cfg = load_config(GRPO, [f"trainer.output_dir={tmp_path_factory.mktemp('run')}", "trainer.val_every=0",
+                             "mesh.data=1"], data_files=False)
+    target = Target("cpu", "cpu", (jax.devices()[0],), 1, None)
+    return {p.name: p for p in compiled.compile_run(cfg, target, only=("actor_update", "rollout"))}
+
+
+def queue_bytes(params, k: int) -> tuple[int, int]:
+    """``(queue, before)``: the bytes of the distinct buffers ``RunState.behind`` holds once k updates have pushed
+    their weights (the run's own initial queue and pushes), and of the copy an update's step makes beforehand."""
+    from jppo.run.offpolicy import copied, initial_behind, pushed
+
+    behind = initial_behind(params, k)
+    for _ in range(k):
+        behind = pushed(behind, copied(params))
+    distinct = {id(x): x.nbytes for x in jax.tree.leaves(behind)} if behind else {}
+    return sum(distinct.values()), sum(x.nbytes for x in jax.tree.leaves(copied(params)))
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_the_plan_counts_the_off_policy_queue_and_the_rollout_beside_the_update(tmp_path, grpo_programs, k):
+    """With ``trainer.off_policy_steps`` k >= 1 the run holds k copies of the trained parameters, one more while
+    it updates, and on one device samples the next batch beside the update: the plan's peak is within 10% of XLA's
+    bytes of the compiled update, plus (k >= 1) the compiled rollout beside it (less the weights it reads, a copy of
+    the queue) and the copies; at k = 0 the larger of the two programs."""
+    cfg = load_config(GRPO, [f"trainer.output_dir={tmp_path / 'run'}", "trainer.val_every=0", "mesh.data=1",
+                             f"trainer.off_policy_steps={k}"])
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    params = nnx.state(build.build_policy(cfg, build.load_inputs(cfg).tokenizer, mesh), nnx.Param)
+    queue, before = queue_bytes(params, k)
+    update, rollout = grpo_programs["actor_update"], grpo_programs["rollout"]
+
+    planned = memory.memory_plan(cfg, (1, 1, 1, 1))
+
+    assert planned.term("off_policy_queue") == queue == k * before
+    assert planned.term("weights_before_update") == (before if k else 0)
+    if k == 0:
+        compiled = max(update.peak_bytes, rollout.peak_bytes)
+    else:
+        compiled = update.peak_bytes + rollout.xla_bytes - before + queue + before
+    assert 0.9 * compiled <= planned.peak_bytes <= 1.1 * compiled, (planned.peak_bytes, compiled)
+
+
+def test_the_command_reports_the_off_policy_copies_in_its_peak(tmp_path, capsys):
+    """On 8 devices (the rollout in turn with the update) k = 4 off-policy steps add the queue's 4 copies of the
+    trained parameters and the one an update makes beforehand, nothing else; on one device also the rollout's
+    phase, sampled beside the update."""
+    def peak(devices: int, k: int) -> dict:
+        assert plan.main(["--config", str(GRPO), "--devices", str(devices), "--json", f"trainer.output_dir={tmp_path}",
+                          f"mesh.data={devices}", f"trainer.off_policy_steps={k}"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    on_policy, behind = peak(8, 0), peak(8, 4)
+    copy = behind["terms"]["parameters/actor"]
+    assert behind["terms"]["off_policy_queue"] == 4 * copy
+    assert behind["peak_bytes"] - on_policy["peak_bytes"] == 5 * copy
+    one, one_behind = peak(1, 0), peak(1, 4)
+    rollout = sum(one_behind["terms"][name] for name in ("kv_cache", "sampler_logits", "rollout_weights"))
+    assert one_behind["peak_bytes"] == one["peak_bytes"] + 5 * copy + rollout

@@ -248,4 +248,3 @@ def analyse(name: str, executable, elsewhere: int, decode_steps: Optional[int] =
         decode_step_collectives=hlo.decode_step_collectives(module) if decoding else None,
         flops=hlo.flops(module, decode_steps),
     )
-

@@ -5,14 +5,18 @@ casts, the sampler's caches."""
 
 from __future__ import annotations
 
+import json
 import math
+import pathlib
 from typing import Optional, Sequence
 
+from jppo.config import TrainConfig
 from jppo.models.config import DTYPES, ModelConfig
 from jppo.parallel.mesh import fitted_spec, sequence_shards
 
 ACCUMULATOR_BYTES = 4  # float32 moments and accumulator (float64 only for float64 exactness tests)
 LOGIT_COPIES = 3  # one chunk's logits, their softmax, and their gradient
+SAMPLER_LOGIT_COPIES = 4  # a decoding step's logits, log-softmax, random bits and noised logits (compiled: TPU, GPU)
 
 
 def shards(shape: Sequence[int], names: Sequence[Optional[str]], mesh: dict[str, int]) -> int:
@@ -111,4 +115,71 @@ def kv_cache_bytes(m: ModelConfig, prompts: int, prompt_len: int, rows: int, len
     of a prompt, plus its bool visibility mask) and a :class:`~jppo.models.ResponseCache` of ``rows`` rows (the
     rows decoded at once) of ``length`` slots."""
     keys_and_values = 2 * m.num_layers * split(m.num_kv_heads, mesh) * m.head_dim * dtype_bytes(m.dtype)
+    # the caches' slots are whole on every device: decoding splits the rows over mesh.sequence, never a row's slots
     return prompts * prompt_len * (keys_and_values + 1) + rows * length * keys_and_values
+
+
+def sampler_logits_bytes(m: ModelConfig, rows: int, mesh: dict[str, int]) -> int:
+    """A decoding step's working set over the vocabulary for ``rows`` rows decoded at once: the float32 logits,
+    their log-softmax (the drawn token's log-prob), the random bits and the noised logits of the categorical draw."""
+    return SAMPLER_LOGIT_COPIES * rows * split(m.vocab_size, mesh) * ACCUMULATOR_BYTES
+
+
+def model_config(cfg: TrainConfig, path: Optional[str] = None) -> ModelConfig:
+    """The policy's architecture: ``config.json`` of ``path`` (default ``model.path``), else the config's own
+    shape with the tokenizer's vocabulary. Only the config and tokenizer files are read."""
+    from jppo.config import views  # noqa: PLC0415 (views imports the models; keep `--help` light)
+    from jppo.data import load_tokenizer  # noqa: PLC0415
+    from jppo.models import CheckpointError  # noqa: PLC0415
+
+    path = path or cfg.model.path
+    if path is None:
+        return views.random_model_config(cfg, load_tokenizer(views.tokenizer_spec(cfg)))
+    try:
+        hf = json.loads((pathlib.Path(path) / "config.json").read_text())
+        return ModelConfig.from_hf(hf, **views.checkpoint_overrides(cfg))
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}/config.json: {error}") from None
+
+
+def abstract_params(config: ModelConfig, head: str = "lm"):
+    """The parameters of a ``CausalLM`` (``head="lm"``) or ``ValueModel`` (``"value"``) as shapes, no buffers."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jppo.models import CausalLM, ValueModel  # noqa: PLC0415
+
+    cls = {"lm": CausalLM, "value": ValueModel}[head]
+    return nnx.state(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))), nnx.Param)
+
+
+def adapter_params(config: ModelConfig, lora):
+    """The LoRA adapters of a model of ``config`` as shapes (empty without LoRA)."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jppo.models.lora import LoRAAdapters  # noqa: PLC0415
+
+    if not lora.enabled:
+        return nnx.State({})
+    return nnx.state(nnx.eval_shape(lambda: LoRAAdapters(config, lora, rngs=nnx.Rngs(0))), nnx.Param)
+
+
+def trained_elements(config: ModelConfig, role: str, lora, mesh: dict[str, int]) -> int:
+    """``t``: the parameters ``role`` trains on one device: all of them, or its adapters (and a critic's new
+    value head) with LoRA."""
+    from flax import nnx  # noqa: PLC0415
+
+    head = {"actor": "lm", "critic": "value"}[role]
+    if not lora.enabled:
+        return local_elements(abstract_params(config, head), mesh)
+    extra = 0
+    if role == "critic":
+        extra = local_elements(nnx.state(nnx.eval_shape(lambda: _value_head(config)), nnx.Param), mesh)
+    return local_elements(adapter_params(config, lora), mesh) + extra
+
+
+def _value_head(config: ModelConfig):
+    from flax import nnx  # noqa: PLC0415
+
+    from jppo.models.value import ValueHead  # noqa: PLC0415
+
+    return ValueHead(config, rngs=nnx.Rngs(0))

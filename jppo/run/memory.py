@@ -50,32 +50,55 @@ KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sample
                        keys and values held once for its ``n`` samples, and a bool mask of its real tokens) and
                        response cache for ``B`` prompts and ``R = B n`` rows per device (``B = train_batch_size /
                        (data x fsdp x sequence)``, the sampler's rows split over every batch axis, or the validation
-                       batch when its caches are larger), of which ``S = min(rollout.max_num_seqs, R)`` are decoded
+                       batch in a phase of its own), of which ``S = min(rollout.max_num_seqs, R)`` are decoded
                        at once (``S = R`` when it is 0); ``P =
                        bucket(max_prompt_length)``, ``T = max_response_length``. With ``rollout.env`` every turn
                        prefills each row's own context, which grows to prompt + response: ``B = R =
                        train_batch_size x n / (data x fsdp x sequence)``, ``P = bucket(max_prompt_length + T - 1)``
+sampler logits         ``4 S V' a``: a decoding step's float32 logits of the ``S`` rows, their log-softmax (the
+                       drawn token's log-prob), the categorical draw's random bits and noised logits (the four
+                       ``[S, V']`` arrays of the compiled decoding step on TPU and GPU)
 rollout weights        ``sum_w |w| / shards'(w) x (c_s, or p for the norms' scales)``: the sampler's copy of each
                        weight it casts to ``c_s`` or lays out anew (:func:`jppo.models.sharding.decoding_copy`):
                        replicated over ``data`` and ``fsdp`` (a decoding step's rows are split over them), split
                        over ``tensor`` as the rule table says (``shards'``). None where the parameters already are
                        that copy (``c_s = p`` and ``fsdp = 1``)
+off-policy queue       ``k t p`` with ``trainer.off_policy_steps`` k >= 1: ``RunState.behind``, the weights the
+                       next k batches are sampled with (copies of the actor's trained parameters; LoRA's frozen
+                       base is shared), through the whole run; and ``t p`` more through each step's sampling and
+                       updates, the copy of the weights before the update that the queue takes after it
 =====================  ====================================================================================
 
-The peak is what lives through the whole run (parameters, optimizer states) plus the largest of the phases that
-follow each other: sampling (the KV cache), a role's backward pass (its gradients, weights in use, activations and
-logits) and its optimizer step. Forward-only passes (old and reference log-probs, values) keep no activations for a
-backward pass and stay below the update. The activation terms are an estimate of what XLA keeps (against XLA's
-``memory_analysis()`` of an actor update without remat they came out 10-30% low); ``bench/real_size.py``
-compares the whole plan with a measured run.
+The peak is what lives through the whole run (parameters, optimizer states, the off-policy queue) and through a
+step (the off-policy copy) plus the largest of the phases that follow each other: sampling the training batch (its
+KV cache and the sampler's weights), sampling the validation batch, a role's backward pass (its gradients, weights
+in use, activations and logits) and its optimizer step. With k >= 1 on one device the next batch is sampled on a
+thread beside the update (:func:`jppo.run.offpolicy.can_overlap`), so sampling and each update phase are live at
+once: their sum, not the larger. Forward-only passes (old and reference log-probs, values) keep no activations for
+a backward pass and stay below the update.
+
+Per program (:func:`program_bytes`, what ``python -m jppo.plan --compile-for`` sets beside XLA's bytes): an update is
+its role's parameters and optimizer state plus the larger of its backward pass and optimizer step; a forward pass
+the weights it reads, the weights in use, one layer's activations of a micro-batch and (log-probs) ``2 r k V' a``
+of logits and their softmax; the rollout and the validation the policy's parameters plus their sampling phase.
+
+Against the compiled programs (``--compile-for``, Qwen2.5 shapes, ``configs/qwen2_5_0_5b_gsm8k_grpo.yaml`` with
+blockwise attention, fsdp 2 x sequence 4): the rollout is planned within 10% of XLA's bytes (0.5B: 3.36 GB planned,
+3.68 on v5p:2x2x2, 3.38 on 8 x H100; 7B on 8 x H100: 34.1 against 36.8). The update is not: the same program
+takes 9.51 GB on v5p:2x2x2 and 6.99 GB on 8 x H100 (planned 7.91); at 7B on 8 x H100, 95.8 GB (planned 121.9).
+XLA:GPU applies the optimizer step nearly in place (its temporaries are ~2.3 float32 copies of the trained
+parameters, not 4) but keeps float32 gradients of the stacked layer weights whole over ``fsdp`` through the layer
+scan's backward pass; XLA:TPU keeps ~5.6 copies of temporaries. TPU also pads each array's two minor dimensions
+to its (8, 128) tiles, which dominates at toy sizes (the quickstart's 64-wide model). The plan has no platform and
+counts neither. The activation terms are an estimate of what XLA keeps (against XLA's ``memory_analysis()`` of an
+actor update without remat they came out 10-30% low); ``bench/real_size.py`` compares the whole plan with a
+measured run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import pathlib
 from typing import Optional, Sequence
 
 from jppo.config import TrainConfig
@@ -84,8 +107,9 @@ from jppo.models.config import ModelConfig
 from jppo.rollout.multiturn import longest_context
 from jppo.rollout.decode import decode_rows
 from jppo.rollout.sampler import bucket_length
-from jppo.run.footprint import (
-    ACCUMULATOR_BYTES, LOGIT_COPIES, activation_bytes, dtype_bytes, kv_cache_bytes, layer_bytes_per_token,
+from jppo.run.footprint import (  # noqa: F401 (model_config and abstract_params: read here by their users)
+    abstract_params, adapter_params, model_config, trained_elements, ACCUMULATOR_BYTES, LOGIT_COPIES, activation_bytes,
+    dtype_bytes, kv_cache_bytes, layer_bytes_per_token, sampler_logits_bytes,
     linear_attention, local_elements, logits_bytes, row_split, shards, weights_in_use_bytes,
 )
 
@@ -108,6 +132,9 @@ class MemoryPlan:
     persistent: tuple[Term, ...]  # live through the whole run
     rollout: tuple[Term, ...]  # live while sampling
     updates: dict[str, tuple[Term, ...]]  # live during one phase of a role's update (backward, optimizer step)
+    validation: tuple[Term, ...] = ()  # live while sampling the validation batch (when the run validates)
+    in_flight: tuple[Term, ...] = ()  # live through a step's sampling and updates (off-policy: the weights before)
+    concurrent: bool = False  # the next rollout is sampled beside the update (off-policy on one device)
 
     @property
     def persistent_bytes(self) -> int:
@@ -115,77 +142,16 @@ class MemoryPlan:
 
     @property
     def peak_bytes(self) -> int:
-        phases = [self.rollout, *self.updates.values()]
-        return self.persistent_bytes + max(sum(term.bytes for term in phase) for phase in phases)
+        phases = [self.rollout, self.validation, *self.updates.values()]
+        if self.concurrent:
+            phases = [self.validation, *(self.rollout + update for update in self.updates.values())]
+        steps = self.persistent_bytes + sum(term.bytes for term in self.in_flight)
+        return steps + max(sum(term.bytes for term in phase) for phase in phases)
 
     def term(self, name: str) -> int:
         """The bytes of the term called ``name`` (0 when the run has none)."""
-        phases = (self.persistent, self.rollout, *self.updates.values())
+        phases = (self.persistent, self.in_flight, self.rollout, self.validation, *self.updates.values())
         return sum(term.bytes for phase in phases for term in phase if term.name == name)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# shapes
-
-
-def model_config(cfg: TrainConfig, path: Optional[str] = None) -> ModelConfig:
-    """The policy's architecture: ``config.json`` of ``path`` (default ``model.path``), else the config's own
-    shape with the tokenizer's vocabulary. Only the config and tokenizer files are read."""
-    from jppo.config import views  # noqa: PLC0415 (views imports the models; keep `--help` light)
-    from jppo.data import load_tokenizer  # noqa: PLC0415
-    from jppo.models import CheckpointError  # noqa: PLC0415
-
-    path = path or cfg.model.path
-    if path is None:
-        return views.random_model_config(cfg, load_tokenizer(views.tokenizer_spec(cfg)))
-    try:
-        hf = json.loads((pathlib.Path(path) / "config.json").read_text())
-        return ModelConfig.from_hf(hf, **views.checkpoint_overrides(cfg))
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}/config.json: {error}") from None
-
-
-def abstract_params(config: ModelConfig, head: str = "lm"):
-    """The parameters of a ``CausalLM`` (``head="lm"``) or ``ValueModel`` (``"value"``) as shapes, no buffers."""
-    from flax import nnx  # noqa: PLC0415
-
-    from jppo.models import CausalLM, ValueModel  # noqa: PLC0415
-
-    cls = {"lm": CausalLM, "value": ValueModel}[head]
-    return nnx.state(nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0))), nnx.Param)
-
-
-def adapter_params(config: ModelConfig, lora):
-    """The LoRA adapters of a model of ``config`` as shapes (empty without LoRA)."""
-    from flax import nnx  # noqa: PLC0415
-
-    from jppo.models.lora import LoRAAdapters  # noqa: PLC0415
-
-    if not lora.enabled:
-        return nnx.State({})
-    return nnx.state(nnx.eval_shape(lambda: LoRAAdapters(config, lora, rngs=nnx.Rngs(0))), nnx.Param)
-
-
-def trained_elements(config: ModelConfig, role: str, lora, mesh: dict[str, int]) -> int:
-    """``t``: the parameters ``role`` trains on one device: all of them, or its adapters (and a critic's new
-    value head) with LoRA."""
-    from flax import nnx  # noqa: PLC0415
-
-    head = {"actor": "lm", "critic": "value"}[role]
-    if not lora.enabled:
-        return local_elements(abstract_params(config, head), mesh)
-    extra = 0
-    if role == "critic":
-        extra = local_elements(nnx.state(nnx.eval_shape(lambda: _value_head(config)), nnx.Param), mesh)
-    return local_elements(adapter_params(config, lora), mesh) + extra
-
-
-def _value_head(config: ModelConfig):
-    from flax import nnx  # noqa: PLC0415
-
-    from jppo.models.value import ValueHead  # noqa: PLC0415
-
-    return ValueHead(config, rngs=nnx.Rngs(0))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -226,23 +192,19 @@ def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]
     return [(-(-prompts // batch_shards), -(-prompts // batch_shards) * n) for prompts, n in batches]
 
 
-def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> list[Term]:
-    """The sampler's caches (the KV cache line of the module docstring) of the training batch and (when the run
-    validates) the validation batch, in that order."""
+def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> list[tuple[Term, Term]]:
+    """The sampler's caches and a decoding step's logits (the KV cache and sampler logits lines of the module
+    docstring) of the training batch and (when the run validates) the validation batch, in that order."""
     from jppo.config.views import sampling_config  # noqa: PLC0415 (views imports the models; keep `--help` light)
 
     sampler, width, new = sampling_config(cfg, policy), sampler_prompt_width(cfg), cfg.rollout.max_response_length
     terms = []
     for prompts, rows in rollout_rows(cfg, mesh):
         decoded = decode_rows(rows, cfg.rollout.max_num_seqs)
-        terms.append(Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
-                          f"B={prompts} x P={width} + S={decoded} x T={new} x ..., c_s={dtype_bytes(sampler.dtype)}"))
+        terms.append((Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
+                           f"B={prompts} x P={width} + S={decoded} x T={new} x ..., c_s={dtype_bytes(sampler.dtype)}"),
+                      Term("sampler_logits", sampler_logits_bytes(sampler, decoded, mesh), f"4 S={decoded} V' a")))
     return terms
-
-
-def sampler_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
-    """The sampler's caches for the batch whose caches are largest."""
-    return max(sampler_terms(cfg, policy, mesh), key=lambda term: term.bytes)
 
 
 def rollout_weights_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
@@ -288,7 +250,16 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> MemoryPlan:
     for role, n in trained.items():
         copies = (2 if getattr(cfg, role).optim.name == "adamw" else 0) + accumulates[role]
         persistent.append(Term(f"optimizer_state/{role}", n * a * copies, f"t={n:,} x a={a} x {copies}"))
-    rollout = (sampler_term(cfg, policy, mesh), rollout_weights_term(cfg, policy, mesh))
+    behind, in_flight = cfg.trainer.off_policy_steps, ()
+    if behind:  # the queue of the weights older batches are sampled with, and the copy the update will push onto it
+        copy = trained["actor"] * p
+        persistent.append(Term("off_policy_queue", behind * copy, f"k={behind} x t={trained['actor']:,} x p={p}"))
+        in_flight = (Term("weights_before_update", copy, f"t={trained['actor']:,} x p={p}"),)
+    weights = rollout_weights_term(cfg, policy, mesh)
+    caches = sampler_terms(cfg, policy, mesh)
+    rollout = (*caches[0], weights)
+    validation = tuple(dataclasses.replace(term, name=f"{term.name}/validation") for term in (*caches[-1], weights)
+                       if len(caches) > 1)
     updates = {}
     for role, n in trained.items():
         r, w = micro_batch_shape(cfg, role)
@@ -307,7 +278,8 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> MemoryPlan:
         updates[f"{role} backward"] = tuple(terms)
         copies = OPTIMIZER_STEP_COPIES if accumulates[role] else DIRECT_STEP_COPIES
         updates[f"{role} optimizer step"] = (Term(f"optimizer_step/{role}", n * a * copies, f"t x a x {copies}"),)
-    return MemoryPlan(mesh, tuple(persistent), rollout, updates)
+    concurrent = behind > 0 and math.prod(mesh_shape) == 1  # jppo.run.offpolicy.can_overlap, for jppo's own sampler
+    return MemoryPlan(mesh, tuple(persistent), rollout, updates, validation, in_flight, concurrent)
 
 
 def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int]) -> dict[str, int]:
@@ -327,10 +299,10 @@ def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int]) -> dict[str, int]
     for role in cfg.roles:
         state = plan.term(f"parameters/{role}") + plan.term(f"optimizer_state/{role}")
         out[f"{role}_update"] = state + max(phase(f"{role} backward"), phase(f"{role} optimizer step"))
-    caches = sampler_terms(cfg, policy, mesh)
     if cfg.rollout.engine == "jppo":
-        for name, cache in zip(("rollout", "validation"), caches):
-            out[name] = plan.term("parameters/actor") + plan.term("rollout_weights") + cache.bytes
+        for name, phase in (("rollout", plan.rollout), ("validation", plan.validation)):
+            if phase:
+                out[name] = plan.term("parameters/actor") + sum(term.bytes for term in phase)
     forwards = {"values": ("critic", "parameters/critic")} if "critic" in cfg.roles else {}
     if old_log_prob_source(cfg) == "recompute":
         forwards["old_log_prob"] = ("actor", "parameters/actor")
