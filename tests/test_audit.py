@@ -106,8 +106,8 @@ def test_audit_reports_the_legacy_split_dependence_of_each_role(capsys):
 
 
 GRPO = ["critic.enable=false", "algorithm.adv_estimator=grpo", "rollout.n=2"]
-# verl's sequence-level rejection, critic-free (a critic's explained variance over the few tokens a rejection leaves
-# is not a metric to compare)
+# verl's sequence-level rejection, critic-free to keep the audit short (a critic's explained variance over the one
+# token a rejection can leave a mini-batch is 0 under every cut: tests/test_metrics.py)
 SEQ_RS = [*GRPO, "actor.rollout_correction.mode=seq_rs"]
 
 
