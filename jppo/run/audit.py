@@ -13,9 +13,10 @@ rate, skipped updates, ``rollout_corr/*``), as the largest relative difference. 
 ``max_rel_first_step_grad_diff=<v>``, ``max_rel_grad_diff=<v>`` and ``max_rel_metric_diff=<v>``.
 
 Rounding is not a cut: after the first optimizer step the parameters differ by float32 rounding, and an optimizer
-amplifies it (Adam's first update is about ``lr * g / |g|`` per entry, so an entry whose gradient is small beside
-its rounding moves by a fraction of ``lr`` either way; a clipped value loss then answers with a jump where a value
-crosses its clip range). A real dependence on the cut does not shrink with the precision, rounding does: a row whose
+amplifies it: Adam's update is about ``lr * g / (|g| + eps)`` per entry, so an entry whose gradient is small
+carries its rounding into the step at the scale of ``lr`` (the quickstart's critic, with its clipped value loss:
+3e-7 at the first step, 1e-4 after it; 2e-6 without the value clip, no growth with SGD or with Adam's ``eps`` at
+1e-4). A real dependence on the cut does not shrink with the precision, rounding does: a row whose
 first step is within the configured dtype's tolerance (1e-5 in float32) but whose later steps or metrics are not is
 run again, with its reference, in float64 (the same parameters and batch, ``jax_enable_x64``), where rounding is
 ~1e-15 and the row must be within :data:`FLOAT64_TOLERANCE`. ``float64=True`` (``--float64``) runs every row so.
