@@ -166,6 +166,68 @@ def test_explained_variance_of_the_pieces_is_the_whole_batch_one(cut):
     np.testing.assert_allclose(value, 1 - np.var(t - p) / np.var(t), rtol=1e-5)
 
 
+# XLA's CPU options as a user's run has them (the suite compiles at the lowest level: tests/conftest.py)
+USER_OPTIMIZATION = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
+
+
+@pytest.mark.parametrize("cut", [(3,), (1, 2), (1, 1, 1)])
+def test_explained_variance_of_one_token_is_zero_in_every_compiled_cut(cut):
+    """A mini-batch a rejection leaves one valid token of: its targets do not vary, so the explained variance is 0
+    for every cut, compiled as a user's run compiles it (XLA's default optimization level, not the suite's lowest:
+    summed second moments finished as ``E[t^2] - E[t]^2`` gave a fused multiply-add's rounding residue over
+    another there, 0.82 for this token, and 0 at the lowest level)."""
+    targets = jnp.asarray([[2.118803024291992, 0.0], [0.0, 0.0], [0.0, 0.0]], jnp.float32)
+    predictions = jnp.asarray([[0.1234567, 0.0], [0.0, 0.0], [0.0, 0.0]], jnp.float32)
+    mask = jnp.asarray([[True, False], [False, False], [False, False]])
+    bounds = np.cumsum((0,) + cut)
+
+    def whole(t, p, m):
+        return metrics_lib.reduce([
+            {"critic/vf_explained_var": metrics_lib.explained_variance(t[a:b], p[a:b], m[a:b])}
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ])["critic/vf_explained_var"]
+
+    compiled = jax.jit(whole).lower(targets, predictions, mask).compile(compiler_options=USER_OPTIMIZATION)
+    assert float(compiled(targets, predictions, mask)) == 0.0
+
+
+def test_explained_variance_keeps_a_small_spread_beside_a_large_mean():
+    """Targets of mean 300 and spread 0.05, in float32 pieces of every size: the merged deviations keep the
+    whole batch's value (numpy, float64) where summed second moments cancel to noise (E[t^2] = 9e4, its rounding
+    5e-3 beside Var(t) = 2.5e-3)."""
+    rng = np.random.default_rng(5)
+    targets = (300 + rng.normal(scale=0.05, size=(16, 4))).astype(np.float32)
+    predictions = (targets + rng.normal(scale=0.02, size=(16, 4))).astype(np.float32)
+    mask = rng.random((16, 4)) > 0.2
+    t, p = targets[mask].astype(np.float64), predictions[mask].astype(np.float64)
+    expected = 1 - np.var(t - p) / np.var(t)
+    for size in (1, 3, 16):
+        pieces = [{"critic/vf_explained_var": metrics_lib.explained_variance(
+            jnp.asarray(targets[a:a + size]), jnp.asarray(predictions[a:a + size]), jnp.asarray(mask[a:a + size]))}
+            for a in range(0, 16, size)]
+        value = float(jax.jit(metrics_lib.reduce)(pieces)["critic/vf_explained_var"])
+        np.testing.assert_allclose(value, expected, atol=1e-3)
+
+
+def test_explained_variance_over_shards_is_the_whole_batch_one():
+    """Under shard_map: every shard's deviations merged (one shard's rows fully masked)."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    rng = np.random.default_rng(7)
+    targets = rng.normal(size=(8, 3)).astype(np.float32)
+    predictions = (targets + rng.normal(scale=0.5, size=(8, 3))).astype(np.float32)
+    mask = rng.random((8, 3)) > 0.3
+    mask[4:6] = False
+
+    def per_shard(t, p, m):
+        return metrics_lib.psum({"x_explained_var": metrics_lib.explained_variance(t, p, m)}, "data")
+
+    merged = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=P("data"), out_specs=P()))(
+        targets, predictions, mask)
+    t, p = targets[mask].astype(np.float64), predictions[mask].astype(np.float64)
+    np.testing.assert_allclose(float(metrics_lib.finish(merged)["x_explained_var"]),
+                               1 - np.var(t - p) / np.var(t), rtol=1e-5)
+
+
 def test_explained_variance_is_zero_for_constant_targets_or_no_data():
     ones = jnp.ones((2, 3))
     constant = metrics_lib.explained_variance(ones, ones * 0.5, jnp.ones((2, 3), bool))

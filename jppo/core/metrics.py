@@ -7,8 +7,9 @@ on the cut), so every metric travels as a :class:`Metric` pair and is divided on
 - a token ratio (clip fraction, approximate KL, mean value prediction) is ``(sum_t m v, sum_t m)``;
 - a loss term is ``(share, n_local / N)``: the shares sum to the whole objective and the weights sum to 1;
 - a maximum / minimum (keys ending in ``_max`` / ``_min``) is combined with ``max`` / ``min`` instead of ``+``;
-- an explained variance (keys ending in ``_explained_var``) carries the sums of its moments, added like a ratio's,
-  and is formed once from the whole mini-batch's moments.
+- an explained variance (keys ending in ``_explained_var``) carries each piece's token count, means and sums of
+  squared deviations, merged exactly (Chan et al.'s pairwise update), and is formed once from the whole
+  mini-batch's.
 
 Across several optimizer steps (mini-batches, epochs) the finished values are averaged per step
 (:func:`mean_over_steps`), again with ``_max`` / ``_min`` keys combined by name.
@@ -46,9 +47,6 @@ def _kind(name: str) -> str:
     return "sum"
 
 
-def _adds(kind: str) -> bool:
-    """Pieces of a sum or of an explained variance combine by adding numerators and denominators."""
-    return kind in ("sum", "explained_var")
 
 
 def ratio(values: Array, mask: Array) -> Metric:
@@ -95,23 +93,50 @@ def explained_variance(targets: Array, predictions: Array, mask: Array) -> Metri
     """``1 - Var(t - p) / Var(t)`` over the valid tokens of the whole mini-batch; report it under a key ending in
     ``_explained_var``.
 
-    A variance is not a sum over pieces, but the moments it is made of are: the numerator carries
-    ``[sum d, sum d^2, sum t, sum t^2]`` (``d = t - p``) and the denominator the token count, both summed over
-    micro-batches and shards; :func:`finish` forms ``Var = E[x^2] - E[x]^2`` once, from the whole mini-batch's
-    moments (0 when the targets do not vary). Inputs may be NaN where ``mask`` is 0.
+    A variance is not a sum over pieces, and ``E[x^2] - E[x]^2`` of summed moments is no fit either: it cancels to
+    rounding where the spread is small beside the mean, and for a single token (a mini-batch a rejection leaves one
+    token of) it is ``fl(t^2) - t * t``, which a compiler's fused multiply-add turns into a rounding residue that
+    differs between programs. Each piece carries its count ``n`` (the denominator) and, for ``d = t - p`` and
+    ``t``, the mean and the sum of squared deviations from it, ``[mean d, M2 d, mean t, M2 t]`` (two passes over
+    the piece: one token has ``M2 = 0`` exactly); :func:`combine` merges pieces exactly (:func:`_merge_moments`).
+    Inputs may be NaN where ``mask`` is 0.
     """
     valid = mask.astype(bool)
     dtype = jnp.promote_types(targets.dtype, jnp.float32)
+    count = jnp.sum(valid, dtype=dtype)
     t = jnp.where(valid, targets, 0).astype(dtype)
     d = jnp.where(valid, targets - predictions, 0).astype(dtype)
-    moments = jnp.stack([jnp.sum(d), jnp.sum(d * d), jnp.sum(t), jnp.sum(t * t)])
-    return Metric(moments, jnp.sum(valid, dtype=dtype))
+
+    def mean_and_m2(x):
+        mean = safe_divide(jnp.sum(x), count)
+        return mean, jnp.sum(jnp.where(valid, jnp.square(x - mean), 0))
+
+    return Metric(jnp.stack([*mean_and_m2(d), *mean_and_m2(t)]), count)
+
+
+def _merge_moments(a: Metric, b: Metric) -> Metric:
+    """Two pieces' ``[mean, M2]`` pairs as one's (Chan, Golub and LeVeque): with ``n = n_a + n_b`` and
+    ``delta = mean_b - mean_a``, ``mean = mean_a + delta n_b / n`` and ``M2 = M2_a + M2_b + delta^2 n_a n_b / n``.
+    A piece without tokens leaves the other exactly as it is."""
+    count = a.denominator + b.denominator
+    share = safe_divide(b.denominator, count)  # n_b / n: exactly 1 or 0 next to an empty piece
+    delta = b.numerator[0::2] - a.numerator[0::2]
+    mean = a.numerator[0::2] + delta * share
+    m2 = a.numerator[1::2] + b.numerator[1::2] + jnp.square(delta) * a.denominator * share
+    return Metric(jnp.stack([mean, m2], axis=-1).reshape(-1), count)
+
+
+# Targets whose spread is below this many units of float rounding of their mean do not vary: a variance that
+# small is what rounding the mean leaves, and 1 - Var(d) / Var(t) of it would be noise.
+RESOLUTION = 256
 
 
 def _finish_explained_variance(metric: Metric) -> Array:
-    mean_d, mean_d2, mean_t, mean_t2 = safe_divide(metric.numerator, metric.denominator)
-    var_t = jnp.maximum(mean_t2 - mean_t * mean_t, 0)
-    return jnp.where(var_t > 0, 1 - jnp.maximum(mean_d2 - mean_d * mean_d, 0) / jnp.where(var_t > 0, var_t, 1), 0)
+    count = metric.denominator
+    mean_t, var_d, var_t = metric.numerator[2], *safe_divide(metric.numerator[1::2], count)
+    floor = jnp.square(RESOLUTION * jnp.finfo(var_t.dtype).eps * mean_t)
+    varies = (count > 0) & (var_t > floor)
+    return jnp.where(varies, 1 - var_d / jnp.where(varies, var_t, 1), 0)
 
 
 def scalar(value: Array | float) -> Metric:
@@ -122,8 +147,10 @@ def scalar(value: Array | float) -> Metric:
 
 def _combine_one(name: str, a: Metric, b: Metric) -> Metric:
     kind = _kind(name)
-    if _adds(kind):
+    if kind == "sum":
         return Metric(a.numerator + b.numerator, a.denominator + b.denominator)
+    if kind == "explained_var":
+        return _merge_moments(a, b)
     pick = jnp.maximum if kind == "max" else jnp.minimum
     # A piece without data (denominator 0) must not win the max/min with its sentinel value.
     numerator = jnp.where(a.denominator == 0, b.numerator, jnp.where(b.denominator == 0, a.numerator, pick(a.numerator, b.numerator)))
@@ -153,8 +180,17 @@ def psum(metrics: Mapping[str, Metric], axis_name: str | Sequence[str]) -> Metri
     out = {}
     for name, metric in metrics.items():
         kind = _kind(name)
+        if kind == "explained_var":  # every shard's piece in its own slot (a sum of zeros is exact), merged in order
+            size, index = jax.lax.psum(1, axis_name), jax.lax.axis_index(axis_name)
+            piece = jnp.concatenate([metric.numerator, metric.denominator[None]])
+            pieces = jax.lax.psum(jnp.zeros((size, piece.shape[0]), piece.dtype).at[index].set(piece), axis_name)
+            merged = Metric(pieces[0, :-1], pieces[0, -1])
+            for i in range(1, size):
+                merged = _merge_moments(merged, Metric(pieces[i, :-1], pieces[i, -1]))
+            out[name] = merged
+            continue
         denominator = jax.lax.psum(metric.denominator, axis_name)
-        if _adds(kind):
+        if kind == "sum":
             numerator = jax.lax.psum(metric.numerator, axis_name)
         else:
             sentinel = _sentinel(metric.numerator.dtype, kind)
