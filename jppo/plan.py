@@ -87,6 +87,7 @@ def as_json(plan: MemoryPlan) -> dict:
     return {
         "mesh": plan.mesh, "persistent_bytes": plan.persistent_bytes, "peak_bytes": plan.peak_bytes,
         "terms": {t.name: t.bytes for terms in phases.values() for t in terms},
+        "phase_bytes": {name: sum(t.bytes for t in terms) for name, terms in phases.items()},
     }
 
 

@@ -263,7 +263,8 @@ def test_the_command_reports_the_off_policy_copies_in_its_peak(tmp_path, capsys)
     phase, sampled beside the update."""
     def peak(devices: int, k: int) -> dict:
         assert plan.main(["--config", str(GRPO), "--devices", str(devices), "--json", f"trainer.output_dir={tmp_path}",
-                          f"mesh.data={devices}", f"trainer.off_policy_steps={k}"]) == 0
+                          f"mesh.data={devices}", f"trainer.off_policy_steps={k}", "trainer.val_every=0",
+                          "trainer.val_before_train=false"]) == 0  # no validation phase: the steps' own peak
         return json.loads(capsys.readouterr().out)
 
     on_policy, behind = peak(8, 0), peak(8, 4)
@@ -271,5 +272,10 @@ def test_the_command_reports_the_off_policy_copies_in_its_peak(tmp_path, capsys)
     assert behind["terms"]["off_policy_queue"] == 4 * copy
     assert behind["peak_bytes"] - on_policy["peak_bytes"] == 5 * copy
     one, one_behind = peak(1, 0), peak(1, 4)
-    rollout = sum(one_behind["terms"][name] for name in ("kv_cache", "sampler_logits", "rollout_weights"))
-    assert one_behind["peak_bytes"] == one["peak_bytes"] + 5 * copy + rollout
+    phases = one_behind["phase_bytes"]
+    assert phases["rollout"] == sum(one_behind["terms"][name]
+                                    for name in ("kv_cache", "sampler_logits", "prefill", "rollout_weights"))
+    update = max(phases["actor backward"], phases["actor optimizer step"])
+    assert one_behind["persistent_bytes"] - one["persistent_bytes"] == 4 * copy and phases["each step"] == copy
+    assert one["peak_bytes"] == one["persistent_bytes"] + max(phases["rollout"], update)
+    assert one_behind["peak_bytes"] == one_behind["persistent_bytes"] + copy + phases["rollout"] + update

@@ -71,6 +71,18 @@ def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int]) -> i
     return c * (4 * d + 3 * q + 3 * kv + 4 * f) + a * (2 * d + q + kv) + attention + gathered
 
 
+def forward_layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int]) -> int:
+    """What one layer of a forward pass that keeps nothing for a backward pass (log-probs, values, the sampler's
+    prefill) holds at once per token of a row of ``width``: its input and output hidden states, the queries, keys
+    and values, and the larger of attention's float32 scores (over the whole row when dense, over one key block
+    when blocked) and the MLP's three intermediates."""
+    c, a = dtype_bytes(m.dtype), ACCUMULATOR_BYTES
+    heads, d = split(m.num_heads, mesh), m.hidden_size
+    q, kv, f = heads * m.head_dim, split(m.num_kv_heads, mesh) * m.head_dim, split(m.intermediate_size, mesh)
+    keys = min(m.attention_block_kv, width) if linear_attention(m, width) else width
+    return c * (2 * d + q + 2 * kv) + max(a * heads * keys, 3 * c * f)
+
+
 def row_split(width: int, mesh: dict[str, int]) -> int:
     """``q``: into how many blocks ``mesh.sequence`` splits a row of ``width`` tokens (1 where it does not divide:
     the rule table then leaves the row whole)."""

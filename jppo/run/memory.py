@@ -58,6 +58,10 @@ KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sample
 sampler logits         ``4 S V' a``: a decoding step's float32 logits of the ``S`` rows, their log-softmax (the
                        drawn token's log-prob), the categorical draw's random bits and noised logits (the four
                        ``[S, V']`` arrays of the compiled decoding step on TPU and GPU)
+prefill                ``B P y``: the prompts' forward pass that fills the caches, ``y`` what one layer of a forward
+                       pass holds at once per token (hidden states in and out, queries, keys, values, and the larger
+                       of attention's float32 scores and the MLP's three intermediates). Beside the caches and the
+                       decoding step's logits, not instead of them: XLA's buffer assignment keeps them apart
 rollout weights        ``sum_w |w| / shards'(w) x (c_s, or p for the norms' scales)``: the sampler's copy of each
                        weight it casts to ``c_s`` or lays out anew (:func:`jppo.models.sharding.decoding_copy`):
                        replicated over ``data`` and ``fsdp`` (a decoding step's rows are split over them), split
@@ -79,20 +83,21 @@ a backward pass and stay below the update.
 
 Per program (:func:`program_bytes`, what ``python -m jppo.plan --compile-for`` sets beside XLA's bytes): an update is
 its role's parameters and optimizer state plus the larger of its backward pass and optimizer step; a forward pass
-the weights it reads, the weights in use, one layer's activations of a micro-batch and (log-probs) ``2 r k V' a``
-of logits and their softmax; the rollout and the validation the policy's parameters plus their sampling phase.
+the weights it reads, the weights in use, ``r w' y`` (one layer's forward working set over a micro-batch, ``y``
+as in the prefill line) and (log-probs) ``r k V' a`` of logits (XLA fuses their log-softmax into that one array);
+the rollout and the validation the policy's parameters plus their sampling phase.
 
-Against the compiled programs (``--compile-for``, Qwen2.5 shapes, ``configs/qwen2_5_0_5b_gsm8k_grpo.yaml`` with
-blockwise attention, fsdp 2 x sequence 4): the rollout is planned within 10% of XLA's bytes (0.5B: 3.36 GB planned,
-3.68 on v5p:2x2x2, 3.38 on 8 x H100; 7B on 8 x H100: 34.1 against 36.8). The update is not: the same program
-takes 9.51 GB on v5p:2x2x2 and 6.99 GB on 8 x H100 (planned 7.91); at 7B on 8 x H100, 95.8 GB (planned 121.9).
-XLA:GPU applies the optimizer step nearly in place (its temporaries are ~2.3 float32 copies of the trained
-parameters, not 4) but keeps float32 gradients of the stacked layer weights whole over ``fsdp`` through the layer
-scan's backward pass; XLA:TPU keeps ~5.6 copies of temporaries. TPU also pads each array's two minor dimensions
-to its (8, 128) tiles, which dominates at toy sizes (the quickstart's 64-wide model). The plan has no platform and
-counts neither. The activation terms are an estimate of what XLA keeps (against XLA's ``memory_analysis()`` of an
-actor update without remat they came out 10-30% low); ``bench/real_size.py`` compares the whole plan with a
-measured run.
+Against the compiled programs (``python -m jppo.plan --compile-for``, which prints both), Qwen2.5-0.5B's shape
+with ``configs/qwen2_5_0_5b_gsm8k_grpo.yaml`` (reference attention, fsdp 2 x sequence 4) on v5p:2x2x2, plan /
+XLA GiB per device: actor update 14.48 / 14.33, old log-probs 4.87 / 5.16, reference log-probs 4.41 / 4.06,
+rollout 2.85 / 3.11, validation 3.81 / 4.23: each within 10%. A forward pass's peak is one layer's float32
+attention scores (3.5 GiB of each at 16384-token rows); the prefill and the decoding step's logits are apart in
+XLA's buffer assignment, so both are counted. The update's temporaries differ by platform: XLA:GPU applies the
+optimizer step nearly in place (~2.3 float32 copies of the trained parameters, not 4) but keeps float32 gradients
+of the stacked layer weights whole over ``fsdp`` through the layer scan's backward pass; XLA:TPU keeps ~5.6
+copies, and pads each array's two minor dimensions to its (8, 128) tiles, which dominates at toy sizes (the
+quickstart's 64-wide model). The plan has no platform and counts neither. The activation terms are an estimate
+of what XLA keeps; ``bench/real_size.py`` compares the whole plan with a measured run.
 """
 
 from __future__ import annotations
@@ -109,7 +114,7 @@ from jppo.rollout.decode import decode_rows
 from jppo.rollout.sampler import bucket_length
 from jppo.run.footprint import (  # noqa: F401 (model_config and abstract_params: read here by their users)
     abstract_params, adapter_params, model_config, trained_elements, ACCUMULATOR_BYTES, LOGIT_COPIES, activation_bytes,
-    dtype_bytes, kv_cache_bytes, layer_bytes_per_token, sampler_logits_bytes,
+    dtype_bytes, forward_layer_bytes_per_token, kv_cache_bytes, layer_bytes_per_token, sampler_logits_bytes,
     linear_attention, local_elements, logits_bytes, row_split, shards, weights_in_use_bytes,
 )
 
@@ -192,9 +197,9 @@ def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]
     return [(-(-prompts // batch_shards), -(-prompts // batch_shards) * n) for prompts, n in batches]
 
 
-def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> list[tuple[Term, Term]]:
-    """The sampler's caches and a decoding step's logits (the KV cache and sampler logits lines of the module
-    docstring) of the training batch and (when the run validates) the validation batch, in that order."""
+def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> list[tuple[Term, Term, Term]]:
+    """The sampler's caches, a decoding step's logits and the prefill's working set (the KV cache, sampler logits
+    and prefill lines of the module docstring) of the training batch and (when the run validates) the validation batch, in that order."""
     from jppo.config.views import sampling_config  # noqa: PLC0415 (views imports the models; keep `--help` light)
 
     sampler, width, new = sampling_config(cfg, policy), sampler_prompt_width(cfg), cfg.rollout.max_response_length
@@ -203,7 +208,9 @@ def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -
         decoded = decode_rows(rows, cfg.rollout.max_num_seqs)
         terms.append((Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
                            f"B={prompts} x P={width} + S={decoded} x T={new} x ..., c_s={dtype_bytes(sampler.dtype)}"),
-                      Term("sampler_logits", sampler_logits_bytes(sampler, decoded, mesh), f"4 S={decoded} V' a")))
+                      Term("sampler_logits", sampler_logits_bytes(sampler, decoded, mesh), f"4 S={decoded} V' a"),
+                      Term("prefill", prompts * width * forward_layer_bytes_per_token(sampler, width, mesh),
+                           f"B={prompts} x P={width} x y")))
     return terms
 
 
@@ -315,14 +322,14 @@ def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int]) -> dict[str, int]
 
 
 def forward_bytes(cfg: TrainConfig, policy: ModelConfig, role: str, cut: dict, mesh: dict[str, int]) -> int:
-    """What a forward pass keeps live besides the weights it reads: the weights in use, one layer's activations
-    of a micro-batch (nothing is kept for a backward pass) and, for log-probs, a chunk's logits and softmax."""
+    """What a forward pass keeps live besides the weights it reads: the weights in use, one layer's working set over
+    a micro-batch (nothing is kept for a backward pass) and, for log-probs, a chunk's float32 logits."""
     r, w = (1, cut["max_token_len"]) if "max_token_len" in cut else (
         cut["micro_batch_size"], prompt_width(cfg) + cfg.rollout.max_response_length)
     local = w // row_split(w, mesh)
-    total = weights_in_use_bytes(policy, mesh) + r * local * layer_bytes_per_token(policy, w, mesh)
+    total = weights_in_use_bytes(policy, mesh) + r * local * forward_layer_bytes_per_token(policy, w, mesh)
     if role == "actor":
-        total += logits_bytes(policy, r, w, cfg.actor.log_prob_chunk_size, mesh) * 2 // LOGIT_COPIES
+        total += logits_bytes(policy, r, w, cfg.actor.log_prob_chunk_size, mesh) // LOGIT_COPIES  # fused softmax
     return total
 
 
