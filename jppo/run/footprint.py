@@ -114,10 +114,16 @@ def logits_bytes(m: ModelConfig, rows: int, width: int, chunk_size: int, mesh: d
     return LOGIT_COPIES * rows * min(chunk_size, local) * split(m.vocab_size, mesh) * ACCUMULATOR_BYTES
 
 
-def weights_in_use_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
+def layer_weights_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
+    """One decoder layer's weights gathered in the compute dtype (its share of ``mesh.tensor``)."""
     d, f = m.hidden_size, m.intermediate_size
     layer = d * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.num_heads * m.head_dim * d + 3 * d * f
-    return (split(m.vocab_size, mesh) * d + layer // mesh["tensor"]) * dtype_bytes(m.dtype)
+    return layer // mesh["tensor"] * dtype_bytes(m.dtype)
+
+
+def weights_in_use_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
+    """The embedding (its vocabulary share) and one layer's weights, gathered in the compute dtype."""
+    return split(m.vocab_size, mesh) * m.hidden_size * dtype_bytes(m.dtype) + layer_weights_bytes(m, mesh)
 
 
 def kv_cache_bytes(m: ModelConfig, prompts: int, prompt_len: int, rows: int, length: int,

@@ -83,15 +83,17 @@ a backward pass and stay below the update.
 
 Per program (:func:`program_bytes`, what ``python -m jppo.plan --compile-for`` sets beside XLA's bytes): an update is
 its role's parameters and optimizer state plus the larger of its backward pass and optimizer step; a forward pass
-the weights it reads, the weights in use, ``r w' y`` (one layer's forward working set over a micro-batch, ``y``
-as in the prefill line) and (log-probs) ``r k V' a`` of logits (XLA fuses their log-softmax into that one array);
-the rollout and the validation the policy's parameters plus their sampling phase.
+the weights it reads, their copy in the compute dtype when they are stored wider (XLA casts the stacked layers
+once, outside the layer loop), one layer's weights in use, ``r w' y`` (one layer's forward working set over a
+micro-batch, ``y`` as in the prefill line) and (log-probs) ``r k V' a`` of logits (XLA fuses their log-softmax
+into that one array); the rollout and the validation the policy's parameters plus their sampling phase.
 
-Against the compiled programs (``python -m jppo.plan --compile-for``, which prints both), Qwen2.5-0.5B's shape
-with ``configs/qwen2_5_0_5b_gsm8k_grpo.yaml`` (reference attention, fsdp 2 x sequence 4) on v5p:2x2x2, plan /
-XLA GiB per device: actor update 14.48 / 14.33, old log-probs 4.87 / 5.16, reference log-probs 4.41 / 4.06,
-rollout 2.85 / 3.11, validation 3.81 / 4.23: each within 10%. A forward pass's peak is one layer's float32
-attention scores (3.5 GiB of each at 16384-token rows); the prefill and the decoding step's logits are apart in
+Against the compiled programs (``python -m jppo.plan --compile-for``, which prints both), with
+``configs/qwen2_5_0_5b_gsm8k_grpo.yaml`` (reference attention, 16384-token rows over ``sequence: 4``), plan / XLA
+GiB per device. Qwen2.5-0.5B's shape on v5p:2x2x2: actor update 14.48 / 14.33, old log-probs 5.08 / 5.16,
+reference log-probs 4.16 / 4.06, rollout 2.85 / 3.11, validation 3.81 / 4.23. Qwen2.5-7B's on v5p:4x4x4: 30.00 /
+26.98 (the update, 11% over), 10.33 / 11.02, 8.56 / 8.07, 16.44 / 17.00, 16.94 / 17.46. A forward pass's peak
+is one layer's float32 attention scores (3.5 GiB at 0.5B); the prefill and the decoding step's logits are apart in
 XLA's buffer assignment, so both are counted. The update's temporaries differ by platform: XLA:GPU applies the
 optimizer step nearly in place (~2.3 float32 copies of the trained parameters, not 4) but keeps float32 gradients
 of the stacked layer weights whole over ``fsdp`` through the layer scan's backward pass; XLA:TPU keeps ~5.6
@@ -114,7 +116,8 @@ from jppo.rollout.decode import decode_rows
 from jppo.rollout.sampler import bucket_length
 from jppo.run.footprint import (  # noqa: F401 (model_config and abstract_params: read here by their users)
     abstract_params, adapter_params, model_config, trained_elements, ACCUMULATOR_BYTES, LOGIT_COPIES, activation_bytes,
-    dtype_bytes, forward_layer_bytes_per_token, kv_cache_bytes, layer_bytes_per_token, sampler_logits_bytes,
+    dtype_bytes, forward_layer_bytes_per_token, kv_cache_bytes, layer_weights_bytes, layer_bytes_per_token,
+    sampler_logits_bytes,
     linear_attention, local_elements, logits_bytes, row_split, shards, weights_in_use_bytes,
 )
 
@@ -199,7 +202,8 @@ def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]
 
 def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> list[tuple[Term, Term, Term]]:
     """The sampler's caches, a decoding step's logits and the prefill's working set (the KV cache, sampler logits
-    and prefill lines of the module docstring) of the training batch and (when the run validates) the validation batch, in that order."""
+    and prefill lines of the module docstring) of the training batch and (when the run validates) the validation
+    batch, in that order."""
     from jppo.config.views import sampling_config  # noqa: PLC0415 (views imports the models; keep `--help` light)
 
     sampler, width, new = sampling_config(cfg, policy), sampler_prompt_width(cfg), cfg.rollout.max_response_length
@@ -297,7 +301,7 @@ def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int]) -> dict[str, int]
     weights read, the weights in use and one layer's activations of a forward micro-batch (plus the actor's logits
     chunk, without its gradient); ``rollout`` / ``validation``: the policy's parameters, the sampler's weights and
     the caches of the training / validation batch."""
-    from jppo.config.views import forward_micro_batching, old_log_prob_source  # noqa: PLC0415
+    from jppo.config.views import forward_micro_batching, old_log_prob_source, reference_param_dtype  # noqa: PLC0415
 
     plan = memory_plan(cfg, mesh_shape)
     mesh, policy = plan.mesh, model_config(cfg)
@@ -316,18 +320,22 @@ def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int]) -> dict[str, int]
     if cfg.use_reference:  # with LoRA and no reference model: the actor's frozen base
         forwards["ref_log_prob"] = ("actor", "parameters/reference" if plan.term("parameters/reference")
                                     else "parameters/actor")
+    stored_in = {"parameters/actor": policy.param_dtype, "parameters/critic": policy.param_dtype,
+                 "parameters/reference": reference_param_dtype(cfg)}
     for name, (role, params) in forwards.items():
-        out[name] = plan.term(params) + forward_bytes(cfg, policy, role, forward_micro_batching(cfg, role), mesh)
+        stored, p, c = plan.term(params), dtype_bytes(stored_in[params]), dtype_bytes(policy.dtype)
+        cast = stored * c // p if p > c else 0  # the weights in the compute dtype, one copy for the whole pass
+        out[name] = stored + cast + forward_bytes(cfg, policy, role, forward_micro_batching(cfg, role), mesh)
     return out
 
 
 def forward_bytes(cfg: TrainConfig, policy: ModelConfig, role: str, cut: dict, mesh: dict[str, int]) -> int:
-    """What a forward pass keeps live besides the weights it reads: the weights in use, one layer's working set over
-    a micro-batch (nothing is kept for a backward pass) and, for log-probs, a chunk's float32 logits."""
+    """What a forward pass keeps live besides the weights it reads: one layer's weights in use and its working set
+    over a micro-batch (nothing is kept for a backward pass) and, for log-probs, a chunk's float32 logits."""
     r, w = (1, cut["max_token_len"]) if "max_token_len" in cut else (
         cut["micro_batch_size"], prompt_width(cfg) + cfg.rollout.max_response_length)
     local = w // row_split(w, mesh)
-    total = weights_in_use_bytes(policy, mesh) + r * local * forward_layer_bytes_per_token(policy, w, mesh)
+    total = layer_weights_bytes(policy, mesh) + r * local * forward_layer_bytes_per_token(policy, w, mesh)
     if role == "actor":
         total += logits_bytes(policy, r, w, cfg.actor.log_prob_chunk_size, mesh) // LOGIT_COPIES  # fused softmax
     return total
