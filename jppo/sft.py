@@ -6,6 +6,7 @@ after a checkpoint (run the same command again to continue)."""
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 from typing import Optional, Sequence
@@ -19,12 +20,16 @@ from jppo.run import compile_cache, sft
 from jppo.run.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    cli.log_to_stderr()
-    args = cli.parse_args(
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    return cli.parse_args(
         argv, "sft", "Supervised fine-tuning on prompt/completion or chat demonstrations.",
         overrides="key.sub=value overrides, e.g. trainer.total_steps=10 sft.train_files=data.jsonl", processes=True,
     )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    cli.log_to_stderr()
+    args = parse_args(argv)
     try:
         cfg = sft.sft_config(cli.load_config(args))
         inputs = sft.load_inputs(cfg)  # the rows' problems, before anything starts or compiles
