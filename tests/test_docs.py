@@ -180,7 +180,7 @@ def run(words: list[str]) -> None:
     name = module.__name__
     # an output folder outside the run's own (running.md's /tmp/qs312) goes into the shared folder
     argv = [re.sub(r"^trainer\.output_dir=/.*/", "trainer.output_dir=", word) for word in argv]
-    if name == "jppo.train":
+    if name in ("jppo.train", "jppo.sft"):
         argv = [*argv, *SHORT]
     elif name == "jppo.eval":
         argv = [*argv, *SHORT_EVAL]
