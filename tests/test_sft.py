@@ -102,12 +102,21 @@ def test_chat_rows_mask_what_transformers_marks_as_the_assistant_s(tokenizer_dir
         assert (not all(ours.mask)) == (turns > 1)  # the user turns between assistant turns are holes in the mask
 
 
-def test_prompt_completion_rows_are_the_trainer_s_prompt_then_completion_and_eos():
-    cfg = load_config(CONFIG)
-    tok = sft_run.load_inputs(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, val_every=0))).tokenizer
-    row = tokenize_row({"prompt": "305=", "completion": "503"}, "row", cfg.sft, cfg.data, tok, {})
-    assert row.prompt == (tok.bos_id, *tok.encode("305="))
-    assert row.response == (*tok.encode("503"), tok.eos_id) and all(row.mask)
+def test_prompt_completion_rows_are_the_trainer_s_prompt_then_completion_and_eos_from_jsonl_or_parquet(tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+
+    rows = [{"prompt": "305=", "completion": "503"}, {"prompt": "1234=", "completion": "4321"}]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), str(tmp_path / "rows.parquet"))
+    cfg = load_config(CONFIG, [f"sft.train_files={jsonl(tmp_path / 'rows.jsonl', rows)}", "trainer.val_every=0",
+                               "trainer.val_before_train=false"])
+    inputs = sft_run.load_inputs(cfg)
+    tok, first = inputs.tokenizer, inputs.train.rows[0]
+    assert first.prompt == (tok.bos_id, *tok.encode("305="))
+    assert first.response == (*tok.encode("503"), tok.eos_id) and all(first.mask)
+    parquet = load_sft_data(dataclasses.replace(cfg.sft, train_files=str(tmp_path / "rows.parquet")), cfg.data, tok,
+                            "train", {})
+    assert parquet.rows == inputs.train.rows and inputs.val is None
 
 
 # --- the contract: the update does not depend on K, token budgets, padding or the mesh ---------------------------

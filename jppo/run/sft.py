@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from jppo.config import ConfigError, TrainConfig, save_config
 from jppo.config.views import engine_view, kl_controller, tokenizer_spec
 from jppo.core.errors import one_line
-from jppo.data import load_tokenizer
+from jppo.data import Tokenizer, load_tokenizer
 from jppo.data.sft import SFTData, load_sft_data
 from jppo.engine import UpdateStep, init_train_state, run_updates, sft_loss_fn
 from jppo.engine.config import ActorConfig
@@ -55,7 +55,7 @@ log = logging.getLogger("jppo.run.sft")
 class SFTInputs:
     """What an SFT run reads: the tokenizer, the training rows and the held-out rows (None: no held-out loss)."""
 
-    tokenizer: object
+    tokenizer: Tokenizer
     train: SFTData
     val: Optional[SFTData]
 
