@@ -13,8 +13,9 @@ import time
 from typing import Optional, Sequence
 
 from jppo import cli
-from jppo.run import build
-from jppo.run.audit import TOLERANCE, WHOLE_STEP_FACTOR, audit
+from jppo.parallel import distributed
+from jppo.run import build, sft
+from jppo.run.audit import TOLERANCE, WHOLE_STEP_FACTOR, audit, audit_sft
 
 
 def options(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +24,8 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--meshes", metavar="DxFxTxS,...",
                         help="audit these mesh shapes (data x fsdp x tensor x sequence) only, e.g. 1x1x1x1,2x2x2x1; "
                              "a one-device shape runs every cut, the others the finest")
+    parser.add_argument("--sft", action="store_true",
+                        help="audit python -m jppo.sft's update of this config (its first sft.batch_size rows)")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -38,9 +41,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started = time.perf_counter()
     try:  # a bad setting found while building or running the updates is a one-line error too, not a traceback
         cfg = cli.load_config(args)
-        cli.start("audit", cfg, args)  # the processes of a pod first, as train and eval start them
-        inputs = build.load_inputs(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, val_every=0)))
-        worst = audit(cfg, inputs, quick=args.quick, meshes=args.meshes)
+        quiet = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, val_every=0, val_before_train=False))
+        if args.sft:
+            cfg = sft.sft_config(quiet)
+            inputs = sft.load_inputs(cfg)
+            distributed.initialize(args)
+            worst = audit_sft(cfg, inputs, quick=args.quick, meshes=args.meshes)
+        else:
+            cli.start("audit", cfg, args)  # the processes of a pod first, as train and eval start them
+            worst = audit(cfg, build.load_inputs(quiet), quick=args.quick, meshes=args.meshes)
     except cli.START_ERRORS as error:
         return cli.fail("audit", error)
     tolerance = TOLERANCE.get(cfg.model.dtype, 1e-5)

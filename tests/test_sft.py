@@ -271,3 +271,17 @@ def test_a_one_step_sft_run_starts_an_rl_run(tmp_path):
     assert np.isfinite(metrics["actor/pg_loss"]) and 0 <= metrics["reward/mean"] <= 1
     record = json.loads((tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()[0])
     assert record["step"] == 1
+
+
+def test_the_audit_takes_an_sft_config(capsys):
+    """``jppo.audit --sft``: the SFT update of the quickstart config, on two data shards with the finest cuts,
+    against one device and one micro-batch."""
+    from jppo import audit
+
+    status = audit.main(["--config", str(CONFIG), "--sft", "--meshes", "2x1x1x1", "sft.batch_size=8",
+                         "actor.ppo_micro_batch_size=2"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "jppo.audit: one SFT step of 8 rows" in out and "compared (sft): sft/grad_norm, sft/loss" in out
+    rows = [line for line in out.splitlines() if line.startswith("sft ")]
+    assert len(rows) == 2 and "(2, 1, 1, 1)   fixed micro=1" in rows[0] and "tokens<=13" in rows[1], rows

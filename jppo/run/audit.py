@@ -31,6 +31,7 @@ from jppo.run.collect import rejected_rows_cleared
 from jppo.config import TrainConfig
 from jppo.engine import (
     UpdateStep, actor_loss_fn, check_batch_sizes, critic_loss_fn, cut_steps, init_train_state, run_updates,
+    sft_loss_fn,
 )
 from jppo.run.learn import mini_batch_rng
 from jppo.parallel.mesh import batch_shards, make_mesh
@@ -234,28 +235,51 @@ def audit(
     one, the last with the tight token budget alone). ``meshes`` (``--meshes``): these shapes instead, in this
     order (:func:`parse_meshes`); a one-device shape runs every cut."""
     out = sys.stdout if out is None else out
-    devices = jax.device_count()
     rows = rollout_sequences(cfg)
     # verl's rejection modes clear rows' masks at collection, before the batch is cut: the audit does the same
     batch, rejection = rejected_rows_cleared(audit_batch(cfg, inputs, rows), cfg.actor.rollout_correction)
-    longest = int(batch.lengths().max())
-    reference_mesh = make_mesh(*ONE_DEVICE, devices=jax.devices()[:1])
-    worst = Worst()
     chosen_meshes = None
     if meshes is not None:  # checked against every role's mini-batch before anything is built or compiled
         for role in cfg.roles:
-            chosen_meshes = parse_meshes(meshes, devices, engine_view(cfg, role).ppo_mini_batch_size)
+            chosen_meshes = parse_meshes(meshes, jax.device_count(), engine_view(cfg, role).ppo_mini_batch_size)
     steps = {role: optimizer_steps_per_training_step(cfg, role) for role in cfg.roles}
     print(f"jppo.audit: one training step of {rows} sequences ({steps['actor']} actor optimizer steps"
           + (f", {steps['critic']} critic" if cfg.use_critic else "") + f"), {int(batch.response_mask.sum())} loss "
-          f"tokens, {devices} devices, normalization actor={cfg.actor.normalization} critic={cfg.critic.normalization}, "
-          f"rollout correction {cfg.actor.rollout_correction.mode}"
+          f"tokens, {jax.device_count()} devices, normalization actor={cfg.actor.normalization} "
+          f"critic={cfg.critic.normalization}, rollout correction {cfg.actor.rollout_correction.mode}"
           + "".join(f" ({name} {value:.3g})" for name, value in rejection.items()), file=out)
+    return compare_cuts(build_roles(cfg, inputs), batch, quick, out, chosen_meshes)
+
+
+def audit_sft(cfg: TrainConfig, inputs, quick: bool = False, out=None, meshes: str | None = None) -> Worst:
+    """:func:`audit` of ``python -m jppo.sft``'s update (``jppo.audit --sft``): its first step's
+    ``sft.batch_size`` rows (``inputs``: :func:`jppo.run.sft.load_inputs`) under the same cuts and meshes."""
+    from jppo.run import sft  # noqa: PLC0415 (the SFT loop, loaded for this audit only)
+
+    out = sys.stdout if out is None else out
+    view = sft.sft_view(cfg)
+    chosen_meshes = None if meshes is None else parse_meshes(meshes, jax.device_count(), view.ppo_mini_batch_size)
+    batch = inputs.train.experience(inputs.train.rows_at(0, cfg.sft.batch_size, cfg.trainer.seed))
+    print(f"jppo.audit: one SFT step of {batch.num_sequences} rows, {int(batch.response_mask.sum())} loss tokens, "
+          f"{jax.device_count()} devices, loss_agg_mode {view.loss_agg_mode}, normalization {view.normalization}",
+          file=out)
+    cpu = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    actor = build.models(cfg, inputs.tokenizer, cpu, roles=("actor",), reference=False).actor
+    role = Role("sft", actor.graphdef, actor.params, sft_loss_fn, view, cfg.trainer.seed, actor.frozen)
+    return compare_cuts([role], batch, quick, out, chosen_meshes)
+
+
+def compare_cuts(roles: list[Role], batch: Experience, quick: bool, out, chosen_meshes) -> Worst:
+    """Each role's step under every cut and mesh against its one-device, one-micro-batch reference, a table row
+    each; the largest relative differences."""
+    devices, longest = jax.device_count(), int(batch.lengths().max())
+    reference_mesh = make_mesh(*ONE_DEVICE, devices=jax.devices()[:1])
+    worst = Worst()
     header = (f"{'model':<7} {'mesh (d,f,t,s)':<14} {'cut':<16} {'K':>3} {'grad step 1':>12} {'grad all steps':>14} "
               f"{'metrics':>10}  {'worst metric':<22}")
     print(header, file=out)
     print("-" * len(header), file=out)
-    for role in build_roles(cfg, inputs):
+    for role in roles:
         mini = role.cfg.ppo_mini_batch_size
         reference = role.run(reference_mesh, batch, {"use_dynamic_bsz": False, "ppo_micro_batch_size": mini})
         print(f"compared ({role.name}): {', '.join(sorted(reference.metrics))}", file=out)

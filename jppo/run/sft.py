@@ -42,6 +42,7 @@ from jppo.parallel.hostlocal import local_rows, sum_over_processes
 from jppo.parallel.mesh import batch_shards, make_mesh, resolve_shape
 from jppo.run import build
 from jppo.run.checkpoint import CheckpointManager, restore_checkpoint, saved_tree
+from jppo.run.learn import mini_batch_rng
 from jppo.run.loop import Hook, Resume, export, plan_resume, run_logger, run_model_record, save
 from jppo.run.preemption import StopRequest
 from jppo.run.state import RunState, advance, checkpointed, fitted_accumulators, init_run_state, saved_fields, \
@@ -136,7 +137,7 @@ def train_step(update: UpdateStep, state: RunState, data: SFTData, cfg: TrainCon
     step, size = state.steps_done + 1, cfg.sft.batch_size
     rows = data.rows_at(int(np.asarray(state.data_position)), size, cfg.trainer.seed)
     batch = data.experience(rows[np.asarray(local_rows(mesh, size))])
-    updated = run_updates(update, state.actor, batch, view, mesh, np.random.default_rng([cfg.trainer.seed, step]))
+    updated = run_updates(update, state.actor, batch, view, mesh, mini_batch_rng(cfg.trainer.seed, step, "sft"))
     metrics = dict(updated.metrics)
     metrics["sft/perplexity"] = math.exp(min(metrics["sft/nll"], 700.0))
     tokens = sum_over_processes([batch.response_mask.sum(), batch.lengths().sum()])
