@@ -255,12 +255,14 @@ def test_bad_rows_are_refused_in_one_line_naming_the_file_the_row_and_the_key(tm
                             "(sft.messages_key); its keys are ['completion', 'prompt']")
 
 
-def test_a_one_step_sft_run_starts_an_rl_run(tmp_path):
+def test_a_one_step_lora_sft_run_starts_an_rl_run(tmp_path):
     from jppo.run import build
     from jppo.run.loop import run as rl_run
     from jppo.config import check_mesh
 
-    sft_metrics(tmp_path / "sft", 1, "trainer.total_steps=1", "trainer.val_every=0", "trainer.export_hf=true")
+    # with LoRA adapters, merged into the exported weights (the full fine-tune's export: the docs' quickstart lines)
+    sft_metrics(tmp_path / "sft", 1, "trainer.total_steps=1", "trainer.val_every=0", "trainer.export_hf=true",
+                "actor.lora.rank=4", "actor.lora.alpha=8")
     exported = tmp_path / "sft" / "hf"
     cfg = load_config(ROOT / "configs" / "quickstart_grpo.yaml", [
         f"model.path={exported}", "trainer.total_steps=1", "trainer.val_every=0", f"trainer.output_dir={tmp_path}/rl",
