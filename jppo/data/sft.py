@@ -21,6 +21,7 @@ raised while the rows are read: before anything compiles.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -58,7 +59,7 @@ class SFTData:
     def __len__(self) -> int:
         return len(self.rows)
 
-    @property
+    @functools.cached_property
     def widths(self) -> tuple[int, int]:
         """``(P, L)``: the longest prompt and the longest response."""
         return max(len(r.prompt) for r in self.rows), max(len(r.response) for r in self.rows)
