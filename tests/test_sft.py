@@ -250,6 +250,9 @@ def test_bad_rows_are_refused_in_one_line_naming_the_file_the_row_and_the_key(tm
     assert run_cli([f"sft.train_files={fields}"], capsys, monkeypatch) == (
         f"jppo.sft: error: {fields} line 2 has no key 'prompt' (sft.prompt_key), nor chat messages 'messages' "
         "(sft.messages_key); its keys are ['completion', 'question']")
+    assert run_cli(["mesh.tensor=4", "model.num_heads=2"], capsys, monkeypatch) == (
+        "jppo.sft: error: mesh.tensor=4 must divide the actor model's num_heads=2 and num_kv_heads=2: use a "
+        "mesh.tensor dividing both, mesh.fsdp for the rest")
     renamed = run_cli([f"sft.train_files={fields}", "sft.completion_key=answer"], capsys, monkeypatch)
     assert renamed.endswith("line 1 has no key 'answer' (sft.completion_key), nor chat messages 'messages' "
                             "(sft.messages_key); its keys are ['completion', 'prompt']")

@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jppo.config import ConfigError, TrainConfig, save_config
+from jppo.config.devices import check_heads
 from jppo.config.views import engine_view, kl_controller, tokenizer_spec
 from jppo.core.errors import one_line
 from jppo.data import Tokenizer, load_tokenizer
@@ -98,7 +99,8 @@ def load_inputs(cfg: TrainConfig) -> SFTInputs:
 
 
 def mesh_shape(cfg: TrainConfig, num_devices: int) -> tuple[int, int, int, int]:
-    """The mesh for ``num_devices``, with ``sft.batch_size`` checked against its batch shards."""
+    """The mesh for ``num_devices``, with ``sft.batch_size`` checked against its batch shards and ``mesh.tensor``
+    against the model's heads."""
     try:
         shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices, cfg.mesh.sequence)
         view = sft_view(cfg)
@@ -106,6 +108,7 @@ def mesh_shape(cfg: TrainConfig, num_devices: int) -> tuple[int, int, int, int]:
                           f"sft.batch_size={cfg.sft.batch_size} rows")
     except ValueError as error:
         raise ConfigError(one_line(error)) from None
+    check_heads(cfg, shape[2])
     if shape[3] > 1 and not (cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len % shape[3] == 0):
         raise ConfigError(f"mesh.sequence={shape[3]}: SFT splits the tokens of packed rows only: set "
                           f"actor.use_dynamic_bsz=true with an actor.ppo_max_token_len that mesh.sequence divides")
