@@ -14,8 +14,9 @@ import time
 from typing import Optional, Sequence
 
 from jppo import cli
-from jppo.run import build
-from jppo.run.audit import FLOAT64_TOLERANCE, audit, tolerance_of
+from jppo.parallel import distributed
+from jppo.run import build, sft
+from jppo.run.audit import FLOAT64_TOLERANCE, audit, audit_sft, tolerance_of
 
 
 def options(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +28,8 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--float64", action="store_true",
                         help="every row in float64 (jax_enable_x64), within %g: a dependence on the cut smaller "
                              "than float32's rounding shows too" % FLOAT64_TOLERANCE)
+    parser.add_argument("--sft", action="store_true",
+                        help="audit python -m jppo.sft's update of this config (its first sft.batch_size rows)")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -42,9 +45,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started = time.perf_counter()
     try:  # a bad setting found while building or running the updates is a one-line error too, not a traceback
         cfg = cli.load_config(args)
-        cli.start("audit", cfg, args)  # the processes of a pod first, as train and eval start them
-        inputs = build.load_inputs(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, val_every=0)))
-        worst = audit(cfg, inputs, quick=args.quick, meshes=args.meshes, float64=args.float64)
+        quiet = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, val_every=0, val_before_train=False))
+        if args.sft:
+            cfg = sft.sft_config(quiet)
+            inputs = sft.load_inputs(cfg)
+            distributed.initialize(args)
+            worst = audit_sft(cfg, inputs, quick=args.quick, meshes=args.meshes, float64=args.float64)
+        else:
+            cli.start("audit", cfg, args)  # the processes of a pod first, as train and eval start them
+            worst = audit(cfg, build.load_inputs(quiet), quick=args.quick, meshes=args.meshes, float64=args.float64)
     except cli.START_ERRORS as error:
         return cli.fail("audit", error)
     tolerance = tolerance_of(cfg, args.float64)

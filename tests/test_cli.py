@@ -20,8 +20,8 @@ from jppo.run import build
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 QUICKSTART_LORA = ROOT / "configs" / "quickstart_lora.yaml"
-COMMANDS = ("train", "eval", "audit", "export", "plan", "plot")
-CONFIG_COMMANDS = ("train", "eval", "audit", "plan")
+COMMANDS = ("train", "sft", "eval", "audit", "export", "plan", "plot")
+CONFIG_COMMANDS = ("train", "sft", "eval", "audit", "plan")
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:
@@ -65,6 +65,8 @@ def test_every_command_of_a_config_takes_the_same_config_argument(command, capsy
     "command,argv,expected",
     [("train", ["--config", "C", "a.b=1", "--num-processes", "2", "c.d=2", "--process-id", "1", "e.f=3"],
       {"config": "C", "overrides": ["a.b=1", "c.d=2", "e.f=3"], "num_processes": 2, "process_id": 1}),
+     ("sft", ["--config", "C", "a.b=1", "--num-processes", "2", "c.d=2"],
+      {"config": "C", "overrides": ["a.b=1", "c.d=2"], "num_processes": 2}),
      ("eval", ["a.b=1", "--out", "O", "c.d=2", "--config", "C"],
       {"config": "C", "out": "O", "overrides": ["a.b=1", "c.d=2"]}),
      ("audit", ["--config", "C", "a.b=1", "--quick", "c.d=2"], {"quick": True, "overrides": ["a.b=1", "c.d=2"]}),

@@ -389,3 +389,30 @@ def test_eval_and_audit_take_the_process_flags_of_train(command):
     args = module.parse_args(["--config", CONFIG, "--coordinator", "h:1234", "--num-processes", "2", "--process-id",
                               "1", "--distributed", "auto", "--init-timeout", "5"])
     assert distributed.settings(args) == {"coordinator_address": "h:1234", "num_processes": 2, "process_id": 1}
+
+
+def test_sft_on_two_processes_of_two_devices_matches_one_device(tmp_path):
+    """``python -m jppo.sft`` across hosts: 2 processes x 2 devices (4 batch shards, each process reading its own
+    rows of every step) log the metrics, held-out loss included, that 1 process on 1 device logs."""
+    quiet = ["trainer.plots=false", "trainer.logger=[jsonl]", "trainer.progress_bar=false", "trainer.total_steps=2",
+             "trainer.val_every=2", "trainer.val_before_train=false", "trainer.export_hf=false",
+             "data.num_val_examples=32"]
+
+    def sft(out: pathlib.Path, *args: str, devices: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "jppo.sft", "--config", str(ROOT / "configs" / "quickstart_sft.yaml"), *quiet,
+             f"trainer.output_dir={out}", *args], cwd=ROOT, env=env(devices), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+
+    port = free_port()
+    two = [sft(tmp_path / "two", "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i),
+               devices=2) for i in (1, 0)]
+    one = sft(tmp_path / "one", devices=1)
+    for process in [*two, one]:
+        finish(process)
+    single, double = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert [row["step"] for row in double] == [1, 2] and "val/sft_nll" in double[1]
+    for a, b in zip(single, double):
+        assert set(a) == set(b)
+        for name, value in a.items():
+            assert b[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name

@@ -180,7 +180,7 @@ def run(words: list[str]) -> None:
     name = module.__name__
     # an output folder outside the run's own (running.md's /tmp/qs312) goes into the shared folder
     argv = [re.sub(r"^trainer\.output_dir=/.*/", "trainer.output_dir=", word) for word in argv]
-    if name == "jppo.train":
+    if name in ("jppo.train", "jppo.sft"):
         argv = [*argv, *SHORT]
     elif name == "jppo.eval":
         argv = [*argv, *SHORT_EVAL]
@@ -216,7 +216,12 @@ def mesh(words: list[str]) -> None:
     compile_for = getattr(module.parse_args(argv), "compile_for", None)
     counts = (1, 8) if compile_for is None else (len(targets.target(compile_for).devices),)  # the target's chips
     for devices in counts:
-        check_mesh(cfg, devices)
+        if "--sft" in argv:  # the audit of python -m jppo.sft's update: its mesh and batch checks
+            from jppo.run import sft
+
+            sft.mesh_shape(sft.sft_config(cfg), devices)
+        else:
+            check_mesh(cfg, devices)
 
 
 def parse(words: list[str]) -> None:

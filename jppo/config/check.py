@@ -57,6 +57,7 @@ def check(cfg: TrainConfig, data_files: bool = True) -> None:
             getattr(cfg, section).lora.check()
     _check_numbers(cfg)
     _check_trainer(cfg)
+    _check_sft(cfg, data_files)
     _check_off_policy(cfg)
     check_engine_keys(cfg)
     run_config_checks(cfg)
@@ -136,6 +137,16 @@ def _check_trainer(cfg: TrainConfig) -> None:
         raise ConfigError(f"trainer.seed={trainer.seed!r} must be in [0, 2**32)")
     _check_output_dir(trainer.output_dir)
     positive("trainer.log_val_generations", trainer.log_val_generations, allow_zero=True)
+
+
+def _check_sft(cfg: TrainConfig, data_files: bool = True) -> None:
+    """The ``sft`` section (read by ``python -m jppo.sft`` only): sizes, and its files where they are read."""
+    positive("sft.max_length", cfg.sft.max_length)
+    positive("sft.batch_size", cfg.sft.batch_size)
+    for key in ("sft.train_files", "sft.val_files"):
+        for item in file_list(getattr(cfg.sft, key.split(".")[1]), key):
+            if data_files and not pathlib.Path(item).is_file():
+                raise ConfigError(f"{key}={item!r}: no such file")
 
 
 def _check_off_policy(cfg: TrainConfig) -> None:

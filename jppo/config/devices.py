@@ -21,7 +21,7 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
         shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices, cfg.mesh.sequence)
     except ValueError as error:
         raise ConfigError(one_line(error) + _fitting_sequence(cfg, num_devices)) from None
-    _check_heads(cfg, shape[2])
+    check_heads(cfg, shape[2])
     shards, sequences = shape[0] * shape[1], rollout_sequences(cfg)
     if sequences % shards:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n} = "
@@ -70,7 +70,7 @@ def _fitting_sequence(cfg: TrainConfig, num_devices: int) -> str:
     return f"; on {num_devices} device(s) set {' '.join(overrides)}{kept}"
 
 
-def _check_heads(cfg: TrainConfig, tensor: int) -> None:
+def check_heads(cfg: TrainConfig, tensor: int) -> None:
     """``mesh.tensor`` splits the head-major ``heads x head_dim`` projections into equal pieces: only a size that
     divides both head counts cuts between heads (a head split across devices replicates its activations)."""
     for role in cfg.roles if tensor > 1 else ():

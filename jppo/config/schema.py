@@ -223,6 +223,28 @@ class MeshSection:
     sequence: int = 1  # devices along the sequence axis (context parallelism): contiguous blocks of each row's tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class SFTSection:
+    """Supervised fine-tuning (``python -m jppo.sft``, :mod:`jppo.run.sft`): each training step is one optimizer step
+    on ``batch_size`` rows, cut into micro-batches and normalized as the actor's update is (``actor``'s
+    ``ppo_micro_batch_size``, ``use_dynamic_bsz``, ``ppo_max_token_len``, ``loss_agg_mode``, ``optim`` and ``lora``).
+
+    A row of ``train_files`` / ``val_files`` (JSONL or Parquet) is a ``prompt_key`` / ``completion_key`` pair (the
+    prompt tokenized as the trainer tokenizes prompts, ``data.apply_chat_template`` included; the loss on the
+    completion and its EOS) or a ``messages_key`` list of ``{role, content}`` chat messages rendered with the
+    tokenizer's chat template (the loss on every assistant turn). Without ``train_files`` the rows are
+    demonstrations of ``data.task``: its prompts with their answers as completions (the held-out ones from its
+    validation split)."""
+
+    train_files: Any = None  # JSONL/Parquet rows (Files); None: demonstrations of data.task
+    val_files: Any = None  # held-out rows, given as train_files is; None: data.task's validation split (if a task)
+    prompt_key: str = "prompt"  # a row's prompt column
+    completion_key: str = "completion"  # a row's completion column (the tokens the loss counts)
+    messages_key: str = "messages"  # a row's chat column: {role, content} messages; used when a row has it
+    max_length: int = 64  # most tokens of a row (prompt + completion, or the rendered chat); a longer row is an error
+    batch_size: int = 32  # rows per optimizer step (one training step)
+
+
 # trainer.off_policy_steps' bound: the staleness a batch may have, and the weight copies a run holds for it
 MAX_OFF_POLICY_STEPS = 4
 
@@ -275,6 +297,7 @@ class TrainConfig:
     algorithm: AlgorithmSection = dataclasses.field(default_factory=AlgorithmSection)
     mesh: MeshSection = dataclasses.field(default_factory=MeshSection)
     trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
+    sft: SFTSection = dataclasses.field(default_factory=SFTSection)  # python -m jppo.sft's data and batch
 
     @property
     def use_critic(self) -> bool:

@@ -34,7 +34,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict], **template_kwargs: Any) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str: ...
 
 
 class CharTokenizer:
@@ -102,7 +104,11 @@ class CharTokenizer:
                   **{name: self.SPECIAL_TOKENS[i] for name, i in zip(names, (self.pad_id, self.bos_id, self.eos_id))}}
         return {"tokenizer.json": tokenizer.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
 
-    def apply_chat_template(self, messages: list[dict], **template_kwargs: Any) -> str:
+    has_chat_template = False
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
         raise ValueError(
             "the built-in character tokenizer has no chat template: set data.apply_chat_template=false, "
             "or use a Hugging Face tokenizer whose tokenizer_config.json has a chat_template"
@@ -167,8 +173,15 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self._tokenizer.decode([int(t) for t in ids], skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: list[dict], **template_kwargs: Any) -> str:
-        """Renders ``messages`` with the model's template and the generation prompt (the assistant turn's header).
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
+        """Renders ``messages`` with the model's template and the generation prompt (the assistant turn's header;
+        ``add_generation_prompt`` False: without it, as supervised fine-tuning renders a conversation's turns).
 
         The template sees what ``transformers`` gives it: ``messages``, ``add_generation_prompt=True``, the special
         tokens as text (``bos_token``, ``eos_token``, ...) and ``template_kwargs`` (e.g. ``enable_thinking=False``,
@@ -185,7 +198,8 @@ class HFTokenizer:
             except ImportError:
                 raise ValueError("rendering a chat template needs jinja2: pip install 'jinja2>=3.1.6'") from None
             self._compiled_template = compile_template(self._chat_template)
-        variables = {**self._special.names, **template_kwargs, "messages": messages, "add_generation_prompt": True}
+        variables = {**self._special.names, **template_kwargs, "messages": messages,
+                     "add_generation_prompt": add_generation_prompt}
         return self._compiled_template.render(variables)
 
 

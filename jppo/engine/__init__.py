@@ -15,5 +15,6 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "driver": ("Updated", "check_batch_sizes", "cut_steps", "mini_batches", "run_updates"),
     "forward": ("forward_batch", "log_prob_fn", "reward_model_fn", "value_fn"),
     "state": ("TrainState", "abstract_train_state", "init_train_state"),
-    "update": ("UpdateStep", "actor_loss_fn", "critic_loss_fn", "make_update_step", "mini_batch_norm_stats"),
+    "update": ("UpdateStep", "actor_loss_fn", "critic_loss_fn", "make_update_step", "mini_batch_norm_stats",
+               "sft_loss_fn"),
 })

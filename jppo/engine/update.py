@@ -39,7 +39,7 @@ from jppo.engine.optim import (
 )
 from jppo.engine.state import TrainState  # noqa: F401 (its home until it moved: jppo.engine.update.TrainState)
 from jppo.core.experience import Experience
-from jppo.losses import actor_loss, value_loss
+from jppo.losses import actor_loss, sft_loss, value_loss
 from jppo.losses.policy import PolicyLossOptions, check_policy_options
 from jppo.losses.rollout_correction import sampler_mismatch
 from jppo.core.masked import NormStats, global_norm_stats
@@ -154,6 +154,18 @@ def critic_loss_fn(cfg: CriticConfig) -> LossFn:
             vpreds, data.values, data.returns, data.response_mask, cliprange_value=cfg.cliprange_value,
             mode=cfg.loss_agg_mode, norm=norm,
         )
+
+    return loss
+
+
+def sft_loss_fn(cfg: ActorConfig) -> LossFn:
+    """Supervised fine-tuning's micro-batch loss: ``-log p`` of the masked tokens (a completion, every assistant
+    turn) through ``agg_loss`` with the whole mini-batch's NormStats (:func:`jppo.losses.sft.sft_loss`)."""
+
+    def loss(model, batch, norm):
+        log_probs, _ = policy_outputs(model, batch, temperature=1.0, chunk_size=cfg.log_prob_chunk_size,
+                                      with_entropy=False)
+        return sft_loss(log_probs, slot_inputs(batch).response_mask, mode=cfg.loss_agg_mode, norm=norm)
 
     return loss
 

@@ -23,6 +23,7 @@ from jppo.losses.policy import (
 from jppo.losses.rollout_correction import (
     REJECTION_MODES, ROLLOUT_CORRECTION_MODES, RolloutCorrection, rejected_rows, rollout_weights,
 )
+from jppo.losses.sft import sft_loss
 from jppo.losses.value import clipped_value_error, value_loss
 
 __all__ = [
@@ -56,5 +57,6 @@ __all__ = [
     "rejected_rows",
     "required_agg_mode",
     "rollout_weights",
+    "sft_loss",
     "value_loss",
 ]

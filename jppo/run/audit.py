@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import sys
 
@@ -41,6 +42,7 @@ from jppo.run.collect import rejected_rows_cleared
 from jppo.config import TrainConfig
 from jppo.engine import (
     UpdateStep, actor_loss_fn, check_batch_sizes, critic_loss_fn, cut_steps, init_train_state, run_updates,
+    sft_loss_fn,
 )
 from jppo.run.learn import mini_batch_rng
 from jppo.parallel.mesh import batch_shards, make_mesh
@@ -209,11 +211,11 @@ def in_float64(tree):
     return None if tree is None else jax.tree.map(cast, tree)
 
 
-def float64_roles(cfg: TrainConfig, inputs: build.RunInputs, roles: list[Role]) -> list[Role]:
-    """``roles`` in float64: the models built with ``model.dtype`` and ``param_dtype`` float64 (needs
-    ``jax_enable_x64``), holding the float32 roles' parameters cast, so a float64 row runs the same step."""
+def float64_roles(cfg: TrainConfig, build_fn, roles: list[Role]) -> list[Role]:
+    """``roles`` in float64: the models ``build_fn(cfg)`` builds with ``model.dtype`` and ``param_dtype`` float64
+    (needs ``jax_enable_x64``), holding the float32 roles' parameters cast, so a float64 row runs the same step."""
     model = dataclasses.replace(cfg.model, dtype="float64", param_dtype="float64")
-    built = build_roles(dataclasses.replace(cfg, model=model), inputs)
+    built = build_fn(dataclasses.replace(cfg, model=model))
     return [Role(role.name, wide.graphdef, in_float64(role.params), role.loss_of, role.cfg, role.seed,
                  in_float64(role.frozen)) for role, wide in zip(roles, built)]
 
@@ -294,34 +296,64 @@ def audit(
     order (:func:`parse_meshes`); a one-device shape runs every cut. A row that :func:`row_verdict` sends to float64
     is followed by its float64 line; ``float64``: every row in float64."""
     out = sys.stdout if out is None else out
-    devices = jax.device_count()
     rows = rollout_sequences(cfg)
     # verl's rejection modes clear rows' masks at collection, before the batch is cut: the audit does the same
     batch, rejection = rejected_rows_cleared(audit_batch(cfg, inputs, rows), cfg.actor.rollout_correction)
-    longest = int(batch.lengths().max())
-    reference_mesh = make_mesh(*ONE_DEVICE, devices=jax.devices()[:1])
-    tolerance = tolerance_of(cfg, float64)
-    worst = Worst()
     chosen_meshes = None
     if meshes is not None:  # checked against every role's mini-batch before anything is built or compiled
         for role in cfg.roles:
-            chosen_meshes = parse_meshes(meshes, devices, engine_view(cfg, role).ppo_mini_batch_size)
+            chosen_meshes = parse_meshes(meshes, jax.device_count(), engine_view(cfg, role).ppo_mini_batch_size)
     steps = {role: optimizer_steps_per_training_step(cfg, role) for role in cfg.roles}
     print(f"jppo.audit: one training step of {rows} sequences ({steps['actor']} actor optimizer steps"
           + (f", {steps['critic']} critic" if cfg.use_critic else "") + f"), {int(batch.response_mask.sum())} loss "
-          f"tokens, {devices} devices, {'float64' if float64 else cfg.model.dtype}, normalization "
+          f"tokens, {jax.device_count()} devices, {'float64' if float64 else cfg.model.dtype}, normalization "
           f"actor={cfg.actor.normalization} critic={cfg.critic.normalization}, "
           f"rollout correction {cfg.actor.rollout_correction.mode}"
           + "".join(f" ({name} {value:.3g})" for name, value in rejection.items()), file=out)
+    build_fn = functools.partial(build_roles, inputs=inputs)
+    return compare_cuts(cfg, build_fn, batch, quick, out, chosen_meshes, float64)
+
+
+def audit_sft(cfg: TrainConfig, inputs, quick: bool = False, out=None, meshes: str | None = None,
+              float64: bool = False) -> Worst:
+    """:func:`audit` of ``python -m jppo.sft``'s update (``jppo.audit --sft``): its first step's
+    ``sft.batch_size`` rows (``inputs``: :func:`jppo.run.sft.load_inputs`) under the same cuts and meshes."""
+    from jppo.run import sft  # noqa: PLC0415 (the SFT loop, loaded for this audit only)
+
+    out = sys.stdout if out is None else out
+    view = sft.sft_view(cfg)
+    chosen_meshes = None if meshes is None else parse_meshes(meshes, jax.device_count(), view.ppo_mini_batch_size)
+    batch = inputs.train.experience(inputs.train.rows_at(0, cfg.sft.batch_size, cfg.trainer.seed))
+    print(f"jppo.audit: one SFT step of {batch.num_sequences} rows, {int(batch.response_mask.sum())} loss tokens, "
+          f"{jax.device_count()} devices, loss_agg_mode {view.loss_agg_mode}, normalization {view.normalization}",
+          file=out)
+
+    def sft_role(config: TrainConfig) -> list[Role]:
+        cpu = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+        actor = build.models(config, inputs.tokenizer, cpu, roles=("actor",), reference=False).actor
+        return [Role("sft", actor.graphdef, actor.params, sft_loss_fn, view, config.trainer.seed, actor.frozen)]
+
+    return compare_cuts(cfg, sft_role, batch, quick, out, chosen_meshes, float64)
+
+
+def compare_cuts(cfg: TrainConfig, build_fn, batch: Experience, quick: bool, out, chosen_meshes,
+                 float64: bool) -> Worst:
+    """Each role ``build_fn(cfg)`` builds, its step under every cut and mesh against its one-device,
+    one-micro-batch reference, a table row each (and a float64 row under each that :func:`row_verdict` sends
+    there; ``float64``: every row in float64); the largest relative differences."""
+    roles, tolerance = build_fn(cfg), tolerance_of(cfg, float64)
+    widen = functools.partial(float64_roles, cfg, build_fn)
+    devices, longest = jax.device_count(), int(batch.lengths().max())
+    reference_mesh = make_mesh(*ONE_DEVICE, devices=jax.devices()[:1])
+    worst = Worst()
     header = (f"{'model':<7} {'mesh (d,f,t,s)':<14} {'cut':<16} {'K':>3} {'grad step 1':>12} {'grad all steps':>14} "
               f"{'metrics':>10}  {'worst metric':<22}")
     print(header, file=out)
     print("-" * len(header), file=out)
-    roles = build_roles(cfg, inputs)
     wide_batch, wide_roles = in_float64(batch), None
     if float64:
         with jax.enable_x64(True):
-            roles = float64_roles(cfg, inputs, roles)
+            roles = widen(roles)
         batch = wide_batch
     for index, role in enumerate(roles):
         mini = role.cfg.ppo_mini_batch_size
@@ -346,7 +378,7 @@ def audit(
                 if verdict == "float64" and not float64:  # rounding amplified, or the cut's: float64 tells
                     with jax.enable_x64(True):
                         if wide_reference is None:
-                            wide_roles = wide_roles or float64_roles(cfg, inputs, roles)
+                            wide_roles = wide_roles or widen(roles)
                             wide_reference = wide_roles[index].run(reference_mesh, wide_batch, whole)
                         wide = compare(wide_roles[index].run(mesh, wide_batch, cut), wide_reference)
                     worst.rechecked += 1

@@ -23,7 +23,7 @@ from jppo.config.views import engine_view
 # Each role's place in its mini-batch key, fixed for good (another number would change every run's batches). The
 # actor's 0 adds nothing to the key: numpy's SeedSequence pads its entropy with zeros, so [seed, step, 0] draws what
 # [seed, step] drew, and a run without a critic cuts its mini-batches as it always has.
-SHUFFLE_STREAMS = {"actor": 0, "critic": 1}
+SHUFFLE_STREAMS = {"actor": 0, "critic": 1, "sft": 0}  # sft: python -m jppo.sft's only model
 
 
 def mini_batch_rng(seed: int, step: int, role: str) -> np.random.Generator:

@@ -1,0 +1,221 @@
+"""Supervised fine-tuning (``python -m jppo.sft`` runs it): the RL run's update engine on demonstrations.
+
+The loop, as :func:`run` reads::
+
+    state = init or restore                                  # RunState: the policy, its optimizer, data position, step
+    while state.step < trainer.total_steps:
+        batch = the sft.batch_size rows after data_position   # an order fixed by trainer.seed and the epoch
+        state, metrics = run_updates(state, batch)           # ONE optimizer step: K micro-batches, NormStats once
+        for hook in hooks: hook(state, metrics)              # held-out loss, log, checkpoint; a signal: save, stop
+
+The update is the actor's (:class:`~jppo.engine.update.UpdateStep` with :func:`~jppo.engine.update.sft_loss_fn`):
+the same mesh, micro-batching (``actor.ppo_micro_batch_size``, or ``actor.use_dynamic_bsz`` with its token budget),
+``optax.MultiSteps`` accumulation, ``actor.loss_agg_mode`` over the whole mini-batch's token count, optimizer,
+LoRA, checkpoints and loggers; a checkpoint is a :class:`~jppo.run.state.RunState` without a critic, so the same
+command resumes it exactly, ``python -m jppo.export`` writes it as a Hugging Face directory, and an RL run starts
+from that directory (``model.path``), as from any checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jppo.config import ConfigError, TrainConfig, save_config
+from jppo.config.devices import check_heads
+from jppo.config.views import engine_view, kl_controller, tokenizer_spec
+from jppo.core.errors import one_line
+from jppo.data import Tokenizer, load_tokenizer
+from jppo.data.sft import SFTData, load_sft_data
+from jppo.engine import UpdateStep, init_train_state, run_updates, sft_loss_fn
+from jppo.engine.config import ActorConfig
+from jppo.engine.driver import check_batch_sizes
+from jppo.engine.forward import forward_batch, log_prob_fn
+from jppo.core.paths import run_path
+from jppo.parallel import distributed
+from jppo.parallel.hostlocal import local_rows, sum_over_processes
+from jppo.parallel.mesh import batch_shards, make_mesh, resolve_shape
+from jppo.run import build
+from jppo.run.checkpoint import CheckpointManager, restore_checkpoint, saved_tree
+from jppo.run.learn import mini_batch_rng
+from jppo.run.loop import Hook, Resume, export, plan_resume, run_logger, run_model_record, save
+from jppo.run.preemption import StopRequest
+from jppo.run.state import RunState, advance, checkpointed, fitted_accumulators, init_run_state, saved_fields, \
+    saved_layout, with_frozen
+from jppo.runlog.timing import PhaseTimer
+
+log = logging.getLogger("jppo.run.sft")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTInputs:
+    """What an SFT run reads: the tokenizer, the training rows and the held-out rows (None: no held-out loss)."""
+
+    tokenizer: Tokenizer
+    train: SFTData
+    val: Optional[SFTData]
+
+
+def sft_config(cfg: TrainConfig) -> TrainConfig:
+    """The config an SFT run trains (and records) under: ``cfg`` without a critic, which it does not train."""
+    return dataclasses.replace(cfg, critic=dataclasses.replace(cfg.critic, enable=False))
+
+
+def sft_view(cfg: TrainConfig) -> ActorConfig:
+    """The engine's config of an SFT step: the actor's settings, ``sft.batch_size`` rows per optimizer step, one
+    optimizer step per training step, and C (``seq-mean-token-sum-norm``'s constant) ``actor.loss_scale_factor``
+    or ``sft.max_length``."""
+    view = engine_view(cfg, "actor")
+    return dataclasses.replace(
+        view, ppo_mini_batch_size=cfg.sft.batch_size, ppo_epochs=1, optimizer_steps_per_training_step=1,
+        loss_scale_factor=float(cfg.actor.loss_scale_factor or cfg.sft.max_length), old_log_prob="recompute",
+    )
+
+
+def row_limits(cfg: TrainConfig) -> dict[str, int]:
+    """The keys that bound a row's tokens: ``sft.max_length``, and the token budget of a cut by tokens."""
+    limits = {"sft.max_length": cfg.sft.max_length}
+    if cfg.actor.use_dynamic_bsz:
+        limits["actor.ppo_max_token_len"] = cfg.actor.ppo_max_token_len
+    return limits
+
+
+def load_inputs(cfg: TrainConfig) -> SFTInputs:
+    """The tokenizer and the rows; every problem of the data a :class:`ConfigError` of one line (file, row, key)."""
+    try:
+        tokenizer = load_tokenizer(tokenizer_spec(cfg))
+        train = load_sft_data(cfg.sft, cfg.data, tokenizer, "train", row_limits(cfg))
+        wants_val = cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
+        val = load_sft_data(cfg.sft, cfg.data, tokenizer, "val", row_limits(cfg)) if wants_val else None
+    except (ValueError, KeyError, FileNotFoundError) as error:
+        raise ConfigError(one_line(error)) from None
+    return SFTInputs(tokenizer, train, val)
+
+
+def mesh_shape(cfg: TrainConfig, num_devices: int) -> tuple[int, int, int, int]:
+    """The mesh for ``num_devices``, with ``sft.batch_size`` checked against its batch shards and ``mesh.tensor``
+    against the model's heads."""
+    try:
+        shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices, cfg.mesh.sequence)
+        view = sft_view(cfg)
+        check_batch_sizes(view, view.ppo_mini_batch_size, shape[0] * shape[1], "actor",
+                          f"sft.batch_size={cfg.sft.batch_size} rows")
+    except ValueError as error:
+        raise ConfigError(one_line(error)) from None
+    check_heads(cfg, shape[2])
+    if shape[3] > 1 and not (cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len % shape[3] == 0):
+        raise ConfigError(f"mesh.sequence={shape[3]}: SFT splits the tokens of packed rows only: set "
+                          f"actor.use_dynamic_bsz=true with an actor.ppo_max_token_len that mesh.sequence divides")
+    return shape
+
+
+def restore(cfg: TrainConfig, mesh: Mesh, inputs: SFTInputs, resume: Resume, view: ActorConfig):
+    """The policy (``model.path`` or random, LoRA as configured) in a fresh :class:`RunState`, or the checkpoint
+    ``resume`` names restored into it; with the policy's structure and the run's model record."""
+    models = build.models(cfg, inputs.tokenizer, mesh, resume.seed, roles=("actor",), reference=False)
+    actor = init_train_state(models.actor.params, view, mesh, frozen=models.actor.frozen)
+    state = init_run_state(actor, None, kl_controller(cfg).init(), cfg.trainer.seed, mesh)
+    record = run_model_record(cfg, state, resume.seed)
+    if resume.checkpoint is not None:
+        if resume.saved is not None:
+            build.check_base_checksums(resume.saved, record, f"trainer.resume: checkpoint {resume.checkpoint!r}",
+                                       roles=("actor",))
+        saved = saved_tree(resume.checkpoint)
+        target = saved_layout(checkpointed(state), saved)
+        restored = RunState(**restore_checkpoint(resume.checkpoint, saved_fields(target, saved))[0])
+        state = with_frozen(fitted_accumulators(restored, state), state)
+    return state, models.actor.graphdef, record
+
+
+def train_step(update: UpdateStep, state: RunState, data: SFTData, cfg: TrainConfig, view: ActorConfig,
+               mesh: Mesh) -> tuple[RunState, dict[str, float]]:
+    """One optimizer step on the ``sft.batch_size`` rows after ``state.data_position`` (this process's share of
+    them); the state one step and one batch on."""
+    step, size = state.steps_done + 1, cfg.sft.batch_size
+    rows = data.rows_at(int(np.asarray(state.data_position)), size, cfg.trainer.seed)
+    batch = data.experience(rows[np.asarray(local_rows(mesh, size))])
+    updated = run_updates(update, state.actor, batch, view, mesh, mini_batch_rng(cfg.trainer.seed, step, "sft"))
+    metrics = dict(updated.metrics)
+    metrics["sft/perplexity"] = math.exp(min(metrics["sft/nll"], 700.0))
+    tokens = sum_over_processes([batch.response_mask.sum(), batch.lengths().sum()])
+    metrics["sft/num_loss_tokens"], metrics["perf/total_num_tokens"] = float(tokens[0]), float(tokens[1])
+    state = advance(state, actor=updated.state, data_position=int(np.asarray(state.data_position)) + size, step=step)
+    return state, metrics
+
+
+def held_out(fn, params, data: SFTData, view: ActorConfig, mesh: Mesh) -> dict[str, float]:
+    """``val/sft_nll``: the token-mean ``-log p`` of every held-out loss token (summed over all rows, then divided
+    once), and ``val/sft_perplexity``, its exponential. The rows are padded with empty ones to whole micro-batches
+    of every batch shard."""
+    unit = batch_shards(mesh) * view.ppo_micro_batch_size
+    pad = -len(data) % unit
+    rows = np.arange(len(data))
+    window = local_rows(mesh, len(data) + pad)
+    everything = data.experience(rows, pad_rows=pad)
+    mine = everything.take(np.asarray(window))
+    log_probs = forward_batch(fn, params, mine, mesh, micro_batch_size=view.ppo_micro_batch_size)
+    mask = mine.response_mask.astype(bool)
+    total, count = sum_over_processes([-np.sum(log_probs[mask], dtype=np.float64), mask.sum()])
+    nll = float(total / max(count, 1))
+    return {"val/sft_nll": nll, "val/sft_perplexity": math.exp(min(nll, 700.0))}
+
+
+def run(
+    cfg: TrainConfig, shape: tuple[int, int, int, int], inputs: SFTInputs,
+    devices: Optional[Sequence[jax.Device]] = None,
+) -> dict[str, float]:
+    """Fine-tunes to ``trainer.total_steps`` on ``devices`` (default: all), resuming when a checkpoint exists;
+    returns the last step's metrics."""
+    cfg = sft_config(cfg)
+    out = run_path(cfg.trainer.output_dir)
+    resume = plan_resume(cfg, out / "checkpoints")
+    main = distributed.is_main_process()
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+    mesh = make_mesh(*shape, devices=devices)
+    view = sft_view(cfg)
+    manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep,
+                                async_save=cfg.trainer.async_checkpoint)
+    with manager, StopRequest() as stop:
+        state, graphdef, record = restore(cfg, mesh, inputs, resume, view)
+        if resume.checkpoint is not None:
+            log.info("resumed from %s at step %d", resume.checkpoint, state.steps_done)
+        update = UpdateStep(graphdef, sft_loss_fn(view), view, mesh, "sft")
+        forward = log_prob_fn(graphdef, temperature=1.0, chunk_size=view.log_prob_chunk_size)
+        fresh, total, metrics = state.steps_done == 0, cfg.trainer.total_steps, {}
+
+        def evaluate(s: RunState) -> dict[str, float]:
+            return held_out(forward, s.actor.weights, inputs.val, view, mesh)
+
+        with run_logger(cfg, start_step=0 if fresh else state.steps_done + 1) as logger:
+            has_val = inputs.val is not None
+            hooks = [
+                Hook(cfg.trainer.val_every if has_val else 0, lambda step, s, m: m.update(evaluate(s))),
+                Hook(1, lambda step, s, m: logger.log(step, m)),
+                Hook(cfg.trainer.save_every, lambda step, s, m: save(manager, s, cfg, record), at_end=True),
+                Hook(1, lambda step, s, m: stop.at_boundary(step, total, lambda: save(manager, s, cfg, record),
+                                                            manager.wait)),
+            ]
+            if cfg.trainer.val_before_train and has_val and fresh:
+                logger.log(0, evaluate(state))
+            while state.steps_done < total:
+                timer = PhaseTimer()
+                with timer("update_actor"):
+                    state, metrics = train_step(update, state, inputs.train, cfg, view, mesh)
+                metrics = metrics | timer.report(tokens=metrics["perf/total_num_tokens"])
+                for hook in hooks:
+                    hook(state.steps_done, total, state, metrics)
+    if cfg.trainer.export_hf:
+        export(graphdef, state.actor.weights, cfg, inputs.tokenizer, out / "hf")
+    if cfg.trainer.plots and main:
+        from jppo.runlog.plot import plot_run
+
+        plot_run(out)
+    return metrics

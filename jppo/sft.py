@@ -1,0 +1,57 @@
+"""``python -m jppo.sft --config configs/quickstart_sft.yaml [key.sub=value ...]``: supervised fine-tuning
+(:mod:`jppo.run.sft`) on every device of every process the multi-process flags start, with the RL update's engine,
+normalizers, checkpoints and loggers. Exit status: 0 done, 2 a bad input (one line, before anything compiles: a
+key, a file, a row of the data), 75 (:data:`~jppo.run.preemption.PREEMPTED_EXIT`) stopped by SIGTERM or SIGUSR1
+after a checkpoint (run the same command again to continue)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Optional, Sequence
+
+import jax
+
+from jppo import cli
+from jppo.config import ConfigError
+from jppo.parallel import distributed
+from jppo.run import compile_cache, sft
+from jppo.run.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    return cli.parse_args(
+        argv, "sft", "Supervised fine-tuning on prompt/completion or chat demonstrations.",
+        overrides="key.sub=value overrides, e.g. trainer.total_steps=10 sft.train_files=data.jsonl", processes=True,
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    cli.log_to_stderr()
+    args = parse_args(argv)
+    try:
+        cfg = sft.sft_config(cli.load_config(args))
+        inputs = sft.load_inputs(cfg)  # the rows' problems, before anything starts or compiles
+        compile_cache.apply(cfg.trainer.compilation_cache)
+        distributed.initialize(args)
+        shape = sft.mesh_shape(cfg, jax.device_count())
+    except cli.START_ERRORS as error:
+        return cli.fail("sft", error)
+    try:
+        final = sft.run(cfg, shape, inputs)
+    except ConfigError as error:  # a checkpoint that does not match the config
+        return cli.fail("sft", error)
+    except Preempted as stop:
+        for number in SIGNALS:
+            signal.signal(number, signal.SIG_IGN)
+        print(f"jppo.sft: {stop}; the same command resumes (exit status {PREEMPTED_EXIT})", file=sys.stderr)
+        return PREEMPTED_EXIT
+    if distributed.is_main_process():
+        summary = ", ".join(f"{k}={final[k]:.4g}" for k in ("sft/loss", "val/sft_nll") if k in final)
+        print(f"jppo.sft: done: step {cfg.trainer.total_steps}, {summary}, output in {cfg.trainer.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
