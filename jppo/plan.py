@@ -141,7 +141,7 @@ def compile_for(args: argparse.Namespace) -> int:
 
         target = targets.target(args.compile_for)
         mesh_shape = check_mesh(cfg, len(target.devices), target.hosts)
-        planned = program_bytes(cfg, mesh_shape)
+        planned = program_bytes(cfg, mesh_shape, target.platform)
         limit = target.device_memory
         if limit is not None and target.platform == "gpu":
             limit = allocator_bytes(limit, os.environ)

@@ -71,12 +71,15 @@ def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int]) -> i
     return c * (4 * d + 3 * q + 3 * kv + 4 * f) + a * (2 * d + q + kv) + attention + gathered
 
 
-def forward_layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int]) -> int:
+def forward_layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int], platform: str = "gpu") -> int:
     """What one layer of a forward pass that keeps nothing for a backward pass (log-probs, values, the sampler's
     prefill) holds at once per token of a row of ``width``: its input and output hidden states, the queries, keys
     and values, and the larger of attention's float32 scores (over the whole row when dense, over one key block
-    when blocked) and the MLP's three intermediates."""
+    when blocked) and the MLP's three intermediates. On a GPU the softmax's probabilities in the compute dtype lie
+    beside the scores; XLA:TPU fuses them into their product with the values (compiled: Qwen2.5 shapes, v5p and
+    H100)."""
     c, a = dtype_bytes(m.dtype), ACCUMULATOR_BYTES
+    a += 0 if platform == "tpu" else c
     heads, d = split(m.num_heads, mesh), m.hidden_size
     q, kv, f = heads * m.head_dim, split(m.num_kv_heads, mesh) * m.head_dim, split(m.intermediate_size, mesh)
     keys = min(m.attention_block_kv, width) if linear_attention(m, width) else width

@@ -91,14 +91,16 @@ into that one array); the rollout and the validation the policy's parameters plu
 Against the compiled programs (``python -m jppo.plan --compile-for``, which prints both), with
 ``configs/qwen2_5_0_5b_gsm8k_grpo.yaml`` (reference attention, 16384-token rows over ``sequence: 4``), plan / XLA
 GiB per device. Qwen2.5-0.5B's shape on v5p:2x2x2: actor update 14.48 / 14.33, old log-probs 5.08 / 5.16,
-reference log-probs 4.16 / 4.06, rollout 2.85 / 3.11, validation 3.81 / 4.23. Qwen2.5-7B's on v5p:4x4x4: 30.00 /
-26.98 (the update, 11% over), 10.33 / 11.02, 8.56 / 8.07, 16.44 / 17.00, 16.94 / 17.46. A forward pass's peak
+reference log-probs 4.16 / 4.06, rollout 2.85 / 3.11, validation 3.81 / 4.23; on h100x8: 14.48 / 17.77 (the
+update, 19% under), 6.83 / 6.70, 5.91 / 6.00, 2.96 / 3.14, 4.23 / 4.04. Qwen2.5-7B's on v5p:4x4x4: 30.00 / 26.98
+(the update, 11% over), 10.33 / 11.02, 8.56 / 8.07, 16.44 / 17.00, 16.94 / 17.46. A forward pass's peak
 is one layer's float32 attention scores (3.5 GiB at 0.5B); the prefill and the decoding step's logits are apart in
 XLA's buffer assignment, so both are counted. The update's temporaries differ by platform: XLA:GPU applies the
 optimizer step nearly in place (~2.3 float32 copies of the trained parameters, not 4) but keeps float32 gradients
 of the stacked layer weights whole over ``fsdp`` through the layer scan's backward pass; XLA:TPU keeps ~5.6
 copies, and pads each array's two minor dimensions to its (8, 128) tiles, which dominates at toy sizes (the
-quickstart's 64-wide model). The plan has no platform and counts neither. The activation terms are an estimate
+quickstart's 64-wide model). The plan's platform (``gpu`` unless ``--compile-for`` names a TPU) decides only
+what a forward pass keeps of attention's softmax; it counts none of the update's differences. The activation terms are an estimate
 of what XLA keeps; ``bench/real_size.py`` compares the whole plan with a measured run.
 """
 
@@ -200,7 +202,8 @@ def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]
     return [(-(-prompts // batch_shards), -(-prompts // batch_shards) * n) for prompts, n in batches]
 
 
-def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> list[tuple[Term, Term, Term]]:
+def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int],
+                  platform: str = "gpu") -> list[tuple[Term, Term, Term]]:
     """The sampler's caches, a decoding step's logits and the prefill's working set (the KV cache, sampler logits
     and prefill lines of the module docstring) of the training batch and (when the run validates) the validation
     batch, in that order."""
@@ -213,7 +216,7 @@ def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -
         terms.append((Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
                            f"B={prompts} x P={width} + S={decoded} x T={new} x ..., c_s={dtype_bytes(sampler.dtype)}"),
                       Term("sampler_logits", sampler_logits_bytes(sampler, decoded, mesh), f"4 S={decoded} V' a"),
-                      Term("prefill", prompts * width * forward_layer_bytes_per_token(sampler, width, mesh),
+                      Term("prefill", prompts * width * forward_layer_bytes_per_token(sampler, width, mesh, platform),
                            f"B={prompts} x P={width} x y")))
     return terms
 
@@ -240,8 +243,9 @@ def rollout_weights_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, 
 # the plan
 
 
-def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> MemoryPlan:
-    """Bytes per device of every term of the module docstring for ``cfg`` on a mesh of ``mesh_shape``."""
+def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int], platform: str = "gpu") -> MemoryPlan:
+    """Bytes per device of every term of the module docstring for ``cfg`` on a mesh of ``mesh_shape`` of
+    ``platform``'s devices (``"gpu"`` or ``"tpu"``: what a forward pass keeps of attention's softmax)."""
     mesh = dict(zip(MESH_AXES, mesh_shape))
     policy = model_config(cfg)
     p, a = dtype_bytes(policy.param_dtype), ACCUMULATOR_BYTES
@@ -267,7 +271,7 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> MemoryPlan:
         persistent.append(Term("off_policy_queue", behind * copy, f"k={behind} x t={trained['actor']:,} x p={p}"))
         in_flight = (Term("weights_before_update", copy, f"t={trained['actor']:,} x p={p}"),)
     weights = rollout_weights_term(cfg, policy, mesh)
-    caches = sampler_terms(cfg, policy, mesh)
+    caches = sampler_terms(cfg, policy, mesh, platform)
     rollout = (*caches[0], weights)
     validation = tuple(dataclasses.replace(term, name=f"{term.name}/validation") for term in (*caches[-1], weights)
                        if len(caches) > 1)
@@ -293,7 +297,7 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int]) -> MemoryPlan:
     return MemoryPlan(mesh, tuple(persistent), rollout, updates, validation, in_flight, concurrent)
 
 
-def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int]) -> dict[str, int]:
+def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int], platform: str = "gpu") -> dict[str, int]:
     """The plan's peak per device of each program the run compiles, keyed as ``python -m jppo.plan --compile-for``
     names them: the arrays the program reads (a role's parameters and optimizer state, the sampler's weights) and
     what it keeps live while it runs. ``actor_update`` / ``critic_update``: parameters + optimizer state + the
@@ -303,7 +307,7 @@ def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int]) -> dict[str, int]
     the caches of the training / validation batch."""
     from jppo.config.views import forward_micro_batching, old_log_prob_source, reference_param_dtype  # noqa: PLC0415
 
-    plan = memory_plan(cfg, mesh_shape)
+    plan = memory_plan(cfg, mesh_shape, platform)
     mesh, policy = plan.mesh, model_config(cfg)
     phase = lambda title: sum(t.bytes for t in plan.updates.get(title, ()))  # noqa: E731
     out = {}
@@ -325,17 +329,19 @@ def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int]) -> dict[str, int]
     for name, (role, params) in forwards.items():
         stored, p, c = plan.term(params), dtype_bytes(stored_in[params]), dtype_bytes(policy.dtype)
         cast = stored * c // p if p > c else 0  # the weights in the compute dtype, one copy for the whole pass
-        out[name] = stored + cast + forward_bytes(cfg, policy, role, forward_micro_batching(cfg, role), mesh)
+        out[name] = stored + cast + forward_bytes(cfg, policy, role, forward_micro_batching(cfg, role), mesh,
+                                                    platform)
     return out
 
 
-def forward_bytes(cfg: TrainConfig, policy: ModelConfig, role: str, cut: dict, mesh: dict[str, int]) -> int:
+def forward_bytes(cfg: TrainConfig, policy: ModelConfig, role: str, cut: dict, mesh: dict[str, int],
+                  platform: str = "gpu") -> int:
     """What a forward pass keeps live besides the weights it reads: one layer's weights in use and its working set
     over a micro-batch (nothing is kept for a backward pass) and, for log-probs, a chunk's float32 logits."""
     r, w = (1, cut["max_token_len"]) if "max_token_len" in cut else (
         cut["micro_batch_size"], prompt_width(cfg) + cfg.rollout.max_response_length)
     local = w // row_split(w, mesh)
-    total = layer_weights_bytes(policy, mesh) + r * local * forward_layer_bytes_per_token(policy, w, mesh)
+    total = layer_weights_bytes(policy, mesh) + r * local * forward_layer_bytes_per_token(policy, w, mesh, platform)
     if role == "actor":
         total += logits_bytes(policy, r, w, cfg.actor.log_prob_chunk_size, mesh) // LOGIT_COPIES  # fused softmax
     return total
