@@ -34,7 +34,7 @@ from jppo.core.experience import Experience
 from jppo.engine import abstract_train_state, log_prob_fn, value_fn
 from jppo.engine.assemble import assemble_rows
 from jppo.engine.update import loss_inputs
-from jppo.parallel.mesh import ROW_AXES, batch_shards, make_mesh
+from jppo.parallel.mesh import ROW_AXES, batch_shards, make_mesh, split_devices
 from jppo.rollout.decode import make_generate_fn
 from jppo.run import build, hlo
 from jppo.run.learn import Learner
@@ -197,7 +197,9 @@ def compile_run(cfg: TrainConfig, target: Target, only: Optional[tuple[str, ...]
     """Every program of a run of ``cfg`` compiled for ``target`` (those named in ``only``, when given), in
     :data:`PROGRAMS` order; a program that fails to lower or compile is reported with the first line of its
     error, the others still compiled."""
-    mesh = make_mesh(*check_mesh(cfg, len(target.devices), target.hosts), devices=target.devices)
+    # rollout.devices: the programs on the training devices (the rollout's own mesh is not compiled for here)
+    training = split_devices(target.devices, cfg.rollout.devices)[0]
+    mesh = make_mesh(*check_mesh(cfg, len(target.devices), target.hosts), devices=training)
     lower, resident_in, resident = lowerings(cfg, mesh)
     out = []
     for name in (name for name in PROGRAMS if name in lower and (only is None or name in only)):
