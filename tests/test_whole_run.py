@@ -264,3 +264,47 @@ def test_an_off_policy_rollout_on_devices_of_its_own_logs_the_colocated_run(tmp_
     moves = logged_moves(tmp_path)  # step 1 generates batches 1 and 2, step 2 batch 3, step 3 nothing
     assert [seconds is not None for seconds, _, _ in moves] == [True, True, False]
     assert all(size > 0 and batch > 0 for _, size, batch in moves)
+
+
+# A run with the rollout on a device of its own (1 + 1) killed by SIGKILL with step 3's weight move under way (on the
+# rollout thread, during step 2's update: the run's third move, after batches 1 and 2 of step 1)
+KILLED_IN_THE_MOVE = textwrap.dedent(
+    """
+    import os, signal, sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 2)
+    from jax.sharding import NamedSharding, PartitionSpec
+    from jppo.config import check_mesh, load_config
+    from jppo.run import build, loop, rollout_mesh
+
+    move, calls = rollout_mesh.WeightMove.__call__, []
+
+    def killed_in_the_third_move(self, weights):
+        calls.append(self)
+        if len(calls) == 3:
+            jax.device_put(weights, NamedSharding(self.mesh, PartitionSpec()))  # the copy dispatched, not done
+            os.kill(os.getpid(), signal.SIGKILL)
+        return move(self, weights)
+
+    rollout_mesh.WeightMove.__call__ = killed_in_the_third_move
+    cfg = load_config(sys.argv[1], sys.argv[2:])
+    loop.run(cfg, check_mesh(cfg, 2), build.load_inputs(cfg))
+    """
+)
+
+
+def test_a_run_killed_during_the_weight_move_resumes_bitwise(tmp_path, off_policy_run):
+    """SIGKILL while the weights move to the rollout's own device for step 3's batch: the resumed run (step 1's
+    checkpoint; batch 2 regenerated on the rollout device from the saved queue) logs what the uninterrupted
+    one-device run logged, bit for bit."""
+    saving = ["trainer.save_every=1", "trainer.async_checkpoint=false"]
+    overrides = [*QUIET, f"trainer.output_dir={tmp_path}", "mesh.data=1", "rollout.devices=1", *OFF_POLICY, *saving]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               JAX_COMPILATION_CACHE_DIR=str(jax.config.jax_compilation_cache_dir))
+    env.pop("XLA_FLAGS", None)
+    killed = subprocess.run([sys.executable, "-c", KILLED_IN_THE_MOVE, str(CONFIGS["grpo"]), *overrides], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert [row["step"] for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == [1]
+    resumed = train("grpo", tmp_path, 2, ["rollout.devices=1", *OFF_POLICY, *saving])
+    assert without_waits(resumed) == without_waits(off_policy_run)
