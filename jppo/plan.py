@@ -67,6 +67,8 @@ def table(plan: MemoryPlan) -> str:
     sections = [("persistent", plan.persistent), ("rollout", plan.rollout)]
     sections += list(plan.updates.items())
     for title, terms in sections:
+        if not terms:  # a mesh of one side of rollout.devices: the other side's phases are elsewhere
+            continue
         lines.append(f"[{title}]")
         lines += [f"  {t.name:<24} {t.bytes:>14,} {human(t.bytes):>11}  {t.formula}" for t in terms]
         if title != "persistent":
@@ -102,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             import jax  # noqa: PLC0415 (only to count this machine's devices)
 
             args.devices = jax.device_count()
-        plan = memory_plan(cfg, check_mesh(cfg, args.devices))
+        plans = mesh_plans(cfg, check_mesh(cfg, args.devices))
         if args.device_memory is not None:
             if args.device_memory <= 0:
                 raise ConfigError(f"--device-memory={args.device_memory} must be > 0 (GiB)")
@@ -113,11 +115,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             limit, source = this_devices_limit(), "this machine's device"
     except cli.INPUT_ERRORS as error:
         return cli.fail("plan", error)
-    print(json.dumps(as_json(plan) | {"allocator_bytes": limit}, indent=2) if args.json else table(plan))
-    warning = over_limit(plan, limit, source, remat=cfg.model.remat)
-    if warning:
-        print(warning, file=sys.stderr)
+    plan, rollout = plans
+    if args.json:
+        extra = {} if rollout is None else {"rollout_mesh": as_json(rollout)}
+        print(json.dumps(as_json(plan) | extra | {"allocator_bytes": limit}, indent=2))
+    elif rollout is None:
+        print(table(plan))
+    else:
+        print(f"training mesh (the first devices)\n{table(plan)}\n\n"
+              f"rollout mesh (the last rollout.devices={cfg.rollout.devices})\n{table(rollout)}")
+    for each in plans:
+        warning = each is not None and over_limit(each, limit, source, remat=cfg.model.remat)
+        if warning:
+            print(warning, file=sys.stderr)
     return 0
+
+
+def mesh_plans(cfg, training_shape) -> tuple[MemoryPlan, Optional[MemoryPlan]]:
+    """The training mesh's plan and, with ``rollout.devices``, the rollout mesh's (:mod:`jppo.run.split_memory`);
+    None without one (the sampler's terms are then the training mesh's)."""
+    if not cfg.rollout.devices:
+        return memory_plan(cfg, training_shape), None
+    from jppo.run.split_memory import split_plans  # noqa: PLC0415
+
+    return split_plans(cfg, training_shape)
 
 
 def compile_for(args: argparse.Namespace) -> int:

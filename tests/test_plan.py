@@ -203,3 +203,30 @@ def test_each_program_has_a_planned_peak_that_holds_its_parameters(tmp_path, con
     sampling = max(per_program["rollout"], per_program.get("validation", 0))
     assert sampling >= planned.term("parameters/actor") + planned.term("kv_cache") > planned.term("parameters/actor")
     assert max(per_program.values()) <= planned.peak_bytes + planned.term("parameters/actor")
+
+
+def test_a_rollout_mesh_has_a_plan_of_its_own(tmp_path, capsys):
+    """rollout.devices=2 of 4, bfloat16 sampling: the training mesh keeps the colocated run's persistent terms and
+    update phases, no sampler, and a weight move phase (its shards cast to bfloat16, the norms' scales not copied);
+    each rollout device holds a whole replica (bfloat16, the (2 L + 1) D norm scales in float32) and the sampler's
+    caches for half the rows, as a colocated 2-device mesh's sampler does."""
+    from jppo.run.split_memory import split_plans
+
+    cfg = quickstart(tmp_path, "mesh.data=2", "rollout.devices=2", "rollout.dtype=bfloat16")
+    training, rollout = split_plans(cfg, check_mesh(cfg, 4))
+    colocated = memory.memory_plan(cfg, (2, 1, 1, 1))
+    n = colocated.term("parameters/actor") // 4  # float32 parameters, whole on every device of a data mesh
+    norms = (2 * cfg.model.num_layers + 1) * cfg.model.hidden_size
+    assert training.persistent == colocated.persistent and training.rollout == ()
+    assert training.updates == {**colocated.updates, "weight move": training.updates["weight move"]}
+    assert training.term("weight_move") == (n - norms) * 2
+    assert rollout.mesh == {"data": 2, "fsdp": 1, "tensor": 1, "sequence": 1} and rollout.persistent == ()
+    assert rollout.term("rollout_weights") == (n - norms) * 2 + norms * 4
+    assert rollout.term("kv_cache") == colocated.term("kv_cache") > 0
+    assert rollout.peak_bytes == rollout.term("rollout_weights") + rollout.term("kv_cache")
+    output = f"trainer.output_dir={tmp_path / 'run'}"
+    assert plan.main(["--config", str(QUICKSTART), "--devices", "4", output, "mesh.data=2", "rollout.devices=2",
+                      "rollout.dtype=bfloat16", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["rollout_mesh"]["terms"]["rollout_weights"] == rollout.term("rollout_weights")
+    assert "kv_cache" not in printed["terms"] and printed["peak_bytes"] == training.peak_bytes

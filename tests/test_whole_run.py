@@ -247,6 +247,10 @@ def test_a_rollout_on_a_device_of_its_own_logs_the_colocated_run(tmp_path, refer
     moves = logged_moves(tmp_path)
     assert all(seconds > 0 and size > 0 and batch > 0 for seconds, size, batch in moves)
     assert len({size for _, size, _ in moves}) == 1  # the same weights every step
+    from jppo.run.split_memory import split_plans  # the plan's replica is what moved (float32 here)
+
+    cfg = load_config(CONFIGS["grpo"], ["rollout.devices=1"])
+    assert moves[0][1] == split_plans(cfg, check_mesh(cfg, 2))[1].term("rollout_weights")
 
 
 @pytest.mark.parametrize("devices,overrides", [(2, ["rollout.devices=1"]), (4, ["mesh.data=2", "rollout.devices=2"])])
