@@ -75,8 +75,8 @@ class Sampler:
         filler = (-len(prompts)) % decoding_shards(self._mesh.shape)
         ids, mask = pad_prompts(list(prompts) + [[]] * filler, self._pad, multiple=self._bucket)
         mine = local_rows(self._mesh, len(ids))
-        # the step's key lives on the training mesh; a sampler on a mesh of its own (rollout.devices) takes a copy
-        key = jax.device_put(key, NamedSharding(self._mesh, PartitionSpec()))
+        if not key.sharding.device_set <= set(self._mesh.devices.flat):  # the training mesh's key, for a sampler
+            key = jax.device_put(key, NamedSharding(self._mesh, PartitionSpec()))  # on a mesh of its own
         with jax.set_mesh(self._mesh):
             out = self._fn(state, to_global(ids[mine.start : mine.stop], self._mesh),
                            to_global(mask[mine.start : mine.stop], self._mesh), key)
