@@ -157,6 +157,9 @@ def compile_for(args: argparse.Namespace) -> int:
         target = targets.target(args.compile_for)
         mesh_shape = check_mesh(cfg, len(target.devices), target.hosts)
         planned = program_bytes(cfg, mesh_shape)
+        if cfg.rollout.devices:  # the sampler's programs run on the rollout mesh: its plan (the larger batch's caches)
+            rollout = mesh_plans(cfg, mesh_shape)[1]
+            planned.update({name: rollout.peak_bytes for name in ("rollout", "validation") if name in planned})
         limit = target.device_memory
         if limit is not None and target.platform == "gpu":
             limit = allocator_bytes(limit, os.environ)
@@ -164,6 +167,8 @@ def compile_for(args: argparse.Namespace) -> int:
     except cli.INPUT_ERRORS as error:
         return cli.fail("plan", error)
     report = compiled_report(target, mesh_shape, limit, programs, planned)
+    if cfg.rollout.devices:
+        report["rollout_mesh"] = {"data": cfg.rollout.devices, "fsdp": 1, "tensor": 1, "sequence": 1}
     print(json.dumps(report, indent=2) if args.json else compiled_table(report))
     fails = [p["name"] for p in report["programs"] if not p["compiled"] or not p["fits"]]
     if fails:
@@ -188,6 +193,8 @@ def compiled_report(target, mesh_shape, limit: Optional[int], programs, planned:
 def compiled_table(report: dict) -> str:
     mesh = " x ".join(f"{axis}={size}" for axis, size in report["mesh"].items())
     memory = "unknown" if report["device_memory"] is None else human(report["device_memory"])
+    if "rollout_mesh" in report:  # rollout.devices: the sampler's programs on a mesh of their own
+        mesh += f" (the rollout's programs on the last {report['rollout_mesh']['data']} devices, data)"
     lines = [f"compiled for {report['target']}: {report['devices']} devices on {report['hosts']} hosts, mesh {mesh}, "
              f"{memory} per device",
              f"{'program':<14} {'compiled':<9} {'XLA':>11} {'plan':>11} {'peak':>11}  {'flops':>9}  collectives"]
