@@ -1,14 +1,18 @@
 """Off-policy steps: seconds per GRPO training step with ``trainer.off_policy_steps`` 0 and 1, side by side.
 
-    python -m bench.async_rl [--quick] [--steps N] [--engines jppo,vllm]
+    python -m bench.async_rl [--quick] [--steps N] [--engines jppo,jppo-own-device,vllm]
 
 The shape is :mod:`bench.peers`' GSM8K-like one (4 layers d256, 8 prompts x 8, prompts of 64 tokens, responses up
 to 128, one optimizer step per training step), its policy exported and loaded by ``model.path`` as there. For each
 engine (``rollout.engine``: jppo's sampler, and vLLM when it imports) the two runs alternate (k = 0, then k = 1),
 each in a fresh process on one device, where k = 1 generates the next batch on a thread beside the update.
+``jppo-own-device`` is jppo's sampler on a device of its own: two simulated CPU devices, ``rollout.devices=1``
+(the update on the first, the sampler on the second, the weights moved to it before every rollout).
 Printed as JSON, per engine and k: the median over steps ``MEDIAN_FROM``.. (but the last) of ``timing/step``, of the rollout
-phase (``timing/rollout`` + ``reward`` + ``weight_push``: what the generation side does), of the train phase (every
-other ``timing/*`` phase: old log-probs, advantages, the update) and of the ``async/*`` waits; and the ratios
+phase (``timing/rollout`` + ``reward`` + ``weight_push`` + ``weight_move``: what the generation side does), of the
+train phase (every other ``timing/*`` phase: old log-probs, advantages, the update), of the ``async/*`` waits and,
+with a device of its own, of the weight move (``weight_move_s``, its share of the step ``weight_move_share`` and its
+bytes); and the ratios
 
 - ``async_k1_vs_k0``: the k = 0 step's seconds over the k = 1 step's (> 1: off-policy steps are faster here);
 - ``async_bound_speedup``: (rollout + train) / max(rollout, train) from the k = 0 phases: the step time one
@@ -33,7 +37,7 @@ from typing import Optional, Sequence
 
 import jax
 
-from bench import peers
+from bench import child_environment, peers
 from jppo.config import check_mesh, load_config
 from jppo.rollout import vllm_engine
 from jppo.run import build, loop
@@ -43,9 +47,11 @@ FULL_STEPS, QUICK_STEPS = 7, 4
 # medians over steps MEDIAN_FROM .. the one before the last: steps 1-2 compile (and k = 1 generates its first batch
 # in turn), and the last step of a k = 1 run generates nothing (no batch past the last step)
 MEDIAN_FROM = 3
-ROLLOUT_PHASES = ("timing/rollout", "timing/reward", "timing/weight_push")
+ROLLOUT_PHASES = ("timing/rollout", "timing/reward", "timing/weight_push", "timing/weight_move")
 # vLLM's CPU build as bench.vllm_engine runs it: eager, a small KV cache
 VLLM = ("rollout.engine=vllm", "rollout.vllm.enforce_eager=true", "rollout.vllm.kv_cache_memory_bytes=268435456")
+# what each measured engine adds to the config, and the devices its runs get
+LAYOUTS = {"jppo": ((), 1), "jppo-own-device": (("rollout.devices=1",), 2), "vllm": (VLLM, 1)}
 
 
 def phases(record: dict) -> tuple[float, float]:
@@ -67,6 +73,10 @@ def summarize(records: list[dict], first: int) -> dict:
     for name in ("async/train_wait_s", "async/rollout_wait_s"):
         if name in kept[0]:
             out[name.split("/")[1]] = median([r[name] for r in kept])
+    if "timing/weight_move" in kept[0]:
+        out["weight_move_s"] = median([r["timing/weight_move"] for r in kept])
+        out["weight_move_share"] = median([r["timing/weight_move"] / r["timing/step"] for r in kept])
+        out["weight_move_bytes"] = kept[0]["perf/weight_move_bytes"]
     return out
 
 
@@ -76,28 +86,31 @@ def ratios(k0: dict, k1: dict) -> dict:
     return {"async_k1_vs_k0": k0["step_s"] / k1["step_s"], "async_bound_speedup": bound}
 
 
-def run_in_process(overrides: list[str]) -> list[dict]:
-    """One training run on one device; its ``metrics.jsonl`` records of steps >= 1."""
+def run_in_process(overrides: list[str], devices: int = 1) -> list[dict]:
+    """One training run on ``devices`` devices; its ``metrics.jsonl`` records of steps >= 1."""
     cfg = load_config(peers.QUICKSTART_GRPO, overrides)
-    loop.run(cfg, check_mesh(cfg, 1), build.load_inputs(cfg), devices=jax.devices()[:1])
+    loop.run(cfg, check_mesh(cfg, devices), build.load_inputs(cfg), devices=jax.devices()[:devices])
     return [r for r in read_metrics(pathlib.Path(cfg.trainer.output_dir) / METRICS_FILE) if r["step"] >= 1]
 
 
-def measure_engine(overrides: list[str], out: pathlib.Path, fresh: bool) -> dict:
-    """k = 0 then k = 1 on the same config (``fresh``: each in its own process, :func:`bench.peers.run_side`)."""
+def measure_engine(overrides: list[str], out: pathlib.Path, fresh: bool, devices: int = 1) -> dict:
+    """k = 0 then k = 1 on the same config (``fresh``: each in its own process, :func:`bench.peers.run_side`, with
+    ``devices`` simulated CPU devices)."""
     result = {}
     out.mkdir(parents=True, exist_ok=True)
+    env = child_environment("user") | {"JAX_NUM_CPU_DEVICES": str(devices)}
     for k in (0, 1):
         run = [*overrides, f"trainer.off_policy_steps={k}", f"trainer.output_dir={out / f'k{k}'}"]
         if fresh:
-            records = peers.run_side({"side": "jppo", "overrides": run}, out / f"k{k}.json")["records"]
+            records = peers.run_side({"side": "jppo", "overrides": run}, out / f"k{k}.json", env)["records"]
         else:
-            records = run_in_process(run)
+            records = run_in_process(run, devices)
         result[f"k{k}"] = summarize(records, MEDIAN_FROM)
     return result | ratios(result["k0"], result["k1"])
 
 
-def measure(quick: bool, steps: Optional[int] = None, engines: Sequence[str] = ("jppo", "vllm")) -> dict:
+def measure(quick: bool, steps: Optional[int] = None,
+            engines: Sequence[str] = ("jppo", "jppo-own-device", "vllm")) -> dict:
     """Every engine's k = 0 / k = 1 comparison; an engine that cannot run here gets its reason instead."""
     shape = (peers.QUICK_SHAPES if quick else peers.SHAPES)["gsm8k_shape"]
     steps = steps or (QUICK_STEPS if quick else FULL_STEPS)
@@ -108,8 +121,9 @@ def measure(quick: bool, steps: Optional[int] = None, engines: Sequence[str] = (
             if engine == "vllm" and not vllm_engine.installed():
                 result["engines"][engine] = {"missing": "vLLM is not installed"}
                 continue
-            extra = list(VLLM) if engine == "vllm" else []
-            result["engines"][engine] = measure_engine(overrides + extra, pathlib.Path(tmp) / engine, fresh=not quick)
+            extra, devices = LAYOUTS[engine]
+            result["engines"][engine] = measure_engine(overrides + list(extra), pathlib.Path(tmp) / engine,
+                                                       fresh=not quick, devices=devices)
     return result
 
 
@@ -117,9 +131,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.async_rl", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shape, 4 steps, jppo's engine, in this process")
     parser.add_argument("--steps", type=int, help=f"training steps per run (default {FULL_STEPS}, quick {QUICK_STEPS})")
-    parser.add_argument("--engines", help="comma-separated rollout engines (default: jppo,vllm; quick: jppo)")
+    parser.add_argument("--engines", help="comma-separated, of " + ", ".join(LAYOUTS) + " (default: all; quick: "
+                        "jppo)")
     args = parser.parse_args(argv)
-    engines = args.engines.split(",") if args.engines else (["jppo"] if args.quick else ["jppo", "vllm"])
+    engines = args.engines.split(",") if args.engines else (["jppo"] if args.quick else list(LAYOUTS))
+    unknown = [name for name in engines if name not in LAYOUTS]
+    if unknown:
+        parser.error(f"--engines: unknown {', '.join(unknown)} (known: {', '.join(LAYOUTS)})")
+    if args.quick:  # in this process: as many CPU devices as the most any engine asks for, before JAX starts
+        jax.config.update("jax_num_cpu_devices", max(LAYOUTS[name][1] for name in engines))
     print(json.dumps(measure(args.quick, args.steps, engines), indent=1))
     return 0
 

@@ -11,11 +11,13 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+import jax
+
 from jppo import cli
 from jppo.config import ConfigError
 from jppo.core.paths import run_path
 from jppo.parallel import distributed
-from jppo.parallel.mesh import make_mesh
+from jppo.run.rollout_mesh import run_meshes
 from jppo.run import build
 from jppo.run.evaluate import evaluate_and_write
 from jppo.run.loop import plan_resume, restore
@@ -40,9 +42,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return cli.fail("eval", error)
     out = run_path(args.out or cfg.trainer.output_dir)
     try:
-        mesh = make_mesh(*mesh_shape)
+        # the run's meshes: with rollout.devices its samplers evaluate on the rollout's own devices, as in training
+        mesh, rollout_mesh = run_meshes(jax.devices(), mesh_shape, cfg.rollout.devices)
         resume = plan_resume(cfg, run_path(cfg.trainer.output_dir) / "checkpoints")  # a local folder or a gs:// URI
-        state, collector, _, _, _ = restore(cfg, mesh, inputs, resume)
+        state, collector, _, _, _ = restore(cfg, mesh, inputs, resume, rollout_mesh)
         report = evaluate_and_write(collector, state, resume.checkpoint, out)
     except ConfigError as error:  # a checkpoint that does not match the config, or a limit only the data can break
         return cli.fail("eval", error)

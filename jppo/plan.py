@@ -69,6 +69,8 @@ def table(plan: MemoryPlan) -> str:
     sections += [("rollout", plan.rollout)] + ([("validation", plan.validation)] if plan.validation else [])
     sections += list(plan.updates.items())
     for title, terms in sections:
+        if not terms:  # a mesh of one side of rollout.devices: the other side's phases are elsewhere
+            continue
         lines.append(f"[{title}]")
         lines += [f"  {t.name:<24} {t.bytes:>14,} {human(t.bytes):>11}  {t.formula}" for t in terms]
         if title not in ("persistent", "each step"):
@@ -108,7 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             import jax  # noqa: PLC0415 (only to count this machine's devices)
 
             args.devices = jax.device_count()
-        plan = memory_plan(cfg, check_mesh(cfg, args.devices))
+        plans = mesh_plans(cfg, check_mesh(cfg, args.devices))
         if args.device_memory is not None:
             if args.device_memory <= 0:
                 raise ConfigError(f"--device-memory={args.device_memory} must be > 0 (GiB)")
@@ -119,11 +121,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             limit, source = this_devices_limit(), "this machine's device"
     except cli.INPUT_ERRORS as error:
         return cli.fail("plan", error)
-    print(json.dumps(as_json(plan) | {"allocator_bytes": limit}, indent=2) if args.json else table(plan))
-    warning = over_limit(plan, limit, source, remat=cfg.model.remat)
-    if warning:
-        print(warning, file=sys.stderr)
+    plan, rollout = plans
+    if args.json:
+        extra = {} if rollout is None else {"rollout_mesh": as_json(rollout)}
+        print(json.dumps(as_json(plan) | extra | {"allocator_bytes": limit}, indent=2))
+    elif rollout is None:
+        print(table(plan))
+    else:
+        print(f"training mesh (the first devices)\n{table(plan)}\n\n"
+              f"rollout mesh (the last rollout.devices={cfg.rollout.devices})\n{table(rollout)}")
+    for each in plans:
+        warning = each is not None and over_limit(each, limit, source, remat=cfg.model.remat)
+        if warning:
+            print(warning, file=sys.stderr)
     return 0
+
+
+def mesh_plans(cfg, training_shape, platform: str = "gpu") -> tuple[MemoryPlan, Optional[MemoryPlan]]:
+    """The training mesh's plan and, with ``rollout.devices``, the rollout mesh's (:mod:`jppo.run.split_memory`);
+    None without one (the sampler's terms are then the training mesh's)."""
+    if not cfg.rollout.devices:
+        return memory_plan(cfg, training_shape, platform), None
+    from jppo.run.split_memory import split_plans  # noqa: PLC0415
+
+    return split_plans(cfg, training_shape, platform)
 
 
 def compile_for(args: argparse.Namespace) -> int:
@@ -142,6 +163,9 @@ def compile_for(args: argparse.Namespace) -> int:
         target = targets.target(args.compile_for)
         mesh_shape = check_mesh(cfg, len(target.devices), target.hosts)
         planned = program_bytes(cfg, mesh_shape, target.platform)
+        if cfg.rollout.devices:  # the sampler's programs run on the rollout mesh: its plan (the larger batch's caches)
+            rollout = mesh_plans(cfg, mesh_shape, target.platform)[1]
+            planned.update({name: rollout.peak_bytes for name in ("rollout", "validation") if name in planned})
         limit = target.device_memory
         if limit is not None and target.platform == "gpu":
             limit = allocator_bytes(limit, os.environ)
@@ -149,6 +173,8 @@ def compile_for(args: argparse.Namespace) -> int:
     except cli.INPUT_ERRORS as error:
         return cli.fail("plan", error)
     report = compiled_report(target, mesh_shape, limit, programs, planned)
+    if cfg.rollout.devices:
+        report["rollout_mesh"] = {"data": cfg.rollout.devices, "fsdp": 1, "tensor": 1, "sequence": 1}
     print(json.dumps(report, indent=2) if args.json else compiled_table(report))
     fails = [p["name"] for p in report["programs"] if not p["compiled"] or not p["fits"]]
     if fails:
@@ -173,6 +199,8 @@ def compiled_report(target, mesh_shape, limit: Optional[int], programs, planned:
 def compiled_table(report: dict) -> str:
     mesh = " x ".join(f"{axis}={size}" for axis, size in report["mesh"].items())
     memory = "unknown" if report["device_memory"] is None else human(report["device_memory"])
+    if "rollout_mesh" in report:  # rollout.devices: the sampler's programs on a mesh of their own
+        mesh += f" (the rollout's programs on the last {report['rollout_mesh']['data']} devices, data)"
     lines = [f"compiled for {report['target']}: {report['devices']} devices on {report['hosts']} hosts, mesh {mesh}, "
              f"{memory} per device",
              f"{'program':<14} {'compiled':<9} {'XLA':>11} {'plan':>11} {'peak':>11}  {'flops':>9}  collectives"]

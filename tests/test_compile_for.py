@@ -5,9 +5,12 @@ A quickstart-sized run (a 2-layer, 64-wide decoder) on three meshes: rows over `
 attention (through the command, its JSON), rows over ``data`` x ``fsdp`` with Pallas attention (splash, the TPU's
 kernel), and ``fsdp`` x ``sequence`` (context parallelism) with blockwise attention. Every program compiles; the
 decoding loop runs no collective per token but its stop test (one all-reduce of a scalar: have all rows ended?),
-on every mesh."""
+on every mesh. With ``rollout.devices`` on a one-host v5p the sampler compiles on the last chips."""
 
 import json
+
+import jax
+import jax.numpy as jnp
 
 import pytest
 
@@ -109,3 +112,26 @@ def test_flops_are_xlas_own_count_with_loops_multiplied_out(v5p):
 
     ours, xla = compiled(scanned, arg(512, 512), arg(256, 512))
     assert ours == 5 * xla == 5 * 2 * 256 * 512 * 512
+
+
+def test_the_rollout_compiles_on_the_rollout_devices_of_a_split_host():
+    """rollout.devices=2 of a one-host v5p:2x2x1 (4 chips), bfloat16 sampling: the sampler's program takes its
+    weights (cast to bfloat16, norms' scales float32), prompts and key on the last two chips, the update on the
+    first two; nothing else is kept on the rollout devices, so the rollout's peak is its program's bytes."""
+    from jppo.parallel.mesh import make_mesh
+
+    target = targets.target("v5p:2x2x1")
+    cfg = load_config("configs/quickstart_grpo.yaml", ["mesh.data=2", "rollout.devices=2", "rollout.dtype=bfloat16",
+                                                       *TINY], data_files=False)
+    training, rollout = make_mesh(2, devices=target.devices[:2]), make_mesh(2, devices=target.devices[2:])
+    lower, _, _ = compiled.lowerings(cfg, training, rollout)
+    with compiled.without_persistent_cache():
+        sampler, update = lower["rollout"]().compile(), lower["actor_update"]().compile()
+    devices = lambda executable: {d.id for s in jax.tree.leaves(executable.input_shardings) for d in s.device_set}  # noqa: E731
+    assert devices(sampler) == {d.id for d in target.devices[2:]}
+    assert devices(update) == {d.id for d in target.devices[:2]}
+    args = jax.tree.leaves(lower["rollout"]().args_info)
+    assert {str(arg.dtype) for arg in args if len(arg.shape) != 2 or "int" not in str(arg.dtype) and arg.dtype != bool} \
+        >= {"bfloat16", "float32"}  # the weights cast, the norms' scales kept
+    _, resident_in, resident = compiled.lowerings(cfg, training, rollout)
+    assert resident_in["rollout"] == resident  # its peak: the program's own bytes, the run keeps nothing else there

@@ -112,6 +112,8 @@ def test_the_policy_options_apply_to_the_losses_they_change():
      "rollout.vllm.max_num_seqs=4 instead"),
     (["rollout.engine=vllm", "rollout.cache_blocks=2"],
      "rollout.cache_blocks='2' is jppo's sampler's response cache; rollout.engine='vllm' does not read it"),
+    (["rollout.engine=vllm", "rollout.devices=2"],
+     "rollout.devices=2 gives jppo's sampler a mesh of its own; rollout.engine='vllm' does not read it"),
     (["rollout.vllm.max_num_seqs=8"],
      "rollout.vllm.max_num_seqs=8 is read only with rollout.engine=vllm and this run samples with jppo's sampler "
      "(rollout.engine='jppo'): jppo's sampler's is rollout.max_num_seqs=8"),

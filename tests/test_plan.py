@@ -279,3 +279,34 @@ def test_the_command_reports_the_off_policy_copies_in_its_peak(tmp_path, capsys)
     assert one_behind["persistent_bytes"] - one["persistent_bytes"] == 4 * copy and phases["each step"] == copy
     assert one["peak_bytes"] == one["persistent_bytes"] + max(phases["rollout"], update)
     assert one_behind["peak_bytes"] == one_behind["persistent_bytes"] + copy + phases["rollout"] + update
+
+
+def test_a_rollout_mesh_has_a_plan_of_its_own(tmp_path, capsys):
+    """rollout.devices=2 of 4, bfloat16 sampling: the training mesh keeps the colocated run's persistent terms and
+    update phases, no sampler, and a weight move phase (its shards cast to bfloat16, the norms' scales not copied);
+    each rollout device holds a whole replica (bfloat16, the (2 L + 1) D norm scales in float32) and the sampler's
+    caches for half the rows, as a colocated 2-device mesh's sampler does."""
+    from jppo.run.split_memory import split_plans
+
+    cfg = quickstart(tmp_path, "mesh.data=2", "rollout.devices=2", "rollout.dtype=bfloat16")
+    training, rollout = split_plans(cfg, check_mesh(cfg, 4))
+    colocated = memory.memory_plan(cfg, (2, 1, 1, 1))
+    n = colocated.term("parameters/actor") // 4  # float32 parameters, whole on every device of a data mesh
+    norms = (2 * cfg.model.num_layers + 1) * cfg.model.hidden_size
+    assert training.persistent == colocated.persistent and training.rollout == training.validation == ()
+    assert training.updates == {**colocated.updates, "weight move": training.updates["weight move"]}
+    assert training.term("weight_move") == (n - norms) * 2
+    assert rollout.mesh == {"data": 2, "fsdp": 1, "tensor": 1, "sequence": 1} and rollout.persistent == ()
+    assert rollout.term("rollout_weights") == (n - norms) * 2 + norms * 4
+    # the sampler's larger phase (training or validation batch) of the colocated 2-device mesh, the same rows each
+    phase = max((colocated.rollout, colocated.validation), key=lambda terms: sum(t.bytes for t in terms))
+    sampling = {t.name.split("/")[0]: t.bytes for t in phase if not t.name.startswith("rollout_weights")}
+    assert set(sampling) == {"kv_cache", "sampler_logits", "prefill"} and sampling["kv_cache"] > 0
+    assert all(rollout.term(name) == value for name, value in sampling.items())
+    assert rollout.peak_bytes == rollout.term("rollout_weights") + sum(sampling.values())
+    output = f"trainer.output_dir={tmp_path / 'run'}"
+    assert plan.main(["--config", str(QUICKSTART), "--devices", "4", output, "mesh.data=2", "rollout.devices=2",
+                      "rollout.dtype=bfloat16", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["rollout_mesh"]["terms"]["rollout_weights"] == rollout.term("rollout_weights")
+    assert "kv_cache" not in printed["terms"] and printed["peak_bytes"] == training.peak_bytes

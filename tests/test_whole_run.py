@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from typing import Optional
 
 import chex
 import jax
@@ -228,4 +229,86 @@ def test_an_off_policy_run_stopped_by_signals_resumes_bitwise(tmp_path, off_poli
         assert logged == list(range(1, step + 1)), point
         assert signal.getsignal(signal.SIGTERM) == handler  # the run's handlers are gone with it
     resumed = train("grpo", tmp_path, 1, [*OFF_POLICY, *saving])
+    assert without_waits(resumed) == without_waits(off_policy_run)
+
+
+def logged_moves(out: pathlib.Path) -> list[tuple[Optional[float], float, float]]:
+    """Each step's seconds of weight moves (None: no rollout generated during the step), and the bytes of the
+    weights that sampled its batch and of the batch, as the run logged them."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(row.get("timing/weight_move"), row["perf/weight_move_bytes"], row["perf/batch_move_bytes"])
+            for row in rows]
+
+
+def test_a_rollout_on_a_device_of_its_own_logs_the_colocated_run(tmp_path, reference):
+    """rollout.devices=1 on two devices (1 + 1), on-policy: the sampler on the second device, the weights moved to it
+    before every rollout, logs what one device logs (float32, as above)."""
+    assert_same_run(train("grpo", tmp_path, 2, ["rollout.devices=1"]), reference("grpo"))
+    moves = logged_moves(tmp_path)
+    assert all(seconds > 0 and size > 0 and batch > 0 for seconds, size, batch in moves)
+    assert len({size for _, size, _ in moves}) == 1  # the same weights every step
+    from jppo.run.split_memory import split_plans  # the plan's replica is what moved (float32 here)
+
+    cfg = load_config(CONFIGS["grpo"], ["rollout.devices=1"])
+    assert moves[0][1] == split_plans(cfg, check_mesh(cfg, 2))[1].term("rollout_weights")
+
+
+@pytest.mark.parametrize("devices,overrides", [(2, ["rollout.devices=1"]), (4, ["mesh.data=2", "rollout.devices=2"])])
+def test_an_off_policy_rollout_on_devices_of_its_own_logs_the_colocated_run(tmp_path, off_policy_run, devices,
+                                                                            overrides):
+    """k = 1 with the rollout on devices of its own (1 + 1, and 2 + 2: rows decoded over two devices, the update
+    over two others), the next rollout generated beside the update: the one-device run's numbers."""
+    actual = without_waits(train("grpo", tmp_path, devices, [*overrides, *OFF_POLICY]))
+    expected = without_waits(off_policy_run)
+    assert [row["step"] for row in actual] == [1, 2, 3]
+    for step, (a, b) in enumerate(zip(actual, expected), start=1):
+        assert set(a) == set(b), set(a) ^ set(b)
+        for name, value in b.items():
+            np.testing.assert_allclose(a[name], value, rtol=1e-4, atol=1e-6, err_msg=f"step {step}: {name}")
+    moves = logged_moves(tmp_path)  # step 1 generates batches 1 and 2, step 2 batch 3, step 3 nothing
+    assert [seconds is not None for seconds, _, _ in moves] == [True, True, False]
+    assert all(size > 0 and batch > 0 for _, size, batch in moves)
+
+
+# A run with the rollout on a device of its own (1 + 1) killed by SIGKILL with step 3's weight move under way (on the
+# rollout thread, during step 2's update: the run's third move, after batches 1 and 2 of step 1)
+KILLED_IN_THE_MOVE = textwrap.dedent(
+    """
+    import os, signal, sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 2)
+    from jax.sharding import NamedSharding, PartitionSpec
+    from jppo.config import check_mesh, load_config
+    from jppo.run import build, loop, rollout_mesh
+
+    move, calls = rollout_mesh.WeightMove.__call__, []
+
+    def killed_in_the_third_move(self, weights):
+        calls.append(self)
+        if len(calls) == 3:
+            jax.device_put(weights, NamedSharding(self.mesh, PartitionSpec()))  # the copy dispatched, not done
+            os.kill(os.getpid(), signal.SIGKILL)
+        return move(self, weights)
+
+    rollout_mesh.WeightMove.__call__ = killed_in_the_third_move
+    cfg = load_config(sys.argv[1], sys.argv[2:])
+    loop.run(cfg, check_mesh(cfg, 2), build.load_inputs(cfg))
+    """
+)
+
+
+def test_a_run_killed_during_the_weight_move_resumes_bitwise(tmp_path, off_policy_run):
+    """SIGKILL while the weights move to the rollout's own device for step 3's batch: the resumed run (step 1's
+    checkpoint; batch 2 regenerated on the rollout device from the saved queue) logs what the uninterrupted
+    one-device run logged, bit for bit."""
+    saving = ["trainer.save_every=1", "trainer.async_checkpoint=false"]
+    overrides = [*QUIET, f"trainer.output_dir={tmp_path}", "mesh.data=1", "rollout.devices=1", *OFF_POLICY, *saving]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               JAX_COMPILATION_CACHE_DIR=str(jax.config.jax_compilation_cache_dir))
+    env.pop("XLA_FLAGS", None)
+    killed = subprocess.run([sys.executable, "-c", KILLED_IN_THE_MOVE, str(CONFIGS["grpo"]), *overrides], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert [row["step"] for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == [1]
+    resumed = train("grpo", tmp_path, 2, ["rollout.devices=1", *OFF_POLICY, *saving])
     assert without_waits(resumed) == without_waits(off_policy_run)

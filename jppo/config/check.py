@@ -112,6 +112,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
              allow_zero=True)
     positive("rollout.prompt_bucket", cfg.rollout.prompt_bucket)
     positive("rollout.max_turns", cfg.rollout.max_turns)
+    positive("rollout.devices", cfg.rollout.devices, allow_zero=True)
 
 
 def _check_output_dir(output_dir: str) -> None:

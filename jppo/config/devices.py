@@ -15,12 +15,15 @@ from jppo.parallel.mesh import resolve_shape
 
 
 def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tuple[int, int, int, int]:
-    """The mesh shape for ``num_devices``, and every batch size checked against the batch shards it implies: the
-    engine's own check on the engine's view of each role, its messages naming the sizes as the user wrote them."""
+    """The training mesh's shape for ``num_devices`` (less the ``rollout.devices`` of a rollout mesh,
+    :func:`training_devices`), and every batch size checked against the batch shards it implies: the engine's own
+    check on the engine's view of each role, its messages naming the sizes as the user wrote them."""
+    total, num_devices = num_devices, training_devices(cfg, num_devices, num_processes)
     try:
         shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices, cfg.mesh.sequence)
     except ValueError as error:
-        raise ConfigError(one_line(error) + _fitting_sequence(cfg, num_devices)) from None
+        split = f" (the {total} devices less rollout.devices={cfg.rollout.devices})" if total != num_devices else ""
+        raise ConfigError(one_line(error) + split + _fitting_sequence(cfg, num_devices)) from None
     check_heads(cfg, shape[2])
     shards, sequences = shape[0] * shape[1], rollout_sequences(cfg)
     if sequences % shards:
@@ -53,6 +56,23 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
             raise ConfigError(f"mesh.sequence={shape[3]} must divide " + " and ".join(
                 f"{key}={size}" for key, size in sizes.items()) + f": it splits the tokens of each of {role}'s rows")
     return shape
+
+
+def training_devices(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> int:
+    """The devices the training mesh gets: all ``num_devices`` of the run, less the ``rollout.devices`` N of the
+    rollout's own mesh. N must leave the training at least one device, and a rollout mesh runs in one process: the
+    weight move is a ``jax.device_put`` between the meshes of one process (across processes it would need a
+    collective program spanning both meshes, which the run does not build)."""
+    n = cfg.rollout.devices
+    if not n:
+        return num_devices
+    if n >= num_devices:
+        raise ConfigError(f"rollout.devices={n} must be less than the run's {num_devices} devices: the training mesh "
+                          "takes the others (0: the sampler shares the training mesh)")
+    if num_processes > 1:
+        raise ConfigError(f"rollout.devices={n} runs in one process only (this run has {num_processes}): the weights "
+                          "move to the rollout mesh within a process; set rollout.devices=0 for a multi-process run")
+    return num_devices - n
 
 
 def _fitting_sequence(cfg: TrainConfig, num_devices: int) -> str:

@@ -154,7 +154,12 @@ class RolloutSection:
     ``vllm``'s options, the policy's weights pushed into it after every update (:mod:`jppo.rollout.vllm_engine`).
     With ``vllm`` the keys ``prompt_bucket`` (shapes only), ``dtype`` and sampling keys keep their meaning;
     ``max_num_seqs`` and ``cache_blocks`` are jppo's sampler's, refused with ``vllm`` when set (vLLM's is
-    ``vllm.max_num_seqs``; it pages its own cache), and ``vllm``'s keys are refused with ``jppo``."""
+    ``vllm.max_num_seqs``; it pages its own cache), and ``vllm``'s keys are refused with ``jppo``.
+
+    ``devices``: N > 0 gives the sampler a mesh of its own, the last N of the run's devices (the first ones form the
+    training mesh, shaped by ``mesh``): the policy's weights move to it after every update, in the rollout dtype,
+    and with ``trainer.off_policy_steps`` >= 1 the next rollout runs there while the update trains (one process,
+    ``engine: jppo``; ``docs/scale-out.md``)."""
 
     n: int = 1  # responses sampled per training prompt (a GRPO group)
     temperature: float = 1.0  # training rollouts' logits are divided by it (> 0); log-probs use the same T
@@ -171,6 +176,7 @@ class RolloutSection:
     max_num_seqs: int = 0  # rows decoded at once; 0: every row of the batch (continuous batching below that)
     cache_blocks: str = "auto"  # response-cache blocks: auto (1 on GPU, 8 on CPU and TPU) | an integer N >= 1
     engine: str = "jppo"  # what samples: jppo (its own sampler) or vllm (its install: README, Train a Hugging Face model)
+    devices: int = 0  # the rollout's own devices, the last N of the run's; 0: the sampler shares the training mesh
     vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)  # rollout.engine=vllm's start-up options
 
 

@@ -143,6 +143,17 @@ def make_mesh(
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
+def split_devices(
+    devices: Sequence[jax.Device], rollout: int
+) -> tuple[list[jax.Device], list[jax.Device]]:
+    """The run's ``devices`` cut into the training mesh's (the first ``len - rollout``) and the rollout mesh's (the
+    last ``rollout``; none when 0). The last ones: a training mesh on the first devices is the mesh a colocated run
+    on that many devices builds, and on a multi-device host the rollout takes whole devices at the end."""
+    devices = list(devices)
+    cut = len(devices) - rollout
+    return devices[:cut], devices[cut:]
+
+
 def batch_spec(ndim: int = 2) -> PartitionSpec:
     """Rows over the row axes, every other dimension replicated."""
     return PartitionSpec(ROW_AXES, *([None] * (ndim - 1)))

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jppo.core.experience import Experience
 from jppo.core.registry import Registry
@@ -75,6 +75,8 @@ class Sampler:
         filler = (-len(prompts)) % decoding_shards(self._mesh.shape)
         ids, mask = pad_prompts(list(prompts) + [[]] * filler, self._pad, multiple=self._bucket)
         mine = local_rows(self._mesh, len(ids))
+        if not key.sharding.device_set <= set(self._mesh.devices.flat):  # the training mesh's key, for a sampler
+            key = jax.device_put(key, NamedSharding(self._mesh, PartitionSpec()))  # on a mesh of its own
         with jax.set_mesh(self._mesh):
             out = self._fn(state, to_global(ids[mine.start : mine.stop], self._mesh),
                            to_global(mask[mine.start : mine.stop], self._mesh), key)

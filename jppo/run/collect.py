@@ -23,6 +23,7 @@ Collecting consumes prompts and measures the KL, so it advances the run state's 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Optional
@@ -49,6 +50,7 @@ from jppo.rewards.overlong import overlong_penalty
 from jppo.rewards.placement import env_rewards, place_rewards
 from jppo.rollout import JppoEngine, Sampler
 from jppo.rollout.multiturn import MultiTurnSampler
+from jppo.run.rollout_mesh import WeightMove, batch_bytes
 from jppo.run.state import RunState, advance
 from jppo.runlog.timing import PhaseTimer
 
@@ -70,27 +72,30 @@ class Collector:
     # LoRA: the reference is the actor's frozen base weights, read through the structure without adapters
     ref_log_probs_of: Optional[object] = None
     engine: object = None  # rollout.engine's (jppo.rollout.ROLLOUT_ENGINES): the samplers' engine
+    weight_move: Optional[WeightMove] = None  # rollout.devices: the samplers' own mesh, the weights moved to it
 
     @classmethod
     def create(
         cls, cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs, policy: nnx.GraphDef,
         critic: Optional[nnx.GraphDef], ref_params: Optional[nnx.State], sampling: Optional[nnx.GraphDef] = None,
-        base: Optional[nnx.GraphDef] = None, engine: object = None,
+        base: Optional[nnx.GraphDef] = None, engine: object = None, weight_move: Optional[WeightMove] = None,
     ) -> "Collector":
         """``sampling``: the policy's structure as the sampler runs it (``rollout.dtype``; default ``policy``).
         ``base``: the policy's structure without its LoRA adapters (None without LoRA); the reference log-probs
         then run it on ``ref_params``, or on the actor's frozen base weights when there is no ``ref.model_path``.
-        ``engine``: the started ``rollout.engine`` every sampler samples with (default: jppo's own sampler)."""
-        tokenizer = inputs.tokenizer
+        ``engine``: the started ``rollout.engine`` every sampler samples with (default: jppo's own sampler).
+        ``weight_move``: the rollout's own mesh (``rollout.devices``, :mod:`jppo.run.rollout_mesh`), where the
+        samplers then run; default: ``mesh``."""
+        tokenizer, on = inputs.tokenizer, mesh if weight_move is None else weight_move.mesh
         engine = JppoEngine(None) if engine is None else engine
 
         def sampler(**kind) -> Sampler | MultiTurnSampler:
             params = views.sampling_params(cfg, tokenizer, **kind)
             if inputs.env_factory is None:
-                return engine.sampler(sampling or policy, tokenizer.pad_id, mesh, params, cfg.rollout.prompt_bucket)
+                return engine.sampler(sampling or policy, tokenizer.pad_id, on, params, cfg.rollout.prompt_bucket)
             turn = dataclasses.replace(params, n=1, eos_token_ids=params.eos_token_ids + inputs.stop_ids)
             return MultiTurnSampler(
-                engine.sampler(sampling or policy, tokenizer.pad_id, mesh, turn, cfg.rollout.prompt_bucket),
+                engine.sampler(sampling or policy, tokenizer.pad_id, on, turn, cfg.rollout.prompt_bucket),
                 inputs.env_factory, tokenizer, n=params.n, stop_ids=inputs.stop_ids, max_turns=cfg.rollout.max_turns,
                 max_length=cfg.rollout.max_response_length, bucket=cfg.rollout.prompt_bucket,
                 max_prompt_length=cfg.data.max_prompt_length, env=cfg.rollout.env,
@@ -108,11 +113,20 @@ class Collector:
                 policy, temperature=cfg.rollout.temperature, chunk_size=cfg.actor.log_prob_chunk_size
             ),
             values_of=None if critic is None else value_fn(critic),
-            ref_params=ref_params, reward_model=reward_model, engine=engine,
+            ref_params=ref_params, reward_model=reward_model, engine=engine, weight_move=weight_move,
             ref_log_probs_of=None if base is None or not cfg.use_reference else log_prob_fn(
                 base, temperature=cfg.rollout.temperature, chunk_size=cfg.actor.log_prob_chunk_size
             ),
         )
+
+    def sampling_weights(self, weights: nnx.State, timer: Optional[PhaseTimer] = None) -> tuple[nnx.State, dict]:
+        """``weights`` where the samplers run, and the move's metrics: as they are on a shared mesh (no metric);
+        moved to the rollout mesh (``timing/weight_move`` on ``timer``, ``perf/weight_move_bytes``) otherwise."""
+        if self.weight_move is None:
+            return weights, {}
+        with timer("weight_move") if timer is not None else contextlib.nullcontext():
+            moved, size = self.weight_move(weights)
+        return moved, {"perf/weight_move_bytes": float(size)}
 
     def score(self, batch: Experience, row_examples: list) -> tuple[list[str], list[bool], np.ndarray]:
         """Decoded responses, whether each ended, and each row's reward (rule/plug-in reward, plus the reward
@@ -145,6 +159,18 @@ def sample(sampler, params, prompts: list, key: jax.Array, examples: list) -> Ex
 
 
 def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer) -> tuple[Scored, int, dict[str, float]]:
+    """The step's sampled and scored batch (:func:`sampled_and_scored`, with ``state``'s weights where the samplers
+    run), the data position after the prompts it consumed, and the dynamic sampling and move metrics."""
+    weights, moves = c.sampling_weights(state.actor.weights, timer)
+    scored, position, metrics = sampled_and_scored(c, state, step, timer, weights)
+    if c.weight_move is not None:
+        moves["perf/batch_move_bytes"] = float(batch_bytes(scored.exp))
+    return scored, position, metrics | moves
+
+
+def sampled_and_scored(
+    c: Collector, state: RunState, step: int, timer: PhaseTimer, weights: nnx.State
+) -> tuple[Scored, int, dict[str, float]]:
     """The step's sampled and scored batch, the data position after the prompts it consumed, and the dynamic
     sampling metrics. Without ``algorithm.filter_groups`` that is one batch of ``data.train_batch_size`` prompts;
     with it, batches are drawn (batch ``g`` > 0 with the key ``fold_in(step key, g)``) until that many varied groups
@@ -160,7 +186,7 @@ def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer
             with timer("weight_push"):
                 c.engine.push(state.actor.weights)
         with timer("rollout"):
-            exp = sample(c.sampler, state.actor.weights, prompts, key, examples)  # group_ids: each row's prompt
+            exp = sample(c.sampler, weights, prompts, key, examples)  # group_ids: each row's prompt
         with timer("reward"):
             scored = c.score_for_training(exp, examples, prompts)
         gen += 1
@@ -262,7 +288,8 @@ def collect(
 
 def greedy_baselines(c: Collector, state: RunState, examples: list, prompts: list, group_ids: np.ndarray, step: int) -> np.ndarray:
     """ReMax baselines: for every row, the reward of the current policy's greedy response to its prompt."""
-    greedy = sample(c.baseline_sampler, state.actor.weights, prompts, state.key(step), examples)  # greedy: key unused
+    weights = c.sampling_weights(state.actor.weights)[0]
+    greedy = sample(c.baseline_sampler, weights, prompts, state.key(step), examples)  # greedy: key unused
     greedy_scores = c.score_for_training(greedy, examples, prompts).rewards
     by_prompt = dict(zip(greedy.group_ids.tolist(), greedy_scores.tolist()))
     return np.asarray([by_prompt[i] for i in group_ids.tolist()], np.float32)

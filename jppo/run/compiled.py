@@ -34,7 +34,7 @@ from jppo.core.experience import Experience
 from jppo.engine import abstract_train_state, log_prob_fn, value_fn
 from jppo.engine.assemble import assemble_rows
 from jppo.engine.update import loss_inputs
-from jppo.parallel.mesh import ROW_AXES, batch_shards, make_mesh
+from jppo.parallel.mesh import ROW_AXES, batch_shards, make_mesh, split_devices
 from jppo.rollout.decode import make_generate_fn
 from jppo.run import build, hlo
 from jppo.run.learn import Learner
@@ -138,10 +138,14 @@ def sampling_params(cfg: TrainConfig, evaluation: bool):
     return dataclasses.replace(params, n=1) if cfg.rollout.env is not None else params
 
 
-def lowerings(cfg: TrainConfig, mesh: Mesh) -> tuple[dict[str, Callable[[], jax.stages.Lowered]], dict, int]:
+def lowerings(
+    cfg: TrainConfig, mesh: Mesh, rollout_mesh: Optional[Mesh] = None
+) -> tuple[dict[str, Callable[[], jax.stages.Lowered]], dict, int]:
     """``(lower, resident_in, resident)``: for each program the run compiles, a function lowering it; the bytes per
     device of its arguments the run keeps on the device anyway; and the bytes per device of all the run keeps
-    (train states, reference weights, the off-policy steps' queue of parameters)."""
+    (train states, reference weights, the off-policy steps' queue of parameters). ``rollout_mesh``
+    (``rollout.devices``): the sampler's programs lowered there, on the weights as they move to it
+    (:mod:`jppo.run.rollout_mesh`), and nothing else kept on its devices."""
     models = build.abstract_models(cfg, model_config(cfg), mesh)
     actor_view = views.engine_view(cfg, "actor")
     actor = abstract_train_state(models.actor.params, actor_view, mesh, frozen=models.actor.frozen)
@@ -153,9 +157,9 @@ def lowerings(cfg: TrainConfig, mesh: Mesh) -> tuple[dict[str, Callable[[], jax.
     resident = device_bytes(actor) + device_bytes(critic) + device_bytes(models.reference) + queue
     lower, resident_in = {}, {}
 
-    def under_mesh(fn, *args):
+    def under_mesh(fn, *args, on: Mesh = mesh):
         def run():
-            with jax.set_mesh(mesh):
+            with jax.set_mesh(on):
                 return fn.lower(*args)
         return run
 
@@ -181,15 +185,22 @@ def lowerings(cfg: TrainConfig, mesh: Mesh) -> tuple[dict[str, Callable[[], jax.
         resident_in["values"] = device_bytes(critic.weights)
     if cfg.rollout.engine == "jppo":
         sampling = build.sampling_graphdef(cfg, models.policy)
+        on, weights = mesh, actor.weights
+        if rollout_mesh is not None:  # a whole replica on every rollout device, cast as the move casts it
+            on, dtype = rollout_mesh, views.sampling_config(cfg, models.policy.config).dtype
+            dtype = None if models.base is not None else dtype  # LoRA: the weights move as they are
+            cast = weights if dtype is None else jax.eval_shape(lambda w: build.kept_in(w, dtype, copy=False), weights)
+            weights = jax.tree.map(lambda x: abstract(x.shape, x.dtype, on), cast)
         key = jax.eval_shape(lambda: jax.random.key(0))
-        key = abstract(key.shape, key.dtype, mesh)
+        key = abstract(key.shape, key.dtype, on)
         batches = {"rollout": (False, cfg.data.train_batch_size, cfg.rollout.n)}
         if cfg.trainer.val_every > 0 or cfg.trainer.val_before_train:
             batches["validation"] = (True, cfg.data.val_batch_size, cfg.rollout.val_n)
         for name, (evaluation, batch, n) in batches.items():
             generate = make_generate_fn(sampling, sampling_params(cfg, evaluation))
-            lower[name] = under_mesh(generate, actor.weights, *prompts(cfg, mesh, batch, n), key)
-            resident_in[name] = device_bytes(actor.weights)
+            lower[name] = under_mesh(generate, weights, *prompts(cfg, on, batch, n), key, on=on)
+            # on a rollout mesh of its own the replica is all its devices keep (nothing elsewhere)
+            resident_in[name] = device_bytes(weights) if rollout_mesh is None else resident
     return lower, resident_in, resident
 
 
@@ -197,8 +208,10 @@ def compile_run(cfg: TrainConfig, target: Target, only: Optional[tuple[str, ...]
     """Every program of a run of ``cfg`` compiled for ``target`` (those named in ``only``, when given), in
     :data:`PROGRAMS` order; a program that fails to lower or compile is reported with the first line of its
     error, the others still compiled."""
-    mesh = make_mesh(*check_mesh(cfg, len(target.devices), target.hosts), devices=target.devices)
-    lower, resident_in, resident = lowerings(cfg, mesh)
+    # rollout.devices: the training programs on the first devices, the sampler's on the last ones
+    training, sampling = split_devices(target.devices, cfg.rollout.devices)
+    mesh = make_mesh(*check_mesh(cfg, len(target.devices), target.hosts), devices=training)
+    lower, resident_in, resident = lowerings(cfg, mesh, make_mesh(-1, devices=sampling) if sampling else None)
     out = []
     for name in (name for name in PROGRAMS if name in lower and (only is None or name in only)):
         try:

@@ -88,6 +88,7 @@ def evaluate(c: Collector, params: nnx.State) -> Evaluation:
     only, so a policy gets the same evaluation whenever it is evaluated (during training or by ``jppo.eval``).
     Each process samples and scores its rows; the metrics combine them over processes."""
     cfg, data, n = c.cfg, c.inputs.val_data, c.cfg.rollout.val_n
+    params = c.sampling_weights(params)[0]  # on the rollout's own mesh when it has one
     reward_sum, correct, records, start = 0.0, [], [], 0
     for index, (examples, prompts) in enumerate(data.batches(cfg.data.val_batch_size)):
         key = jax.random.fold_in(jax.random.key(cfg.trainer.seed + 7), index)

@@ -39,6 +39,7 @@ from jppo.run.checkpoint import (
 from jppo.run.collect import Collector, collect
 from jppo.run.offpolicy import OffPolicy, can_overlap, initial_behind
 from jppo.run.preemption import StopRequest
+from jppo.run.rollout_mesh import WeightMove, run_meshes
 from jppo.runlog.timing import PhaseTimer
 from jppo.run.evaluate import evaluate
 from jppo.config import ConfigError, TrainConfig, save_config, to_dict
@@ -46,13 +47,12 @@ from jppo.data import Tokenizer
 from jppo.engine import init_train_state
 from jppo.run.export import export_policy, merged_policy
 from jppo.run.learn import Learner, learn
-from jppo.parallel.mesh import make_mesh
 from jppo.core.paths import run_path
 from jppo.runlog import RunLogger
 from jppo.run.state import (
     RunState, checkpointed, fitted_accumulators, init_run_state, rescheduled, saved_fields, saved_layout, with_frozen,
 )
-from jppo.config.views import engine_view, kl_controller, optimizer_steps_per_training_step
+from jppo.config.views import engine_view, kl_controller, optimizer_steps_per_training_step, sampling_config
 
 log = logging.getLogger("jppo.run.loop")
 OFF_POLICY_META = "off_policy_steps"  # in a checkpoint's meta when k >= 1 (absent: 0, as before the key existed)
@@ -75,11 +75,13 @@ class Hook:
 
 
 def setup(
-    cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs, seed: Optional[int] = None
+    cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs, seed: Optional[int] = None,
+    rollout_mesh: Optional[Mesh] = None,
 ) -> tuple[RunState, Collector, Learner, nnx.GraphDef]:
     """The run's initial state, its collection and learning stages, and the policy's structure (for the export).
     ``seed``: what the models' random weights are drawn from (default ``trainer.seed``; a checkpoint's models:
-    the seed it records, :func:`plan_resume`)."""
+    the seed it records, :func:`plan_resume`). ``rollout_mesh``: the samplers' own (``rollout.devices``), None:
+    they run on ``mesh``."""
     seed = cfg.trainer.seed if seed is None else seed
     models = build.models(cfg, inputs.tokenizer, mesh, seed)
     graphdef, critic_graphdef, critic = models.actor.graphdef, None, None
@@ -92,9 +94,18 @@ def setup(
     collector = Collector.create(
         cfg, mesh, inputs, graphdef, critic_graphdef, models.reference,
         sampling=build.sampling_graphdef(cfg, models.policy), base=models.base,
-        engine=build.rollout_engine(cfg, models.policy),
+        engine=build.rollout_engine(cfg, models.policy), weight_move=weight_move(cfg, models, rollout_mesh),
     )
     return state, collector, Learner.create(cfg, mesh, graphdef, critic_graphdef), graphdef
+
+
+def weight_move(cfg: TrainConfig, models: build.Models, rollout_mesh: Optional[Mesh]) -> Optional[WeightMove]:
+    """The policy's weights to ``rollout_mesh`` (None: no move) in the rollout dtype; with LoRA as they are (the
+    sampler forms the adapters' product in float32, :mod:`jppo.run.rollout_mesh`)."""
+    if rollout_mesh is None:
+        return None
+    dtype = None if models.base is not None else sampling_config(cfg, models.policy.config).dtype
+    return WeightMove(rollout_mesh, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +146,11 @@ def run_model_record(cfg: TrainConfig, state: RunState, seed: int) -> dict:
 
 
 def restore(
-    cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs, resume: Resume
+    cfg: TrainConfig, mesh: Mesh, inputs: build.RunInputs, resume: Resume, rollout_mesh: Optional[Mesh] = None
 ) -> tuple[RunState, Collector, Learner, nnx.GraphDef, dict]:
     """:func:`setup` with the models ``resume`` says, the checkpoint's state restored into it (after its LoRA
     bases were checked against their recorded checksums), and the run's :func:`run_model_record`."""
-    state, collector, learner, graphdef = setup(cfg, mesh, inputs, resume.seed)
+    state, collector, learner, graphdef = setup(cfg, mesh, inputs, resume.seed, rollout_mesh)
     record = run_model_record(cfg, state, resume.seed)
     if resume.checkpoint is not None:
         if resume.saved is not None:
@@ -156,19 +167,20 @@ def run(
     cfg: TrainConfig, mesh_shape: tuple[int, int, int, int], inputs: build.RunInputs,
     devices: Optional[Sequence[jax.Device]] = None,
 ) -> dict[str, float]:
-    """Trains to ``trainer.total_steps`` on ``devices`` (default: all), resuming when a checkpoint exists; returns
-    the last step's metrics."""
+    """Trains to ``trainer.total_steps`` on ``devices`` (default: all; with ``rollout.devices`` N, the last N form
+    the rollout's mesh), resuming when a checkpoint exists; returns the last step's metrics."""
     out = run_path(cfg.trainer.output_dir)  # a local folder or a cloud URI, shared by every host
     resume = plan_resume(cfg, out / "checkpoints")  # a checkpoint the config does not fit: refused, nothing written
     main = distributed.is_main_process()
     if main:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
-    mesh = make_mesh(*mesh_shape, devices=devices)
+    mesh, rollout_mesh = run_meshes(list(jax.devices() if devices is None else devices), mesh_shape,
+                                    cfg.rollout.devices)
     manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep,
                                 async_save=cfg.trainer.async_checkpoint)
     with manager, StopRequest() as stop:  # leaving waits for a save in flight; a signal stops at a step boundary
-        state, collector, learner, policy, record = restore(cfg, mesh, inputs, resume)
+        state, collector, learner, policy, record = restore(cfg, mesh, inputs, resume, rollout_mesh)
         if resume.checkpoint is not None:
             log.info("resumed from %s at step %d", resume.checkpoint, state.steps_done)
         fresh, total, metrics = state.steps_done == 0, cfg.trainer.total_steps, {}

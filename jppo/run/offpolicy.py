@@ -19,11 +19,13 @@ updates: the current weights. Step ``t``'s update then makes the queue drop its 
 before that update (:func:`pushed`). At the start all k entries are the initial weights. The queue is part of the
 checkpoint, so a resumed run regenerates a pending batch from the very weights the interrupted run used.
 
-**The overlap** (:class:`OffPolicy`): on a one-device mesh, or with an external engine (``rollout.engine: vllm``) in
-one process without a reward model, the next batch is sampled and scored on a background thread during the
-update. On a multi-device mesh the JAX sampler runs the same devices as the update, whose XLA programs (with their
-collectives) would serialize on them or interleave their collectives, so the next batch is generated in turn, with
-the same results.
+**The overlap** (:class:`OffPolicy`): on a one-device mesh, with the rollout on devices of its own
+(``rollout.devices``, :mod:`jppo.run.rollout_mesh`), or with an external engine (``rollout.engine: vllm``), in one
+process without a reward model (which scores on the training mesh), the next batch is sampled and scored on a
+background thread during the update: on its own devices its weights move to them, then the sampler runs there
+while the update runs on the training mesh. On a multi-device mesh shared by both, the JAX sampler runs the same
+devices as the update, whose XLA programs (with their collectives) would serialize on them or interleave their
+collectives, so the next batch is generated in turn, with the same results.
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def can_overlap(collector: Collector) -> bool:
     """Whether the next rollout may run on a thread beside the update (see the module docstring)."""
     if jax.process_count() > 1:
         return False  # a sampler's rows and an engine's weight gather move data between processes
-    external = collector.engine.pushes_weights and collector.reward_model is None
-    return collector.mesh.devices.size == 1 or external
+    elsewhere = collector.engine.pushes_weights or collector.weight_move is not None  # not the training mesh
+    return collector.mesh.devices.size == 1 or (elsewhere and collector.reward_model is None)
 
 
 @dataclasses.dataclass
@@ -168,6 +170,7 @@ class OffPolicy:
 
 
 def merge(timer: PhaseTimer, seconds: dict) -> None:
-    """Adds a generation's phase seconds (``rollout``, ``reward``, ``weight_push``) to the step's timer."""
+    """Adds a generation's phase seconds (``rollout``, ``reward``, ``weight_push``, ``weight_move``) to the step's
+    timer."""
     for phase, value in seconds.items():
         timer.seconds[phase] = timer.seconds.get(phase, 0.0) + value

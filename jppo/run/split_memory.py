@@ -1,0 +1,70 @@
+"""The memory plans of a run with ``rollout.devices: N`` (:mod:`jppo.run.rollout_mesh`): one per mesh.
+
+**The training mesh** (its shape from ``mesh.*`` on the other devices) holds what a colocated run's plan holds
+(:func:`jppo.run.memory.memory_plan`) but the sampler: no KV cache, no rollout weights. In their place, while the
+weights move, a phase ``weight move`` holds their copy cast to the rollout dtype on the training devices (each
+device its shards: ``sum_w |w| / shards(w) x c_s``, norms' scales kept in ``p`` and not copied); none when nothing
+is cast (the same dtype, or LoRA, whose weights move as they are).
+
+**The rollout mesh** (``data`` = N) holds, per device, a whole replica of the weights (``sum_w |w| x c_s``, the
+norms' scales and, with LoRA, every weight in ``p``, the adapters too) and the sampler's caches for its share of
+the rows: the caches, a decoding step's logits and the prefill of the training or the validation batch, whichever
+needs more (:func:`jppo.run.memory.sampler_terms` on that mesh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from jppo.config import TrainConfig
+from jppo.config.views import sampling_config
+from jppo.parallel.mesh import MESH_AXES
+from jppo.run.footprint import dtype_bytes, shards
+from jppo.run.memory import MemoryPlan, Term, abstract_params, adapter_params, memory_plan, model_config, sampler_terms
+
+
+def weight_bytes(cfg: TrainConfig, mesh: dict[str, int]) -> tuple[int, int]:
+    """``(moved, cast)``: the bytes of one rollout device's replica of the policy's weights, and those of the cast
+    copy one training device of ``mesh`` makes of its shards before the move (0 when nothing is cast)."""
+    from flax import nnx  # noqa: PLC0415 (the shapes only)
+
+    from jppo.models.decoding import NORM_SCALES  # noqa: PLC0415
+    from jppo.models.sharding import logical_names  # noqa: PLC0415
+
+    policy = model_config(cfg)
+    lora = cfg.actor.lora.enabled
+    c_s, p = dtype_bytes(sampling_config(cfg, policy).dtype), dtype_bytes(policy.param_dtype)
+    cast_all = not lora and sampling_config(cfg, policy).dtype != policy.param_dtype
+    moved = cast = 0
+    for path, variable in nnx.to_flat_state(abstract_params(policy)):
+        elements = math.prod(variable.shape)
+        if cast_all and path[-1] not in NORM_SCALES:
+            moved += elements * c_s
+            cast += elements // shards(variable.shape, logical_names(variable), mesh) * c_s
+        else:
+            moved += elements * p
+    if lora:
+        moved += sum(math.prod(v.shape) for _, v in nnx.to_flat_state(adapter_params(policy, cfg.actor.lora))) * p
+    return moved, cast
+
+
+def split_plans(cfg: TrainConfig, training_shape: Sequence[int],
+                platform: str = "gpu") -> tuple[MemoryPlan, MemoryPlan]:
+    """The per-device plans of the training mesh of ``training_shape`` and of the rollout mesh (module docstring)."""
+    colocated = memory_plan(cfg, training_shape, platform)
+    mesh = colocated.mesh
+    moved, cast = weight_bytes(cfg, mesh)
+    updates = dict(colocated.updates)
+    if cast:
+        updates["weight move"] = (Term("weight_move", cast, "sum_w |w| / shards(w) x c_s"),)
+    # the training mesh samples nothing, and its update never shares its devices with a rollout
+    training = dataclasses.replace(colocated, rollout=(), validation=(), updates=updates, concurrent=False)
+    rollout_mesh = dict(zip(MESH_AXES, (cfg.rollout.devices, 1, 1, 1)))
+    replica = Term("rollout_weights", moved, "sum_w |w| x c_s (a whole replica)")
+    # the training batch's or the validation batch's caches, logits and prefill, whichever phase is larger
+    phases = sampler_terms(cfg, model_config(cfg), rollout_mesh, platform)
+    largest = max(phases, key=lambda terms: sum(term.bytes for term in terms))
+    rollout = MemoryPlan(rollout_mesh, (), (*largest, replica), {})
+    return training, rollout
