@@ -8,7 +8,9 @@ on the cut), so every metric travels as a :class:`Metric` pair and is divided on
 - a loss term is ``(share, n_local / N)``: the shares sum to the whole objective and the weights sum to 1;
 - a maximum / minimum (keys ending in ``_max`` / ``_min``) is combined with ``max`` / ``min`` instead of ``+``;
 - an explained variance (keys ending in ``_explained_var``) carries the sums of its moments, added like a ratio's,
-  and is formed once from the whole mini-batch's moments.
+  and is formed once from the whole mini-batch's moments;
+- an expert load (keys ending in ``expert_load``) carries the tokens routed to each expert of each layer, added,
+  and finishes as the largest ``max / mean`` over experts of a layer.
 
 Across several optimizer steps (mini-batches, epochs) the finished values are averaged per step
 (:func:`mean_over_steps`), again with ``_max`` / ``_min`` keys combined by name.
@@ -43,12 +45,14 @@ def _kind(name: str) -> str:
         return "min"
     if name.endswith("_explained_var"):
         return "explained_var"
+    if name.endswith("expert_load"):
+        return "expert_load"
     return "sum"
 
 
 def _adds(kind: str) -> bool:
-    """Pieces of a sum or of an explained variance combine by adding numerators and denominators."""
-    return kind in ("sum", "explained_var")
+    """Pieces of a sum, an explained variance or an expert load combine by adding numerators and denominators."""
+    return kind in ("sum", "explained_var", "expert_load")
 
 
 def ratio(values: Array, mask: Array) -> Metric:
@@ -174,6 +178,10 @@ def finish(metrics: Mapping[str, Metric]) -> dict[str, Array]:
             out[name] = safe_divide(metric.numerator, metric.denominator)
         elif kind == "explained_var":
             out[name] = _finish_explained_variance(metric)
+        elif kind == "expert_load":  # counts [layers, E]
+            counts = metric.numerator
+            peak = jnp.max(safe_divide(jnp.max(counts, axis=-1), jnp.mean(counts, axis=-1)))
+            out[name] = jnp.where(metric.denominator == 0, 0, peak)
         else:
             out[name] = jnp.where(metric.denominator == 0, 0, metric.numerator)
     return out

@@ -46,6 +46,8 @@ from jppo.core.masked import NormStats, global_norm_stats
 from jppo.parallel.mesh import BATCH_AXES, ROW_AXES, SEQUENCE_AXIS, sequence_shards
 from jppo.engine.microbatch import MicroBatches
 from jppo.models.log_probs import token_log_probs
+from jppo.models.moe import collect_router_stats
+from jppo.losses.router import expert_load, load_balancing_share
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +122,10 @@ def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
     cfg.rollout_correction.check()
 
     def loss(model, batch, norm):
-        log_probs, entropy = policy_outputs(
-            model, batch, temperature=temperature, chunk_size=cfg.log_prob_chunk_size, with_entropy=True
-        )
+        with collect_router_stats() as routed:
+            log_probs, entropy = policy_outputs(
+                model, batch, temperature=temperature, chunk_size=cfg.log_prob_chunk_size, with_entropy=True
+            )
         if cfg.entropy_coeff == 0:
             # reported (actor/entropy) whatever the coefficient; without a bonus it needs no backward pass
             entropy = jax.lax.stop_gradient(entropy)
@@ -139,9 +142,39 @@ def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
         if source != "recompute" and data.rollout_log_prob is not None:  # no pass before the update measured it
             mask, corr = data.response_mask, source == "rollout"
             metrics.update(sampler_mismatch(current, data.rollout_log_prob, mask, rollout_corr=corr))
+        if routed:  # a model with experts
+            stats = routed[0]
+            metrics["actor/expert_load"] = expert_load(stats.counts, stats.tokens)
+            coef = router_aux_coef(cfg, model.config)
+            if coef:
+                aux, metrics["actor/router_aux_loss"] = load_balancing_share(stats.counts, stats.probs, stats.tokens,
+                                                                             norm)
+                share = share + coef * aux
         return share, metrics
 
     return loss
+
+
+def router_aux_coef(cfg: UpdateConfig, model_config) -> float:
+    """The load-balancing loss's weight: ``actor.router_aux_loss_coef``, by default the model's; 0 for the critic
+    and for a model without experts."""
+    if not isinstance(cfg, ActorConfig) or not model_config.num_experts:
+        return 0.0
+    return float(model_config.router_aux_loss_coef if cfg.router_aux_loss_coef is None else cfg.router_aux_loss_coef)
+
+
+def mini_batch_expert_fractions(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """``(f [E], R)`` of the whole mini-batch (:mod:`jppo.losses.router`): a forward pass over its K
+    micro-batches, one at a time, that keeps only the router's counts (sums over global arrays: global)."""
+
+    def counts(micro):
+        with collect_router_stats() as routed:
+            model.hidden_states(flatten_shards(micro.input_ids), flatten_shards(micro.positions),
+                                flatten_shards(micro.segment_ids))
+        return jnp.sum(routed[0].counts, axis=0), jnp.sum(routed[0].tokens)
+
+    per_expert, pairs = jax.tree.map(lambda x: jnp.sum(x, axis=0), jax.lax.map(counts, batch))
+    return jax.lax.stop_gradient(per_expert / jnp.maximum(pairs, 1)), pairs
 
 
 def critic_loss_fn(cfg: CriticConfig) -> LossFn:
@@ -196,6 +229,12 @@ def micro_batch_gradient(
 
         whole = None if legacy else mini_batch_norm_stats(batch.slots.response_mask, loss_scale_factor, mesh)
         divisor = legacy_share_divisor(cfg, batch) if legacy else None
+        # a load-balancing loss: the expert fractions of the whole mini-batch, and every micro-batch holding a
+        # token (not only a response token) takes its share
+        balancing = bool(router_aux_coef(cfg, model_of(params).config))
+        if balancing and not legacy:
+            fractions, pairs = mini_batch_expert_fractions(model_of(params), batch)
+            whole = whole.replace(expert_fractions=fractions, routed_pairs=pairs)
 
         def share_and_metrics(params, micro):
             if not legacy:
@@ -214,9 +253,9 @@ def micro_batch_gradient(
         shapes = jax.eval_shape(compute, params, first)
 
         def differentiate(params, micro):
-            return jax.lax.cond(
-                jnp.any(micro.slots.response_mask), compute, lambda p, m: _zeros(shapes), params, micro
-            )
+            holds = jnp.any(micro.slots.response_mask)
+            holds = holds | jnp.any(micro.segment_ids != 0) if balancing else holds
+            return jax.lax.cond(holds, compute, lambda p, m: _zeros(shapes), params, micro)
 
         return differentiate
 

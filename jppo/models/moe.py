@@ -2,7 +2,7 @@
 
 For a token ``x [D]`` with router kernel ``W_r [D, E]``:
 
-    p = softmax(x W_r)  (float32),   (w, e) = top_k(p),   w <- w / sum(w) if norm_topk_prob,
+    p = softmax(x W_r)  (float32 at least),   (w, e) = top_k(p),   w <- w / sum(w) if norm_topk_prob,
     y = sum_{j < k} w_j * swiglu_{e_j}(x),   swiglu_e(x) = (silu(x G_e) * (x U_e)) D_e.
 
 Dropless: every token reaches its k experts whatever else shares its batch (no capacity, nothing dropped), so a
@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jppo.models.attention import wide
+
 Array = jax.Array
 
 
@@ -39,10 +41,10 @@ class RouterStats(NamedTuple):
 
 
 def route(x: Array, router: Array, top_k: int, norm_topk_prob: bool) -> tuple[Array, Array, Array]:
-    """``(probs [N, E] float32, weights [N, k], experts [N, k] int32)`` of tokens ``x [N, D]``: the softmax of
-    ``x W_r``, its ``k`` largest values (renormalized to sum 1 with ``norm_topk_prob``) and their experts."""
+    """``(probs [N, E], weights [N, k], experts [N, k] int32)`` of tokens ``x [N, D]``: the softmax of ``x W_r``
+    (float32, float64 for a float64 model), its ``k`` largest values (renormalized to sum 1 with ``norm_topk_prob``) and their experts."""
     logits = x @ router.astype(x.dtype)
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    probs = jax.nn.softmax(logits.astype(wide(x.dtype)), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -74,11 +76,11 @@ def moe_mlp(x: Array, valid: Array, router: Array, gate: Array, up: Array, down:
     dtype = x.dtype
     out = experts_swiglu(flat, experts, weights, gate.astype(dtype), up.astype(dtype), down.astype(dtype))
     keep = valid.reshape(-1)
-    one_hot = jax.nn.one_hot(experts, router.shape[-1], dtype=jnp.float32).sum(axis=1)  # [N, E]
+    one_hot = jax.nn.one_hot(experts, router.shape[-1], dtype=probs.dtype).sum(axis=1)  # [N, E]
     stats = RouterStats(
         counts=jnp.sum(jnp.where(keep[:, None], one_hot, 0.0), axis=0),
         probs=jnp.sum(jnp.where(keep[:, None], probs, 0.0), axis=0),
-        tokens=jnp.sum(keep).astype(jnp.float32),
+        tokens=jnp.sum(keep).astype(probs.dtype),
     )
     return out.reshape(batch, length, width), stats
 
