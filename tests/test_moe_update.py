@@ -21,9 +21,9 @@ SGD = OptimConfig(name="sgd", lr=0.5, grad_clip=0.0)
 CUTS = {
     "K=1": dict(ppo_micro_batch_size=N),
     "K=3 uneven (token budget)": dict(use_dynamic_bsz=True, ppo_max_token_len=40),
-    "2 data shards": dict(ppo_micro_batch_size=8),
+    "K=2 on data 2 x fsdp 2 x tensor 2": dict(ppo_micro_batch_size=2),
 }
-MESHES = {"2 data shards": (2, 1, 1)}
+MESHES = {"K=2 on data 2 x fsdp 2 x tensor 2": (2, 2, 2)}
 
 
 def moe_config() -> ModelConfig:
