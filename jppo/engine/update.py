@@ -4,6 +4,8 @@ Inside the step:
 
 1. the whole mini-batch's :class:`~jppo.core.masked.NormStats` are computed ONCE, by ``psum`` of shard-local counts over
    the batch axes in a ``shard_map`` region (:func:`mini_batch_norm_stats`), before any micro-batch is touched;
+   for a model with experts and a load-balancing loss, also the whole mini-batch's expert fractions, by a forward
+   pass over its micro-batches (:func:`mini_batch_expert_fractions`);
 2. ``lax.scan`` runs the K micro-batches: each differentiates its share of the whole loss (every term through
    ``agg_loss`` with those same NormStats) and adds the gradient to the accumulator of
    ``optax.MultiSteps(use_grad_mean=False)``'s state; the K-th runs the optimizer once, on the whole mini-batch
@@ -12,7 +14,7 @@ Inside the step:
    over shards), divided once at the end.
 
 Micro-batches without a single response token (padding to a common K) skip the forward and backward pass: their
-share and gradient are exactly zero anyway.
+share and gradient are exactly zero anyway (with a load-balancing loss, those without a single token).
 
 ``normalization="per_micro_batch"`` reproduces, on purpose and per role, what verl computed before it normalized
 globally: each micro-batch normalized by its own counts (N and S over all shards; C as configured), the critic's
