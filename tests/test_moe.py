@@ -4,7 +4,6 @@ load-balancing loss; LoRA on a model with experts."""
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch

@@ -3,14 +3,16 @@ whatever the cut (K micro-batches, token budgets, data shards), and the expert l
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from engine_cases import VOCAB, mesh_of, padded_inputs, ragged_batch
 from jppo.engine import ActorConfig, OptimConfig, UpdateStep, actor_loss_fn, init_train_state, run_updates
+from jppo.engine.update import router_aux_coef
 from jppo.models.config import ModelConfig
 from jppo.models.decoder import CausalLM
 from jppo.models.moe import collect_router_stats, load_balancing_loss
@@ -88,8 +90,20 @@ def test_gradient_and_router_metrics_do_not_depend_on_the_cut(cut, whole):
 
 
 def test_the_load_balancing_loss_moves_the_router_and_its_coefficient_is_overridable(whole):
-    _, with_aux = whole
-    metrics, without = update(CUTS["K=1"], router_aux_loss_coef=0.0)
-    assert "actor/router_aux_loss" not in metrics and "actor/expert_load" in metrics
+    expected_metrics, with_aux = whole
+    metrics, without = update(CUTS["K=3 uneven (token budget)"], router_aux_loss_coef=0.0)
+    assert "actor/router_aux_loss" not in metrics
+    # the same weights route the same tokens, with or without the loss, whatever the cut
+    np.testing.assert_allclose(metrics["actor/expert_load"], expected_metrics["actor/expert_load"], rtol=1e-12)
     router = lambda g: np.asarray(g["decoder"]["layers"]["router"])  # noqa: E731
     assert np.abs(router(with_aux) - router(without)).max() > 1e-4 * np.abs(router(without)).max()
+
+
+def test_a_qwen3_moe_model_without_a_layer_with_experts_has_no_load_balancing_loss():
+    """Every layer in mlp_only_layers: the model is dense (a config of one layer, as the fuzzed quickstart_moe
+    with model.num_layers=1 is), so there are no router counts to take fractions of, and the loss is off."""
+    config = dataclasses.replace(moe_config(), num_layers=1, mlp_only_layers=(0,))
+    assert config.sparse_layers == () and config.dense_layers == (0,)
+    assert router_aux_coef(ActorConfig(), config) == 0.0
+    assert router_aux_coef(ActorConfig(), moe_config()) == 0.3 and router_aux_coef(
+        ActorConfig(router_aux_loss_coef=0.1), moe_config()) == 0.1

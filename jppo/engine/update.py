@@ -14,7 +14,7 @@ Inside the step:
    over shards), divided once at the end.
 
 Micro-batches without a single response token (padding to a common K) skip the forward and backward pass: their
-share and gradient are exactly zero anyway (with a load-balancing loss, those without a single token).
+share and gradient are exactly zero anyway (with experts, those without a single token: every token is routed).
 
 ``normalization="per_micro_batch"`` reproduces, on purpose and per role, what verl computed before it normalized
 globally: each micro-batch normalized by its own counts (N and S over all shards; C as configured), the critic's
@@ -159,8 +159,8 @@ def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
 
 def router_aux_coef(cfg: UpdateConfig, model_config) -> float:
     """The load-balancing loss's weight: ``actor.router_aux_loss_coef``, by default the model's; 0 for the critic
-    and for a model without experts."""
-    if not isinstance(cfg, ActorConfig) or not model_config.num_experts:
+    and for a model without a layer with experts."""
+    if not isinstance(cfg, ActorConfig) or not model_config.sparse_layers:
         return 0.0
     return float(model_config.router_aux_loss_coef if cfg.router_aux_loss_coef is None else cfg.router_aux_loss_coef)
 
@@ -231,9 +231,11 @@ def micro_batch_gradient(
 
         whole = None if legacy else mini_batch_norm_stats(batch.slots.response_mask, loss_scale_factor, mesh)
         divisor = legacy_share_divisor(cfg, batch) if legacy else None
-        # a load-balancing loss: the expert fractions of the whole mini-batch, and every micro-batch holding a
-        # token (not only a response token) takes its share
-        balancing = bool(router_aux_coef(cfg, model_of(params).config))
+        # a load-balancing loss: the expert fractions of the whole mini-batch; and with experts every micro-batch
+        # holding a token (not only a response token) routes it, for its share and the expert load
+        model_config = model_of(params).config
+        balancing = bool(router_aux_coef(cfg, model_config))
+        routes = isinstance(cfg, ActorConfig) and bool(model_config.sparse_layers)
         if balancing and not legacy:
             fractions, pairs = mini_batch_expert_fractions(model_of(params), batch)
             whole = whole.replace(expert_fractions=fractions, routed_pairs=pairs)
@@ -256,7 +258,7 @@ def micro_batch_gradient(
 
         def differentiate(params, micro):
             holds = jnp.any(micro.slots.response_mask)
-            holds = holds | jnp.any(micro.segment_ids != 0) if balancing else holds
+            holds = holds | jnp.any(micro.segment_ids != 0) if routes else holds
             return jax.lax.cond(holds, compute, lambda p, m: _zeros(shapes), params, micro)
 
         return differentiate

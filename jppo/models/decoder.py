@@ -49,7 +49,8 @@ from jppo.models.attention import AttentionRule
 from jppo.models.config import ModelConfig
 from jppo.models.context import context_parallel, sequence_attention
 from jppo.models.layers import (
-    RESPONSE_BLOCKS, apply_rope, attention, check_inputs, decode_attention, dense, response_blocks, rms_norm, rope_tables, swiglu,
+    RESPONSE_BLOCKS, apply_rope, attention, check_inputs, decode_attention, dense, response_blocks, rms_norm,
+    rope_tables, swiglu,
     wide,
 )
 from jppo.models.moe import expert_params, layer_by_layer, layer_slices, moe_mlp, record_router_stats

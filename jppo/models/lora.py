@@ -40,7 +40,8 @@ def check_fits(lora: LoRAConfig, config: ModelConfig) -> None:
     targets = adapted_targets(config, lora)
     if not targets:
         raise InvalidSetting("lora.", "target_modules", sorted(lora.target_modules),
-                             "at least one attention projection (q_proj, k_proj, v_proj, o_proj) on a model with experts")
+                             "at least one attention projection (q_proj, k_proj, v_proj, o_proj) on a model with "
+                             "experts")
     limit = min(min(shapes[name][:2]) for name in targets)
     if lora.rank > limit:
         raise InvalidSetting("lora.", "rank", lora.rank, f"<= {limit} (the narrowest side of a target projection)")
@@ -50,11 +51,11 @@ ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def adapted_targets(config: ModelConfig, lora: LoRAConfig) -> tuple[str, ...]:
-    """The targets that get adapters: all of ``target_modules``, except on a model with experts, where the MLP
-    targets (``gate_proj``, ``up_proj``, ``down_proj``) are left out: the experts, the router and the dense MLP of
-    its layers without experts stay frozen, and only the attention projections are adapted."""
+    """The targets that get adapters: all of ``target_modules``, except on a model with experts in some layer,
+    where the MLP targets (``gate_proj``, ``up_proj``, ``down_proj``) are left out: the experts, the router and the
+    dense MLP of its layers without experts stay frozen, and only the attention projections are adapted."""
     targets = tuple(name for name in LORA_TARGETS if name in lora.target_modules)
-    return tuple(name for name in targets if name in ATTENTION_TARGETS) if config.num_experts else targets
+    return tuple(name for name in targets if name in ATTENTION_TARGETS) if config.sparse_layers else targets
 
 
 def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int, str, str]]:
@@ -194,7 +195,8 @@ def save_peft_adapter(
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "adapter_config.json").write_text(json.dumps(peft_config(lora, base_model, adapters.targets), indent=2) + "\n")
+    config = peft_config(lora, base_model, adapters.targets)
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = peft_tensors(adapters, np.dtype(jnp.dtype(dtype)))
     save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
     return ["adapter_config.json", "adapter_model.safetensors"]

@@ -42,7 +42,8 @@ class RouterStats(NamedTuple):
 
 def route(x: Array, router: Array, top_k: int, norm_topk_prob: bool) -> tuple[Array, Array, Array]:
     """``(probs [N, E], weights [N, k], experts [N, k] int32)`` of tokens ``x [N, D]``: the softmax of ``x W_r``
-    (float32, float64 for a float64 model), its ``k`` largest values (renormalized to sum 1 with ``norm_topk_prob``) and their experts."""
+    (float32, float64 for a float64 model), its ``k`` largest values (renormalized to sum 1 with
+    ``norm_topk_prob``) and their experts."""
     logits = x @ router.astype(x.dtype)
     probs = jax.nn.softmax(logits.astype(wide(x.dtype)), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
