@@ -30,7 +30,7 @@ class ModelSection:
 
     path: Optional[str] = None  # a local Hugging Face checkpoint directory; None: a random model of the keys below
     tokenizer: Optional[str] = None  # a tokenizer.json directory or builtin:<task>; None: path, else builtin
-    model_type: str = "qwen2"  # the family (llama | qwen2 | qwen3, jppo.models.families): its fixed flags
+    model_type: str = "qwen2"  # the family (llama | qwen2 | qwen3 | qwen3_moe, jppo.models.families): its fixed flags
     hidden_size: int = 64  # width of the residual stream
     intermediate_size: int = 256  # width of each MLP's hidden layer
     num_layers: int = 2  # decoder layers
@@ -48,6 +48,15 @@ class ModelSection:
     attention_block_q: int = 512  # query tokens per block of blockwise/pallas attention (a power of two >= 8)
     attention_block_kv: int = 512  # key tokens per block of blockwise/pallas attention (a power of two >= 8)
     layer_loop: str = "auto"  # scan | unroll | auto (unrolled up to AUTO_UNROLL_LAYERS layers): the layers' loop
+    # a mixture of experts (model_type: qwen3_moe; docs/algorithms.md): num_experts > 0 experts in every layer
+    # (i + 1) divisible by decoder_sparse_step and not in mlp_only_layers, the others a dense MLP
+    num_experts: int = 0  # experts per layer with experts (qwen3_moe only; 0: none)
+    num_experts_per_tok: int = 1  # experts each token is routed to (top k of the router's softmax)
+    moe_intermediate_size: int = 0  # width of each expert's hidden layer
+    decoder_sparse_step: int = 1  # experts in every decoder_sparse_step-th layer
+    mlp_only_layers: tuple[int, ...] = ()  # layers (from 0) with the dense MLP instead of experts
+    norm_topk_prob: bool = False  # renormalize a token's top-k router probabilities to sum to 1
+    router_aux_loss_coef: float = 0.0  # the model's load-balancing loss weight (actor.router_aux_loss_coef's default)
 
     def architecture(self) -> dict[str, Any]:
         """The ModelConfig fields this section gives (every key but where the model and its vocabulary come from)."""

@@ -144,11 +144,17 @@ class NormStats:
         num_seqs: ``S``, rows of the whole mini-batch with at least one valid token.
         loss_scale_factor: ``C``, a configured constant (e.g. the maximum response length), used by
             ``seq-mean-token-sum-norm`` only. Never the padded width of a micro-batch.
+        expert_fractions: for a model with experts and a load-balancing loss, ``f_e [E]``: the fraction of the
+            whole mini-batch's (token, layer) pairs routed to expert ``e`` (``k`` per pair in all), else ``None``.
+        routed_pairs: ``R``, the (non-padding token, layer with experts) pairs of the whole mini-batch, with
+            ``expert_fractions``.
     """
 
     num_tokens: Array
     num_seqs: Array
     loss_scale_factor: Array
+    expert_fractions: Array | None = None
+    routed_pairs: Array | None = None
 
 
 def global_norm_stats(

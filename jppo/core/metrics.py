@@ -9,7 +9,9 @@ on the cut), so every metric travels as a :class:`Metric` pair and is divided on
 - a maximum / minimum (keys ending in ``_max`` / ``_min``) is combined with ``max`` / ``min`` instead of ``+``;
 - an explained variance (keys ending in ``_explained_var``) carries each piece's token count, means and sums of
   squared deviations, merged exactly (Chan et al.'s pairwise update), and is formed once from the whole
-  mini-batch's.
+  mini-batch's;
+- an expert load (keys ending in ``expert_load``) carries the tokens routed to each expert of each layer, added,
+  and finishes as the largest ``max / mean`` over experts of a layer.
 
 Across several optimizer steps (mini-batches, epochs) the finished values are averaged per step
 (:func:`mean_over_steps`), again with ``_max`` / ``_min`` keys combined by name.
@@ -44,9 +46,14 @@ def _kind(name: str) -> str:
         return "min"
     if name.endswith("_explained_var"):
         return "explained_var"
+    if name.endswith("expert_load"):
+        return "expert_load"
     return "sum"
 
 
+def _adds(kind: str) -> bool:
+    """Pieces of a sum or an expert load combine by adding numerators and denominators."""
+    return kind in ("sum", "expert_load")
 
 
 def ratio(values: Array, mask: Array) -> Metric:
@@ -147,7 +154,7 @@ def scalar(value: Array | float) -> Metric:
 
 def _combine_one(name: str, a: Metric, b: Metric) -> Metric:
     kind = _kind(name)
-    if kind == "sum":
+    if _adds(kind):
         return Metric(a.numerator + b.numerator, a.denominator + b.denominator)
     if kind == "explained_var":
         return _merge_moments(a, b)
@@ -190,7 +197,7 @@ def psum(metrics: Mapping[str, Metric], axis_name: str | Sequence[str]) -> Metri
             out[name] = merged
             continue
         denominator = jax.lax.psum(metric.denominator, axis_name)
-        if kind == "sum":
+        if _adds(kind):
             numerator = jax.lax.psum(metric.numerator, axis_name)
         else:
             sentinel = _sentinel(metric.numerator.dtype, kind)
@@ -210,6 +217,10 @@ def finish(metrics: Mapping[str, Metric]) -> dict[str, Array]:
             out[name] = safe_divide(metric.numerator, metric.denominator)
         elif kind == "explained_var":
             out[name] = _finish_explained_variance(metric)
+        elif kind == "expert_load":  # counts [layers, E]
+            counts = metric.numerator
+            peak = jnp.max(safe_divide(jnp.max(counts, axis=-1), jnp.mean(counts, axis=-1)))
+            out[name] = jnp.where(metric.denominator == 0, 0, peak)
         else:
             out[name] = jnp.where(metric.denominator == 0, 0, metric.numerator)
     return out

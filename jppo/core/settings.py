@@ -198,6 +198,9 @@ class ActorFields(PolicyLossOptions, _PolicyLossName):
     use_kl_loss: bool = False  # add kl_loss_coef x the KL to the reference policy to the loss (GRPO's KL term)
     kl_loss_coef: float = 0.001  # weight of the KL loss (with use_kl_loss)
     kl_loss_type: str = "low_var_kl"  # the KL estimator of the loss (jppo.losses.kl.KL_KINDS: k1, k2, k3, k3+, ...)
+    # weight of the load-balancing loss of a model with experts, from the whole mini-batch's expert fractions
+    # (docs/algorithms.md); null: the model's config.json router_aux_loss_coef; 0: none
+    router_aux_loss_coef: Optional[float] = None
     rollout_correction: RolloutCorrection = dataclasses.field(default_factory=RolloutCorrection)
 
 

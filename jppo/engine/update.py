@@ -4,6 +4,8 @@ Inside the step:
 
 1. the whole mini-batch's :class:`~jppo.core.masked.NormStats` are computed ONCE, by ``psum`` of shard-local counts over
    the batch axes in a ``shard_map`` region (:func:`mini_batch_norm_stats`), before any micro-batch is touched;
+   for a model with experts and a load-balancing loss, also the whole mini-batch's expert fractions, by a forward
+   pass over its micro-batches (:func:`jppo.engine.experts.mini_batch_expert_fractions`);
 2. ``lax.scan`` runs the K micro-batches: each differentiates its share of the whole loss (every term through
    ``agg_loss`` with those same NormStats) and adds the gradient to the accumulator of
    ``optax.MultiSteps(use_grad_mean=False)``'s state; the K-th runs the optimizer once, on the whole mini-batch
@@ -12,7 +14,7 @@ Inside the step:
    over shards), divided once at the end.
 
 Micro-batches without a single response token (padding to a common K) skip the forward and backward pass: their
-share and gradient are exactly zero anyway.
+share and gradient are exactly zero anyway (with experts, those without a single token: every token is routed).
 
 ``normalization="per_micro_batch"`` reproduces, on purpose and per role, what verl computed before it normalized
 globally: each micro-batch normalized by its own counts (N and S over all shards; C as configured), the critic's
@@ -46,6 +48,9 @@ from jppo.core.masked import NormStats, global_norm_stats
 from jppo.parallel.mesh import BATCH_AXES, ROW_AXES, SEQUENCE_AXIS, sequence_shards
 from jppo.engine.microbatch import MicroBatches
 from jppo.models.log_probs import token_log_probs
+from jppo.engine.experts import mini_batch_expert_fractions, router_aux_coef
+from jppo.models.moe import collect_router_stats
+from jppo.losses.router import expert_load, load_balancing_share
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +125,10 @@ def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
     cfg.rollout_correction.check()
 
     def loss(model, batch, norm):
-        log_probs, entropy = policy_outputs(
-            model, batch, temperature=temperature, chunk_size=cfg.log_prob_chunk_size, with_entropy=True
-        )
+        with collect_router_stats() as routed:
+            log_probs, entropy = policy_outputs(
+                model, batch, temperature=temperature, chunk_size=cfg.log_prob_chunk_size, with_entropy=True
+            )
         if cfg.entropy_coeff == 0:
             # reported (actor/entropy) whatever the coefficient; without a bonus it needs no backward pass
             entropy = jax.lax.stop_gradient(entropy)
@@ -139,6 +145,14 @@ def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
         if source != "recompute" and data.rollout_log_prob is not None:  # no pass before the update measured it
             mask, corr = data.response_mask, source == "rollout"
             metrics.update(sampler_mismatch(current, data.rollout_log_prob, mask, rollout_corr=corr))
+        if routed:  # a model with experts
+            stats = routed[0]
+            metrics["actor/expert_load"] = expert_load(stats.counts, stats.tokens)
+            coef = router_aux_coef(cfg, model.config)
+            if coef:
+                aux, metrics["actor/router_aux_loss"] = load_balancing_share(stats.counts, stats.probs, stats.tokens,
+                                                                             norm)
+                share = share + coef * aux
         return share, metrics
 
     return loss
@@ -208,6 +222,14 @@ def micro_batch_gradient(
 
         whole = None if legacy else mini_batch_norm_stats(batch.slots.response_mask, loss_scale_factor, mesh)
         divisor = legacy_share_divisor(cfg, batch) if legacy else None
+        # a load-balancing loss: the expert fractions of the whole mini-batch; and with experts every micro-batch
+        # holding a token (not only a response token) routes it, for its share and the expert load
+        model_config = model_of(params).config
+        balancing = bool(router_aux_coef(cfg, model_config))
+        routes = isinstance(cfg, ActorConfig) and bool(model_config.sparse_layers)
+        if balancing and not legacy:
+            fractions, pairs = mini_batch_expert_fractions(model_of(params), batch)
+            whole = whole.replace(expert_fractions=fractions, routed_pairs=pairs)
 
         def share_and_metrics(params, micro):
             if not legacy:
@@ -226,9 +248,9 @@ def micro_batch_gradient(
         shapes = jax.eval_shape(compute, params, first)
 
         def differentiate(params, micro):
-            return jax.lax.cond(
-                jnp.any(micro.slots.response_mask), compute, lambda p, m: _zeros(shapes), params, micro
-            )
+            holds = jnp.any(micro.slots.response_mask)
+            holds = holds | jnp.any(micro.segment_ids != 0) if routes else holds
+            return jax.lax.cond(holds, compute, lambda p, m: _zeros(shapes), params, micro)
 
         return differentiate
 

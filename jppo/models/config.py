@@ -142,6 +142,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    # mixture of experts (qwen3_moe): num_experts > 0 puts a router and experts in the layers it names
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         MODEL_FAMILIES.lookup(self.model_type)
@@ -180,6 +188,24 @@ class ModelConfig:
         if isinstance(self.eos_token_id, list):
             self._set("eos_token_id", tuple(self.eos_token_id))
         self._resolve_family_flags()
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        self._set("mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if bool(self.num_experts) != self.family.has_experts:
+            raise InvalidSetting("", "num_experts", self.num_experts, f"{'> 0' if self.family.has_experts else '0'} "
+                                 f"for model_type {self.model_type!r}")
+        if not self.num_experts:
+            return
+        for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidSetting("", name, value, "a positive integer")
+        if self.num_experts_per_tok > self.num_experts:
+            raise InvalidSetting("", "num_experts_per_tok", self.num_experts_per_tok,
+                                 f"<= num_experts={self.num_experts}")
+        if not self.router_aux_loss_coef >= 0:
+            raise InvalidSetting("", "router_aux_loss_coef", self.router_aux_loss_coef, ">= 0")
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # a default resolved while the frozen dataclass is being built
@@ -220,6 +246,21 @@ class ModelConfig:
         if self.layer_loop != "auto":
             return self.layer_loop
         return "unroll" if self.num_layers <= AUTO_UNROLL_LAYERS else "scan"
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers with a router and experts (transformers' rule: not in ``mlp_only_layers`` and ``(i + 1)``
+        a multiple of ``decoder_sparse_step``); none without experts."""
+        if not self.num_experts:
+            return ()
+        return tuple(i for i in range(self.num_layers)
+                     if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """The layers with the dense SwiGLU MLP (every layer of a model without experts)."""
+        sparse = set(self.sparse_layers)
+        return tuple(i for i in range(self.num_layers) if i not in sparse)
 
     @property
     def q_size(self) -> int:
@@ -273,6 +314,17 @@ class ModelConfig:
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             pad_token_id=hf.get("pad_token_id"),
         )
+        if family.has_experts:
+            # transformers 5 writes num_experts as num_local_experts; the published checkpoints say num_experts
+            fields.update(
+                num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+                num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["moe_intermediate_size"],
+                decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+                mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+            )
         return cls(**{**fields, **overrides})
 
     def to_hf(self, head: str = "lm") -> dict[str, Any]:
@@ -310,6 +362,11 @@ class ModelConfig:
         if "attention_bias" not in self.family.fixed_flags:
             hf["attention_bias"] = self.attention_bias
         hf.update(self.family.hf_constants)
+        if self.num_experts:
+            hf.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                      moe_intermediate_size=self.moe_intermediate_size, decoder_sparse_step=self.decoder_sparse_step,
+                      mlp_only_layers=list(self.mlp_only_layers), norm_topk_prob=self.norm_topk_prob,
+                      router_aux_loss_coef=self.router_aux_loss_coef, output_router_logits=False)
         if head == "value":
             hf["id2label"] = {"0": "LABEL_0"}
             hf["label2id"] = {"LABEL_0": 0}

@@ -12,7 +12,8 @@ Attention rule, for packed training rows and cached decoding alike: the query in
 (segments 1, 2, ... with positions restarting at 0) are exact. Padding queries output finite values.
 
 Parameter layout (``[in, out]`` kernels; attention projections flattened over heads, the flattened dimension
-carries the heads' logical name, head-major as in Hugging Face checkpoints):
+carries the heads' logical name, head-major as in Hugging Face checkpoints; ``Ld`` layers with the dense MLP, ``Ls``
+with ``X`` experts of width ``G``, :mod:`jppo.models.moe`):
 
 =====================================  ===================  ========================================
 parameter                              shape                logical names
@@ -25,8 +26,11 @@ parameter                              shape                logical names
 ``decoder.layers.o_bias``              ``[L, D]``           ``layers, -``
 ``decoder.layers.{q,k}_norm``          ``[L, E]``           ``layers, head_dim``
 ``decoder.layers.*_norm`` (D-wide)     ``[L, D]``           ``layers, -``
-``decoder.layers.gate_proj``/``up``    ``[L, D, F]``        ``layers, embed, mlp``
-``decoder.layers.down_proj``           ``[L, F, D]``        ``layers, mlp, embed``
+``decoder.layers.gate_proj``/``up``    ``[Ld, D, F]``       ``layers, embed, mlp``
+``decoder.layers.down_proj``           ``[Ld, F, D]``       ``layers, mlp, embed``
+``decoder.layers.router``              ``[Ls, D, X]``       ``layers, embed, -``
+``decoder.layers.expert_gate``/``up``  ``[Ls, X, D, G]``    ``layers, -, embed, mlp``
+``decoder.layers.expert_down``         ``[Ls, X, G, D]``    ``layers, -, mlp, embed``
 ``decoder.norm``                       ``[D]``              ``-``
 ``lm_head`` (untied only)              ``[D, V]``           ``embed, vocab``
 ``value_head.kernel`` / ``bias``       ``[D, 1]`` / ``[1]`` ``embed, value`` / ``value``
@@ -45,9 +49,11 @@ from jppo.models.attention import AttentionRule
 from jppo.models.config import ModelConfig
 from jppo.models.context import context_parallel, sequence_attention
 from jppo.models.layers import (
-    RESPONSE_BLOCKS, apply_rope, attention, decode_attention, dense, response_blocks, rms_norm, rope_tables, swiglu,
+    RESPONSE_BLOCKS, apply_rope, attention, check_inputs, decode_attention, dense, response_blocks, rms_norm,
+    rope_tables, swiglu,
     wide,
 )
+from jppo.models.moe import expert_params, layer_by_layer, layer_slices, moe_mlp, record_router_stats
 from jppo.models.decoding import PromptCache, ResponseCache, layer_copier, with_decoding_copies, write_slot
 from jppo.models.sharding import constrain, param
 
@@ -83,9 +89,14 @@ class DecoderLayers(nnx.Module):
         self.q_norm = param(ones(L, config.head_dim), ("layers", "head_dim")) if config.qk_norm else None
         self.k_norm = param(ones(L, config.head_dim), ("layers", "head_dim")) if config.qk_norm else None
         self.post_attention_norm = param(ones(L, D), ("layers", None))
-        self.gate_proj = param(normal_weights(rngs, (L, D, F), config), ("layers", "embed", "mlp"))
-        self.up_proj = param(normal_weights(rngs, (L, D, F), config), ("layers", "embed", "mlp"))
-        self.down_proj = param(normal_weights(rngs, (L, F, D), config), ("layers", "mlp", "embed"))
+        Ld = len(config.dense_layers)  # the dense MLP's layers; the others hold experts (jppo.models.moe)
+        dense = Ld > 0
+        self.gate_proj = param(normal_weights(rngs, (Ld, D, F), config), ("layers", "embed", "mlp")) if dense else None
+        self.up_proj = param(normal_weights(rngs, (Ld, D, F), config), ("layers", "embed", "mlp")) if dense else None
+        self.down_proj = param(normal_weights(rngs, (Ld, F, D), config), ("layers", "mlp", "embed")) if dense else None
+        experts = expert_params(config, lambda shape: normal_weights(rngs, shape, config))
+        self.router, self.expert_gate, self.expert_up, self.expert_down = (
+            param(value, names) if value is not None else None for value, names in experts)
         self.lora = None  # LoRA adapters (jppo.models.lora.attach_lora): y = x W + s (x A) B on their targets
 
     def _stacked_weights(self) -> dict[str, Array]:
@@ -94,10 +105,12 @@ class DecoderLayers(nnx.Module):
     def _stacked_adapters(self) -> dict[str, tuple[Array, Array]]:
         return {} if self.lora is None else self.lora.stacked()
 
-    def _block(self, h: Array, weights: dict, adapters: dict, rope: tuple[Array, Array], attend) -> tuple[Array, Any]:
+    def _block(self, h: Array, weights: dict, adapters: dict, rope: tuple[Array, Array], attend,
+               valid: Array | None = None) -> tuple[Array, Any]:
         """One layer on ``h [B, T, D]`` with that layer's ``weights`` and LoRA ``adapters``; ``attend(q, k, v)``
         (``[B, T, heads, E]`` each, after RoPE) returns the attended values ``[B, T, H, E]`` and anything the
-        caller wants back from the layer (its keys and values, an updated cache)."""
+        caller wants back from the layer (its keys and values, an updated cache). A layer with experts also
+        returns its :class:`~jppo.models.moe.RouterStats` over the ``valid [B, T]`` tokens: ``(extra, stats)``."""
         config = self.config
         dtype = config.compute_dtype
         batch, length, _ = h.shape
@@ -130,26 +143,42 @@ class DecoderLayers(nnx.Module):
             out = out + weights["o_bias"].astype(dtype)
         h = h + out
         x = rms_norm(h, weights["post_attention_norm"], config.rms_norm_eps)
-        if adapters:
+        if "router" in weights:
+            valid = jnp.ones((batch, length), bool) if valid is None else valid
+            mlp, stats = moe_mlp(x, valid, weights["router"], weights["expert_gate"], weights["expert_up"],
+                                 weights["expert_down"], config.num_experts_per_tok, config.norm_topk_prob)
+            return constrain(h + mlp, HIDDEN), (extra, stats)
+        if adapters.keys() & {"gate_proj", "up_proj", "down_proj"}:
             mlp = linear(jax.nn.silu(linear(x, "gate_proj")) * linear(x, "up_proj"), "down_proj")
         else:
             up, gate, down = (weights[name].astype(dtype) for name in ("up_proj", "gate_proj", "down_proj"))
             mlp = swiglu(x, gate, up, down)
         return constrain(h + mlp, HIDDEN), extra
 
-    def _scan(self, hidden: Array, rope: tuple[Array, Array], attend) -> tuple[Array, Any]:
+    def _scan(self, hidden: Array, rope: tuple[Array, Array], attend, valid: Array | None = None
+              ) -> tuple[Array, Any]:
         """All layers by one ``lax.scan``, rolled (compile time independent of depth) or unrolled (``layer_loop``:
         no stacked activations to zero-fill and copy for the backward pass); the ``extra`` of every layer's
-        ``attend`` comes back stacked over layers."""
+        ``attend`` comes back stacked over layers. Layers with and without experts side by side differ in their
+        weights: they run one after the other instead. The router stats of the layers with experts (stacked) go to
+        :func:`~jppo.models.moe.record_router_stats`."""
 
         def layer(h, inputs):
             weights, adapters = inputs
-            return self._block(h, weights, adapters, rope, attend)
+            return self._block(h, weights, adapters, rope, attend, valid)
 
         if self.config.remat:
             layer = jax.checkpoint(layer, prevent_cse=False)
-        unroll = self.config.resolved_layer_loop == "unroll"
-        return jax.lax.scan(layer, hidden, (self._stacked_weights(), self._stacked_adapters()), unroll=unroll)
+        config = self.config
+        stacked, adapters = self._stacked_weights(), self._stacked_adapters()
+        if config.dense_layers and config.sparse_layers:
+            return layer_by_layer(layer, hidden, layer_slices(stacked, adapters, config))
+        unroll = config.resolved_layer_loop == "unroll"
+        hidden, extra = jax.lax.scan(layer, hidden, (stacked, adapters), unroll=unroll)
+        if config.sparse_layers:
+            extra, stats = extra
+            record_router_stats(stats)
+        return hidden, extra
 
     def _attention(self, q: Array, k: Array, v: Array, rule: AttentionRule) -> Array:
         config = self.config
@@ -159,7 +188,7 @@ class DecoderLayers(nnx.Module):
         """Runs all layers on ``hidden [B, T, D]``, each query attending the keys its ``rule`` shows it (segments
         and slots: the dense ``[B, T, T]`` mask is built only by the implementations that take one)."""
         attend = lambda q, k, v: (self._attention(q, k, v, rule), None)  # noqa: E731
-        return self._scan(hidden, rope, attend)[0]
+        return self._scan(hidden, rope, attend, rule.query_segments != 0)[0]
 
     def context_parallel(self, hidden: Array, rope: tuple[Array, Array], segment_ids: Array) -> Array:
         """:meth:`__call__` with the tokens split over the ``sequence`` mesh axis (:mod:`jppo.models.context`): the
@@ -170,7 +199,7 @@ class DecoderLayers(nnx.Module):
         def attend(q, k, v):
             return sequence_attention(q, k, v, segment_ids, config.attention, blocks), None
 
-        return self._scan(hidden, rope, attend)[0]
+        return self._scan(hidden, rope, attend, segment_ids != 0)[0]
 
     def prefill(self, hidden: Array, rope: tuple[Array, Array], rule: AttentionRule,
                 layers: tuple | None = None) -> tuple[Array, tuple[Array, Array]]:
@@ -188,7 +217,7 @@ class DecoderLayers(nnx.Module):
         kept = []
         for weights, adapters in layers:
             hidden, layer_kept = self._block(hidden, weights, adapters, rope, attend)
-            kept.append(layer_kept)
+            kept.append(layer_kept[0] if "router" in weights else layer_kept)
         return hidden, tuple(jnp.stack(x) for x in zip(*kept))
 
     def unstacked(self) -> tuple[tuple[dict, dict], ...]:
@@ -197,11 +226,10 @@ class DecoderLayers(nnx.Module):
 
         Each slice is the sampler's copy (:func:`~jppo.models.decoding.layer_copier`), sliced first: one layer's
         weights per layer, never a second stack."""
-        weights, adapters = self._stacked_weights(), self._stacked_adapters()
         copy = layer_copier(self, self.config.compute_dtype)
-        return tuple(({name: copy(name, w[index]) for name, w in weights.items()},
-                      {name: (a[index], b[index]) for name, (a, b) in adapters.items()})
-                     for index in range(self.config.num_layers))
+        return tuple(({name: copy(name, w) for name, w in weights.items()}, adapters)
+                     for weights, adapters in layer_slices(self._stacked_weights(), self._stacked_adapters(),
+                                                           self.config))
 
     def decode(
         self,
@@ -268,7 +296,7 @@ class Decoder(nnx.Module):
         return rms_norm(hidden, self.norm[...], self.config.rms_norm_eps)
 
     def __call__(self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
-        positions, segment_ids = _check_inputs(input_ids, positions, segment_ids)
+        positions, segment_ids = check_inputs(input_ids, positions, segment_ids)
         hidden, rope = self._embed(input_ids, positions)
         if context_parallel(input_ids.shape[1]):
             return self._norm(self.layers.context_parallel(hidden, rope, segment_ids))
@@ -278,7 +306,7 @@ class Decoder(nnx.Module):
                 layers: tuple | None = None) -> tuple[Array, PromptCache]:
         """:meth:`__call__` on a prompt batch, plus its :class:`PromptCache` (``layers``: see
         :meth:`DecoderLayers.prefill`)."""
-        positions, segment_ids = _check_inputs(input_ids, positions, segment_ids)
+        positions, segment_ids = check_inputs(input_ids, positions, segment_ids)
         hidden, rope = self._embed(input_ids, positions)
         hidden, (keys, values) = self.layers.prefill(hidden, rope, AttentionRule.packed(segment_ids), layers)
         per_layer = lambda stack: tuple(constrain(layer, CACHE) for layer in stack)  # noqa: E731
@@ -305,21 +333,6 @@ class Decoder(nnx.Module):
             for _ in range(config.num_layers)
         )
         return ResponseCache(keys=zeros(), values=zeros())
-
-
-def _check_inputs(input_ids: Array, positions: Array | None, segment_ids: Array | None) -> tuple[Array, Array]:
-    if input_ids.ndim != 2:
-        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
-    if segment_ids is None:
-        segment_ids = jnp.ones(input_ids.shape, jnp.int32)
-    for name, array in (("positions", positions), ("segment_ids", segment_ids)):
-        if array.shape != input_ids.shape:
-            raise ValueError(
-                f"{name} shape {tuple(array.shape)} does not match input_ids shape {tuple(input_ids.shape)}"
-            )
-    return positions, segment_ids.astype(jnp.int32)
 
 
 class CausalLM(nnx.Module):

@@ -12,6 +12,10 @@ qwen2     True (q/k/v biases)      False                       False
 qwen3     config (default False)   same as ``attention_bias``  True (RMSNorm of q, k per head)
 ========  =======================  ==========================  =============================
 
+``qwen3_moe`` is qwen3's attention with a mixture of experts in the MLP of the layers it names
+(:attr:`~jppo.models.config.ModelConfig.sparse_layers`): a softmax top-k router and SwiGLU experts, stored
+per expert in the checkpoints (``mlp.experts.{j}.gate_proj.weight``, ..., ``mlp.gate.weight``).
+
 A family is a :class:`Family` subclass decorated with ``@MODEL_FAMILIES.register(model_type)``; its attributes
 are all that :mod:`jppo.models.config` (flags, ``config.json``) and :mod:`jppo.models.hf` (tensor names) know of
 it.
@@ -53,6 +57,13 @@ _SHARED_NAMES: dict[str, tuple[str, bool]] = {
     "value_head.kernel": ("score.weight", True),
     "value_head.bias": ("score.bias", False),
 }
+# a mixture of experts' router and experts, in the layers with experts ({j}: the expert)
+_EXPERT_NAMES: dict[str, tuple[str, bool]] = {
+    "decoder.layers.router": (_LAYER + "mlp.gate.weight", True),
+    "decoder.layers.expert_gate": (_LAYER + "mlp.experts.{j}.gate_proj.weight", True),
+    "decoder.layers.expert_up": (_LAYER + "mlp.experts.{j}.up_proj.weight", True),
+    "decoder.layers.expert_down": (_LAYER + "mlp.experts.{j}.down_proj.weight", True),
+}
 
 
 class Family:
@@ -66,8 +77,9 @@ class Family:
         hf_constants: ``config.json`` keys the family writes with a fixed value.
         default_head_dim: the head size where a ``config.json`` leaves it out (transformers' own default); ``None``:
             ``hidden_size // num_heads``.
-        tensor_names: jppo parameter path -> (Hugging Face tensor name, with ``{i}`` for the layer, transposed or
-            not): the only place that knows the correspondence (:mod:`jppo.models.hf`).
+        tensor_names: jppo parameter path -> (Hugging Face tensor name, with ``{i}`` for the layer and ``{j}`` for
+            the expert, transposed or not): the only place that knows the correspondence (:mod:`jppo.models.hf`).
+        has_experts: the family's layers may hold a mixture of experts (``num_experts > 0``).
     """
 
     hf_architecture: ClassVar[str]
@@ -75,6 +87,7 @@ class Family:
     hf_constants: ClassVar[Mapping[str, Any]] = {}
     default_head_dim: ClassVar[int | None] = None
     tensor_names: ClassVar[Mapping[str, tuple[str, bool]]] = _SHARED_NAMES
+    has_experts: ClassVar[bool] = False
 
 
 @MODEL_FAMILIES.register("llama")
@@ -96,3 +109,12 @@ class Qwen3(Family):
     hf_architecture = "Qwen3"
     fixed_flags = {"qk_norm": True}
     default_head_dim = 128
+
+
+@MODEL_FAMILIES.register("qwen3_moe")
+class Qwen3Moe(Family):
+    hf_architecture = "Qwen3Moe"
+    fixed_flags = {"qk_norm": True}
+    hf_constants = {"use_sliding_window": False}
+    tensor_names = {**_SHARED_NAMES, **_EXPERT_NAMES}
+    has_experts = True

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jppo.models.config import DTYPES, ModelConfig
 from jppo.models.decoder import CausalLM
+from jppo.models.moe import stacked_layers
 from jppo.models.safetensors_io import SafetensorsFile, write_sharded_safetensors
 from jppo.models.sharding import variable_spec
 from jppo.models.value import ValueHead, ValueModel
@@ -38,12 +39,23 @@ class CheckpointError(ValueError):
 HEADS = {"lm": CausalLM, "value": ValueModel}
 
 
-def _hf_names(key: str, table: Mapping[str, tuple[str, bool]], config: ModelConfig) -> tuple[list[str], bool]:
-    """The Hugging Face tensor names behind jppo parameter ``key`` (one per layer when stacked)."""
+def _hf_names(key: str, table: Mapping[str, tuple[str, bool]], config: ModelConfig) -> tuple[list, bool]:
+    """The Hugging Face tensor names behind jppo parameter ``key``: one per layer when stacked (the layers its
+    stack holds: :func:`~jppo.models.moe.stacked_layers`), a list per layer of one per expert for the experts."""
     template, transposed = table[key]
-    if key.startswith("decoder.layers."):
-        return [template.format(i=i) for i in range(config.num_layers)], transposed
-    return [template], transposed
+    if not key.startswith("decoder.layers."):
+        return [template], transposed
+    layers = stacked_layers(key.rsplit(".", 1)[1], config)
+    if "{j}" in template:
+        return [[template.format(i=i, j=j) for j in range(config.num_experts)] for i in layers], transposed
+    return [template.format(i=i) for i in layers], transposed
+
+
+def _stacked_depth(key: str, table: Mapping[str, tuple[str, bool]]) -> int:
+    """How many leading axes of parameter ``key`` index checkpoint tensors: 0, 1 (layers), 2 (layers, experts)."""
+    if not key.startswith("decoder.layers."):
+        return 0
+    return 2 if "{j}" in table[key][0] else 1
 
 
 class _Checkpoint:
@@ -88,26 +100,32 @@ def read_config(path: PathLike, **overrides) -> ModelConfig:
 
 
 def _tensor_reader(
-    checkpoint: _Checkpoint, names: list[str], transposed: bool, stacked: bool, expected: tuple[int, ...]
+    checkpoint: _Checkpoint, names: list, transposed: bool, depth: int, expected: tuple[int, ...]
 ) -> Callable[[tuple[slice, ...]], np.ndarray]:
-    """A function from an index of the jppo parameter (shape ``expected``) to that slice as a host array."""
-    per_layer = expected[1:] if stacked else expected
-    hf_shape = per_layer[::-1] if transposed else per_layer
-    tensors = [checkpoint.tensor(name) for name in names]
-    for name, tensor in zip(names, tensors):
-        if tuple(tensor.shape) != tuple(hf_shape):
-            raise CheckpointError(f"tensor {name}: expected shape {tuple(hf_shape)}, found {tuple(tensor.shape)}")
+    """A function from an index of the jppo parameter (shape ``expected``, whose ``depth`` leading axes index the
+    nested lists of ``names``) to that slice as a host array."""
+    per_tensor = expected[depth:]
+    hf_shape = per_tensor[::-1] if transposed else per_tensor
+
+    def open_all(names, depth):
+        if depth == 0:
+            tensor = checkpoint.tensor(names)
+            if tuple(tensor.shape) != tuple(hf_shape):
+                raise CheckpointError(f"tensor {names}: expected shape {tuple(hf_shape)}, found {tuple(tensor.shape)}")
+            return tensor
+        return [open_all(name, depth - 1) for name in names]
+
+    tensors = open_all(names if depth else names[0], depth)
 
     def piece(tensor: np.ndarray, index: tuple[slice, ...]) -> np.ndarray:
         return np.asarray(tensor[index[::-1]]).T if transposed else np.asarray(tensor[index])
 
-    def read(index: tuple[slice, ...]) -> np.ndarray:
-        if not stacked:
-            return piece(tensors[0], index)
-        layers = range(len(tensors))[index[0]]
-        return np.stack([piece(tensors[i], index[1:]) for i in layers])
+    def gather(tensors, index: tuple[slice, ...], depth: int) -> np.ndarray:
+        if depth == 0:
+            return piece(tensors, index)
+        return np.stack([gather(tensors[i], index[1:], depth - 1) for i in range(len(tensors))[index[0]]])
 
-    return read
+    return lambda index: gather(tensors, index, depth)
 
 
 def _place(read: Callable, variable: nnx.Variable, mesh: Mesh | None) -> Array:
@@ -167,7 +185,7 @@ def load_pretrained(
             read = lambda index: np.zeros(variable.shape)[index]  # noqa: E731
         else:
             names, transposed = _hf_names(key, table, config)
-            read = _tensor_reader(checkpoint, names, transposed, key.startswith("decoder.layers."), variable.shape)
+            read = _tensor_reader(checkpoint, names, transposed, _stacked_depth(key, table), variable.shape)
         return variable.replace(_place(read, variable, mesh))
 
     return nnx.merge(graphdef, nnx.map_state(load, abstract))
@@ -195,7 +213,7 @@ def save_pretrained(
     path.mkdir(parents=True, exist_ok=True)
     layout, sources = [], {}
     for name, variable, layer, transposed in hf_layout(model):
-        shape = variable.shape[1:] if layer is not None else variable.shape
+        shape = variable.shape[len(layer):]
         layout.append((name, shape[::-1] if transposed else shape, np.dtype(DTYPES[dtype])))
         sources[name] = (variable, layer, transposed)
     to_host = to_host or (lambda array: np.asarray(jax.device_get(array)))
@@ -206,8 +224,9 @@ def save_pretrained(
     return ["config.json", *write_sharded_safetensors(path, layout, fetch, max_shard_bytes)]
 
 
-# one Hugging Face tensor: (its name, the jppo variable holding it, its layer in a stacked variable or None, transposed)
-HFTensor = tuple[str, nnx.Variable, "int | None", bool]
+# one Hugging Face tensor: (its name, the jppo variable holding it, its index in the variable's leading axes (layer,
+# expert; () for a variable that is one tensor), transposed)
+HFTensor = tuple[str, nnx.Variable, tuple[int, ...], bool]
 
 
 def hf_layout(model: CausalLM | ValueModel) -> list[HFTensor]:
@@ -217,8 +236,14 @@ def hf_layout(model: CausalLM | ValueModel) -> list[HFTensor]:
     for path_parts, variable in nnx.to_flat_state(nnx.state(model)):
         key = ".".join(str(part) for part in path_parts)
         names, transposed = _hf_names(key, table, model.config)
-        stacked = key.startswith("decoder.layers.")
-        out.extend((name, variable, layer if stacked else None, transposed) for layer, name in enumerate(names))
+        depth = _stacked_depth(key, table)
+        if depth == 0:
+            out.append((names[0], variable, (), transposed))
+        elif depth == 1:
+            out.extend((name, variable, (layer,), transposed) for layer, name in enumerate(names))
+        else:
+            out.extend((name, variable, (layer, expert), transposed) for layer, per_expert in enumerate(names)
+                       for expert, name in enumerate(per_expert))
     return out
 
 
@@ -232,7 +257,7 @@ def _host_tensors(sources: Mapping[str, tuple], to_host: Callable[[nnx.Variable]
         if id(variable) not in host:
             host.clear()
             host[id(variable)] = to_host(variable)
-        array = host[id(variable)] if layer is None else host[id(variable)][layer]
+        array = host[id(variable)][layer]
         return array.T if transposed else array
 
     return fetch

@@ -304,3 +304,19 @@ def dense(x: Array, kernel: Array, preferred_element_type=None) -> Array:
 def swiglu(x: Array, gate: Array, up: Array, down: Array) -> Array:
     """``(silu(x W_gate) * (x W_up)) W_down`` with ``W_gate``, ``W_up [D, F]`` and ``W_down [F, D]``."""
     return dense(jax.nn.silu(dense(x, gate)) * dense(x, up), down)
+
+
+def check_inputs(input_ids: Array, positions: Array | None, segment_ids: Array | None) -> tuple[Array, Array]:
+    """``(positions, segment_ids)`` of ``input_ids [B, T]``, defaulted (``arange(T)``, one segment) and checked."""
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
+    if segment_ids is None:
+        segment_ids = jnp.ones(input_ids.shape, jnp.int32)
+    for name, array in (("positions", positions), ("segment_ids", segment_ids)):
+        if array.shape != input_ids.shape:
+            raise ValueError(
+                f"{name} shape {tuple(array.shape)} does not match input_ids shape {tuple(input_ids.shape)}"
+            )
+    return positions, segment_ids.astype(jnp.int32)

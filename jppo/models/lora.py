@@ -37,9 +37,25 @@ def check_fits(lora: LoRAConfig, config: ModelConfig) -> None:
     """:class:`InvalidSetting` when ``rank`` exceeds the narrowest side of a target kernel (such an adapter is no
     longer low-rank: it only costs memory)."""
     shapes = target_shapes(config)
-    limit = min(min(shapes[name][:2]) for name in lora.target_modules)
+    targets = adapted_targets(config, lora)
+    if not targets:
+        raise InvalidSetting("lora.", "target_modules", sorted(lora.target_modules),
+                             "at least one attention projection (q_proj, k_proj, v_proj, o_proj) on a model with "
+                             "experts")
+    limit = min(min(shapes[name][:2]) for name in targets)
     if lora.rank > limit:
         raise InvalidSetting("lora.", "rank", lora.rank, f"<= {limit} (the narrowest side of a target projection)")
+
+
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def adapted_targets(config: ModelConfig, lora: LoRAConfig) -> tuple[str, ...]:
+    """The targets that get adapters: all of ``target_modules``, except on a model with experts in some layer,
+    where the MLP targets (``gate_proj``, ``up_proj``, ``down_proj``) are left out: the experts, the router and the
+    dense MLP of its layers without experts stay frozen, and only the attention projections are adapted."""
+    targets = tuple(name for name in LORA_TARGETS if name in lora.target_modules)
+    return tuple(name for name in targets if name in ATTENTION_TARGETS) if config.sparse_layers else targets
 
 
 def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int, str, str]]:
@@ -67,7 +83,7 @@ class LoRAAdapters(nnx.Module):
 
     def __init__(self, config: ModelConfig, lora: LoRAConfig, *, rngs: nnx.Rngs):
         self.scale = float(lora.scale)
-        self.targets = tuple(name for name in LORA_TARGETS if name in lora.target_modules)
+        self.targets = adapted_targets(config, lora)
         L, r, dtype = config.num_layers, lora.rank, config.weight_dtype
         for name in self.targets:
             fan_in, fan_out, in_name, out_name = target_shapes(config)[name]
@@ -146,11 +162,12 @@ def _without_adapters(model: nnx.Module, merge: bool) -> nnx.Module:
     return nnx.merge(base_graphdef, nnx.from_flat_state(kept))
 
 
-def peft_config(lora: LoRAConfig, base_model: str | None) -> dict:
-    """``adapter_config.json`` of a PEFT LoRA adapter for a causal LM."""
+def peft_config(lora: LoRAConfig, base_model: str | None, targets: tuple[str, ...] | None = None) -> dict:
+    """``adapter_config.json`` of a PEFT LoRA adapter for a causal LM (``targets``: the adapted ones, default all of
+    ``target_modules``)."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout, "target_modules": sorted(lora.target_modules), "bias": "none",
+        "lora_dropout": lora.dropout, "target_modules": sorted(targets or lora.target_modules), "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": None, "base_model_name_or_path": base_model,
     }
@@ -178,7 +195,8 @@ def save_peft_adapter(
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "adapter_config.json").write_text(json.dumps(peft_config(lora, base_model), indent=2) + "\n")
+    config = peft_config(lora, base_model, adapters.targets)
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = peft_tensors(adapters, np.dtype(jnp.dtype(dtype)))
     save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
     return ["adapter_config.json", "adapter_model.safetensors"]

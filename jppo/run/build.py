@@ -288,7 +288,8 @@ def model_record(cfg: TrainConfig, seed: int, checksums: Optional[dict[str, Opti
         record.update({f"{role}.lora.rank": lora.rank, f"{role}.lora.alpha": lora.alpha,
                        f"{role}.lora.target_modules": sorted(lora.target_modules)})
         record[f"{role}.base_checksum"] = (checksums or {}).get(role)
-    return record
+    # as the checkpoint's JSON meta holds it (a tuple such as model.mlp_only_layers reads back as a list)
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in record.items()}
 
 
 def vocab_size(cfg: TrainConfig) -> Optional[int]:

@@ -1,0 +1,36 @@
+"""A mixture-of-experts model's load-balancing loss in the update: its weight, and the whole mini-batch's expert
+fractions that every micro-batch's share of the loss uses (:mod:`jppo.losses.router`), so the loss and its
+gradient do not depend on how the mini-batch was cut."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jppo.engine.config import ActorConfig, UpdateConfig
+from jppo.engine.layout import flatten_shards
+from jppo.engine.microbatch import MicroBatches
+from jppo.models.moe import collect_router_stats
+
+
+def router_aux_coef(cfg: UpdateConfig, model_config) -> float:
+    """The load-balancing loss's weight: ``actor.router_aux_loss_coef``, by default the model's; 0 for the critic
+    and for a model without a layer with experts."""
+    if not isinstance(cfg, ActorConfig) or not model_config.sparse_layers:
+        return 0.0
+    return float(model_config.router_aux_loss_coef if cfg.router_aux_loss_coef is None else cfg.router_aux_loss_coef)
+
+
+def mini_batch_expert_fractions(model: nnx.Module, batch: MicroBatches) -> tuple[jax.Array, jax.Array]:
+    """``(f [E], R)`` of the whole mini-batch (:mod:`jppo.losses.router`): a forward pass over its K
+    micro-batches, one at a time, that keeps only the router's counts (sums over global arrays: global)."""
+
+    def counts(micro):
+        with collect_router_stats() as routed:
+            model.hidden_states(flatten_shards(micro.input_ids), flatten_shards(micro.positions),
+                                flatten_shards(micro.segment_ids))
+        return jnp.sum(routed[0].counts, axis=0), jnp.sum(routed[0].tokens)
+
+    per_expert, pairs = jax.tree.map(lambda x: jnp.sum(x, axis=0), jax.lax.map(counts, batch))
+    return jax.lax.stop_gradient(per_expert / jnp.maximum(pairs, 1)), pairs

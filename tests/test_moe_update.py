@@ -1,0 +1,109 @@
+"""The actor update of a model with experts: the load-balancing loss and its gradient are the whole mini-batch's
+whatever the cut (K micro-batches, token budgets, data shards), and the expert load is reported as one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from engine_cases import VOCAB, mesh_of, padded_inputs, ragged_batch
+from jppo.engine import ActorConfig, OptimConfig, UpdateStep, actor_loss_fn, init_train_state, run_updates
+from jppo.engine.experts import router_aux_coef
+from jppo.models.config import ModelConfig
+from jppo.models.decoder import CausalLM
+from jppo.models.moe import collect_router_stats, load_balancing_loss
+from jppo.models.sharding import create_model
+
+N = 16
+SGD = OptimConfig(name="sgd", lr=0.5, grad_clip=0.0)
+CUTS = {
+    "K=1": dict(ppo_micro_batch_size=N),
+    "K=3 uneven (token budget)": dict(use_dynamic_bsz=True, ppo_max_token_len=40),
+    "K=2 on data 2 x fsdp 2 x tensor 2": dict(ppo_micro_batch_size=2),
+}
+MESHES = {"K=2 on data 2 x fsdp 2 x tensor 2": (2, 2, 2)}
+
+
+def moe_config() -> ModelConfig:
+    # layer 0 dense, layer 1 with 4 experts (top 2); a wide initialization, so that the routing is uneven
+    return ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
+                       num_kv_heads=2, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=8, mlp_only_layers=(0,), initializer_range=0.5, router_aux_loss_coef=0.3,
+                       dtype="float64", param_dtype="float64")
+
+
+def update(cut: dict, mesh_shape=(1, 1, 1), **actor):
+    mesh = mesh_of(mesh_shape)
+    model = create_model(CausalLM, moe_config(), mesh, seed=0)
+    graphdef, params = nnx.split(model, nnx.Param)
+    cfg = ActorConfig(ppo_mini_batch_size=N, shuffle=False, optim=SGD, loss_agg_mode="token-mean",
+                      loss_scale_factor=6.0, **cut, **actor)
+    state = init_train_state(params, cfg, mesh, keep_gradient=True)
+    step = UpdateStep(graphdef, actor_loss_fn(cfg), cfg, mesh, "actor", keep_gradient=True)
+    _, metrics, gradients = run_updates(step, state, ragged_batch(3), cfg, mesh, np.random.default_rng(0))
+    return metrics, jax.tree.map(lambda g: np.asarray(g[0]), jax.device_get(gradients))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+@pytest.fixture(scope="module")
+def whole(x64):
+    return update(CUTS["K=1"])
+
+
+def whole_batch_aux_loss() -> float:
+    """transformers' load-balancing loss of one forward pass over the whole batch in the rollout's padded layout."""
+    graphdef, state = nnx.split(create_model(CausalLM, moe_config(), None, seed=0))  # the update's initial weights
+
+    @jax.jit
+    def aux(state, inputs):
+        with collect_router_stats() as stats:
+            nnx.merge(graphdef, state).hidden_states(*inputs)
+        return load_balancing_loss(*stats[0], moe_config().num_experts)
+
+    return float(aux(state, padded_inputs(ragged_batch(3))))
+
+
+def test_the_whole_mini_batch_load_balancing_loss_is_reported(whole):
+    metrics = whole[0]
+    assert metrics["actor/router_aux_loss"] == pytest.approx(whole_batch_aux_loss(), rel=1e-12)
+    assert metrics["actor/router_aux_loss"] > 2.05  # 2 (= k) when even: this routing is not
+    assert 1.0 < metrics["actor/expert_load"] < 2.0  # max / mean of the tokens per expert (4 experts, top 2)
+
+
+@pytest.mark.parametrize("cut", [name for name in CUTS if name != "K=1"])
+def test_gradient_and_router_metrics_do_not_depend_on_the_cut(cut, whole):
+    metrics, gradient = update(CUTS[cut], MESHES.get(cut, (1, 1, 1)))
+    expected_metrics, expected = whole
+    for name in ("actor/router_aux_loss", "actor/expert_load", "actor/pg_loss", "actor/grad_norm"):
+        np.testing.assert_allclose(metrics[name], expected_metrics[name], rtol=1e-9, err_msg=name)
+    for (path, leaf), other in zip(jax.tree_util.tree_leaves_with_path(gradient), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(leaf, other, rtol=1e-9, atol=1e-13, err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_load_balancing_loss_moves_the_router_and_its_coefficient_is_overridable(whole):
+    expected_metrics, with_aux = whole
+    metrics, without = update(CUTS["K=3 uneven (token budget)"], router_aux_loss_coef=0.0)
+    assert "actor/router_aux_loss" not in metrics
+    # the same weights route the same tokens, with or without the loss, whatever the cut
+    np.testing.assert_allclose(metrics["actor/expert_load"], expected_metrics["actor/expert_load"], rtol=1e-12)
+    router = lambda g: np.asarray(g["decoder"]["layers"]["router"])  # noqa: E731
+    assert np.abs(router(with_aux) - router(without)).max() > 1e-4 * np.abs(router(without)).max()
+
+
+def test_a_qwen3_moe_model_without_a_layer_with_experts_has_no_load_balancing_loss():
+    """Every layer in mlp_only_layers: the model is dense (a config of one layer, as the fuzzed quickstart_moe
+    with model.num_layers=1 is), so there are no router counts to take fractions of, and the loss is off."""
+    config = dataclasses.replace(moe_config(), num_layers=1, mlp_only_layers=(0,))
+    assert config.sparse_layers == () and config.dense_layers == (0,)
+    assert router_aux_coef(ActorConfig(), config) == 0.0
+    assert router_aux_coef(ActorConfig(), moe_config()) == 0.3 and router_aux_coef(
+        ActorConfig(router_aux_loss_coef=0.1), moe_config()) == 0.1
