@@ -225,7 +225,7 @@ def test_a_model_family_registered_in_its_file_is_a_model_type_read_and_written_
     assert config.qk_norm and hf["architectures"] == ["LlamaQkForCausalLM"] and hf["mlp_bias"] is False
     assert ModelConfig.from_hf({**hf, "head_dim": None}).head_dim == 16
     assert ModelConfig.from_hf(hf) == config
-    families = "llama, qwen2, qwen3, llama_qk"
+    families = "llama, qwen2, qwen3, qwen3_moe, llama_qk"
     with pytest.raises(ConfigError, match=rf"^model.model_type='nope' is not valid; valid: {families}$"):
         load_config(QUICKSTART, ["model.model_type=nope"])
     with pytest.raises(ValueError, match=rf"^unsupported model_type 'gpt2'; supported: {families}$"):
