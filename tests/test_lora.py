@@ -136,7 +136,7 @@ def test_merged_weights_compute_what_the_adapted_model_computes():
 
 
 def test_peft_loads_the_exported_adapter_and_transformers_the_merged_weights(tmp_path):
-    torch = pytest.importorskip("torch")
+    import torch  # noqa: PLC0415 (the test extra installs it: a missing torch fails, never skips)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -325,7 +325,7 @@ def test_a_lora_checkpoint_evaluates_and_exports_the_trained_policy_whatever_tra
 def test_the_lora_quickstart_exports_its_random_base_and_peft_loads_its_adapters_onto_it(lora_run, tmp_path):
     """docs/lora.md's two exports of a run whose base was drawn at random: ``--base`` (the frozen weights alone, a
     plain Hugging Face model) and ``--adapters``; PEFT's model of the two computes the trained policy."""
-    torch = pytest.importorskip("torch")
+    import torch  # noqa: PLC0415 (the test extra installs it: a missing torch fails, never skips)
     from etils import epath
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
