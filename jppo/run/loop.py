@@ -205,13 +205,19 @@ def run(
                     metrics = metrics | timer.report(tokens=metrics["perf/total_num_tokens"])
                     for hook in hooks:
                         hook(state.steps_done, total, state, metrics)
+    finish(cfg, policy, state.actor.weights, inputs.tokenizer, out, main)
+    return metrics
+
+
+def finish(cfg: TrainConfig, policy, weights, tokenizer: Tokenizer, out, main: bool) -> None:
+    """After a run's last step (RL or SFT): the Hugging Face export and, on the main process, the plots the
+    config asks for."""
     if cfg.trainer.export_hf:
-        export(policy, state.actor.weights, cfg, inputs.tokenizer, out / "hf")
+        export(policy, weights, cfg, tokenizer, out / "hf")
     if cfg.trainer.plots and main:
-        from jppo.runlog.plot import plot_run
+        from jppo.runlog.plot import plot_run  # noqa: PLC0415 (matplotlib, only when plotting)
 
         plot_run(out)
-    return metrics
 
 
 def off_policy(cfg: TrainConfig, collector: Collector) -> contextlib.AbstractContextManager:

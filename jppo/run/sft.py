@@ -44,7 +44,7 @@ from jppo.parallel.mesh import batch_shards, make_mesh, resolve_shape
 from jppo.run import build
 from jppo.run.checkpoint import CheckpointManager, restore_checkpoint, saved_tree
 from jppo.run.learn import mini_batch_rng
-from jppo.run.loop import Hook, Resume, export, plan_resume, run_logger, run_model_record, save
+from jppo.run.loop import Hook, Resume, finish, plan_resume, run_logger, run_model_record, save
 from jppo.run.preemption import StopRequest
 from jppo.run.state import RunState, advance, checkpointed, fitted_accumulators, init_run_state, saved_fields, \
     saved_layout, with_frozen
@@ -212,10 +212,5 @@ def run(
                 metrics = metrics | timer.report(tokens=metrics["perf/total_num_tokens"])
                 for hook in hooks:
                     hook(state.steps_done, total, state, metrics)
-    if cfg.trainer.export_hf:
-        export(graphdef, state.actor.weights, cfg, inputs.tokenizer, out / "hf")
-    if cfg.trainer.plots and main:
-        from jppo.runlog.plot import plot_run
-
-        plot_run(out)
+    finish(cfg, graphdef, state.actor.weights, inputs.tokenizer, out, main)
     return metrics
