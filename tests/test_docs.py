@@ -202,7 +202,8 @@ def mesh(words: list[str]) -> None:
     argv = [word for word in argv if not re.match(r"trainer\.resume=runs/(" + "|".join(GPU_ONLY) + ")", word)]
     # compiling for a target reads the model's config.json, never the prompt files (tests/test_compile_for.py
     # compiles): the page's model folder is the workdir's folder of Qwen2.5-0.5B's shape
-    data_files = getattr(module.parse_args(argv), "compile_for", None) is None
+    compile_for = getattr(module.parse_args(argv), "compile_for", None)
+    data_files = compile_for is None
     if not data_files:
         argv = [re.sub(r"^model\.path=/data/qwen2\.5-0\.5b-instruct$", "model.path=shapes/Qwen2.5-0.5B", word)
                 for word in argv]
@@ -213,7 +214,6 @@ def mesh(words: list[str]) -> None:
         if "rollout.engine='vllm' needs vLLM" not in str(error) or importlib.util.find_spec("vllm") is not None:
             raise
         cfg = cli.load_config(module.parse_args([word for word in argv if word != "rollout.engine=vllm"]), data_files)
-    compile_for = getattr(module.parse_args(argv), "compile_for", None)
     counts = (1, 8) if compile_for is None else (len(targets.target(compile_for).devices),)  # the target's chips
     for devices in counts:
         if "--sft" in argv:  # the audit of python -m jppo.sft's update: its mesh and batch checks
