@@ -58,28 +58,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def metrics(run_dir: pathlib.Path) -> list[dict]:
+def metrics(run_dir: pathlib.Path, every_key: bool = False) -> list[dict]:
+    """The run's logged rows, without the keys that vary from run to run unless ``every_key``."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if every_key:
+        return rows
     # times (the off-policy waits too) differ from run to run; everything else is a function of the config
     timing = ("timing/", "perf/", "async/train_wait_s", "async/rollout_wait_s")
     return [{k: v for k, v in row.items() if not k.startswith(timing)} for row in rows]
 
 
-@pytest.mark.parametrize("config, extra", [
-    ("quickstart", []),
-    # one step off-policy (jppo.run.offpolicy): on 1 device the next batch is generated on a thread beside the
-    # update, on 2 x 2 in turn; the schedule, and so every metric, is the same, and so is the resumed weight queue
-    ("quickstart_grpo", ["trainer.off_policy_steps=1"]),
-], ids=["ppo", "grpo-off-policy-1"])
-def test_two_processes_of_two_devices_match_one_device_and_resume_on_it(tmp_path, config, extra):
+@pytest.mark.parametrize("config, extra, split", [
+    ("quickstart", [], []),
+    # one step off-policy (jppo.run.offpolicy) with a rollout mesh across the processes (rollout.devices: each
+    # process trains on one of its devices and samples its own rows on the other, the weights copied between its
+    # own devices): on 1 device the next batch is generated on a thread beside the update, on the 2 processes in
+    # turn; the schedule, and so every metric, is the same, and so is the resumed weight queue
+    ("quickstart_grpo", ["trainer.off_policy_steps=1"], ["rollout.devices=2"]),
+], ids=["ppo", "grpo-off-policy-1-rollout-devices"])
+def test_two_processes_of_two_devices_match_one_device_and_resume_on_it(tmp_path, config, extra, split):
     """The whole-run contract across hosts: 2 processes x 2 devices (4 batch shards, rows moving between hosts to
-    form each mini-batch) train the same two steps as 1 process on 1 device, and the 2-process checkpoint continues
-    on the single device exactly like the single-device run."""
+    form each mini-batch; or 2 training and 2 rollout devices) train the same two steps as 1 process on 1 device,
+    and the 2-process checkpoint continues on the single device exactly like the single-device run."""
     path = str(ROOT / "configs" / f"{config}.yaml")
     port = free_port()
     two = [
         train(f"trainer.output_dir={tmp_path / 'two'}", "trainer.total_steps=2", "trainer.export_hf=true", *extra,
-              "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i), devices=2,
+              *split, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i), devices=2,
               config=path)
         for i in (1, 0)
     ]
@@ -91,6 +96,8 @@ def test_two_processes_of_two_devices_match_one_device_and_resume_on_it(tmp_path
     assert [row["step"] for row in double] == [1, 2] and "val/reward/mean" in double[1]
     if extra:
         assert [row["async/staleness"] for row in double] == [0, 1]
+    if split:  # a replica of the weights moved to the rollout devices before each rollout
+        assert all(row["perf/weight_move_bytes"] > 0 for row in metrics(tmp_path / "two", every_key=True))
     for a, b in zip(single[:2], double):
         assert set(a) == set(b)
         for name, value in a.items():

@@ -4,6 +4,7 @@ colocated run, are in ``test_whole_run.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
@@ -35,13 +36,31 @@ def test_the_rollout_takes_the_last_devices_and_the_training_mesh_the_others():
     (["rollout.devices=1", "mesh.data=2"], 4, 1,
      "mesh.data=2 x mesh.fsdp=1 x mesh.tensor=1 x mesh.sequence=1 = 2 devices, but 3 are available (the 4 devices "
      "less rollout.devices=1)"),
-    (["rollout.devices=2", "mesh.data=-1"], 4, 2, "rollout.devices=2 runs in one process only (this run has 2)"),
+    (["rollout.devices=3", "mesh.data=-1"], 4, 2, "rollout.devices=3 must split evenly over the run's 2 processes: "
+     "each gives N / 2 of its 2 devices to the rollout"),
 ])
 def test_a_split_that_cannot_run_is_refused_in_one_line(overrides, devices, processes, message):
     cfg = load_config(GRPO, overrides)
     with pytest.raises(ConfigError) as error:
         check_mesh(cfg, devices, processes)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_with_several_processes_each_gives_its_last_devices_to_the_rollout():
+    """A process samples its own rows on its own rollout devices, the weights copied from its own training devices
+    (tests/test_distributed.py runs it on two processes)."""
+    hosts = [Host(id=10 * p + d, process_index=p) for p in range(2) for d in range(4)]
+    training, rollout = split_devices(hosts, 4)
+    assert [h.id for h in training] == [0, 1, 10, 11] and [h.id for h in rollout] == [2, 3, 12, 13]
+    assert check_mesh(load_config(GRPO, ["rollout.devices=4", "mesh.data=-1"]), 8, 2) == (4, 1, 1, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """A device as :func:`split_devices` reads it: which process holds it."""
+
+    id: int
+    process_index: int
 
 
 def test_a_negative_count_is_refused_when_the_config_loads():

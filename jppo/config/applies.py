@@ -89,7 +89,7 @@ APPLIES: dict[str, str] = {
     "rollout.max_num_seqs": "`rollout.engine: jppo` (refused with vllm: its own is `rollout.vllm.max_num_seqs`)",
     "rollout.cache_blocks": "`rollout.engine: jppo` (refused with vllm, which pages its own cache)",
     "rollout.vllm.": "`rollout.engine: vllm` (refused with jppo)",
-    "rollout.devices": "`rollout.engine: jppo`, one process (refused with vllm and with several processes)",
+    "rollout.devices": "`rollout.engine: jppo` (refused with vllm); with P processes, N / P per process",
     "reward.function_style": "`reward.function` (refused without one)",
     "reward.gsm8k_flexible": "`reward.kind: gsm8k`",
     "reward.token_level": "a built-in task whose scorer gives per-position credit",

@@ -60,18 +60,18 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
 
 def training_devices(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> int:
     """The devices the training mesh gets: all ``num_devices`` of the run, less the ``rollout.devices`` N of the
-    rollout's own mesh. N must leave the training at least one device, and a rollout mesh runs in one process: the
-    weight move is a ``jax.device_put`` between the meshes of one process (across processes it would need a
-    collective program spanning both meshes, which the run does not build)."""
+    rollout's own mesh. N must leave the training at least one device. With several processes each gives N / P of
+    its devices to the rollout and keeps at least one (:func:`jppo.parallel.mesh.split_devices`): a process samples
+    its own rows, and the weights reach its rollout devices from its own training devices."""
     n = cfg.rollout.devices
     if not n:
         return num_devices
     if n >= num_devices:
         raise ConfigError(f"rollout.devices={n} must be less than the run's {num_devices} devices: the training mesh "
                           "takes the others (0: the sampler shares the training mesh)")
-    if num_processes > 1:
-        raise ConfigError(f"rollout.devices={n} runs in one process only (this run has {num_processes}): the weights "
-                          "move to the rollout mesh within a process; set rollout.devices=0 for a multi-process run")
+    if n % num_processes:  # then N < D leaves every process (D / P devices each) training devices
+        raise ConfigError(f"rollout.devices={n} must split evenly over the run's {num_processes} processes: each "
+                          f"gives N / {num_processes} of its {num_devices // num_processes} devices to the rollout")
     return num_devices - n
 
 

@@ -185,7 +185,7 @@ class RolloutSection:
     max_num_seqs: int = 0  # rows decoded at once; 0: every row of the batch (continuous batching below that)
     cache_blocks: str = "auto"  # response-cache blocks: auto (1 on GPU, 8 on CPU and TPU) | an integer N >= 1
     engine: str = "jppo"  # what samples: jppo (its own sampler) or vllm (its install: README, Train a Hugging Face model)
-    devices: int = 0  # the rollout's own devices, the last N of the run's; 0: the sampler shares the training mesh
+    devices: int = 0  # the rollout's own devices, each process's last N / P; 0: the sampler shares the training mesh
     vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)  # rollout.engine=vllm's start-up options
 
 

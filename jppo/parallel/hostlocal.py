@@ -163,3 +163,25 @@ def gather_to_host(array: jax.Array) -> np.ndarray:
     if array.is_fully_addressable:
         return np.asarray(jax.device_get(array))
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def replicated_on(tree: T, mesh: Mesh) -> T:
+    """``tree``'s arrays, each replicated on the devices of its own mesh, replicated on ``mesh``'s devices.
+
+    In one process a ``jax.device_put``. With several, each process copies its own replica to its own devices of
+    ``mesh`` and the global arrays are assembled from those copies: nothing crosses hosts, which a ``device_put``
+    between disjoint device sets would need (JAX refuses one across processes unless a cross-host transfer service
+    is configured). So every process that holds devices of ``mesh`` must hold a replica: the rollout mesh of
+    :func:`jppo.parallel.mesh.split_devices` takes devices of every process of the training mesh."""
+    target = NamedSharding(mesh, PartitionSpec())
+    if jax.process_count() == 1:
+        return jax.device_put(tree, target)
+    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+    def copied(array: jax.Array) -> jax.Array:
+        if not array.sharding.is_fully_replicated:
+            raise ValueError(f"an array of sharding {array.sharding} is not replicated: move a replica")
+        replica = array.addressable_shards[0].data
+        return jax.make_array_from_single_device_arrays(array.shape, target, [jax.device_put(replica, d) for d in mine])
+
+    return jax.tree.map(copied, tree)

@@ -146,12 +146,25 @@ def make_mesh(
 def split_devices(
     devices: Sequence[jax.Device], rollout: int
 ) -> tuple[list[jax.Device], list[jax.Device]]:
-    """The run's ``devices`` cut into the training mesh's (the first ``len - rollout``) and the rollout mesh's (the
-    last ``rollout``; none when 0). The last ones: a training mesh on the first devices is the mesh a colocated run
-    on that many devices builds, and on a multi-device host the rollout takes whole devices at the end."""
+    """The run's ``devices`` cut into the training mesh's and the rollout mesh's (``rollout`` of them; none when 0).
+
+    The rollout takes each process's last devices, ``rollout / P`` per process of the P that hold ``devices``: in one
+    process the last ``rollout``, so that the training mesh on the first ones is the mesh a colocated run on that
+    many devices builds; with several, every process keeps devices of both meshes, so a process samples its own rows
+    and its rollout devices take the weights from its own training devices (no byte crosses hosts,
+    :func:`jppo.parallel.hostlocal.replicated_on`). The caller checks that ``rollout`` divides over the processes
+    (:func:`jppo.config.devices.training_devices`)."""
     devices = list(devices)
-    cut = len(devices) - rollout
-    return devices[:cut], devices[cut:]
+    by_process: dict[int, list[jax.Device]] = {}
+    for device in devices:
+        by_process.setdefault(device.process_index, []).append(device)
+    per_process = rollout // len(by_process)
+    training, sampling = [], []
+    for own in by_process.values():
+        cut = len(own) - per_process
+        training += own[:cut]
+        sampling += own[cut:]
+    return training, sampling
 
 
 def batch_spec(ndim: int = 2) -> PartitionSpec:

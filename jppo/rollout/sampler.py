@@ -10,12 +10,12 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jppo.core.experience import Experience
 from jppo.core.registry import Registry
 from jppo.models.config import ModelConfig
-from jppo.parallel.hostlocal import local_rows, to_global, to_local
+from jppo.parallel.hostlocal import local_rows, replicated_on, to_global, to_local
 from jppo.parallel.mesh import decoding_shards
 from jppo.rollout.decode import SamplingParams, make_generate_fn
 
@@ -76,7 +76,7 @@ class Sampler:
         ids, mask = pad_prompts(list(prompts) + [[]] * filler, self._pad, multiple=self._bucket)
         mine = local_rows(self._mesh, len(ids))
         if not key.sharding.device_set <= set(self._mesh.devices.flat):  # the training mesh's key, for a sampler
-            key = jax.device_put(key, NamedSharding(self._mesh, PartitionSpec()))  # on a mesh of its own
+            key = replicated_on(key, self._mesh)  # on a mesh of its own
         with jax.set_mesh(self._mesh):
             out = self._fn(state, to_global(ids[mine.start : mine.stop], self._mesh),
                            to_global(mask[mine.start : mine.stop], self._mesh), key)

@@ -8,10 +8,13 @@ rows of its own, with no collective per token.
 
 **The weight move** (:class:`WeightMove`), before every rollout: the weights the schedule names (the current ones,
 or the off-policy queue's) are cast to the rollout dtype on the training mesh, where they are, and copied with
-``jax.device_put`` to the rollout mesh, replicated. The cast is the one the sampler's forward pass makes itself
-(:func:`jppo.run.build.kept_in`; the norm scales stay float32), so the sampled tokens and log-probs are those of
-the colocated run bit for bit; with LoRA the weights move as they are (the adapters' product is formed in float32).
-The bytes are those of one replica; each of the N devices receives them.
+``jax.device_put`` to the rollout mesh, replicated. With several processes each one holds devices of both meshes
+(:func:`~jppo.parallel.mesh.split_devices`) and copies its own replica of the weights, gathered on the training
+mesh, to its own rollout devices (:func:`~jppo.parallel.hostlocal.replicated_on`): a process samples the rows of its
+own shards, as in a colocated run, and no weight crosses hosts. The cast is the one the sampler's forward pass makes
+itself (:func:`jppo.run.build.kept_in`; the norm scales stay float32), so the sampled tokens and log-probs are those
+of the colocated run bit for bit; with LoRA the weights move as they are (the adapters' product is formed in
+float32). The bytes are those of one replica; each of the N devices receives them.
 
 **The batch** comes back through the host, as in a colocated run: the sampler's rows are fetched for scoring (the
 reward functions read text), and the forward passes and the update take them to the training mesh
@@ -32,6 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jppo.core.experience import Experience
+from jppo.parallel.hostlocal import replicated_on
 from jppo.parallel.mesh import make_mesh, split_devices
 from jppo.run.build import kept_in
 
@@ -64,9 +68,16 @@ class WeightMove:
     def __call__(self, weights: nnx.State) -> tuple[nnx.State, int]:
         """``weights`` on the rollout mesh, ready (the phase's time is the move's), and the bytes of one replica."""
         cast = weights if self.dtype is None else kept_in(weights, self.dtype, copy=False)
-        moved = jax.device_put(cast, NamedSharding(self.mesh, PartitionSpec()))
+        if jax.process_count() > 1:  # each process copies its own replica (replicated_on): gathered over fsdp first
+            cast = jax.jit(lambda tree: tree, out_shardings=jax.tree.map(replica, cast))(cast)
+        moved = replicated_on(cast, self.mesh)
         jax.block_until_ready(moved)
         return moved, tree_bytes(moved)
+
+
+def replica(array: jax.Array) -> NamedSharding:
+    """A whole copy of ``array`` on every device of its own mesh."""
+    return NamedSharding(array.sharding.mesh, PartitionSpec())
 
 
 def batch_bytes(exp: Experience) -> int:
