@@ -84,7 +84,12 @@ def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int, i
     for name in XLA_ENVIRONMENT:  # what the launch scripts' tpu_scripts/xla_flags.sh set, or the user did
         log.info("%s=%s", name, os.environ.get(name, "(unset)"))
     distributed.initialize(args)
-    return check_mesh(cfg, jax.device_count(), jax.process_count())
+    shape = check_mesh(cfg, jax.device_count(), jax.process_count())
+    if cfg.rollout.devices:  # a device that cannot hold the sampler: refused before anything compiles
+        from jppo.run.split_memory import check_rollout_fits  # noqa: PLC0415
+
+        check_rollout_fits(cfg, (jax.devices()[-1].memory_stats() or {}).get("bytes_limit"))
+    return shape
 
 
 def fail(command: str, error: BaseException) -> int:

@@ -15,6 +15,7 @@ import pytest
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.parallel.mesh import make_mesh, split_devices
 from jppo.run.rollout_mesh import WeightMove, run_meshes, tree_bytes
+from jppo.run.split_memory import check_rollout_fits
 
 GRPO = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart_grpo.yaml"
 
@@ -61,6 +62,20 @@ class Host:
 
     id: int
     process_index: int
+
+
+def test_a_rollout_device_that_cannot_hold_the_weights_and_caches_is_refused_in_one_line():
+    """What a rollout device must hold whatever the compiler does: the quickstart's weights whole in float32 (83,520
+    parameters x 4 bytes = 334,080 bytes) and the caches of its rows. A device of JAX's reported size below that is
+    refused; one above it, or of unknown size (a CPU's), is not."""
+    cfg = load_config(GRPO, ["rollout.devices=1"])
+    check_rollout_fits(cfg, None)
+    check_rollout_fits(cfg, 2**30)
+    with pytest.raises(ConfigError) as error:
+        check_rollout_fits(cfg, 334_080)
+    message = str(error.value)
+    assert message.startswith("rollout.devices=1: a rollout device holds a whole replica of the weights in float32 "
+                              "(326.25 KiB) and the caches of its rows") and "\n" not in message
 
 
 def test_a_negative_count_is_refused_when_the_config_loads():

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
-from jppo.config import TrainConfig
+from jppo.config import ConfigError, TrainConfig
 from jppo.config.views import sampling_config
 from jppo.parallel.mesh import MESH_AXES
 from jppo.run.footprint import dtype_bytes, shards
-from jppo.run.memory import MemoryPlan, Term, abstract_params, adapter_params, memory_plan, model_config, sampler_terms
+from jppo.run.memory import (
+    MemoryPlan, Term, abstract_params, adapter_params, human, memory_plan, model_config, sampler_terms,
+)
 
 
 def weight_bytes(cfg: TrainConfig, mesh: dict[str, int]) -> tuple[int, int]:
@@ -68,3 +70,24 @@ def split_plans(cfg: TrainConfig, training_shape: Sequence[int],
     largest = max(phases, key=lambda terms: sum(term.bytes for term in terms))
     rollout = MemoryPlan(rollout_mesh, (), (*largest, replica), {})
     return training, rollout
+
+
+def check_rollout_fits(cfg: TrainConfig, limit: Optional[int]) -> None:
+    """Refuses in one line a rollout mesh whose devices (``limit`` bytes each, what JAX's allocator takes; None:
+    unknown, as on a CPU) cannot hold what the sampler keeps whatever the compiler does: a whole replica of the
+    weights in the rollout dtype and the caches of its share of the rows (of the training or the validation batch,
+    the larger). The plan's other terms (the prefill's working set, the logits) are estimates, which
+    ``python -m jppo.plan`` compares with the device instead."""
+    if not cfg.rollout.devices or limit is None:
+        return
+    replica, _ = weight_bytes(cfg, dict.fromkeys(MESH_AXES, 1))
+    rollout_mesh = dict(zip(MESH_AXES, (cfg.rollout.devices, 1, 1, 1)))
+    caches = max(terms[0].bytes for terms in sampler_terms(cfg, model_config(cfg), rollout_mesh))
+    if replica + caches > limit:
+        dtype = sampling_config(cfg, model_config(cfg)).dtype
+        raise ConfigError(
+            f"rollout.devices={cfg.rollout.devices}: a rollout device holds a whole replica of the weights in {dtype} "
+            f"({human(replica)}) and the caches of its rows ({human(caches)}), more than the {human(limit)} JAX takes "
+            "of a device: lower rollout.max_num_seqs or data.val_batch_size, give the rollout more devices, or share "
+            "the training mesh (rollout.devices=0)"
+        )
