@@ -69,13 +69,9 @@ def log_to_stderr() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
 
-def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int, int]:
+def start_processes(command: str, cfg, args: argparse.Namespace) -> None:
     """What a command that runs the models does before anything compiles: the persistent compilation cache
-    (``trainer.compilation_cache``), the processes (the multi-process flags), then the mesh shape the config asks
-    for on every device of every process."""
-    import jax  # noqa: PLC0415 (plot's --help needs no JAX)
-
-    from jppo.config import check_mesh  # noqa: PLC0415
+    (``trainer.compilation_cache``) and the XLA environment, logged; the processes (the multi-process flags)."""
     from jppo.run import compile_cache  # noqa: PLC0415
 
     log = logging.getLogger(f"jppo.{command}")
@@ -84,6 +80,15 @@ def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int, i
     for name in XLA_ENVIRONMENT:  # what the launch scripts' tpu_scripts/xla_flags.sh set, or the user did
         log.info("%s=%s", name, os.environ.get(name, "(unset)"))
     distributed.initialize(args)
+
+
+def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int, int]:
+    """:func:`start_processes`, then the mesh shape the config asks for on every device of every process."""
+    import jax  # noqa: PLC0415 (plot's --help needs no JAX)
+
+    from jppo.config import check_mesh  # noqa: PLC0415
+
+    start_processes(command, cfg, args)
     return check_mesh(cfg, jax.device_count(), jax.process_count())
 
 

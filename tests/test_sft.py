@@ -201,8 +201,8 @@ def test_two_sft_steps_log_the_same_metrics_on_one_and_four_devices_and_resume_e
     one_device = sft_metrics(tmp_path / "one", 1, *two)
     four = sft_metrics(tmp_path / "four", 4, *two)
     assert [sorted(r) for r in one_device] == [sorted(r) for r in four]
-    assert {"sft/loss", "sft/nll", "sft/perplexity", "sft/grad_norm", "val/sft_nll", "val/sft_perplexity"} <= set(
-        one_device[-1])
+    assert {"sft/loss", "sft/nll", "sft/perplexity", "sft/grad_norm", "val/sft_nll", "val/sft_perplexity",
+            "val/reward/mean", "val/accuracy"} <= set(one_device[-1])
     for a, b in zip(one_device, four):
         for key in a:
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=key)
@@ -212,12 +212,42 @@ def test_two_sft_steps_log_the_same_metrics_on_one_and_four_devices_and_resume_e
     assert resumed[-1] == one_device[-1]
 
 
+def test_the_held_out_greedy_score_of_an_sft_run_is_the_rl_evaluation_of_its_policy(tmp_path):
+    """Rows that are the task's demonstrations: the SFT run's validation samples the task's held-out prompts
+    greedily and scores them as the RL run does; ``python -m jppo.eval`` of the GRPO quickstart on the exported
+    policy gets the same score, and the run plots it beside its loss."""
+    from jppo import eval as eval_command
+
+    rows = sft_metrics(tmp_path / "sft", 1, "trainer.total_steps=5", "trainer.val_every=5",
+                       "data.num_val_examples=16", "trainer.export_hf=true", "trainer.plots=true")
+    assert [r["step"] for r in rows if "val/reward/mean" in r] == [5] and "val/reward/mean" not in rows[0]
+    score = rows[-1]["val/reward/mean"]
+    assert 0.0 < score < 1.0, score  # five steps: partly reversed answers, so the equality below means something
+    assert eval_command.main(["--config", str(ROOT / "configs" / "quickstart_grpo.yaml"),
+                              f"model.path={tmp_path / 'sft' / 'hf'}", "data.num_val_examples=16",
+                              f"trainer.output_dir={tmp_path / 'eval'}", "trainer.resume=never"]) == 0
+    evaluated = json.loads((tmp_path / "eval" / "eval.json").read_text())["metrics"]
+    assert evaluated["val/reward/mean"] == score and evaluated["val/accuracy"] == rows[-1]["val/accuracy"]
+    assert {"sft.png", "validation.png"} <= {p.name for p in (tmp_path / "sft" / "plots").iterdir()}
+
+
 def run_cli(argv, capsys, monkeypatch) -> str:
     monkeypatch.setattr(sft_run, "run", lambda *a, **k: pytest.fail("reached the run: nothing may compile"))
     assert sft_command.main(["--config", str(CONFIG), *QUIET, *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 or not err[-1].startswith(" "), err  # one line of our own, no traceback
     return err[-1]
+
+
+def test_the_sft_command_logs_the_xla_environment_it_started_with(monkeypatch, caplog):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    monkeypatch.setattr(sft_run, "run", lambda *a, **k: {})  # what the command does before the run is the point
+    with caplog.at_level("INFO", logger="jppo.sft"):
+        assert sft_command.main(["--config", str(CONFIG), *QUIET, "trainer.compilation_cache=off"]) == 0
+    logged = [record.getMessage() for record in caplog.records if record.name == "jppo.sft"]
+    assert logged[:2] == ["compilation cache: off", "XLA_FLAGS=--xla_cpu_enable_fast_math=false"]
+    assert "LIBTPU_INIT_ARGS=(unset)" in logged
 
 
 def jsonl(path: pathlib.Path, rows: list[dict]) -> str:

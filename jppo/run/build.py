@@ -38,7 +38,7 @@ class RunInputs:
     """What a run reads from outside: vocabulary, prompts and the reward function."""
 
     tokenizer: Tokenizer
-    train_data: PromptDataset
+    train_data: Optional[PromptDataset]  # None: no training rollouts (an SFT run scoring its held-out prompts)
     val_data: Optional[PromptDataset]
     reward_fn: RewardFn
     credit_fn: Optional[CreditFn] = None
