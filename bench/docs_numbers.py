@@ -119,12 +119,13 @@ SFT_TO_RL_STEPS, SFT_TO_RL_VAL_EVERY = 100, 20
 
 def sft_to_rl_numbers(result: dict) -> dict[str, str]:
     """``bench.sft_to_rl``'s result as the pages quote it: the SFT run's steps, seconds and held-out NLL (first and
-    last validation) and greedy score (last); each GRPO run's held-out greedy score at every validation step and
+    last validation) and greedy score (first and last); each GRPO run's held-out greedy score at every validation step and
     its training reward over the first and last 10 steps."""
     sft = result["sft"]
     nll = list(sft["val_sft_nll"].values())
     numbers = {"sft_steps": str(sft["steps"]), "sft_seconds": str(round(sft["seconds"])),
                "sft_nll_first": two(nll[0]), "sft_nll_last": two(nll[-1]),
+               "sft_greedy_first": two(list(sft["val_score"].values())[0]),
                "sft_greedy": two(list(sft["val_score"].values())[-1])}
     for name in ("from_sft", "from_scratch"):
         run_ = result[f"grpo_{name}"]
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         numbers.update(plan_numbers())
     machine = (f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} when generated, "
                f"{time.strftime('%Y-%m-%d', time.gmtime())}")
-    record = {"machine": machine if only - {"plan"} else old.get("machine", machine),
+    record = {"machine": machine if only & set(RUNS) else old.get("machine", machine),
               "numbers": dict(sorted(numbers.items())), "runs": runs}
     record["sources"] = {name: f"`{source['command']}`" for name, source in runs.items()}
     MEASURED.mkdir(exist_ok=True)
