@@ -54,14 +54,15 @@ def parse_args(
     return parser.parse_intermixed_args(argv)
 
 
-def load_config(args: argparse.Namespace, data_files: bool = True):
+def load_config(args: argparse.Namespace, data_files: bool = True, sft: Optional[bool] = None):
     """The checked, frozen config of ``--config`` and the overrides: the config layer's checks and every
     component's (:mod:`jppo.config.components` registers them), before anything compiles (``data_files`` False:
-    the prompt files are not read, for what needs only shapes: compiling for a target)."""
+    the prompt files are not read, for what needs only shapes: compiling for a target; ``sft``: checked as an SFT
+    run's, True, or an RL run's, False; None: as the config says, :func:`jppo.config.applies.sets_sft`)."""
     import jppo.config.components  # noqa: F401, PLC0415 (registers the components' checks; plot's --help needs none)
     from jppo.config import load_config as load  # noqa: PLC0415 (plot's --help reads no config)
 
-    return load(args.config, args.overrides, data_files)
+    return load(args.config, args.overrides, data_files, sft)
 
 
 def log_to_stderr() -> None:

@@ -31,7 +31,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cli.log_to_stderr()
     args = parse_args(argv)
     try:
-        cfg = sft.sft_config(cli.load_config(args))
+        cfg = cli.load_config(args, sft=True)
         inputs = sft.load_inputs(cfg)  # the rows' problems, before anything starts or compiles
         cli.start_processes("sft", cfg, args)  # the compilation cache and XLA's environment, logged; the processes
         shape = sft.mesh_shape(cfg, jax.device_count())

@@ -250,6 +250,21 @@ def test_the_sft_command_logs_the_xla_environment_it_started_with(monkeypatch, c
     assert "LIBTPU_INIT_ARGS=(unset)" in logged
 
 
+def test_each_command_refuses_the_other_kind_of_run_s_keys_in_one_line(capsys, monkeypatch):
+    """An RL key in an SFT command line, and an SFT config given to ``jppo.train``: one line naming the key and
+    the value, exit status 2, before anything compiles."""
+    from jppo import train
+
+    assert run_cli(["algorithm.adv_estimator=grpo"], capsys, monkeypatch) == (
+        "jppo.sft: error: algorithm.adv_estimator='grpo' is read by RL runs only (python -m jppo.train); python -m "
+        "jppo.sft does not read it: remove it")
+    monkeypatch.setattr(train, "run", lambda *a, **k: pytest.fail("reached the run: nothing may compile"))
+    assert train.main(["--config", str(CONFIG), *QUIET]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "jppo.train: error: sft.max_length=16 is read by python -m jppo.sft only, and this config is checked as an RL "
+        "run's: run it with python -m jppo.sft, or remove it"]
+
+
 def jsonl(path: pathlib.Path, rows: list[dict]) -> str:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)

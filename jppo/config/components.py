@@ -42,15 +42,21 @@ from jppo.rollout.env import BUILTIN_ENVS
 
 @register_config_check("components")
 def check_components(cfg: TrainConfig) -> None:
-    """The model's, each update's, the actor's, the estimator's, the sampler's and the batch sizes' checks; the
-    checkpoint to resume from."""
+    """The model's, the actor's update's (an SFT run's too) and the sampler's checks; the checkpoint to resume
+    from."""
     _check_model(cfg)
-    for section in ("actor", "critic"):
-        _check_update(cfg, section)
-    _check_actor(cfg)
-    _check_algorithm(cfg)
+    _check_update(cfg, "actor")
     _check_rollout(cfg)
     _check_resume(cfg)
+
+
+@register_config_check("components of RL runs", rl_only=True)
+def check_rl_components(cfg: TrainConfig) -> None:
+    """The critic's update, the policy loss's, the estimator's and the batch sizes' checks: what only RL runs
+    read (an SFT config refuses those keys when set, :func:`jppo.config.applies.check_sft_keys`)."""
+    _check_update(cfg, "critic")
+    _check_actor(cfg)
+    _check_algorithm(cfg)
     _check_batch_sizes(cfg)
 
 

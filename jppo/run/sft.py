@@ -194,13 +194,13 @@ def run(
 ) -> dict[str, float]:
     """Fine-tunes to ``trainer.total_steps`` on ``devices`` (default: all), resuming when a checkpoint exists;
     returns the last step's metrics."""
-    cfg = sft_config(cfg)
+    given, cfg = cfg, sft_config(cfg)
     out = run_path(cfg.trainer.output_dir)
     resume = plan_resume(cfg, out / "checkpoints")
     main = distributed.is_main_process()
     if main:
         out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
+        save_config(given, out / "config.yaml")  # as written: an SFT config, which loads as one again
     mesh = make_mesh(*shape, devices=devices)
     view = sft_view(cfg)
     manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep,
