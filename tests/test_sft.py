@@ -323,6 +323,64 @@ def test_a_one_step_lora_sft_run_starts_an_rl_run(tmp_path):
     assert record["step"] == 1
 
 
+def test_a_lora_sft_run_s_adapters_are_kept_into_rl_unmerged(tmp_path, capsys, monkeypatch):
+    """``python -m jppo.export --keep-adapters`` of a LoRA SFT run writes its base and, beside it, its adapters; an
+    RL run from there (``model.path``, the same ``actor.lora``) trains those adapters on, unmerged: its trained
+    parameters are the SFT run's adapters as they were, its policy's log-probs before the first update are the SFT
+    policy's (float32: the same weights and program, so 1e-6), and it trains a step. Another ``actor.lora``, or
+    none, is refused in one line before anything compiles."""
+    from jppo import export as export_command, train
+    from jppo.config import check_mesh
+    from jppo.engine.forward import forward_batch, log_prob_fn
+    from jppo.run import build, export as run_export
+    from jppo.run.loop import run as rl_run
+
+    lora = ["actor.lora.rank=4", "actor.lora.alpha=8"]
+    sft_metrics(tmp_path / "sft", 1, "trainer.total_steps=3", "trainer.val_every=0", *lora)
+    kept = tmp_path / "kept"
+    assert export_command.main([str(tmp_path / "sft"), str(kept), "--keep-adapters"]) == 0
+    assert {"config.json", "model.safetensors", "adapter_config.json", "adapter_model.safetensors"} <= {
+        p.name for p in kept.iterdir()}
+    checkpoint = run_export.find_checkpoint(tmp_path / "sft", None)
+    sft_cfg = run_export.run_config(checkpoint)
+    sft_inputs = sft_run.load_inputs(sft_cfg)
+    sft_policy = run_export.restore_policy(checkpoint, sft_cfg, sft_inputs.tokenizer)  # adapters unmerged
+
+    rl = [f"model.path={kept}", "trainer.total_steps=1", "trainer.val_every=0", f"trainer.output_dir={tmp_path}/rl",
+          "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=8", "rollout.n=2",
+          *QUIET]
+    cfg = load_config(ROOT / "configs" / "quickstart_grpo.yaml", [*rl, *lora])
+    inputs = build.load_inputs(cfg)
+    mesh = mesh_of((1, 1, 1))
+    models = build.models(cfg, inputs.tokenizer, mesh)
+    saved = nnx.state(sft_policy, nnx.LoRAParam)
+    chex.assert_trees_all_equal(jax.device_get(models.actor.params), jax.device_get(saved))
+    rows = sft_inputs.train.experience(np.arange(8))
+    weights = nnx.merge_state(models.actor.frozen, models.actor.params)
+    rl_log_probs = forward_batch(log_prob_fn(models.actor.graphdef, temperature=1.0, chunk_size=256), weights, rows,
+                                 mesh, micro_batch_size=8)
+    graphdef, sft_weights = nnx.split(sft_policy, nnx.Param, ...)[:2]
+    sft_log_probs = forward_batch(log_prob_fn(graphdef, temperature=1.0, chunk_size=256), sft_weights, rows, mesh,
+                                  micro_batch_size=8)
+    np.testing.assert_allclose(rl_log_probs, sft_log_probs, rtol=1e-6, atol=1e-6)
+    assert np.abs(rl_log_probs).max() > 0
+    metrics = rl_run(cfg, check_mesh(cfg, 1), inputs, devices=jax.devices()[:1])
+    assert np.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
+
+    monkeypatch.setattr(train, "run", lambda *a, **k: pytest.fail("reached the run: nothing may compile"))
+    grpo = ["--config", str(ROOT / "configs" / "quickstart_grpo.yaml"), *rl]
+    assert train.main([*grpo, "actor.lora.rank=8", "actor.lora.alpha=8"]) == 2
+    assert train.main(grpo) == 2
+    refusals = capsys.readouterr().err.strip().splitlines()
+    assert refusals[-2].startswith("jppo.train: error: actor.lora (rank=8, alpha=8.0, targets ") and (
+        f"differs from the adapters model.path='{kept}' holds (r=4, lora_alpha=8.0" in refusals[-2])
+    assert refusals[-1] == (
+        f"jppo.train: error: model.path='{kept}' holds LoRA adapters (adapter_config.json: r=4, lora_alpha=8.0): set "
+        "actor.lora.rank=4 actor.lora.alpha=8.0 actor.lora.target_modules=['down_proj', 'gate_proj', 'k_proj', "
+        "'o_proj', 'q_proj', 'up_proj', 'v_proj'] to keep training them, or start from the run's merged export "
+        "(python -m jppo.export RUN OUT)")
+
+
 def test_the_audit_takes_an_sft_config(capsys):
     """``jppo.audit --sft``: the SFT update of the quickstart config, on two data shards with the finest cuts,
     against one device and one micro-batch."""

@@ -35,7 +35,7 @@ from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, check_attentio
 from jppo.models.families import MODEL_FAMILIES
 from jppo.models.hf import read_config
 from jppo.models.layers import HALF_PRECISION_ATTENTION
-from jppo.models.lora import check_fits
+from jppo.models.lora import check_fits, check_saved_adapters, saved_adapter_config
 from jppo.rollout import ROLLOUT_ENGINES, vllm_engine
 from jppo.rollout.env import BUILTIN_ENVS
 
@@ -46,6 +46,7 @@ def check_components(cfg: TrainConfig) -> None:
     from."""
     _check_model(cfg)
     _check_update(cfg, "actor")
+    _check_kept_adapters(cfg)
     _check_rollout(cfg)
     _check_resume(cfg)
 
@@ -80,6 +81,18 @@ def _check_model(cfg: TrainConfig) -> None:
         check_attention_blocks(cfg.model.attention_block_q, cfg.model.attention_block_kv)
         if cfg.model.path is None:  # a model built from this section: its own checks
             random_model_config(cfg, None)
+
+
+def _check_kept_adapters(cfg: TrainConfig) -> None:
+    """A ``model.path`` holding LoRA adapters beside its weights (``python -m jppo.export --keep-adapters``) is
+    trained on with the same ``actor.lora``: rank, alpha and targets as saved."""
+    saved = saved_adapter_config(cfg.model.path) if cfg.model.path else None
+    if saved is not None:
+        try:
+            check_saved_adapters(saved, cfg.actor.lora, adapted_model_config(cfg, "actor"),
+                                 f"model.path={cfg.model.path!r}")
+        except ValueError as error:
+            raise ConfigError(one_line(error)) from None
 
 
 def _check_update(cfg: TrainConfig, section: str) -> None:

@@ -194,13 +194,13 @@ def run(
 ) -> dict[str, float]:
     """Fine-tunes to ``trainer.total_steps`` on ``devices`` (default: all), resuming when a checkpoint exists;
     returns the last step's metrics."""
-    given, cfg = cfg, sft_config(cfg)
+    cfg = sft_config(cfg)
     out = run_path(cfg.trainer.output_dir)
     resume = plan_resume(cfg, out / "checkpoints")
     main = distributed.is_main_process()
     if main:
         out.mkdir(parents=True, exist_ok=True)
-        save_config(given, out / "config.yaml")  # as written: an SFT config, which loads as one again
+        save_config(cfg, out / "config.yaml")  # read as an SFT config beside a checkpoint that says so (SFT_META)
     mesh = make_mesh(*shape, devices=devices)
     view = sft_view(cfg)
     manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep,
@@ -226,8 +226,8 @@ def run(
             hooks = [
                 Hook(cfg.trainer.val_every if has_val else 0, lambda step, s, m: m.update(evaluate(s, step))),
                 Hook(1, lambda step, s, m: logger.log(step, m)),
-                Hook(cfg.trainer.save_every, lambda step, s, m: save(manager, s, cfg, record), at_end=True),
-                Hook(1, lambda step, s, m: stop.at_boundary(step, total, lambda: save(manager, s, cfg, record),
+                Hook(cfg.trainer.save_every, lambda step, s, m: save(manager, s, cfg, record, sft=True), at_end=True),
+                Hook(1, lambda step, s, m: stop.at_boundary(step, total, lambda: save(manager, s, cfg, record, sft=True),
                                                             manager.wait)),
             ]
             if cfg.trainer.val_before_train and has_val and fresh:
