@@ -3,11 +3,13 @@
     python -m bench.docs_numbers [--runs DIR] [--only quickstart,dapo,...] [--pages]
 
 Runs each quickstart config of ``RUNS`` to its end (``python -m jppo.train``, one subprocess each, into
-``DIR/<name>``; a run already complete there is read, not rerun), plans the GSM8K configs on one device
+``DIR/<name>``; a run already complete there is read, not rerun), the SFT-then-GRPO comparison
+(``python -m bench.sft_to_rl`` into ``DIR/sft_to_rl``, read when its result is there), plans the GSM8K configs on one device
 (``jppo.run.memory``, nothing allocated), and writes ``docs/measured/numbers.json`` (each number as the pages quote
 it) and ``docs/measured/README.md`` (the same with where each comes from). A page quotes a number as
 ``<!--m:KEY-->VALUE``; ``tests/test_docs.py`` checks that every such VALUE is the file's, and ``--pages`` rewrites
-them from it. Times are recorded with the machine's load: they are not quoted, since a shared machine inflates them.
+them from it. Times are recorded with the machine's load: they are not quoted, since a shared machine inflates them,
+but for the SFT run's (seconds for its 100 steps, compilation included; the file records the load it ran under).
 """
 
 from __future__ import annotations
@@ -111,6 +113,44 @@ def run(name: str, runs: pathlib.Path) -> dict:
     return {"numbers": numbers, "source": source}
 
 
+# bench.sft_to_rl's defaults: the GRPO runs' validation steps the pages quote
+SFT_TO_RL_STEPS, SFT_TO_RL_VAL_EVERY = 100, 20
+
+
+def sft_to_rl_numbers(result: dict) -> dict[str, str]:
+    """``bench.sft_to_rl``'s result as the pages quote it: the SFT run's steps, seconds and held-out NLL (first and
+    last validation) and greedy score (first and last); each GRPO run's held-out greedy score at every validation step and
+    its training reward over the first and last 10 steps."""
+    sft = result["sft"]
+    nll = list(sft["val_sft_nll"].values())
+    numbers = {"sft_steps": str(sft["steps"]), "sft_seconds": str(round(sft["seconds"])),
+               "sft_nll_first": two(nll[0]), "sft_nll_last": two(nll[-1]),
+               "sft_greedy_first": two(list(sft["val_score"].values())[0]),
+               "sft_greedy": two(list(sft["val_score"].values())[-1])}
+    for name in ("from_sft", "from_scratch"):
+        run_ = result[f"grpo_{name}"]
+        numbers.update({f"{name}_greedy{step}": two(score) for step, score in run_["val_score"].items()})
+        rewards = list(run_["reward"].values())
+        numbers[f"{name}_reward_first10"] = two(statistics.mean(rewards[:10]))
+        numbers[f"{name}_reward_last10"] = two(statistics.mean(rewards[-10:]))
+    return {f"sft_to_rl.{key}": value for key, value in numbers.items()}
+
+
+def sft_to_rl(runs: pathlib.Path) -> dict:
+    """``python -m bench.sft_to_rl`` into ``runs/sft_to_rl`` unless its result is there; its numbers and source."""
+    out = runs / "sft_to_rl"
+    path = out / "sft_to_rl.json"
+    if not path.is_file():
+        command = [sys.executable, "-m", "bench.sft_to_rl", "--out", str(out), f"--steps={SFT_TO_RL_STEPS}",
+                   f"--val-every={SFT_TO_RL_VAL_EVERY}"]
+        subprocess.run(command, check=True, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    result = json.loads(path.read_text())
+    source = {"command": "python -m bench.sft_to_rl", "steps": SFT_TO_RL_STEPS,
+              "training_s": round(result["sft"]["seconds"], 1), "wall_s": None,
+              "load_average": round(result.get("load_average", 0.0), 1)}
+    return {"numbers": sft_to_rl_numbers(result), "source": source}
+
+
 def plan_numbers() -> dict[str, str]:
     """The GSM8K configs planned on one device with the overrides their pages give for it (``mesh.sequence=1``,
     4096-token rows): the peak, the sampler's KV caches, and the peak with the reference kept in float32."""
@@ -161,17 +201,19 @@ def markdown(record: dict) -> str:
     lines += ["", "Runs (the training time is the sum of `timing/step`; a shared machine inflates it):", ""]
     for name, source in record["runs"].items():
         lines.append(f"- `{name}`: `{source['command']}`, {source['steps']} steps, {source['training_s']} s of "
-                     f"training" + (f", {source['wall_s']} s wall" if source["wall_s"] else ""))
+                     f"training" + (f", {source['wall_s']} s wall" if source["wall_s"] else "")
+                     + (f", load average {source['load_average']}" if "load_average" in source else ""))
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.docs_numbers", description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default="runs/docs", help="where the runs go, or are read when complete")
-    parser.add_argument("--only", help=f"comma-separated: {','.join(RUNS)},plan (default: all; the rest kept)")
+    parser.add_argument("--only", help=f"comma-separated: {','.join(RUNS)},sft_to_rl,plan (default: all; the rest "
+                                       "kept)")
     parser.add_argument("--pages", action="store_true", help="rewrite the marked numbers of README.md and docs/")
     args = parser.parse_args(argv)
-    only = set(args.only.split(",")) if args.only else {*RUNS, "plan"}
+    only = set(args.only.split(",")) if args.only else {*RUNS, "sft_to_rl", "plan"}
     old = json.loads(NUMBERS.read_text()) if NUMBERS.is_file() else {"numbers": {}, "runs": {}}
     numbers, runs = dict(old["numbers"]), dict(old["runs"])
     for name in RUNS:
@@ -179,11 +221,15 @@ def main(argv: list[str] | None = None) -> int:
             result = run(name, pathlib.Path(args.runs).resolve())
             numbers.update(result["numbers"])
             runs[name] = result["source"]
+    if "sft_to_rl" in only:
+        result = sft_to_rl(pathlib.Path(args.runs).resolve())
+        numbers.update(result["numbers"])
+        runs["sft_to_rl"] = result["source"]
     if "plan" in only:
         numbers.update(plan_numbers())
     machine = (f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} when generated, "
                f"{time.strftime('%Y-%m-%d', time.gmtime())}")
-    record = {"machine": machine if only - {"plan"} else old.get("machine", machine),
+    record = {"machine": machine if only & set(RUNS) else old.get("machine", machine),
               "numbers": dict(sorted(numbers.items())), "runs": runs}
     record["sources"] = {name: f"`{source['command']}`" for name, source in runs.items()}
     MEASURED.mkdir(exist_ok=True)

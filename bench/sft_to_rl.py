@@ -2,14 +2,16 @@
 
 Runs, in one process, on all devices:
 
-1. ``python -m jppo.sft --config configs/quickstart_sft.yaml`` (its held-out NLL; its wall time, compilation
-   included, and the seconds per step after the first);
+1. ``python -m jppo.sft --config configs/quickstart_sft.yaml`` (its held-out NLL and greedy score; its wall time,
+   compilation and validation included, and the seconds per step after the first);
 2. the GRPO quickstart from the SFT run's export (``model.path``), validated before training and every
    ``--val-every`` steps (greedy: ``rollout.val_temperature`` 0);
 3. the same GRPO run from the random model.
 
-Writes ``OUT/sft_to_rl.json``: each run's held-out greedy score (``val/reward/mean``) and training reward
-(``reward/mean``) by step, and the SFT run's times. A measurement, not a test: ``--steps`` and ``--sft-steps`` cut
+Writes ``OUT/sft_to_rl.json``: each run's held-out greedy score (``val/reward/mean``; the SFT run's last one is
+the GRPO run's first, the same policy on the same prompts) and training reward (``reward/mean``) by step, the SFT
+run's times, and the machine's load when it ended. ``python -m bench.docs_numbers --only sft_to_rl`` runs it for the
+numbers README.md quotes. A measurement, not a test: ``--steps`` and ``--sft-steps`` cut
 it short.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import time
 
@@ -69,14 +72,15 @@ def main(argv=None) -> int:
         "devices": jax.device_count(), "platform": jax.devices()[0].platform,
         "sft": {"steps": args.sft_steps, "seconds": sft_seconds,
                 "seconds_per_step_after_the_first": sum(per_step) / max(len(per_step), 1),
-                "val_sft_nll": by_step(rows, "val/sft_nll")},
+                "val_sft_nll": by_step(rows, "val/sft_nll"), "val_score": by_step(rows, "val/reward/mean")},
         "grpo_from_sft": grpo(out / "grpo_from_sft", args.steps, args.val_every, f"model.path={out / 'sft' / 'hf'}"),
         "grpo_from_scratch": grpo(out / "grpo_from_scratch", args.steps, args.val_every),
     }
+    result["load_average"] = os.getloadavg()[0]
     (out / "sft_to_rl.json").write_text(json.dumps(result, indent=1) + "\n")
     for name in ("grpo_from_sft", "grpo_from_scratch"):
         print(name, "held-out greedy score by step:", {k: round(v, 3) for k, v in result[name]["val_score"].items()})
-    print("sft:", {k: v for k, v in result["sft"].items() if k != "val_sft_nll"})
+    print("sft:", {k: v for k, v in result["sft"].items() if not k.startswith("val_")})
     return 0
 
 

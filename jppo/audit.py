@@ -14,6 +14,7 @@ import time
 from typing import Optional, Sequence
 
 from jppo import cli
+from jppo.config.applies import sets_sft
 from jppo.parallel import distributed
 from jppo.run import build, sft
 from jppo.run.audit import FLOAT64_TOLERANCE, audit, audit_sft, tolerance_of
@@ -29,7 +30,8 @@ def options(parser: argparse.ArgumentParser) -> None:
                         help="every row in float64 (jax_enable_x64), within %g: a dependence on the cut smaller "
                              "than float32's rounding shows too" % FLOAT64_TOLERANCE)
     parser.add_argument("--sft", action="store_true",
-                        help="audit python -m jppo.sft's update of this config (its first sft.batch_size rows)")
+                        help="audit python -m jppo.sft's update of this config (its first sft.batch_size rows); the "
+                             "default for a config that sets the sft section")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -44,7 +46,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     try:  # a bad setting found while building or running the updates is a one-line error too, not a traceback
-        cfg = cli.load_config(args)
+        cfg = cli.load_config(args, sft=args.sft or None)
+        args.sft = args.sft or sets_sft(cfg)  # an SFT config audits its SFT update
         quiet = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, val_every=0, val_before_train=False))
         if args.sft:
             cfg = sft.sft_config(quiet)

@@ -54,14 +54,15 @@ def parse_args(
     return parser.parse_intermixed_args(argv)
 
 
-def load_config(args: argparse.Namespace, data_files: bool = True):
+def load_config(args: argparse.Namespace, data_files: bool = True, sft: Optional[bool] = None):
     """The checked, frozen config of ``--config`` and the overrides: the config layer's checks and every
     component's (:mod:`jppo.config.components` registers them), before anything compiles (``data_files`` False:
-    the prompt files are not read, for what needs only shapes: compiling for a target)."""
+    the prompt files are not read, for what needs only shapes: compiling for a target; ``sft``: checked as an SFT
+    run's, True, or an RL run's, False; None: as the config says, :func:`jppo.config.applies.sets_sft`)."""
     import jppo.config.components  # noqa: F401, PLC0415 (registers the components' checks; plot's --help needs none)
     from jppo.config import load_config as load  # noqa: PLC0415 (plot's --help reads no config)
 
-    return load(args.config, args.overrides, data_files)
+    return load(args.config, args.overrides, data_files, sft)
 
 
 def log_to_stderr() -> None:
@@ -69,13 +70,9 @@ def log_to_stderr() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
 
-def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int, int]:
+def start_processes(command: str, cfg, args: argparse.Namespace) -> None:
     """What a command that runs the models does before anything compiles: the persistent compilation cache
-    (``trainer.compilation_cache``), the processes (the multi-process flags), then the mesh shape the config asks
-    for on every device of every process."""
-    import jax  # noqa: PLC0415 (plot's --help needs no JAX)
-
-    from jppo.config import check_mesh  # noqa: PLC0415
+    (``trainer.compilation_cache``) and the XLA environment, logged; the processes (the multi-process flags)."""
     from jppo.run import compile_cache  # noqa: PLC0415
 
     log = logging.getLogger(f"jppo.{command}")
@@ -84,6 +81,15 @@ def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int, i
     for name in XLA_ENVIRONMENT:  # what the launch scripts' tpu_scripts/xla_flags.sh set, or the user did
         log.info("%s=%s", name, os.environ.get(name, "(unset)"))
     distributed.initialize(args)
+
+
+def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int, int]:
+    """:func:`start_processes`, then the mesh shape the config asks for on every device of every process."""
+    import jax  # noqa: PLC0415 (plot's --help needs no JAX)
+
+    from jppo.config import check_mesh  # noqa: PLC0415
+
+    start_processes(command, cfg, args)
     shape = check_mesh(cfg, jax.device_count(), jax.process_count())
     if cfg.rollout.devices:  # a device that cannot hold the sampler: refused before anything compiles
         from jppo.run.split_memory import check_rollout_fits  # noqa: PLC0415

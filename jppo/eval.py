@@ -35,7 +35,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cli.log_to_stderr()
     args = parse_args(argv)
     try:
-        cfg = cli.load_config(args)
+        cfg = cli.load_config(args, sft=False)
         mesh_shape = cli.start("eval", cfg, args)
         inputs = build.load_inputs(cfg, evaluation=True)
     except cli.START_ERRORS as error:

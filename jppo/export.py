@@ -1,6 +1,7 @@
 """``python -m jppo.export RUN_DIR_OR_CHECKPOINT OUT_DIR [--dtype D] [--max-shard-size 2GB] [--step N]
-[--adapters | --base]``: a trained policy as a Hugging Face directory that ``AutoModelForCausalLM``,
-``AutoTokenizer`` and ``vllm serve`` read as is (a LoRA run's merged weights, its adapters, or their base).
+[--adapters | --base | --keep-adapters]``: a trained policy as a Hugging Face directory that
+``AutoModelForCausalLM``, ``AutoTokenizer`` and ``vllm serve`` read as is (a LoRA run's merged weights, its
+adapters, their base, or the base with the adapters beside it, which an RL run keeps training).
 
 What is read and what ``OUT_DIR`` receives: :mod:`jppo.run.export`. Errors are one line, exit status 2.
 """
@@ -16,8 +17,8 @@ from jppo.core.paths import run_path
 from jppo.data import load_tokenizer
 from jppo.config import views
 from jppo.run.export import (
-    DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES, ExportError, base_policy, export_adapters, export_policy, find_checkpoint,
-    merged_policy, parse_size, restore_policy, run_config,
+    DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES, ExportError, base_policy, export_adapters, export_kept, export_policy,
+    find_checkpoint, merged_policy, parse_size, restore_policy, run_config,
 )
 
 
@@ -34,6 +35,9 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", action="store_true",
                         help="write the base model the LoRA adapters were trained on, without them (a random base "
                              "too): the model to load them onto with peft.PeftModel.from_pretrained(base, ADAPTERS)")
+    parser.add_argument("--keep-adapters", action="store_true",
+                        help="write the base model and, beside it, the LoRA adapters in PEFT's layout: model.path of "
+                             "an RL run with the same actor.lora, which trains the same adapters on (unmerged)")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -43,8 +47,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
-        if args.adapters and args.base:
-            raise ExportError("--adapters and --base write different directories: export each to its own OUT")
+        if args.adapters + args.base + args.keep_adapters > 1:
+            raise ExportError("--adapters, --base and --keep-adapters write different directories: export each to "
+                              "its own OUT")
         max_shard_bytes = parse_size(args.max_shard_size)
         checkpoint = find_checkpoint(run_path(args.source), args.step)
         cfg = run_config(checkpoint)
@@ -52,6 +57,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model = restore_policy(checkpoint, cfg, tokenizer)
         if args.adapters:
             files = export_adapters(model, cfg, args.out, dtype=args.dtype or "float32", replace=args.overwrite)
+        elif args.keep_adapters:
+            files = export_kept(model, cfg, tokenizer, args.out, dtype=args.dtype, max_shard_bytes=max_shard_bytes,
+                                replace=args.overwrite)
         else:
             policy = base_policy(model) if args.base else merged_policy(model)
             files = export_policy(policy, cfg, tokenizer, args.out, dtype=args.dtype,

@@ -3,7 +3,10 @@ device, computed from the config and the model's shapes before anything is alloc
 
 ``--compile-for TARGET`` compiles every program of the run for a TPU slice or GPU nodes on this machine, with no
 accelerator, weight or data file (:mod:`jppo.run.compiled`), and prints per program XLA's bytes per device beside
-the plan's, its collectives and its flops; exit status 1 when a program does not compile or does not fit."""
+the plan's, its collectives and its flops; exit status 1 when a program does not compile or does not fit.
+
+A config that sets the ``sft`` section is ``python -m jppo.sft``'s: its plan is the SFT update's
+(:mod:`jppo.run.sft_memory`), on the mesh that command makes."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Mapping, Optional, Sequence
 
 from jppo import cli
 from jppo.config import ConfigError, check_mesh
+from jppo.config.applies import sets_sft
 from jppo.run.memory import MemoryPlan, human, memory_plan, program_bytes
 
 DEFAULT_MEM_FRACTION = 0.75  # the share of a GPU's memory JAX's allocator takes unless XLA_PYTHON_CLIENT_MEM_FRACTION
@@ -110,7 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             import jax  # noqa: PLC0415 (only to count this machine's devices)
 
             args.devices = jax.device_count()
-        plans = mesh_plans(cfg, check_mesh(cfg, args.devices))
+        plans = sft_plans(cfg, args.devices) if sets_sft(cfg) else mesh_plans(cfg, check_mesh(cfg, args.devices))
         if args.device_memory is not None:
             if args.device_memory <= 0:
                 raise ConfigError(f"--device-memory={args.device_memory} must be > 0 (GiB)")
@@ -147,6 +151,14 @@ def mesh_plans(cfg, training_shape, platform: str = "gpu") -> tuple[MemoryPlan, 
     return split_plans(cfg, training_shape, platform)
 
 
+def sft_plans(cfg, devices: int) -> tuple[MemoryPlan, None]:
+    """An SFT config's plan (:mod:`jppo.run.sft_memory`) on the mesh ``python -m jppo.sft`` makes of ``devices``."""
+    from jppo.run import sft  # noqa: PLC0415 (the SFT loop: its mesh and engine config)
+    from jppo.run.sft_memory import sft_plan  # noqa: PLC0415
+
+    return sft_plan(cfg, sft.mesh_shape(cfg, devices)), None
+
+
 def compile_for(args: argparse.Namespace) -> int:
     """``--compile-for TARGET``: every program compiled for the target; 0 when all compile and fit, else 1."""
     import jax  # noqa: PLC0415
@@ -158,6 +170,9 @@ def compile_for(args: argparse.Namespace) -> int:
             raise ConfigError("--compile-for takes its devices and their memory from TARGET: leave out --devices "
                               "and --device-memory")
         cfg = cli.load_config(args, data_files=False)
+        if sets_sft(cfg):
+            raise ConfigError("--compile-for compiles the programs of an RL run; this config sets the sft section "
+                              "(python -m jppo.sft's): plan it without --compile-for")
         from jppo.run import compiled, targets  # noqa: PLC0415 (jax and the models: only when compiling)
 
         target = targets.target(args.compile_for)

@@ -16,7 +16,7 @@ import jax
 from jppo import cli
 from jppo.config import ConfigError
 from jppo.parallel import distributed
-from jppo.run import compile_cache, sft
+from jppo.run import sft
 from jppo.run.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
 
 
@@ -31,10 +31,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cli.log_to_stderr()
     args = parse_args(argv)
     try:
-        cfg = sft.sft_config(cli.load_config(args))
+        cfg = cli.load_config(args, sft=True)
         inputs = sft.load_inputs(cfg)  # the rows' problems, before anything starts or compiles
-        compile_cache.apply(cfg.trainer.compilation_cache)
-        distributed.initialize(args)
+        cli.start_processes("sft", cfg, args)  # the compilation cache and XLA's environment, logged; the processes
         shape = sft.mesh_shape(cfg, jax.device_count())
     except cli.START_ERRORS as error:
         return cli.fail("sft", error)

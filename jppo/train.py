@@ -48,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cli.log_to_stderr()
     args = parse_args(argv)
     try:
-        cfg = cli.load_config(args)
+        cfg = cli.load_config(args, sft=False)
         if args.distributed == "dry-run":
             print(dry_run(cfg, args))
             return 0

@@ -66,9 +66,11 @@ def test_every_applies_to_entry_names_keys_of_the_reference():
     names = [key.name for key in keys()]
     for entry in (*APPLIES, *ENGINE_KEYS):
         assert any(name == entry or (entry.endswith(".") and name.startswith(entry)) for name in names), entry
-    assert applies_to("rollout.n") == ""  # every run
+    assert applies_to("model.dtype") == ""  # every run, SFT's too
+    assert applies_to("rollout.n") == "RL runs (`jppo.train`), not SFT (`jppo.sft`)"
     eps = applies_to("critic.optim.eps")
-    assert eps.startswith("a run with a critic") and eps.endswith("`critic.optim.name: adamw`")
+    assert eps.startswith("RL runs (`jppo.train`), not SFT (`jppo.sft`); a run with a critic")
+    assert eps.endswith("`critic.optim.name: adamw`")
     page = (ROOT / "docs" / "configuration.md").read_text()
     assert "| `rollout.max_num_seqs` |" in page and "`rollout.engine: jppo` (refused with vllm" in page
 
@@ -139,3 +141,39 @@ def test_the_same_keys_are_accepted_where_they_are_read():
     # model's head size 8 that the CPU build has no attention for
     with pytest.raises(ConfigError, match="^rollout.engine='vllm'( needs vLLM|: vLLM's CPU build has no attention)"):
         load_config(QUICKSTART_GRPO, ["rollout.engine=vllm", "rollout.vllm.max_num_seqs=4"])
+
+
+QUICKSTART_SFT = ROOT / "configs" / "quickstart_sft.yaml"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algorithm.adv_estimator=grpo"], "algorithm.adv_estimator='grpo' is read by RL runs only (python -m jppo.train); "
+                                       "python -m jppo.sft does not read it: remove it"),
+    (["data.train_batch_size=3"], "data.train_batch_size=3 is read by RL runs only (python -m jppo.train); python -m "
+                                  "jppo.sft does not read it: SFT's rows per step are sft.batch_size"),
+    (["actor.ppo_mini_batch_size=16"], "actor.ppo_mini_batch_size=16 is read by RL runs only"),
+    (["critic.optim.lr=0.1"], "critic.optim.lr=0.1 is read by RL runs only"),
+    (["actor.clip_ratio=0.3"], "actor.clip_ratio=0.3 is read by RL runs only"),
+    (["rollout.n=4"], "rollout.n=4 is read by RL runs only"),
+    (["rollout.vllm.max_num_seqs=3"], "rollout.vllm.max_num_seqs=3 is read by RL runs only"),
+    (["trainer.off_policy_steps=1"], "trainer.off_policy_steps=1 is read by RL runs only"),
+])
+def test_an_sft_config_refuses_a_key_only_rl_runs_read_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(QUICKSTART_SFT, overrides)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_the_rl_checks_demand_nothing_of_an_sft_config():
+    """A token budget below what an RL run's rows take (prompt and response limits: 32 + 16 tokens) but above every
+    SFT row (sft.max_length=16): the RL run refuses it, the SFT run takes it; an RL config refuses an sft key."""
+    budget = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len=16", "data.max_prompt_length=32",
+              "rollout.max_response_length=16"]
+    with pytest.raises(ConfigError, match="^actor.ppo_max_token_len=16 must be >= the longest sequence"):
+        load_config(QUICKSTART_GRPO, budget)
+    cfg = load_config(QUICKSTART_SFT, budget)
+    assert cfg.actor.ppo_max_token_len == 16
+    with pytest.raises(ConfigError) as error:
+        load_config(QUICKSTART_GRPO, ["sft.batch_size=4"], sft=False)
+    assert str(error.value) == ("sft.batch_size=4 is read by python -m jppo.sft only, and this config is checked as "
+                                "an RL run's: run it with python -m jppo.sft, or remove it")

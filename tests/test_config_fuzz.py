@@ -5,7 +5,7 @@ three per example, with odd values of every type (``""``, ``"abc"``, ``"nan"``, 
 registries' names, ...), and given as ``key=value`` overrides to every shipped config. Two properties:
 
 1. validation (:func:`load_config`, :func:`check_mesh` and :func:`build.load_inputs`, what the CLI runs before
-   anything compiles) either accepts or raises :class:`ConfigError` whose one-line message names a drawn key (or, for
+   anything compiles; for the SFT config, what ``python -m jppo.sft`` runs) either accepts or raises :class:`ConfigError` whose one-line message names a drawn key (or, for
    a conflict with a value of the config file, the key it conflicts with);
 2. a config that validation accepts trains a step (a tiny model on one device) without an exception.
 
@@ -28,7 +28,7 @@ import jax
 from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import strategies as st
 
-from jppo.run import build
+from jppo.run import build, sft
 from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.config import ConfigError, TrainConfig, check_mesh, load_config
 from jppo.data import BUILTIN_TASKS
@@ -56,6 +56,14 @@ TINY = [
     "rollout.max_response_length=4", "rollout.prompt_bucket=8", "trainer.total_steps=1", "trainer.save_every=0",
     "trainer.val_every=0", "trainer.plots=false", "trainer.logger=[console,jsonl]", "trainer.progress_bar=false",
     "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
+]
+# The same for python -m jppo.sft's config: its own batch, one micro-batch, rows of the quickstart task
+TINY_SFT = [
+    "sft.batch_size=4", "actor.ppo_micro_batch_size=2", "data.num_train_examples=64", "data.num_val_examples=4",
+    "data.val_batch_size=4", "model.hidden_size=16", "model.intermediate_size=32", "model.num_layers=1",
+    "model.num_heads=2", "model.num_kv_heads=null", "rollout.max_response_length=4", "trainer.total_steps=1",
+    "trainer.save_every=0", "trainer.val_every=0", "trainer.val_before_train=false", "trainer.plots=false",
+    "trainer.export_hf=false", "trainer.logger=[console,jsonl]", "trainer.progress_bar=false", "mesh.data=1",
 ]
 # Generating a billion prompts is a matter of memory and patience, not of validation: such samples skip
 # load_inputs (their config and mesh checks still run).
@@ -119,9 +127,20 @@ def base_overrides(config: pathlib.Path) -> list[str]:
     return LOCAL_STAND_IN if "0_5b" in config.name else []
 
 
+def is_sft(config: pathlib.Path) -> bool:
+    return config.name == "quickstart_sft.yaml"
+
+
 def validate_like_the_cli(config: pathlib.Path, items: list[str]):
-    """What ``jppo.train.main`` runs before anything compiles, on one device."""
-    cfg = load_config(config, items)
+    """What ``jppo.train.main`` (``jppo.sft.main`` for the SFT config) runs before anything compiles, on one
+    device."""
+    if is_sft(config):
+        cfg = load_config(config, items, sft=True)
+        shape = sft.mesh_shape(cfg, 1)
+        if cfg.data.num_train_examples + cfg.data.num_val_examples > MAX_GENERATED_EXAMPLES:
+            return cfg, shape, None
+        return cfg, shape, sft.load_inputs(cfg)
+    cfg = load_config(config, items, sft=False)
     shape = check_mesh(cfg, 1)
     if cfg.data.num_train_examples + cfg.data.num_val_examples > MAX_GENERATED_EXAMPLES:
         return cfg, shape, None
@@ -187,9 +206,10 @@ def pinned(examples: list[list[str]]):
 def test_an_accepted_config_trains_a_step(config, drawn):
     with tempfile.TemporaryDirectory() as scratch, inside(scratch):
         try:
-            cfg, shape, inputs = validate_like_the_cli(config, base_overrides(config) + TINY + drawn)
+            tiny = TINY_SFT if is_sft(config) else TINY
+            cfg, shape, inputs = validate_like_the_cli(config, base_overrides(config) + tiny + drawn)
         except Exception as error:  # noqa: BLE001
             assert_refused_in_one_line(error, drawn)
             reject()
         assert inputs is not None  # small sizes only
-        run(cfg, shape, inputs, devices=jax.devices()[:1])
+        (sft.run if is_sft(config) else run)(cfg, shape, inputs, devices=jax.devices()[:1])

@@ -310,3 +310,64 @@ def test_a_rollout_mesh_has_a_plan_of_its_own(tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed["rollout_mesh"]["terms"]["rollout_weights"] == rollout.term("rollout_weights")
     assert "kv_cache" not in printed["terms"] and printed["peak_bytes"] == training.peak_bytes
+
+
+SFT = QUICKSTART.parent / "quickstart_sft.yaml"
+
+
+@pytest.mark.parametrize("micro_batch", [4, 32], ids=["K8", "K1"])
+def test_the_plan_of_an_sft_config_is_the_compiled_sft_update_s_bytes(tmp_path, micro_batch):
+    """An SFT config plans ``python -m jppo.sft``'s update (the policy, its optimizer, one micro-batch's gradients,
+    activations and logits; no critic, rollout or reference): within 10% of XLA's bytes of the compiled SFT update
+    (arguments + outputs - donated + temporaries) on the quickstart SFT's first step, with an accumulator (8
+    micro-batches) and without (one). ``sft.max_length`` is the data's longest row, so the planned micro-batch is
+    the compiled one."""
+    from jppo.engine import UpdateStep, sft_loss_fn
+    from jppo.engine.assemble import assemble, device_rows
+    from jppo.engine.driver import global_lengths, step_cuts
+    from jppo.engine.update import loss_inputs
+    from jppo.run import sft as sft_run
+    from jppo.run.learn import mini_batch_rng
+    from jppo.run.sft_memory import sft_plan, sft_program_bytes
+
+    cfg = load_config(SFT, [f"trainer.output_dir={tmp_path / 'run'}", "mesh.data=1", "sft.max_length=13",
+                            f"actor.ppo_micro_batch_size={micro_batch}"])
+    inputs = sft_run.load_inputs(cfg)
+    assert sum(inputs.train.widths) == 13  # the longest row: BOS, 5 digits, "=", 5 digits, EOS
+    planned = sft_plan(cfg, (1, 1, 1, 1))
+    assert set(planned.updates) == {"sft backward", "sft optimizer step"} and not planned.rollout
+    assert planned.validation and planned.term("parameters/policy") > 0  # the held-out greedy score's sampling
+    mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    view = sft_run.sft_view(cfg)
+    actor = build.models(sft_run.sft_config(cfg), inputs.tokenizer, mesh, roles=("actor",), reference=False).actor
+    state = init_train_state(actor.params, view, mesh, frozen=actor.frozen)
+    assert planned.term("parameters/policy") == device_bytes(state.params)
+    assert planned.term("optimizer_state/policy") == device_bytes(state.opt_state, per_parameter_only=True)
+    batch = inputs.train.experience(inputs.train.rows_at(0, cfg.sft.batch_size, cfg.trainer.seed))
+    cut = step_cuts(global_lengths(batch, mesh), view, mesh, mini_batch_rng(cfg.trainer.seed, 1, "sft"))
+    micro = assemble(device_rows(batch, loss_inputs(view), mesh), cut, mesh, None)
+    update = UpdateStep(actor.graphdef, sft_loss_fn(view), view, mesh, "sft")
+    memory_analysis = update.lower(state, micro).compile().memory_analysis()
+    xla = (memory_analysis.argument_size_in_bytes + memory_analysis.output_size_in_bytes
+           - memory_analysis.alias_size_in_bytes + memory_analysis.temp_size_in_bytes)
+    assert 0.9 * xla <= sft_program_bytes(cfg, (1, 1, 1, 1)) <= 1.1 * xla, (sft_program_bytes(cfg, (1, 1, 1, 1)), xla)
+
+
+def test_the_command_plans_an_sft_config_as_the_sft_run(tmp_path, capsys):
+    """``python -m jppo.plan --config configs/quickstart_sft.yaml``: the SFT update's terms and the held-out
+    greedy score's sampling, none of an RL run's (critic, rollout); ``--compile-for`` refuses it in one line."""
+    from jppo.run.sft_memory import sft_plan
+
+    argv = ["--config", str(SFT), f"trainer.output_dir={tmp_path / 'run'}"]
+    assert plan.main([*argv, "--devices", "4", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    expected = sft_plan(load_config(SFT, argv[2:]), (4, 1, 1, 1))
+    assert printed["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1, "sequence": 1}
+    assert printed["peak_bytes"] == expected.peak_bytes and set(printed["terms"]) == {
+        "parameters/policy", "optimizer_state/policy", "gradients/policy", "weights_in_use/policy",
+        "activations/policy", "logits/policy", "optimizer_step/policy", "kv_cache/validation",
+        "sampler_logits/validation", "prefill/validation", "rollout_weights/validation"}
+    assert plan.main([*argv, "--compile-for", "v5p:2x2x2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "jppo.plan: error: --compile-for compiles the programs of an RL run; this config sets the sft section "
+        "(python -m jppo.sft's): plan it without --compile-for")

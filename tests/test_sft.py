@@ -201,8 +201,8 @@ def test_two_sft_steps_log_the_same_metrics_on_one_and_four_devices_and_resume_e
     one_device = sft_metrics(tmp_path / "one", 1, *two)
     four = sft_metrics(tmp_path / "four", 4, *two)
     assert [sorted(r) for r in one_device] == [sorted(r) for r in four]
-    assert {"sft/loss", "sft/nll", "sft/perplexity", "sft/grad_norm", "val/sft_nll", "val/sft_perplexity"} <= set(
-        one_device[-1])
+    assert {"sft/loss", "sft/nll", "sft/perplexity", "sft/grad_norm", "val/sft_nll", "val/sft_perplexity",
+            "val/reward/mean", "val/accuracy"} <= set(one_device[-1])
     for a, b in zip(one_device, four):
         for key in a:
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, err_msg=key)
@@ -212,12 +212,57 @@ def test_two_sft_steps_log_the_same_metrics_on_one_and_four_devices_and_resume_e
     assert resumed[-1] == one_device[-1]
 
 
+def test_the_held_out_greedy_score_of_an_sft_run_is_the_rl_evaluation_of_its_policy(tmp_path):
+    """Rows that are the task's demonstrations: the SFT run's validation samples the task's held-out prompts
+    greedily and scores them as the RL run does; ``python -m jppo.eval`` of the GRPO quickstart on the exported
+    policy gets the same score, and the run plots it beside its loss."""
+    from jppo import eval as eval_command
+
+    rows = sft_metrics(tmp_path / "sft", 1, "trainer.total_steps=5", "trainer.val_every=5",
+                       "data.num_val_examples=16", "trainer.export_hf=true", "trainer.plots=true")
+    assert [r["step"] for r in rows if "val/reward/mean" in r] == [5] and "val/reward/mean" not in rows[0]
+    score = rows[-1]["val/reward/mean"]
+    assert 0.0 < score < 1.0, score  # five steps: partly reversed answers, so the equality below means something
+    assert eval_command.main(["--config", str(ROOT / "configs" / "quickstart_grpo.yaml"),
+                              f"model.path={tmp_path / 'sft' / 'hf'}", "data.num_val_examples=16",
+                              f"trainer.output_dir={tmp_path / 'eval'}", "trainer.resume=never"]) == 0
+    evaluated = json.loads((tmp_path / "eval" / "eval.json").read_text())["metrics"]
+    assert evaluated["val/reward/mean"] == score and evaluated["val/accuracy"] == rows[-1]["val/accuracy"]
+    assert {"sft.png", "validation.png"} <= {p.name for p in (tmp_path / "sft" / "plots").iterdir()}
+
+
 def run_cli(argv, capsys, monkeypatch) -> str:
     monkeypatch.setattr(sft_run, "run", lambda *a, **k: pytest.fail("reached the run: nothing may compile"))
     assert sft_command.main(["--config", str(CONFIG), *QUIET, *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 or not err[-1].startswith(" "), err  # one line of our own, no traceback
     return err[-1]
+
+
+def test_the_sft_command_logs_the_xla_environment_it_started_with(monkeypatch, caplog):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    monkeypatch.setattr(sft_run, "run", lambda *a, **k: {})  # what the command does before the run is the point
+    with caplog.at_level("INFO", logger="jppo.sft"):
+        assert sft_command.main(["--config", str(CONFIG), *QUIET, "trainer.compilation_cache=off"]) == 0
+    logged = [record.getMessage() for record in caplog.records if record.name == "jppo.sft"]
+    assert logged[:2] == ["compilation cache: off", "XLA_FLAGS=--xla_cpu_enable_fast_math=false"]
+    assert "LIBTPU_INIT_ARGS=(unset)" in logged
+
+
+def test_each_command_refuses_the_other_kind_of_run_s_keys_in_one_line(capsys, monkeypatch):
+    """An RL key in an SFT command line, and an SFT config given to ``jppo.train``: one line naming the key and
+    the value, exit status 2, before anything compiles."""
+    from jppo import train
+
+    assert run_cli(["algorithm.adv_estimator=grpo"], capsys, monkeypatch) == (
+        "jppo.sft: error: algorithm.adv_estimator='grpo' is read by RL runs only (python -m jppo.train); python -m "
+        "jppo.sft does not read it: remove it")
+    monkeypatch.setattr(train, "run", lambda *a, **k: pytest.fail("reached the run: nothing may compile"))
+    assert train.main(["--config", str(CONFIG), *QUIET]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "jppo.train: error: sft.max_length=16 is read by python -m jppo.sft only, and this config is checked as an RL "
+        "run's: run it with python -m jppo.sft, or remove it"]
 
 
 def jsonl(path: pathlib.Path, rows: list[dict]) -> str:
@@ -276,6 +321,64 @@ def test_a_one_step_lora_sft_run_starts_an_rl_run(tmp_path):
     assert np.isfinite(metrics["actor/pg_loss"]) and 0 <= metrics["reward/mean"] <= 1
     record = json.loads((tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()[0])
     assert record["step"] == 1
+
+
+def test_a_lora_sft_run_s_adapters_are_kept_into_rl_unmerged(tmp_path, capsys, monkeypatch):
+    """``python -m jppo.export --keep-adapters`` of a LoRA SFT run writes its base and, beside it, its adapters; an
+    RL run from there (``model.path``, the same ``actor.lora``) trains those adapters on, unmerged: its trained
+    parameters are the SFT run's adapters as they were, its policy's log-probs before the first update are the SFT
+    policy's (float32: the same weights and program, so 1e-6), and it trains a step. Another ``actor.lora``, or
+    none, is refused in one line before anything compiles."""
+    from jppo import export as export_command, train
+    from jppo.config import check_mesh
+    from jppo.engine.forward import forward_batch, log_prob_fn
+    from jppo.run import build, export as run_export
+    from jppo.run.loop import run as rl_run
+
+    lora = ["actor.lora.rank=4", "actor.lora.alpha=8"]
+    sft_metrics(tmp_path / "sft", 1, "trainer.total_steps=3", "trainer.val_every=0", *lora)
+    kept = tmp_path / "kept"
+    assert export_command.main([str(tmp_path / "sft"), str(kept), "--keep-adapters"]) == 0
+    assert {"config.json", "model.safetensors", "adapter_config.json", "adapter_model.safetensors"} <= {
+        p.name for p in kept.iterdir()}
+    checkpoint = run_export.find_checkpoint(tmp_path / "sft", None)
+    sft_cfg = run_export.run_config(checkpoint)
+    sft_inputs = sft_run.load_inputs(sft_cfg)
+    sft_policy = run_export.restore_policy(checkpoint, sft_cfg, sft_inputs.tokenizer)  # adapters unmerged
+
+    rl = [f"model.path={kept}", "trainer.total_steps=1", "trainer.val_every=0", f"trainer.output_dir={tmp_path}/rl",
+          "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=8", "rollout.n=2",
+          *QUIET]
+    cfg = load_config(ROOT / "configs" / "quickstart_grpo.yaml", [*rl, *lora])
+    inputs = build.load_inputs(cfg)
+    mesh = mesh_of((1, 1, 1))
+    models = build.models(cfg, inputs.tokenizer, mesh)
+    saved = nnx.state(sft_policy, nnx.LoRAParam)
+    chex.assert_trees_all_equal(jax.device_get(models.actor.params), jax.device_get(saved))
+    rows = sft_inputs.train.experience(np.arange(8))
+    weights = nnx.merge_state(models.actor.frozen, models.actor.params)
+    rl_log_probs = forward_batch(log_prob_fn(models.actor.graphdef, temperature=1.0, chunk_size=256), weights, rows,
+                                 mesh, micro_batch_size=8)
+    graphdef, sft_weights = nnx.split(sft_policy, nnx.Param, ...)[:2]
+    sft_log_probs = forward_batch(log_prob_fn(graphdef, temperature=1.0, chunk_size=256), sft_weights, rows, mesh,
+                                  micro_batch_size=8)
+    np.testing.assert_allclose(rl_log_probs, sft_log_probs, rtol=1e-6, atol=1e-6)
+    assert np.abs(rl_log_probs).max() > 0
+    metrics = rl_run(cfg, check_mesh(cfg, 1), inputs, devices=jax.devices()[:1])
+    assert np.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
+
+    monkeypatch.setattr(train, "run", lambda *a, **k: pytest.fail("reached the run: nothing may compile"))
+    grpo = ["--config", str(ROOT / "configs" / "quickstart_grpo.yaml"), *rl]
+    assert train.main([*grpo, "actor.lora.rank=8", "actor.lora.alpha=8"]) == 2
+    assert train.main(grpo) == 2
+    refusals = capsys.readouterr().err.strip().splitlines()
+    assert refusals[-2].startswith("jppo.train: error: actor.lora (rank=8, alpha=8.0, targets ") and (
+        f"differs from the adapters model.path='{kept}' holds (r=4, lora_alpha=8.0" in refusals[-2])
+    assert refusals[-1] == (
+        f"jppo.train: error: model.path='{kept}' holds LoRA adapters (adapter_config.json: r=4, lora_alpha=8.0): set "
+        "actor.lora.rank=4 actor.lora.alpha=8.0 actor.lora.target_modules=['down_proj', 'gate_proj', 'k_proj', "
+        "'o_proj', 'q_proj', 'up_proj', 'v_proj'] to keep training them, or start from the run's merged export "
+        "(python -m jppo.export RUN OUT)")
 
 
 def test_the_audit_takes_an_sft_config(capsys):

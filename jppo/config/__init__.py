@@ -30,5 +30,6 @@ __getattr__ = lazy_exports(__name__, {"devices": ("check_mesh",)})[0]  # the val
 __all__ = [
     "CONFIG_HELP", "RANDOM_MODEL", "ActorSection", "AlgorithmSection", "ConfigError", "CriticSection",
     "FilterGroupsSection", "KLControlSection", "MeshSection", "ModelSection", "RefSection", "RolloutSection",
-    "TrainConfig", "TrainerSection", "UpdateSectionFields", "check_mesh", "load_config", "save_config", "to_dict",
+    "TrainConfig", "TrainerSection", "UpdateSectionFields", "check_mesh", "load_config", "save_config",
+    "to_dict",
 ]

@@ -11,6 +11,12 @@ that engine. Three kinds of key, so that no setting silently does nothing:
   is refused by :func:`check_engine_keys` in one line naming the key, the value and what to set instead; so is
   ``ref.param_dtype`` where the reference is the LoRA policy's own frozen base, read in place.
 
+An SFT run (``python -m jppo.sft``) reads the model, the actor's update settings, ``sft``, ``mesh``, ``trainer``
+and what its validation samples and scores; the keys only an RL run reads (:data:`RL_ONLY`: the critic, the
+reference, the estimator, the policy loss, training rollouts...) are refused in an SFT config when set
+(:func:`check_sft_keys`), and the RL checks that tie them to the keys SFT shares are not run on it; an ``sft`` key
+set in an RL config is refused too (:func:`check_rl_keys`).
+
 This module reads the schema only (it is part of the config layer, which loads nothing but ``jppo.core``).
 """
 
@@ -108,16 +114,74 @@ APPLIES: dict[str, str] = {
     "trainer.critic_warmup": _CRITIC,
 }
 
+# keys (or sections, ending in ".") only an RL run reads: set in an SFT config they are refused, and the "applies to"
+# column says so; value: what SFT reads instead, if anything
+RL_ONLY: dict[str, str] = {
+    **{key: "" for key in (
+        "critic.", "ref.", "algorithm.", "data.prompt_key", "data.answer_key",
+        "data.shuffle", "actor.ppo_epochs", "actor.shuffle", "actor.policy_loss", *POLICY_OPTIONS,
+        "actor.entropy_coeff", "actor.use_kl_loss", "actor.kl_loss_coef", "actor.kl_loss_type", "actor.old_log_prob",
+        "actor.router_aux_loss_coef", "actor.rollout_correction.", "rollout.n", "rollout.temperature",
+        "rollout.top_k", "rollout.top_p", "rollout.log_prob_micro_batch_size", "rollout.env", "rollout.max_turns",
+        "rollout.engine", "rollout.vllm.", "rollout.devices", "reward.overlong_buffer.", "reward.token_level",
+        "trainer.critic_warmup", "trainer.off_policy_steps")},
+    "data.train_batch_size": "SFT's rows per step are sft.batch_size",
+    "actor.ppo_mini_batch_size": "SFT's rows per step are sft.batch_size",
+    "data.train_files": "SFT's rows are sft.train_files (or data.task's demonstrations)",
+    "data.val_files": "SFT's held-out rows are sft.val_files",
+}
+_RL = "RL runs (`jppo.train`), not SFT (`jppo.sft`)"
+
 # keys that only one rollout engine reads: key (or a section, ending in ".") -> that engine
 ENGINE_KEYS = {"rollout.max_num_seqs": "jppo", "rollout.cache_blocks": "jppo", "rollout.devices": "jppo",
                "rollout.vllm.": "vllm"}
 
 
+def _matches(key: str, entries) -> list[str]:
+    """The entries naming ``key`` or a section above it, outermost first."""
+    return sorted((e for e in entries if key == e or (e.endswith(".") and key.startswith(e))), key=len)
+
+
 def applies_to(key: str) -> str:
-    """Where ``key`` is read: the entries of :data:`APPLIES` for it and the sections above it, outermost first;
-    ``""`` for a key every run reads."""
-    matches = [entry for entry in APPLIES if key == entry or (entry.endswith(".") and key.startswith(entry))]
-    return "; ".join(APPLIES[entry] for entry in sorted(matches, key=len))
+    """Where ``key`` is read: RL runs only (:data:`RL_ONLY`), ``sft.*`` by SFT only, then the entries of
+    :data:`APPLIES` for it and the sections above it, outermost first; ``""`` for a key every run reads."""
+    where = [_RL] if _matches(key, RL_ONLY) else ["`python -m jppo.sft`"] if key.startswith("sft.") else []
+    return "; ".join(where + [APPLIES[entry] for entry in _matches(key, APPLIES)])
+
+
+def check_sft_keys(cfg: TrainConfig) -> None:
+    """In an SFT config, a key only RL runs read (:data:`RL_ONLY`) set to other than its default is refused in one
+    line naming the key, the value and what SFT reads instead."""
+    for section in dataclasses.fields(cfg):
+        for key, value in _changed_leaves(getattr(cfg, section.name), f"{section.name}."):
+            entries = _matches(key, RL_ONLY)
+            if entries and (key, value) != ("critic.enable", False):  # false says what SFT does: no critic
+                instead = RL_ONLY[entries[-1]] or "remove it"
+                raise ConfigError(f"{key}={value!r} is read by RL runs only (python -m jppo.train); python -m "
+                                  f"jppo.sft does not read it: {instead}")
+
+
+def sets_sft(cfg: TrainConfig) -> bool:
+    """Whether ``cfg`` is an SFT config: one that sets a key of the ``sft`` section to other than its default (what
+    a command that takes either, ``jppo.plan`` or ``jppo.audit``, goes by; ``python -m jppo.sft`` takes any)."""
+    return any(True for _ in _changed_leaves(cfg.sft, "sft."))
+
+
+def check_rl_keys(cfg: TrainConfig) -> None:
+    """In an RL config, an ``sft`` key set to other than its default is refused in one line: only
+    ``python -m jppo.sft`` reads that section."""
+    for key, value in _changed_leaves(cfg.sft, "sft."):
+        raise ConfigError(f"{key}={value!r} is read by python -m jppo.sft only, and this config is checked as an RL "
+                          "run's: run it with python -m jppo.sft, or remove it")
+
+
+def _changed_leaves(section: Any, prefix: str):
+    """``(key, value)`` of every leaf of ``section`` (nested sections included) set to other than its default."""
+    for key, value in _changed(section, prefix):
+        if dataclasses.is_dataclass(value):
+            yield from _changed_leaves(value, key + ".")
+        else:
+            yield key, value
 
 
 def _changed(section: Any, prefix: str):

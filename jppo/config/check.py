@@ -18,7 +18,7 @@ import math
 import pathlib
 from typing import Any
 
-from jppo.config.applies import check_engine_keys
+from jppo.config.applies import check_engine_keys, check_rl_keys, check_sft_keys
 from jppo.config.schema import MAX_OFF_POLICY_STEPS, TrainConfig
 from jppo.core.checks import as_key, check_local_dir, positive, run_config_checks, within
 from jppo.core.errors import ConfigError
@@ -40,16 +40,19 @@ def _leaves(node: Any, prefix: str = ""):
             yield f"{prefix}{field.name}", value
 
 
-def check(cfg: TrainConfig, data_files: bool = True) -> None:
+def check(cfg: TrainConfig, data_files: bool = True, sft: bool = False) -> None:
     """What the config alone decides, then every registered component check (the sampler's, the policy loss's,
     the optimizer's, the model's, ...), so a value a component would refuse at run time is refused here, before
     anything compiles. The mesh against the device count is checked by :func:`check_mesh`; files and plug-ins are
     read by :func:`jppo.run.build.load_inputs`. ``data_files`` False: the prompt files need not exist (what needs
-    only shapes: compiling for a target)."""
+    only shapes: compiling for a target). ``sft``: an SFT config (``python -m jppo.sft``): a key only RL runs read
+    is refused when set (:func:`~jppo.config.applies.check_sft_keys`), and the checks of what only RL runs read
+    are left out; else an ``sft`` key set is refused (:func:`~jppo.config.applies.check_rl_keys`)."""
     for key, value in _leaves(cfg):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value!r} must be a finite number")
-    _check_sources(cfg, data_files)
+    (check_sft_keys if sft else check_rl_keys)(cfg)
+    _check_sources(cfg, data_files, sft)
     _check_reward(cfg)
     _check_trained_param_dtype(cfg.model.param_dtype)
     for section in ("actor", "critic"):
@@ -60,15 +63,15 @@ def check(cfg: TrainConfig, data_files: bool = True) -> None:
     _check_sft(cfg, data_files)
     _check_off_policy(cfg)
     check_engine_keys(cfg)
-    run_config_checks(cfg)
+    run_config_checks(cfg, sft)
 
 
-def _check_sources(cfg: TrainConfig, data_files: bool = True) -> None:
+def _check_sources(cfg: TrainConfig, data_files: bool = True, sft: bool = False) -> None:
     for key in ("data.train_files", "data.val_files") if data_files else ():
         for item in file_list(getattr(cfg.data, key.split(".")[1]), key):
             if not pathlib.Path(item).is_file():
                 raise ConfigError(f"{key}={item!r}: no such file")
-    if cfg.data.task == "files" and not cfg.data.val_files:
+    if cfg.data.task == "files" and not cfg.data.val_files and not sft:  # SFT's held-out rows: sft.val_files
         for key, value in (("trainer.val_every", cfg.trainer.val_every),
                            ("trainer.val_before_train", cfg.trainer.val_before_train)):
             if value:

@@ -35,22 +35,29 @@ from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, check_attentio
 from jppo.models.families import MODEL_FAMILIES
 from jppo.models.hf import read_config
 from jppo.models.layers import HALF_PRECISION_ATTENTION
-from jppo.models.lora import check_fits
+from jppo.models.lora import check_fits, check_saved_adapters, saved_adapter_config
 from jppo.rollout import ROLLOUT_ENGINES, vllm_engine
 from jppo.rollout.env import BUILTIN_ENVS
 
 
 @register_config_check("components")
 def check_components(cfg: TrainConfig) -> None:
-    """The model's, each update's, the actor's, the estimator's, the sampler's and the batch sizes' checks; the
-    checkpoint to resume from."""
+    """The model's, the actor's update's (an SFT run's too) and the sampler's checks; the checkpoint to resume
+    from."""
     _check_model(cfg)
-    for section in ("actor", "critic"):
-        _check_update(cfg, section)
-    _check_actor(cfg)
-    _check_algorithm(cfg)
+    _check_update(cfg, "actor")
+    _check_kept_adapters(cfg)
     _check_rollout(cfg)
     _check_resume(cfg)
+
+
+@register_config_check("components of RL runs", rl_only=True)
+def check_rl_components(cfg: TrainConfig) -> None:
+    """The critic's update, the policy loss's, the estimator's and the batch sizes' checks: what only RL runs
+    read (an SFT config refuses those keys when set, :func:`jppo.config.applies.check_sft_keys`)."""
+    _check_update(cfg, "critic")
+    _check_actor(cfg)
+    _check_algorithm(cfg)
     _check_batch_sizes(cfg)
 
 
@@ -74,6 +81,18 @@ def _check_model(cfg: TrainConfig) -> None:
         check_attention_blocks(cfg.model.attention_block_q, cfg.model.attention_block_kv)
         if cfg.model.path is None:  # a model built from this section: its own checks
             random_model_config(cfg, None)
+
+
+def _check_kept_adapters(cfg: TrainConfig) -> None:
+    """A ``model.path`` holding LoRA adapters beside its weights (``python -m jppo.export --keep-adapters``) is
+    trained on with the same ``actor.lora``: rank, alpha and targets as saved."""
+    saved = saved_adapter_config(cfg.model.path) if cfg.model.path else None
+    if saved is not None:
+        try:
+            check_saved_adapters(saved, cfg.actor.lora, adapted_model_config(cfg, "actor"),
+                                 f"model.path={cfg.model.path!r}")
+        except ValueError as error:
+            raise ConfigError(one_line(error)) from None
 
 
 def _check_update(cfg: TrainConfig, section: str) -> None:

@@ -17,6 +17,7 @@ from etils import epath
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from jppo.config.applies import sets_sft
 from jppo.config.schema import TrainConfig
 from jppo.core.errors import ConfigError, one_line
 from jppo.core.inputs import BUILTIN_PREFIX
@@ -90,10 +91,14 @@ def _override_layer(item: str):
 
 
 def load_config(
-    path: str | pathlib.Path | None, overrides: Sequence[str] = (), data_files: bool = True
+    path: str | pathlib.Path | None, overrides: Sequence[str] = (), data_files: bool = True,
+    sft: bool | None = None,
 ) -> TrainConfig:
     """The schema defaults, then the YAML file, then ``key.sub=value`` overrides; validated and frozen.
-    ``data_files`` False: the prompt files are not looked for (a command that needs only shapes).
+    ``data_files`` False: the prompt files are not looked for (a command that needs only shapes). ``sft``: checked
+    as the config of an SFT run (True: ``python -m jppo.sft``'s; a key only RL runs read is refused when set) or of
+    an RL run (False: an ``sft`` key set is refused); None: an SFT config when it sets a key of the ``sft`` section
+    to other than its default (:func:`~jppo.config.applies.sets_sft`).
 
     Layers are merged one at a time, so a value of the wrong shape is reported with the override (or file) that
     brought it. Replacing ``data.task`` on the command line drops the file's ``data.task_options``
@@ -121,7 +126,7 @@ def load_config(
     from jppo.config.check import check  # noqa: PLC0415 (loaded with the first config)
 
     cfg = resolve_sources(cfg)  # Hugging Face repo ids -> cached snapshot directories
-    check(cfg, data_files)
+    check(cfg, data_files, sets_sft(cfg) if sft is None else sft)
     return cfg
 
 

@@ -28,8 +28,16 @@ ConfigCheck = Callable[[Any], None]  # check(cfg: TrainConfig) -> None, or Confi
 CONFIG_CHECKS: Registry[ConfigCheck] = Registry("config check")
 
 
-def register_config_check(name: str) -> Callable[[ConfigCheck], ConfigCheck]:
-    """The decorator that registers a check of the whole config under ``name`` (a name registers once)."""
+# the registered checks of what only an RL run reads: not run on an SFT config (python -m jppo.sft), whose keys
+# of RL runs are refused when set (jppo.config.applies)
+RL_ONLY_CHECKS: set[str] = set()
+
+
+def register_config_check(name: str, rl_only: bool = False) -> Callable[[ConfigCheck], ConfigCheck]:
+    """The decorator that registers a check of the whole config under ``name`` (a name registers once);
+    ``rl_only``: a check of what only an RL run reads, not run on an SFT config."""
+    if rl_only:
+        RL_ONLY_CHECKS.add(name)
     return CONFIG_CHECKS.register(name)
 
 
@@ -38,11 +46,12 @@ def register_config_check(name: str) -> Callable[[ConfigCheck], ConfigCheck]:
 _CHECKED = "_config_checks_passed"
 
 
-def run_config_checks(cfg: Any) -> None:
-    """Every registered check on ``cfg``, in registration order; the first problem raises. The config then
-    records which checks it passed (:func:`run_missing_checks`)."""
-    for check in CONFIG_CHECKS.values():
-        check(cfg)
+def run_config_checks(cfg: Any, sft: bool = False) -> None:
+    """Every registered check on ``cfg``, in registration order (``sft``: an SFT config, those of RL runs left
+    out); the first problem raises. The config then records which checks it passed (:func:`run_missing_checks`)."""
+    for name, check in CONFIG_CHECKS.items():
+        if not (sft and name in RL_ONLY_CHECKS):
+            check(cfg)
     object.__setattr__(cfg, _CHECKED, frozenset(CONFIG_CHECKS))  # a frozen dataclass: set past its __setattr__
 
 

@@ -1,4 +1,5 @@
-"""Low-rank adapters (LoRA) on the decoder's projections, their merge into the base weights, and PEFT's layout.
+"""Low-rank adapters (LoRA) on the decoder's projections, their merge into the base weights, and PEFT's layout
+(written, and read back into a model's adapters).
 
 For a target projection with kernel ``W [in, out]`` (every layer, stacked) the adapted layer computes
 ``y = x W + s (x A) B`` with ``A [in, r]``, ``B [r, out]`` and ``s = alpha / r``. ``B`` starts at zero, so the
@@ -200,3 +201,48 @@ def save_peft_adapter(
     tensors = peft_tensors(adapters, np.dtype(jnp.dtype(dtype)))
     save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
     return ["adapter_config.json", "adapter_model.safetensors"]
+
+
+# PEFT's file names of a LoRA adapter directory (beside a base model's weights: a model an RL run keeps training)
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def saved_adapter_config(path: str | pathlib.Path) -> dict | None:
+    """``path``'s ``adapter_config.json`` when the directory holds LoRA adapters in PEFT's layout, else None."""
+    file = pathlib.Path(path) / ADAPTER_CONFIG
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def check_saved_adapters(saved: dict, lora: LoRAConfig, config: ModelConfig, where: str) -> None:
+    """``ValueError`` (one line) unless the adapters ``saved`` describes (``adapter_config.json``) are the ones
+    ``lora`` attaches to a model of ``config``: rank, alpha and targets, so that they load into them unchanged."""
+    rank, alpha, targets = saved.get("r"), saved.get("lora_alpha"), sorted(saved.get("target_modules") or ())
+    keep = f"set actor.lora.rank={rank} actor.lora.alpha={alpha} actor.lora.target_modules={targets}"
+    if not lora.enabled:
+        raise ValueError(f"{where} holds LoRA adapters ({ADAPTER_CONFIG}: r={rank}, lora_alpha={alpha}): {keep} to "
+                         "keep training them, or start from the run's merged export (python -m jppo.export RUN OUT)")
+    mine = (lora.rank, float(lora.alpha), sorted(adapted_targets(config, lora)))
+    if mine != (rank, float(alpha if alpha is not None else math.nan), targets):
+        raise ValueError(f"actor.lora (rank={lora.rank}, alpha={lora.alpha}, targets {mine[2]}) differs from the "
+                         f"adapters {where} holds (r={rank}, lora_alpha={alpha}, targets {targets}): {keep}")
+
+
+def load_saved_adapters(model: nnx.Module, path: str | pathlib.Path) -> None:
+    """The adapters of ``model`` (attached, :func:`attach_lora`) replaced, in place, by those saved at ``path`` in
+    PEFT's layout (``A = lora_A.weight^T``, ``B = lora_B.weight^T``, layer by layer), each in its adapter's dtype
+    and sharding, so that the model computes what the saved one did and its training continues from them."""
+    from jppo.models.safetensors_io import SafetensorsFile  # noqa: PLC0415
+
+    adapters = model.decoder.layers.lora
+    tensors = SafetensorsFile(pathlib.Path(path) / ADAPTER_WEIGHTS)
+    layers = model.decoder.layers.config.num_layers
+    for name in adapters.targets:
+        for side, key in (("a", "lora_A"), ("b", "lora_B")):
+            variable = getattr(adapters, f"{name}_{side}")
+            current = variable[...]
+            names = [f"base_model.model.model.layers.{i}.{LORA_TARGETS[name]}.{key}.weight" for i in range(layers)]
+            value = np.stack([tensors.tensor(n).T for n in names]).astype(current.dtype)
+            if value.shape != current.shape:
+                raise ValueError(f"{path}/{ADAPTER_WEIGHTS}: {names[0]} is {value.shape[1:][::-1]}, the adapter "
+                                 f"takes {current.shape[1:][::-1]}")
+            variable.value = jax.make_array_from_callback(value.shape, current.sharding, lambda index: value[index])

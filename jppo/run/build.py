@@ -25,7 +25,7 @@ from jppo.config.views import (
 from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
 from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pretrained, read_config
 from jppo.models.layers import is_norm_scale
-from jppo.models.lora import LoRAConfig, attach_lora, trainable_filter
+from jppo.models.lora import LoRAConfig, attach_lora, load_saved_adapters, saved_adapter_config, trainable_filter
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
 from jppo.rollout import ROLLOUT_ENGINES
 from jppo.rollout.env import EnvFactory, load_env, stop_token_ids
@@ -38,7 +38,7 @@ class RunInputs:
     """What a run reads from outside: vocabulary, prompts and the reward function."""
 
     tokenizer: Tokenizer
-    train_data: PromptDataset
+    train_data: Optional[PromptDataset]  # None: no training rollouts (an SFT run scoring its held-out prompts)
     val_data: Optional[PromptDataset]
     reward_fn: RewardFn
     credit_fn: Optional[CreditFn] = None
@@ -203,6 +203,8 @@ def models(
     policy = build_policy(cfg, tokenizer, mesh, seed)
     critic_model = build_critic(cfg, policy, mesh, seed) if cfg.use_critic and "critic" in roles else None
     base = add_adapters(policy, cfg.actor.lora, seed + ADAPTER_SEED_OFFSETS["actor"])
+    if cfg.model.path and saved_adapter_config(cfg.model.path) is not None:  # an export that kept its adapters
+        load_saved_adapters(policy, cfg.model.path)  # trained on from there (their match: the config's check)
     actor = Trained(*split_trained(policy))
     ref_params = build_reference(cfg, policy, mesh) if cfg.use_reference and reference else None
     critic = None

@@ -41,6 +41,7 @@ PyTree = Any
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
+SFT_META = "sft"  # true in the meta of a checkpoint python -m jppo.sft wrote (absent: an RL run's)
 RESUME_CHOICES = ("auto", "never")
 
 

@@ -22,7 +22,7 @@ from jppo.core.experience import Experience
 FILTER_METRICS = ("reward", "score")
 
 
-@register_config_check("algorithm.filter_groups.metric")
+@register_config_check("algorithm.filter_groups.metric", rl_only=True)
 def check_metric(cfg) -> None:
     choice("algorithm.filter_groups.metric", cfg.algorithm.filter_groups.metric, FILTER_METRICS)
 

@@ -15,6 +15,10 @@ actor's parameters are read from the checkpoint, onto the CPU (no optimizer is b
 - the tokenizer: the source's tokenizer files copied, or, for a built-in character vocabulary, an equivalent
   ``tokenizer.json`` that encodes and decodes the same ids.
 
+With ``--keep-adapters`` (a LoRA run) ``OUT_DIR`` holds the base model the adapters were trained on and, beside it,
+the adapters in PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors``, float32): given as
+``model.path`` with the same ``actor.lora``, an RL run trains the same adapters on, unmerged.
+
 Everything is written into a temporary sibling directory that is renamed to ``OUT_DIR`` once complete, so a
 reader never sees half an export. ``OUT_DIR`` may be a ``gs://`` URI (written through ``etils.epath``); an object
 store has no directory rename, so there the files are written in place (see :func:`write_atomically`). The trainer's end-of-run export (``trainer.export_hf``) calls
@@ -35,7 +39,7 @@ from etils import epath
 from flax import nnx
 
 from jppo.run import build
-from jppo.run.checkpoint import committed_steps, fingerprint, read_meta, restore_part
+from jppo.run.checkpoint import SFT_META, committed_steps, fingerprint, read_meta, restore_part
 from jppo.config import TrainConfig, load_config, views
 from jppo.data import CharTokenizer, Tokenizer
 from jppo.models import CausalLM, ModelConfig, read_config, save_pretrained
@@ -88,11 +92,12 @@ def find_checkpoint(source: epath.Path, step: Optional[int] = None) -> epath.Pat
 
 
 def run_config(checkpoint: epath.Path) -> TrainConfig:
-    """The configuration of the run that wrote ``checkpoint`` (``RUN/checkpoints/<step>``): ``RUN/config.yaml``."""
+    """The configuration of the run that wrote ``checkpoint`` (``RUN/checkpoints/<step>``): ``RUN/config.yaml``,
+    checked as an SFT config when ``python -m jppo.sft`` wrote the checkpoint."""
     path = run_path(checkpoint).parent.parent / "config.yaml"
     if not path.is_file():
         raise ExportError(f"no config.yaml of the run next to checkpoints/ (looked for {str(path)!r})")
-    return load_config(path)
+    return load_config(path, sft=True if read_meta(checkpoint).get(SFT_META) else None)
 
 
 def source_dtype(cfg: TrainConfig) -> str:
@@ -241,9 +246,11 @@ def write_atomically(
 def export_policy(
     model: CausalLM, cfg: TrainConfig, tokenizer: Tokenizer, out: str | os.PathLike, *, dtype: Optional[str] = None,
     max_shard_bytes: Optional[int] = None, replace: bool = True,
+    extra: Optional[Callable[[epath.Path], list[str]]] = None,
 ) -> list[str]:
     """Writes ``model`` (host arrays), its generation config and tokenizer into ``out`` atomically; returns the
-    file names. ``dtype`` defaults to :func:`source_dtype`; ``max_shard_bytes`` to ``DEFAULT_MAX_SHARD_SIZE``."""
+    file names. ``dtype`` defaults to :func:`source_dtype`; ``max_shard_bytes`` to ``DEFAULT_MAX_SHARD_SIZE``;
+    ``extra(directory)`` writes more files beside them."""
     dtype = dtype or source_dtype(cfg)
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"--dtype={dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
@@ -255,6 +262,21 @@ def export_policy(
         files = save_pretrained(model, directory, dtype=dtype, max_shard_bytes=shard)
         gen = generation_config(tokenizer, model.config, source)
         (directory / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        return [*files, "generation_config.json", *write_tokenizer(tokenizer, spec, directory)]
+        more = extra(directory) if extra is not None else []
+        return [*files, "generation_config.json", *write_tokenizer(tokenizer, spec, directory), *more]
 
     return write_atomically(out, write, replace)
+
+
+def export_kept(
+    model: CausalLM, cfg: TrainConfig, tokenizer: Tokenizer, out: str | os.PathLike, *, dtype: Optional[str] = None,
+    max_shard_bytes: Optional[int] = None, replace: bool = True,
+) -> list[str]:
+    """The base the LoRA adapters were trained on (:func:`base_policy`) and, beside its weights, the adapters in
+    PEFT's layout, in float32: the directory an RL run's ``model.path`` starts from with the same ``actor.lora``,
+    training the same adapters on, unmerged (:func:`jppo.run.build.models` loads them)."""
+    adapters = model.decoder.layers.lora
+    if adapters is None:
+        raise ExportError("--keep-adapters: the run trained no LoRA adapters (actor.lora.rank is 0)")
+    return export_policy(base_policy(model), cfg, tokenizer, out, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                         replace=replace, extra=lambda directory: save_peft_adapter(adapters, cfg.actor.lora, directory))

@@ -34,7 +34,7 @@ from jppo.run import build
 from jppo.parallel import distributed
 from jppo.parallel.hostlocal import gather_to_host
 from jppo.run.checkpoint import (
-    CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint, saved_tree,
+    SFT_META, CheckpointManager, fingerprint, read_meta, resolve_resume, restore_checkpoint, saved_tree,
 )
 from jppo.run.collect import Collector, collect
 from jppo.run.offpolicy import OffPolicy, can_overlap, initial_behind
@@ -264,15 +264,19 @@ def evaluate_and_log(collector: Collector, state: RunState, logger: RunLogger, s
     return result.metrics
 
 
-def save(manager: CheckpointManager, state: RunState, cfg: TrainConfig, record: Optional[dict] = None) -> None:
+def save(manager: CheckpointManager, state: RunState, cfg: TrainConfig, record: Optional[dict] = None,
+         sft: bool = False) -> None:
     """Checkpoint of ``state`` (unless that step is already saved) with what its models were built from
     (``record``, default: :func:`run_model_record` with ``trainer.seed``; how to rebuild what it leaves out); the
-    config travels along for humans."""
+    config travels along for humans. ``sft``: written by ``python -m jppo.sft`` (:data:`~jppo.run.checkpoint.SFT_META`), whose
+    ``config.yaml`` is then read as an SFT config."""
     step = state.steps_done
     if manager.latest_step() != step:
         record = run_model_record(cfg, state, cfg.trainer.seed) if record is None else record
         meta = {"step": step, build.MODELS_META: record, "config": to_dict(cfg),
                 OPTIMIZER_STEPS_META: optimizer_steps(cfg)}
+        if sft:
+            meta[SFT_META] = True
         if cfg.trainer.off_policy_steps:
             meta[OFF_POLICY_META] = cfg.trainer.off_policy_steps
         manager.save(step, checkpointed(state), meta)

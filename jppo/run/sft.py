@@ -6,7 +6,8 @@ The loop, as :func:`run` reads::
     while state.step < trainer.total_steps:
         batch = the sft.batch_size rows after data_position   # an order fixed by trainer.seed and the epoch
         state, metrics = run_updates(state, batch)           # ONE optimizer step: K micro-batches, NormStats once
-        for hook in hooks: hook(state, metrics)              # held-out loss, log, checkpoint; a signal: save, stop
+        for hook in hooks: hook(state, metrics)              # held-out loss and greedy score, log, checkpoint;
+                                                             # on a signal: save, stop
 
 The update is the actor's (:class:`~jppo.engine.update.UpdateStep` with :func:`~jppo.engine.update.sft_loss_fn`):
 the same mesh, micro-batching (``actor.ppo_micro_batch_size``, or ``actor.use_dynamic_bsz`` with its token budget),
@@ -14,6 +15,11 @@ the same mesh, micro-batching (``actor.ppo_micro_batch_size``, or ``actor.use_dy
 LoRA, checkpoints and loggers; a checkpoint is a :class:`~jppo.run.state.RunState` without a critic, so the same
 command resumes it exactly, ``python -m jppo.export`` writes it as a Hugging Face directory, and an RL run starts
 from that directory (``model.path``), as from any checkpoint.
+
+When the rows are demonstrations of ``data.task`` (no ``sft.train_files``), validation also samples the policy on
+the task's held-out prompts and scores the responses as the RL run's validation does (:mod:`jppo.run.evaluate`,
+``rollout.val_*``, greedy by default): ``val/reward/mean``, the held-out greedy score an RL run from this policy
+starts at.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from jppo.config import ConfigError, TrainConfig, save_config
 from jppo.config.devices import check_heads
 from jppo.config.views import engine_view, kl_controller, tokenizer_spec
 from jppo.core.errors import one_line
-from jppo.data import Tokenizer, load_tokenizer
+from jppo.core.inputs import file_list
+from jppo.data import Tokenizer, load_dataset, load_tokenizer, task_of
 from jppo.data.sft import SFTData, load_sft_data
 from jppo.engine import UpdateStep, init_train_state, run_updates, sft_loss_fn
 from jppo.engine.config import ActorConfig
@@ -42,9 +49,11 @@ from jppo.parallel import distributed
 from jppo.parallel.hostlocal import local_rows, sum_over_processes
 from jppo.parallel.mesh import batch_shards, make_mesh, resolve_shape
 from jppo.run import build
+from jppo.rewards import build_reward_fn
 from jppo.run.checkpoint import CheckpointManager, restore_checkpoint, saved_tree
+from jppo.run.collect import Collector
 from jppo.run.learn import mini_batch_rng
-from jppo.run.loop import Hook, Resume, finish, plan_resume, run_logger, run_model_record, save
+from jppo.run.loop import Hook, Resume, evaluate_and_log, finish, plan_resume, run_logger, run_model_record, save
 from jppo.run.preemption import StopRequest
 from jppo.run.state import RunState, advance, checkpointed, fitted_accumulators, init_run_state, saved_fields, \
     saved_layout, with_frozen
@@ -55,11 +64,13 @@ log = logging.getLogger("jppo.run.sft")
 
 @dataclasses.dataclass(frozen=True)
 class SFTInputs:
-    """What an SFT run reads: the tokenizer, the training rows and the held-out rows (None: no held-out loss)."""
+    """What an SFT run reads: the tokenizer, the training rows, the held-out rows (None: no held-out loss) and the
+    task's held-out prompts with its scorer (None: no held-out score; the rows are not a task's demonstrations)."""
 
     tokenizer: Tokenizer
     train: SFTData
     val: Optional[SFTData]
+    scored: Optional[build.RunInputs] = None
 
 
 def sft_config(cfg: TrainConfig) -> TrainConfig:
@@ -93,9 +104,19 @@ def load_inputs(cfg: TrainConfig) -> SFTInputs:
         train = load_sft_data(cfg.sft, cfg.data, tokenizer, "train", row_limits(cfg))
         wants_val = cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
         val = load_sft_data(cfg.sft, cfg.data, tokenizer, "val", row_limits(cfg)) if wants_val else None
+        scored = task_prompts(cfg, tokenizer) if wants_val else None
     except (ValueError, KeyError, FileNotFoundError) as error:
         raise ConfigError(one_line(error)) from None
-    return SFTInputs(tokenizer, train, val)
+    return SFTInputs(tokenizer, train, val, scored)
+
+
+def task_prompts(cfg: TrainConfig, tokenizer: Tokenizer) -> Optional[build.RunInputs]:
+    """The held-out prompts of ``data.task`` and its reward, as an RL run validates on them, when the rows are
+    that task's demonstrations; None otherwise (rows from ``sft.train_files``: no scorer is known for them)."""
+    task = task_of(cfg.data)
+    if file_list(cfg.sft.train_files, "sft.train_files") or task is None:
+        return None
+    return build.RunInputs(tokenizer, None, load_dataset(cfg.data, tokenizer, "val"), build_reward_fn(cfg.reward, task))
 
 
 def mesh_shape(cfg: TrainConfig, num_devices: int) -> tuple[int, int, int, int]:
@@ -117,7 +138,8 @@ def mesh_shape(cfg: TrainConfig, num_devices: int) -> tuple[int, int, int, int]:
 
 def restore(cfg: TrainConfig, mesh: Mesh, inputs: SFTInputs, resume: Resume, view: ActorConfig):
     """The policy (``model.path`` or random, LoRA as configured) in a fresh :class:`RunState`, or the checkpoint
-    ``resume`` names restored into it; with the policy's structure and the run's model record."""
+    ``resume`` names restored into it; with the run's models (the policy's structure, and the sampler's) and its
+    model record."""
     models = build.models(cfg, inputs.tokenizer, mesh, resume.seed, roles=("actor",), reference=False)
     actor = init_train_state(models.actor.params, view, mesh, frozen=models.actor.frozen)
     state = init_run_state(actor, None, kl_controller(cfg).init(), cfg.trainer.seed, mesh)
@@ -130,7 +152,7 @@ def restore(cfg: TrainConfig, mesh: Mesh, inputs: SFTInputs, resume: Resume, vie
         target = saved_layout(checkpointed(state), saved)
         restored = RunState(**restore_checkpoint(resume.checkpoint, saved_fields(target, saved))[0])
         state = with_frozen(fitted_accumulators(restored, state), state)
-    return state, models.actor.graphdef, record
+    return state, models, record
 
 
 def train_step(update: UpdateStep, state: RunState, data: SFTData, cfg: TrainConfig, view: ActorConfig,
@@ -178,33 +200,38 @@ def run(
     main = distributed.is_main_process()
     if main:
         out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
+        save_config(cfg, out / "config.yaml")  # read as an SFT config beside a checkpoint that says so (SFT_META)
     mesh = make_mesh(*shape, devices=devices)
     view = sft_view(cfg)
     manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep,
                                 async_save=cfg.trainer.async_checkpoint)
     with manager, StopRequest() as stop:
-        state, graphdef, record = restore(cfg, mesh, inputs, resume, view)
+        state, models, record = restore(cfg, mesh, inputs, resume, view)
+        graphdef = models.actor.graphdef
         if resume.checkpoint is not None:
             log.info("resumed from %s at step %d", resume.checkpoint, state.steps_done)
         update = UpdateStep(graphdef, sft_loss_fn(view), view, mesh, "sft")
         forward = log_prob_fn(graphdef, temperature=1.0, chunk_size=view.log_prob_chunk_size)
         fresh, total, metrics = state.steps_done == 0, cfg.trainer.total_steps, {}
 
-        def evaluate(s: RunState) -> dict[str, float]:
-            return held_out(forward, s.actor.weights, inputs.val, view, mesh)
+        scorer = None if inputs.scored is None else Collector.create(
+            cfg, mesh, inputs.scored, graphdef, None, None, sampling=build.sampling_graphdef(cfg, models.policy))
+
+        def evaluate(s: RunState, step: int) -> dict[str, float]:
+            metrics = held_out(forward, s.actor.weights, inputs.val, view, mesh)
+            return metrics if scorer is None else metrics | evaluate_and_log(scorer, s, logger, step)
 
         with run_logger(cfg, start_step=0 if fresh else state.steps_done + 1) as logger:
             has_val = inputs.val is not None
             hooks = [
-                Hook(cfg.trainer.val_every if has_val else 0, lambda step, s, m: m.update(evaluate(s))),
+                Hook(cfg.trainer.val_every if has_val else 0, lambda step, s, m: m.update(evaluate(s, step))),
                 Hook(1, lambda step, s, m: logger.log(step, m)),
-                Hook(cfg.trainer.save_every, lambda step, s, m: save(manager, s, cfg, record), at_end=True),
-                Hook(1, lambda step, s, m: stop.at_boundary(step, total, lambda: save(manager, s, cfg, record),
+                Hook(cfg.trainer.save_every, lambda step, s, m: save(manager, s, cfg, record, sft=True), at_end=True),
+                Hook(1, lambda step, s, m: stop.at_boundary(step, total, lambda: save(manager, s, cfg, record, sft=True),
                                                             manager.wait)),
             ]
             if cfg.trainer.val_before_train and has_val and fresh:
-                logger.log(0, evaluate(state))
+                logger.log(0, evaluate(state, 0))
             while state.steps_done < total:
                 timer = PhaseTimer()
                 with timer("update_actor"):

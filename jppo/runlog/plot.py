@@ -9,6 +9,8 @@ Figures (each written only when at least one of its metrics is in the file):
 - ``response_length.png``: ``response_length/mean`` with ``/min`` .. ``/max`` shaded;
 - ``validation.png``: ``val/reward/mean`` and ``val/accuracy`` on the held-out prompts, from step 0 when the run
   validated before training (``trainer.val_before_train``);
+- ``sft.png`` (``python -m jppo.sft``): the training and held-out ``-log p`` per loss token, ``sft/nll`` and
+  ``val/sft_nll`` (its held-out greedy score, when its rows are a task's, is in ``validation.png``);
 - ``summary.png``: a grid of reward, response length, the losses and KL.
 
 Missing metrics are skipped; ``null`` values (NaN/inf at log time) leave gaps. Figures are drawn on matplotlib's
@@ -58,6 +60,7 @@ CHARTS: dict[str, Chart] = {
     "kl_loss": Chart("KL loss (to reference)", "actor/kl_loss", ("actor/kl_loss",)),
     "kl": Chart("KL divergence", "KL", ("actor/ppo_kl", "actor/kl_loss")),
     "validation": Chart("Validation (held-out prompts)", "reward", ("val/reward/mean", "val/accuracy")),
+    "sft_nll": Chart("SFT: -log p per loss token", "nll", ("sft/nll", "val/sft_nll")),
 }
 
 FIGURES: dict[str, tuple[str, ...]] = {
@@ -66,6 +69,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "kl.png": ("kl",),
     "response_length.png": ("response_length",),
     "validation.png": ("validation",),
+    "sft.png": ("sft_nll",),
     "summary.png": ("reward", "response_length", "pg_loss", "vf_loss", "entropy", "kl"),
 }
 
