@@ -215,7 +215,9 @@ def compiled_table(report: dict) -> str:
     mesh = " x ".join(f"{axis}={size}" for axis, size in report["mesh"].items())
     memory = "unknown" if report["device_memory"] is None else human(report["device_memory"])
     if "rollout_mesh" in report:  # rollout.devices: the sampler's programs on a mesh of their own
-        mesh += f" (the rollout's programs on the last {report['rollout_mesh']['data']} devices, data)"
+        n, hosts = report["rollout_mesh"]["data"], report["hosts"]
+        where = f"the last {n} devices" if hosts == 1 else f"{n} devices, the last {n // hosts} of each host"
+        mesh += f" (the rollout's programs on {where}, data)"
     lines = [f"compiled for {report['target']}: {report['devices']} devices on {report['hosts']} hosts, mesh {mesh}, "
              f"{memory} per device",
              f"{'program':<14} {'compiled':<9} {'XLA':>11} {'plan':>11} {'peak':>11}  {'flops':>9}  collectives"]

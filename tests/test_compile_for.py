@@ -135,3 +135,18 @@ def test_the_rollout_compiles_on_the_rollout_devices_of_a_split_host():
         >= {"bfloat16", "float32"}  # the weights cast, the norms' scales kept
     _, resident_in, resident = compiled.lowerings(cfg, training, rollout)
     assert resident_in["rollout"] == resident  # its peak: the program's own bytes, the run keeps nothing else there
+
+
+def test_a_split_of_a_two_host_slice_gives_every_host_devices_of_both_meshes(v5p):
+    """rollout.devices=4 of the 2-host v5p:2x2x2: each host's last two chips sample its own rows, its first two
+    train (a weight crosses no host: jppo.parallel.hostlocal.replicated_on)."""
+    from jppo.config import check_mesh
+    from jppo.parallel.mesh import split_devices
+
+    cfg = load_config("configs/quickstart_grpo.yaml", ["rollout.devices=4", *TINY], data_files=False)
+    assert check_mesh(cfg, len(v5p.devices), v5p.hosts) == (4, 1, 1, 1)
+    training, rollout = split_devices(v5p.devices, 4)
+    assert sorted(d.process_index for d in training) == sorted(d.process_index for d in rollout) == [0, 0, 1, 1]
+    for host in (0, 1):
+        own = [d for d in v5p.devices if d.process_index == host]
+        assert [d for d in rollout if d.process_index == host] == own[2:]
