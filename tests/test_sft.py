@@ -169,12 +169,14 @@ def engine_gradient(batch, mesh, mode, **cut):
 
 
 # (mesh, rows padded, columns padded, cut): K = 3 uneven micro-batches of 4 ragged rows; a token
-# budget's packed rows (uneven K); four data shards; padding rows and columns with K = 2
+# budget's packed rows (uneven K); four data shards; padding rows and columns with K = 2; the weights split over
+# fsdp and tensor, the packed rows' tokens over sequence (context parallelism)
 CASES = {
     "K3": ((1, 1, 1), 0, 0, dict(ppo_micro_batch_size=4)),
     "budget": ((1, 1, 1), 0, 0, dict(use_dynamic_bsz=True, ppo_max_token_len=40)),
     "budget-data4": ((4, 1, 1), 0, 0, dict(use_dynamic_bsz=True, ppo_max_token_len=40)),
     "padded-K2": ((1, 1, 1), 4, 3, dict(ppo_micro_batch_size=8)),
+    "budget-fsdp2-tensor2-sequence2": ((1, 2, 2, 2), 0, 0, dict(use_dynamic_bsz=True, ppo_max_token_len=40)),
 }
 
 
