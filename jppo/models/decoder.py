@@ -392,9 +392,9 @@ class CausalLM(nnx.Module):
     def logits(self, hidden: Array) -> Array:
         """``hidden [..., D] -> logits [..., V]`` in float32."""
         dtype = self.config.compute_dtype
-        if self.lm_head is None:
-            kernel = self.decoder.embed_tokens[...].astype(dtype).T
-        else:
-            kernel = self.lm_head[...].astype(dtype)
+        table = self.decoder.embed_tokens if self.lm_head is None else self.lm_head
+        # its gradient split like the table as each chunk of log-probs makes it (constrain_gradient), not whole
+        kernel = constrain_gradient(table[...], logical_names(table)).astype(dtype)
+        kernel = kernel.T if self.lm_head is None else kernel
         logits = dense(hidden, kernel, preferred_element_type=wide(dtype))
         return constrain(logits, ("batch", "length", "vocab")) if logits.ndim == 3 else logits
