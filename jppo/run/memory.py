@@ -120,7 +120,8 @@ from jppo.run.footprint import (  # noqa: F401 (model_config and abstract_params
     abstract_params, adapter_params, model_config, trained_elements, ACCUMULATOR_BYTES, LOGIT_COPIES, activation_bytes,
     dtype_bytes, forward_layer_bytes_per_token, kv_cache_bytes, layer_weights_bytes, layer_bytes_per_token,
     sampler_logits_bytes,
-    linear_attention, local_elements, logits_bytes, row_split, shards, weights_in_use_bytes,
+    linear_attention, local_elements, logits_bytes, row_split, shards, weights_in_use_bytes, kept_activation_bytes,
+    table_bytes,
 )
 
 OPTIMIZER_STEP_COPIES = 4  # per-parameter float32 temporaries of applying the accumulated gradient (measured)
@@ -159,9 +160,9 @@ class MemoryPlan:
         return steps + max(sum(term.bytes for term in phase) for phase in phases)
 
     def term(self, name: str) -> int:
-        """The bytes of the term called ``name`` (0 when the run has none)."""
+        """The bytes of the term called ``name`` (0 when the run has none; a term of two phases counted once)."""
         phases = (self.persistent, self.in_flight, self.rollout, self.validation, *self.updates.values())
-        return sum(term.bytes for phase in phases for term in phase if term.name == name)
+        return max(sum(term.bytes for term in phase if term.name == name) for phase in phases)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -278,19 +279,22 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int], platform: str = "gp
     updates = {}
     for role, n in trained.items():
         r, w = micro_batch_shape(cfg, role)
-        terms = [
-            Term(f"gradients/{role}", n * p, f"t x p={p}"),
-            Term(f"weights_in_use/{role}", weights_in_use_bytes(policy, mesh), "(V'D + layer/tensor) x c"),
-            Term(f"activations/{role}", activation_bytes(policy, r, w, mesh),
-                 f"r={r} x w={w}{f' / q={row_split(w, mesh)}' if row_split(w, mesh) > 1 else ''} x (L s + x)"
-                 f"{' + b' if linear_attention(policy, w) else ''}"
-                 f"{' remat' if policy.remat else ''}"),
-        ]
-        if role == "actor":
+        cut = f"r={r} x w={w}{f' / q={row_split(w, mesh)}' if row_split(w, mesh) > 1 else ''}"
+        gradients = Term(f"gradients/{role}", n * p, f"t x p={p}")
+        in_use = (Term("weights_in_use/actor", layer_weights_bytes(policy, mesh), "layer/tensor x c")
+                  if role == "actor" else
+                  Term(f"weights_in_use/{role}", weights_in_use_bytes(policy, mesh), "(V'D + layer/tensor) x c"))
+        updates[f"{role} backward"] = (gradients, in_use, Term(
+            f"activations/{role}", activation_bytes(policy, r, w, mesh, platform),
+            f"{cut} x (L s + x){' + b' if linear_attention(policy, w) else ''}{' remat' if policy.remat else ''}"))
+        if role == "actor":  # the LM head's backward pass, a chunk's logits at a time, before the layers'
             chunk = cfg.actor.log_prob_chunk_size
             k = min(chunk, w // row_split(w, mesh))
-            terms.append(Term("logits/actor", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={k} V' a"))
-        updates[f"{role} backward"] = tuple(terms)
+            updates["actor head"] = (
+                gradients, Term("kept_activations/actor", kept_activation_bytes(policy, r, w, mesh, platform),
+                                f"{cut} x L s"),
+                Term("head_weights/actor", table_bytes(policy, mesh), "V'D x c"),
+                Term("logits/actor", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={k} V' a"))
         copies = OPTIMIZER_STEP_COPIES if accumulates[role] else DIRECT_STEP_COPIES
         updates[f"{role} optimizer step"] = (Term(f"optimizer_step/{role}", n * a * copies, f"t x a x {copies}"),)
     concurrent = behind > 0 and math.prod(mesh_shape) == 1  # jppo.run.offpolicy.can_overlap, for jppo's own sampler
@@ -313,7 +317,7 @@ def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int], platform: str = "
     out = {}
     for role in cfg.roles:
         state = plan.term(f"parameters/{role}") + plan.term(f"optimizer_state/{role}")
-        out[f"{role}_update"] = state + max(phase(f"{role} backward"), phase(f"{role} optimizer step"))
+        out[f"{role}_update"] = state + max(phase(f"{role} {name}") for name in ("backward", "head", "optimizer step"))
     if cfg.rollout.engine == "jppo":
         for name, phase in (("rollout", plan.rollout), ("validation", plan.validation)):
             if phase:
