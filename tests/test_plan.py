@@ -275,7 +275,7 @@ def test_the_command_reports_the_off_policy_copies_in_its_peak(tmp_path, capsys)
     phases = one_behind["phase_bytes"]
     assert phases["rollout"] == sum(one_behind["terms"][name]
                                     for name in ("kv_cache", "sampler_logits", "prefill", "rollout_weights"))
-    update = max(phases["actor backward"], phases["actor optimizer step"])
+    update = max(phases["actor backward"], phases["actor head"], phases["actor optimizer step"])
     assert one_behind["persistent_bytes"] - one["persistent_bytes"] == 4 * copy and phases["each step"] == copy
     assert one["peak_bytes"] == one["persistent_bytes"] + max(phases["rollout"], update)
     assert one_behind["peak_bytes"] == one_behind["persistent_bytes"] + copy + phases["rollout"] + update

@@ -55,7 +55,7 @@ from jppo.models.layers import (
 )
 from jppo.models.moe import expert_params, layer_by_layer, layer_slices, moe_mlp, record_router_stats
 from jppo.models.decoding import PromptCache, ResponseCache, layer_copier, with_decoding_copies, write_slot
-from jppo.models.sharding import constrain, param
+from jppo.models.sharding import constrain, constrain_gradient, logical_names, param
 
 Array = jax.Array
 
@@ -163,9 +163,11 @@ class DecoderLayers(nnx.Module):
         weights: they run one after the other instead. The router stats of the layers with experts (stacked) go to
         :func:`~jppo.models.moe.record_router_stats`."""
 
-        def layer(h, inputs):
-            weights, adapters = inputs
-            return self._block(h, weights, adapters, rope, attend, valid)
+        names = {name: logical_names(value)[1:] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
+
+        def layer(h, inputs):  # each layer's weight gradient split over fsdp as it is made (constrain_gradient)
+            weights = {name: constrain_gradient(w, names[name]) for name, w in inputs[0].items()}
+            return self._block(h, weights, inputs[1], rope, attend, valid)
 
         if self.config.remat:
             layer = jax.checkpoint(layer, prevent_cse=False)
@@ -390,9 +392,9 @@ class CausalLM(nnx.Module):
     def logits(self, hidden: Array) -> Array:
         """``hidden [..., D] -> logits [..., V]`` in float32."""
         dtype = self.config.compute_dtype
-        if self.lm_head is None:
-            kernel = self.decoder.embed_tokens[...].astype(dtype).T
-        else:
-            kernel = self.lm_head[...].astype(dtype)
+        table = self.decoder.embed_tokens if self.lm_head is None else self.lm_head
+        # its gradient split like the table as each chunk of log-probs makes it (constrain_gradient), not whole
+        kernel = constrain_gradient(table[...], logical_names(table)).astype(dtype)
+        kernel = kernel.T if self.lm_head is None else kernel
         logits = dense(hidden, kernel, preferred_element_type=wide(dtype))
         return constrain(logits, ("batch", "length", "vocab")) if logits.ndim == 3 else logits

@@ -51,6 +51,27 @@ def constrain(x: Array, names: Sequence[str | None]) -> Array:
     return jax.lax.with_sharding_constraint(x, fitted_spec(x.shape, names, dict(mesh.shape)))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def constrain_gradient(x: Array, names: Sequence[str | None]) -> Array:
+    """``x`` unchanged; its gradient laid out by the logical ``names`` (:func:`constrain`) where it is made. A layer
+    of the scan reads its slice of the stacked weights (split over ``fsdp``) gathered whole; the slice's gradient,
+    summed over the rows of every device, then comes back split over ``fsdp`` inside the loop (a reduce-scatter per
+    layer), not whole: left to itself XLA:GPU keeps the float32 gradients of all layers whole through the layer
+    loop's backward pass and splits them after it (``docs/compiling.md``)."""
+    return x
+
+
+def _constrain_gradient_fwd(x: Array, names: Sequence[str | None]) -> tuple[Array, None]:
+    return x, None
+
+
+def _constrain_gradient_bwd(names: Sequence[str | None], _, gradient: Array) -> tuple[Array]:
+    return (constrain(gradient, names),)
+
+
+constrain_gradient.defvjp(_constrain_gradient_fwd, _constrain_gradient_bwd)
+
+
 def without_batch_axes(spec: PartitionSpec) -> PartitionSpec:
     """``spec`` with the batch axes (``data``, ``fsdp``) taken out of every dimension: replicated over them."""
 

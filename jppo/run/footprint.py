@@ -58,15 +58,18 @@ def linear_attention(m: ModelConfig, width: int) -> bool:
     return resolve_attention(m.attention, m.compute_dtype, "cpu", width) in RULE_ONLY
 
 
-def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int]) -> int:
-    """``x``: what one layer keeps for its backward pass per token of a row of ``width`` (module docstring)."""
+def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int], platform: str = "gpu") -> int:
+    """``x``: what one layer keeps for its backward pass per token of a row of ``width`` (module docstring). Dense
+    attention keeps its float32 scores and probabilities and the probabilities cast back (``2 a + c`` a score); the
+    backward pass XLA:GPU compiles also holds the probabilities' float32 gradient beside them and the mask
+    broadcast over the heads (``3 a + c + 1``; XLA:TPU fuses both away. Compiled: Qwen2.5 shapes, v5p and H100)."""
     c, a = dtype_bytes(m.dtype), ACCUMULATOR_BYTES
     heads, d = split(m.num_heads, mesh), m.hidden_size
     q, kv, f = heads * m.head_dim, split(m.num_kv_heads, mesh) * m.head_dim, split(m.intermediate_size, mesh)
     if linear_attention(m, width):
         attention = a * heads  # the log-sum-exp of each query head, all the blocked backward pass keeps
     else:
-        attention = (2 * a + c) * heads * width  # scores and probabilities (float32), probabilities cast back
+        attention = (2 * a + c + (0 if platform == "tpu" else a + 1)) * heads * width
     gathered = 2 * (row_split(width, mesh) - 1) * kv * c  # the row's other keys and values, per local token
     return c * (4 * d + 3 * q + 3 * kv + 4 * f) + a * (2 * d + q + kv) + attention + gathered
 
@@ -103,13 +106,19 @@ def attention_block_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str,
     return (2 * a + c) * rows * heads * min(m.attention_block_q, local) * min(m.attention_block_kv, width)
 
 
-def activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int]) -> int:
+def activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int], platform: str = "gpu") -> int:
     """Activations one micro-batch of ``rows x width`` tokens keeps on one device for its backward pass."""
-    per_layer = layer_bytes_per_token(m, width, mesh)
+    per_layer = layer_bytes_per_token(m, width, mesh, platform)
     kept = dtype_bytes(m.dtype) * m.hidden_size if m.remat else per_layer
     recomputed = per_layer if m.remat else 0
     local = width // row_split(width, mesh)
     return rows * local * (m.num_layers * kept + recomputed) + attention_block_bytes(m, rows, width, mesh)
+
+
+def kept_activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int], platform: str = "gpu") -> int:
+    """What all layers keep for the backward pass (``r (w / q) L s``) without the layer recomputed at a time."""
+    kept = dtype_bytes(m.dtype) * m.hidden_size if m.remat else layer_bytes_per_token(m, width, mesh, platform)
+    return rows * (width // row_split(width, mesh)) * m.num_layers * kept
 
 
 def logits_bytes(m: ModelConfig, rows: int, width: int, chunk_size: int, mesh: dict[str, int]) -> int:
@@ -124,9 +133,14 @@ def layer_weights_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
     return layer // mesh["tensor"] * dtype_bytes(m.dtype)
 
 
+def table_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
+    """The embedding table (or untied LM head: its vocabulary share) gathered in the compute dtype."""
+    return split(m.vocab_size, mesh) * m.hidden_size * dtype_bytes(m.dtype)
+
+
 def weights_in_use_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
     """The embedding (its vocabulary share) and one layer's weights, gathered in the compute dtype."""
-    return split(m.vocab_size, mesh) * m.hidden_size * dtype_bytes(m.dtype) + layer_weights_bytes(m, mesh)
+    return table_bytes(m, mesh) + layer_weights_bytes(m, mesh)
 
 
 def kv_cache_bytes(m: ModelConfig, prompts: int, prompt_len: int, rows: int, length: int,

@@ -24,28 +24,33 @@ optimizer state        ``t a (2 + 1)``: AdamW's two moments and ``optax.MultiSte
                        is one micro-batch (K = 1: ``t a 2``); a few scalar counters are left out
 gradients              ``t p``: the gradient of one micro-batch, before it is added to the accumulator
 weights in use         ``(V' D + one layer's weights / mesh.tensor) c``: the embedding table and a layer's
-                       weights cast to the compute dtype (and gathered over ``fsdp``) while they are used
+                       weights cast to the compute dtype (and gathered over ``fsdp``) while they are used (the
+                       actor: a layer's only; its table is the head phase's, below)
 activations            ``r (w / q) (L s + x) + b`` for ``r`` rows of ``w`` tokens in one micro-batch, ``w / q`` of
                        them on each device (fixed: ``r = ppo_micro_batch_size``, ``w = bucket(max_prompt_length) +
                        max_response_length``; token budget: ``r = 1``, ``w = ppo_max_token_len``; ``q`` =
                        ``mesh.sequence``, which splits each row's tokens). ``x``: what a layer keeps for its backward
-                       pass per token, ``c (4 D + 3 H'E + 3 K'E + 4 F') + a (2 D + H'E + K'E) + (2 a + c) H' w +
-                       2 (q - 1) K'E c`` (the third term: the unfused attention's scores and probabilities, ``w``
-                       keys per query; attention in blocks, ``model.attention: blockwise | pallas`` or ``auto`` on
-                       long rows, keeps ``a H'`` instead, its log-sum-exp, and works in ``b = (2 a + c) r H'
-                       min(b_q, w / q) min(b_kv, w)`` for one block pair at a time, ``b_q``, ``b_kv`` its block
-                       sizes; ``b = 0`` otherwise; the last term: the keys and values gathered from the other
-                       shards of the row); ``s = x`` without remat, ``s = c D`` (the layer's input only) with
-                       ``model.remat``, then one layer is recomputed at a time (``+ x``)
+                       pass per token, ``c (4 D + 3 H'E + 3 K'E + 4 F') + a (2 D + H'E + K'E) + (2 a + c + g) H' w
+                       + 2 (q - 1) K'E c`` (the third term: the unfused attention's scores and probabilities, ``w``
+                       keys per query, and on a GPU (``g = a + 1``; 0 on a TPU) the probabilities' float32 gradient
+                       and the mask broadcast over heads that XLA:GPU's backward pass holds; attention in blocks,
+                       ``model.attention: blockwise | pallas`` or ``auto`` on long rows, keeps ``a H'`` instead,
+                       its log-sum-exp, and works in ``b = (2 a + c) r H' min(b_q, w / q) min(b_kv, w)`` for one
+                       block pair at a time, ``b_q``, ``b_kv`` its block sizes; ``b = 0`` otherwise; the last
+                       term: the keys and values gathered from the other shards of the row); ``s = x`` without
+                       remat, ``s = c D`` (the layer's input only) with ``model.remat``, then one layer is
+                       recomputed at a time (``+ x``)
 log-prob logits        ``3 r k V' a`` (actor only): the float32 logits of one chunk of ``k = min(
-                       log_prob_chunk_size, w / q)`` positions, their softmax and their gradient
+                       log_prob_chunk_size, w / q)`` positions, their softmax and their gradient, in the actor's
+                       head phase: the LM head's backward pass, before the layers', beside the gradients, the kept
+                       activations ``r (w / q) L s`` and the table ``V' D c`` (not a layer's working set)
 optimizer step         ``4 t a``: the temporaries of applying the accumulated gradient (the last micro-batch's
                        gradient, the accumulated sum, the update, the new moments one after the other): XLA's
                        ``memory_analysis()`` of the update reports exactly ``4 n a`` of temporaries when the
                        activations are small (Qwen2-shaped models on CPU, float32; ``tests/test_plan.py``). optax's
                        where-based ``apply_if_finite`` and ``MultiSteps.update`` made it 6-7 (see
                        :mod:`jppo.engine.optim`). ``2 t a`` with K = 1 (no accumulator: the gradient and the
-                       update)
+                       update). On a GPU ``1.5 t a`` and ``t a``: XLA:GPU applies it nearly in place
 KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sampler's prompt cache (each prompt's
                        keys and values held once for its ``n`` samples, and a bool mask of its real tokens) and
                        response cache for ``B`` prompts and ``R = B n`` rows per device (``B = train_batch_size /
@@ -90,17 +95,15 @@ into that one array); the rollout and the validation the policy's parameters plu
 
 Against the compiled programs (``python -m jppo.plan --compile-for``, which prints both), with
 ``configs/qwen2_5_0_5b_gsm8k_grpo.yaml`` (reference attention, 16384-token rows over ``sequence: 4``), plan / XLA
-GiB per device. Qwen2.5-0.5B's shape on v5p:2x2x2: actor update 14.48 / 14.33, old log-probs 5.08 / 5.16,
-reference log-probs 4.16 / 4.06, rollout 2.85 / 3.11, validation 3.81 / 4.23; on h100x8: 14.48 / 17.77 (the
-update, 19% under), 6.83 / 6.70, 5.91 / 6.00, 2.96 / 3.14, 4.23 / 4.04. Qwen2.5-7B's on v5p:4x4x4: 30.00 / 26.98
-(the update, 11% over), 10.33 / 11.02, 8.56 / 8.07, 16.44 / 17.00, 16.94 / 17.46. A forward pass's peak
-is one layer's float32 attention scores (3.5 GiB at 0.5B); the prefill and the decoding step's logits are apart in
-XLA's buffer assignment, so both are counted. The update's temporaries differ by platform: XLA:GPU applies the
-optimizer step nearly in place (~2.3 float32 copies of the trained parameters, not 4) but keeps float32 gradients
-of the stacked layer weights whole over ``fsdp`` through the layer scan's backward pass; XLA:TPU keeps ~5.6
-copies, and pads each array's two minor dimensions to its (8, 128) tiles, which dominates at toy sizes (the
-quickstart's 64-wide model). The plan's platform (``gpu`` unless ``--compile-for`` names a TPU) decides only
-what a forward pass keeps of attention's softmax; it counts none of the update's differences. The activation terms are an estimate
+GiB per device. Qwen2.5-0.5B's shape on v5p:2x2x2: actor update 13.79 / 14.33, old log-probs 5.08 / 5.16,
+reference log-probs 4.16 / 4.06, rollout 2.85 / 3.11, validation 3.81 / 4.23; on h100x8: 18.17 / 18.08, 6.83 /
+6.70, 5.91 / 6.00, 2.96 / 3.14, 4.23 / 4.04. Qwen2.5-7B's on v5p:4x4x4: 28.55 / 26.98, 10.33 / 11.02, 8.56 / 8.07,
+16.44 / 17.00, 16.94 / 17.46. A forward pass's peak is one layer's float32 attention scores (3.5 GiB at 0.5B);
+the prefill and the decoding step's logits are apart in XLA's buffer assignment, so both are counted. An update's
+peak is one layer's attention backward pass (the optimizer step's temporaries are less). XLA:TPU pads each array's
+two minor dimensions to its (8, 128) tiles, which dominates at toy sizes (the quickstart's 64-wide model). The
+plan's platform (``gpu`` unless ``--compile-for`` names a TPU) decides what attention's softmax and the optimizer
+step keep. The activation terms are an estimate
 of what XLA keeps; ``bench/real_size.py`` compares the whole plan with a measured run.
 """
 
@@ -120,11 +123,15 @@ from jppo.run.footprint import (  # noqa: F401 (model_config and abstract_params
     abstract_params, adapter_params, model_config, trained_elements, ACCUMULATOR_BYTES, LOGIT_COPIES, activation_bytes,
     dtype_bytes, forward_layer_bytes_per_token, kv_cache_bytes, layer_weights_bytes, layer_bytes_per_token,
     sampler_logits_bytes,
-    linear_attention, local_elements, logits_bytes, row_split, shards, weights_in_use_bytes,
+    linear_attention, local_elements, logits_bytes, row_split, shards, weights_in_use_bytes, kept_activation_bytes,
+    table_bytes,
 )
 
 OPTIMIZER_STEP_COPIES = 4  # per-parameter float32 temporaries of applying the accumulated gradient (measured)
 DIRECT_STEP_COPIES = 2  # the same with K = 1 and no accumulator: the gradient and the update (measured)
+# XLA:GPU applies it nearly in place: 1.45 copies with an accumulator, 1.01 without (compiled for an H100, the model
+# of tests/test_plan.py's step test, whose parameters dwarf its activations)
+GPU_STEP_COPIES = {True: 1.5, False: 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,9 +166,9 @@ class MemoryPlan:
         return steps + max(sum(term.bytes for term in phase) for phase in phases)
 
     def term(self, name: str) -> int:
-        """The bytes of the term called ``name`` (0 when the run has none)."""
+        """The bytes of the term called ``name`` (0 when the run has none; a term of two phases counted once)."""
         phases = (self.persistent, self.in_flight, self.rollout, self.validation, *self.updates.values())
-        return sum(term.bytes for phase in phases for term in phase if term.name == name)
+        return max(sum(term.bytes for term in phase if term.name == name) for phase in phases)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -278,21 +285,26 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int], platform: str = "gp
     updates = {}
     for role, n in trained.items():
         r, w = micro_batch_shape(cfg, role)
-        terms = [
-            Term(f"gradients/{role}", n * p, f"t x p={p}"),
-            Term(f"weights_in_use/{role}", weights_in_use_bytes(policy, mesh), "(V'D + layer/tensor) x c"),
-            Term(f"activations/{role}", activation_bytes(policy, r, w, mesh),
-                 f"r={r} x w={w}{f' / q={row_split(w, mesh)}' if row_split(w, mesh) > 1 else ''} x (L s + x)"
-                 f"{' + b' if linear_attention(policy, w) else ''}"
-                 f"{' remat' if policy.remat else ''}"),
-        ]
-        if role == "actor":
+        cut = f"r={r} x w={w}{f' / q={row_split(w, mesh)}' if row_split(w, mesh) > 1 else ''}"
+        gradients = Term(f"gradients/{role}", n * p, f"t x p={p}")
+        in_use = (Term("weights_in_use/actor", layer_weights_bytes(policy, mesh), "layer/tensor x c")
+                  if role == "actor" else
+                  Term(f"weights_in_use/{role}", weights_in_use_bytes(policy, mesh), "(V'D + layer/tensor) x c"))
+        updates[f"{role} backward"] = (gradients, in_use, Term(
+            f"activations/{role}", activation_bytes(policy, r, w, mesh, platform),
+            f"{cut} x (L s + x){' + b' if linear_attention(policy, w) else ''}{' remat' if policy.remat else ''}"))
+        if role == "actor":  # the LM head's backward pass, a chunk's logits at a time, before the layers'
             chunk = cfg.actor.log_prob_chunk_size
             k = min(chunk, w // row_split(w, mesh))
-            terms.append(Term("logits/actor", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={k} V' a"))
-        updates[f"{role} backward"] = tuple(terms)
+            updates["actor head"] = (
+                gradients, Term("kept_activations/actor", kept_activation_bytes(policy, r, w, mesh, platform),
+                                f"{cut} x L s"),
+                Term("head_weights/actor", table_bytes(policy, mesh), "V'D x c"),
+                Term("logits/actor", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={k} V' a"))
         copies = OPTIMIZER_STEP_COPIES if accumulates[role] else DIRECT_STEP_COPIES
-        updates[f"{role} optimizer step"] = (Term(f"optimizer_step/{role}", n * a * copies, f"t x a x {copies}"),)
+        copies = GPU_STEP_COPIES[accumulates[role]] if platform == "gpu" else copies
+        updates[f"{role} optimizer step"] = (Term(f"optimizer_step/{role}", int(n * a * copies),
+                                                  f"t x a x {copies}"),)
     concurrent = behind > 0 and math.prod(mesh_shape) == 1  # jppo.run.offpolicy.can_overlap, for jppo's own sampler
     return MemoryPlan(mesh, tuple(persistent), rollout, updates, validation, in_flight, concurrent)
 
@@ -313,7 +325,7 @@ def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int], platform: str = "
     out = {}
     for role in cfg.roles:
         state = plan.term(f"parameters/{role}") + plan.term(f"optimizer_state/{role}")
-        out[f"{role}_update"] = state + max(phase(f"{role} backward"), phase(f"{role} optimizer step"))
+        out[f"{role}_update"] = state + max(phase(f"{role} {name}") for name in ("backward", "head", "optimizer step"))
     if cfg.rollout.engine == "jppo":
         for name, phase in (("rollout", plan.rollout), ("validation", plan.validation)):
             if phase:
