@@ -282,31 +282,38 @@ def memory_plan(cfg: TrainConfig, mesh_shape: Sequence[int], platform: str = "gp
     rollout = (*caches[0], weights)
     validation = tuple(dataclasses.replace(term, name=f"{term.name}/validation") for term in (*caches[-1], weights)
                        if len(caches) > 1)
-    updates = {}
-    for role, n in trained.items():
-        r, w = micro_batch_shape(cfg, role)
-        cut = f"r={r} x w={w}{f' / q={row_split(w, mesh)}' if row_split(w, mesh) > 1 else ''}"
-        gradients = Term(f"gradients/{role}", n * p, f"t x p={p}")
-        in_use = (Term("weights_in_use/actor", layer_weights_bytes(policy, mesh), "layer/tensor x c")
-                  if role == "actor" else
-                  Term(f"weights_in_use/{role}", weights_in_use_bytes(policy, mesh), "(V'D + layer/tensor) x c"))
-        updates[f"{role} backward"] = (gradients, in_use, Term(
-            f"activations/{role}", activation_bytes(policy, r, w, mesh, platform),
-            f"{cut} x (L s + x){' + b' if linear_attention(policy, w) else ''}{' remat' if policy.remat else ''}"))
-        if role == "actor":  # the LM head's backward pass, a chunk's logits at a time, before the layers'
-            chunk = cfg.actor.log_prob_chunk_size
-            k = min(chunk, w // row_split(w, mesh))
-            updates["actor head"] = (
-                gradients, Term("kept_activations/actor", kept_activation_bytes(policy, r, w, mesh, platform),
-                                f"{cut} x L s"),
-                Term("head_weights/actor", table_bytes(policy, mesh), "V'D x c"),
-                Term("logits/actor", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={k} V' a"))
-        copies = OPTIMIZER_STEP_COPIES if accumulates[role] else DIRECT_STEP_COPIES
-        copies = GPU_STEP_COPIES[accumulates[role]] if platform == "gpu" else copies
-        updates[f"{role} optimizer step"] = (Term(f"optimizer_step/{role}", int(n * a * copies),
-                                                  f"t x a x {copies}"),)
+    updates = {title: terms for role, n in trained.items() for title, terms in update_phases(
+        policy, role, role, n, micro_batch_shape(cfg, role), cfg.actor.log_prob_chunk_size, accumulates[role], mesh,
+        platform).items()}
     concurrent = behind > 0 and math.prod(mesh_shape) == 1  # jppo.run.offpolicy.can_overlap, for jppo's own sampler
     return MemoryPlan(mesh, tuple(persistent), rollout, updates, validation, in_flight, concurrent)
+
+
+def update_phases(policy: ModelConfig, role: str, title: str, n: int, cut: tuple[int, int], chunk: int,
+                  accumulates: bool, mesh: dict[str, int], platform: str) -> dict[str, tuple[Term, ...]]:
+    """The phases of one role's update (``title backward``, ``title head`` for a language model's,
+    ``title optimizer step``; terms named ``.../role``) for ``n`` trained elements per device and micro-batches
+    of ``cut = (r, w)``: the update lines of the module docstring."""
+    (r, w), p, a = cut, dtype_bytes(policy.param_dtype), ACCUMULATOR_BYTES
+    split = f"r={r} x w={w}{f' / q={row_split(w, mesh)}' if row_split(w, mesh) > 1 else ''}"
+    gradients = Term(f"gradients/{role}", n * p, f"t x p={p}")
+    lm = role != "critic"
+    in_use = (Term(f"weights_in_use/{role}", layer_weights_bytes(policy, mesh), "layer/tensor x c") if lm else
+              Term(f"weights_in_use/{role}", weights_in_use_bytes(policy, mesh), "(V'D + layer/tensor) x c"))
+    phases = {f"{title} backward": (gradients, in_use, Term(
+        f"activations/{role}", activation_bytes(policy, r, w, mesh, platform),
+        f"{split} x (L s + x){' + b' if linear_attention(policy, w) else ''}{' remat' if policy.remat else ''}"))}
+    if lm:  # the LM head's backward pass, a chunk's logits at a time, before the layers'
+        k = min(chunk, w // row_split(w, mesh))
+        phases[f"{title} head"] = (
+            gradients, Term(f"kept_activations/{role}", kept_activation_bytes(policy, r, w, mesh, platform),
+                            f"{split} x L s"),
+            Term(f"head_weights/{role}", table_bytes(policy, mesh), "V'D x c"),
+            Term(f"logits/{role}", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={k} V' a"))
+    copies = GPU_STEP_COPIES[accumulates] if platform == "gpu" else (
+        OPTIMIZER_STEP_COPIES if accumulates else DIRECT_STEP_COPIES)
+    phases[f"{title} optimizer step"] = (Term(f"optimizer_step/{role}", int(n * a * copies), f"t x a x {copies}"),)
+    return phases
 
 
 def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int], platform: str = "gpu") -> dict[str, int]:
