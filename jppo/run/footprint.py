@@ -24,7 +24,7 @@ def shards(shape: Sequence[int], names: Sequence[Optional[str]], mesh: dict[str,
     count = 1
     for axes in fitted_spec(shape, names, mesh):
         for axis in (axes,) if isinstance(axes, str) else (axes or ()):
-            count *= mesh[axis]
+            count *= mesh.get(axis, 1)
     return count
 
 

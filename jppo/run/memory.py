@@ -370,7 +370,7 @@ def accumulates_gradients(cfg: TrainConfig, role: str, mesh: dict[str, int]) -> 
     from jppo.config.views import engine_view  # noqa: PLC0415 (views imports the models; keep `--help` light)
     from jppo.engine.config import fixed_micro_batches  # noqa: PLC0415
 
-    return fixed_micro_batches(engine_view(cfg, role), mesh["data"] * mesh["fsdp"]) != 1
+    return fixed_micro_batches(engine_view(cfg, role), row_shards_of([mesh.get(axis, 1) for axis in MESH_AXES])) != 1
 
 
 def human(size: int) -> str:
