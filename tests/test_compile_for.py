@@ -34,7 +34,7 @@ def test_the_command_compiles_every_program_of_the_run(capsys):
     report = json.loads(capsys.readouterr().out)
     assert code == 0
     assert (report["target"], report["devices"], report["hosts"]) == (TARGET, 8, 2)
-    assert report["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1, "sequence": 1}
+    assert report["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1, "sequence": 1, "expert": 1}
     names = [p["name"] for p in report["programs"]]
     assert names == ["actor_update", "old_log_prob", "rollout"]
     for program in report["programs"]:

@@ -82,8 +82,7 @@ def moe_mlp(x: Array, valid: Array, router: Array, gate: Array, up: Array, down:
     """The mixture on ``x [B, T, D]`` with ``valid [B, T]`` (the non-padding tokens, for the stats only: padding
     is routed too, its output unused) and the :class:`RouterStats` of the valid tokens."""
     gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and expert_shards(dict(mesh.shape)) > 1:
+    if EXPERT_AXIS in jax.sharding.get_abstract_mesh().shape:  # a jppo mesh set at trace time
         return expert_parallel(x, valid, router, gate, up, down, top_k, norm_topk_prob)
     batch, length, width = x.shape
     flat = x.reshape(-1, width)

@@ -111,7 +111,7 @@ import math
 from typing import Optional, Sequence
 
 from jppo.config import TrainConfig
-from jppo.parallel.mesh import MESH_AXES, decoding_shards
+from jppo.parallel.mesh import MESH_AXES, decoding_shards, row_shards_of
 from jppo.models.config import ModelConfig
 from jppo.rollout.multiturn import longest_context
 from jppo.rollout.decode import decode_rows
