@@ -6,7 +6,8 @@ from ``nnx.eval_shape`` of the model, and each array is divided by the number of
 (:data:`jppo.parallel.mesh.LOGICAL_RULES`, through :func:`jppo.parallel.mesh.fitted_spec`) gives it on the mesh. The mesh is the
 config's ``mesh.*`` on ``--devices`` devices (default: this machine's), so a plan can be made for another machine.
 
-Symbols: ``n`` a model's parameters on one device (each tensor divided by its shards), ``p`` / ``c`` / ``a`` the
+Symbols: ``n`` a model's parameters on one device (each tensor divided by its shards: a mixture's experts by
+``mesh.expert``), ``p`` / ``c`` / ``a`` the
 bytes of the parameter, compute and accumulator (float32) dtypes, ``c_s`` those of the sampler's compute dtype
 (``rollout.dtype``, default ``model.dtype``), ``V D F L H K E`` vocabulary, hidden size, MLP width, layers, query
 heads, key-value heads, head size; ``H' K' F' V'`` those divided by ``mesh.tensor`` where it divides them (as the
@@ -49,12 +50,12 @@ optimizer step         ``4 t a``: the temporaries of applying the accumulated gr
 KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sampler's prompt cache (each prompt's
                        keys and values held once for its ``n`` samples, and a bool mask of its real tokens) and
                        response cache for ``B`` prompts and ``R = B n`` rows per device (``B = train_batch_size /
-                       (data x fsdp x sequence)``, the sampler's rows split over every batch axis, or the validation
+                       (data x fsdp x expert x sequence)``, the sampler's rows split over every batch axis, or the validation
                        batch in a phase of its own), of which ``S = min(rollout.max_num_seqs, R)`` are decoded
                        at once (``S = R`` when it is 0); ``P =
                        bucket(max_prompt_length)``, ``T = max_response_length``. With ``rollout.env`` every turn
                        prefills each row's own context, which grows to prompt + response: ``B = R =
-                       train_batch_size x n / (data x fsdp x sequence)``, ``P = bucket(max_prompt_length + T - 1)``
+                       train_batch_size x n / (data x fsdp x expert x sequence)``, ``P = bucket(max_prompt_length + T - 1)``
 sampler logits         ``4 S V' a``: a decoding step's float32 logits of the ``S`` rows, their log-softmax (the
                        drawn token's log-prob), the categorical draw's random bits and noised logits (the four
                        ``[S, V']`` arrays of the compiled decoding step on TPU and GPU)
