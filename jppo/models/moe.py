@@ -5,8 +5,9 @@ For a token ``x [D]`` with router kernel ``W_r [D, E]``:
     p = softmax(x W_r)  (float32 at least),   (w, e) = top_k(p),   w <- w / sum(w) if norm_topk_prob,
     y = sum_{j < k} w_j * swiglu_{e_j}(x),   swiglu_e(x) = (silu(x G_e) * (x U_e)) D_e.
 
-On a mesh with an ``expert`` axis the experts are split among its devices and the tokens meet them inside
-``shard_map`` (:func:`expert_parallel`), with the same result.
+Traced under a jppo mesh (``jax.set_mesh``), the mixture runs inside ``shard_map``, each device routing its own
+tokens, and the experts are split over the mesh's ``expert`` axis, the tokens meeting them there
+(:func:`expert_parallel`), with the same result.
 
 Dropless: every token reaches its k experts whatever else shares its batch (no capacity, nothing dropped), so a
 token's output never depends on the other tokens, and a gradient never on how its batch was cut. The ``N k``
@@ -27,7 +28,6 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec
 
 from jppo.models.attention import wide
@@ -80,7 +80,12 @@ def experts_swiglu(x: Array, experts: Array, weights: Array, gate: Array, up: Ar
 def moe_mlp(x: Array, valid: Array, router: Array, gate: Array, up: Array, down: Array, top_k: int,
             norm_topk_prob: bool) -> tuple[Array, RouterStats]:
     """The mixture on ``x [B, T, D]`` with ``valid [B, T]`` (the non-padding tokens, for the stats only: padding
-    is routed too, its output unused) and the :class:`RouterStats` of the valid tokens."""
+    is routed too, its output unused) and the :class:`RouterStats` of the valid tokens.
+
+    Under a jppo mesh it is :func:`expert_parallel`, also where ``mesh.expert`` is 1: each device then sorts and
+    multiplies its own tokens' pairs, where XLA, partitioning the global sort of every token's pairs, would gather
+    the tokens (on a data-parallel TPU mesh: 4 all-reduces per decoded token, the experts' work on every device).
+    The weights are cast before, so that ``fsdp`` gathers them in the compute dtype."""
     gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
     if EXPERT_AXIS in jax.sharding.get_abstract_mesh().shape:  # a jppo mesh set at trace time
         return expert_parallel(x, valid, router, gate, up, down, top_k, norm_topk_prob)

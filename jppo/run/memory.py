@@ -50,12 +50,12 @@ optimizer step         ``4 t a``: the temporaries of applying the accumulated gr
 KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sampler's prompt cache (each prompt's
                        keys and values held once for its ``n`` samples, and a bool mask of its real tokens) and
                        response cache for ``B`` prompts and ``R = B n`` rows per device (``B = train_batch_size /
-                       (data x fsdp x expert x sequence)``, the sampler's rows split over every batch axis, or the validation
-                       batch in a phase of its own), of which ``S = min(rollout.max_num_seqs, R)`` are decoded
-                       at once (``S = R`` when it is 0); ``P =
-                       bucket(max_prompt_length)``, ``T = max_response_length``. With ``rollout.env`` every turn
-                       prefills each row's own context, which grows to prompt + response: ``B = R =
-                       train_batch_size x n / (data x fsdp x expert x sequence)``, ``P = bucket(max_prompt_length + T - 1)``
+                       (data x fsdp x expert x sequence)``, the sampler's rows split over every batch axis, or the
+                       validation batch in a phase of its own), of which ``S = min(rollout.max_num_seqs, R)`` are
+                       decoded at once (``S = R`` when it is 0); ``P = bucket(max_prompt_length)``, ``T =
+                       max_response_length``. With ``rollout.env`` every turn prefills each row's own context, which
+                       grows to prompt + response: ``B = R = train_batch_size x n / (data x fsdp x expert x
+                       sequence)``, ``P = bucket(max_prompt_length + T - 1)``
 sampler logits         ``4 S V' a``: a decoding step's float32 logits of the ``S`` rows, their log-softmax (the
                        drawn token's log-prob), the categorical draw's random bits and noised logits (the four
                        ``[S, V']`` arrays of the compiled decoding step on TPU and GPU)
