@@ -18,7 +18,7 @@ from jppo.models.config import ModelConfig
 from jppo.models.decoder import CausalLM
 from jppo.models.sharding import create_model
 from jppo.parallel.mesh import make_mesh
-from jppo.run import compiled, memory, targets
+from jppo.run import compiled, footprint, memory, targets
 
 CONFIG = ModelConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
@@ -72,11 +72,18 @@ def test_a_size_that_does_not_divide_the_experts_is_refused_and_a_dense_model_sp
 def test_the_plan_divides_the_experts_parameters_and_optimizer_state_by_the_axis():
     one, two = (load_config(QUICKSTART_MOE, [f"mesh.expert={e}"], data_files=False) for e in (1, 2))
     on_one, on_two = memory.memory_plan(one, check_mesh(one, 8)), memory.memory_plan(two, check_mesh(two, 8))
-    m = one.model  # 2 layers, the second with 8 experts of 64 x 32 (gate, up, down)
+    m = footprint.model_config(one)  # 2 layers, the second with 8 experts of 64 x 32 (gate, up, down)
     experts = 3 * m.num_experts * m.hidden_size * m.moe_intermediate_size
     assert on_one.term("parameters/actor") - on_two.term("parameters/actor") == experts // 2 * 4  # float32
     # AdamW's two float32 moments (one micro-batch per optimizer step on both meshes: no accumulator)
     assert on_one.term("optimizer_state/actor") - on_two.term("optimizer_state/actor") == experts // 2 * 4 * 2
+    # the layer with experts is the largest in use (its router and experts against the dense layer's MLP)
+    assert m.num_kv_heads * m.head_dim == m.num_heads * m.head_dim == m.hidden_size
+    attention = 4 * m.hidden_size ** 2  # q, k, v and o, each D x D here
+    router = m.hidden_size * m.num_experts
+    for plan, groups in ((on_one, 1), (on_two, 2)):
+        assert plan.term("weights_in_use/actor") == 4 * (m.vocab_size * m.hidden_size + attention + router
+                                                         + experts // groups)
 
 
 @pytest.mark.parametrize("expert, per_token", [

@@ -24,8 +24,9 @@ optimizer state        ``t a (2 + 1)``: AdamW's two moments and ``optax.MultiSte
                        adapters, and a critic's value head, with it); no accumulator when every optimizer step
                        is one micro-batch (K = 1: ``t a 2``); a few scalar counters are left out
 gradients              ``t p``: the gradient of one micro-batch, before it is added to the accumulator
-weights in use         ``(V' D + one layer's weights / mesh.tensor) c``: the embedding table and a layer's
-                       weights cast to the compute dtype (and gathered over ``fsdp``) while they are used
+weights in use         ``(V' D + one layer's weights / mesh.tensor) c``: the embedding table and the largest
+                       layer's weights (with experts: the router and ``num_experts / mesh.expert`` experts) cast
+                       to the compute dtype (and gathered over ``fsdp``) while they are used
 activations            ``r (w / q) (L s + x) + b`` for ``r`` rows of ``w`` tokens in one micro-batch, ``w / q`` of
                        them on each device (fixed: ``r = ppo_micro_batch_size``, ``w = bucket(max_prompt_length) +
                        max_response_length``; token budget: ``r = 1``, ``w = ppo_max_token_len``; ``q`` =
