@@ -8,14 +8,17 @@ divide the experts is refused in one line before anything compiles. The gradient
 ``tests/test_moe_update.py``'s (float64, with K and token budgets)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jppo.config import ConfigError, load_config
 from jppo.config.devices import check_mesh
 from jppo.models.config import ModelConfig
 from jppo.models.decoder import CausalLM
+from jppo.models.moe import gather_routed
 from jppo.models.sharding import create_model
 from jppo.parallel.mesh import make_mesh
 from jppo.run import compiled, footprint, memory, targets
@@ -89,12 +92,30 @@ def test_the_plan_divides_the_experts_parameters_and_optimizer_state_by_the_axis
 @pytest.mark.parametrize("expert, per_token", [
     # before, the mixture's global sort made XLA gather the tokens: 4 all-reduces per decoded token on data 8
     (1, {"all-reduce": 1}),
-    # the tokens of the expert group (and their routing: weights, experts) gathered, the outputs reduce-scattered;
-    # no weight gathered (the experts' weights would add 3 all-gathers)
-    (2, {"all-gather": 3, "reduce-scatter": 1, "all-reduce": 1}),
+    # the tokens of the expert group with their routing (weights, expert ids) gathered in one collective, the
+    # outputs reduce-scattered; no weight gathered (the experts' weights would add 3 all-gathers)
+    (2, {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 1}),
 ])
 def test_a_decoded_token_exchanges_tokens_not_the_experts_weights(expert, per_token):
     cfg = load_config(QUICKSTART_MOE, [f"mesh.expert={expert}", *TINY], data_files=False)
     (rollout,) = compiled.compile_run(cfg, targets.target("v5p:2x2x2"), only=("rollout",))
     assert rollout.compiled, rollout.error
     assert rollout.decode_step_collectives == per_token
+
+
+@pytest.mark.parametrize("num_experts", [256, 512], ids=["ids packed with the tokens", "ids on their own"])
+def test_the_group_gathers_every_token_with_its_exact_routing_in_bfloat16(num_experts):
+    """bfloat16 holds every integer up to 256 exactly: up to 256 experts the ids ride in the tokens' all-gather,
+    above they travel on their own (id 511 would arrive as 512); either way each device gets the group's tokens,
+    weights and ids unchanged."""
+    mesh = make_mesh(1, 1, 1, 1, 4, devices=jax.devices()[:4])
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(8, 16)), jnp.bfloat16)
+    weights = jnp.asarray(rng.uniform(size=(8, 2)), jnp.bfloat16)
+    experts = jnp.asarray(rng.choice(num_experts, size=(8, 2), replace=False), jnp.int32).at[0, 0].set(num_experts - 1)
+    rows = PartitionSpec("expert")
+    gathered = jax.jit(jax.shard_map(lambda *a: gather_routed(*a, num_experts), mesh=mesh, in_specs=(rows,) * 3,
+                                     out_specs=(PartitionSpec(),) * 3, check_vma=False))(x, weights, experts)
+    for got, want in zip(gathered, (x, weights, experts)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

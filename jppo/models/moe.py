@@ -113,7 +113,8 @@ def expert_parallel(x: Array, valid: Array, router: Array, gate: Array, up: Arra
     experts per device (``e`` the axis' size), inside ``shard_map``. Each device routes its own tokens (``n`` of
     them), then, dropless, with no capacity:
 
-        all-gather over ``expert``: the group's tokens ``[e n, D]``, their weights and experts ``[e n, k]``;
+        all-gather over ``expert``: the group's tokens ``[e n, D]``, their weights and experts ``[e n, k]``
+            (one collective, :func:`gather_routed`);
         y_partial = experts_swiglu over the pairs whose expert this device holds (the others add 0);
         reduce-scatter over ``expert``: each device's ``n`` outputs summed over the group's devices;
 
@@ -145,8 +146,7 @@ def expert_parallel(x: Array, valid: Array, router: Array, gate: Array, up: Arra
         if token_axes:
             stats = jax.tree.map(lambda s: jax.lax.psum(s, token_axes), stats)
         if gathered:
-            flat, weights, experts = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
-                                      for a in (flat, weights, experts))
+            flat, weights, experts = gather_routed(flat, weights, experts, num_experts)
         first = jax.lax.axis_index(EXPERT_AXIS) * local_experts
         out = experts_swiglu(flat, experts - first, weights, gate, up, down)
         if gathered:
@@ -164,6 +164,21 @@ def expert_parallel(x: Array, valid: Array, router: Array, gate: Array, up: Arra
                   PartitionSpec(EXPERT_AXIS, width, None)),
         out_specs=(x_spec, PartitionSpec()),
     )(x, valid, router, gate, up, down)
+
+
+def gather_routed(x: Array, weights: Array, experts: Array, num_experts: int) -> tuple[Array, Array, Array]:
+    """The tokens ``x [n, D]``, their routing weights and experts ``[n, k]`` of every device of the ``expert`` axis,
+    ``[e n, ...]`` in the axis' order, in one all-gather: the expert ids ride as numbers of ``x``'s dtype beside the
+    weights (exact while ``num_experts`` is at most ``2^(mantissa bits + 1)``: 256 in bfloat16), so a decoded token
+    pays one collective per layer, not three; with more experts than that, the ids travel on their own."""
+    width, top_k = x.shape[-1], weights.shape[-1]
+    if num_experts > 2 ** (jnp.finfo(x.dtype).nmant + 1):  # an id would round
+        return tuple(jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, weights, experts))
+    ids = jax.lax.stop_gradient(experts.astype(x.dtype))
+    packed = jax.lax.all_gather(jnp.concatenate([x, weights.astype(x.dtype), ids], axis=-1), EXPERT_AXIS, axis=0,
+                                tiled=True)
+    return (packed[:, :width], packed[:, width:width + top_k],
+            packed[:, width + top_k:].astype(experts.dtype))
 
 
 def load_balancing_loss(counts: Array, probs: Array, tokens: Array, num_experts: int) -> Array:
