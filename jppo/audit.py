@@ -23,8 +23,9 @@ from jppo.run.audit import FLOAT64_TOLERANCE, audit, audit_sft, tolerance_of
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="fewer meshes: data-parallel, one 3-D mesh and one context-parallel mesh")
-    parser.add_argument("--meshes", metavar="DxFxTxS,...",
-                        help="audit these mesh shapes (data x fsdp x tensor x sequence) only, e.g. 1x1x1x1,2x2x2x1; "
+    parser.add_argument("--meshes", metavar="DxFxTxS[xE],...",
+                        help="audit these mesh shapes (data x fsdp x tensor x sequence [x expert]) only, e.g. "
+                             "1x1x1x1,2x2x2x1,2x2x1x1x2; "
                              "a one-device shape runs every cut, the others the finest")
     parser.add_argument("--float64", action="store_true",
                         help="every row in float64 (jax_enable_x64), within %g: a dependence on the cut smaller "

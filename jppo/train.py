@@ -38,7 +38,7 @@ def dry_run(cfg: TrainConfig, args: argparse.Namespace) -> str:
         mesh = "mesh: decided once JAX has started (the device count is not known before)"
     else:
         shape = check_mesh(cfg, devices, plan.num_processes)
-        mesh = f"mesh (data, fsdp, tensor, sequence): {shape} over {devices - cfg.rollout.devices} devices"
+        mesh = f"mesh (data, fsdp, tensor, sequence, expert): {shape} over {devices - cfg.rollout.devices} devices"
         if cfg.rollout.devices:
             mesh += f", the rollout on the other {cfg.rollout.devices} (rollout.devices)"
     return f"jppo.train: dry run: {plan.describe()}; {mesh}"

@@ -35,7 +35,7 @@ def test_the_command_compiles_every_program_of_the_run(capsys):
     report = json.loads(capsys.readouterr().out)
     assert code == 0
     assert (report["target"], report["devices"], report["hosts"]) == (TARGET, 8, 2)
-    assert report["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1, "sequence": 1}
+    assert report["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1, "sequence": 1, "expert": 1}
     names = [p["name"] for p in report["programs"]]
     assert names == ["actor_update", "old_log_prob", "rollout"]
     for program in report["programs"]:
@@ -156,7 +156,7 @@ def test_a_split_of_a_two_host_slice_gives_every_host_devices_of_both_meshes(v5p
     from jppo.parallel.mesh import split_devices
 
     cfg = load_config("configs/quickstart_grpo.yaml", ["rollout.devices=4", *TINY], data_files=False)
-    assert check_mesh(cfg, len(v5p.devices), v5p.hosts) == (4, 1, 1, 1)
+    assert check_mesh(cfg, len(v5p.devices), v5p.hosts) == (4, 1, 1, 1, 1)
     training, rollout = split_devices(v5p.devices, 4)
     assert sorted(d.process_index for d in training) == sorted(d.process_index for d in rollout) == [0, 0, 1, 1]
     for host in (0, 1):

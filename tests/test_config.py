@@ -130,7 +130,7 @@ def test_mesh_and_batch_shards_are_checked_against_the_devices():
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
                                                              "critic.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=1",
                                                              "critic.ppo_micro_batch_size=1"])
-    assert check_mesh(cfg, 8) == (8, 1, 1, 1)
+    assert check_mesh(cfg, 8) == (8, 1, 1, 1, 1)
     with pytest.raises(ConfigError, match="mesh.data=-1 cannot fill 8 devices"):
         check_mesh(load_config(None, ["mesh.fsdp=3"]), 8)
     with pytest.raises(ConfigError, match=r"12 sequences do not split over 8 batch shards"):

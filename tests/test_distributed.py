@@ -307,7 +307,7 @@ def test_dry_run_prints_processes_local_devices_and_mesh():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "processes: 4; this process: 2" in out and "local device ids: 0,1,2,3,4,5,6,7" in out
-    assert "mesh (data, fsdp, tensor, sequence): (4, 1, 8, 1) over 32 devices" in out
+    assert "mesh (data, fsdp, tensor, sequence, expert): (4, 1, 8, 1, 1) over 32 devices" in out
 
 
 class _Metadata(http.server.BaseHTTPRequestHandler):

@@ -292,8 +292,8 @@ def test_an_update_takes_an_engine_config_with_its_loss_scale_factor():
 
 
 def test_mesh_and_token_budget_errors():
-    with pytest.raises(ValueError, match="mesh.data=3 x mesh.fsdp=1 x mesh.tensor=1 x mesh.sequence=1 = 3 devices, "
-                                         "but 8 are available"):
+    with pytest.raises(ValueError, match="mesh.data=3 x mesh.fsdp=1 x mesh.tensor=1 x mesh.sequence=1 x "
+                                         "mesh.expert=1 = 3 devices, but 8 are available"):
         make_mesh(3, 1, 1)
     with pytest.raises(ValueError, match="ppo_max_token_len=4 is smaller than the longest sequence"):
         make_micro_batches(ragged_batch(0), 2, max_token_len=4)

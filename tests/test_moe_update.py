@@ -1,5 +1,6 @@
 """The actor update of a model with experts: the load-balancing loss and its gradient are the whole mini-batch's
-whatever the cut (K micro-batches, token budgets, data shards), and the expert load is reported as one."""
+whatever the cut (K micro-batches, token budgets, data shards, the experts split over mesh.expert), and the expert
+load is reported as one."""
 
 from __future__ import annotations
 
@@ -24,8 +25,13 @@ CUTS = {
     "K=1": dict(ppo_micro_batch_size=N),
     "K=3 uneven (token budget)": dict(use_dynamic_bsz=True, ppo_max_token_len=40),
     "K=2 on data 2 x fsdp 2 x tensor 2": dict(ppo_micro_batch_size=2),
+    # mesh.expert: the 4 experts 2 and 1 per device, the tokens exchanged inside the layer (jppo.models.moe)
+    "K=2 on data 2 x fsdp 2 x expert 2": dict(ppo_micro_batch_size=1),
+    "token budget on fsdp 2 x expert 4": dict(use_dynamic_bsz=True, ppo_max_token_len=20),
 }
-MESHES = {"K=2 on data 2 x fsdp 2 x tensor 2": (2, 2, 2)}
+# (data, fsdp, tensor, sequence, expert)
+MESHES = {"K=2 on data 2 x fsdp 2 x tensor 2": (2, 2, 2), "K=2 on data 2 x fsdp 2 x expert 2": (2, 2, 1, 1, 2),
+          "token budget on fsdp 2 x expert 4": (1, 2, 1, 1, 4)}
 
 
 def moe_config() -> ModelConfig:

@@ -49,10 +49,11 @@ def test_the_kernel_split_over_rows_and_heads_matches_the_reference_on_8_devices
 
 
 def tpu_mesh(shape: tuple[int, int, int, int]) -> Mesh:
+    """A (data, fsdp, tensor, sequence) mesh of ``shape``, expert 1."""
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")  # 8 chips, 2 hosts
-    return Mesh(np.array(topology.devices).reshape(shape), MESH_AXES)
+    return Mesh(np.array(topology.devices).reshape(*shape, 1), MESH_AXES)
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2, 1), (8, 1, 1, 1)])  # data 2 x fsdp 2 x tensor 2; data 8

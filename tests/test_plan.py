@@ -296,7 +296,7 @@ def test_a_rollout_mesh_has_a_plan_of_its_own(tmp_path, capsys):
     assert training.persistent == colocated.persistent and training.rollout == training.validation == ()
     assert training.updates == {**colocated.updates, "weight move": training.updates["weight move"]}
     assert training.term("weight_move") == (n - norms) * 2
-    assert rollout.mesh == {"data": 2, "fsdp": 1, "tensor": 1, "sequence": 1} and rollout.persistent == ()
+    assert rollout.mesh == {"data": 2, "fsdp": 1, "tensor": 1, "sequence": 1, "expert": 1} and rollout.persistent == ()
     assert rollout.term("rollout_weights") == (n - norms) * 2 + norms * 4
     # the sampler's larger phase (training or validation batch) of the colocated 2-device mesh, the same rows each
     phase = max((colocated.rollout, colocated.validation), key=lambda terms: sum(t.bytes for t in terms))

@@ -26,17 +26,17 @@ def test_the_rollout_takes_the_last_devices_and_the_training_mesh_the_others():
     assert split_devices(devices, 1) == (devices[:3], devices[3:])
     cfg = load_config(GRPO, ["mesh.data=2", "rollout.devices=2"])
     shape = check_mesh(cfg, 4)
-    assert shape == (2, 1, 1, 1)
+    assert shape == (2, 1, 1, 1, 1)
     training, rollout = run_meshes(devices, shape, 2)
     assert list(training.devices.flat) == devices[:2] and list(rollout.devices.flat) == devices[2:]
-    assert dict(rollout.shape) == {"data": 2, "fsdp": 1, "tensor": 1, "sequence": 1}
+    assert dict(rollout.shape) == {"data": 2, "fsdp": 1, "tensor": 1, "sequence": 1, "expert": 1}
 
 
 @pytest.mark.parametrize("overrides,devices,processes,message", [
     (["rollout.devices=4"], 4, 1, "rollout.devices=4 must be less than the run's 4 devices"),
     (["rollout.devices=1", "mesh.data=2"], 4, 1,
-     "mesh.data=2 x mesh.fsdp=1 x mesh.tensor=1 x mesh.sequence=1 = 2 devices, but 3 are available (the 4 devices "
-     "less rollout.devices=1)"),
+     "mesh.data=2 x mesh.fsdp=1 x mesh.tensor=1 x mesh.sequence=1 x mesh.expert=1 = 2 devices, but 3 are available "
+     "(the 4 devices less rollout.devices=1)"),
     (["rollout.devices=3", "mesh.data=-1"], 4, 2, "rollout.devices=3 must split evenly over the run's 2 processes: "
      "each gives N / 2 of its 2 devices to the rollout"),
 ])
@@ -53,7 +53,7 @@ def test_with_several_processes_each_gives_its_last_devices_to_the_rollout():
     hosts = [Host(id=10 * p + d, process_index=p) for p in range(2) for d in range(4)]
     training, rollout = split_devices(hosts, 4)
     assert [h.id for h in training] == [0, 1, 10, 11] and [h.id for h in rollout] == [2, 3, 12, 13]
-    assert check_mesh(load_config(GRPO, ["rollout.devices=4", "mesh.data=-1"]), 8, 2) == (4, 1, 1, 1)
+    assert check_mesh(load_config(GRPO, ["rollout.devices=4", "mesh.data=-1"]), 8, 2) == (4, 1, 1, 1, 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,24 +11,27 @@ from jppo.config.schema import TrainConfig
 from jppo.config.views import adapted_model_config, engine_view, rollout_sequences
 from jppo.core.errors import ConfigError, one_line
 from jppo.engine.driver import check_batch_sizes
-from jppo.parallel.mesh import resolve_shape
+from jppo.parallel.mesh import resolve_shape, row_shards_of
 
 
-def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tuple[int, int, int, int]:
+def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tuple[int, int, int, int, int]:
     """The training mesh's shape for ``num_devices`` (less the ``rollout.devices`` of a rollout mesh,
     :func:`training_devices`), and every batch size checked against the batch shards it implies: the engine's own
     check on the engine's view of each role, its messages naming the sizes as the user wrote them."""
     total, num_devices = num_devices, training_devices(cfg, num_devices, num_processes)
     try:
-        shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices, cfg.mesh.sequence)
+        shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices, cfg.mesh.sequence,
+                              cfg.mesh.expert)
     except ValueError as error:
         split = f" (the {total} devices less rollout.devices={cfg.rollout.devices})" if total != num_devices else ""
         raise ConfigError(one_line(error) + split + _fitting_sequence(cfg, num_devices)) from None
     check_heads(cfg, shape[2])
-    shards, sequences = shape[0] * shape[1], rollout_sequences(cfg)
+    check_experts(cfg, shape[4])
+    shards, sequences = row_shards_of(shape), rollout_sequences(cfg)
     if sequences % shards:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n} = "
-                          f"{sequences} sequences do not split over {shards} batch shards (mesh.data x mesh.fsdp)")
+                          f"{sequences} sequences do not split over {shards} batch shards "
+                          "(mesh.data x mesh.fsdp x mesh.expert)")
     if num_processes > 1 and cfg.algorithm.filter_groups.enable:
         raise ConfigError(f"algorithm.filter_groups.enable=True runs in one process only (this run has "
                           f"{num_processes}): each process would keep different prompts")
@@ -88,6 +91,16 @@ def _fitting_sequence(cfg: TrainConfig, num_devices: int) -> str:
     overrides = [f"mesh.sequence={fitting}"] + [f"{key}={size * fitting // sequence}" for key, size in budgets.items()]
     kept = f" (the same {min(budgets.values()) // sequence} tokens per device)" if budgets else ""
     return f"; on {num_devices} device(s) set {' '.join(overrides)}{kept}"
+
+
+def check_experts(cfg: TrainConfig, expert: int) -> None:
+    """``mesh.expert`` splits each layer's stacked experts into equal groups, one per device of the axis: it must
+    divide ``num_experts`` of every model with experts (a model without experts only splits rows over it)."""
+    for role in cfg.roles if expert > 1 else ():
+        m = adapted_model_config(cfg, role)
+        if m.sparse_layers and m.num_experts % expert:
+            raise ConfigError(f"mesh.expert={expert} must divide the {role} model's num_experts={m.num_experts}: "
+                              "each device of the axis holds an equal group of experts")
 
 
 def check_heads(cfg: TrainConfig, tensor: int) -> None:

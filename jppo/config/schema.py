@@ -229,13 +229,17 @@ class AlgorithmSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
-    """Mesh shape; one axis may be -1 (the remaining devices). Batch rows shard over data x fsdp, the tokens of each
-    packed row of the updates and log-prob/value passes over sequence (the sampler's rows over data x fsdp only)."""
+    """Mesh shape; one axis may be -1 (the remaining devices). Batch rows shard over data x fsdp x expert, the tokens
+    of each packed row of the updates and log-prob/value passes over sequence (the sampler's rows over every one of
+    these axes); a mixture's experts over expert."""
 
     data: int = -1  # devices along the data axis (replicas of the parameters, rows of the batch); -1: the rest
     fsdp: int = 1  # devices along the fsdp axis: rows of the batch and shards of the parameters
     tensor: int = 1  # devices along the tensor axis: shards of the hidden, head and vocabulary dimensions
     sequence: int = 1  # devices along the sequence axis (context parallelism): contiguous blocks of each row's tokens
+    # devices along the expert axis (expert parallelism): a mixture's experts split among them, must divide
+    # model.num_experts; rows of the batch elsewhere, as data splits them
+    expert: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

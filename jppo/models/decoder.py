@@ -29,8 +29,8 @@ parameter                              shape                logical names
 ``decoder.layers.gate_proj``/``up``    ``[Ld, D, F]``       ``layers, embed, mlp``
 ``decoder.layers.down_proj``           ``[Ld, F, D]``       ``layers, mlp, embed``
 ``decoder.layers.router``              ``[Ls, D, X]``       ``layers, embed, -``
-``decoder.layers.expert_gate``/``up``  ``[Ls, X, D, G]``    ``layers, -, embed, mlp``
-``decoder.layers.expert_down``         ``[Ls, X, G, D]``    ``layers, -, mlp, embed``
+``decoder.layers.expert_gate``/``up``  ``[Ls, X, D, G]``    ``layers, experts, embed, mlp``
+``decoder.layers.expert_down``         ``[Ls, X, G, D]``    ``layers, experts, mlp, embed``
 ``decoder.norm``                       ``[D]``              ``-``
 ``lm_head`` (untied only)              ``[D, V]``           ``embed, vocab``
 ``value_head.kernel`` / ``bias``       ``[D, 1]`` / ``[1]`` ``embed, value`` / ``value``

@@ -5,6 +5,10 @@ For a token ``x [D]`` with router kernel ``W_r [D, E]``:
     p = softmax(x W_r)  (float32 at least),   (w, e) = top_k(p),   w <- w / sum(w) if norm_topk_prob,
     y = sum_{j < k} w_j * swiglu_{e_j}(x),   swiglu_e(x) = (silu(x G_e) * (x U_e)) D_e.
 
+Traced under a jppo mesh (``jax.set_mesh``), the mixture runs inside ``shard_map``, each device routing its own
+tokens, and the experts are split over the mesh's ``expert`` axis, the tokens meeting them there
+(:func:`expert_parallel`), with the same result.
+
 Dropless: every token reaches its k experts whatever else shares its batch (no capacity, nothing dropped), so a
 token's output never depends on the other tokens, and a gradient never on how its batch was cut. The ``N k``
 (token, expert) pairs are sorted by expert and each expert's rows multiplied by its weights in one grouped product
@@ -24,8 +28,10 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jppo.models.attention import wide
+from jppo.parallel.mesh import EXPERT_AXIS, expert_shards, fitted_spec
 
 Array = jax.Array
 
@@ -54,15 +60,19 @@ def route(x: Array, router: Array, top_k: int, norm_topk_prob: bool) -> tuple[Ar
 
 def experts_swiglu(x: Array, experts: Array, weights: Array, gate: Array, up: Array, down: Array) -> Array:
     """``sum_j weights[n, j] swiglu_{experts[n, j]}(x[n])`` for ``x [N, D]``, ``gate``/``up [E, D, F]``,
-    ``down [E, F, D]``: the ``N k`` pairs sorted by expert (stable), three grouped products, unsorted back."""
+    ``down [E, F, D]``, where a pair whose expert is outside ``[0, E)`` (held by another device of the ``expert``
+    axis) adds nothing: the ``N k`` pairs sorted by expert (stable, the others last), three grouped products over
+    the groups of ``[0, E)``, unsorted back."""
     tokens, top_k = experts.shape
     num_experts = gate.shape[0]
     flat = experts.reshape(-1)
+    held = (flat >= 0) & (flat < num_experts)
+    flat = jnp.where(held, flat, num_experts)
     order = jnp.argsort(flat, stable=True)
     rows = x[order // top_k]  # [N k, D], grouped by expert
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # the others' pairs in no group
     hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
-    out = jax.lax.ragged_dot(hidden, down, sizes)  # [N k, D]
+    out = jnp.where(held[order][:, None], jax.lax.ragged_dot(hidden, down, sizes), 0)  # [N k, D]
     out = out[jnp.argsort(order)].reshape(tokens, top_k, -1)  # back to (token, j) order
     return jnp.einsum("nkd,nk->nd", out, weights.astype(out.dtype))
 
@@ -70,20 +80,105 @@ def experts_swiglu(x: Array, experts: Array, weights: Array, gate: Array, up: Ar
 def moe_mlp(x: Array, valid: Array, router: Array, gate: Array, up: Array, down: Array, top_k: int,
             norm_topk_prob: bool) -> tuple[Array, RouterStats]:
     """The mixture on ``x [B, T, D]`` with ``valid [B, T]`` (the non-padding tokens, for the stats only: padding
-    is routed too, its output unused) and the :class:`RouterStats` of the valid tokens."""
+    is routed too, its output unused) and the :class:`RouterStats` of the valid tokens.
+
+    Under a jppo mesh it is :func:`expert_parallel`, also where ``mesh.expert`` is 1: each device then sorts and
+    multiplies its own tokens' pairs, where XLA, partitioning the global sort of every token's pairs, would gather
+    the tokens (on a data-parallel TPU mesh: 4 all-reduces per decoded token, the experts' work on every device).
+    The weights are cast before, so that ``fsdp`` gathers them in the compute dtype."""
+    gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
+    if EXPERT_AXIS in jax.sharding.get_abstract_mesh().shape:  # a jppo mesh set at trace time
+        return expert_parallel(x, valid, router, gate, up, down, top_k, norm_topk_prob)
     batch, length, width = x.shape
     flat = x.reshape(-1, width)
     probs, weights, experts = route(flat, router, top_k, norm_topk_prob)
-    dtype = x.dtype
-    out = experts_swiglu(flat, experts, weights, gate.astype(dtype), up.astype(dtype), down.astype(dtype))
-    keep = valid.reshape(-1)
-    one_hot = jax.nn.one_hot(experts, router.shape[-1], dtype=probs.dtype).sum(axis=1)  # [N, E]
-    stats = RouterStats(
+    out = experts_swiglu(flat, experts, weights, gate, up, down)
+    return out.reshape(batch, length, width), router_stats(probs, experts, valid.reshape(-1))
+
+
+def router_stats(probs: Array, experts: Array, keep: Array) -> RouterStats:
+    """The :class:`RouterStats` of tokens with router ``probs [N, E]`` and chosen ``experts [N, k]``, over those
+    ``keep [N]`` holds."""
+    one_hot = jax.nn.one_hot(experts, probs.shape[-1], dtype=probs.dtype).sum(axis=1)  # [N, E]
+    return RouterStats(
         counts=jnp.sum(jnp.where(keep[:, None], one_hot, 0.0), axis=0),
         probs=jnp.sum(jnp.where(keep[:, None], probs, 0.0), axis=0),
         tokens=jnp.sum(keep).astype(probs.dtype),
     )
-    return out.reshape(batch, length, width), stats
+
+
+def expert_parallel(x: Array, valid: Array, router: Array, gate: Array, up: Array, down: Array, top_k: int,
+                    norm_topk_prob: bool) -> tuple[Array, RouterStats]:
+    """:func:`moe_mlp` with the experts split over the ``expert`` axis of the mesh set at trace time, ``E / e``
+    experts per device (``e`` the axis' size), inside ``shard_map``. Each device routes its own tokens (``n`` of
+    them), then, dropless, with no capacity:
+
+        all-gather over ``expert``: the group's tokens ``[e n, D]``, their weights and experts ``[e n, k]``
+            (one collective, :func:`gather_routed`);
+        y_partial = experts_swiglu over the pairs whose expert this device holds (the others add 0);
+        reduce-scatter over ``expert``: each device's ``n`` outputs summed over the group's devices;
+
+    then a ``psum`` over ``tensor`` where the experts' width is split over it. Every token reaches its ``k``
+    experts whatever the routing, so the output is the unsharded one up to summation order, and the gradient the
+    transposes' (a reduce-scatter of the gathered tokens' cotangents, an all-gather of the outputs'). Rows the mesh
+    does not split over ``expert`` (replicated there) are not gathered: each device takes its experts' share of
+    every row, and a ``psum`` adds the shares. The stats are summed over the axes that split the tokens: global.
+
+    Why not ``ragged_all_to_all`` (the pairs sent to their experts' devices): XLA:CPU has no kernel for it, and a
+    dropless exchange needs a worst-case receive buffer of ``e n k`` rows anyway; the gather moves ``(e - 1) n``
+    rows per device each way, which for ``k >= e`` is no more than the ``k (e - 1) / e n`` an all-to-all moves."""
+    mesh = jax.sharding.get_abstract_mesh()
+    shape = dict(mesh.shape)
+    shards, num_experts = expert_shards(shape), gate.shape[0]
+    if num_experts % shards:
+        raise ValueError(f"mesh.expert={shards} must divide num_experts={num_experts}")
+    x_spec = fitted_spec(x.shape, ("batch", "length", None), shape)
+    token_axes = tuple(axis for axes in x_spec[:2] for axis in ((axes,) if isinstance(axes, str) else (axes or ())))
+    gathered = EXPERT_AXIS in token_axes
+    width = fitted_spec(gate.shape[-1:], ("mlp",), shape)[0]  # the tensor axis where it divides the experts' width
+    local_experts = num_experts // shards
+
+    def local(x, valid, router, gate, up, down):
+        batch, length, hidden = x.shape
+        flat = x.reshape(-1, hidden)
+        probs, weights, experts = route(flat, router, top_k, norm_topk_prob)
+        stats = router_stats(probs, experts, valid.reshape(-1))
+        if token_axes:
+            stats = jax.tree.map(lambda s: jax.lax.psum(s, token_axes), stats)
+        if gathered:
+            flat, weights, experts = gather_routed(flat, weights, experts, num_experts)
+        first = jax.lax.axis_index(EXPERT_AXIS) * local_experts
+        out = experts_swiglu(flat, experts - first, weights, gate, up, down)
+        if gathered:
+            out = jax.lax.psum_scatter(out, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+        else:
+            out = jax.lax.psum(out, EXPERT_AXIS)
+        if width is not None:
+            out = jax.lax.psum(out, width)
+        return out.reshape(batch, length, hidden), stats
+
+    expert_spec = PartitionSpec(EXPERT_AXIS, None, width)
+    return jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(x_spec, PartitionSpec(*x_spec[:2]), PartitionSpec(), expert_spec, expert_spec,
+                  PartitionSpec(EXPERT_AXIS, width, None)),
+        out_specs=(x_spec, PartitionSpec()),
+    )(x, valid, router, gate, up, down)
+
+
+def gather_routed(x: Array, weights: Array, experts: Array, num_experts: int) -> tuple[Array, Array, Array]:
+    """The tokens ``x [n, D]``, their routing weights and experts ``[n, k]`` of every device of the ``expert`` axis,
+    ``[e n, ...]`` in the axis' order, in one all-gather: the expert ids ride as numbers of ``x``'s dtype beside the
+    weights (exact while ``num_experts`` is at most ``2^(mantissa bits + 1)``: 256 in bfloat16), so a decoded token
+    pays one collective per layer, not three; with more experts than that, the ids travel on their own."""
+    width, top_k = x.shape[-1], weights.shape[-1]
+    if num_experts > 2 ** (jnp.finfo(x.dtype).nmant + 1):  # an id would round
+        return tuple(jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, weights, experts))
+    ids = jax.lax.stop_gradient(experts.astype(x.dtype))
+    packed = jax.lax.all_gather(jnp.concatenate([x, weights.astype(x.dtype), ids], axis=-1), EXPERT_AXIS, axis=0,
+                                tiled=True)
+    return (packed[:, :width], packed[:, width:width + top_k],
+            packed[:, width + top_k:].astype(experts.dtype))
 
 
 def load_balancing_loss(counts: Array, probs: Array, tokens: Array, num_experts: int) -> Array:
@@ -133,9 +228,9 @@ def expert_params(config, normal: Callable[[tuple[int, ...]], Array]) -> tuple[t
         return ((None, ()),) * 4
     D, E, F = config.hidden_size, config.num_experts, config.moe_intermediate_size
     return ((normal((Ls, D, E)), ("layers", "embed", None)),
-            (normal((Ls, E, D, F)), ("layers", None, "embed", "mlp")),
-            (normal((Ls, E, D, F)), ("layers", None, "embed", "mlp")),
-            (normal((Ls, E, F, D)), ("layers", None, "mlp", "embed")))
+            (normal((Ls, E, D, F)), ("layers", "experts", "embed", "mlp")),
+            (normal((Ls, E, D, F)), ("layers", "experts", "embed", "mlp")),
+            (normal((Ls, E, F, D)), ("layers", "experts", "mlp", "embed")))
 
 
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")

@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jppo.parallel.mesh import BATCH_AXES, LOGICAL_RULES, fitted_spec, logical_to_spec
+from jppo.parallel.mesh import BATCH_AXES, EXPERT_AXIS, LOGICAL_RULES, fitted_spec, logical_to_spec
 from jppo.models.config import ModelConfig
 
 Array = jax.Array
@@ -72,14 +72,20 @@ def _constrain_gradient_bwd(names: Sequence[str | None], _, gradient: Array) -> 
 constrain_gradient.defvjp(_constrain_gradient_fwd, _constrain_gradient_bwd)
 
 
-def without_batch_axes(spec: PartitionSpec) -> PartitionSpec:
-    """``spec`` with the batch axes (``data``, ``fsdp``) taken out of every dimension: replicated over them."""
+def without_batch_axes(spec: PartitionSpec, names: Sequence[str | None] = ()) -> PartitionSpec:
+    """``spec`` with the batch axes (``data``, ``fsdp``, ``expert``, ``sequence``) taken out of every dimension:
+    replicated over them; except the ``expert`` axis of a dimension whose logical name (``names``) is ``experts``,
+    so that each device keeps its own group of a mixture's experts (the tokens go to them, not they to the
+    tokens)."""
+    names = tuple(names) + (None,) * (len(spec) - len(names))
 
-    def kept(axes):
-        group = tuple(axis for axis in ((axes,) if isinstance(axes, str) else (axes or ())) if axis not in BATCH_AXES)
+    def kept(axes, name):
+        keep = (EXPERT_AXIS,) if name == "experts" else ()
+        group = tuple(axis for axis in ((axes,) if isinstance(axes, str) else (axes or ()))
+                      if axis not in BATCH_AXES or axis in keep)
         return group[0] if len(group) == 1 else (group or None)
 
-    return PartitionSpec(*(kept(axes) for axes in spec))
+    return PartitionSpec(*(kept(axes, name) for axes, name in zip(spec, names)))
 
 
 def decoding_copy(value: Array, names: Sequence[str | None], dtype=None) -> Array:
@@ -87,14 +93,14 @@ def decoding_copy(value: Array, names: Sequence[str | None], dtype=None) -> Arra
     it moves ``dtype`` bytes, then laid out for decoding under the mesh set with ``jax.set_mesh``: replicated over
     the batch axes, which split a decoding step's rows (a weight sharded over them would be gathered at every
     step, or, hoisted out of the loop by XLA, held whole in its stored dtype), and split over ``tensor`` as the
-    rule table says. Without a mesh: the cast only."""
+    rule table says (a mixture's experts stay split over ``expert``). Without a mesh: the cast only."""
     if dtype is not None and value.dtype != dtype:
         value = constrain(value.astype(dtype), names)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return value
     return jax.lax.with_sharding_constraint(value, without_batch_axes(fitted_spec(value.shape, names,
-                                                                                  dict(mesh.shape))))
+                                                                                  dict(mesh.shape)), names))
 
 
 def variable_spec(variable: nnx.Variable, mesh: Mesh) -> PartitionSpec:

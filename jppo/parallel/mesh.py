@@ -1,11 +1,13 @@
 """The device mesh and the one sharding rule table.
 
-Four mesh axes: ``data`` (replicas of the parameters, rows of the batch), ``fsdp`` (rows of the batch and shards
-of the parameters), ``tensor`` (shards of the hidden, head and vocabulary dimensions) and ``sequence`` (context
-parallelism: the tokens of every packed row of a training or log-prob pass, split in contiguous blocks). The row
-axes, which split the rows of a batch, are ``data`` and ``fsdp`` (:data:`ROW_AXES`); the batch axes, which split
-rows or tokens and so are the axes every global count is summed over, are those and ``sequence``
-(:data:`BATCH_AXES`, ``CONTRACT.md``).
+Five mesh axes: ``data`` (replicas of the parameters, rows of the batch), ``fsdp`` (rows of the batch and shards
+of the parameters), ``tensor`` (shards of the hidden, head and vocabulary dimensions), ``sequence`` (context
+parallelism: the tokens of every packed row of a training or log-prob pass, split in contiguous blocks) and
+``expert`` (expert parallelism: the stacked experts of a mixture split among its devices, and, everywhere else, rows
+of the batch as ``data`` splits them, so that no device of the axis idles outside the experts; the tokens meet their
+experts inside :func:`jppo.models.moe.moe_mlp`). The row axes, which split the rows of a batch, are ``data``,
+``fsdp`` and ``expert`` (:data:`ROW_AXES`); the batch axes, which split rows or tokens and so are the axes every
+global count is summed over, are those and ``sequence`` (:data:`BATCH_AXES`, ``CONTRACT.md``).
 
 Parameters and activations are annotated with *logical* axis names; :data:`LOGICAL_RULES` maps each logical
 name to mesh axes. It is the only place that decides how anything is laid out: change it here and the model,
@@ -29,11 +31,12 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-# sequence last: a 1-sized sequence axis leaves the devices where a (data, fsdp, tensor) mesh put them
-MESH_AXES: tuple[str, str, str, str] = ("data", "fsdp", "tensor", "sequence")
-ROW_AXES: tuple[str, str] = ("data", "fsdp")
+# sequence and expert last: 1-sized axes leave the devices where a (data, fsdp, tensor) mesh put them
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor", "sequence", "expert")
+EXPERT_AXIS = "expert"
+ROW_AXES: tuple[str, ...] = ("data", "fsdp", EXPERT_AXIS)
 SEQUENCE_AXIS = "sequence"
-BATCH_AXES: tuple[str, str, str] = (*ROW_AXES, SEQUENCE_AXIS)
+BATCH_AXES: tuple[str, ...] = (*ROW_AXES, SEQUENCE_AXIS)
 
 # logical axis name -> mesh axis (or axes, or None for replicated)
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -47,6 +50,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "layers": None,
     "value": None,
+    "experts": EXPERT_AXIS,  # the experts of a mixture, stacked
 }
 
 # The sampler's table: the rows of a decoding batch over every batch axis, a row's slots whole on its device.
@@ -92,26 +96,27 @@ def fitted_spec(shape: Sequence[int], names: Sequence[str | None], mesh_shape: M
     spec = []
     for size, axes in zip(shape, logical_to_spec(names)):
         group = (axes,) if isinstance(axes, str) else (axes or ())
-        shards = int(np.prod([mesh_shape[axis] for axis in group]))
+        shards = int(np.prod([mesh_shape.get(axis, 1) for axis in group]))
         spec.append(axes if size % shards == 0 else None)
     return PartitionSpec(*spec)
 
 
 def resolve_shape(
-    data: int, fsdp: int, tensor: int, num_devices: int, sequence: int = 1
-) -> tuple[int, int, int, int]:
-    """Mesh shape ``(data, fsdp, tensor, sequence)`` with at most one ``-1`` filled in so that the product is
-    ``num_devices``.
+    data: int, fsdp: int, tensor: int, num_devices: int, sequence: int = 1, expert: int = 1
+) -> tuple[int, int, int, int, int]:
+    """Mesh shape ``(data, fsdp, tensor, sequence, expert)`` with at most one ``-1`` filled in so that the product
+    is ``num_devices``.
 
     Raises ``ValueError`` naming ``mesh.<axis>`` when the shape cannot match the device count.
     """
-    shape = {"data": data, "fsdp": fsdp, "tensor": tensor, "sequence": sequence}
+    shape = {"data": data, "fsdp": fsdp, "tensor": tensor, "sequence": sequence, "expert": expert}
     free = [name for name, size in shape.items() if size == -1]
     for name, size in shape.items():
         if size == 0 or size < -1:
             raise ValueError(f"mesh.{name}={size} is invalid: use a positive size or -1 to fill")
-    if sequence > 1 and num_devices % sequence:
-        raise ValueError(f"mesh.sequence={sequence} does not divide the {num_devices} devices")
+    for name in ("sequence", "expert"):
+        if shape[name] > 1 and num_devices % shape[name]:
+            raise ValueError(f"mesh.{name}={shape[name]} does not divide the {num_devices} devices")
     if len(free) > 1:
         raise ValueError(f"only one mesh axis may be -1; got {', '.join('mesh.' + n + '=-1' for n in free)}")
     fixed = int(np.prod([size for size in shape.values() if size != -1]))
@@ -126,20 +131,28 @@ def resolve_shape(
             " x ".join(f"mesh.{name}={size}" for name, size in shape.items()) + f" = {fixed} "
             f"devices, but {num_devices} are available"
         )
-    return shape["data"], shape["fsdp"], shape["tensor"], shape["sequence"]
+    return shape["data"], shape["fsdp"], shape["tensor"], shape["sequence"], shape["expert"]
+
+
+def row_shards_of(shape: Sequence[int]) -> int:
+    """Number of pieces the batch rows are cut into on a mesh of ``shape`` (:data:`MESH_AXES` order, as
+    :func:`resolve_shape` returns it): the product of the row axes' sizes."""
+    sizes = dict(zip(MESH_AXES, shape))
+    return int(np.prod([sizes.get(axis, 1) for axis in ROW_AXES]))
 
 
 def make_mesh(
-    data: int = -1, fsdp: int = 1, tensor: int = 1, sequence: int = 1, devices: Sequence[jax.Device] | None = None
+    data: int = -1, fsdp: int = 1, tensor: int = 1, sequence: int = 1, expert: int = 1,
+    devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """A ``(data, fsdp, tensor, sequence)`` mesh over ``devices`` (default: all), with one size allowed to be
-    ``-1``.
+    """A ``(data, fsdp, tensor, sequence, expert)`` mesh over ``devices`` (default: all), with one size allowed to
+    be ``-1``.
 
     Axes are ``Auto``: jit propagates shardings from the inputs and from ``with_sharding_constraint`` hints
     (``jax.make_mesh`` would default to ``Explicit`` axes, which put shardings in the types).
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_shape(data, fsdp, tensor, len(devices), sequence)
+    shape = resolve_shape(data, fsdp, tensor, len(devices), sequence, expert)
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
@@ -206,3 +219,8 @@ def decoding_shards(mesh_shape: Mapping[str, int]) -> int:
 def sequence_shards(mesh_shape: Mapping[str, int]) -> int:
     """Number of pieces each row's tokens are cut into (the ``sequence`` axis' size; 1 on a mesh without it)."""
     return int(mesh_shape.get(SEQUENCE_AXIS, 1))
+
+
+def expert_shards(mesh_shape: Mapping[str, int]) -> int:
+    """Number of pieces a mixture's experts are split into (the ``expert`` axis' size; 1 on a mesh without it)."""
+    return int(mesh_shape.get(EXPERT_AXIS, 1))

@@ -45,7 +45,7 @@ from jppo.engine import (
     sft_loss_fn,
 )
 from jppo.run.learn import mini_batch_rng
-from jppo.parallel.mesh import batch_shards, make_mesh
+from jppo.parallel.mesh import batch_shards, make_mesh, row_shards_of
 from jppo.core.errors import InvalidSetting
 from jppo.core.experience import Experience
 from jppo.models import param_shardings
@@ -81,20 +81,20 @@ def mesh_shapes(num_devices: int, rows: int) -> list[tuple[int, int, int, int]]:
     return shapes
 
 
-def parse_meshes(text: str, num_devices: int, rows: int) -> list[tuple[int, int, int, int]]:
-    """The meshes of ``--meshes``: ``DxFxTxS`` shapes (data, fsdp, tensor, sequence), comma-separated, each of at
-    most ``num_devices`` devices whose batch shards (data x fsdp) divide ``rows``, the mini-batch. A shape that
-    breaks either is refused, naming it."""
-    valid = (f"comma-separated DxFxTxS mesh shapes (e.g. 1x1x1x1,2x2x2x1) of at most {num_devices} "
-             f"device{'s' if num_devices > 1 else ''} whose data x fsdp divides the mini-batch of {rows}; on a CPU, "
-             "XLA_FLAGS=--xla_force_host_platform_device_count=8 simulates 8 devices")
+def parse_meshes(text: str, num_devices: int, rows: int) -> list[tuple[int, ...]]:
+    """The meshes of ``--meshes``: ``DxFxTxS[xE]`` shapes (data, fsdp, tensor, sequence, and expert when given),
+    comma-separated, each of at most ``num_devices`` devices whose batch shards (data x fsdp x expert) divide
+    ``rows``, the mini-batch. A shape that breaks either is refused, naming it."""
+    valid = (f"comma-separated DxFxTxS[xE] mesh shapes (e.g. 1x1x1x1,2x2x2x1,2x2x1x1x2) of at most {num_devices} "
+             f"device{'s' if num_devices > 1 else ''} whose data x fsdp x expert divides the mini-batch of {rows}; on "
+             "a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=8 simulates 8 devices")
     shapes = []
     for part in text.split(","):
         fields = part.strip().split("x")
-        if len(fields) != 4 or not all(f.isdigit() and int(f) > 0 for f in fields):
+        if len(fields) not in (4, 5) or not all(f.isdigit() and int(f) > 0 for f in fields):
             raise InvalidSetting("", "--meshes", text, valid)
         shape = tuple(int(f) for f in fields)
-        if int(np.prod(shape)) > num_devices or rows % (shape[0] * shape[1]):
+        if int(np.prod(shape)) > num_devices or rows % row_shards_of(shape):
             raise InvalidSetting("", "--meshes", text, valid)
         shapes.append(shape)
     return shapes

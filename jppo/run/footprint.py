@@ -24,7 +24,7 @@ def shards(shape: Sequence[int], names: Sequence[Optional[str]], mesh: dict[str,
     count = 1
     for axes in fitted_spec(shape, names, mesh):
         for axis in (axes,) if isinstance(axes, str) else (axes or ()):
-            count *= mesh[axis]
+            count *= mesh.get(axis, 1)
     return count
 
 
@@ -129,9 +129,15 @@ def logits_bytes(m: ModelConfig, rows: int, width: int, chunk_size: int, mesh: d
 
 
 def layer_weights_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
-    """One decoder layer's weights gathered in the compute dtype (its share of ``mesh.tensor``)."""
+    """The largest decoder layer's weights gathered in the compute dtype (its share of ``mesh.tensor``): attention
+    and the dense MLP, or, in a layer with experts, the router and this device's ``num_experts / mesh.expert``
+    experts."""
     d, f = m.hidden_size, m.intermediate_size
-    layer = d * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.num_heads * m.head_dim * d + 3 * d * f
+    mlp = 3 * d * f if m.dense_layers else 0
+    if m.sparse_layers:
+        groups = mesh.get("expert", 1) if m.num_experts % mesh.get("expert", 1) == 0 else 1
+        mlp = max(mlp, d * m.num_experts + 3 * m.num_experts // groups * d * m.moe_intermediate_size)
+    layer = d * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + m.num_heads * m.head_dim * d + mlp
     return layer // mesh["tensor"] * dtype_bytes(m.dtype)
 
 

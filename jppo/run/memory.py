@@ -6,7 +6,8 @@ from ``nnx.eval_shape`` of the model, and each array is divided by the number of
 (:data:`jppo.parallel.mesh.LOGICAL_RULES`, through :func:`jppo.parallel.mesh.fitted_spec`) gives it on the mesh. The mesh is the
 config's ``mesh.*`` on ``--devices`` devices (default: this machine's), so a plan can be made for another machine.
 
-Symbols: ``n`` a model's parameters on one device (each tensor divided by its shards), ``p`` / ``c`` / ``a`` the
+Symbols: ``n`` a model's parameters on one device (each tensor divided by its shards: a mixture's experts by
+``mesh.expert``), ``p`` / ``c`` / ``a`` the
 bytes of the parameter, compute and accumulator (float32) dtypes, ``c_s`` those of the sampler's compute dtype
 (``rollout.dtype``, default ``model.dtype``), ``V D F L H K E`` vocabulary, hidden size, MLP width, layers, query
 heads, key-value heads, head size; ``H' K' F' V'`` those divided by ``mesh.tensor`` where it divides them (as the
@@ -23,9 +24,9 @@ optimizer state        ``t a (2 + 1)``: AdamW's two moments and ``optax.MultiSte
                        adapters, and a critic's value head, with it); no accumulator when every optimizer step
                        is one micro-batch (K = 1: ``t a 2``); a few scalar counters are left out
 gradients              ``t p``: the gradient of one micro-batch, before it is added to the accumulator
-weights in use         ``(V' D + one layer's weights / mesh.tensor) c``: the embedding table and a layer's
-                       weights cast to the compute dtype (and gathered over ``fsdp``) while they are used (the
-                       actor: a layer's only; its table is the head phase's, below)
+weights in use         ``(V' D + one layer's weights / mesh.tensor) c``: the table (the actor's: in the head phase)
+                       and the largest layer's weights (with experts: the router and ``num_experts / mesh.expert``
+                       experts) cast to the compute dtype (and gathered over ``fsdp``) while they are used
 activations            ``r (w / q) (L s + x) + b`` for ``r`` rows of ``w`` tokens in one micro-batch, ``w / q`` of
                        them on each device (fixed: ``r = ppo_micro_batch_size``, ``w = bucket(max_prompt_length) +
                        max_response_length``; token budget: ``r = 1``, ``w = ppo_max_token_len``; ``q`` =
@@ -54,12 +55,12 @@ optimizer step         ``4 t a``: the temporaries of applying the accumulated gr
 KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sampler's prompt cache (each prompt's
                        keys and values held once for its ``n`` samples, and a bool mask of its real tokens) and
                        response cache for ``B`` prompts and ``R = B n`` rows per device (``B = train_batch_size /
-                       (data x fsdp x sequence)``, the sampler's rows split over every batch axis, or the validation
-                       batch in a phase of its own), of which ``S = min(rollout.max_num_seqs, R)`` are decoded
-                       at once (``S = R`` when it is 0); ``P =
-                       bucket(max_prompt_length)``, ``T = max_response_length``. With ``rollout.env`` every turn
-                       prefills each row's own context, which grows to prompt + response: ``B = R =
-                       train_batch_size x n / (data x fsdp x sequence)``, ``P = bucket(max_prompt_length + T - 1)``
+                       (data x fsdp x expert x sequence)``, the sampler's rows split over every batch axis, or the
+                       validation batch in a phase of its own), of which ``S = min(rollout.max_num_seqs, R)`` are
+                       decoded at once (``S = R`` when it is 0); ``P = bucket(max_prompt_length)``, ``T =
+                       max_response_length``. With ``rollout.env`` every turn prefills each row's own context, which
+                       grows to prompt + response: ``B = R = train_batch_size x n / (data x fsdp x expert x
+                       sequence)``, ``P = bucket(max_prompt_length + T - 1)``
 sampler logits         ``4 S V' a``: a decoding step's float32 logits of the ``S`` rows, their log-softmax (the
                        drawn token's log-prob), the categorical draw's random bits and noised logits (the four
                        ``[S, V']`` arrays of the compiled decoding step on TPU and GPU)
@@ -114,7 +115,7 @@ import math
 from typing import Optional, Sequence
 
 from jppo.config import TrainConfig
-from jppo.parallel.mesh import MESH_AXES, decoding_shards
+from jppo.parallel.mesh import MESH_AXES, decoding_shards, row_shards_of
 from jppo.models.config import ModelConfig
 from jppo.rollout.multiturn import longest_context
 from jppo.rollout.decode import decode_rows
@@ -389,7 +390,7 @@ def accumulates_gradients(cfg: TrainConfig, role: str, mesh: dict[str, int]) -> 
     from jppo.config.views import engine_view  # noqa: PLC0415 (views imports the models; keep `--help` light)
     from jppo.engine.config import fixed_micro_batches  # noqa: PLC0415
 
-    return fixed_micro_batches(engine_view(cfg, role), mesh["data"] * mesh["fsdp"]) != 1
+    return fixed_micro_batches(engine_view(cfg, role), row_shards_of([mesh.get(axis, 1) for axis in MESH_AXES])) != 1
 
 
 def human(size: int) -> str:

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jppo.config import ConfigError, TrainConfig, save_config
-from jppo.config.devices import check_heads
+from jppo.config.devices import check_experts, check_heads
 from jppo.config.views import engine_view, kl_controller, tokenizer_spec
 from jppo.core.errors import one_line
 from jppo.core.inputs import file_list
@@ -47,7 +47,7 @@ from jppo.engine.forward import forward_batch, log_prob_fn
 from jppo.core.paths import run_path
 from jppo.parallel import distributed
 from jppo.parallel.hostlocal import local_rows, sum_over_processes
-from jppo.parallel.mesh import batch_shards, make_mesh, resolve_shape
+from jppo.parallel.mesh import batch_shards, make_mesh, resolve_shape, row_shards_of
 from jppo.run import build
 from jppo.rewards import build_reward_fn
 from jppo.run.checkpoint import CheckpointManager, restore_checkpoint, saved_tree
@@ -119,17 +119,19 @@ def task_prompts(cfg: TrainConfig, tokenizer: Tokenizer) -> Optional[build.RunIn
     return build.RunInputs(tokenizer, None, load_dataset(cfg.data, tokenizer, "val"), build_reward_fn(cfg.reward, task))
 
 
-def mesh_shape(cfg: TrainConfig, num_devices: int) -> tuple[int, int, int, int]:
+def mesh_shape(cfg: TrainConfig, num_devices: int) -> tuple[int, int, int, int, int]:
     """The mesh for ``num_devices``, with ``sft.batch_size`` checked against its batch shards and ``mesh.tensor``
     against the model's heads."""
     try:
-        shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices, cfg.mesh.sequence)
+        shape = resolve_shape(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices, cfg.mesh.sequence,
+                              cfg.mesh.expert)
         view = sft_view(cfg)
-        check_batch_sizes(view, view.ppo_mini_batch_size, shape[0] * shape[1], "actor",
+        check_batch_sizes(view, view.ppo_mini_batch_size, row_shards_of(shape), "actor",
                           f"sft.batch_size={cfg.sft.batch_size} rows")
     except ValueError as error:
         raise ConfigError(one_line(error)) from None
     check_heads(cfg, shape[2])
+    check_experts(cfg, shape[4])
     if shape[3] > 1 and not (cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len % shape[3] == 0):
         raise ConfigError(f"mesh.sequence={shape[3]}: SFT splits the tokens of packed rows only: set "
                           f"actor.use_dynamic_bsz=true with an actor.ppo_max_token_len that mesh.sequence divides")

@@ -63,7 +63,7 @@ def split_plans(cfg: TrainConfig, training_shape: Sequence[int],
         updates["weight move"] = (Term("weight_move", cast, "sum_w |w| / shards(w) x c_s"),)
     # the training mesh samples nothing, and its update never shares its devices with a rollout
     training = dataclasses.replace(colocated, rollout=(), validation=(), updates=updates, concurrent=False)
-    rollout_mesh = dict(zip(MESH_AXES, (cfg.rollout.devices, 1, 1, 1)))
+    rollout_mesh = dict(zip(MESH_AXES, (cfg.rollout.devices, 1, 1, 1, 1)))
     replica = Term("rollout_weights", moved, "sum_w |w| x c_s (a whole replica)")
     # the training batch's or the validation batch's caches, logits and prefill, whichever phase is larger
     phases = sampler_terms(cfg, model_config(cfg), rollout_mesh, platform)
@@ -81,7 +81,7 @@ def check_rollout_fits(cfg: TrainConfig, limit: Optional[int]) -> None:
     if not cfg.rollout.devices or limit is None:
         return
     replica, _ = weight_bytes(cfg, dict.fromkeys(MESH_AXES, 1))
-    rollout_mesh = dict(zip(MESH_AXES, (cfg.rollout.devices, 1, 1, 1)))
+    rollout_mesh = dict(zip(MESH_AXES, (cfg.rollout.devices, 1, 1, 1, 1)))
     caches = max(terms[0].bytes for terms in sampler_terms(cfg, model_config(cfg), rollout_mesh))
     if replica + caches > limit:
         dtype = sampling_config(cfg, model_config(cfg)).dtype
