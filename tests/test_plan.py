@@ -362,8 +362,8 @@ def test_the_command_plans_an_sft_config_as_the_sft_run(tmp_path, capsys):
     argv = ["--config", str(SFT), f"trainer.output_dir={tmp_path / 'run'}"]
     assert plan.main([*argv, "--devices", "4", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    expected = sft_plan(load_config(SFT, argv[2:]), (4, 1, 1, 1))
-    assert printed["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1, "sequence": 1}
+    expected = sft_plan(load_config(SFT, argv[2:]), (4, 1, 1, 1, 1))
+    assert printed["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1, "sequence": 1, "expert": 1}
     assert printed["peak_bytes"] == expected.peak_bytes and set(printed["terms"]) == {
         "parameters/policy", "optimizer_state/policy", "gradients/policy", "weights_in_use/policy",
         "activations/policy", "kept_activations/policy", "head_weights/policy", "logits/policy",
