@@ -94,7 +94,8 @@ def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int, i
     if cfg.rollout.devices:  # a device that cannot hold the sampler: refused before anything compiles
         from jppo.run.split_memory import check_rollout_fits  # noqa: PLC0415
 
-        check_rollout_fits(cfg, (jax.devices()[-1].memory_stats() or {}).get("bytes_limit"))
+        # this process's own last device (a rollout device): JAX keeps no memory stats of another process's
+        check_rollout_fits(cfg, (jax.local_devices()[-1].memory_stats() or {}).get("bytes_limit"))
     return shape
 
 
