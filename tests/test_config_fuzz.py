@@ -41,7 +41,7 @@ from jppo.run.loop import run
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
-# What the 0.5B configs need from outside (a checkpoint, GSM8K files), replaced by the built-in task.
+# What the real-size GSM8K configs need from outside (a checkpoint, GSM8K files), replaced by the built-in task.
 LOCAL_STAND_IN = [
     "model.path=null", "data.task=reverse_digits", "data.train_files=null", "data.val_files=null",
     "data.apply_chat_template=false", "reward.kind=task",
@@ -55,7 +55,7 @@ TINY = [
     "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=null", "rollout.n=2",
     "rollout.max_response_length=4", "rollout.prompt_bucket=8", "trainer.total_steps=1", "trainer.save_every=0",
     "trainer.val_every=0", "trainer.plots=false", "trainer.logger=[console,jsonl]", "trainer.progress_bar=false",
-    "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
+    "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=1",
 ]
 # The same for python -m jppo.sft's config: its own batch, one micro-batch, rows of the quickstart task
 TINY_SFT = [
@@ -124,7 +124,7 @@ def overrides(draw, small: bool = False) -> list[str]:
 
 
 def base_overrides(config: pathlib.Path) -> list[str]:
-    return LOCAL_STAND_IN if "0_5b" in config.name else []
+    return LOCAL_STAND_IN if "gsm8k" in config.name else []
 
 
 def is_sft(config: pathlib.Path) -> bool:

@@ -47,7 +47,7 @@ FENCE = re.compile(r"^```bash\n(.*?)^```", re.M | re.S)
 SHORT = ["trainer.total_steps=1", "trainer.save_every=1", "trainer.val_every=0", "trainer.plots=false",
          "trainer.progress_bar=false"]
 SHORT_EVAL = ["data.num_val_examples=8", "data.val_batch_size=8"]
-GPU_ONLY = ("qwen2_5_0_5b_gsm8k",)  # configs of a real-size model: `mesh`, never `run`
+GPU_ONLY = ("qwen2_5_0_5b_gsm8k", "qwen3_30b_a3b_gsm8k")  # configs of a real-size model: `mesh`, never `run`
 SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"
 
 HOW = [  # (pattern on the command, how it is checked), first match wins
