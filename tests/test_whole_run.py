@@ -34,6 +34,7 @@ from signals import SIGNAL_POINTS, signal_at
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {"ppo": ROOT / "configs" / "quickstart.yaml", "grpo": ROOT / "configs" / "quickstart_grpo.yaml"}
+RUNS = {**CONFIGS, "moe": ROOT / "configs" / "quickstart_moe.yaml"}  # what train() runs; the variants take CONFIGS
 QUIET = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.plots=false", "trainer.logger=[console,jsonl]",
          "trainer.progress_bar=false", "trainer.save_every=0"]
 ROLES = ("actor", "critic")
@@ -54,7 +55,7 @@ VARIANTS = {
 
 
 def train(config: str, out: pathlib.Path, devices: int, overrides: list[str]) -> list[dict]:
-    cfg = load_config(CONFIGS[config], [*QUIET, f"trainer.output_dir={out}", "mesh.data=1", *overrides])
+    cfg = load_config(RUNS[config], [*QUIET, f"trainer.output_dir={out}", "mesh.data=1", *overrides])
     run(cfg, check_mesh(cfg, devices), build.load_inputs(cfg), devices=jax.devices()[:devices])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in row.items() if not k.startswith(("timing/", "perf/"))} for row in rows]
@@ -93,6 +94,15 @@ def test_two_steps_do_not_depend_on_the_mesh_or_the_micro_batching(tmp_path, ref
     cfg = load_config(CONFIGS[config], [])
     assert cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size * cfg.actor.ppo_epochs > 1
     assert_same_run(train(config, tmp_path, devices, overrides), expected)
+
+
+def test_two_moe_steps_with_the_experts_split_over_four_devices_log_the_one_device_run(tmp_path, reference):
+    """quickstart_moe (8 experts, top 2, the load-balancing loss on): two steps on data 2 x expert 2, each device
+    holding 4 experts and the tokens of a group gathered to them, log what one device logs, the router metrics
+    (``actor/router_aux_loss``, ``actor/expert_load``) included."""
+    expected = reference("moe")
+    assert {"actor/router_aux_loss", "actor/expert_load"} <= set(expected[0])
+    assert_same_run(train("moe", tmp_path, 4, ["mesh.data=2", "mesh.expert=2"]), expected)
 
 
 def counted(traces: collections.Counter, name: str, fn):
