@@ -107,7 +107,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.compile_for is not None:
         return compile_for(args)
     try:
-        cfg = cli.load_config(args)
+        cfg = cli.load_config(args, data_files=False)  # shapes only: the prompt files need not be on this machine
         if args.devices is not None and args.devices < 1:
             raise ConfigError(f"--devices={args.devices} must be >= 1")
         if args.devices is None:
