@@ -110,12 +110,18 @@ def load_inputs(cfg: TrainConfig) -> SFTInputs:
     return SFTInputs(tokenizer, train, val, scored)
 
 
+def demonstrates_task(cfg: TrainConfig) -> bool:
+    """Whether the rows are demonstrations of ``data.task`` (not ``sft.train_files``, whose rows no scorer
+    knows), so that validation can score the policy on the task's held-out prompts."""
+    return task_of(cfg.data) is not None and not file_list(cfg.sft.train_files, "sft.train_files")
+
+
 def task_prompts(cfg: TrainConfig, tokenizer: Tokenizer) -> Optional[build.RunInputs]:
     """The held-out prompts of ``data.task`` and its reward, as an RL run validates on them, when the rows are
-    that task's demonstrations; None otherwise (rows from ``sft.train_files``: no scorer is known for them)."""
-    task = task_of(cfg.data)
-    if file_list(cfg.sft.train_files, "sft.train_files") or task is None:
+    that task's demonstrations (:func:`demonstrates_task`); None otherwise."""
+    if not demonstrates_task(cfg):
         return None
+    task = task_of(cfg.data)
     return build.RunInputs(tokenizer, None, load_dataset(cfg.data, tokenizer, "val"), build_reward_fn(cfg.reward, task))
 
 

@@ -31,7 +31,6 @@ import dataclasses
 from typing import Sequence
 
 from jppo.config import TrainConfig
-from jppo.core.inputs import file_list
 from jppo.parallel.mesh import MESH_AXES
 from jppo.run.footprint import (
     ACCUMULATOR_BYTES, abstract_params, adapter_params, dtype_bytes, local_elements, model_config, trained_elements,
@@ -57,8 +56,9 @@ def sft_accumulates(cfg: TrainConfig, mesh: dict[str, int]) -> bool:
 
 def scores_held_out(cfg: TrainConfig) -> bool:
     """Whether the run samples the task's held-out prompts (:func:`jppo.run.sft.task_prompts`)."""
-    validates = cfg.trainer.val_every > 0 or cfg.trainer.val_before_train
-    return validates and cfg.data.task != "files" and not file_list(cfg.sft.train_files, "sft.train_files")
+    from jppo.run.sft import demonstrates_task  # noqa: PLC0415 (the SFT loop's own test)
+
+    return (cfg.trainer.val_every > 0 or cfg.trainer.val_before_train) and demonstrates_task(cfg)
 
 
 def sft_plan(cfg: TrainConfig, mesh_shape: Sequence[int], platform: str = "gpu") -> MemoryPlan:
