@@ -27,6 +27,7 @@ and ``perf/batch_move_bytes`` (the sampled rows' bytes).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -69,15 +70,17 @@ class WeightMove:
         """``weights`` on the rollout mesh, ready (the phase's time is the move's), and the bytes of one replica."""
         cast = weights if self.dtype is None else kept_in(weights, self.dtype, copy=False)
         if jax.process_count() > 1:  # each process copies its own replica (replicated_on): gathered over fsdp first
-            cast = jax.jit(lambda tree: tree, out_shardings=jax.tree.map(replica, cast))(cast)
+            cast = gathered_on(jax.tree.leaves(cast)[0].sharding.mesh)(cast)
         moved = replicated_on(cast, self.mesh)
         jax.block_until_ready(moved)
         return moved, tree_bytes(moved)
 
 
-def replica(array: jax.Array) -> NamedSharding:
-    """A whole copy of ``array`` on every device of its own mesh."""
-    return NamedSharding(array.sharding.mesh, PartitionSpec())
+@functools.lru_cache(maxsize=8)
+def gathered_on(mesh: Mesh):
+    """A jitted identity whose outputs are whole on every device of ``mesh`` (the all-gather of the training
+    mesh's shards), made once per mesh so that each weight move reuses its compiled program."""
+    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def batch_bytes(exp: Experience) -> int:
