@@ -90,10 +90,12 @@ def test_the_plan_divides_the_experts_parameters_and_optimizer_state_by_the_axis
 
 
 @pytest.mark.parametrize("expert, per_token", [
-    # before, the mixture's global sort made XLA gather the tokens: 4 all-reduces per decoded token on data 8
-    (1, {"all-reduce": 1}),
+    # before, the mixture's global sort made XLA gather the tokens: 4 all-reduces per decoded token on data 8 (then
+    # 1, the stop test, until each device ran the decoding loop on its own rows)
+    (1, {}),
     # the tokens of the expert group with their routing (weights, expert ids) gathered in one collective, the
-    # outputs reduce-scattered; no weight gathered (the experts' weights would add 3 all-gathers)
+    # outputs reduce-scattered; no weight gathered (the experts' weights would add 3 all-gathers). The group
+    # decodes in step, so its stop test is reduced over it (the all-reduce)
     (2, {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 1}),
 ])
 def test_a_decoded_token_exchanges_tokens_not_the_experts_weights(expert, per_token):

@@ -428,10 +428,13 @@ def test_bucket_length():
     assert [bucket_length(p, multiple=8) for p in (0, 1, 8, 9, 16, 17)] == [8, 8, 8, 16, 16, 24]
 
 
-@pytest.mark.parametrize("max_num_seqs", [0, 3])
+# max_num_seqs 8: each of the 8 devices runs continuous batching on one slot of its own; 3 slots do not split over
+# them, so the loop runs on the global rows
+@pytest.mark.parametrize("max_num_seqs", [0, 3, 8])
 @pytest.mark.parametrize("shape", [(4, 2, 1), (1, 2, 4)], ids=["data4xfsdp2", "fsdp2xsequence4"])
 def test_rows_sharded_over_a_mesh_give_the_same_samples(causal_lm, max_num_seqs, shape):
-    # on a sequence axis the sampler splits its rows over it too (each device decodes prompts of its own)
+    # on a sequence axis the sampler splits its rows over it too (each device decodes prompts of its own, in a
+    # decoding loop of its own)
     prompts = PROMPTS + [[2, 7], [1, 1, 1], [5], [4, 4, 8, 1]]
     prompt_ids, prompt_mask = pad_prompts(prompts, pad_id=0, multiple=8)
     params = SamplingParams(max_new_tokens=8, temperature=1.3, top_k=8, n=2, max_num_seqs=max_num_seqs)

@@ -180,9 +180,10 @@ PROMPTS = 16  # x n = 2: 32 rows, 4 per device on every 8-device mesh
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_rollout(shape: tuple[int, int, int, int], target: str = "cpu"):
+def compiled_rollout(shape: tuple[int, int, int, int], target: str = "cpu", max_num_seqs: int = 0):
     """The sampler's whole program (prefill and decoding loop), compiled on abstract arrays for ``shape`` (data,
-    fsdp, tensor, sequence) on the 8 simulated CPU devices or on a TPU slice's compile-only devices."""
+    fsdp, tensor, sequence) on the 8 simulated CPU devices or on a TPU slice's compile-only devices; continuous
+    batching over ``max_num_seqs`` slots where not 0."""
     devices = jax.devices() if target == "cpu" else topologies.get_topology_desc(
         platform="tpu", topology_name=target).devices
     # blockwise attention: splash attention's kernel needs its own partitioning for the prefill on a TPU mesh
@@ -196,7 +197,7 @@ def compiled_rollout(shape: tuple[int, int, int, int], target: str = "cpu"):
     mask = jax.ShapeDtypeStruct((PROMPTS, PROMPT), jnp.bool_, sharding=rows)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, PartitionSpec()))
     with jax.set_mesh(mesh):
-        return make_generate_fn(graphdef, SamplingParams(max_new_tokens=SLOTS, n=2)).lower(
+        return make_generate_fn(graphdef, SamplingParams(max_new_tokens=SLOTS, n=2, max_num_seqs=max_num_seqs)).lower(
             abstract, ids, mask, key).compile()
 
 
@@ -211,8 +212,15 @@ def test_a_decoded_token_communicates_nothing_on_the_shipped_configs_meshes(shap
     # 2 all-reduces per layer (16 per layer at Qwen2.5-0.5B's size on a TPU) in the loop's body.
     loop = decode_loop(compiled_rollout(shape, target).as_text())
     assert loop.body == NOTHING
-    # what is left per token: the loop's condition, whether every row has finished (one predicate reduced)
-    assert loop.condition == {**NOTHING, "all-reduce": 1}
+    # nor does the loop's stop test: each device runs the loop on its own rows and stops when they have ended.
+    # Before, the loop ran on the global rows and its condition reduced "has every row ended?" (1 all-reduce).
+    assert loop.condition == NOTHING
+
+
+def test_continuous_batching_decodes_on_each_device_s_own_slots_with_no_collective():
+    # 32 rows, 8 slots: each of the 8 devices refills its one slot from its own 4 rows and stops when they end
+    loop = decode_loop(compiled_rollout((8, 1, 1, 1), max_num_seqs=8).as_text())
+    assert loop.body == NOTHING and loop.condition == NOTHING
 
 
 def test_the_sequence_devices_decode_rows_of_their_own_not_each_others():

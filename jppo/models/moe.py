@@ -122,20 +122,25 @@ def expert_parallel(x: Array, valid: Array, router: Array, gate: Array, up: Arra
     experts whatever the routing, so the output is the unsharded one up to summation order, and the gradient the
     transposes' (a reduce-scatter of the gathered tokens' cotangents, an all-gather of the outputs'). Rows the mesh
     does not split over ``expert`` (replicated there) are not gathered: each device takes its experts' share of
-    every row, and a ``psum`` adds the shares. The stats are summed over the axes that split the tokens: global.
+    every row, and a ``psum`` adds the shares. The stats are summed over the axes that split the tokens: global
+    (inside an enclosing ``shard_map``, such as the decoding loop's, over the axes it left free: along its manual
+    axes each device's rows are its own).
 
     Why not ``ragged_all_to_all`` (the pairs sent to their experts' devices): XLA:CPU has no kernel for it, and a
     dropless exchange needs a worst-case receive buffer of ``e n k`` rows anyway; the gather moves ``(e - 1) n``
     rows per device each way, which for ``k >= e`` is no more than the ``k (e - 1) / e n`` an all-to-all moves."""
     mesh = jax.sharding.get_abstract_mesh()
-    shape = dict(mesh.shape)
+    shape, manual = dict(mesh.shape), mesh.manual_axes  # manual: an enclosing shard_map's (each device's rows)
     shards, num_experts = expert_shards(shape), gate.shape[0]
     if num_experts % shards:
         raise ValueError(f"mesh.expert={shards} must divide num_experts={num_experts}")
-    x_spec = fitted_spec(x.shape, ("batch", "length", None), shape)
+    if EXPERT_AXIS in manual:
+        raise ValueError("the expert axis must not be manual around a mixture: its experts are split over it")
+    x_spec = fitted_spec(x.shape, ("batch", "length", None), shape, manual)
     token_axes = tuple(axis for axes in x_spec[:2] for axis in ((axes,) if isinstance(axes, str) else (axes or ())))
     gathered = EXPERT_AXIS in token_axes
-    width = fitted_spec(gate.shape[-1:], ("mlp",), shape)[0]  # the tensor axis where it divides the experts' width
+    # the tensor axis where it divides the experts' width
+    width = fitted_spec(gate.shape[-1:], ("mlp",), shape, manual)[0]
     local_experts = num_experts // shards
 
     def local(x, valid, router, gate, up, down):
@@ -162,7 +167,7 @@ def expert_parallel(x: Array, valid: Array, router: Array, gate: Array, up: Arra
         local, mesh=mesh,
         in_specs=(x_spec, PartitionSpec(*x_spec[:2]), PartitionSpec(), expert_spec, expert_spec,
                   PartitionSpec(EXPERT_AXIS, width, None)),
-        out_specs=(x_spec, PartitionSpec()),
+        out_specs=(x_spec, PartitionSpec()), axis_names=frozenset(shape) - frozenset(manual),
     )(x, valid, router, gate, up, down)
 
 

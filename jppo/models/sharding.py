@@ -44,11 +44,12 @@ def logical_names(variable: nnx.Variable) -> Names:
 
 def constrain(x: Array, names: Sequence[str | None]) -> Array:
     """``with_sharding_constraint`` by logical names under the mesh set with ``jax.set_mesh``; else ``x``.
-    A dimension that its mesh axes do not divide is left replicated rather than padded."""
+    A dimension that its mesh axes do not divide is left replicated rather than padded. Inside ``shard_map`` the
+    axes it made manual are left out: ``x`` is one device's piece along them."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or mesh.are_all_axes_manual:
         return x
-    return jax.lax.with_sharding_constraint(x, fitted_spec(x.shape, names, dict(mesh.shape)))
+    return jax.lax.with_sharding_constraint(x, fitted_spec(x.shape, names, dict(mesh.shape), mesh.manual_axes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -97,10 +98,10 @@ def decoding_copy(value: Array, names: Sequence[str | None], dtype=None) -> Arra
     if dtype is not None and value.dtype != dtype:
         value = constrain(value.astype(dtype), names)
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or mesh.are_all_axes_manual:
         return value
-    return jax.lax.with_sharding_constraint(value, without_batch_axes(fitted_spec(value.shape, names,
-                                                                                  dict(mesh.shape)), names))
+    spec = fitted_spec(value.shape, names, dict(mesh.shape), mesh.manual_axes)
+    return jax.lax.with_sharding_constraint(value, without_batch_axes(spec, names))
 
 
 def variable_spec(variable: nnx.Variable, mesh: Mesh) -> PartitionSpec:

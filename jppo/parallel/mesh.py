@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Collection, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -89,13 +89,16 @@ def logical_to_spec(names: Sequence[str | None]) -> PartitionSpec:
     return PartitionSpec(*axes)
 
 
-def fitted_spec(shape: Sequence[int], names: Sequence[str | None], mesh_shape: Mapping[str, int]) -> PartitionSpec:
+def fitted_spec(shape: Sequence[int], names: Sequence[str | None], mesh_shape: Mapping[str, int],
+                skip: Collection[str] = ()) -> PartitionSpec:
     """:func:`logical_to_spec` for an array of ``shape`` on a mesh of ``mesh_shape`` (axis name -> size), except
     that a dimension its mesh axes do not divide stays replicated: jit shardings must divide evenly, and a small
-    model (a 14-token vocabulary, 2 key-value heads) must still run on any mesh, only less sharded."""
+    model (a 14-token vocabulary, 2 key-value heads) must still run on any mesh, only less sharded. The axes in
+    ``skip`` are left out (an enclosing ``shard_map``'s manual axes: ``shape`` is one device's already)."""
     spec = []
     for size, axes in zip(shape, logical_to_spec(names)):
-        group = (axes,) if isinstance(axes, str) else (axes or ())
+        group = tuple(axis for axis in ((axes,) if isinstance(axes, str) else (axes or ())) if axis not in skip)
+        axes = group[0] if len(group) == 1 else (group or None)
         shards = int(np.prod([mesh_shape.get(axis, 1) for axis in group]))
         spec.append(axes if size % shards == 0 else None)
     return PartitionSpec(*spec)
@@ -224,3 +227,36 @@ def sequence_shards(mesh_shape: Mapping[str, int]) -> int:
 def expert_shards(mesh_shape: Mapping[str, int]) -> int:
     """Number of pieces a mixture's experts are split into (the ``expert`` axis' size; 1 on a mesh without it)."""
     return int(mesh_shape.get(EXPERT_AXIS, 1))
+
+
+def decoding_loop_axes(rows: int, slots: int, has_experts: bool) -> tuple[str, ...]:
+    """The axes of the mesh set at trace time over which each device runs a decoding loop on its own ``rows``
+    (:func:`on_each_device`), ``slots`` of them decoded at once: those of size > 1 that split the rows in the
+    sampler's layout (:data:`DECODING_RULES`), but ``expert`` on a mixture (the group's devices exchange tokens in
+    every layer, so they decode in step); none where the rows or the slots do not divide over them (the loop then
+    runs on the global rows, its stop test reduced over them)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    spec = fitted_spec((rows,), ("batch",), dict(mesh.shape), mesh.manual_axes)[0]
+    axes = tuple(axis for axis in ((spec,) if isinstance(spec, str) else (spec or ()))
+                 if mesh.shape[axis] > 1 and not (axis == EXPERT_AXIS and has_experts))
+    shards = int(np.prod([mesh.shape[axis] for axis in axes]))
+    return axes if rows % shards == 0 and slots % shards == 0 else ()
+
+
+def on_each_device(loop: Callable, axes: tuple[str, ...], rows: tuple, shared: tuple):
+    """``loop(*rows, *shared)`` run by each device of the mesh ``axes`` on its own rows, in ``shard_map``: every
+    array of ``rows`` has its rows first, split over ``axes`` (a scalar is the same on every device), ``shared``
+    is the same on every device of ``axes`` (the sampler's weights: replicated over the batch axes), and every
+    output has its rows (or one entry per device) first. So a decoding loop's stop test is each device's own: a
+    decoded token communicates nothing over ``axes``, and a device whose rows have ended stops while others
+    decode on. No axes: the call itself."""
+    if not axes:
+        return loop(*rows, *shared)
+    spec = PartitionSpec(axes)
+    specs = (jax.tree.map(lambda x: spec if np.ndim(x) else PartitionSpec(), rows),
+             jax.tree.map(lambda _: PartitionSpec(), shared))
+    # check_vma=False: the loop's step count is each device's own though nothing it is computed from varies
+    return jax.shard_map(lambda r, s: loop(*r, *s), mesh=jax.sharding.get_abstract_mesh(), in_specs=specs,
+                         out_specs=spec, axis_names=frozenset(axes), check_vma=False)(rows, shared)

@@ -11,7 +11,9 @@ For a batch of ``B`` prompts padded to width ``P`` and ``n`` samples per prompt 
    1`` of a :class:`~jppo.models.ResponseCache` (``R x max_new_tokens`` slots; with continuous batching
    ``S = max_num_seqs`` rows decode at once and a finished row's slot takes the next waiting row, so the cache has
    ``S x max_new_tokens`` slots) and samples token ``t``, inside ``lax.while_loop``, which stops once every row
-   has finished.
+   has finished. On a mesh each device runs the loop on its own rows
+   (:func:`~jppo.parallel.mesh.on_each_device`) and stops when they have finished: its stop test reduces nothing
+   over the mesh.
 
 A row finishes at its first token in ``eos_token_ids`` (kept, and counted in the mask) or after
 ``max_new_tokens``; later slots hold ``pad_token_id`` with mask 0 and log-prob 0. A row whose prompt mask is all
@@ -23,7 +25,8 @@ the loop, so the program runs unchanged with rows sharded over a mesh.
 
 On a mesh the program is traced in the sampler's layout (:func:`~jppo.parallel.mesh.decoding_layout`): the prompts
 and rows are split over every batch axis (``data``, ``fsdp`` and ``sequence``), each device prefills and decodes its
-own rows from its own caches, so a decoding step communicates nothing on a mesh without ``tensor``; the rows leave
+own rows from its own caches in a loop of its own, so a decoded token communicates nothing on a mesh without
+``tensor`` (with ``expert`` on a mixture, the group's devices exchange tokens and decode in step); the rows leave
 in the layout of every other batch (over ``data`` and ``fsdp``), gathered over ``sequence`` once per rollout.
 
 Compilation depends on the shapes ``(B, P)`` and on :class:`SamplingParams`, never on the prompt contents: pad
@@ -47,7 +50,7 @@ from flax import nnx, struct
 
 from jppo.models.decoding import cache_block_count
 from jppo.models.sharding import constrain
-from jppo.parallel.mesh import decoding_layout
+from jppo.parallel.mesh import decoding_layout, decoding_loop_axes, on_each_device
 from jppo.rollout.params import SamplingParams
 from jppo.rollout.processors import sample_tokens
 
@@ -203,6 +206,7 @@ def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         return out.replace(prompt_ids=jnp.repeat(prompt_ids, n, axis=0), prompt_mask=jnp.repeat(prompt_mask, n, axis=0))
 
     rows = batch * n
+    axes = _loop_axes(model, rows, params)
     keys = row_keys(key, jnp.arange(rows))
     prompt_tokens = jnp.repeat(prompt_counts, n)
     state = _DecodeState(
@@ -216,23 +220,33 @@ def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
     )
     state = _record(state, jnp.repeat(first_logits, n, axis=0), keys, params)
 
-    def unfinished(state: _DecodeState) -> Array:
-        return (state.step < max_new) & ~jnp.all(state.done)
+    def loop(state: _DecodeState, prompt: Any, prompt_tokens: Array, keys: Array, layers: Any) -> _DecodeState:
+        def unfinished(state: _DecodeState) -> Array:
+            return (state.step < max_new) & ~jnp.all(state.done)
 
-    def decode_step(state: _DecodeState) -> _DecodeState:
-        fed = state.step - 1  # one slot for every row: a scalar, so no predicate is reduced over the rows
-        hidden, cache = model.decode(state.last_tokens, prompt_tokens + fed, prompt, state.cache, fed, layers)
-        return _record(state.replace(cache=cache), model.logits(hidden), keys, params)
+        def decode_step(state: _DecodeState) -> _DecodeState:
+            fed = state.step - 1  # one slot for every row: a scalar, so no predicate is reduced over the rows
+            hidden, cache = model.decode(state.last_tokens, prompt_tokens + fed, prompt, state.cache, fed, layers)
+            return _record(state.replace(cache=cache), model.logits(hidden), keys, params)
 
-    state = jax.lax.while_loop(unfinished, decode_step, state)
+        state = jax.lax.while_loop(unfinished, decode_step, state)
+        return state.replace(step=state.step[None])  # each device's own count
+
+    state = on_each_device(loop, axes, (state, prompt, prompt_tokens, keys), (layers,))
     return RolloutBatch(
         prompt_ids=jnp.repeat(prompt_ids, n, axis=0),
         prompt_mask=jnp.repeat(prompt_mask, n, axis=0),
         response_ids=state.response_ids,
         response_mask=state.response_mask,
         log_probs=state.log_probs,
-        decode_slots=(state.step - 1) * rows,
+        decode_slots=jnp.sum(state.step - 1) * (rows // state.step.shape[0]),
     )
+
+
+def _loop_axes(model: Any, rows: int, params: SamplingParams) -> tuple[str, ...]:
+    """The mesh axes each device decodes its own of ``rows`` over (:func:`~jppo.parallel.mesh.decoding_loop_axes`)."""
+    experts = bool(getattr(model.config, "num_experts", 0))
+    return decoding_loop_axes(rows, decode_rows(rows, params.max_num_seqs), experts)
 
 
 @struct.dataclass
@@ -261,11 +275,26 @@ def continuous_rollout(
     the response fields (the caller adds the prompts). ``layers``: ``model.decoding_layers()`` (made here if not
     given).
     """
-    n, max_new, num_slots = params.n, params.max_new_tokens, params.max_num_seqs
-    rows = first_logits.shape[0] * n
-    keys = row_keys(key, jnp.arange(rows + 1))  # + an idle slot's key, never used
-    eos = jnp.asarray(params.eos_token_ids, dtype=jnp.int32)
     layers = model.decoding_layers() if layers is None else layers
+    total = first_logits.shape[0] * params.n
+    axes = _loop_axes(model, total, params)
+    shards = int(np.prod([jax.sharding.get_abstract_mesh().shape[axis] for axis in axes]))
+    loop = functools.partial(_continuous_loop, model, params, params.max_num_seqs // shards)
+    out = on_each_device(loop, axes, (prompt, prompt_counts, first_logits, row_keys(key, jnp.arange(total))),
+                         (layers,))
+    by_row = lambda x: constrain(x, ("batch", None))  # noqa: E731  (rows leave sharded like the prompts came)
+    return out.replace(response_ids=by_row(out.response_ids), response_mask=by_row(out.response_mask),
+                       log_probs=by_row(out.log_probs), decode_slots=jnp.sum(out.decode_slots))
+
+
+def _continuous_loop(model: Any, params: SamplingParams, num_slots: int, prompt: Any, prompt_counts: Array,
+                     first_logits: Array, keys: Array, layers: Any) -> RolloutBatch:
+    """:func:`continuous_rollout`'s loop over ``num_slots`` slots on the rows given (one device's, or all), whose
+    keys are ``keys``; ``decode_slots`` has one entry."""
+    n, max_new = params.n, params.max_new_tokens
+    rows = first_logits.shape[0] * n
+    keys = jnp.concatenate([keys, keys[:1]])  # + an idle slot's key, never used
+    eos = jnp.asarray(params.eos_token_ids, dtype=jnp.int32)
 
     def write(state: _SlotState, rows_written: Array, steps: Array, tokens: Array, log_probs: Array, live: Array):
         where = (jnp.where(live, rows_written, rows), steps)  # an out-of-range row: the write is dropped
@@ -317,17 +346,15 @@ def continuous_rollout(
         last_tokens=jnp.zeros((num_slots,), jnp.int32),
         next_row=jnp.zeros((), jnp.int32),
         steps=jnp.zeros((), jnp.int32),
-        cache=response_cache(model, rows, params),
+        cache=model.init_response_cache(num_slots, max_new, cache_block_count(params.cache_blocks)),
         response_ids=jnp.full((rows, max_new), params.pad_token_id, jnp.int32),
         response_mask=jnp.zeros((rows, max_new), bool),
         log_probs=jnp.zeros((rows, max_new), jnp.float32),
     )
     state = jax.lax.while_loop(busy, decode_step, refill(state, jnp.ones((num_slots,), bool)))
-    by_row = lambda x: constrain(x, ("batch", None))  # noqa: E731  (rows leave sharded like the prompts came)
     return RolloutBatch(
-        prompt_ids=None, prompt_mask=None, response_ids=by_row(state.response_ids),
-        response_mask=by_row(state.response_mask), log_probs=by_row(state.log_probs),
-        decode_slots=state.steps * num_slots,
+        prompt_ids=None, prompt_mask=None, response_ids=state.response_ids, response_mask=state.response_mask,
+        log_probs=state.log_probs, decode_slots=(state.steps * num_slots)[None],
     )
 
 
