@@ -56,6 +56,13 @@ def load(path: pathlib.Path, tmp: pathlib.Path, quick: bool):
                               f"data.train_files={data}", f"data.val_files={data}", "data.apply_chat_template=false"])
 
 
+def is_sft(path: pathlib.Path) -> bool:
+    """Whether the config at ``path`` is an SFT run's (``python -m jppo.sft``): it samples nothing to measure."""
+    import yaml
+
+    return "sft" in (yaml.safe_load(path.read_text()) or {})
+
+
 def measure(path: pathlib.Path, target: str, quick: bool, tmp: pathlib.Path) -> dict:
     """The decoding step's bytes per device against its bound, for the config at ``path`` on ``target``."""
     import jax
@@ -150,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_num_cpu_devices", 8)
     paths = [pathlib.Path(p) for p in args.configs] if args.configs else sorted((ROOT / "configs").glob("*.yaml"))
     with tempfile.TemporaryDirectory() as tmp:
-        results = [measure(path, args.target, args.quick, pathlib.Path(tmp)) for path in paths]
+        results = [measure(path, args.target, args.quick, pathlib.Path(tmp)) for path in paths
+                   if not is_sft(path)]
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
