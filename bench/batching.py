@@ -59,7 +59,7 @@ def random_prompts(count: int, low: int, high: int, vocab: int, eos: tuple[int, 
 def useful_fraction(out) -> float:
     """Generated tokens after each row's first (one decoding forward each) over the row-steps decoded."""
     lengths = np.asarray(out.response_mask).sum(axis=1)
-    return float(np.maximum(lengths - 1, 0).sum() / max(int(out.decode_slots), 1))
+    return float(np.maximum(lengths - 1, 0).sum() / max(int(np.sum(out.decode_slots)), 1))
 
 
 def continuous_batching(quick: bool, repeats: int) -> dict:
@@ -104,7 +104,8 @@ def continuous_batching(quick: bool, repeats: int) -> dict:
     }
     for name, timing in timings.items():
         result[name] = timing.to_dict() | {
-            "useful_slot_fraction": useful_fraction(outputs[name]), "decode_slots": int(outputs[name].decode_slots),
+            "useful_slot_fraction": useful_fraction(outputs[name]),
+            "decode_slots": int(np.sum(outputs[name].decode_slots)),
             "tokens_per_s": tokens / timing.median_s,
         }
     result["rollout_useful_slot_fraction"] = result["continuous"]["useful_slot_fraction"]

@@ -16,7 +16,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 from jppo.core.errors import one_line
 from jppo.parallel import distributed
@@ -28,6 +28,7 @@ INPUT_ERRORS = (ValueError, KeyError, FileNotFoundError)
 START_ERRORS = (*INPUT_ERRORS, distributed.DistributedError)
 # The environment that tunes XLA and the TPU runtime, logged when a command starts (tpu_scripts/xla_flags.sh)
 XLA_ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+T = TypeVar("T")
 
 
 def parse_args(
@@ -66,21 +67,27 @@ def load_config(args: argparse.Namespace, data_files: bool = True, sft: Optional
 
 
 def log_to_stderr() -> None:
-    """INFO messages of jppo's loggers on stderr, ``LEVEL name: message`` (the commands that train or evaluate)."""
+    """INFO messages of jppo's loggers on stderr, ``LEVEL name: message`` (the commands that train or evaluate).
+    The level is set on jppo's own logger: a library imported before may have configured the root logger already
+    (a module-level ``logging.warning`` does, at WARNING), and then ``basicConfig`` alone changes nothing."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jppo").setLevel(logging.INFO)
 
 
-def start_processes(command: str, cfg, args: argparse.Namespace) -> None:
+def start_processes(command: str, cfg, args: argparse.Namespace, check: Callable[[], T] = lambda: None) -> T:
     """What a command that runs the models does before anything compiles: the persistent compilation cache
-    (``trainer.compilation_cache``) and the XLA environment, logged; the processes (the multi-process flags)."""
+    (``trainer.compilation_cache``); the processes (the multi-process flags); ``check()``, whose value is returned;
+    then the cache and the XLA environment, logged."""
     from jppo.run import compile_cache  # noqa: PLC0415
 
     log = logging.getLogger(f"jppo.{command}")
     cache = compile_cache.apply(cfg.trainer.compilation_cache)  # before anything compiles
+    distributed.initialize(args)
+    checked = check()  # a start-up that fails says so in its one line, and nothing else: logged after
     log.info("compilation cache: %s", cache or "off")
     for name in XLA_ENVIRONMENT:  # what the launch scripts' tpu_scripts/xla_flags.sh set, or the user did
         log.info("%s=%s", name, os.environ.get(name, "(unset)"))
-    distributed.initialize(args)
+    return checked
 
 
 def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int, int]:
@@ -89,14 +96,16 @@ def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int, i
 
     from jppo.config import check_mesh  # noqa: PLC0415
 
-    start_processes(command, cfg, args)
-    shape = check_mesh(cfg, jax.device_count(), jax.process_count())
-    if cfg.rollout.devices:  # a device that cannot hold the sampler: refused before anything compiles
-        from jppo.run.split_memory import check_rollout_fits  # noqa: PLC0415
+    def checked() -> tuple[int, int, int, int]:
+        shape = check_mesh(cfg, jax.device_count(), jax.process_count())
+        if cfg.rollout.devices:  # a device that cannot hold the sampler: refused before anything compiles
+            from jppo.run.split_memory import check_rollout_fits  # noqa: PLC0415
 
-        # this process's own last device (a rollout device): JAX keeps no memory stats of another process's
-        check_rollout_fits(cfg, (jax.local_devices()[-1].memory_stats() or {}).get("bytes_limit"))
-    return shape
+            # this process's own last device (a rollout device): JAX keeps no memory stats of another process's
+            check_rollout_fits(cfg, (jax.local_devices()[-1].memory_stats() or {}).get("bytes_limit"))
+        return shape
+
+    return start_processes(command, cfg, args, checked)
 
 
 def fail(command: str, error: BaseException) -> int:

@@ -72,8 +72,9 @@ def metrics(run_dir: pathlib.Path, every_key: bool = False) -> list[dict]:
     ("quickstart", [], []),
     # one step off-policy (jppo.run.offpolicy) with a rollout mesh across the processes (rollout.devices: each
     # process trains on one of its devices and samples its own rows on the other, the weights copied between its
-    # own devices): on 1 device the next batch is generated on a thread beside the update, on the 2 processes in
-    # turn; the schedule, and so every metric, is the same, and so is the resumed weight queue
+    # own devices): on 1 device and on the 2 processes the next batch is generated on a thread beside the update
+    # (on the 2 processes its program, collective-free, beside the update's collectives); the schedule, and so
+    # every metric, is the same, and so is the resumed weight queue
     ("quickstart_grpo", ["trainer.off_policy_steps=1"], ["rollout.devices=2"]),
 ], ids=["ppo", "grpo-off-policy-1-rollout-devices"])
 def test_two_processes_of_two_devices_match_one_device_and_resume_on_it(tmp_path, config, extra, split):
@@ -89,9 +90,10 @@ def test_two_processes_of_two_devices_match_one_device_and_resume_on_it(tmp_path
         for i in (1, 0)
     ]
     one = train(f"trainer.output_dir={tmp_path / 'one'}", "trainer.total_steps=3", *extra, devices=1, config=path)
-    for process in two:
-        finish(process)
+    outputs = [finish(process) for process in two]
     finish(one)
+    if split:  # before, a run of several processes sampled in turn with the update
+        assert all("the next rollout runs beside the update" in out for out in outputs), outputs[1][:4000]
     single, double = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert [row["step"] for row in double] == [1, 2] and "val/reward/mean" in double[1]
     if extra:

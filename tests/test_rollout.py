@@ -344,11 +344,11 @@ def test_continuous_batching_spends_no_step_on_a_finished_row(tiny):
     rows = len(RAGGED_PROMPTS) * RAGGED.n
     longest = int(np.asarray(together.response_mask).sum(axis=1).max())
     # all rows together: every row is decoded until the longest ends
-    assert int(together.decode_slots) == (longest - 1) * rows > useful
+    assert int(np.sum(together.decode_slots)) == (longest - 1) * rows > useful
     # one slot: one step per generated token after a row's first, plus one for each row that ends at its first
     # token (here the empty prompts' rows), whose slot is refilled at the next step
     ended_at_once = int((np.asarray(together.response_mask).sum(axis=1) <= 1).sum())
-    assert int(one_slot.decode_slots) == useful + ended_at_once
+    assert int(np.sum(one_slot.decode_slots)) == useful + ended_at_once
 
 
 def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:

@@ -217,6 +217,13 @@ def test_a_decoded_token_communicates_nothing_on_the_shipped_configs_meshes(shap
     assert loop.condition == NOTHING
 
 
+def test_a_rollout_on_a_data_mesh_communicates_nothing_at_all():
+    # a rollout mesh (rollout.devices) is a data axis: its program runs beside the update, across processes too
+    # (jppo.run.offpolicy), so it must hold no collective. Before, the rows' decoding work was summed at the end
+    # (1 all-reduce) and the loop's stop test reduced over the rows (1 all-reduce per token).
+    assert collectives(compiled_rollout((8, 1, 1, 1)).as_text()) == NOTHING
+
+
 def test_continuous_batching_decodes_on_each_device_s_own_slots_with_no_collective():
     # 32 rows, 8 slots: each of the 8 devices refills its one slot from its own 4 rows and stops when they end
     loop = decode_loop(compiled_rollout((8, 1, 1, 1), max_num_seqs=8).as_text())

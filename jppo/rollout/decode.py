@@ -68,9 +68,11 @@ class RolloutBatch:
         response_mask: ``[R, max_new_tokens]`` bool, generated tokens up to and including the first EOS.
         log_probs: ``[R, max_new_tokens]`` float32, ``log softmax(logits / T)`` of each sampled token under the
             unfiltered tempered distribution; 0 where the mask is 0.
-        decode_slots: int32 scalar, row-steps the decoding loop computed (steps x rows decoded at once); every
-            generated token but a row's first took one, so ``sum(response_mask) - rows with a token`` over this
-            is the fraction of decoding work that was useful.
+        decode_slots: int32 ``[loops]``, row-steps each decoding loop computed (its steps x the rows it decoded at
+            once): one loop per device of the mesh axes the rows are split over
+            (:func:`~jppo.parallel.mesh.decoding_loop_axes`), else one. Every generated token but a row's first
+            took one, so ``sum(response_mask) - rows with a token`` over their sum is the fraction of decoding
+            work that was useful. Summed by whoever reads them, so the program reduces nothing over the mesh.
     """
 
     prompt_ids: Array
@@ -239,7 +241,7 @@ def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         response_ids=state.response_ids,
         response_mask=state.response_mask,
         log_probs=state.log_probs,
-        decode_slots=jnp.sum(state.step - 1) * (rows // state.step.shape[0]),
+        decode_slots=(state.step - 1) * (rows // state.step.shape[0]),
     )
 
 
@@ -284,7 +286,7 @@ def continuous_rollout(
                          (layers,))
     by_row = lambda x: constrain(x, ("batch", None))  # noqa: E731  (rows leave sharded like the prompts came)
     return out.replace(response_ids=by_row(out.response_ids), response_mask=by_row(out.response_mask),
-                       log_probs=by_row(out.log_probs), decode_slots=jnp.sum(out.decode_slots))
+                       log_probs=by_row(out.log_probs))
 
 
 def _continuous_loop(model: Any, params: SamplingParams, num_slots: int, prompt: Any, prompt_counts: Array,

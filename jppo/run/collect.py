@@ -158,10 +158,12 @@ def sample(sampler, params, prompts: list, key: jax.Array, examples: list) -> Ex
     return sampler(params, prompts, key)
 
 
-def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer) -> tuple[Scored, int, dict[str, float]]:
+def sample_and_score(c: Collector, state: RunState, step: int, timer: PhaseTimer,
+                     moved: Optional[tuple[nnx.State, dict]] = None) -> tuple[Scored, int, dict[str, float]]:
     """The step's sampled and scored batch (:func:`sampled_and_scored`, with ``state``'s weights where the samplers
-    run), the data position after the prompts it consumed, and the dynamic sampling and move metrics."""
-    weights, moves = c.sampling_weights(state.actor.weights, timer)
+    run: ``moved``, what :meth:`Collector.sampling_weights` gave for them, when already there), the data position
+    after the prompts it consumed, and the dynamic sampling and move metrics."""
+    weights, moves = c.sampling_weights(state.actor.weights, timer) if moved is None else moved
     scored, position, metrics = sampled_and_scored(c, state, step, timer, weights)
     if c.weight_move is not None:
         moves["perf/batch_move_bytes"] = float(batch_bytes(scored.exp))

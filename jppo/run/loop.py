@@ -225,7 +225,10 @@ def off_policy(cfg: TrainConfig, collector: Collector) -> contextlib.AbstractCon
     k = cfg.trainer.off_policy_steps
     if not k:
         return contextlib.nullcontext()
-    return OffPolicy(collector, k, cfg.trainer.total_steps, overlap=can_overlap(collector))
+    overlap = can_overlap(collector)
+    log.info("trainer.off_policy_steps=%d: the next rollout runs %s", k,
+             "beside the update" if overlap else "in turn with the update (they share the training mesh)")
+    return OffPolicy(collector, k, cfg.trainer.total_steps, overlap=overlap)
 
 
 def train_step(

@@ -20,10 +20,13 @@ before that update (:func:`pushed`). At the start all k entries are the initial 
 checkpoint, so a resumed run regenerates a pending batch from the very weights the interrupted run used.
 
 **The overlap** (:class:`OffPolicy`): on a one-device mesh, with the rollout on devices of its own
-(``rollout.devices``, :mod:`jppo.run.rollout_mesh`), or with an external engine (``rollout.engine: vllm``), in one
-process without a reward model (which scores on the training mesh), the next batch is sampled and scored on a
-background thread during the update: on its own devices its weights move to them, then the sampler runs there
-while the update runs on the training mesh. On a multi-device mesh shared by both, the JAX sampler runs the same
+(``rollout.devices``, :mod:`jppo.run.rollout_mesh`, in one process or several), or with an external engine
+(``rollout.engine: vllm``, in one process), without a reward model (which scores on the training mesh), the next
+batch is sampled and scored on a background thread during the update. On devices of its own its weights move to
+them first, on the main thread before the update is dispatched (:func:`move`), then the sampler runs there while
+the update runs on the training mesh: a decoding loop runs on each device's own rows and communicates nothing
+(:func:`~jppo.parallel.mesh.on_each_device`), so the rollout's program has no collective to interleave with the
+update's, across processes too. On a multi-device mesh shared by both, the JAX sampler runs the same
 devices as the update, whose XLA programs (with their collectives) would serialize on them or interleave their
 collectives, so the next batch is generated in turn, with the same results.
 """
@@ -79,8 +82,8 @@ def with_params(state: RunState, params: nnx.State) -> RunState:
 
 def can_overlap(collector: Collector) -> bool:
     """Whether the next rollout may run on a thread beside the update (see the module docstring)."""
-    if jax.process_count() > 1:
-        return False  # a sampler's rows and an engine's weight gather move data between processes
+    if jax.process_count() > 1 and collector.weight_move is None:
+        return False  # an engine's weight push gathers over processes, and a shared mesh's programs would interleave
     elsewhere = collector.engine.pushes_weights or collector.weight_move is not None  # not the training mesh
     return collector.mesh.devices.size == 1 or (elsewhere and collector.reward_model is None)
 
@@ -94,10 +97,34 @@ class Generated:
     finished_at: float
 
 
-def generate(collector: Collector, state: RunState, step: int) -> Generated:
-    """Step ``step``'s batch, sampled and scored with ``state``'s weights, key and data position."""
+@dataclasses.dataclass
+class Moved:
+    """Weights moved to the rollout mesh (:meth:`~jppo.run.collect.Collector.sampling_weights`: the weights and
+    the move's metrics) and the move's phase seconds."""
+
+    weights: tuple
+    seconds: dict
+
+
+def move(collector: Collector, state: RunState) -> Optional[Moved]:
+    """``state``'s weights moved to the rollout mesh now, on the calling thread (None without a mesh of its own).
+    The next rollout's move is made before the update is dispatched, never beside it: with several processes it
+    gathers the weights over the training mesh, and two programs with collectives over the same processes,
+    dispatched from two threads, could reach them in other orders on each process."""
+    if collector.weight_move is None:
+        return None
     timer = PhaseTimer()
-    sampled = sample_and_score(collector, state, step, timer)
+    weights = collector.sampling_weights(state.actor.weights, timer)
+    return Moved(weights, timer.seconds)
+
+
+def generate(collector: Collector, state: RunState, step: int, moved: Optional[Moved] = None) -> Generated:
+    """Step ``step``'s batch, sampled and scored with ``state``'s weights (``moved``: those weights already on the
+    rollout mesh, :func:`move`), key and data position."""
+    timer = PhaseTimer()
+    if moved is not None:
+        merge(timer, moved.seconds)
+    sampled = sample_and_score(collector, state, step, timer, None if moved is None else moved.weights)
     return Generated(sampled, timer.seconds, time.perf_counter())
 
 
@@ -141,7 +168,9 @@ class OffPolicy:
         step = state.steps_done + 2
         self._ready = self._pending = None
         if step <= self.total_steps:  # no batch past the last step
-            job = lambda: generate(self.collector, with_params(state, pushed(state.behind, before)[0]), step)  # noqa: E731
+            behaviour = with_params(state, pushed(state.behind, before)[0])
+            moved = move(self.collector, behaviour)
+            job = lambda: generate(self.collector, behaviour, step, moved)  # noqa: E731
             if self._pool is not None:
                 self._pending = self._pool.submit(job)
             else:  # in turn: the training side waits for the whole generation
