@@ -46,10 +46,12 @@ import numpy as np
 from flax import nnx, struct
 
 from jppo.models.decoding import cache_block_count
+from jppo.models.moe import collect_routing
 from jppo.models.sharding import constrain
 from jppo.parallel.mesh import decoding_layout
 from jppo.rollout.params import SamplingParams
 from jppo.rollout.processors import sample_tokens
+from jppo.rollout.routing import compact, empty_record, prompt_and_response, write_step
 
 Array = jax.Array
 
@@ -68,6 +70,8 @@ class RolloutBatch:
         decode_slots: int32 scalar, row-steps the decoding loop computed (steps x rows decoded at once); every
             generated token but a row's first took one, so ``sum(response_mask) - rows with a token`` over this
             is the fraction of decoding work that was useful.
+        routed_experts: with ``params.record_routing`` (a model with experts), ``[R, P + max_new_tokens, Ls, k]``:
+            each token's experts at each layer with experts (:mod:`jppo.rollout.routing`); else None.
     """
 
     prompt_ids: Array
@@ -76,6 +80,7 @@ class RolloutBatch:
     response_mask: Array
     log_probs: Array
     decode_slots: Array
+    routed_experts: Array | None = None
 
 
 @struct.dataclass
@@ -87,6 +92,7 @@ class _DecodeState:
     response_ids: Array
     response_mask: Array
     log_probs: Array
+    routed: Any = None  # routing replay: the response's record [R, max_new, Ls, k] (jppo.rollout.routing)
 
 
 def _check_inputs(vocab_size: int, prompt_ids: Any, prompt_mask: Any, params: SamplingParams) -> None:
@@ -186,7 +192,7 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
     with decoding_layout():
         by_row = lambda x: constrain(x, ("batch", None))  # noqa: E731
         out = _sample(model, by_row(prompt_ids), by_row(prompt_mask), key, params)
-    return jax.tree.map(lambda x: constrain(x, ("batch", None)) if x.ndim == 2 else x, out)
+    return jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1)) if x.ndim >= 2 else x, out)
 
 
 def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
@@ -197,10 +203,15 @@ def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
     prompt_mask = prompt_mask.astype(bool)
     model = model.for_decoding()
     layers = model.decoding_layers()
-    prompt, prompt_counts, first_logits = prefill(model, prompt_ids, prompt_mask, layers)
+    with collect_routing() as routed:
+        prompt, prompt_counts, first_logits = prefill(model, prompt_ids, prompt_mask, layers)
+    recorded = bool(routed) and params.record_routing  # routing replay: the prompt's experts [B, P, Ls, k]
+    prompt_routing = compact(routed[0], model.config.num_experts) if recorded else None
     if decode_rows(batch * n, params.max_num_seqs) < batch * n:
         out = continuous_rollout(model, prompt, prompt_counts, first_logits, key, params, layers)
-        return out.replace(prompt_ids=jnp.repeat(prompt_ids, n, axis=0), prompt_mask=jnp.repeat(prompt_mask, n, axis=0))
+        routing = prompt_and_response(prompt_routing, out.routed_experts, n) if recorded else None
+        return out.replace(prompt_ids=jnp.repeat(prompt_ids, n, axis=0), prompt_mask=jnp.repeat(prompt_mask, n, axis=0),
+                           routed_experts=routing)
 
     rows = batch * n
     keys = row_keys(key, jnp.arange(rows))
@@ -213,6 +224,7 @@ def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         response_ids=jnp.full((rows, max_new), params.pad_token_id, jnp.int32),
         response_mask=jnp.zeros((rows, max_new), bool),
         log_probs=jnp.zeros((rows, max_new), jnp.float32),
+        routed=empty_record(rows, max_new, model.config) if recorded else None,
     )
     state = _record(state, jnp.repeat(first_logits, n, axis=0), keys, params)
 
@@ -221,7 +233,11 @@ def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
 
     def decode_step(state: _DecodeState) -> _DecodeState:
         fed = state.step - 1  # one slot for every row: a scalar, so no predicate is reduced over the rows
-        hidden, cache = model.decode(state.last_tokens, prompt_tokens + fed, prompt, state.cache, fed, layers)
+        with collect_routing() as routed:
+            hidden, cache = model.decode(state.last_tokens, prompt_tokens + fed, prompt, state.cache, fed, layers)
+        if recorded:  # the fed tokens' experts, where the fed token is a response token
+            state = state.replace(routed=write_step(state.routed, jnp.arange(rows), jnp.broadcast_to(fed, (rows,)),
+                                                    routed[0], state.response_mask[:, fed]))
         return _record(state.replace(cache=cache), model.logits(hidden), keys, params)
 
     state = jax.lax.while_loop(unfinished, decode_step, state)
@@ -232,6 +248,7 @@ def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         response_mask=state.response_mask,
         log_probs=state.log_probs,
         decode_slots=(state.step - 1) * rows,
+        routed_experts=prompt_and_response(prompt_routing, state.routed, n) if recorded else None,
     )
 
 
@@ -247,6 +264,7 @@ class _SlotState:
     response_ids: Array
     response_mask: Array
     log_probs: Array
+    routed: Any = None  # routing replay: the response's record [R, max_new, Ls, k] (jppo.rollout.routing)
 
 
 def continuous_rollout(
@@ -300,8 +318,11 @@ def continuous_rollout(
         live = (state.slot_row < rows) & ~state.slot_done
         row = jnp.minimum(state.slot_row, rows - 1)
         fed = jnp.maximum(state.slot_step - 1, 0)
-        hidden, cache = model.decode(state.last_tokens, prompt_counts[row // n] + fed, prompt, state.cache,
-                                     fed, layers, prompt_rows=row // n)
+        with collect_routing() as routed:
+            hidden, cache = model.decode(state.last_tokens, prompt_counts[row // n] + fed, prompt, state.cache,
+                                         fed, layers, prompt_rows=row // n)
+        if state.routed is not None:  # routing replay: the fed tokens' experts
+            state = state.replace(routed=write_step(state.routed, row, fed, routed[0], live))
         step = jnp.minimum(state.slot_step, max_new - 1)
         tokens, log_probs = draw(keys[state.slot_row], step, model.logits(hidden), params)
         state = write(state.replace(cache=cache, steps=state.steps + 1), state.slot_row, step, tokens, log_probs, live)
@@ -321,13 +342,15 @@ def continuous_rollout(
         response_ids=jnp.full((rows, max_new), params.pad_token_id, jnp.int32),
         response_mask=jnp.zeros((rows, max_new), bool),
         log_probs=jnp.zeros((rows, max_new), jnp.float32),
+        routed=empty_record(rows, max_new, model.config) if params.record_routing and model.config.sparse_layers
+        else None,
     )
     state = jax.lax.while_loop(busy, decode_step, refill(state, jnp.ones((num_slots,), bool)))
     by_row = lambda x: constrain(x, ("batch", None))  # noqa: E731  (rows leave sharded like the prompts came)
     return RolloutBatch(
         prompt_ids=None, prompt_mask=None, response_ids=by_row(state.response_ids),
         response_mask=by_row(state.response_mask), log_probs=by_row(state.log_probs),
-        decode_slots=state.steps * num_slots,
+        decode_slots=state.steps * num_slots, routed_experts=state.routed,
     )
 
 
