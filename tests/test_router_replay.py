@@ -38,9 +38,10 @@ CONFIG = ModelConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_la
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module")
-def rollout():
-    """A rollout of 8 prompts x 4 samples of 12 tokens, its routing recorded, and the policy it came from."""
+@pytest.fixture(scope="module", params=[0, 12], ids=["every row at once", "continuous batching, 12 slots"])
+def rollout(request):
+    """A rollout of 8 prompts x 4 samples of 12 tokens, its routing recorded, and the policy it came from; decoded
+    all rows at once, or 12 at a time (``rollout.max_num_seqs``)."""
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     model = create_model(CausalLM, CONFIG, mesh, seed=0)
     rng = np.random.default_rng(0)
@@ -48,7 +49,7 @@ def rollout():
     difference = 1e-3 * rng.normal(size=(1, CONFIG.hidden_size, 1))
     model.decoder.layers.router.value = jnp.asarray(np.concatenate([common, common + difference], -1), jnp.float32)
     graphdef, state = nnx.split(model)
-    params = SamplingParams(max_new_tokens=12, n=4, record_routing=True)
+    params = SamplingParams(max_new_tokens=12, n=4, record_routing=True, max_num_seqs=request.param)
     prompts = [rng.integers(1, CONFIG.vocab_size, int(rng.integers(2, 7))).tolist() for _ in range(8)]
     exp = Sampler(graphdef, 0, mesh, params, 8)(state, prompts, jax.random.key(1))
     return exp, graphdef, state, mesh
