@@ -132,11 +132,12 @@ def replayed_whole(x64):
     return update(CUTS["K=1"], batch=replayed_batch())
 
 
-@pytest.mark.parametrize("cut", ["K=3 uneven (token budget)", "K=2 on data 2 x fsdp 2 x expert 2"])
-def test_with_routing_replay_the_gradient_does_not_depend_on_the_cut(cut, replayed_whole, whole):
-    """Replayed experts route the tokens wherever the micro-batch cut and the expert axis put them: the same
+def test_with_routing_replay_the_gradient_does_not_depend_on_the_cut(replayed_whole, whole):
+    """Replayed experts route the tokens wherever the micro-batch cut and the expert axis put them (here K=2 on
+    data 2 x fsdp 2 x expert 2; the token-budget layout of the record: tests/test_router_replay.py): the same
     gradient (float64, 1e-9), and not the one of the model's own routing (so the record is in force)."""
-    metrics, gradient = update(CUTS[cut], MESHES.get(cut, (1, 1, 1)), batch=replayed_batch())
+    cut = "K=2 on data 2 x fsdp 2 x expert 2"
+    metrics, gradient = update(CUTS[cut], MESHES[cut], batch=replayed_batch())
     expected_metrics, expected = replayed_whole
     for name in ("actor/router_aux_loss", "actor/expert_load", "actor/pg_loss", "actor/grad_norm"):
         np.testing.assert_allclose(metrics[name], expected_metrics[name], rtol=1e-9, err_msg=name)

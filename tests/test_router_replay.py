@@ -103,3 +103,20 @@ def test_replay_is_refused_in_one_line_where_there_is_nothing_to_replay(override
         load_config("configs/quickstart_moe.yaml", ["actor.router_replay=rollout", *overrides])
     assert "\n" not in str(error.value)
     load_config("configs/quickstart_moe.yaml", ["actor.router_replay=rollout"])  # a model with experts: accepted
+
+
+def test_the_record_does_not_depend_on_the_mesh():
+    """Decoding with the rows over data 2 and the experts over expert 2 (tokens exchanged inside the layer) records
+    the experts decoding on one device records (a model with well-separated router logits: 4 experts, top 2)."""
+    config = dataclasses.replace(CONFIG, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, config.vocab_size, int(rng.integers(2, 7))).tolist() for _ in range(4)]
+    records = []
+    for shape in ((1, 1, 1, 1, 1), (2, 1, 1, 1, 2)):
+        mesh = make_mesh(*shape, devices=jax.devices()[: int(np.prod(shape))])
+        graphdef, state = nnx.split(create_model(CausalLM, config, mesh, seed=0))
+        params = SamplingParams(max_new_tokens=6, n=2, record_routing=True)
+        records.append(Sampler(graphdef, 0, mesh, params, 8)(state, prompts, jax.random.key(1)))
+    np.testing.assert_array_equal(records[1].response_ids, records[0].response_ids)
+    np.testing.assert_array_equal(records[1].routed_experts, records[0].routed_experts)
+    assert len(np.unique(records[0].routed_experts[records[0].routed_experts < 4])) == 4  # every expert is chosen
