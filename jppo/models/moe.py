@@ -62,8 +62,8 @@ def route(x: Array, router: Array, top_k: int, norm_topk_prob: bool, replay: Arr
         recorded = jnp.all(replay < probs.shape[-1], axis=-1, keepdims=True)
         experts = jnp.where(recorded, replay.astype(experts.dtype), experts)
         weights = jnp.take_along_axis(probs, experts, axis=-1)  # the same numbers as top_k's where not replayed
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if norm_topk_prob:  # (replayed experts' probabilities may all underflow to 0: no 0/0 then)
+        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), jnp.finfo(weights.dtype).tiny)
     return probs, weights.astype(x.dtype), experts.astype(jnp.int32)
 
 
