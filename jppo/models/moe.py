@@ -18,6 +18,9 @@ masked dense product, ``E`` times the work and memory: fine for the tests' small
 
 :class:`RouterStats` are the sums a load-balancing loss and the expert-load metrics are made of, over the valid
 (non-padding) tokens; sums, so that the whole mini-batch's are the sums of its micro-batches'.
+Routing replay: a forward pass hands each token's chosen experts to :func:`collect_routing` (the sampler records
+them), and within :func:`replay_routing` routes each token by experts recorded elsewhere instead, its gate weights
+still its own router's probabilities of them (:func:`route`).
 """
 
 from __future__ import annotations
