@@ -16,7 +16,7 @@ from jppo.engine import ActorConfig, OptimConfig, UpdateStep, actor_loss_fn, ini
 from jppo.engine.experts import router_aux_coef
 from jppo.models.config import ModelConfig
 from jppo.models.decoder import CausalLM
-from jppo.models.moe import collect_router_stats, load_balancing_loss
+from jppo.models.moe import collect_router_stats, load_balancing_loss, not_recorded
 from jppo.models.sharding import create_model
 
 N = 16
@@ -42,7 +42,7 @@ def moe_config() -> ModelConfig:
                        dtype="float64", param_dtype="float64")
 
 
-def update(cut: dict, mesh_shape=(1, 1, 1), **actor):
+def update(cut: dict, mesh_shape=(1, 1, 1), batch=None, **actor):
     mesh = mesh_of(mesh_shape)
     model = create_model(CausalLM, moe_config(), mesh, seed=0)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -50,7 +50,8 @@ def update(cut: dict, mesh_shape=(1, 1, 1), **actor):
                       loss_scale_factor=6.0, **cut, **actor)
     state = init_train_state(params, cfg, mesh, keep_gradient=True)
     step = UpdateStep(graphdef, actor_loss_fn(cfg), cfg, mesh, "actor", keep_gradient=True)
-    _, metrics, gradients = run_updates(step, state, ragged_batch(3), cfg, mesh, np.random.default_rng(0))
+    batch = ragged_batch(3) if batch is None else batch
+    _, metrics, gradients = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0))
     return metrics, jax.tree.map(lambda g: np.asarray(g[0]), jax.device_get(gradients))
 
 
@@ -113,3 +114,35 @@ def test_a_qwen3_moe_model_without_a_layer_with_experts_has_no_load_balancing_lo
     assert router_aux_coef(ActorConfig(), config) == 0.0
     assert router_aux_coef(ActorConfig(), moe_config()) == 0.3 and router_aux_coef(
         ActorConfig(router_aux_loss_coef=0.1), moe_config()) == 0.1
+
+
+def replayed_batch():
+    """The batch with a routing record (routing replay): 2 distinct experts of 4 for each token, drawn at random
+    (another routing than the model's own), a fifth of the tokens not recorded (routed by the model itself)."""
+    batch = ragged_batch(3)
+    rng = np.random.default_rng(5)
+    shape = (batch.num_sequences, batch.prompt_ids.shape[1] + batch.response_ids.shape[1], 1)
+    routed = np.argsort(rng.random(shape + (4,)), axis=-1)[..., :2].astype(np.uint8)
+    routed[rng.random(shape[:2]) < 0.2] = not_recorded(4)
+    return dataclasses.replace(batch, routed_experts=routed)
+
+
+@pytest.fixture(scope="module")
+def replayed_whole(x64):
+    return update(CUTS["K=1"], batch=replayed_batch())
+
+
+def test_with_routing_replay_the_gradient_does_not_depend_on_the_cut(replayed_whole, whole):
+    """Replayed experts route the tokens wherever the micro-batch cut and the expert axis put them (here K=2 on
+    data 2 x fsdp 2 x expert 2; the token-budget layout of the record: tests/test_routing_replay.py): the same
+    gradient (float64, 1e-9), and not the one of the model's own routing (so the record is in force)."""
+    cut = "K=2 on data 2 x fsdp 2 x expert 2"
+    metrics, gradient = update(CUTS[cut], MESHES[cut], batch=replayed_batch())
+    expected_metrics, expected = replayed_whole
+    for name in ("actor/router_aux_loss", "actor/expert_load", "actor/pg_loss", "actor/grad_norm"):
+        np.testing.assert_allclose(metrics[name], expected_metrics[name], rtol=1e-9, err_msg=name)
+    for (path, leaf), other in zip(jax.tree_util.tree_leaves_with_path(gradient), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(leaf, other, rtol=1e-9, atol=1e-13, err_msg=jax.tree_util.keystr(path))
+    router = lambda g: np.asarray(g["decoder"]["layers"]["router"])  # noqa: E731
+    assert np.abs(router(expected) - router(whole[1])).max() > 1e-3 * np.abs(router(whole[1])).max()
+    assert expected_metrics["actor/pg_loss"] != pytest.approx(whole[0]["actor/pg_loss"], rel=1e-6)

@@ -82,6 +82,8 @@ APPLIES: dict[str, str] = {
     "actor.kl_loss_coef": "`actor.use_kl_loss: true`",
     "actor.kl_loss_type": "`actor.use_kl_loss: true`",
     "actor.rollout_correction.threshold": "`actor.rollout_correction.mode` other than none",
+    "actor.routing_replay": "a model with experts sampled by `rollout.engine: jppo` in one turn (refused for a dense "
+                           "model, with vllm and with `rollout.env`)",
     "critic.": _CRITIC,
     "ref.": "a KL term (`actor.use_kl_loss`, `algorithm.use_kl_in_reward`)",
     "ref.param_dtype": "a reference kept as a copy: `ref.model_path`, or a policy without LoRA (refused where the "
@@ -121,7 +123,7 @@ RL_ONLY: dict[str, str] = {
         "critic.", "ref.", "algorithm.", "data.prompt_key", "data.answer_key",
         "data.shuffle", "actor.ppo_epochs", "actor.shuffle", "actor.policy_loss", *POLICY_OPTIONS,
         "actor.entropy_coeff", "actor.use_kl_loss", "actor.kl_loss_coef", "actor.kl_loss_type", "actor.old_log_prob",
-        "actor.router_aux_loss_coef", "actor.rollout_correction.", "rollout.n", "rollout.temperature",
+        "actor.router_aux_loss_coef", "actor.routing_replay", "actor.rollout_correction.", "rollout.n", "rollout.temperature",
         "rollout.top_k", "rollout.top_p", "rollout.log_prob_micro_batch_size", "rollout.env", "rollout.max_turns",
         "rollout.engine", "rollout.vllm.", "rollout.devices", "reward.overlong_buffer.", "reward.token_level",
         "trainer.critic_warmup", "trainer.off_policy_steps")},

@@ -129,6 +129,30 @@ def _check_actor(cfg: TrainConfig) -> None:
         actor.rollout_correction.check()
     with as_key({}, prefix="actor."):  # the choice, then the engine's own check of what it resolves to
         check_old_log_prob(engine_view(cfg, "actor"))
+    _check_routing_replay(cfg)
+
+
+ROUTER_REPLAY_MODES = ("none", "rollout")
+
+
+def _check_routing_replay(cfg: TrainConfig) -> None:
+    """``actor.routing_replay: rollout`` needs a model with experts, sampled by jppo's sampler (which records the
+    experts), one turn per response (a multi-turn response's record would be the turns' records joined)."""
+    mode = cfg.actor.routing_replay
+    choice("actor.routing_replay", mode, ROUTER_REPLAY_MODES)
+    if mode == "none":
+        return
+    key = f"actor.routing_replay={mode!r}"
+    if not adapted_model_config(cfg, "actor").sparse_layers:
+        raise ConfigError(f"{key}: the policy ({cfg.model.path or cfg.model.model_type!r}) has no layer with experts, "
+                          "so there is no routing to replay: use actor.routing_replay: none")
+    if cfg.rollout.engine != "jppo":
+        raise ConfigError(f"{key} with rollout.engine={cfg.rollout.engine!r}: jppo does not read the experts vLLM "
+                          "routed (its enable_return_routed_experts) yet; sample with rollout.engine: jppo, or use "
+                          "actor.routing_replay: none")
+    if cfg.rollout.env is not None:
+        raise ConfigError(f"{key} with rollout.env={cfg.rollout.env!r}: a multi-turn rollout does not record the "
+                          "experts of its turns yet; use actor.routing_replay: none")
 
 
 def _check_algorithm(cfg: TrainConfig) -> None:

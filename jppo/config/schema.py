@@ -86,6 +86,10 @@ class ActorSection(ActorFields, UpdateSectionFields):
     # the PPO ratio's old log-probs: recompute (a forward pass before the update), rollout (the sampler's), auto (the
     # update's own, stop-gradient, when it is on-policy: one epoch over one mini-batch; else recompute)
     old_log_prob: str = "auto"
+    # routing replay of a model with experts (verl's routing_replay): none, or rollout (R3): the sampler records each
+    # token's experts per layer and the policy's forward passes (old log-probs, the update) route by them, the
+    # router's probabilities renormalized over them (docs/algorithms.md)
+    routing_replay: str = "none"
     lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
 

@@ -206,7 +206,7 @@ def sampling_params(
         )
     return SamplingParams(
         max_new_tokens=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
-        top_p=cfg.rollout.top_p, n=cfg.rollout.n, **tokens,
+        top_p=cfg.rollout.top_p, n=cfg.rollout.n, record_routing=cfg.actor.routing_replay == "rollout", **tokens,
     )
 
 

@@ -22,7 +22,8 @@ import numpy as np
 
 Array = np.ndarray | jax.Array
 
-TOKEN_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_attention")
+# what the model reads: the token rows (and, with routing replay, each token's recorded experts)
+TOKEN_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_attention", "routed_experts")
 ROW_FIELDS = ("group_ids", "truncated")  # per-row facts the host uses and the devices never read
 PER_TOKEN_FIELDS = (
     "response_mask", "rollout_log_prob", "old_log_prob", "ref_log_prob", "values", "token_rewards", "advantages",
@@ -49,6 +50,9 @@ class Experience:
         advantages: ``[N, L]``.
         returns: ``[N, L]`` the critic's regression targets.
         group_ids: ``[N]`` which prompt each row answers (rows of a group share a baseline).
+        routed_experts: ``[N, P + L, Ls, k]`` with routing replay (a model with experts, ``actor.routing_replay``):
+            the experts the sampler chose for each token (prompt columns, then response columns) at each of the
+            ``Ls`` layers with experts, which the policy's forward passes route by (:mod:`jppo.rollout.routing`).
         truncated: ``[N]`` rows cut by ``rollout.max_response_length`` before they ended, as a multi-turn rollout
             decides (:mod:`jppo.rollout.multiturn`); ``None`` for a single-turn batch, whose rows end at EOS or
             at the limit. Like ``group_ids`` a host-side fact of the row: it never goes to the devices.
@@ -68,6 +72,7 @@ class Experience:
     returns: Optional[Array] = None
     group_ids: Optional[Array] = None
     truncated: Optional[Array] = None
+    routed_experts: Optional[Array] = None
 
     def __post_init__(self) -> None:
         # Host batches (numpy) are checked when made; the same type inside jit (tracers) or as micro-batch slots
@@ -122,6 +127,9 @@ def _check_host_batch(exp: Experience) -> None:
         array = getattr(exp, name)
         if array is not None and array.shape != (n, length):
             raise ValueError(f"per-token array {name!r} has shape {array.shape}, expected {(n, length)}")
+    routed = exp.routed_experts
+    if routed is not None and (routed.ndim != 4 or routed.shape[:2] != (n, p + length)):
+        raise ValueError(f"routed_experts has shape {routed.shape}, expected {(n, p + length)} + (layers, k)")
     for name in ROW_FIELDS:
         array = getattr(exp, name)
         if array is not None and array.shape != (n,):

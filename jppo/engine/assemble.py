@@ -56,7 +56,9 @@ def assemble_rows(rows: Experience, row_ids: jax.Array, offsets: jax.Array, widt
     ``width`` None: the fixed layout (one sequence per row, ``R = S``, ``W = P + L``, the rollout's own columns).
     Otherwise the packed layout (``R = 1``, ``W = width``): the real tokens of slot s (prompt without its left
     padding, then the existing response tokens) start at column ``offsets[s]``, positions restart at 0, segment id
-    s + 1. Empty slots and unused columns hold zeros, as on the host."""
+    s + 1. Empty slots and unused columns hold zeros, as on the host. Rows with ``routed_experts`` (routing replay)
+    give each token of the token rows its recorded experts ``[..., R, W, Ls, k]`` the same way (other columns: not
+    recorded)."""
     body = functools.partial(_one_token_row, rows, width=width)
     for _ in range(row_ids.ndim - 1):
         body = jax.vmap(body)
@@ -78,6 +80,7 @@ def _one_token_row(rows: Experience, row_ids: jax.Array, offsets: jax.Array, *, 
             positions=jnp.maximum(jnp.cumsum(real, axis=1) - 1, 0).astype(jnp.int32),
             segment_ids=real.astype(jnp.int32),
         )
+        routed = _routed(rows, safe, lambda r, none: jnp.where(real[:, :, None, None], r, none))
     else:
         prompt_len = jnp.sum(rows.prompt_mask[safe], axis=1, dtype=jnp.int32)
         response_len = jnp.sum(rows.response_attention[safe], axis=1, dtype=jnp.int32)
@@ -90,11 +93,22 @@ def _one_token_row(rows: Experience, row_ids: jax.Array, offsets: jax.Array, *, 
             return jnp.zeros((1, width), jnp.int32).at[0, target].set(values.astype(jnp.int32), mode="drop")
 
         token_rows = dict(input_ids=scatter(ids), positions=scatter(position), segment_ids=scatter(segment))
+        routed = _routed(rows, safe, lambda r, none: jnp.full((1, width) + r.shape[2:], none, r.dtype)
+                         .at[0, target].set(r, mode="drop"))
         column = jnp.arange(length, dtype=jnp.int32)[None, :]
         exists = present[:, None] & (column < response_len[:, None])
         gather = jnp.where(exists, offsets[:, None] + prompt_len[:, None] - 1 + column, 0)
     return MicroBatches(**token_rows, gather_index=gather.astype(jnp.int32), slots=_slots(rows, safe, present),
-                        row_ids=None)
+                        row_ids=None, routed_experts=routed)
+
+
+def _routed(rows: Experience, safe: jax.Array, place) -> jax.Array | None:
+    """The slots' recorded experts ``[S, P + L, Ls, k]`` placed on the token rows by ``place(record, not
+    recorded)``; None without a record."""
+    if rows.routed_experts is None:
+        return None
+    record = rows.routed_experts[safe]
+    return place(record, jnp.asarray(jnp.iinfo(record.dtype).max, record.dtype))
 
 
 def _slots(rows: Experience, safe: jax.Array, present: jax.Array) -> Experience | None:

@@ -1,6 +1,7 @@
 """A mixture-of-experts model's load-balancing loss in the update: its weight, and the whole mini-batch's expert
 fractions that every micro-batch's share of the loss uses (:mod:`jppo.losses.router`), so the loss and its
-gradient do not depend on how the mini-batch was cut."""
+gradient do not depend on how the mini-batch was cut; and routing replay's record put in force for a micro-batch's
+forward pass."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from flax import nnx
 from jppo.engine.config import ActorConfig, UpdateConfig
 from jppo.engine.layout import flatten_shards
 from jppo.engine.microbatch import MicroBatches
-from jppo.models.moe import collect_router_stats
+from jppo.models.moe import collect_router_stats, replay_routing
 
 
 def router_aux_coef(cfg: UpdateConfig, model_config) -> float:
@@ -27,10 +28,17 @@ def mini_batch_expert_fractions(model: nnx.Module, batch: MicroBatches) -> tuple
     micro-batches, one at a time, that keeps only the router's counts (sums over global arrays: global)."""
 
     def counts(micro):
-        with collect_router_stats() as routed:
+        with collect_router_stats() as routed, replayed(micro):
             model.hidden_states(flatten_shards(micro.input_ids), flatten_shards(micro.positions),
                                 flatten_shards(micro.segment_ids))
         return jnp.sum(routed[0].counts, axis=0), jnp.sum(routed[0].tokens)
 
     per_expert, pairs = jax.tree.map(lambda x: jnp.sum(x, axis=0), jax.lax.map(counts, batch))
     return jax.lax.stop_gradient(per_expert / jnp.maximum(pairs, 1)), pairs
+
+
+def replayed(batch: MicroBatches):
+    """:func:`~jppo.models.moe.replay_routing` of one micro-batch's recorded experts (``[D, R, W, Ls, k]``, the
+    token rows' layout), or of none: a batch without a record routes by its own router."""
+    routed = batch.routed_experts
+    return replay_routing(None if routed is None else flatten_shards(routed))

@@ -51,6 +51,8 @@ class MicroBatches:
     gather_index: np.ndarray
     slots: Optional[Experience]
     row_ids: Optional[np.ndarray]
+    # routing replay: each token's recorded experts [..., R, W, Ls, k] (jppo.rollout.routing); None: the router's own
+    routed_experts: Optional[np.ndarray] = None
 
     @property
     def num_micro_batches(self) -> int:

@@ -48,7 +48,7 @@ from jppo.core.masked import NormStats, global_norm_stats
 from jppo.parallel.mesh import BATCH_AXES, ROW_AXES, SEQUENCE_AXIS, sequence_shards
 from jppo.engine.microbatch import MicroBatches
 from jppo.models.log_probs import token_log_probs
-from jppo.engine.experts import mini_batch_expert_fractions, router_aux_coef
+from jppo.engine.experts import mini_batch_expert_fractions, replayed, router_aux_coef
 from jppo.models.moe import collect_router_stats
 from jppo.losses.router import expert_load, load_balancing_share
 
@@ -95,10 +95,11 @@ def policy_outputs(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Log-probs (and entropy) of the response tokens of one micro-batch, in slots ``[D * S, L]``."""
     input_ids = flatten_shards(batch.input_ids)
-    log_probs, entropy = token_log_probs(
-        model, input_ids, flatten_shards(batch.positions), flatten_shards(batch.segment_ids),
-        next_token_targets(input_ids), temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
-    )
+    with replayed(batch):  # routing replay: the batch's recorded experts, if it has them
+        log_probs, entropy = token_log_probs(
+            model, input_ids, flatten_shards(batch.positions), flatten_shards(batch.segment_ids),
+            next_token_targets(input_ids), temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+        )
     log_probs = gather_slots(log_probs, batch.gather_index)
     return log_probs, None if entropy is None else gather_slots(entropy, batch.gather_index)
 

@@ -50,10 +50,9 @@ from jppo.models.config import ModelConfig
 from jppo.models.context import context_parallel, sequence_attention
 from jppo.models.layers import (
     RESPONSE_BLOCKS, apply_rope, attention, check_inputs, decode_attention, dense, response_blocks, rms_norm,
-    rope_tables, swiglu,
-    wide,
+    rope_tables, swiglu, wide,
 )
-from jppo.models.moe import expert_params, layer_by_layer, layer_slices, moe_mlp, record_router_stats
+from jppo.models.moe import expert_params, layer_slices, moe_mlp, record_routing, run_layers
 from jppo.models.decoding import PromptCache, ResponseCache, layer_copier, with_decoding_copies, write_slot
 from jppo.models.sharding import constrain, constrain_gradient, logical_names, param
 
@@ -106,11 +105,12 @@ class DecoderLayers(nnx.Module):
         return {} if self.lora is None else self.lora.stacked()
 
     def _block(self, h: Array, weights: dict, adapters: dict, rope: tuple[Array, Array], attend,
-               valid: Array | None = None) -> tuple[Array, Any]:
+               valid: Array | None = None, replay: Array | None = None) -> tuple[Array, Any]:
         """One layer on ``h [B, T, D]`` with that layer's ``weights`` and LoRA ``adapters``; ``attend(q, k, v)``
         (``[B, T, heads, E]`` each, after RoPE) returns the attended values ``[B, T, H, E]`` and anything the
         caller wants back from the layer (its keys and values, an updated cache). A layer with experts also
-        returns its :class:`~jppo.models.moe.RouterStats` over the ``valid [B, T]`` tokens: ``(extra, stats)``."""
+        returns its :class:`~jppo.models.moe.RouterStats` over the ``valid [B, T]`` tokens and its experts
+        ``[B, T, k]``, routing by ``replay [B, T, k]`` if given: ``(extra, (stats, experts))``."""
         config = self.config
         dtype = config.compute_dtype
         batch, length, _ = h.shape
@@ -145,9 +145,10 @@ class DecoderLayers(nnx.Module):
         x = rms_norm(h, weights["post_attention_norm"], config.rms_norm_eps)
         if "router" in weights:
             valid = jnp.ones((batch, length), bool) if valid is None else valid
-            mlp, stats = moe_mlp(x, valid, weights["router"], weights["expert_gate"], weights["expert_up"],
-                                 weights["expert_down"], config.num_experts_per_tok, config.norm_topk_prob)
-            return constrain(h + mlp, HIDDEN), (extra, stats)
+            mlp, stats, experts = moe_mlp(x, valid, weights["router"], weights["expert_gate"], weights["expert_up"],
+                                          weights["expert_down"], config.num_experts_per_tok, config.norm_topk_prob,
+                                          replay)
+            return constrain(h + mlp, HIDDEN), (extra, (stats, experts))
         if adapters.keys() & {"gate_proj", "up_proj", "down_proj"}:
             mlp = linear(jax.nn.silu(linear(x, "gate_proj")) * linear(x, "up_proj"), "down_proj")
         else:
@@ -160,27 +161,19 @@ class DecoderLayers(nnx.Module):
         """All layers by one ``lax.scan``, rolled (compile time independent of depth) or unrolled (``layer_loop``:
         no stacked activations to zero-fill and copy for the backward pass); the ``extra`` of every layer's
         ``attend`` comes back stacked over layers. Layers with and without experts side by side differ in their
-        weights: they run one after the other instead. The router stats of the layers with experts (stacked) go to
-        :func:`~jppo.models.moe.record_router_stats`."""
+        weights: they run one after the other instead. The router stats and experts of the layers with experts
+        (stacked) go to :func:`~jppo.models.moe.record_router_stats` and ``record_routing``; they route by the
+        experts of :func:`~jppo.models.moe.replay_routing` when one is in force."""
 
         names = {name: logical_names(value)[1:] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
 
         def layer(h, inputs):  # each layer's weight gradient split over fsdp as it is made (constrain_gradient)
             weights = {name: constrain_gradient(w, names[name]) for name, w in inputs[0].items()}
-            return self._block(h, weights, inputs[1], rope, attend, valid)
+            return self._block(h, weights, inputs[1], rope, attend, valid, inputs[2])
 
         if self.config.remat:
             layer = jax.checkpoint(layer, prevent_cse=False)
-        config = self.config
-        stacked, adapters = self._stacked_weights(), self._stacked_adapters()
-        if config.dense_layers and config.sparse_layers:
-            return layer_by_layer(layer, hidden, layer_slices(stacked, adapters, config))
-        unroll = config.resolved_layer_loop == "unroll"
-        hidden, extra = jax.lax.scan(layer, hidden, (stacked, adapters), unroll=unroll)
-        if config.sparse_layers:
-            extra, stats = extra
-            record_router_stats(stats)
-        return hidden, extra
+        return run_layers(layer, hidden, self._stacked_weights(), self._stacked_adapters(), self.config)
 
     def _attention(self, q: Array, k: Array, v: Array, rule: AttentionRule) -> Array:
         config = self.config
@@ -216,10 +209,12 @@ class DecoderLayers(nnx.Module):
 
         if layers is None:
             return self._scan(hidden, rope, attend)
-        kept = []
+        kept, routed = [], []
         for weights, adapters in layers:
             hidden, layer_kept = self._block(hidden, weights, adapters, rope, attend)
+            routed += [layer_kept[1][1]] if "router" in weights else []
             kept.append(layer_kept[0] if "router" in weights else layer_kept)
+        record_routing(routed)
         return hidden, tuple(jnp.stack(x) for x in zip(*kept))
 
     def unstacked(self) -> tuple[tuple[dict, dict], ...]:
@@ -261,7 +256,7 @@ class DecoderLayers(nnx.Module):
         # each row's slot within each block; out of range (the write is dropped) outside it
         local = [jnp.where((slots >= start) & (slots < start + size), slots - start, size)
                  for start, size in zip(starts, sizes)]
-        keys, values = list(cache.keys), list(cache.values)
+        keys, values, routed = list(cache.keys), list(cache.values), []
         for index, (layer_weights, layer_adapters) in enumerate(layers):
 
             def attend(q, k, v, index=index):
@@ -272,7 +267,9 @@ class DecoderLayers(nnx.Module):
                                        keys[index], values[index], response_visible)
                 return out[:, None], None
 
-            hidden, _ = self._block(hidden, layer_weights, layer_adapters, rope, attend)
+            hidden, out = self._block(hidden, layer_weights, layer_adapters, rope, attend)
+            routed += [out[1][1]] if "router" in layer_weights else []
+        record_routing(routed)
         return hidden, ResponseCache(keys=tuple(keys), values=tuple(values))
 
 

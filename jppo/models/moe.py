@@ -18,6 +18,9 @@ masked dense product, ``E`` times the work and memory: fine for the tests' small
 
 :class:`RouterStats` are the sums a load-balancing loss and the expert-load metrics are made of, over the valid
 (non-padding) tokens; sums, so that the whole mini-batch's are the sums of its micro-batches'.
+Routing replay: a forward pass hands each token's chosen experts to :func:`collect_routing` (the sampler records
+them), and within :func:`replay_routing` routes each token by experts recorded elsewhere instead, its gate weights
+still its own router's probabilities of them (:func:`route`).
 """
 
 from __future__ import annotations
@@ -46,15 +49,24 @@ class RouterStats(NamedTuple):
     tokens: Array
 
 
-def route(x: Array, router: Array, top_k: int, norm_topk_prob: bool) -> tuple[Array, Array, Array]:
+def route(x: Array, router: Array, top_k: int, norm_topk_prob: bool, replay: Array | None = None
+          ) -> tuple[Array, Array, Array]:
     """``(probs [N, E], weights [N, k], experts [N, k] int32)`` of tokens ``x [N, D]``: the softmax of ``x W_r``
     (float32, float64 for a float64 model), its ``k`` largest values (renormalized to sum 1 with
-    ``norm_topk_prob``) and their experts."""
+    ``norm_topk_prob``) and their experts.
+
+    Routing replay: with ``replay [N, k]`` (experts recorded elsewhere, e.g. by the sampler) a token goes to the
+    recorded experts instead, weighted by this router's probabilities of them (renormalized the same way), so the
+    router still gets a gradient; a token whose recorded ids are ``>= E`` (:func:`not_recorded`) keeps its own."""
     logits = x @ router.astype(x.dtype)
     probs = jax.nn.softmax(logits.astype(wide(x.dtype)), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if replay is not None:
+        recorded = jnp.all(replay < probs.shape[-1], axis=-1, keepdims=True)
+        experts = jnp.where(recorded, replay.astype(experts.dtype), experts)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)  # the same numbers as top_k's where not replayed
+    if norm_topk_prob:  # (replayed experts' probabilities may all underflow to 0: no 0/0 then)
+        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), jnp.finfo(weights.dtype).tiny)
     return probs, weights.astype(x.dtype), experts.astype(jnp.int32)
 
 
@@ -78,9 +90,10 @@ def experts_swiglu(x: Array, experts: Array, weights: Array, gate: Array, up: Ar
 
 
 def moe_mlp(x: Array, valid: Array, router: Array, gate: Array, up: Array, down: Array, top_k: int,
-            norm_topk_prob: bool) -> tuple[Array, RouterStats]:
+            norm_topk_prob: bool, replay: Array | None = None) -> tuple[Array, RouterStats, Array]:
     """The mixture on ``x [B, T, D]`` with ``valid [B, T]`` (the non-padding tokens, for the stats only: padding
-    is routed too, its output unused) and the :class:`RouterStats` of the valid tokens.
+    is routed too, its output unused), the :class:`RouterStats` of the valid tokens and each token's experts
+    ``[B, T, k]`` int32; ``replay [B, T, k]``: the experts to route by (:func:`route`).
 
     Under a jppo mesh it is :func:`expert_parallel`, also where ``mesh.expert`` is 1: each device then sorts and
     multiplies its own tokens' pairs, where XLA, partitioning the global sort of every token's pairs, would gather
@@ -88,12 +101,18 @@ def moe_mlp(x: Array, valid: Array, router: Array, gate: Array, up: Array, down:
     The weights are cast before, so that ``fsdp`` gathers them in the compute dtype."""
     gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
     if EXPERT_AXIS in jax.sharding.get_abstract_mesh().shape:  # a jppo mesh set at trace time
-        return expert_parallel(x, valid, router, gate, up, down, top_k, norm_topk_prob)
+        return expert_parallel(x, valid, router, gate, up, down, top_k, norm_topk_prob, replay)
     batch, length, width = x.shape
     flat = x.reshape(-1, width)
-    probs, weights, experts = route(flat, router, top_k, norm_topk_prob)
+    probs, weights, experts = route(flat, router, top_k, norm_topk_prob, flat_replay(replay))
     out = experts_swiglu(flat, experts, weights, gate, up, down)
-    return out.reshape(batch, length, width), router_stats(probs, experts, valid.reshape(-1))
+    return (out.reshape(batch, length, width), router_stats(probs, experts, valid.reshape(-1)),
+            experts.reshape(batch, length, top_k))
+
+
+def flat_replay(replay: Array | None) -> Array | None:
+    """``[B, T, k] -> [B T, k]``, None passed on."""
+    return None if replay is None else replay.reshape(-1, replay.shape[-1])
 
 
 def router_stats(probs: Array, experts: Array, keep: Array) -> RouterStats:
@@ -108,7 +127,7 @@ def router_stats(probs: Array, experts: Array, keep: Array) -> RouterStats:
 
 
 def expert_parallel(x: Array, valid: Array, router: Array, gate: Array, up: Array, down: Array, top_k: int,
-                    norm_topk_prob: bool) -> tuple[Array, RouterStats]:
+                    norm_topk_prob: bool, replay: Array | None = None) -> tuple[Array, RouterStats, Array]:
     """:func:`moe_mlp` with the experts split over the ``expert`` axis of the mesh set at trace time, ``E / e``
     experts per device (``e`` the axis' size), inside ``shard_map``. Each device routes its own tokens (``n`` of
     them), then, dropless, with no capacity:
@@ -143,10 +162,11 @@ def expert_parallel(x: Array, valid: Array, router: Array, gate: Array, up: Arra
     width = fitted_spec(gate.shape[-1:], ("mlp",), shape, manual)[0]
     local_experts = num_experts // shards
 
-    def local(x, valid, router, gate, up, down):
+    def local(x, valid, router, gate, up, down, replay):
         batch, length, hidden = x.shape
         flat = x.reshape(-1, hidden)
-        probs, weights, experts = route(flat, router, top_k, norm_topk_prob)
+        probs, weights, experts = route(flat, router, top_k, norm_topk_prob, flat_replay(replay))
+        chosen = experts.reshape(batch, length, top_k)
         stats = router_stats(probs, experts, valid.reshape(-1))
         if token_axes:
             stats = jax.tree.map(lambda s: jax.lax.psum(s, token_axes), stats)
@@ -160,15 +180,16 @@ def expert_parallel(x: Array, valid: Array, router: Array, gate: Array, up: Arra
             out = jax.lax.psum(out, EXPERT_AXIS)
         if width is not None:
             out = jax.lax.psum(out, width)
-        return out.reshape(batch, length, hidden), stats
+        return out.reshape(batch, length, hidden), stats, chosen
 
     expert_spec = PartitionSpec(EXPERT_AXIS, None, width)
     return jax.shard_map(
         local, mesh=mesh,
         in_specs=(x_spec, PartitionSpec(*x_spec[:2]), PartitionSpec(), expert_spec, expert_spec,
-                  PartitionSpec(EXPERT_AXIS, width, None)),
-        out_specs=(x_spec, PartitionSpec()), axis_names=frozenset(shape) - frozenset(manual),
-    )(x, valid, router, gate, up, down)
+                  PartitionSpec(EXPERT_AXIS, width, None), PartitionSpec(*x_spec[:2])),
+        out_specs=(x_spec, PartitionSpec(), PartitionSpec(*x_spec[:2])),
+        axis_names=frozenset(shape) - frozenset(manual),
+    )(x, valid, router, gate, up, down, replay)
 
 
 def gather_routed(x: Array, weights: Array, experts: Array, num_experts: int) -> tuple[Array, Array, Array]:
@@ -217,6 +238,62 @@ def record_router_stats(stats: RouterStats) -> None:
     collected = _COLLECTED.get()
     if collected is not None:
         collected.append(stats)
+
+
+# Routing replay: what the sampler records (each forward pass's experts, stacked over the layers with experts, in
+# call order) and what the trainer's forward passes route by, handed over at trace time like the router stats.
+_ROUTED: contextvars.ContextVar[list | None] = contextvars.ContextVar("jppo_routed_experts", default=None)
+_REPLAYED: contextvars.ContextVar[Array | None] = contextvars.ContextVar("jppo_replayed_experts", default=None)
+
+
+@contextlib.contextmanager
+def collect_routing() -> Iterator[list[Array]]:
+    """Within it, each forward pass of a model with experts run layer by layer (the sampler's prefill and decoding
+    steps) or by one scan appends its experts ``[Ls, B, T, k]`` int32 (``Ls`` layers with experts) to the list it
+    yields (traced values, for the function being traced)."""
+    collected: list[Array] = []
+    token = _ROUTED.set(collected)
+    try:
+        yield collected
+    finally:
+        _ROUTED.reset(token)
+
+
+def record_routing(experts: Array | list[Array]) -> None:
+    """Hands a forward pass's experts ``[Ls, B, T, k]`` (or the list of its layers', stacked here; none: nothing)
+    to the innermost :func:`collect_routing`, if any."""
+    collected = _ROUTED.get()
+    if collected is not None and len(experts):
+        collected.append(jnp.stack(experts) if isinstance(experts, list) else experts)
+
+
+@contextlib.contextmanager
+def replay_routing(experts: Array | None) -> Iterator[None]:
+    """Within it, the forward passes of a model with experts route token ``(b, t)`` at its ``l``-th layer with
+    experts by ``experts[b, t, l]`` (``[B, T, Ls, k]``, ids ``>= E``: not recorded, the router's own choice;
+    :func:`route`); None: no replay (also inside an outer one)."""
+    token = _REPLAYED.set(experts)
+    try:
+        yield
+    finally:
+        _REPLAYED.reset(token)
+
+
+def replayed_routing() -> Array | None:
+    """The :func:`replay_routing` in force as ``[Ls, B, T, k]`` (one layer per step of a scan), or None."""
+    experts = _REPLAYED.get()
+    return None if experts is None else jnp.moveaxis(experts, 2, 0)
+
+
+def routing_dtype(num_experts: int) -> jnp.dtype:
+    """The compact dtype of recorded expert ids: uint8 up to 255 experts (one value left for :func:`not_recorded`),
+    else uint16."""
+    return jnp.dtype(jnp.uint8 if num_experts < 256 else jnp.uint16)
+
+
+def not_recorded(num_experts: int) -> int:
+    """The id that marks a token whose experts were not recorded (its largest value in :func:`routing_dtype`)."""
+    return int(jnp.iinfo(routing_dtype(num_experts)).max)
 
 
 def stack_layers(trees: list) -> Any:
@@ -272,16 +349,41 @@ def layer_slices(stacked: dict[str, Array], adapters: dict[str, tuple[Array, Arr
     return tuple(out)
 
 
-def layer_by_layer(layer: Callable, hidden: Array, slices: tuple[tuple[dict, dict], ...]) -> tuple[Array, Any]:
-    """``layer`` (``(h, (weights, adapters)) -> (h, out)``, ``out = (extra, stats)`` in a layer with experts) run on
-    each layer's :func:`layer_slices` in turn, for layers that differ in their weights: the final ``h`` and every
-    layer's ``extra`` stacked, the stats of those with experts handed to :func:`record_router_stats`."""
-    extras, stats = [], []
+def run_layers(layer: Callable, hidden: Array, stacked: dict[str, Array], adapters: dict, config) -> tuple[Array, Any]:
+    """Every layer of a decoder, ``layer`` (``(h, (weights, adapters, replay)) -> (h, out)``) on its slice of the
+    ``stacked`` weights and ``adapters``: by one ``lax.scan`` (unrolled with ``layer_loop: unroll``), or, layers
+    with and without experts side by side, one after the other (:func:`layer_by_layer`). The layers with experts
+    route by the experts of :func:`replay_routing` when one is in force, and hand their stats and experts to
+    :func:`record_router_stats` and :func:`record_routing`. The final ``h`` and every layer's ``extra``, stacked."""
+    replay = replayed_routing() if config.sparse_layers else None
+    if config.dense_layers and config.sparse_layers:
+        return layer_by_layer(layer, hidden, layer_slices(stacked, adapters, config), replay)
+    unroll = config.resolved_layer_loop == "unroll"
+    hidden, extra = jax.lax.scan(layer, hidden, (stacked, adapters, replay), unroll=unroll)
+    if config.sparse_layers:
+        extra, (stats, experts) = extra
+        record_router_stats(stats)
+        record_routing(experts)
+    return hidden, extra
+
+
+def layer_by_layer(layer: Callable, hidden: Array, slices: tuple[tuple[dict, dict], ...],
+                   replay: Array | None = None) -> tuple[Array, Any]:
+    """``layer`` (``(h, (weights, adapters, replay)) -> (h, out)``, ``out = (extra, (stats, experts))`` in a layer
+    with experts) run on each layer's :func:`layer_slices` in turn, for layers that differ in their weights, the
+    ``l``-th layer with experts replaying ``replay[l]`` (``[Ls, B, T, k]`` or None): the final ``h`` and every
+    layer's ``extra`` stacked, the stats and experts of those with experts handed to :func:`record_router_stats`
+    and :func:`record_routing`."""
+    extras, stats, routed = [], [], []
     for weights, adapters in slices:
-        hidden, out = layer(hidden, (weights, adapters))
-        if "router" in weights:
-            out, layer_stats = out
+        sparse = "router" in weights
+        layer_replay = replay[len(stats)] if sparse and replay is not None else None
+        hidden, out = layer(hidden, (weights, adapters, layer_replay))
+        if sparse:
+            out, (layer_stats, experts) = out
             stats.append(layer_stats)
+            routed.append(experts)
         extras.append(out)
     record_router_stats(stack_layers(stats))
+    record_routing(jnp.stack(routed))
     return hidden, stack_layers(extras)

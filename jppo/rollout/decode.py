@@ -49,10 +49,13 @@ import numpy as np
 from flax import nnx, struct
 
 from jppo.models.decoding import cache_block_count
+from jppo.models.moe import collect_routing
 from jppo.models.sharding import constrain
 from jppo.parallel.mesh import decoding_layout, decoding_loop_axes, on_each_device
 from jppo.rollout.params import SamplingParams
-from jppo.rollout.processors import sample_tokens
+from jppo.rollout.continuous import continuous_rollout
+from jppo.rollout.processors import draw, row_keys
+from jppo.rollout.routing import compact, empty_record, prompt_and_response, write_step
 
 Array = jax.Array
 
@@ -73,6 +76,8 @@ class RolloutBatch:
             (:func:`~jppo.parallel.mesh.decoding_loop_axes`), else one. Every generated token but a row's first
             took one, so ``sum(response_mask) - rows with a token`` over their sum is the fraction of decoding
             work that was useful. Summed by whoever reads them, so the program reduces nothing over the mesh.
+        routed_experts: with ``params.record_routing`` (a model with experts), ``[R, P + max_new_tokens, Ls, k]``:
+            each token's experts at each layer with experts (:mod:`jppo.rollout.routing`); else None.
     """
 
     prompt_ids: Array
@@ -81,6 +86,7 @@ class RolloutBatch:
     response_mask: Array
     log_probs: Array
     decode_slots: Array
+    routed_experts: Array | None = None
 
 
 @struct.dataclass
@@ -92,6 +98,7 @@ class _DecodeState:
     response_ids: Array
     response_mask: Array
     log_probs: Array
+    routed: Any = None  # routing replay: the response's record [R, max_new, Ls, k] (jppo.rollout.routing)
 
 
 def _check_inputs(vocab_size: int, prompt_ids: Any, prompt_mask: Any, params: SamplingParams) -> None:
@@ -109,25 +116,6 @@ def _check_inputs(vocab_size: int, prompt_ids: Any, prompt_mask: Any, params: Sa
     for name, ids in (("eos_token_ids", params.eos_token_ids), ("pad_token_id", (params.pad_token_id,))):
         if any(t >= vocab_size for t in ids):
             raise ValueError(f"SamplingParams.{name}={ids} has ids outside the vocabulary of size {vocab_size}")
-
-
-def row_keys(key: Array, rows: Array) -> Array:
-    """The key of each row: ``fold_in(key, row)`` for global row indices ``rows``. Token ``t`` of a row is drawn
-    with ``fold_in(row key, t)``, so a row's sample depends only on its key, its index and its own logits: not on
-    the other rows, the batch size, the loop stopping early or the order rows are decoded in."""
-    return jax.vmap(lambda row: jax.random.fold_in(key, row))(rows)
-
-
-def draw(keys: Array, steps: Array, logits: Array, params: SamplingParams) -> tuple[Array, Array]:
-    """Token ``steps[r]`` of each row from ``logits [R, V]`` with the row keys ``keys [R]``: ``(tokens, log_probs)``."""
-
-    def one(key, step, row_logits):
-        tokens, log_probs = sample_tokens(jax.random.fold_in(key, step), row_logits[None],
-                                          temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                          greedy=params.greedy)
-        return tokens[0], log_probs[0]
-
-    return jax.vmap(one)(keys, steps, logits)
 
 
 def _record(state: _DecodeState, logits: Array, keys: Array, params: SamplingParams) -> _DecodeState:
@@ -191,7 +179,7 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
     with decoding_layout():
         by_row = lambda x: constrain(x, ("batch", None))  # noqa: E731
         out = _sample(model, by_row(prompt_ids), by_row(prompt_mask), key, params)
-    return jax.tree.map(lambda x: constrain(x, ("batch", None)) if x.ndim == 2 else x, out)
+    return jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1)) if x.ndim >= 2 else x, out)
 
 
 def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
@@ -202,13 +190,21 @@ def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
     prompt_mask = prompt_mask.astype(bool)
     model = model.for_decoding()
     layers = model.decoding_layers()
-    prompt, prompt_counts, first_logits = prefill(model, prompt_ids, prompt_mask, layers)
+    with collect_routing() as routed:
+        prompt, prompt_counts, first_logits = prefill(model, prompt_ids, prompt_mask, layers)
+    recorded = bool(routed) and params.record_routing  # routing replay: the prompt's experts [B, P, Ls, k]
+    prompt_routing = compact(routed[0], model.config.num_experts) if recorded else None
     if decode_rows(batch * n, params.max_num_seqs) < batch * n:
-        out = continuous_rollout(model, prompt, prompt_counts, first_logits, key, params, layers)
-        return out.replace(prompt_ids=jnp.repeat(prompt_ids, n, axis=0), prompt_mask=jnp.repeat(prompt_mask, n, axis=0))
+        out = continuous_rollout(model, prompt, prompt_counts, first_logits, key, params, layers,
+                                 loop_axes(model, batch * n, params))
+        routing = prompt_and_response(prompt_routing, out.routed_experts, n) if recorded else None
+        return RolloutBatch(prompt_ids=jnp.repeat(prompt_ids, n, axis=0),
+                            prompt_mask=jnp.repeat(prompt_mask, n, axis=0), response_ids=out.response_ids,
+                            response_mask=out.response_mask, log_probs=out.log_probs,
+                            decode_slots=out.decode_slots, routed_experts=routing)
 
     rows = batch * n
-    axes = _loop_axes(model, rows, params)
+    axes = loop_axes(model, rows, params)
     keys = row_keys(key, jnp.arange(rows))
     prompt_tokens = jnp.repeat(prompt_counts, n)
     state = _DecodeState(
@@ -219,6 +215,7 @@ def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         response_ids=jnp.full((rows, max_new), params.pad_token_id, jnp.int32),
         response_mask=jnp.zeros((rows, max_new), bool),
         log_probs=jnp.zeros((rows, max_new), jnp.float32),
+        routed=empty_record(rows, max_new, model.config) if recorded else None,
     )
     state = _record(state, jnp.repeat(first_logits, n, axis=0), keys, params)
 
@@ -228,7 +225,13 @@ def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
 
         def decode_step(state: _DecodeState) -> _DecodeState:
             fed = state.step - 1  # one slot for every row: a scalar, so no predicate is reduced over the rows
-            hidden, cache = model.decode(state.last_tokens, prompt_tokens + fed, prompt, state.cache, fed, layers)
+            with collect_routing() as routed:
+                hidden, cache = model.decode(state.last_tokens, prompt_tokens + fed, prompt, state.cache, fed,
+                                             layers)
+            if recorded:  # the fed tokens' experts, where the fed token is a response token
+                mine = state.last_tokens.shape[0]  # the rows of this loop (one device's, or all)
+                state = state.replace(routed=write_step(state.routed, jnp.arange(mine), jnp.broadcast_to(fed, (mine,)),
+                                                        routed[0], state.response_mask[:, fed]))
             return _record(state.replace(cache=cache), model.logits(hidden), keys, params)
 
         state = jax.lax.while_loop(unfinished, decode_step, state)
@@ -242,122 +245,14 @@ def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
         response_mask=state.response_mask,
         log_probs=state.log_probs,
         decode_slots=(state.step - 1) * (rows // state.step.shape[0]),
+        routed_experts=prompt_and_response(prompt_routing, state.routed, n) if recorded else None,
     )
 
 
-def _loop_axes(model: Any, rows: int, params: SamplingParams) -> tuple[str, ...]:
+def loop_axes(model: Any, rows: int, params: SamplingParams) -> tuple[str, ...]:
     """The mesh axes each device decodes its own of ``rows`` over (:func:`~jppo.parallel.mesh.decoding_loop_axes`)."""
     experts = bool(getattr(model.config, "num_experts", 0))
     return decoding_loop_axes(rows, decode_rows(rows, params.max_num_seqs), experts)
-
-
-@struct.dataclass
-class _SlotState:
-    slot_row: Array  # [S] the row a slot decodes; R when the slot is idle
-    slot_step: Array  # [S] the index of the row's next token
-    slot_done: Array  # [S] the row finished at its first token: free the slot at the next refill
-    last_tokens: Array  # [S] the token to feed
-    next_row: Array  # the first row not yet given a slot
-    steps: Array  # decoding steps so far
-    cache: Any
-    response_ids: Array
-    response_mask: Array
-    log_probs: Array
-
-
-def continuous_rollout(
-    model: Any, prompt: Any, prompt_counts: Array, first_logits: Array, key: Array, params: SamplingParams,
-    layers: Any = None,
-) -> RolloutBatch:
-    """Continuous batching over ``S = params.max_num_seqs`` slots: rows (prompt-major, ``R = B n``) wait in order;
-    a slot whose row finished takes the next waiting row at once, so no decoding step is spent on a finished row
-    while rows wait. A slot's response cache restarts at slot 0 for its new row (older entries are masked, then
-    overwritten); its prompt block is read from the shared :class:`~jppo.models.PromptCache`. Row ``r`` draws its
-    tokens with the keys of :func:`row_keys` and so gets the same tokens as decoding every row at once. Returns
-    the response fields (the caller adds the prompts). ``layers``: ``model.decoding_layers()`` (made here if not
-    given).
-    """
-    layers = model.decoding_layers() if layers is None else layers
-    total = first_logits.shape[0] * params.n
-    axes = _loop_axes(model, total, params)
-    shards = int(np.prod([jax.sharding.get_abstract_mesh().shape[axis] for axis in axes]))
-    loop = functools.partial(_continuous_loop, model, params, params.max_num_seqs // shards)
-    out = on_each_device(loop, axes, (prompt, prompt_counts, first_logits, row_keys(key, jnp.arange(total))),
-                         (layers,))
-    by_row = lambda x: constrain(x, ("batch", None))  # noqa: E731  (rows leave sharded like the prompts came)
-    return out.replace(response_ids=by_row(out.response_ids), response_mask=by_row(out.response_mask),
-                       log_probs=by_row(out.log_probs))
-
-
-def _continuous_loop(model: Any, params: SamplingParams, num_slots: int, prompt: Any, prompt_counts: Array,
-                     first_logits: Array, keys: Array, layers: Any) -> RolloutBatch:
-    """:func:`continuous_rollout`'s loop over ``num_slots`` slots on the rows given (one device's, or all), whose
-    keys are ``keys``; ``decode_slots`` has one entry."""
-    n, max_new = params.n, params.max_new_tokens
-    rows = first_logits.shape[0] * n
-    keys = jnp.concatenate([keys, keys[:1]])  # + an idle slot's key, never used
-    eos = jnp.asarray(params.eos_token_ids, dtype=jnp.int32)
-
-    def write(state: _SlotState, rows_written: Array, steps: Array, tokens: Array, log_probs: Array, live: Array):
-        where = (jnp.where(live, rows_written, rows), steps)  # an out-of-range row: the write is dropped
-        return state.replace(
-            response_ids=state.response_ids.at[where].set(tokens, mode="drop"),
-            response_mask=state.response_mask.at[where].set(True, mode="drop"),
-            log_probs=state.log_probs.at[where].set(log_probs, mode="drop"),
-        )
-
-    def refill(state: _SlotState, free: Array) -> _SlotState:
-        """Gives each free slot the next waiting row and samples that row's first token from its prompt."""
-        new_row = state.next_row + jnp.cumsum(free) - 1
-        take = free & (new_row < rows)
-        row = jnp.where(take, new_row, rows)
-        prompt_rows = jnp.minimum(row, rows - 1) // n
-        tokens, log_probs = draw(keys[row], jnp.zeros_like(row), first_logits[prompt_rows], params)
-        live = take & (prompt_counts[prompt_rows] > 0)  # an empty prompt gets an empty response
-        state = write(state, row, jnp.zeros_like(row), tokens, log_probs, live)
-        done_at_once = take & (~live | jnp.isin(tokens, eos) | (max_new == 1))
-        return state.replace(
-            slot_row=jnp.where(free, row, state.slot_row),
-            slot_step=jnp.where(free, 1, state.slot_step),
-            slot_done=jnp.where(free, done_at_once, state.slot_done),
-            last_tokens=jnp.where(free, tokens, state.last_tokens),
-            next_row=state.next_row + jnp.sum(take),
-        )
-
-    def busy(state: _SlotState) -> Array:
-        return jnp.any(state.slot_row < rows)
-
-    def decode_step(state: _SlotState) -> _SlotState:
-        live = (state.slot_row < rows) & ~state.slot_done
-        row = jnp.minimum(state.slot_row, rows - 1)
-        fed = jnp.maximum(state.slot_step - 1, 0)
-        hidden, cache = model.decode(state.last_tokens, prompt_counts[row // n] + fed, prompt, state.cache,
-                                     fed, layers, prompt_rows=row // n)
-        step = jnp.minimum(state.slot_step, max_new - 1)
-        tokens, log_probs = draw(keys[state.slot_row], step, model.logits(hidden), params)
-        state = write(state.replace(cache=cache, steps=state.steps + 1), state.slot_row, step, tokens, log_probs, live)
-        finished = live & (jnp.isin(tokens, eos) | (state.slot_step + 1 >= max_new))
-        state = state.replace(slot_step=state.slot_step + 1, last_tokens=tokens)
-        return refill(state, finished | state.slot_done | (state.slot_row >= rows))
-
-    slots = jnp.full((num_slots,), rows, jnp.int32)
-    state = _SlotState(
-        slot_row=slots,
-        slot_step=jnp.zeros((num_slots,), jnp.int32),
-        slot_done=jnp.zeros((num_slots,), bool),
-        last_tokens=jnp.zeros((num_slots,), jnp.int32),
-        next_row=jnp.zeros((), jnp.int32),
-        steps=jnp.zeros((), jnp.int32),
-        cache=model.init_response_cache(num_slots, max_new, cache_block_count(params.cache_blocks)),
-        response_ids=jnp.full((rows, max_new), params.pad_token_id, jnp.int32),
-        response_mask=jnp.zeros((rows, max_new), bool),
-        log_probs=jnp.zeros((rows, max_new), jnp.float32),
-    )
-    state = jax.lax.while_loop(busy, decode_step, refill(state, jnp.ones((num_slots,), bool)))
-    return RolloutBatch(
-        prompt_ids=None, prompt_mask=None, response_ids=state.response_ids, response_mask=state.response_mask,
-        log_probs=state.log_probs, decode_slots=(state.steps * num_slots)[None],
-    )
 
 
 @functools.lru_cache(maxsize=32)

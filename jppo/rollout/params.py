@@ -27,6 +27,8 @@ class SamplingParams:
         cache_blocks: the most blocks the response cache is stored in (:func:`cache_block_count`); ``0`` chooses
             by backend. Tokens and log-probs are bitwise the same for one block count; across block counts they
             differ by the rounding of combining per-block softmax sums.
+        record_routing: a model with experts also returns each token's experts (routing replay,
+            :mod:`jppo.rollout.routing`).
     """
 
     max_new_tokens: int
@@ -39,6 +41,7 @@ class SamplingParams:
     pad_token_id: int = 0
     max_num_seqs: int = 0
     cache_blocks: int = 0
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         # A list would make the params unhashable and so unusable as a static argument.

@@ -17,12 +17,17 @@ because that is what the trainer recomputes from the model (it never sees the fi
 
 Greedy decoding is ``argmax z``. Its log-probability uses ``T`` when ``T > 0`` and ``T = 1`` otherwise, so that
 ``temperature=0`` (a common way of asking for greedy) still reports the model's own log-probabilities.
+
+A decoding batch draws row by row (:func:`draw`): row ``r``'s token ``t`` with ``fold_in(fold_in(key, r), t)``
+(:func:`row_keys`), so a row's sample does not depend on the other rows or on where it is decoded.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jppo.rollout.params import SamplingParams
 
 Array = jax.Array
 
@@ -157,3 +162,22 @@ def sample_tokens(
         choice = jax.random.categorical(key, best, axis=-1)
         tokens = jnp.take_along_axis(best_ids, choice[..., None], axis=-1)[..., 0].astype(jnp.int32)
     return tokens, tempered_log_prob(logits, tokens, temperature)
+
+
+def row_keys(key: Array, rows: Array) -> Array:
+    """The key of each row: ``fold_in(key, row)`` for global row indices ``rows``. Token ``t`` of a row is drawn
+    with ``fold_in(row key, t)``, so a row's sample depends only on its key, its index and its own logits: not on
+    the other rows, the batch size, the loop stopping early or the order rows are decoded in."""
+    return jax.vmap(lambda row: jax.random.fold_in(key, row))(rows)
+
+
+def draw(keys: Array, steps: Array, logits: Array, params: SamplingParams) -> tuple[Array, Array]:
+    """Token ``steps[r]`` of each row from ``logits [R, V]`` with the row keys ``keys [R]``: ``(tokens, log_probs)``."""
+
+    def one(key, step, row_logits):
+        tokens, log_probs = sample_tokens(jax.random.fold_in(key, step), row_logits[None],
+                                          temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                          greedy=params.greedy)
+        return tokens[0], log_probs[0]
+
+    return jax.vmap(one)(keys, steps, logits)

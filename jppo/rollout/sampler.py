@@ -91,6 +91,7 @@ class Sampler:
             prompt_ids=local(out.prompt_ids), prompt_mask=local(out.prompt_mask), response_ids=local(out.response_ids),
             response_mask=local(out.response_mask), rollout_log_prob=np.asarray(local(out.log_probs), np.float32),
             group_ids=group_ids[keep],
+            routed_experts=None if out.routed_experts is None else local(out.routed_experts),
         )
 
 

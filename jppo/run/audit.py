@@ -49,7 +49,8 @@ from jppo.parallel.mesh import batch_shards, make_mesh, row_shards_of
 from jppo.core.errors import InvalidSetting
 from jppo.core.experience import Experience
 from jppo.models import param_shardings
-from jppo.config.views import engine_view, optimizer_steps_per_training_step, rollout_sequences
+from jppo.config.views import adapted_model_config, engine_view, optimizer_steps_per_training_step, rollout_sequences
+from jppo.models.moe import routing_dtype
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3, "float64": 1e-9}
 # float64's rounding is ~1e-15 even after an optimizer amplified it a thousandfold; a dependence on the cut is
@@ -103,7 +104,8 @@ def parse_meshes(text: str, num_devices: int, rows: int) -> list[tuple[int, ...]
 def audit_batch(cfg: TrainConfig, inputs: build.RunInputs, rows: int, seed: int = 0) -> Experience:
     """``rows`` sequences: configured prompts, random responses of random lengths (one empty), random
     advantages, old/ref/sampler log-probs, values and returns (what the losses need; their values do not matter
-    here, but the sampler's differ from the old ones, so the rollout correction weighs or rejects rows)."""
+    here, but the sampler's differ from the old ones, so the rollout correction weighs or rejects rows); with
+    ``actor.routing_replay: rollout``, a routing record of random experts."""
     rng = np.random.default_rng(seed)
     prompts = inputs.train_data.batch_at(0, rows, cfg.trainer.seed)[1]
     width = max(len(p) for p in prompts)
@@ -126,10 +128,15 @@ def audit_batch(cfg: TrainConfig, inputs: build.RunInputs, rows: int, seed: int 
     # or rejects some rows and keeps others at its default threshold
     offsets = rng.normal(scale=0.5, size=(rows, 1)).astype(np.float32)
     rollout_log_prob = np.where(attention, old_log_prob - offsets, 0.0) - noise(0.3)
+    routed = None
+    if cfg.actor.routing_replay == "rollout":  # a sampler's record: k distinct experts per token and layer, at random
+        model = adapted_model_config(cfg, "actor")
+        draws = rng.random((rows, width + length, len(model.sparse_layers), model.num_experts))
+        routed = np.argsort(draws, axis=-1)[..., :model.num_experts_per_tok].astype(routing_dtype(model.num_experts))
     return Experience(
         prompt_ids, prompt_mask, response_ids, attention, attention, old_log_prob=old_log_prob,
         ref_log_prob=ref_log_prob, advantages=advantages, values=values, returns=returns,
-        rollout_log_prob=rollout_log_prob,
+        rollout_log_prob=rollout_log_prob, routed_experts=routed,
     )
 
 

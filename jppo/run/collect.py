@@ -231,6 +231,7 @@ def collect(
     source = views.old_log_prob_source(cfg)  # update / rollout: no pass here (the update measures the mismatch)
     # the batch's tokens cross once for all forward passes, and not at all without one
     tokens = functools.cache(functools.partial(device_rows, exp, None, c.mesh))
+    unreplayed = lambda: dataclasses.replace(tokens(), routed_experts=None)  # noqa: E731 (the reference: its own routing)
     if source == "recompute":
         with timer("old_log_prob"):
             exp = dataclasses.replace(exp, old_log_prob=forward_batch(
@@ -239,12 +240,12 @@ def collect(
         with timer("ref_log_prob"):
             ref = c.ref_params if c.ref_params is not None else state.actor.frozen
             exp = dataclasses.replace(
-                exp, ref_log_prob=forward_batch(c.ref_log_probs_of, ref, exp, c.mesh, rows=tokens(), **actor_cut)
+                exp, ref_log_prob=forward_batch(c.ref_log_probs_of, ref, exp, c.mesh, rows=unreplayed(), **actor_cut)
             )
     elif c.ref_params is not None:
         with timer("ref_log_prob"):
             exp = dataclasses.replace(
-                exp, ref_log_prob=forward_batch(c.log_probs_of, c.ref_params, exp, c.mesh, rows=tokens(), **actor_cut)
+                exp, ref_log_prob=forward_batch(c.log_probs_of, c.ref_params, exp, c.mesh, rows=unreplayed(), **actor_cut)
             )
     if state.critic is not None:
         with timer("values"):

@@ -82,9 +82,11 @@ class Scored:
         )
 
 
-def left_pad(array: np.ndarray, width: int, value) -> np.ndarray:
-    """``array`` ``[N, P]`` with ``width - P`` columns of ``value`` in front."""
-    return np.pad(array, ((0, 0), (width - array.shape[1], 0)), constant_values=value)
+def left_pad(array: np.ndarray, width: int, value, prompt_width: int | None = None) -> np.ndarray:
+    """``array`` ``[N, P, ...]`` with ``width - P`` columns of ``value`` in front (``prompt_width``: ``P``, when the
+    array has more columns than the prompt's, e.g. a routing record's prompt and response columns)."""
+    front = width - (array.shape[1] if prompt_width is None else prompt_width)
+    return np.pad(array, ((0, 0), (front, 0)) + ((0, 0),) * (array.ndim - 2), constant_values=value)
 
 
 def concat(parts: list[Scored], pad_id: int) -> Scored:
@@ -100,6 +102,8 @@ def concat(parts: list[Scored], pad_id: int) -> Scored:
             arrays = [left_pad(a, width, pad_id) for a in arrays]
         elif name == "prompt_mask":
             arrays = [left_pad(a, width, False) for a in arrays]
+        elif name == "routed_experts":  # the prompt's columns come first: padded like the prompts, not recorded
+            arrays = [left_pad(a, width, np.iinfo(a.dtype).max, p.exp.prompt_ids.shape[1]) for a, p in zip(arrays, parts)]
         elif name == "group_ids":
             arrays = [a + offset for a, offset in zip(arrays, offsets)]
         return np.concatenate(arrays)
