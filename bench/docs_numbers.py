@@ -40,6 +40,7 @@ RUNS = {
     "quickstart_seed1": ("configs/quickstart.yaml", ("trainer.seed=1",)),
     "dapo": ("configs/quickstart_dapo.yaml", ()),
     "lora": ("configs/quickstart_lora.yaml", ()),
+    "moe": ("configs/quickstart_moe.yaml", ()),
 }
 GSM8K = {"grpo": "configs/qwen2_5_0_5b_gsm8k_grpo.yaml", "ppo": "configs/qwen2_5_0_5b_gsm8k_ppo.yaml"}
 
@@ -87,8 +88,19 @@ def dapo_numbers(rows: list[dict]) -> dict[str, str]:
             "kept": percent(statistics.mean(r["filter_groups/kept_fraction"] for r in rows))}
 
 
+def moe_numbers(rows: list[dict]) -> dict[str, str]:
+    """:func:`reward_numbers`, the greedy reward at each validation (``greedy<step>``), the expert load
+    (``actor/expert_load``: 1 is even) over the first and the last 10 steps, and the training's seconds."""
+    first, last = first_last(rows, "actor/expert_load")
+    greedy = {f"greedy{r['step']}": two(r["val/reward/mean"]) for r in rows if "val/reward/mean" in r}
+    seconds = str(round(sum(r.get("timing/step", 0.0) for r in rows)))
+    return reward_numbers(rows) | greedy | {"expert_load_first10": two(first), "expert_load_last10": two(last),
+                                            "training_s": seconds}
+
+
 SUMMARIES: dict[str, Callable[[list[dict]], dict[str, str]]] = {
     "quickstart": reward_numbers, "quickstart_seed1": reward_numbers, "dapo": dapo_numbers, "lora": reward_numbers,
+    "moe": moe_numbers,
 }
 
 
