@@ -387,3 +387,20 @@ def test_the_command_plans_a_real_size_config_from_the_model_s_shape_alone(tmp_p
     printed = json.loads(capsys.readouterr().out)
     assert printed["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "sequence": 4, "expert": 1}
     assert printed["peak_bytes"] > 494_000_000 * 12 // 2
+
+
+def test_a_gpu_forward_pass_counts_the_layout_copy_of_the_largest_layer_stack_not_a_cast_copy():
+    # XLA:GPU's buffer assignment of a log-prob pass (7B, fsdp 8) holds f32[448, 28, 18944]: one MLP stack, split
+    # over fsdp, in the stored float32, and no bfloat16 copy of all the weights (docs/compiling.md). The quickstart's
+    # largest stack is an MLP one, [2 layers, 64, 128] (or its transpose), split over fsdp 2.
+    cfg = load_config(GRPO, ["actor.use_kl_loss=true"])
+    mesh = {"data": 1, "fsdp": 2, "tensor": 1, "sequence": 1, "expert": 1}
+    stack = 2 * 64 * 128 // 2
+    assert memory.layout_copy_bytes(memory.model_config(cfg), mesh, "float32") == stack * 4
+    assert memory.layout_copy_bytes(memory.model_config(cfg), mesh, "bfloat16") == stack * 2
+    gpu, tpu = (memory.program_bytes(cfg, (1, 2, 1, 1, 1), platform) for platform in ("gpu", "tpu"))
+    forward = lambda platform: memory.forward_bytes(  # noqa: E731
+        cfg, memory.model_config(cfg), "actor", views.forward_micro_batching(cfg, "actor"), mesh, platform)
+    params = memory.memory_plan(cfg, (1, 2, 1, 1, 1), "gpu").term("parameters/actor")
+    assert gpu["old_log_prob"] == params + stack * 4 + forward("gpu")
+    assert tpu["old_log_prob"] == params + forward("tpu")  # the quickstart computes in float32: no cast copy

@@ -123,9 +123,8 @@ from jppo.rollout.sampler import bucket_length
 from jppo.run.footprint import (  # noqa: F401 (model_config and abstract_params: read here by their users)
     abstract_params, adapter_params, model_config, trained_elements, ACCUMULATOR_BYTES, LOGIT_COPIES, activation_bytes,
     dtype_bytes, forward_layer_bytes_per_token, kv_cache_bytes, layer_weights_bytes, layer_bytes_per_token,
-    sampler_logits_bytes,
-    linear_attention, local_elements, logits_bytes, row_split, shards, weights_in_use_bytes, kept_activation_bytes,
-    table_bytes,
+    sampler_logits_bytes, linear_attention, local_elements, logits_bytes, row_split, shards, weights_in_use_bytes,
+    kept_activation_bytes, table_bytes, layout_copy_bytes,
 )
 
 OPTIMIZER_STEP_COPIES = 4  # per-parameter float32 temporaries of applying the accumulated gradient (measured)
@@ -348,7 +347,8 @@ def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int], platform: str = "
                  "parameters/reference": reference_param_dtype(cfg)}
     for name, (role, params) in forwards.items():
         stored, p, c = plan.term(params), dtype_bytes(stored_in[params]), dtype_bytes(policy.dtype)
-        cast = stored * c // p if p > c else 0  # the weights in the compute dtype, one copy for the whole pass
+        cast = (layout_copy_bytes(policy, mesh, stored_in[params]) if platform == "gpu"  # not a cast: a layout's
+                else stored * c // p if p > c else 0)  # the weights in the compute dtype, one copy for the pass
         out[name] = stored + cast + forward_bytes(cfg, policy, role, forward_micro_batching(cfg, role), mesh,
                                                     platform)
     return out
