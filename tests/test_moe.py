@@ -92,6 +92,11 @@ def test_logits_and_load_balancing_loss_match_transformers_and_export_round_trip
     ours = load_balancing_loss(stats.counts, stats.probs, stats.tokens, config.num_experts)
     np.testing.assert_allclose(ours, expected.aux_loss.item(), rtol=1e-6)
     assert np.all(stats.counts.sum(axis=-1) == 2 * left_padded_batch()[2].sum())  # dropless: k per valid token
+    # the z-loss's numerators: sum of logsumexp(router logits)^2 over the unpadded tokens, per layer with experts,
+    # from transformers' own router logits (float32: the sums agree to rounding)
+    valid = left_padded_batch()[2].astype(bool).reshape(-1)
+    z = [np.sum(torch.logsumexp(layer.double(), dim=-1).numpy()[valid] ** 2) for layer in expected.router_logits]
+    np.testing.assert_allclose(stats.z, z, rtol=1e-5)
 
     save_pretrained(model, tmp_path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()

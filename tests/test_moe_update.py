@@ -1,6 +1,6 @@
-"""The actor update of a model with experts: the load-balancing loss and its gradient are the whole mini-batch's
-whatever the cut (K micro-batches, token budgets, data shards, the experts split over mesh.expert), and the expert
-load is reported as one."""
+"""The actor update of a model with experts: the load-balancing loss, the router's z-loss and their gradients are
+the whole mini-batch's whatever the cut (K micro-batches, token budgets, data shards, the experts split over
+mesh.expert), and the expert load is reported as one."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def update(cut: dict, mesh_shape=(1, 1, 1), batch=None, **actor):
     mesh = mesh_of(mesh_shape)
     model = create_model(CausalLM, moe_config(), mesh, seed=0)
     graphdef, params = nnx.split(model, nnx.Param)
+    actor = {"router_z_loss_coef": 0.05} | actor  # the z-loss on too, unless a test says otherwise
     cfg = ActorConfig(ppo_mini_batch_size=N, shuffle=False, optim=SGD, loss_agg_mode="token-mean",
                       loss_scale_factor=6.0, **cut, **actor)
     state = init_train_state(params, cfg, mesh, keep_gradient=True)
@@ -66,22 +67,27 @@ def whole(x64):
     return update(CUTS["K=1"])
 
 
-def whole_batch_aux_loss() -> float:
-    """transformers' load-balancing loss of one forward pass over the whole batch in the rollout's padded layout."""
+def whole_batch_router_losses() -> tuple[float, float]:
+    """transformers' load-balancing loss, and the z-loss (the mean of logsumexp(router logits)^2 over the valid
+    tokens of the layer with experts), of one forward pass over the whole batch in the rollout's padded layout."""
     graphdef, state = nnx.split(create_model(CausalLM, moe_config(), None, seed=0))  # the update's initial weights
 
     @jax.jit
-    def aux(state, inputs):
+    def losses(state, inputs):
         with collect_router_stats() as stats:
             nnx.merge(graphdef, state).hidden_states(*inputs)
-        return load_balancing_loss(*stats[0], moe_config().num_experts)
+        counts, probs, tokens, z = stats[0]
+        return load_balancing_loss(counts, probs, tokens, moe_config().num_experts), z.sum() / tokens.sum()
 
-    return float(aux(state, padded_inputs(ragged_batch(3))))
+    return tuple(float(x) for x in losses(state, padded_inputs(ragged_batch(3))))
 
 
-def test_the_whole_mini_batch_load_balancing_loss_is_reported(whole):
+def test_the_whole_mini_batch_router_losses_are_reported(whole):
     metrics = whole[0]
-    assert metrics["actor/router_aux_loss"] == pytest.approx(whole_batch_aux_loss(), rel=1e-12)
+    aux, z = whole_batch_router_losses()
+    assert metrics["actor/router_aux_loss"] == pytest.approx(aux, rel=1e-12)
+    # a share of the whole mini-batch's mean per micro-batch (K = 1 here; the other cuts below equal it)
+    assert metrics["actor/router_z_loss"] == pytest.approx(z, rel=1e-12) and z > 0
     assert metrics["actor/router_aux_loss"] > 2.05  # 2 (= k) when even: this routing is not
     assert 1.0 < metrics["actor/expert_load"] < 2.0  # max / mean of the tokens per expert (4 experts, top 2)
 
@@ -90,7 +96,8 @@ def test_the_whole_mini_batch_load_balancing_loss_is_reported(whole):
 def test_gradient_and_router_metrics_do_not_depend_on_the_cut(cut, whole):
     metrics, gradient = update(CUTS[cut], MESHES.get(cut, (1, 1, 1)))
     expected_metrics, expected = whole
-    for name in ("actor/router_aux_loss", "actor/expert_load", "actor/pg_loss", "actor/grad_norm"):
+    for name in ("actor/router_aux_loss", "actor/router_z_loss", "actor/expert_load", "actor/pg_loss",
+                 "actor/grad_norm"):
         np.testing.assert_allclose(metrics[name], expected_metrics[name], rtol=1e-9, err_msg=name)
     for (path, leaf), other in zip(jax.tree_util.tree_leaves_with_path(gradient), jax.tree.leaves(expected)):
         np.testing.assert_allclose(leaf, other, rtol=1e-9, atol=1e-13, err_msg=jax.tree_util.keystr(path))
@@ -139,7 +146,8 @@ def test_with_routing_replay_the_gradient_does_not_depend_on_the_cut(replayed_wh
     cut = "K=2 on data 2 x fsdp 2 x expert 2"
     metrics, gradient = update(CUTS[cut], MESHES[cut], batch=replayed_batch())
     expected_metrics, expected = replayed_whole
-    for name in ("actor/router_aux_loss", "actor/expert_load", "actor/pg_loss", "actor/grad_norm"):
+    for name in ("actor/router_aux_loss", "actor/router_z_loss", "actor/expert_load", "actor/pg_loss",
+                 "actor/grad_norm"):
         np.testing.assert_allclose(metrics[name], expected_metrics[name], rtol=1e-9, err_msg=name)
     for (path, leaf), other in zip(jax.tree_util.tree_leaves_with_path(gradient), jax.tree.leaves(expected)):
         np.testing.assert_allclose(leaf, other, rtol=1e-9, atol=1e-13, err_msg=jax.tree_util.keystr(path))

@@ -132,14 +132,14 @@ def _check_actor(cfg: TrainConfig) -> None:
     _check_routing_replay(cfg)
 
 
-ROUTER_REPLAY_MODES = ("none", "rollout")
+ROUTING_REPLAY_MODES = ("none", "rollout")
 
 
 def _check_routing_replay(cfg: TrainConfig) -> None:
     """``actor.routing_replay: rollout`` needs a model with experts, sampled by jppo's sampler (which records the
     experts), one turn per response (a multi-turn response's record would be the turns' records joined)."""
     mode = cfg.actor.routing_replay
-    choice("actor.routing_replay", mode, ROUTER_REPLAY_MODES)
+    choice("actor.routing_replay", mode, ROUTING_REPLAY_MODES)
     if mode == "none":
         return
     key = f"actor.routing_replay={mode!r}"

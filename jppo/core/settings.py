@@ -201,6 +201,9 @@ class ActorFields(PolicyLossOptions, _PolicyLossName):
     # weight of the load-balancing loss of a model with experts, from the whole mini-batch's expert fractions
     # (docs/algorithms.md); null: the model's config.json router_aux_loss_coef; 0: none
     router_aux_loss_coef: Optional[float] = None
+    # weight of the router's z-loss, the mean over (token, layer with experts) of logsumexp(router logits)^2, over
+    # the whole mini-batch (ST-MoE's; keeps the logits small); 0: none
+    router_z_loss_coef: float = 0.0
     rollout_correction: RolloutCorrection = dataclasses.field(default_factory=RolloutCorrection)
 
 

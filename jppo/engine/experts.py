@@ -23,6 +23,14 @@ def router_aux_coef(cfg: UpdateConfig, model_config) -> float:
     return float(model_config.router_aux_loss_coef if cfg.router_aux_loss_coef is None else cfg.router_aux_loss_coef)
 
 
+def router_z_coef(cfg: UpdateConfig, model_config) -> float:
+    """The router z-loss's weight: ``actor.router_z_loss_coef``; 0 for the critic and for a model without a layer
+    with experts."""
+    if not isinstance(cfg, ActorConfig) or not model_config.sparse_layers:
+        return 0.0
+    return float(cfg.router_z_loss_coef)
+
+
 def mini_batch_expert_fractions(model: nnx.Module, batch: MicroBatches) -> tuple[jax.Array, jax.Array]:
     """``(f [E], R)`` of the whole mini-batch (:mod:`jppo.losses.router`): a forward pass over its K
     micro-batches, one at a time, that keeps only the router's counts (sums over global arrays: global)."""

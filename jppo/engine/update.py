@@ -48,9 +48,9 @@ from jppo.core.masked import NormStats, global_norm_stats
 from jppo.parallel.mesh import BATCH_AXES, ROW_AXES, SEQUENCE_AXIS, sequence_shards
 from jppo.engine.microbatch import MicroBatches
 from jppo.models.log_probs import token_log_probs
-from jppo.engine.experts import mini_batch_expert_fractions, replayed, router_aux_coef
+from jppo.engine.experts import mini_batch_expert_fractions, replayed, router_aux_coef, router_z_coef
 from jppo.models.moe import collect_router_stats
-from jppo.losses.router import expert_load, load_balancing_share
+from jppo.losses.router import expert_load, load_balancing_share, z_loss_share
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,10 @@ def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
                 aux, metrics["actor/router_aux_loss"] = load_balancing_share(stats.counts, stats.probs, stats.tokens,
                                                                              norm)
                 share = share + coef * aux
+            z_coef = router_z_coef(cfg, model.config)
+            if z_coef:
+                z, metrics["actor/router_z_loss"] = z_loss_share(stats.z, stats.tokens, norm)
+                share = share + z_coef * z
         return share, metrics
 
     return loss
@@ -226,7 +230,7 @@ def micro_batch_gradient(
         # a load-balancing loss: the expert fractions of the whole mini-batch; and with experts every micro-batch
         # holding a token (not only a response token) routes it, for its share and the expert load
         model_config = model_of(params).config
-        balancing = bool(router_aux_coef(cfg, model_config))
+        balancing = bool(router_aux_coef(cfg, model_config) or router_z_coef(cfg, model_config))
         routes = isinstance(cfg, ActorConfig) and bool(model_config.sparse_layers)
         if balancing and not legacy:
             fractions, pairs = mini_batch_expert_fractions(model_of(params), batch)

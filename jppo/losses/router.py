@@ -10,6 +10,13 @@ is even). ``f_e`` is a count, with no gradient, and the only factor that is not 
 whole mini-batch (:attr:`~jppo.core.masked.NormStats.expert_fractions`, computed before the micro-batches), the
 micro-batch shares ``E sum_e f_e p_e(micro) / R`` sum to ``aux`` whatever the cut, and so do their gradients. A
 product of two micro-batch averages would not.
+
+The router's z-loss (ST-MoE's) is a plain mean over the same pairs, of the squared ``logsumexp`` of the router's
+logits ``l``:
+
+    z = (1 / R) sum_pairs logsumexp(l)^2
+
+so a micro-batch's share is its own sum over the whole mini-batch's ``R`` (:func:`z_loss_share`).
 """
 
 from __future__ import annotations
@@ -37,6 +44,17 @@ def load_balancing_share(counts: Array, probs: Array, tokens: Array, norm: NormS
     else:
         fractions, pairs = norm.expert_fractions, norm.routed_pairs
     share = num_experts * safe_divide(jnp.sum(jax.lax.stop_gradient(fractions) * jnp.sum(probs, axis=0)), pairs)
+    return share, Metric(share, safe_divide(local_pairs, pairs))
+
+
+def z_loss_share(z: Array, tokens: Array, norm: NormStats | None) -> tuple[Array, Metric]:
+    """This micro-batch's share of the whole mini-batch's z-loss and its metric pair (share, weight: the
+    micro-batch's fraction of ``R``), from its router stats per layer with experts: ``z [layers]`` (the sums of
+    ``logsumexp(logits)^2``) and ``tokens [layers]``. Without ``norm.routed_pairs`` (``norm`` None, or the legacy
+    per-micro-batch mode) ``R`` is this call's own."""
+    local_pairs = jnp.sum(tokens)
+    pairs = local_pairs if norm is None or norm.routed_pairs is None else norm.routed_pairs
+    share = safe_divide(jnp.sum(z), pairs)
     return share, Metric(share, safe_divide(local_pairs, pairs))
 
 

@@ -42,24 +42,26 @@ Array = jax.Array
 class RouterStats(NamedTuple):
     """Per layer with experts, over the valid tokens: ``counts [E]`` (tokens routed to each expert, each token
     counted once per expert among its top k) and ``probs [E]`` (the sum of the router's probabilities), float32;
-    ``tokens`` (the number of valid tokens, a scalar). Stacked over the layers with experts: a leading axis."""
+    ``tokens`` (the number of valid tokens, a scalar); ``z``, the sum of ``logsumexp(router logits)^2`` (the
+    z-loss's numerator). Stacked over the layers with experts: a leading axis."""
 
     counts: Array
     probs: Array
     tokens: Array
+    z: Array
 
 
 def route(x: Array, router: Array, top_k: int, norm_topk_prob: bool, replay: Array | None = None
-          ) -> tuple[Array, Array, Array]:
-    """``(probs [N, E], weights [N, k], experts [N, k] int32)`` of tokens ``x [N, D]``: the softmax of ``x W_r``
-    (float32, float64 for a float64 model), its ``k`` largest values (renormalized to sum 1 with
-    ``norm_topk_prob``) and their experts.
+          ) -> tuple[Array, Array, Array, Array]:
+    """``(probs [N, E], weights [N, k], experts [N, k] int32, lse [N])`` of tokens ``x [N, D]``: the softmax of
+    ``x W_r`` (float32, float64 for a float64 model), its ``k`` largest values (renormalized to sum 1 with
+    ``norm_topk_prob``), their experts, and the logits' ``logsumexp`` (the z-loss's).
 
     Routing replay: with ``replay [N, k]`` (experts recorded elsewhere, e.g. by the sampler) a token goes to the
     recorded experts instead, weighted by this router's probabilities of them (renormalized the same way), so the
     router still gets a gradient; a token whose recorded ids are ``>= E`` (:func:`not_recorded`) keeps its own."""
-    logits = x @ router.astype(x.dtype)
-    probs = jax.nn.softmax(logits.astype(wide(x.dtype)), axis=-1)
+    logits = (x @ router.astype(x.dtype)).astype(wide(x.dtype))
+    probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if replay is not None:
         recorded = jnp.all(replay < probs.shape[-1], axis=-1, keepdims=True)
@@ -67,7 +69,7 @@ def route(x: Array, router: Array, top_k: int, norm_topk_prob: bool, replay: Arr
         weights = jnp.take_along_axis(probs, experts, axis=-1)  # the same numbers as top_k's where not replayed
     if norm_topk_prob:  # (replayed experts' probabilities may all underflow to 0: no 0/0 then)
         weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), jnp.finfo(weights.dtype).tiny)
-    return probs, weights.astype(x.dtype), experts.astype(jnp.int32)
+    return probs, weights.astype(x.dtype), experts.astype(jnp.int32), jax.nn.logsumexp(logits, axis=-1)
 
 
 def experts_swiglu(x: Array, experts: Array, weights: Array, gate: Array, up: Array, down: Array) -> Array:
@@ -104,9 +106,9 @@ def moe_mlp(x: Array, valid: Array, router: Array, gate: Array, up: Array, down:
         return expert_parallel(x, valid, router, gate, up, down, top_k, norm_topk_prob, replay)
     batch, length, width = x.shape
     flat = x.reshape(-1, width)
-    probs, weights, experts = route(flat, router, top_k, norm_topk_prob, flat_replay(replay))
+    probs, weights, experts, lse = route(flat, router, top_k, norm_topk_prob, flat_replay(replay))
     out = experts_swiglu(flat, experts, weights, gate, up, down)
-    return (out.reshape(batch, length, width), router_stats(probs, experts, valid.reshape(-1)),
+    return (out.reshape(batch, length, width), router_stats(probs, experts, valid.reshape(-1), lse),
             experts.reshape(batch, length, top_k))
 
 
@@ -115,14 +117,15 @@ def flat_replay(replay: Array | None) -> Array | None:
     return None if replay is None else replay.reshape(-1, replay.shape[-1])
 
 
-def router_stats(probs: Array, experts: Array, keep: Array) -> RouterStats:
-    """The :class:`RouterStats` of tokens with router ``probs [N, E]`` and chosen ``experts [N, k]``, over those
-    ``keep [N]`` holds."""
+def router_stats(probs: Array, experts: Array, keep: Array, lse: Array) -> RouterStats:
+    """The :class:`RouterStats` of tokens with router ``probs [N, E]``, chosen ``experts [N, k]`` and logits'
+    ``logsumexp`` ``lse [N]``, over those ``keep [N]`` holds."""
     one_hot = jax.nn.one_hot(experts, probs.shape[-1], dtype=probs.dtype).sum(axis=1)  # [N, E]
     return RouterStats(
         counts=jnp.sum(jnp.where(keep[:, None], one_hot, 0.0), axis=0),
         probs=jnp.sum(jnp.where(keep[:, None], probs, 0.0), axis=0),
         tokens=jnp.sum(keep).astype(probs.dtype),
+        z=jnp.sum(jnp.where(keep, jnp.square(lse), 0.0)),
     )
 
 
@@ -165,9 +168,9 @@ def expert_parallel(x: Array, valid: Array, router: Array, gate: Array, up: Arra
     def local(x, valid, router, gate, up, down, replay):
         batch, length, hidden = x.shape
         flat = x.reshape(-1, hidden)
-        probs, weights, experts = route(flat, router, top_k, norm_topk_prob, flat_replay(replay))
+        probs, weights, experts, lse = route(flat, router, top_k, norm_topk_prob, flat_replay(replay))
         chosen = experts.reshape(batch, length, top_k)
-        stats = router_stats(probs, experts, valid.reshape(-1))
+        stats = router_stats(probs, experts, valid.reshape(-1), lse)
         if token_axes:
             stats = jax.tree.map(lambda s: jax.lax.psum(s, token_axes), stats)
         if gathered:
