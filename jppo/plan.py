@@ -178,9 +178,11 @@ def compile_for(args: argparse.Namespace) -> int:
         target = targets.target(args.compile_for)
         mesh_shape = check_mesh(cfg, len(target.devices), target.hosts)
         planned = program_bytes(cfg, mesh_shape, target.platform)
-        if cfg.rollout.devices:  # the sampler's programs run on the rollout mesh: its plan (the larger batch's caches)
-            rollout = mesh_plans(cfg, mesh_shape, target.platform)[1]
-            planned.update({name: rollout.peak_bytes for name in ("rollout", "validation") if name in planned})
+        if cfg.rollout.devices:  # the sampler's programs run on the rollout mesh: each its own batch's terms there
+            from jppo.run.split_memory import rollout_program_bytes  # noqa: PLC0415
+
+            planned.update({name: size for name, size in rollout_program_bytes(cfg, target.platform).items()
+                            if name in planned})
         limit = target.device_memory
         if limit is not None and target.platform == "gpu":
             limit = allocator_bytes(limit, os.environ)

@@ -72,6 +72,16 @@ def split_plans(cfg: TrainConfig, training_shape: Sequence[int],
     return training, rollout
 
 
+def rollout_program_bytes(cfg: TrainConfig, platform: str = "gpu") -> dict[str, int]:
+    """The plan's figure of each sampler program on the rollout mesh, keyed as ``--compile-for`` names them: the
+    whole replica of the weights and that program's batch's caches, logits and prefill (``rollout``: the training
+    batch; ``validation``: the validation batch, when the run validates). The rollout mesh's peak is the larger."""
+    replica, _ = weight_bytes(cfg, dict.fromkeys(MESH_AXES, 1))
+    rollout_mesh = dict(zip(MESH_AXES, (cfg.rollout.devices, 1, 1, 1, 1)))
+    phases = sampler_terms(cfg, model_config(cfg), rollout_mesh, platform)
+    return {name: replica + sum(term.bytes for term in terms) for name, terms in zip(("rollout", "validation"), phases)}
+
+
 def check_rollout_fits(cfg: TrainConfig, limit: Optional[int]) -> None:
     """Refuses in one line a rollout mesh whose devices (``limit`` bytes each, what JAX's allocator takes; None:
     unknown, as on a CPU) cannot hold what the sampler keeps whatever the compiler does: a whole replica of the
