@@ -68,41 +68,49 @@ def metrics(run_dir: pathlib.Path, every_key: bool = False) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(timing)} for row in rows]
 
 
-@pytest.mark.parametrize("config, extra, split", [
-    ("quickstart", [], []),
-    # one step off-policy (jppo.run.offpolicy) with a rollout mesh across the processes (rollout.devices: each
-    # process trains on one of its devices and samples its own rows on the other, the weights copied between its
-    # own devices): on 1 device the next batch is generated on a thread beside the update, on the 2 processes in
-    # turn; the schedule, and so every metric, is the same, and so is the resumed weight queue
-    ("quickstart_grpo", ["trainer.off_policy_steps=1"], ["rollout.devices=2"]),
-], ids=["ppo", "grpo-off-policy-1-rollout-devices"])
-def test_two_processes_of_two_devices_match_one_device_and_resume_on_it(tmp_path, config, extra, split):
-    """The whole-run contract across hosts: 2 processes x 2 devices (4 batch shards, rows moving between hosts to
-    form each mini-batch; or 2 training and 2 rollout devices) train the same two steps as 1 process on 1 device,
-    and the 2-process checkpoint continues on the single device exactly like the single-device run."""
+@pytest.mark.parametrize("config, extra, layouts", [
+    # PPO on-policy (k = 0), two 2-process runs beside one 1-device run: the 2 x 2 devices of one mesh (4 batch
+    # shards, rows moving between hosts to form each mini-batch), resumed on 1 device; and the rollout on devices of
+    # its own (rollout.devices: each process trains on one of its devices, the critic included, and samples its own
+    # rows on the other, the actor's weights copied between its own devices before each rollout)
+    ("quickstart", [], {"two": [], "split": ["rollout.devices=2"]}),
+    # one step off-policy (jppo.run.offpolicy) with the rollout mesh across the processes: on 1 device the next batch
+    # is generated on a thread beside the update, on the 2 processes in turn; the schedule, and so every metric, is
+    # the same, and so is the resumed weight queue
+    ("quickstart_grpo", ["trainer.off_policy_steps=1"], {"two": ["rollout.devices=2"]}),
+], ids=["ppo-and-ppo-rollout-devices", "grpo-off-policy-1-rollout-devices"])
+def test_two_processes_of_two_devices_match_one_device_and_resume_on_it(tmp_path, config, extra, layouts):
+    """The whole-run contract across hosts: 2 processes x 2 devices (4 batch shards; or 2 training and 2 rollout
+    devices) train the same two steps as 1 process on 1 device, and the 2-process checkpoint of run ``two``
+    continues on the single device exactly like the single-device run."""
     path = str(ROOT / "configs" / f"{config}.yaml")
-    port = free_port()
-    two = [
-        train(f"trainer.output_dir={tmp_path / 'two'}", "trainer.total_steps=2", "trainer.export_hf=true", *extra,
-              *split, "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i), devices=2,
-              config=path)
-        for i in (1, 0)
-    ]
+    pairs = {}
+    for name, layout in layouts.items():
+        port = free_port()
+        pairs[name] = [
+            train(f"trainer.output_dir={tmp_path / name}", "trainer.total_steps=2", *extra, *layout,
+                  *(["trainer.export_hf=true"] if name == "two" else []), "--coordinator", f"localhost:{port}",
+                  "--num-processes", "2", "--process-id", str(i), devices=2, config=path)
+            for i in (1, 0)
+        ]
     one = train(f"trainer.output_dir={tmp_path / 'one'}", "trainer.total_steps=3", *extra, devices=1, config=path)
-    for process in two:
-        finish(process)
+    for processes in pairs.values():
+        for process in processes:
+            finish(process)
     finish(one)
-    single, double = metrics(tmp_path / "one"), metrics(tmp_path / "two")
-    assert [row["step"] for row in double] == [1, 2] and "val/reward/mean" in double[1]
-    if extra:
-        assert [row["async/staleness"] for row in double] == [0, 1]
-    if split:  # a replica of the weights moved to the rollout devices before each rollout
-        assert all(row["perf/weight_move_bytes"] > 0 for row in metrics(tmp_path / "two", every_key=True))
-    for a, b in zip(single[:2], double):
-        assert set(a) == set(b)
-        for name, value in a.items():
-            # float32, four Adam updates per step: the same sums over 1 device and 2 x 2 agree to ~1e-5
-            assert b[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    single = metrics(tmp_path / "one")
+    for name, layout in layouts.items():
+        double = metrics(tmp_path / name)
+        assert [row["step"] for row in double] == [1, 2] and "val/reward/mean" in double[1]
+        if extra:
+            assert [row["async/staleness"] for row in double] == [0, 1]
+        if layout:  # a replica of the weights moved to the rollout devices before each rollout
+            assert all(row["perf/weight_move_bytes"] > 0 for row in metrics(tmp_path / name, every_key=True))
+        for a, b in zip(single[:2], double):
+            assert set(a) == set(b)
+            for key, value in a.items():
+                # float32, four Adam updates per step: the same sums over 1 device and 2 x 2 agree to ~1e-5
+                assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, key)
     assert (tmp_path / "two" / "hf" / "model.safetensors").is_file()
     finish(train(f"trainer.output_dir={tmp_path / 'two'}", "trainer.total_steps=3", *extra, devices=1, config=path))
     resumed = metrics(tmp_path / "two")
