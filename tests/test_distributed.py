@@ -32,18 +32,19 @@ SMALL = [
 ]
 
 
-def env(devices: int) -> dict:
+def env(devices: int, optimized: bool = True) -> dict:
     """A process of ``devices`` CPU devices, its programs optimized as a user's run compiles them (the rest of the
-    suite compiles at XLA's lowest optimization level, tests/conftest.py)."""
+    suite compiles at XLA's lowest optimization level, tests/conftest.py); not ``optimized``: at the suite's level."""
     out = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    out.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
+    if optimized:
+        out.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
     out["PYTHONPATH"] = str(ROOT) + os.pathsep + out.get("PYTHONPATH", "")
     return out
 
 
-def train(*args: str, devices: int, config: str = CONFIG) -> subprocess.Popen:
+def train(*args: str, devices: int, config: str = CONFIG, optimized: bool = True) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "jppo.train", "--config", config, *SMALL, *args], cwd=ROOT,
-                            env=env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env(devices, optimized), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def finish(process: subprocess.Popen, timeout: float = 600) -> str:
@@ -154,11 +155,13 @@ def test_two_processes_of_one_device_stop_together_on_one_sigterm_and_resume_bit
             command = ["-c", SIGNALLED, str(ROOT / "tests"), str(step), point] if signalled and i else ["-m", "jppo.train"]
             processes.append(subprocess.Popen(
                 [sys.executable, *command, *flags, "--process-id", str(i), "--config", CONFIG, *SMALL, out, *extra],
-                cwd=ROOT, env=env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                cwd=ROOT, env=env(1, optimized=False), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         return processes
 
+    # at the suite's optimization level (compiling about a third faster): what is checked here is when the processes
+    # stop and what they resume from; the optimized programs of a user's run are the matching tests' above
     stopped = pair(signalled=True)
-    one = train(f"trainer.output_dir={tmp_path / 'one'}", *extra, devices=2)
+    one = train(f"trainer.output_dir={tmp_path / 'one'}", *extra, devices=2, optimized=False)
     outputs = [process.communicate(timeout=600)[0] for process in stopped]
     assert [process.returncode for process in stopped] == [75, 75], outputs[1][-3000:]
     assert f"jppo.train: stopped on another process's signal after step {step}, checkpointed;" in outputs[0]
