@@ -7,8 +7,9 @@ unchecked command):
 
 - ``run``: runs in this process, in one shared folder (``configs`` linked in), so what one command writes the next
   reads (the quickstart's run folder for ``eval``, ``export`` and ``plot``); a training run gets :data:`SHORT`
-  appended (one step, one checkpoint: the pages' ``trainer.total_steps=50``-style override), an evaluation a few
-  held-out prompts;
+  appended (one step, one checkpoint: the pages' ``trainer.total_steps=50``-style override; a training command
+  whose config is an earlier one's but for the output folder is loaded and checked, not trained again), an
+  evaluation a few held-out prompts;
 - ``mesh``: a command only a GPU or TPU host runs (a GSM8K run of Qwen2.5-0.5B): its arguments parsed, its config
   loaded (against a stand-in checkpoint of Qwen2.5-0.5B's shape in a Hugging Face cache) and its mesh checked on 1
   and on 8 devices, the hardware the pages name;
@@ -21,6 +22,8 @@ unchecked command):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import importlib.util
 import json
@@ -175,13 +178,21 @@ def module_main(words: list[str]):
     return importlib.import_module(words[2]), words[3:]
 
 
-def run(words: list[str]) -> None:
+def run(words: list[str], trained: list) -> None:
+    """``trained``: the configs (output folder blanked) of the training commands run so far, of every page."""
     module, argv = module_main(optional_removed(words))
     name = module.__name__
     # an output folder outside the run's own (running.md's /tmp/qs312) goes into the shared folder
     argv = [re.sub(r"^trainer\.output_dir=/.*/", "trainer.output_dir=", word) for word in argv]
     if name in ("jppo.train", "jppo.sft"):
         argv = [*argv, *SHORT]
+        # a page's command that trains what an earlier one trained (its config checked here, equal but for the
+        # output folder: the same step count once SHORT is appended) would only compile and run that step again
+        cfg = cli.load_config(module.parse_args(argv), sft=name == "jppo.sft")
+        run_of = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, output_dir=""))
+        if run_of in trained:
+            return
+        trained.append(run_of)
     elif name == "jppo.eval":
         argv = [*argv, *SHORT_EVAL]
     elif name == "jppo.audit":
@@ -249,9 +260,9 @@ CHECKS = {"run": run, "mesh": mesh, "parse": parse, "dry-run": dry_run, "help": 
 
 def test_every_command_of_the_pages_works_as_written(in_workdir, capsys):
     """The pages' commands in page order (README.md first), each as :data:`HOW` says."""
-    failed = []
+    failed, checks = [], {**CHECKS, "run": functools.partial(run, trained=[])}
     for page, words in page_commands():
-        check = CHECKS[how(words)]
+        check = checks[how(words)]
         if check is None:
             continue
         try:

@@ -374,8 +374,11 @@ def compare_cuts(cfg: TrainConfig, build_fn, batch: Experience, quick: bool, out
             chosen = cuts(mini, batch_shards(mesh), longest, every=shape == ONE_DEVICE, sequence=shape[3])
             # quick: the context-parallel mesh runs the tight budget alone (packed rows, each split over the axis)
             for label, cut in chosen[1:] if quick and shape[3] > 1 else chosen:
-                with in_precision(float64):
-                    outcome = role.run(mesh, batch, cut)
+                if shape == ONE_DEVICE and cut == whole:  # the reference's own cut: its program, on its batch
+                    outcome = reference
+                else:
+                    with in_precision(float64):
+                        outcome = role.run(mesh, batch, cut)
                 first, diff, metric_diff, name = compare(outcome, reference)
                 worst.first_step, worst.gradient = max(worst.first_step, first), max(worst.gradient, diff)
                 worst.metric = max(worst.metric, metric_diff)
