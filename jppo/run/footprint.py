@@ -240,3 +240,11 @@ def layout_copy_bytes(config: ModelConfig, mesh: dict[str, int], stored: str) ->
     stacks = [math.prod(v.shape) // shards(v.shape, logical_names(v), mesh)
               for path, v in nnx.to_flat_state(abstract_params(config)) if "layers" in map(str, path)]
     return max(stacks, default=0) * dtype_bytes(stored)
+
+
+def human(size: int) -> str:
+    """``size`` bytes as a person reads them: GiB, MiB or KiB with two decimals, else bytes."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size} B"

@@ -68,6 +68,8 @@ prefill                ``B P y``: the prompts' forward pass that fills the cache
                        pass holds at once per token (hidden states in and out, queries, keys, values, and the larger
                        of attention's float32 scores and the MLP's three intermediates). Beside the caches and the
                        decoding step's logits, not instead of them: XLA's buffer assignment keeps them apart
+table layout           ``V' D c_s`` on a TPU, for a tied embedding: XLA:TPU holds the sampler's table in a second
+                       layout, one for the lookup and one for the LM head's product (compiled: Qwen2.5-0.5B)
 rollout weights        ``sum_w |w| / shards'(w) x (c_s, or p for the norms' scales)``: the sampler's copy of each
                        weight it casts to ``c_s`` or lays out anew (:func:`jppo.models.sharding.decoding_copy`):
                        replicated over ``data`` and ``fsdp`` (a decoding step's rows are split over them), split
@@ -120,11 +122,11 @@ from jppo.models.config import ModelConfig
 from jppo.rollout.multiturn import longest_context
 from jppo.rollout.decode import decode_rows
 from jppo.rollout.sampler import bucket_length
-from jppo.run.footprint import (  # noqa: F401 (model_config and abstract_params: read here by their users)
+from jppo.run.footprint import (  # noqa: F401 (model_config, abstract_params, human: read here by their users)
     abstract_params, adapter_params, model_config, trained_elements, ACCUMULATOR_BYTES, LOGIT_COPIES, activation_bytes,
     dtype_bytes, forward_layer_bytes_per_token, kv_cache_bytes, layer_weights_bytes, layer_bytes_per_token,
     sampler_logits_bytes, linear_attention, local_elements, logits_bytes, row_split, shards, weights_in_use_bytes,
-    kept_activation_bytes, table_bytes, layout_copy_bytes,
+    kept_activation_bytes, table_bytes, layout_copy_bytes, human,
 )
 
 OPTIMIZER_STEP_COPIES = 4  # per-parameter float32 temporaries of applying the accumulated gradient (measured)
@@ -210,21 +212,22 @@ def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]
 
 
 def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int],
-                  platform: str = "gpu") -> list[tuple[Term, Term, Term]]:
-    """The sampler's caches, a decoding step's logits and the prefill's working set (the KV cache, sampler logits
-    and prefill lines of the module docstring) of the training batch and (when the run validates) the validation
-    batch, in that order."""
+                  platform: str = "gpu") -> list[tuple[Term, ...]]:
+    """The sampler's caches, a decoding step's logits, the prefill's working set and the table's second layout
+    (the KV cache, sampler logits, prefill and table layout lines of the module docstring) of the training batch
+    and (when the run validates) the validation batch, in that order."""
     from jppo.config.views import sampling_config  # noqa: PLC0415 (views imports the models; keep `--help` light)
 
     sampler, width, new = sampling_config(cfg, policy), sampler_prompt_width(cfg), cfg.rollout.max_response_length
-    terms = []
+    terms, tied_on_tpu = [], platform == "tpu" and sampler.tie_word_embeddings
     for prompts, rows in rollout_rows(cfg, mesh):
         decoded = decode_rows(rows, cfg.rollout.max_num_seqs)
         terms.append((Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
                            f"B={prompts} x P={width} + S={decoded} x T={new} x ..., c_s={dtype_bytes(sampler.dtype)}"),
                       Term("sampler_logits", sampler_logits_bytes(sampler, decoded, mesh), f"4 S={decoded} V' a"),
                       Term("prefill", prompts * width * forward_layer_bytes_per_token(sampler, width, mesh, platform),
-                           f"B={prompts} x P={width} x y")))
+                           f"B={prompts} x P={width} x y"),
+                      *([Term("table_layout", table_bytes(sampler, mesh), "V' D c_s")] if tied_on_tpu else [])))
     return terms
 
 
@@ -391,10 +394,3 @@ def accumulates_gradients(cfg: TrainConfig, role: str, mesh: dict[str, int]) -> 
     from jppo.engine.config import fixed_micro_batches  # noqa: PLC0415
 
     return fixed_micro_batches(engine_view(cfg, role), row_shards_of([mesh.get(axis, 1) for axis in MESH_AXES])) != 1
-
-
-def human(size: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= scale:
-            return f"{size / scale:.2f} {unit}"
-    return f"{size} B"
