@@ -9,7 +9,8 @@ old log-probs of the sampled tokens in float32, once routing each token itself a
 experts (``actor.routing_replay: rollout``). Over the response tokens (the loss mask), with ``d = old - rollout``:
 
 - ``mean |d|``, ``max |d|``;
-- ``k3``: the k3 estimate of KL(rollout || trainer), ``mean(exp(d) - 1 - d)``, verl's ``rollout_corr/kl``;
+- ``kl``: ``mean(-d)``, the k1 estimate of KL(rollout || trainer) that a run logs as ``rollout_corr/kl``;
+- ``k3``: the k3 estimate of the same, ``mean(exp(d) - 1 - d)`` (never negative);
 - ``outside``: the fraction of tokens whose ratio ``exp(d)`` falls outside [0.9, 1.1];
 
 and ``after flip``: ``mean |d|`` over the response tokens predicted at or after their row's first token whose
@@ -57,7 +58,8 @@ def mismatch(old: np.ndarray, rollout: np.ndarray, mask: np.ndarray) -> dict[str
     d = (old - rollout)[mask].astype(np.float64)
     ratio = np.exp(d)
     return {"mean_abs": float(np.abs(d).mean()), "max_abs": float(np.abs(d).max()),
-            "k3": float(np.mean(ratio - 1 - d)), "outside": float(np.mean((ratio < 0.9) | (ratio > 1.1)))}
+            "kl": float(np.mean(-d)), "k3": float(np.mean(ratio - 1 - d)),
+            "outside": float(np.mean((ratio < 0.9) | (ratio > 1.1)))}
 
 
 def measure(overrides: list[str], prompts: int, dtype: str) -> dict:
@@ -93,13 +95,13 @@ def measure(overrides: list[str], prompts: int, dtype: str) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| sampler | trainer routing | mean abs dlogp | max abs dlogp | k3 KL | ratio outside [0.9, 1.1] | "
-             "mean abs dlogp after a flip |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| sampler | trainer routing | mean abs dlogp | max abs dlogp | rollout_corr/kl | k3 KL | "
+             "ratio outside [0.9, 1.1] | mean abs dlogp after a flip |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         for name, label in (("own", "its own"), ("replay", "replayed")):
             m = r[name]
             lines.append(f"| {r['sampler_dtype']} | {label} | {m['mean_abs']:.3g} | {m['max_abs']:.3g} | "
-                         f"{m['k3']:.3g} | {m['outside']:.3g} | {m['after_flip']:.3g} |")
+                         f"{m['kl']:.3g} | {m['k3']:.3g} | {m['outside']:.3g} | {m['after_flip']:.3g} |")
     lines.append("")
     for r in results:
         lines.append(f"{r['sampler_dtype']} sampler: {r['response_tokens']} response tokens "
