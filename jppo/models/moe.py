@@ -225,15 +225,20 @@ _COLLECTED: contextvars.ContextVar[list | None] = contextvars.ContextVar("jppo_r
 
 
 @contextlib.contextmanager
-def collect_router_stats() -> Iterator[list[RouterStats]]:
-    """Within it, each forward pass of a model with experts appends its :class:`RouterStats` (stacked over the
-    layers with experts) to the list it yields: traced values, to be used in the function being traced (a loss)."""
-    collected: list[RouterStats] = []
-    token = _COLLECTED.set(collected)
+def _collecting(var: contextvars.ContextVar) -> Iterator[list]:
+    """A new list set in ``var`` for the block (the previous one back after it), yielded."""
+    collected: list = []
+    token = var.set(collected)
     try:
         yield collected
     finally:
-        _COLLECTED.reset(token)
+        var.reset(token)
+
+
+def collect_router_stats() -> contextlib.AbstractContextManager[list[RouterStats]]:
+    """Within it, each forward pass of a model with experts appends its :class:`RouterStats` (stacked over the
+    layers with experts) to the list it yields: traced values, to be used in the function being traced (a loss)."""
+    return _collecting(_COLLECTED)
 
 
 def record_router_stats(stats: RouterStats) -> None:
@@ -249,17 +254,11 @@ _ROUTED: contextvars.ContextVar[list | None] = contextvars.ContextVar("jppo_rout
 _REPLAYED: contextvars.ContextVar[Array | None] = contextvars.ContextVar("jppo_replayed_experts", default=None)
 
 
-@contextlib.contextmanager
-def collect_routing() -> Iterator[list[Array]]:
+def collect_routing() -> contextlib.AbstractContextManager[list[Array]]:
     """Within it, each forward pass of a model with experts run layer by layer (the sampler's prefill and decoding
     steps) or by one scan appends its experts ``[Ls, B, T, k]`` int32 (``Ls`` layers with experts) to the list it
     yields (traced values, for the function being traced)."""
-    collected: list[Array] = []
-    token = _ROUTED.set(collected)
-    try:
-        yield collected
-    finally:
-        _ROUTED.reset(token)
+    return _collecting(_ROUTED)
 
 
 def record_routing(experts: Array | list[Array]) -> None:
