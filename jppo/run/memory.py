@@ -114,7 +114,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 from jppo.config import TrainConfig
 from jppo.parallel.mesh import MESH_AXES, decoding_shards, row_shards_of
