@@ -5,7 +5,7 @@
 Runs each quickstart config of ``RUNS`` to its end (``python -m jppo.train``, one subprocess each, into
 ``DIR/<name>``; a run already complete there is read, not rerun), the SFT-then-GRPO comparison
 (``python -m bench.sft_to_rl`` into ``DIR/sft_to_rl``, read when its result is there), plans the GSM8K configs on one device
-(``jppo.run.memory``, nothing allocated), and writes ``docs/measured/numbers.json`` (each number as the pages quote
+(``jppo.preflight.memory``, nothing allocated), and writes ``docs/measured/numbers.json`` (each number as the pages quote
 it) and ``docs/measured/README.md`` (the same with where each comes from). A page quotes a number as
 ``<!--m:KEY-->VALUE``; ``tests/test_docs.py`` checks that every such VALUE is the file's, and ``--pages`` rewrites
 them from it. Times are recorded with the machine's load: they are not quoted, since a shared machine inflates them,
@@ -168,7 +168,7 @@ def plan_numbers() -> dict[str, str]:
     4096-token rows): the peak, the sampler's KV caches, and the peak with the reference kept in float32."""
     from bench.plan_table import MODELS, write_checkpoints  # noqa: PLC0415
     from jppo.config import check_mesh, load_config  # noqa: PLC0415
-    from jppo.run.memory import memory_plan  # noqa: PLC0415
+    from jppo.preflight.memory import memory_plan  # noqa: PLC0415
 
     numbers = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -209,7 +209,7 @@ def markdown(record: dict) -> str:
              "each quoted there as `<!--m:KEY-->VALUE` and checked by `tests/test_docs.py`.", "",
              f"Machine: {record['machine']}.", "", "| key | value | from |", "|---|---|---|"]
     for key, value in record["numbers"].items():
-        lines.append(f"| `{key}` | {value} | {record['sources'].get(key.split('.')[0], 'jppo.run.memory')} |")
+        lines.append(f"| `{key}` | {value} | {record['sources'].get(key.split('.')[0], 'jppo.preflight.memory')} |")
     lines += ["", "Runs (the training time is the sum of `timing/step`; a shared machine inflates it):", ""]
     for name, source in record["runs"].items():
         lines.append(f"- `{name}`: `{source['command']}`, {source['steps']} steps, {source['training_s']} s of "

@@ -16,7 +16,7 @@ import tempfile
 from bench.real_size import QWEN2_5_0_5B
 from jppo.config import check_mesh, load_config
 from jppo.models import ModelConfig
-from jppo.run.memory import human, memory_plan
+from jppo.preflight.memory import human, memory_plan
 
 CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "qwen2_5_0_5b_gsm8k_grpo.yaml"
 TERMS = ("parameters/actor", "parameters/reference", "optimizer_state/actor", "gradients/actor",

@@ -2,13 +2,13 @@
 
     python -m bench.plan_table [--markdown]
 
-Each cell is ``python -m jppo.plan``'s peak (:func:`jppo.run.memory.memory_plan`) for
+Each cell is ``python -m jppo.plan``'s peak (:func:`jppo.preflight.memory.memory_plan`) for
 ``configs/qwen2_5_0_5b_gsm8k_grpo.yaml`` (GRPO, 128 prompts x 5, prompts 512 + responses 512 tokens, token budget
 4096, bfloat16 compute over float32 weights, remat, KL loss: a reference policy, FSDP over every device) with the
 model's shape taken from its Hugging Face ``config.json`` (written here from the numbers below; no weights are
 read or downloaded). LoRA: rank 64 on every projection (``actor.lora.rank=64``). A cell is marked when the peak
 exceeds what JAX's allocator takes of an H200 (0.75 of its 141 GB, :func:`jppo.plan.allocator_bytes`). Nothing is
-measured: the plan's terms and how they compared with a measured run are in ``jppo/run/memory.py`` and
+measured: the plan's terms and how they compared with a measured run are in ``jppo/preflight/memory.py`` and
 ``bench/real_size.py``.
 """
 
@@ -21,7 +21,7 @@ import tempfile
 
 from jppo.config import check_mesh, load_config
 from jppo.plan import allocator_bytes
-from jppo.run.memory import memory_plan
+from jppo.preflight.memory import memory_plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "qwen2_5_0_5b_gsm8k_grpo.yaml"

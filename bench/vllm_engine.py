@@ -40,7 +40,7 @@ from bench.timing import time_side_by_side  # noqa: E402
 from jppo.config.schema import VLLMSection  # noqa: E402
 from jppo.models import CausalLM, ModelConfig, create_model  # noqa: E402
 from jppo.parallel.mesh import make_mesh  # noqa: E402
-from jppo.rollout import EngineSpec, JppoEngine, SamplingParams, vllm_engine  # noqa: E402
+from jppo.rollout import RolloutEngineSpec, JppoEngine, SamplingParams, vllm_engine  # noqa: E402
 
 GSM8K_SHAPE = dict(prompts=8, n=8, prompt_length=64, new_tokens=128, hidden=256, intermediate=1024, layers=4,
                    heads=4, vocab=1024)
@@ -59,7 +59,7 @@ def rollout_and_push(shape: dict, repeats: int) -> dict:
     from flax import nnx
 
     graphdef, state = nnx.split(model, nnx.Param)
-    engine = vllm_engine.start(EngineSpec(config, shape["prompt_length"] + shape["new_tokens"], 0, OPTIONS, model))
+    engine = vllm_engine.start(RolloutEngineSpec(config, shape["prompt_length"] + shape["new_tokens"], 0, OPTIONS, model))
     params = SamplingParams(max_new_tokens=shape["new_tokens"], temperature=1.0, n=shape["n"])  # no EOS
     ours = JppoEngine(None).sampler(graphdef, 0, mesh, params, shape["prompt_length"])
     theirs = engine.sampler(graphdef, 0, mesh, params, shape["prompt_length"])

@@ -1,6 +1,6 @@
 """``python -m jppo.audit --config CFG [key.sub=value ...]``: does this configuration keep the contract?
 
-The audit of :mod:`jppo.run.audit` (which says what it compares and prints, and when a row is decided in float64);
+The audit of :mod:`jppo.preflight.audit` (which says what it compares and prints, and when a row is decided in float64);
 the exit status is 0 within tolerance, 1 outside it, 2 for a bad setting (one line on stderr, found before or while
 the audit runs).
 """
@@ -17,7 +17,7 @@ from jppo import cli
 from jppo.config.applies import sets_sft
 from jppo.parallel import distributed
 from jppo.run import build, sft
-from jppo.run.audit import FLOAT64_TOLERANCE, audit, audit_sft, tolerance_of
+from jppo.preflight.audit import FLOAT64_TOLERANCE, audit, audit_sft, tolerance_of
 
 
 def options(parser: argparse.ArgumentParser) -> None:

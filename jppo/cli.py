@@ -57,10 +57,10 @@ def parse_args(
 
 def load_config(args: argparse.Namespace, data_files: bool = True, sft: Optional[bool] = None):
     """The checked, frozen config of ``--config`` and the overrides: the config layer's checks and every
-    component's (:mod:`jppo.config.components` registers them), before anything compiles (``data_files`` False:
+    component's (:mod:`jppo.run.checks` registers them), before anything compiles (``data_files`` False:
     the prompt files are not read, for what needs only shapes: compiling for a target; ``sft``: checked as an SFT
     run's, True, or an RL run's, False; None: as the config says, :func:`jppo.config.applies.sets_sft`)."""
-    import jppo.config.components  # noqa: F401, PLC0415 (registers the components' checks; plot's --help needs none)
+    import jppo.run.checks  # noqa: F401, PLC0415 (registers the components' checks; plot's --help needs none)
     from jppo.config import load_config as load  # noqa: PLC0415 (plot's --help reads no config)
 
     return load(args.config, args.overrides, data_files, sft)
@@ -78,7 +78,7 @@ def start_processes(command: str, cfg, args: argparse.Namespace, check: Callable
     """What a command that runs the models does before anything compiles: the persistent compilation cache
     (``trainer.compilation_cache``); the processes (the multi-process flags); ``check()``, whose value is returned;
     then the cache and the XLA environment, logged."""
-    from jppo.run import compile_cache  # noqa: PLC0415
+    from jppo.parallel import compile_cache  # noqa: PLC0415
 
     log = logging.getLogger(f"jppo.{command}")
     cache = compile_cache.apply(cfg.trainer.compilation_cache)  # before anything compiles
@@ -99,7 +99,7 @@ def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int, i
     def checked() -> tuple[int, int, int, int]:
         shape = check_mesh(cfg, jax.device_count(), jax.process_count())
         if cfg.rollout.devices:  # a device that cannot hold the sampler: refused before anything compiles
-            from jppo.run.split_memory import check_rollout_fits  # noqa: PLC0415
+            from jppo.preflight.split_memory import check_rollout_fits  # noqa: PLC0415
 
             # this process's own last device (a rollout device): JAX keeps no memory stats of another process's
             check_rollout_fits(cfg, (jax.local_devices()[-1].memory_stats() or {}).get("bytes_limit"))

@@ -20,7 +20,8 @@ from jppo.parallel import distributed
 from jppo.run.rollout_mesh import run_meshes
 from jppo.run import build
 from jppo.run.evaluate import evaluate_and_write
-from jppo.run.loop import plan_resume, restore
+from jppo.run.lifecycle import read_resume
+from jppo.run.loop import restore
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -44,7 +45,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         # the run's meshes: with rollout.devices its samplers evaluate on the rollout's own devices, as in training
         mesh, rollout_mesh = run_meshes(jax.devices(), mesh_shape, cfg.rollout.devices)
-        resume = plan_resume(cfg, run_path(cfg.trainer.output_dir) / "checkpoints")  # a local folder or a gs:// URI
+        resume = read_resume(cfg, run_path(cfg.trainer.output_dir) / "checkpoints")  # a local folder or a gs:// URI
         state, collector, _, _, _ = restore(cfg, mesh, inputs, resume, rollout_mesh)
         report = evaluate_and_write(collector, state, resume.checkpoint, out)
     except ConfigError as error:  # a checkpoint that does not match the config, or a limit only the data can break

@@ -1,12 +1,12 @@
 """``python -m jppo.plan --config CFG [--devices N] [--json] [key.sub=value ...]``: the memory a run needs on each
-device, computed from the config and the model's shapes before anything is allocated (:mod:`jppo.run.memory`).
+device, computed from the config and the model's shapes before anything is allocated (:mod:`jppo.preflight.memory`).
 
 ``--compile-for TARGET`` compiles every program of the run for a TPU slice or GPU nodes on this machine, with no
-accelerator, weight or data file (:mod:`jppo.run.compiled`), and prints per program XLA's bytes per device beside
+accelerator, weight or data file (:mod:`jppo.preflight.compiled`), and prints per program XLA's bytes per device beside
 the plan's, its collectives and its flops; exit status 1 when a program does not compile or does not fit.
 
 A config that sets the ``sft`` section is ``python -m jppo.sft``'s: its plan is the SFT update's
-(:mod:`jppo.run.sft_memory`), on the mesh that command makes."""
+(:mod:`jppo.preflight.sft_memory`), on the mesh that command makes."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import argparse
 import json
 import os
 import sys
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 from jppo import cli
 from jppo.config import ConfigError, check_mesh
 from jppo.config.applies import sets_sft
-from jppo.run.memory import MemoryPlan, human, memory_plan, program_bytes
-
-DEFAULT_MEM_FRACTION = 0.75  # the share of a GPU's memory JAX's allocator takes unless XLA_PYTHON_CLIENT_MEM_FRACTION
+from jppo.preflight import fit
+from jppo.preflight.footprint import human
+from jppo.preflight.memory import MemoryPlan
 
 
 def options(parser: argparse.ArgumentParser) -> None:
@@ -33,36 +33,6 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", type=float, metavar="GIB",
                         help="memory of one device in GiB, to check the peak against what JAX's allocator takes of "
                              "it (default: this machine's first device, when JAX reports its limit)")
-
-
-def allocator_bytes(device_bytes: int, environ: Mapping[str, str]) -> int:
-    """What JAX's allocator takes of a device of ``device_bytes``: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of it (0.75
-    unless set), as it preallocates on a GPU."""
-    fraction = environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    try:
-        share = DEFAULT_MEM_FRACTION if fraction is None else float(fraction)
-    except ValueError:
-        raise ConfigError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction!r} must be a number in (0, 1]") from None
-    return int(device_bytes * share)
-
-
-def this_devices_limit() -> Optional[int]:
-    """The allocator's limit on this machine's first device, as JAX reports it (None: it reports none, the CPU)."""
-    import jax  # noqa: PLC0415 (only when planning for this machine)
-
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit")
-
-
-def over_limit(plan: MemoryPlan, limit: Optional[int], source: str, remat: bool = False) -> Optional[str]:
-    """One warning line when the plan's peak exceeds ``limit`` bytes (what the allocator takes, from ``source``),
-    suggesting only what the config has not done yet (``remat``: ``model.remat`` is already on)."""
-    if limit is None or plan.peak_bytes <= limit:
-        return None
-    remedies = "shard more (mesh.fsdp) or cut smaller micro-batches" + (
-        " (model.remat is already on)" if remat else ", or turn on model.remat")
-    return (f"jppo.plan: warning: the peak of {human(plan.peak_bytes)} per device exceeds the {human(limit)} JAX's "
-            f"allocator takes ({source}): expect out-of-memory; {remedies}")
 
 
 def table(plan: MemoryPlan) -> str:
@@ -114,15 +84,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             import jax  # noqa: PLC0415 (only to count this machine's devices)
 
             args.devices = jax.device_count()
-        plans = sft_plans(cfg, args.devices) if sets_sft(cfg) else mesh_plans(cfg, check_mesh(cfg, args.devices))
+        plans = (fit.sft_plans(cfg, args.devices) if sets_sft(cfg)
+                 else fit.mesh_plans(cfg, check_mesh(cfg, args.devices)))
         if args.device_memory is not None:
             if args.device_memory <= 0:
                 raise ConfigError(f"--device-memory={args.device_memory} must be > 0 (GiB)")
-            limit = allocator_bytes(int(args.device_memory * 2**30), os.environ)
-            fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION)
+            limit = fit.allocator_bytes(int(args.device_memory * 2**30), os.environ)
+            fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", fit.DEFAULT_MEM_FRACTION)
             source = f"{fraction} of --device-memory={args.device_memory:g} GiB, XLA_PYTHON_CLIENT_MEM_FRACTION"
         else:
-            limit, source = this_devices_limit(), "this machine's device"
+            limit, source = fit.this_devices_limit(), "this machine's device"
     except cli.INPUT_ERRORS as error:
         return cli.fail("plan", error)
     plan, rollout = plans
@@ -135,28 +106,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"training mesh (the first devices)\n{table(plan)}\n\n"
               f"rollout mesh (the last rollout.devices={cfg.rollout.devices})\n{table(rollout)}")
     for each in plans:
-        warning = each is not None and over_limit(each, limit, source, remat=cfg.model.remat)
+        warning = each is not None and fit.over_limit(each, limit, source, remat=cfg.model.remat)
         if warning:
             print(warning, file=sys.stderr)
     return 0
-
-
-def mesh_plans(cfg, training_shape, platform: str = "gpu") -> tuple[MemoryPlan, Optional[MemoryPlan]]:
-    """The training mesh's plan and, with ``rollout.devices``, the rollout mesh's (:mod:`jppo.run.split_memory`);
-    None without one (the sampler's terms are then the training mesh's)."""
-    if not cfg.rollout.devices:
-        return memory_plan(cfg, training_shape, platform), None
-    from jppo.run.split_memory import split_plans  # noqa: PLC0415
-
-    return split_plans(cfg, training_shape, platform)
-
-
-def sft_plans(cfg, devices: int) -> tuple[MemoryPlan, None]:
-    """An SFT config's plan (:mod:`jppo.run.sft_memory`) on the mesh ``python -m jppo.sft`` makes of ``devices``."""
-    from jppo.run import sft  # noqa: PLC0415 (the SFT loop: its mesh and engine config)
-    from jppo.run.sft_memory import sft_plan  # noqa: PLC0415
-
-    return sft_plan(cfg, sft.mesh_shape(cfg, devices)), None
 
 
 def compile_for(args: argparse.Namespace) -> int:
@@ -173,44 +126,14 @@ def compile_for(args: argparse.Namespace) -> int:
         if sets_sft(cfg):
             raise ConfigError("--compile-for compiles the programs of an RL run; this config sets the sft section "
                               "(python -m jppo.sft's): plan it without --compile-for")
-        from jppo.run import compiled, targets  # noqa: PLC0415 (jax and the models: only when compiling)
-
-        target = targets.target(args.compile_for)
-        mesh_shape = check_mesh(cfg, len(target.devices), target.hosts)
-        planned = program_bytes(cfg, mesh_shape, target.platform)
-        if cfg.rollout.devices:  # the sampler's programs run on the rollout mesh: each its own batch's terms there
-            from jppo.run.split_memory import rollout_program_bytes  # noqa: PLC0415
-
-            planned.update({name: size for name, size in rollout_program_bytes(cfg, target.platform).items()
-                            if name in planned})
-        limit = target.device_memory
-        if limit is not None and target.platform == "gpu":
-            limit = allocator_bytes(limit, os.environ)
-        programs = compiled.compile_run(cfg, target)
+        report = fit.compiled_report(cfg, args.compile_for, os.environ)
     except cli.INPUT_ERRORS as error:
         return cli.fail("plan", error)
-    report = compiled_report(target, mesh_shape, limit, programs, planned)
-    if cfg.rollout.devices:
-        report["rollout_mesh"] = {"data": cfg.rollout.devices, "fsdp": 1, "tensor": 1, "sequence": 1}
     print(json.dumps(report, indent=2) if args.json else compiled_table(report))
     fails = [p["name"] for p in report["programs"] if not p["compiled"] or not p["fits"]]
     if fails:
         print(f"jppo.plan: {', '.join(fails)}: did not compile or does not fit {args.compile_for}", file=sys.stderr)
     return 1 if fails else 0
-
-
-def compiled_report(target, mesh_shape, limit: Optional[int], programs, planned: dict) -> dict:
-    from jppo.parallel.mesh import MESH_AXES  # noqa: PLC0415
-
-    rows = []
-    for p in programs:
-        fits = p.compiled and (limit is None or p.peak_bytes <= limit)
-        rows.append({"name": p.name, "compiled": p.compiled, "error": p.error, "xla_bytes": p.xla_bytes,
-                     "plan_bytes": planned.get(p.name), "peak_bytes": p.peak_bytes, "fits": fits,
-                     "collectives": p.collectives, "decode_step_collectives": p.decode_step_collectives,
-                     "flops": p.flops})
-    return {"target": target.name, "devices": len(target.devices), "hosts": target.hosts,
-            "mesh": dict(zip(MESH_AXES, mesh_shape)), "device_memory": limit, "programs": rows}
 
 
 def compiled_table(report: dict) -> str:

@@ -1,7 +1,7 @@
 """``python -m jppo.sft --config configs/quickstart_sft.yaml [key.sub=value ...]``: supervised fine-tuning
 (:mod:`jppo.run.sft`) on every device of every process the multi-process flags start, with the RL update's engine,
 normalizers, checkpoints and loggers. Exit status: 0 done, 2 a bad input (one line, before anything compiles: a
-key, a file, a row of the data), 75 (:data:`~jppo.run.preemption.PREEMPTED_EXIT`) stopped by SIGTERM or SIGUSR1
+key, a file, a row of the data), 75 (:data:`~jppo.parallel.preemption.PREEMPTED_EXIT`) stopped by SIGTERM or SIGUSR1
 after a checkpoint (run the same command again to continue)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jppo import cli
 from jppo.config import ConfigError
 from jppo.parallel import distributed
 from jppo.run import sft
-from jppo.run.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
+from jppo.parallel.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """``python -m jppo.train --config configs/quickstart.yaml [key.sub=value ...]``: the PPO / GRPO training loop of
 :mod:`jppo.run.loop`, on every device of every process the multi-process flags start. Exit status: 0 done, 2 a bad
-input (one line), 75 (:data:`~jppo.run.preemption.PREEMPTED_EXIT`) stopped by SIGTERM or SIGUSR1 after a
+input (one line), 75 (:data:`~jppo.parallel.preemption.PREEMPTED_EXIT`) stopped by SIGTERM or SIGUSR1 after a
 checkpoint (run the same command again to continue)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jppo.config import ConfigError, TrainConfig, check_mesh
 from jppo.parallel import distributed
 from jppo.run import build
 from jppo.run.loop import run
-from jppo.run.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
+from jppo.parallel.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -30,18 +30,18 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def dry_run(cfg: TrainConfig, args: argparse.Namespace) -> str:
     """``--distributed dry-run``: how this process would start and the mesh it would train on, without starting.
     A single process counts its own devices; several assume every process drives as many as this one."""
-    plan = distributed.start_plan(args)
-    devices = plan.num_devices
-    if devices is None and plan.num_processes == 1 and plan.local_device_ids is None:
+    start = distributed.process_start(args)
+    devices = start.num_devices
+    if devices is None and start.num_processes == 1 and start.local_device_ids is None:
         devices = jax.device_count()
     if devices is None:
         mesh = "mesh: decided once JAX has started (the device count is not known before)"
     else:
-        shape = check_mesh(cfg, devices, plan.num_processes)
+        shape = check_mesh(cfg, devices, start.num_processes)
         mesh = f"mesh (data, fsdp, tensor, sequence, expert): {shape} over {devices - cfg.rollout.devices} devices"
         if cfg.rollout.devices:
             mesh += f", the rollout on the other {cfg.rollout.devices} (rollout.devices)"
-    return f"jppo.train: dry run: {plan.describe()}; {mesh}"
+    return f"jppo.train: dry run: {start.describe()}; {mesh}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -23,7 +23,7 @@ def signal_at(monkeypatch, step: int, point: str, number: int) -> None:
     current, fired, train_step, original = [0], [], loop.train_step, getattr(owner, name)
 
     def counted(collector, learner, state, *args):
-        current[0] = state.steps_done + 1
+        current[0] = int(state.step) + 1
         return train_step(collector, learner, state, *args)
 
     def signalled(*args, **kwargs):

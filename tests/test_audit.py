@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from jppo.audit import main
-from jppo.run.audit import mesh_shapes, row_verdict
+from jppo.preflight.audit import row_verdict
+from jppo.preflight.audit_cuts import mesh_shapes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "quickstart.yaml")
@@ -147,7 +148,7 @@ def test_audit_covers_rollout_correction_and_fails_on_any_metric_or_later_step(c
     test_rollout_correction; one audit run for all checks keeps this file's time down)."""
     import jax
 
-    import jppo.run.audit as audit_module
+    import jppo.preflight.audit as audit_module
 
     real = audit_module.run_updates
 

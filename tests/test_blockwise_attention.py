@@ -17,7 +17,7 @@ from jppo.models import CausalLM, ModelConfig, create_model, token_log_probs
 from jppo.models.attention import AttentionRule, blockwise_attention
 from jppo.models.layers import AUTO_LONG_ROW, attention, reference_attention, resolve_attention
 from jppo.models.pallas_attention import pallas_attention
-import jppo.config.components  # noqa: F401 (the components' checks of a config, as every command loads them)
+import jppo.run.checks  # noqa: F401 (the components' checks of a config, as every command loads them)
 from test_attention import packed_segments  # rows packed with sequences of given lengths (a 0: an empty segment)
 
 # Both sides take float32 softmaxes of the same float32 scores; the blocks only regroup the sums (an online
@@ -195,7 +195,7 @@ def test_a_block_size_that_does_not_fit_is_a_one_line_config_error(overrides, me
 
 
 def test_the_plan_puts_blocked_attention_activations_linear_in_the_row():
-    from jppo.run.footprint import activation_bytes, attention_block_bytes
+    from jppo.preflight.footprint import activation_bytes, attention_block_bytes
 
     mesh = {"data": 1, "fsdp": 1, "tensor": 1}
     dense = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4)

@@ -112,7 +112,7 @@ def test_training_and_the_audit_build_the_same_models_and_an_actor_alone_is_the_
     """LoRA on both roles and a KL reference: the trainer's models (``setup``), the audit's and the export's
     actor (``roles=("actor",)``, no reference) come out of :func:`build.models` with the same arrays; the seed
     decides the random weights of both roles."""
-    from jppo.run.audit import build_roles
+    from jppo.preflight.audit import build_roles
     from jppo.run.loop import setup
 
     cfg = load_config(QUICKSTART_LORA, [
@@ -161,7 +161,7 @@ def test_every_command_runs_the_components_checks_before_it_compiles():
         others = source.replace("cli.load_config(", "")
         assert "cli.load_config(args" in source and "load_config(" not in others, command
     assert "jppo.run.build" in imported_modules(ROOT / "jppo" / "run" / "export.py")
-    assert "jppo.config.components" in imported_modules(ROOT / "jppo" / "run" / "build.py")
+    assert "jppo.run.checks" in imported_modules(ROOT / "jppo" / "run" / "build.py")
     result = subprocess.run([sys.executable, "-m", "jppo.plan", "--config", str(QUICKSTART), "actor.policy_loss=nope"],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr

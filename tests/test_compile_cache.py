@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
-from jppo.run import compile_cache
-from jppo.run.compile_cache import CachePlan, plan
+from jppo.parallel import compile_cache
+from jppo.parallel.compile_cache import CacheChoice, choose
 from jppo.config import ConfigError, load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -28,18 +28,18 @@ def restored_jax_cache():
 
 
 def test_auto_is_the_users_cache_folder_unless_jax_has_one():
-    assert plan("auto", None, {"XDG_CACHE_HOME": "/x/cache", "HOME": "/home/u"}) == CachePlan(
+    assert choose("auto", None, {"XDG_CACHE_HOME": "/x/cache", "HOME": "/home/u"}) == CacheChoice(
         True, pathlib.Path("/x/cache/jppo/xla"))
     for environ in ({"HOME": "/home/u"}, {"XDG_CACHE_HOME": "", "HOME": "/home/u"}):
-        assert plan("auto", None, environ) == CachePlan(True, pathlib.Path("/home/u/.cache/jppo/xla"))
+        assert choose("auto", None, environ) == CacheChoice(True, pathlib.Path("/home/u/.cache/jppo/xla"))
     # a folder JAX was given (JAX_COMPILATION_CACHE_DIR, or the program's own setting) is left as configured
-    assert plan("auto", "/elsewhere", {"HOME": "/home/u"}) == CachePlan(True, None)
+    assert choose("auto", "/elsewhere", {"HOME": "/home/u"}) == CacheChoice(True, None)
 
 
 def test_off_and_an_explicit_folder_win_over_jax_s_setting(tmp_path):
-    assert plan("off", "/elsewhere", {"HOME": "/home/u"}) == CachePlan(False, None)
-    assert plan(str(tmp_path / "xla"), "/elsewhere", {}) == CachePlan(True, tmp_path / "xla")
-    assert plan("~/xla", None, {}).folder == pathlib.Path("~/xla").expanduser()
+    assert choose("off", "/elsewhere", {"HOME": "/home/u"}) == CacheChoice(False, None)
+    assert choose(str(tmp_path / "xla"), "/elsewhere", {}) == CacheChoice(True, tmp_path / "xla")
+    assert choose("~/xla", None, {}).folder == pathlib.Path("~/xla").expanduser()
 
 
 def test_a_chosen_folder_caches_even_a_program_that_compiles_at_once(tmp_path, restored_jax_cache):
@@ -66,7 +66,7 @@ def test_auto_leaves_a_configured_jax_cache_alone(restored_jax_cache):
 def test_off_written_on_the_command_line_is_off_not_a_folder(written):
     """YAML reads an unquoted ``off`` as the boolean false, which the string key holds as ``"False"``."""
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", [f"trainer.compilation_cache={written}"])
-    assert plan(cfg.trainer.compilation_cache, "/elsewhere", {"HOME": "/home/u"}) == CachePlan(False, None)
+    assert choose(cfg.trainer.compilation_cache, "/elsewhere", {"HOME": "/home/u"}) == CacheChoice(False, None)
 
 
 @pytest.mark.parametrize("written", ["none", "null", "None", "NULL", "'null'", "' Off '"])

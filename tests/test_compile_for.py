@@ -16,8 +16,8 @@ import pytest
 
 from jppo import plan
 from jppo.config import check_mesh, load_config
-from jppo.run import compiled, targets
-from jppo.run.memory import program_bytes
+from jppo.preflight import compiled, targets
+from jppo.preflight.memory import program_bytes
 
 TARGET = "v5p:2x2x2"
 TINY = ["trainer.val_every=0", "actor.ppo_epochs=1", "critic.ppo_epochs=1"]
@@ -100,7 +100,7 @@ def test_flops_are_xlas_own_count_with_loops_multiplied_out(v5p):
     import numpy as np  # noqa: PLC0415
     from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
 
-    from jppo.run import hlo  # noqa: PLC0415
+    from jppo.preflight import hlo  # noqa: PLC0415
 
     mesh = Mesh(np.array(v5p.devices).reshape(2, 4), ("a", "b"))
     arg = lambda *shape, spec=PartitionSpec(): jax.ShapeDtypeStruct(  # noqa: E731

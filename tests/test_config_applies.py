@@ -22,7 +22,7 @@ from jppo.run import build  # noqa: F401 (loads every component's config check, 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART_GRPO = ROOT / "configs" / "quickstart_grpo.yaml"
 # Where a key is validated, not used: reads there do not count as the run reading it.
-VALIDATORS = {"jppo/config/check.py", "jppo/config/components.py", "jppo/config/applies.py",
+VALIDATORS = {"jppo/config/check.py", "jppo/run/checks.py", "jppo/config/applies.py",
               "jppo/config/reference.py", "jppo/core/checks.py"}
 # Keys whose only reader is a check, by their last name, each with why that is enough (a check that refuses every
 # value but the default): none today (lora.dropout, refused unless 0, is also written to a PEFT export's config).

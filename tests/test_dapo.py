@@ -12,9 +12,9 @@ import pytest
 
 from engine_cases import ragged_batch
 from jppo.run import build
-from jppo.run.collect import kept_rows_only
+from jppo.run.filters import kept_rows_only
 from jppo.config import ConfigError, check_mesh, load_config
-from jppo.run.dynamic_sampling import DynamicSamplingError, Scored, concat, sampling_metrics, varied_groups
+from jppo.run.filters import DynamicSamplingError, Scored, concat, sampling_metrics, varied_groups
 from jppo.core.experience import Experience
 from jppo.models.decoder import CausalLM
 from jppo.rewards import overlong_penalty

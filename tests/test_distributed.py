@@ -391,8 +391,8 @@ def test_a_gce_tpu_pod_is_found_through_the_metadata_server(monkeypatch, metadat
     monkeypatch.setenv("GCE_METADATA_IP", metadata_server)
     monkeypatch.setattr(distributed, "PCI_DEVICES", fake_pci(tmp_path, {"0000:00:05.0": ("0x1ae0", "0x005e")}))
     assert distributed.settings(start_args()) == {}
-    plan = distributed.start_plan(start_args("--distributed", "dry-run"))
-    assert (plan.num_processes, plan.process_id) == (4, 1)
+    start = distributed.process_start(start_args("--distributed", "dry-run"))
+    assert (start.num_processes, start.process_id) == (4, 1)
     from jax._src.clusters import cloud_tpu_cluster  # noqa: PLC0415 (the detection jax.distributed.initialize runs)
 
     for key, value in _Metadata.attributes.items():  # JAX's own reading of the same server agrees

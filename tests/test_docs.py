@@ -41,7 +41,7 @@ from bench import docs_numbers
 from bench.plan_table import MODELS, write_checkpoints
 from jppo import cli
 from jppo.config import ConfigError, check_mesh
-from jppo.run import targets
+from jppo.preflight import targets
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -21,7 +21,7 @@ from jppo.models.decoder import CausalLM
 from jppo.models.moe import gather_routed
 from jppo.models.sharding import create_model
 from jppo.parallel.mesh import make_mesh
-from jppo.run import compiled, footprint, memory, targets
+from jppo.preflight import compiled, footprint, memory, targets
 
 CONFIG = ModelConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,

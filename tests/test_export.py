@@ -22,7 +22,8 @@ from jppo.export import main
 from jppo.parallel.mesh import make_mesh
 from jppo.models import load_pretrained
 from jppo.rollout import SamplingParams, generate, pad_prompts
-from jppo.run.loop import run, save, setup
+from jppo.run.lifecycle import save
+from jppo.run.loop import run, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

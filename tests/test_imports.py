@@ -1,4 +1,5 @@
-"""The package's import graph: no cycle between its modules, and ``import jppo.config`` stays in the config layer.
+"""The package's import graph: no import from a lower layer up to a higher one, no cycle between its modules, and
+``import jppo.config`` stays in the config layer.
 
 A cycle held apart by an import inside a function still ties its modules into one: neither can be read, tested or
 moved without the other, and which one loads first decides whether the program starts. The graph is read from the
@@ -176,6 +177,41 @@ def test_the_graph_sees_imports_in_functions_and_skips_type_checking():
     assert found == {"jppo.p", "jppo.p.b", "jppo.p.c"}
 
 
+# The floors of the house, the ground first (docs/layout.md draws them): a module imports only from its own floor
+# and the floors below. Each package of jppo stands on one floor, so a new package must be placed here.
+FLOORS = (
+    ("core",),                                            # the batch type, masked reductions, metric pairs, registries
+    ("losses", "advantages", "parallel", "data", "runlog"),  # pure math; devices and processes; prompts; reports
+    ("models",),                                          # the decoder, its layout, LoRA, Hugging Face files
+    ("engine", "rollout"),                                # the jitted programs: an update, the sampler
+    ("rewards",),                                         # scoring responses (a reward model runs the engine)
+    ("config",),                                          # the typed configuration and its views per component
+    ("run",),                                             # the training run, RL and SFT
+    ("preflight",),                                       # before a run: the memory plan, compiling for a target, the audit
+    ("cli",),                                             # the commands' shared plumbing
+    ("train", "sft", "eval", "audit", "export", "plan", "plot"),  # the commands
+)
+
+
+def floor_of(module: str) -> int:
+    """The floor of ``module`` (``jppo``, the package's face, is the ground: it imports nothing)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return 0
+    return next(i for i, names in enumerate(FLOORS) if parts[1] in names)
+
+
+def test_every_package_stands_on_a_floor():
+    unplaced = sorted({m.split(".")[1] for m in import_graph() if "." in m} - {n for f in FLOORS for n in f})
+    assert not unplaced, f"packages on no floor of FLOORS (place them): {unplaced}"
+
+
+def test_no_import_runs_back_up_a_floor():
+    graph = import_graph()
+    upward = sorted((a, b) for a, edges in graph.items() for b in edges if floor_of(b) > floor_of(a))
+    assert not upward, "imports from a lower floor up to a higher one:\n" + "\n".join(f"{a} -> {b}" for a, b in upward)
+
+
 def test_no_import_cycle_between_modules():
     graph = import_graph()
     cycles = [a_cycle(graph, c) for c in strongly_connected(graph) if len(c) > 1]
@@ -205,22 +241,22 @@ def test_loading_and_checking_a_config_loads_the_config_layer_and_core_only():
         assert not beyond, f"{what} loads {len(modules)} modules, beyond the config layer and core: {beyond}"
     assert {"jppo.config.load", "jppo.config.schema"} <= imported
     assert {"jppo.config.check", "jppo.core.checks"} <= loaded
-    assert "jppo.config.components" not in loaded  # the components' checks load with the components
+    assert "jppo.run.checks" not in loaded  # the components' checks load with the components
 
 
 def test_every_component_check_is_loaded_by_every_command():
-    """What registers a check of a config is imported by :mod:`jppo.config.components`, which every command
+    """What registers a check of a config is imported by :mod:`jppo.run.checks`, which every command
     loads before it reads its config (``cli.load_config``) and ``jppo.run.build`` loads with the models."""
     graph = import_graph()
     registering = {name for name, path in ((module_name(p), p) for p in PACKAGE.rglob("*.py"))
                    if "@register_config_check(" in path.read_text() and name != "jppo.core.checks"}
-    assert registering >= {"jppo.config.components", "jppo.data.tasks", "jppo.rewards.reward_fn",
-                           "jppo.run.compile_cache", "jppo.run.dynamic_sampling", "jppo.runlog"}
-    reached, frontier = set(), ["jppo.config.components"]
+    assert registering >= {"jppo.run.checks", "jppo.data.tasks", "jppo.rewards.reward_fn",
+                           "jppo.parallel.compile_cache", "jppo.run.filters", "jppo.runlog"}
+    reached, frontier = set(), ["jppo.run.checks"]
     while frontier:
         node = frontier.pop()
         if node not in reached:
             reached.add(node)
             frontier.extend(graph[node])
     assert registering <= reached, f"not loaded with the components' checks: {sorted(registering - reached)}"
-    assert "jppo.config.components" in graph["jppo.cli"] and "jppo.config.components" in graph["jppo.run.build"]
+    assert "jppo.run.checks" in graph["jppo.cli"] and "jppo.run.checks" in graph["jppo.run.build"]

@@ -264,7 +264,7 @@ def test_lora_runs_do_not_depend_on_the_mesh_or_the_cut_and_resume_exactly(lora_
 
 
 def test_the_memory_plan_counts_only_the_adapters_in_the_optimizer_and_no_reference_copy():
-    from jppo.run.memory import memory_plan
+    from jppo.preflight.memory import memory_plan
 
     overrides = ["actor.use_kl_loss=true", "mesh.data=1"]
     cfg = load_config(QUICKSTART_LORA, overrides)

@@ -1,6 +1,6 @@
 """Parity of jppo's loss terms with values computed by verl's own functions (float64 golden vectors).
 
-How verl's calls map onto jppo (CONTRACT.md section 7):
+How verl's calls map onto jppo (docs/contract.md#checked-against-verls-own-functions):
 
 - verl without global arguments ("local") == jppo with the call's own counts: ``N``, ``S`` = non-empty rows, and for
   ``seq-mean-token-sum-norm`` ``C`` = the padded width L = 16 (verl's default; jppo never defaults to a width, so

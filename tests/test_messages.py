@@ -13,7 +13,7 @@ from jppo import plan
 from jppo.config import ConfigError, load_config
 from jppo.core.errors import InvalidSetting
 from jppo.rollout import vllm_engine
-from jppo.run.audit import parse_meshes
+from jppo.preflight.audit_cuts import parse_meshes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

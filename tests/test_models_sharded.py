@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jppo.parallel.mesh import batch_spec, make_mesh
-from jppo.run import hlo
+from jppo.preflight import hlo
 from jppo.models import (CausalLM, ModelConfig, ValueModel, create_model, load_pretrained, param_shardings,
                          partition_specs, save_pretrained, token_log_probs)
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jppo.advantages.estimate import compute_advantages
-from jppo.run.collect import decode_responses, overlong_filtered, truncated_rows
+from jppo.run.collect import decode_responses
+from jppo.run.filters import overlong_filtered, truncated_rows
 from jppo.rewards.placement import place_rewards, token_credit_rewards
 from jppo.config import ConfigError, load_config
 from jppo.data.tasks import get_task

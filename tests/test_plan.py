@@ -11,7 +11,7 @@ from flax import nnx
 
 from jppo.run import build
 from jppo import plan
-from jppo.run import memory
+from jppo.preflight import footprint, memory, sampler_memory
 from jppo.config import check_mesh, load_config
 from jppo.engine import init_train_state
 from jppo.parallel.mesh import make_mesh
@@ -183,7 +183,7 @@ def test_a_peak_over_what_jax_s_allocator_takes_warns_in_one_line(tmp_path, caps
 
     assert warning(enough * 1.01) == ""
     line = warning(enough * 0.99)
-    assert line.count("\n") == 1 and "exceeds" in line and memory.human(peak) in line
+    assert line.count("\n") == 1 and "exceeds" in line and footprint.human(peak) in line
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in warning(enough * 1.01)
     assert plan.main([*args, "--device-memory", "0"]) == 2
@@ -212,8 +212,8 @@ GRPO = QUICKSTART.parent / "quickstart_grpo.yaml"
 def grpo_programs(tmp_path_factory):
     """The quickstart GRPO run's update and rollout compiled for this machine's first CPU device (the off-policy
     steps change neither program, only what else the run holds beside them)."""
-    from jppo.run import compiled
-    from jppo.run.targets import Target
+    from jppo.preflight import compiled
+    from jppo.preflight.targets import Target
 
     cfg = load_config(GRPO, [f"trainer.output_dir={tmp_path_factory.mktemp('run')}", "trainer.val_every=0",
                              "mesh.data=1"], data_files=False)
@@ -286,7 +286,7 @@ def test_a_rollout_mesh_has_a_plan_of_its_own(tmp_path, capsys):
     update phases, no sampler, and a weight move phase (its shards cast to bfloat16, the norms' scales not copied);
     each rollout device holds a whole replica (bfloat16, the (2 L + 1) D norm scales in float32) and the sampler's
     caches for half the rows, as a colocated 2-device mesh's sampler does."""
-    from jppo.run.split_memory import split_plans
+    from jppo.preflight.split_memory import split_plans
 
     cfg = quickstart(tmp_path, "mesh.data=2", "rollout.devices=2", "rollout.dtype=bfloat16")
     training, rollout = split_plans(cfg, check_mesh(cfg, 4))
@@ -306,7 +306,7 @@ def test_a_rollout_mesh_has_a_plan_of_its_own(tmp_path, capsys):
     assert rollout.peak_bytes == rollout.term("rollout_weights") + sum(sampling.values())
     # each sampler program is planned with its own batch's terms (--compile-for's figures), the mesh's peak the larger
     # one's; before, both programs got the peak (10.47 GiB planned for a rollout XLA compiled at 3.43 on 8 x H100)
-    from jppo.run.split_memory import rollout_program_bytes
+    from jppo.preflight.split_memory import rollout_program_bytes
 
     programs = rollout_program_bytes(cfg)
     for name, terms in (("rollout", colocated.rollout), ("validation", colocated.validation)):
@@ -337,7 +337,7 @@ def test_the_plan_of_an_sft_config_is_the_compiled_sft_update_s_bytes(tmp_path, 
     from jppo.engine.update import loss_inputs
     from jppo.run import sft as sft_run
     from jppo.run.learn import mini_batch_rng
-    from jppo.run.sft_memory import sft_plan, sft_program_bytes
+    from jppo.preflight.sft_memory import sft_plan, sft_program_bytes
 
     cfg = load_config(SFT, [f"trainer.output_dir={tmp_path / 'run'}", "mesh.data=1", "sft.max_length=13",
                             f"actor.ppo_micro_batch_size={micro_batch}"])
@@ -366,7 +366,7 @@ def test_the_plan_of_an_sft_config_is_the_compiled_sft_update_s_bytes(tmp_path, 
 def test_the_command_plans_an_sft_config_as_the_sft_run(tmp_path, capsys):
     """``python -m jppo.plan --config configs/quickstart_sft.yaml``: the SFT update's terms and the held-out
     greedy score's sampling, none of an RL run's (critic, rollout); ``--compile-for`` refuses it in one line."""
-    from jppo.run.sft_memory import sft_plan
+    from jppo.preflight.sft_memory import sft_plan
 
     argv = ["--config", str(SFT), f"trainer.output_dir={tmp_path / 'run'}"]
     assert plan.main([*argv, "--devices", "4", "--json"]) == 0
@@ -405,11 +405,11 @@ def test_a_gpu_forward_pass_counts_the_layout_copy_of_the_largest_layer_stack_no
     cfg = load_config(GRPO, ["actor.use_kl_loss=true"])
     mesh = {"data": 1, "fsdp": 2, "tensor": 1, "sequence": 1, "expert": 1}
     stack = 2 * 64 * 128 // 2
-    assert memory.layout_copy_bytes(memory.model_config(cfg), mesh, "float32") == stack * 4
-    assert memory.layout_copy_bytes(memory.model_config(cfg), mesh, "bfloat16") == stack * 2
+    assert footprint.layout_copy_bytes(footprint.model_config(cfg), mesh, "float32") == stack * 4
+    assert footprint.layout_copy_bytes(footprint.model_config(cfg), mesh, "bfloat16") == stack * 2
     gpu, tpu = (memory.program_bytes(cfg, (1, 2, 1, 1, 1), platform) for platform in ("gpu", "tpu"))
     forward = lambda platform: memory.forward_bytes(  # noqa: E731
-        cfg, memory.model_config(cfg), "actor", views.forward_micro_batching(cfg, "actor"), mesh, platform)
+        cfg, footprint.model_config(cfg), "actor", views.forward_micro_batching(cfg, "actor"), mesh, platform)
     params = memory.memory_plan(cfg, (1, 2, 1, 1, 1), "gpu").term("parameters/actor")
     assert gpu["old_log_prob"] == params + stack * 4 + forward("gpu")
     assert tpu["old_log_prob"] == params + forward("tpu")  # the quickstart computes in float32: no cast copy
@@ -419,10 +419,10 @@ def test_a_tpu_sampler_holds_a_tied_table_in_a_second_layout():
     # XLA:TPU's buffer assignment of Qwen2.5-0.5B's validation (tied embeddings) holds the sampler's bfloat16 table
     # [151936, 896] twice at its peak (the gathered table and a copy in another layout), an untied or GPU one once
     cfg = load_config(GRPO, ["model.tie_word_embeddings=true", "rollout.dtype=bfloat16"])
-    policy, mesh = memory.model_config(cfg), {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1, "expert": 1}
-    for phase in memory.sampler_terms(cfg, policy, mesh, "tpu"):
+    policy, mesh = footprint.model_config(cfg), {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1, "expert": 1}
+    for phase in sampler_memory.sampler_terms(cfg, policy, mesh, "tpu"):
         assert {t.name: t.bytes for t in phase}["table_layout"] == policy.vocab_size * policy.hidden_size * 2
     untied = load_config(GRPO, ["model.tie_word_embeddings=false"])
-    assert not any(t.name == "table_layout" for phase in memory.sampler_terms(cfg, policy, mesh, "gpu") for t in phase)
-    assert not any(t.name == "table_layout" for phase in memory.sampler_terms(
-        untied, memory.model_config(untied), mesh, "tpu") for t in phase)
+    assert not any(t.name == "table_layout" for phase in sampler_memory.sampler_terms(cfg, policy, mesh, "gpu") for t in phase)
+    assert not any(t.name == "table_layout" for phase in sampler_memory.sampler_terms(
+        untied, footprint.model_config(untied), mesh, "tpu") for t in phase)

@@ -29,7 +29,7 @@ from jppo.rewards import REWARD_KINDS, RewardConfig, build_credit_fn, build_rewa
 from jppo.rollout.env import BUILTIN_ENVS, load_env
 from jppo.advantages.estimate import compute_advantages
 from jppo.runlog import SINKS, RunLogger, sinks
-import jppo.config.components  # noqa: F401 (the components' checks of a config, as every command loads them)
+import jppo.run.checks  # noqa: F401 (the components' checks of a config, as every command loads them)
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 REGISTRIES = (POLICY_LOSSES, ADVANTAGE_ESTIMATORS, BUILTIN_ENVS, BUILTIN_TASKS, REWARD_KINDS, SINKS, MODEL_FAMILIES)

@@ -28,7 +28,7 @@ from test_losses_invariance import make_batch, padding_row, random_splits
 from jppo.core import metrics as metrics_lib
 from jppo.config import ConfigError, load_config
 from jppo.engine import ActorConfig
-from jppo.run.collect import rejected_rows_cleared
+from jppo.run.filters import rejected_rows_cleared
 from jppo.engine.update import loss_inputs
 from jppo.core.experience import Experience
 from jppo.losses import (

@@ -23,14 +23,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.models import CausalLM, ModelConfig, create_model, layers, param_shardings
-from jppo.models.decoding import write_slot
+from jppo.models.kv_cache import write_slot
 from bench.hlo_loops import decode_loop
 from jppo.parallel.mesh import batch_spec, make_mesh, resolve_shape
 from jppo.rollout import SamplingParams, make_generate_fn
 from jppo.rollout.sampler import Sampler
-from jppo.models.decoding import cache_block_count
+from jppo.models.kv_cache import cache_block_count
 from jppo.rollout.decode import draw, prefill
-import jppo.config.components  # noqa: F401 (the components' checks of a config, as every command loads them)
+import jppo.run.checks  # noqa: F401 (the components' checks of a config, as every command loads them)
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
@@ -155,12 +155,12 @@ def test_mesh_tensor_must_divide_the_head_counts(heads, tensor, ok):
 @pytest.mark.parametrize("overrides, bytes_per_weight", [(["mesh.data=8", "mesh.fsdp=1"], 0),
                                                          (["mesh.data=1", "mesh.fsdp=8", "rollout.dtype=bfloat16"], 2)])
 def test_the_plan_counts_the_samplers_copy_of_the_weights(tmp_path, overrides, bytes_per_weight):
-    from jppo.run import memory
+    from jppo.preflight import footprint, memory
     from jppo.run.build import load_inputs
 
     cfg = load_config(QUICKSTART, [f"trainer.output_dir={tmp_path}", *overrides])
     plan = memory.memory_plan(cfg, check_mesh(cfg, 8))
-    policy = memory.model_config(cfg)
+    policy = footprint.model_config(cfg)
     assert policy.vocab_size == load_inputs(cfg).tokenizer.vocab_size
     # data=8 with the training dtype: the parameters already are the copy. fsdp=8 in bfloat16: every weight but the
     # norms' scales, whole on each device (tensor=1), 2 bytes each

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import jppo.config.components  # noqa: F401 (the components' checks of a config, as every command loads them)
+import jppo.run.checks  # noqa: F401 (the components' checks of a config, as every command loads them)
 from jppo.config import ConfigError, load_config
 from jppo.engine import forward_batch, log_prob_fn
 from jppo.models.config import ModelConfig

@@ -1,5 +1,5 @@
 """Context parallelism (``mesh.sequence``): the tokens of each packed row split over devices give the one-device
-log-probs, gradients and counts (``CONTRACT.md`` section 9: the sequence axis is a batch axis).
+log-probs, gradients and counts (docs/contract.md#every-new-axis-is-a-batch-axis).
 
 Float64 throughout, so the only differences are summation order (the all-gather's transpose sums the key and value
 gradients of a row's shards; XLA sums partial products in another order): rtol 1e-9, as the engine's own tests.
@@ -19,7 +19,7 @@ from flax import nnx
 
 from engine_cases import mesh_of, ragged_batch, reference_step, tiny_config
 from jppo import plan
-from jppo.run import memory
+from jppo.preflight import footprint, memory
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.core.metrics import finish
 from jppo.engine import (
@@ -216,7 +216,7 @@ def test_the_plan_splits_a_row_s_activations_and_logits_over_the_sequence_axis()
         load_config(QUICKSTART, [*budget, "mesh.fsdp=2"]), load_config(QUICKSTART, [*budget, "mesh.sequence=2"])))
     assert split.mesh["sequence"] == 2 and whole.mesh["sequence"] == 1
     assert split.term("logits/actor") * 2 == whole.term("logits/actor")  # chunk of 16 -> 8 positions
-    m = memory.model_config(load_config(QUICKSTART, budget))
+    m = footprint.model_config(load_config(QUICKSTART, budget))
     kv = m.num_kv_heads * m.head_dim * jnp.dtype(m.dtype).itemsize  # keys or values of one token
     gathered = 8 * 2 * kv * m.num_layers  # 8 local tokens, the other shard's keys and values, every layer
     assert split.term("activations/actor") * 2 == whole.term("activations/actor") + 2 * gathered

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from jppo.run.preemption import PREEMPTED_EXIT, SIGNALS
+from jppo.parallel.preemption import PREEMPTED_EXIT, SIGNALS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tpu_scripts"

@@ -307,7 +307,7 @@ def test_resume_with_another_vocabulary_or_critic_is_refused_in_one_line(tmp_pat
     from jppo.models import CausalLM, create_model, save_pretrained
     from jppo.config.views import random_model_config
     from jppo.run.checkpoint import CheckpointManager
-    from jppo.run.loop import plan_resume, save
+    from jppo.run.lifecycle import read_resume, save
 
     cfg = load_config(QUICKSTART, [*SMALL, f"trainer.output_dir={tmp_path / 'run'}"])
     inputs = build.load_inputs(cfg)
@@ -317,7 +317,7 @@ def test_resume_with_another_vocabulary_or_critic_is_refused_in_one_line(tmp_pat
     checkpoints, source = tmp_path / "run" / "checkpoints", f"trainer.resume: checkpoint '{tmp_path}/run/checkpoints/0'"
     other = load_config(QUICKSTART, [*SMALL, f"trainer.output_dir={tmp_path / 'run'}", "data.task=add_small"])
     with pytest.raises(ConfigError) as refused:
-        plan_resume(other, checkpoints)
+        read_resume(other, checkpoints)
     assert str(refused.value) == (f"{source} was trained with model.vocab_size=14, but this config has "
                                   "model.vocab_size=15 (the vocabulary of the tokenizer 'builtin:add_small')")
     narrow = load_config(QUICKSTART, ["model.hidden_size=32"])
@@ -325,8 +325,8 @@ def test_resume_with_another_vocabulary_or_critic_is_refused_in_one_line(tmp_pat
     other = load_config(QUICKSTART, [*SMALL, f"trainer.output_dir={tmp_path / 'run'}",
                                      f"critic.model_path={tmp_path / 'critic'}"])
     with pytest.raises(ConfigError) as refused:
-        plan_resume(other, checkpoints)
+        read_resume(other, checkpoints)
     assert str(refused.value) == (f"{source} was trained with critic.model_path=None (a critic of critic.hidden_size=64),"
                                   f" but this config has critic.model_path='{tmp_path / 'critic'}' (a critic of "
                                   "critic.hidden_size=32)")
-    assert plan_resume(cfg, checkpoints).checkpoint == str(checkpoints / "0")  # the run's own config resumes
+    assert read_resume(cfg, checkpoints).checkpoint == str(checkpoints / "0")  # the run's own config resumes

@@ -1,5 +1,5 @@
 """A run does not depend on the hardware: two training steps of each quickstart config give the same metrics,
-step after step, on any mesh and with any micro-batching (``CONTRACT.md`` section 8).
+step after step, on any mesh and with any micro-batching (docs/contract.md#runs-do-not-depend-on-the-hardware).
 
 Every variant trains the shipped config (more than one mini-batch per step, two epochs: which rows share an
 optimizer step matters) and is compared with one device and the shipped micro-batch size. The 2-process version
@@ -134,7 +134,7 @@ def test_a_short_run_compiles_the_update_steps_and_the_sampler_once(tmp_path, mo
     for _ in range(3):
         state, experience, _ = collect(collector, state, PhaseTimer())
         state, metrics = learn(learner, state, experience, PhaseTimer())
-    assert state.steps_done == 3 and np.isfinite(metrics["actor/pg_loss"])
+    assert int(state.step) == 3 and np.isfinite(metrics["actor/pg_loss"])
     assert traces == {"rollout": 1, "actor": 1, "critic": 1}
 
 
@@ -178,7 +178,7 @@ KILLED_IN_STEP_2 = textwrap.dedent(
     learn = loop.learn
 
     def killed_in_step_2(learner, state, experience, timer):
-        if state.steps_done + 1 == 2:
+        if int(state.step) + 1 == 2:
             os.kill(os.getpid(), signal.SIGKILL)
         return learn(learner, state, experience, timer)
 
@@ -193,7 +193,7 @@ def test_an_off_policy_run_killed_mid_update_resumes_bitwise(tmp_path, off_polic
     """SIGKILL in step 2's update, with step 3's rollout in flight; the checkpoint of step 1 holds the weights that
     sample step 2's batch, so the resumed run regenerates it and logs what the uninterrupted run logged: no step
     lost, none twice."""
-    import jppo.run.loop as loop
+    from jppo.run import lifecycle
 
     saving = ["trainer.save_every=1", "trainer.async_checkpoint=false"]
     overrides = [*QUIET, f"trainer.output_dir={tmp_path}", "mesh.data=1", *OFF_POLICY, *saving]
@@ -210,18 +210,18 @@ def test_an_off_policy_run_killed_mid_update_resumes_bitwise(tmp_path, off_polic
     other_k = load_config(CONFIGS["grpo"], [*QUIET, f"trainer.output_dir={tmp_path}", "trainer.off_policy_steps=2"])
     with pytest.raises(ConfigError, match=r"^trainer.off_policy_steps=2: checkpoint .* was written with "
                                           r"trainer.off_policy_steps=1 \(resume with that, or trainer.resume=never\)$"):
-        loop.plan_resume(other_k, tmp_path / "checkpoints")  # its queue holds 1 batch's weights, k=2 needs 2
+        lifecycle.read_resume(other_k, tmp_path / "checkpoints")  # its queue holds 1 batch's weights, k=2 needs 2
 
 
 def test_an_off_policy_run_stopped_by_signals_resumes_bitwise(tmp_path, off_policy_run, monkeypatch):
     """SIGTERM or SLURM's SIGUSR1 at a seeded random point (tests/signals.py) of step 1, then of step 2 of the resumed run: each time
-    the run saves the step it is in and stops (jppo.run.preemption.Preempted; step 1 is not a periodic save); the
+    the run saves the step it is in and stops (jppo.parallel.preemption.Preempted; step 1 is not a periodic save); the
     last resume logs what the uninterrupted run logged, bit for bit: no step lost, none twice."""
     import random
     import threading
 
     from jppo.run.checkpoint import committed_steps
-    from jppo.run.preemption import Preempted
+    from jppo.parallel.preemption import Preempted
 
     assert threading.current_thread() is threading.main_thread()  # where the run's signal handlers go
     handler, draw = signal.getsignal(signal.SIGTERM), random.Random(20261203)
@@ -257,7 +257,7 @@ def test_a_rollout_on_a_device_of_its_own_logs_the_colocated_run(tmp_path, refer
     moves = logged_moves(tmp_path)
     assert all(seconds > 0 and size > 0 and batch > 0 for seconds, size, batch in moves)
     assert len({size for _, size, _ in moves}) == 1  # the same weights every step
-    from jppo.run.split_memory import split_plans  # the plan's replica is what moved (float32 here)
+    from jppo.preflight.split_memory import split_plans  # the plan's replica is what moved (float32 here)
 
     cfg = load_config(CONFIGS["grpo"], ["rollout.devices=1"])
     assert moves[0][1] == split_plans(cfg, check_mesh(cfg, 2))[1].term("rollout_weights")

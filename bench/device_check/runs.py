@@ -98,7 +98,7 @@ def grpo_step(cpu: bool, out: pathlib.Path) -> dict:
     from jppo.config import check_mesh, load_config  # noqa: PLC0415
     from jppo.models import CausalLM, ModelConfig, create_model, save_pretrained  # noqa: PLC0415
     from jppo.plan import as_json  # noqa: PLC0415
-    from jppo.run.memory import memory_plan  # noqa: PLC0415
+    from jppo.preflight.memory import memory_plan  # noqa: PLC0415
 
     shape = {**real_size.QWEN2_5_0_5B, **(CPU_MODEL if cpu else {})}
     model, data = WORK / "grpo_model", WORK / "grpo_prompts.jsonl"

@@ -13,7 +13,7 @@ The configuration layer stands alone: importing this package, and loading and ch
 (:mod:`jppo.core.settings`, :mod:`jppo.core.inputs`), and what needs a component (a registry's names, a model's
 shape, a checkpoint to resume) is that component's check, registered in :data:`jppo.core.checks.CONFIG_CHECKS` by
 the module that knows the limit and run by :func:`load_config` after the config's own: every command loads them all
-before it reads its config (:mod:`jppo.config.components`). ``check_mesh`` (:func:`jppo.config.devices.check_mesh`)
+before it reads its config (:mod:`jppo.run.checks`). ``check_mesh`` (:func:`jppo.config.devices.check_mesh`)
 loads the engine when first asked for.
 """
 

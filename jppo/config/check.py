@@ -6,7 +6,7 @@ the user wrote them.
 ranges only the trainer gives them, keys against each other, files and folders, and the keys an engine or mode
 does not read: :mod:`jppo.config.applies`), then runs every check a component registered
 (:data:`jppo.core.checks.CONFIG_CHECKS`): names against the registries, and every setting against the limits of
-the component that uses it, stated once, in that component (:mod:`jppo.config.components`). This module imports
+the component that uses it, stated once, in that component (:mod:`jppo.run.checks`). This module imports
 the config layer and ``jppo.core`` only; the commands load the components' checks before they read a config.
 Batch sizes against a mesh's batch shards: :func:`jppo.config.devices.check_mesh`.
 """

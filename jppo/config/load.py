@@ -3,7 +3,7 @@
 OmegaConf merges the file and the overrides onto the schema and checks keys and types; model sources given as
 Hugging Face repo ids are resolved to their cached snapshots (:func:`resolve_sources`), and
 :func:`jppo.config.check.check` then checks every value: its own checks, then those the loaded components registered
-(:mod:`jppo.config.components` loads them all; every command imports it before it reads a config).
+(:mod:`jppo.run.checks` loads them all; every command imports it before it reads a config).
 """
 
 from __future__ import annotations

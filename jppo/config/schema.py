@@ -154,7 +154,7 @@ class RolloutSection:
     ``cache_blocks``: the response cache is stored in up to this many blocks, and a decoding step skips the blocks
     no row has reached yet, at the cost of a conditional per block (after the first), layer and token. On GPU a
     conditional waits for its predicate on the host, so ``auto`` takes one block there and 8 on CPU and TPU
-    (:data:`jppo.models.decoding.CACHE_BLOCKS`). The same block count gives the same samples bit for bit; another
+    (:data:`jppo.models.kv_cache.CACHE_BLOCKS`). The same block count gives the same samples bit for bit; another
     changes log-probs by float rounding only.
 
     ``env``: a multi-turn environment (``builtin:calculator``, ``path/to/file.py:make_env`` or
@@ -203,7 +203,7 @@ class KLControlSection:
 
 @dataclasses.dataclass(frozen=True)
 class FilterGroupsSection:
-    """DAPO's dynamic sampling (:mod:`jppo.run.dynamic_sampling`): prompt groups whose ``rollout.n`` responses all
+    """DAPO's dynamic sampling (:mod:`jppo.run.filters`): prompt groups whose ``rollout.n`` responses all
     have the same ``metric`` (``reward``: the training reward, overlong shaping included; ``score``: without it)
     are dropped, and prompt batches are sampled until ``data.train_batch_size`` prompts are kept. More than
     ``max_num_gen_batches`` batches in one step (0: no limit) stops the run with an error, as verl does."""
@@ -301,7 +301,7 @@ class TrainerSection:
     progress_bar: bool = True
     plots: bool = True  # at the end, the main process draws the run's metrics into output_dir (jppo.runlog.plot)
     critic_warmup: int = 0  # first training steps that update only the critic (the policy stays as it is)
-    # auto | off (also none, null) | an absolute FOLDER: the persistent XLA cache (jppo.run.compile_cache)
+    # auto | off (also none, null) | an absolute FOLDER: the persistent XLA cache (jppo.parallel.compile_cache)
     compilation_cache: Optional[str] = "auto"
     # k in [0, 4]: each step's batch sampled by the weights of min(step - 1, k) updates before, the next batch
     # generated while this step trains (jppo.run.offpolicy, docs/scale-out.md); 0: on-policy, collect then learn

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Optional
 from jppo.config.schema import TrainConfig
 from jppo.core.errors import ConfigError, InvalidSetting
 from jppo.engine.config import ActorConfig, CriticConfig
-from jppo.losses.rollout_correction import REJECTION_MODES
+from jppo.core.settings import REJECTION_MODES
 from jppo.rewards.kl_penalty import AdaptiveKLController, FixedKLController
 from jppo.models.config import ModelConfig
 from jppo.models.hf import read_config
 from jppo.rollout.decode import SamplingParams
-from jppo.rollout.sampler import EngineSpec
+from jppo.rollout.sampler import RolloutEngineSpec
 
 if TYPE_CHECKING:  # annotations only: the tokenizers come from jppo.data at run time
     from jppo.data import Tokenizer
@@ -134,10 +134,10 @@ def checkpoint_overrides(cfg: TrainConfig) -> dict:
     return {name: getattr(cfg.model, name) for name in CHECKPOINT_OVERRIDES}
 
 
-def adapted_model_config(cfg: TrainConfig, section: str) -> ModelConfig:
-    """The shape of the model ``section``'s adapters sit on: a checkpoint's ``config.json`` (``critic.model_path``
+def adapted_model_config(cfg: TrainConfig, role: str) -> ModelConfig:
+    """The shape of the model ``role``'s adapters sit on: a checkpoint's ``config.json`` (``critic.model_path``
     for the critic, else ``model.path``; only the file is read), or the config's random model."""
-    path = (cfg.critic.model_path if section == "critic" else None) or cfg.model.path
+    path = (cfg.critic.model_path if role == "critic" else None) or cfg.model.path
     return read_config(path) if path else random_model_config(cfg, None)
 
 
@@ -147,7 +147,7 @@ def sampling_config(cfg: TrainConfig, config: ModelConfig) -> ModelConfig:
     return dataclasses.replace(config, dtype=cfg.rollout.dtype or config.dtype)
 
 
-def engine_spec(cfg: TrainConfig, policy) -> EngineSpec:
+def rollout_engine_spec(cfg: TrainConfig, policy) -> RolloutEngineSpec:
     """What ``rollout.engine`` starts with: the policy's architecture as the sampler runs it, the longest context
     a request reaches (``data.max_prompt_length + rollout.max_response_length``; with ``rollout.env`` a turn's
     context already holds up to ``max_response_length`` tokens of earlier turns and observations, and samples that
@@ -157,10 +157,10 @@ def engine_spec(cfg: TrainConfig, policy) -> EngineSpec:
     context = cfg.data.max_prompt_length + turns * cfg.rollout.max_response_length
     options = getattr(cfg.rollout, cfg.rollout.engine, None)
     model = None if policy is None else sampling_config(cfg, policy.config)
-    return EngineSpec(model, context, cfg.trainer.seed, options, policy)
+    return RolloutEngineSpec(model, context, cfg.trainer.seed, options, policy)
 
 
-# the keys of EngineSpec.max_model_len, for messages
+# the keys of RolloutEngineSpec.max_model_len, for messages
 CONTEXT_KEYS = "data.max_prompt_length + rollout.max_response_length (x 2 with rollout.env)"
 def reference_param_dtype(cfg: TrainConfig) -> str:
     """The dtype the KL reference's weights are kept in: ``ref.param_dtype``, by default the compute dtype."""
@@ -210,10 +210,10 @@ def sampling_params(
     )
 
 
-def forward_micro_batching(cfg: TrainConfig, section: str) -> dict:
-    """How forward passes (log-probs, values, reward scores) cut the rollout batch: like ``section``'s updates,
+def forward_micro_batching(cfg: TrainConfig, role: str) -> dict:
+    """How forward passes (log-probs, values, reward scores) cut the rollout batch: like ``role``'s updates,
     or ``rollout.log_prob_micro_batch_size`` sequences per shard when set."""
-    update = getattr(cfg, section)
+    update = getattr(cfg, role)
     if update.use_dynamic_bsz:
         return {"max_token_len": update.ppo_max_token_len}
     return {"micro_batch_size": cfg.rollout.log_prob_micro_batch_size or update.ppo_micro_batch_size}

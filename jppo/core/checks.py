@@ -4,7 +4,7 @@ A component whose limits a config must respect (a registry's names, a model's sh
 to resume) registers a check of the whole config here, ``@register_config_check(name)`` over ``check(cfg)``, in
 the module that knows the limit; it raises :class:`~jppo.core.errors.ConfigError` (one line naming the key and the
 value). :func:`jppo.config.check.check` runs its own checks, then every registered one, in registration order.
-A check runs when its module is loaded: every command loads them all (:mod:`jppo.config.components`) before it
+A check runs when its module is loaded: every command loads them all (:mod:`jppo.run.checks`) before it
 reads its config, and :mod:`jppo.run.build` loads them too and runs those a config loaded earlier has not passed
 (:func:`run_missing_checks`), so nothing compiles on a config they have not seen.
 

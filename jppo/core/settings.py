@@ -5,7 +5,7 @@ The trainer's config sections (:mod:`jppo.config.schema`) compose these records,
 (:mod:`jppo.losses.rollout_correction`) and LoRA (:mod:`jppo.models.lora`), which re-export them: they live at the
 bottom so that loading and checking a config loads the config layer and ``jppo.core`` only. A record here holds
 fields and the checks that need nothing but its own values; what needs a component (a registry's names, a model's
-shape) is that component's check, run on the config by :mod:`jppo.config.components`.
+shape) is that component's check, run on the config by :mod:`jppo.run.checks`.
 """
 
 from __future__ import annotations

@@ -25,9 +25,8 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-# declared in core: the trainer's config composes DataConfig
-from jppo.core.inputs import (  # noqa: F401 (re-exported)
-    FILES_TASK, RESERVED_TEMPLATE_VARIABLES, TRUNCATIONS, DataConfig, Files, check_template_kwargs, file_list,
+from jppo.core.inputs import (
+    FILES_TASK, DataConfig, file_list,
 )
 from jppo.data.tasks import SPLITS, Example, Task, get_task
 from jppo.data.tokenizer import Tokenizer

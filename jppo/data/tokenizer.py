@@ -19,7 +19,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 import tokenizers
 
-from jppo.core.inputs import BUILTIN_PREFIX  # noqa: F401 (one spelling, declared in core for the config's loader)
+from jppo.core.inputs import BUILTIN_PREFIX
 from jppo.data.tasks import BUILTIN_TASKS
 
 

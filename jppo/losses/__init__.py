@@ -1,6 +1,7 @@
 """Pure, jittable loss terms. Every term builds a per-token matrix that goes through :func:`agg_loss`, normalized
 by the whole mini-batch's :class:`~jppo.core.masked.NormStats` (a required argument of every term)."""
 
+from jppo.core.settings import REJECTION_MODES, ROLLOUT_CORRECTION_MODES, RolloutCorrection
 from jppo.losses.actor import actor_loss
 from jppo.losses.aggregate import AGG_MODES, agg_loss, check_mode
 from jppo.losses.entropy import entropy_from_logits, entropy_loss
@@ -20,9 +21,7 @@ from jppo.losses.policy import (
     register_policy_loss,
     required_agg_mode,
 )
-from jppo.losses.rollout_correction import (
-    REJECTION_MODES, ROLLOUT_CORRECTION_MODES, RolloutCorrection, rejected_rows, rollout_weights,
-)
+from jppo.losses.rollout_correction import rejected_rows, rollout_weights
 from jppo.losses.sft import sft_loss
 from jppo.losses.value import clipped_value_error, value_loss
 

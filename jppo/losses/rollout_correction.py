@@ -22,7 +22,7 @@ level does. Modes (``tau`` is ``threshold``; weights are stop-gradient):
 - ``seq_rs`` / ``geo_rs`` (rejection, verl's ``rollout_rs: sequence`` / ``geometric``): a row whose
   ``exp(D_i)`` / ``g_i`` lies outside ``[1/tau, tau]`` (compared in log space, ``|clip(D_i, -20, 20)| > log tau``)
   is removed from the batch at collection: its response mask is cleared (:func:`rejected_rows`, applied by
-  :func:`jppo.run.collect.rejected_rows_cleared` after the advantages, as the overlong filter is), so every loss term
+  :func:`jppo.run.filters.rejected_rows_cleared` after the advantages, as the overlong filter is), so every loss term
   and both normalizers N and S exclude it, as in verl. No weight in the loss. ``tau > 1``.
 - ``geo_mask`` (rejection inside the policy term): ``w_t = 0`` on a row whose ``g_i`` lies outside
   ``[1/tau, tau]``, else 1, ``tau > 1``. The row stays in N and S and in the entropy and KL terms (a rejected
@@ -50,8 +50,7 @@ import jax.numpy as jnp
 
 from jppo.core import metrics as metrics_lib
 from jppo.core.masked import masked_mean, masked_sum, select_valid
-# declared in core: the trainer's config composes them
-from jppo.core.settings import REJECTION_MODES, ROLLOUT_CORRECTION_MODES, RolloutCorrection  # noqa: F401
+from jppo.core.settings import REJECTION_MODES, RolloutCorrection
 
 Array = jax.Array
 

@@ -53,7 +53,7 @@ from jppo.models.layers import (
     rope_tables, swiglu, wide,
 )
 from jppo.models.moe import expert_params, layer_slices, moe_mlp, record_routing, run_layers
-from jppo.models.decoding import PromptCache, ResponseCache, layer_copier, with_decoding_copies, write_slot
+from jppo.models.kv_cache import PromptCache, ResponseCache, layer_copier, with_decoding_copies, write_slot
 from jppo.models.sharding import constrain, constrain_gradient, logical_names, param
 
 Array = jax.Array
@@ -221,7 +221,7 @@ class DecoderLayers(nnx.Module):
         """Each layer's ``(weights, adapters)`` sliced out of the stacks: taken once before a decoding loop, since
         XLA does not hoist the slices out of it (they cost a tenth of a small model's decode step).
 
-        Each slice is the sampler's copy (:func:`~jppo.models.decoding.layer_copier`), sliced first: one layer's
+        Each slice is the sampler's copy (:func:`~jppo.models.kv_cache.layer_copier`), sliced first: one layer's
         weights per layer, never a second stack."""
         copy = layer_copier(self, self.config.compute_dtype)
         return tuple(({name: copy(name, w) for name, w in weights.items()}, adapters)

@@ -102,7 +102,7 @@ def tensor_bytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
-def plan_shards(layout: Iterable[tuple[str, tuple[int, ...], np.dtype]], max_shard_bytes: int | None) -> list[Layout]:
+def group_into_shards(layout: Iterable[tuple[str, tuple[int, ...], np.dtype]], max_shard_bytes: int | None) -> list[Layout]:
     """``layout`` cut, in order, into shards of at most ``max_shard_bytes`` each (``None``: one shard). A tensor is
     never split: one larger than the limit is a shard of its own (as transformers does)."""
     shards: list[Layout] = [[]]
@@ -128,7 +128,7 @@ def write_sharded_safetensors(
     as numbered shards plus ``{prefix}.safetensors.index.json``; returns the file names written."""
     directory = epath.Path(directory)  # a local folder or a gs:// URI (pathlib would turn gs:// into gs:/)
     layout = list(layout)
-    shards = plan_shards(layout, max_shard_bytes)
+    shards = group_into_shards(layout, max_shard_bytes)
     if len(shards) == 1:
         write_safetensors(directory / f"{prefix}.safetensors", shards[0], fetch)
         return [f"{prefix}.safetensors"]

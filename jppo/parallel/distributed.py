@@ -246,7 +246,7 @@ def rendezvous_port(args: argparse.Namespace) -> Optional[int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class StartPlan:
+class ProcessStart:
     """What a process would start with (None: left to JAX's cluster detection, known only once it runs)."""
 
     num_processes: Optional[int]
@@ -271,19 +271,19 @@ class StartPlan:
                 f"local device ids: {'all visible devices' if ids is None else ','.join(map(str, ids))}")
 
 
-def start_plan(args: argparse.Namespace) -> StartPlan:
+def process_start(args: argparse.Namespace) -> ProcessStart:
     """The :func:`settings` of this process, with what SLURM or a GCE TPU VM's metadata server says of the rest
     (JAX reads the same)."""
     kwargs = settings(args)
     slurm = all(name in os.environ for name in SLURM_VARIABLES)
     if kwargs is None or (not kwargs and not slurm and not _cluster_detected()):  # one process
-        return StartPlan(1, 0, None, None)
+        return ProcessStart(1, 0, None, None)
     if slurm:
         count, index = int(os.environ["SLURM_NTASKS"]), int(os.environ["SLURM_PROCID"])
     else:
         tpu = None if "coordinator_address" in kwargs else gce_tpu_workers()
         count, index = (len(tpu[0]), tpu[1]) if tpu else (None, None)
-    return StartPlan(
+    return ProcessStart(
         kwargs.get("num_processes", count), kwargs.get("process_id", index), kwargs.get("coordinator_address"),
         kwargs.get("local_device_ids"),
     )

@@ -23,7 +23,6 @@ from typing import Any, Callable
 
 from jppo.data.tasks import Example
 from jppo.core.errors import RewardFunctionError
-from jppo.core.inputs import FUNCTION_STYLES  # noqa: F401 (declared in core: the reward section checks it)
 
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 _LOG = logging.getLogger(__name__)

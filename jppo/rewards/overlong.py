@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from jppo.core.inputs import OverlongBufferConfig  # noqa: F401 (declared in core: the trainer's config composes it)
 
 
 def overlong_penalty(lengths: np.ndarray, max_length: int, buffer: int, factor: float) -> np.ndarray:

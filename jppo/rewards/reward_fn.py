@@ -25,7 +25,7 @@ import numpy as np
 import jppo.rewards.rules as rules  # the module, not the package: its __init__ imports this one
 from jppo.core.checks import register_config_check
 from jppo.core.errors import ConfigError, RewardFunctionError, one_line
-from jppo.core.inputs import RewardConfig  # noqa: F401 (declared in core: the trainer's config composes it)
+from jppo.core.inputs import RewardConfig
 from jppo.core.registry import Registry
 from jppo.data.tasks import BUILTIN_TASKS, Example, Task
 from jppo.rewards.plugin import load_reward_plugin

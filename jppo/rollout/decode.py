@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jppo.models.decoding import cache_block_count
+from jppo.models.kv_cache import cache_block_count
 from jppo.models.moe import collect_routing
 from jppo.models.sharding import constrain
 from jppo.parallel.mesh import decoding_layout, decoding_loop_axes, on_each_device

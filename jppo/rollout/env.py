@@ -24,7 +24,7 @@ import re
 from typing import Any, Callable, Protocol
 
 from jppo.core.registry import Registry
-from jppo.data.tokenizer import BUILTIN_PREFIX  # one spelling of built-in names, for tasks and environments
+from jppo.core.inputs import BUILTIN_PREFIX  # one spelling of built-in names, for tasks and environments
 from jppo.core.plugins import load_function
 
 KEY = "rollout.env"

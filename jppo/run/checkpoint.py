@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils.epath import Path
 
+from jppo.core.checks import register_config_check
+from jppo.core.errors import ConfigError, one_line
 from jppo.core.paths import run_path
 
 PyTree = Any
@@ -195,6 +197,16 @@ def resolve_resume(resume: str, directory: str | os.PathLike) -> int | Path | No
             raise ValueError(f"trainer.resume={resume!r}: the run directory holds no complete checkpoint")
         path = path / "checkpoints" / str(steps[-1])
     return _complete_checkpoint(path, "trainer.resume")
+
+
+@register_config_check("trainer.resume")
+def check_resume(cfg) -> None:
+    """``trainer.resume``: ``auto``, ``never`` or a checkpoint that is there (:func:`resolve_resume`), checked when
+    the config is loaded, before anything is built."""
+    try:
+        resolve_resume(cfg.trainer.resume, run_path(cfg.trainer.output_dir) / "checkpoints")
+    except ValueError as error:
+        raise ConfigError(one_line(error)) from None
 
 
 def committed_steps(directory: str | os.PathLike) -> list[int]:

@@ -38,12 +38,14 @@ from jppo.advantages import get_estimator
 from jppo.advantages.estimate import compute_advantages
 from jppo.config import TrainConfig, views
 from jppo.data import Tokenizer
-from jppo.run.dynamic_sampling import DynamicSamplingError, Scored, concat, sampling_metrics, varied_groups
+from jppo.run.filters import (
+    DynamicSamplingError, Scored, concat, overlong_filtered, rejected_rows_cleared, sampling_metrics, varied_groups,
+)
 from jppo.engine import forward_batch, log_prob_fn, value_fn
 from jppo.engine.assemble import device_rows
 from jppo.core.experience import Experience
 from jppo.parallel.hostlocal import max_over_processes, on_mesh, sum_over_processes
-from jppo.losses import REJECTION_MODES, RolloutCorrection, rejected_rows
+
 from jppo.rewards.kl_penalty import kl_in_reward
 from jppo.rewards.model import RewardModel
 from jppo.rewards.overlong import overlong_penalty
@@ -73,6 +75,12 @@ class Collector:
     ref_log_probs_of: Optional[object] = None
     engine: object = None  # rollout.engine's (jppo.rollout.ROLLOUT_ENGINES): the samplers' engine
     weight_move: Optional[WeightMove] = None  # rollout.devices: the samplers' own mesh, the weights moved to it
+    # the config in the units collection works in, derived once (views): how the actor's and the critic's forward
+    # passes cut the batch, where the old log-probs come from, and the KL-in-reward coefficient's controller
+    actor_cut: dict = dataclasses.field(default_factory=dict)
+    critic_cut: dict = dataclasses.field(default_factory=dict)
+    old_log_prob_source: str = "recompute"
+    kl_controller: object = None
 
     @classmethod
     def create(
@@ -117,6 +125,9 @@ class Collector:
             ref_log_probs_of=None if base is None or not cfg.use_reference else log_prob_fn(
                 base, temperature=cfg.rollout.temperature, chunk_size=cfg.actor.log_prob_chunk_size
             ),
+            actor_cut=views.forward_micro_batching(cfg, "actor"),
+            critic_cut=views.forward_micro_batching(cfg, "critic"),
+            old_log_prob_source=views.old_log_prob_source(cfg), kl_controller=views.kl_controller(cfg),
         )
 
     def sampling_weights(self, weights: nnx.State, timer: Optional[PhaseTimer] = None) -> tuple[nnx.State, dict]:
@@ -176,7 +187,7 @@ def sampled_and_scored(
     """The step's sampled and scored batch, the data position after the prompts it consumed, and the dynamic
     sampling metrics. Without ``algorithm.filter_groups`` that is one batch of ``data.train_batch_size`` prompts;
     with it, batches are drawn (batch ``g`` > 0 with the key ``fold_in(step key, g)``) until that many varied groups
-    are kept (:mod:`jppo.run.dynamic_sampling`). Every draw is a function of the seed, the step and the data position,
+    are kept (:mod:`jppo.run.filters`). Every draw is a function of the seed, the step and the data position,
     so a resumed run samples the same batches."""
     cfg = c.cfg
     groups, size = cfg.algorithm.filter_groups, cfg.data.train_batch_size
@@ -218,7 +229,7 @@ def collect(
     :func:`sample_and_score` result when it was generated already (off-policy steps, :mod:`jppo.run.offpolicy`);
     everything after it uses ``state``'s weights, the ones the update trains."""
     cfg, tokenizer = c.cfg, c.inputs.tokenizer
-    step = state.steps_done + 1
+    step = int(state.step) + 1
     scored, data_position, sampling_metrics = sampled or sample_and_score(c, state, step, timer)
     exp, examples, prompts = scored.exp, scored.examples, scored.prompts
     row_examples, texts, finished, scores = scored.row_examples, scored.texts, scored.finished, scored.rewards
@@ -226,9 +237,8 @@ def collect(
     if c.baseline_sampler is not None:
         with timer("reward_baseline"):
             reward_baselines = greedy_baselines(c, state, examples, prompts, exp.group_ids, step)
-    mask = exp.response_mask
-    actor_cut = views.forward_micro_batching(cfg, "actor")
-    source = views.old_log_prob_source(cfg)  # update / rollout: no pass here (the update measures the mismatch)
+    mask, actor_cut = exp.response_mask, c.actor_cut
+    source = c.old_log_prob_source  # update / rollout: no pass here (the update measures the mismatch)
     # the batch's tokens cross once for all forward passes, and not at all without one
     tokens = functools.cache(functools.partial(device_rows, exp, None, c.mesh))
     unreplayed = lambda: dataclasses.replace(tokens(), routed_experts=None)  # noqa: E731 (the reference: its own routing)
@@ -249,9 +259,8 @@ def collect(
             )
     if state.critic is not None:
         with timer("values"):
-            critic_cut = views.forward_micro_batching(cfg, "critic")
             exp = dataclasses.replace(
-                exp, values=forward_batch(c.values_of, state.critic.weights, exp, c.mesh, rows=tokens(), **critic_cut)
+                exp, values=forward_batch(c.values_of, state.critic.weights, exp, c.mesh, rows=tokens(), **c.critic_cut)
             )
     metrics: dict[str, float] = {}
     kl = state.kl
@@ -267,7 +276,7 @@ def collect(
             )
             metrics["algorithm/kl_in_reward"] = current_kl
             metrics["algorithm/kl_coef"] = coef
-            kl = views.kl_controller(cfg).update(kl, current_kl, len(prompts) * cfg.rollout.n)
+            kl = c.kl_controller.update(kl, current_kl, len(prompts) * cfg.rollout.n)
         advantages, returns = compute_advantages(
             cfg.algorithm.adv_estimator, token_level_rewards=rewards, response_mask=mask, values=exp.values,
             group_ids=exp.group_ids, reward_baselines=reward_baselines, gamma=cfg.algorithm.gamma,
@@ -289,39 +298,15 @@ def collect(
     return advance(state, data_position=data_position, kl=kl), exp, metrics
 
 
-def greedy_baselines(c: Collector, state: RunState, examples: list, prompts: list, group_ids: np.ndarray, step: int) -> np.ndarray:
+def greedy_baselines(
+    c: Collector, state: RunState, examples: list, prompts: list, group_ids: np.ndarray, step: int
+) -> np.ndarray:
     """ReMax baselines: for every row, the reward of the current policy's greedy response to its prompt."""
     weights = c.sampling_weights(state.actor.weights)[0]
     greedy = sample(c.baseline_sampler, weights, prompts, state.key(step), examples)  # greedy: key unused
     greedy_scores = c.score_for_training(greedy, examples, prompts).rewards
     by_prompt = dict(zip(greedy.group_ids.tolist(), greedy_scores.tolist()))
     return np.asarray([by_prompt[i] for i in group_ids.tolist()], np.float32)
-
-
-def kept_rows_only(response_mask: np.ndarray, keep) -> np.ndarray:
-    """The response mask with the rows not in ``keep`` (``[N]`` bool) cleared, so every loss term skips them and
-    the mini-batch normalizers (N tokens, S sequences) count the kept rows only: how the overlong filter and the
-    rollout-correction rejection remove rows, before the batch is cut (so the contract holds)."""
-    return np.where(np.asarray(keep, bool)[:, None], response_mask, False).astype(response_mask.dtype)
-
-
-def overlong_filtered(exp: Experience, ended_eos) -> Experience:
-    """``algorithm.overlong_filter``: ``exp`` with the truncated rows (:func:`truncated_rows`) out of the loss
-    mask (:func:`kept_rows_only`). DAPO masks them because a response cut by the length limit is scored on an
-    answer it never finished: its reward says nothing about its tokens."""
-    kept = ~truncated_rows(exp, ended_eos)
-    return dataclasses.replace(exp, response_mask=kept_rows_only(exp.response_mask, kept))
-
-
-def truncated_rows(batch: Experience, ended_eos) -> np.ndarray:
-    """Which rows ``rollout.max_response_length`` cut before they ended (``[N]`` bool; what the overlong filter
-    masks and validation records report as not ``finished``). A multi-turn batch says so itself
-    (``batch.truncated``: an episode ended by the environment or the turn limit is not truncated, even without
-    EOS); a single-turn response stops only at EOS or at the limit, so it was cut iff it has no EOS
-    (``ended_eos``, :func:`decode_responses`)."""
-    if batch.truncated is not None:
-        return np.asarray(batch.truncated, bool)
-    return ~np.asarray(ended_eos, bool)
 
 
 def decode_responses(batch: Experience, tokenizer: Tokenizer) -> tuple[list[str], list[bool]]:
@@ -378,19 +363,3 @@ def rollout_metrics(exp: Experience, scores: np.ndarray, max_length: int) -> dic
     if exp.values is not None:
         out["values/mean"] = sums[8] / tokens
     return {k: float(v) for k, v in out.items()}
-
-
-def rejected_rows_cleared(exp: Experience, correction: RolloutCorrection) -> tuple[Experience, dict[str, float]]:
-    """verl's rejection sampling (``seq_rs`` / ``geo_rs``, :mod:`jppo.losses.rollout_correction`): the batch with
-    the response mask of every rejected row cleared, so every loss term and the normalizers N and S skip those rows
-    (as the overlong filter does), and ``rollout_corr/rejected_fraction``, the fraction of non-empty rows removed
-    (whole batch, combined over processes). Other modes: the batch as it is, no metric."""
-    if correction.mode not in REJECTION_MODES:
-        return exp, {}
-    mask = np.asarray(exp.response_mask)
-    rejected = np.asarray(rejected_rows(exp.old_log_prob, exp.rollout_log_prob, mask, correction))
-    sequences = mask.astype(bool).any(axis=1)
-    removed, total = sum_over_processes(np.array([(rejected & sequences).sum(), sequences.sum()], np.float64))
-    fraction = float(removed / max(total, 1))
-    exp = dataclasses.replace(exp, response_mask=kept_rows_only(mask, ~rejected))
-    return exp, {"rollout_corr/rejected_fraction": fraction}

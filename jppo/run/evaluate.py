@@ -33,8 +33,10 @@ from jax.experimental import multihost_utils
 from jppo.config import to_dict
 from jppo.parallel import distributed
 from jppo.parallel.hostlocal import sum_over_processes
-from jppo.run.collect import Collector, sample, truncated_rows
+from jppo.run.collect import Collector, sample
+from jppo.run.filters import truncated_rows
 from jppo.run.state import RunState
+from jppo.runlog import RunLogger
 
 log = logging.getLogger("jppo.run.evaluate")
 EVAL_FILE = "eval.json"
@@ -46,7 +48,7 @@ class Evaluation:
     """One pass of the policy over the held-out prompts: the metrics (whole validation set, combined over
     processes) and this process's responses as records ``{index, sample, prompt, response, reward, finished}``
     (``index``: the prompt's position in the validation set, ``sample``: which of its ``rollout.val_n``,
-    ``finished``: not cut by the length limit, :func:`jppo.run.collect.truncated_rows`)."""
+    ``finished``: not cut by the length limit, :func:`jppo.run.filters.truncated_rows`)."""
 
     metrics: dict[str, float]
     records: list[dict]
@@ -112,11 +114,11 @@ def evaluate_and_write(collector: Collector, state: RunState, checkpoint: Option
     """Evaluates ``state``'s policy (the config's, or the one restored from ``checkpoint``) and writes ``eval.json``
     and ``generations.jsonl`` into ``out`` (main process); returns what ``eval.json`` holds."""
     if checkpoint is not None:
-        log.info("evaluating %s (step %d)", checkpoint, state.steps_done)
+        log.info("evaluating %s (step %d)", checkpoint, int(state.step))
     result = evaluate(collector, state.actor.weights)
     records = sorted(all_processes(result.records), key=lambda r: (r["index"], r["sample"]))
     cfg = collector.cfg
-    report = {"metrics": result.metrics, "checkpoint": checkpoint, "step": state.steps_done, "config": to_dict(cfg)}
+    report = {"metrics": result.metrics, "checkpoint": checkpoint, "step": int(state.step), "config": to_dict(cfg)}
     if distributed.is_main_process():
         out.mkdir(parents=True, exist_ok=True)
         (out / EVAL_FILE).write_text(json.dumps(report, indent=1) + "\n")
@@ -135,3 +137,13 @@ def all_processes(records: list[dict]) -> list[dict]:
     padded[: len(data)] = data
     gathered = multihost_utils.process_allgather(padded)
     return [record for row in gathered for record in json.loads(bytes(row).rstrip(b"\0").decode())]
+
+
+def evaluate_and_log(collector: Collector, state: RunState, step: int, logger: RunLogger) -> dict[str, float]:
+    """The policy's held-out evaluation metrics; its first ``trainer.log_val_generations`` responses (the main
+    process's rows, in validation-set order: the same prompts every time) go to the logger as step ``step``'s
+    sample."""
+    result = evaluate(collector, state.actor.weights)
+    sample = result.records[: collector.cfg.trainer.log_val_generations]
+    logger.log_generations(step, [{k: r[k] for k in ("prompt", "response", "reward", "finished")} for r in sample])
+    return result.metrics

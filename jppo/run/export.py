@@ -39,6 +39,7 @@ from etils import epath
 from flax import nnx
 
 from jppo.run import build
+from jppo.run.record import check_base_checksums, checkpoint_models, model_record
 from jppo.run.checkpoint import SFT_META, committed_steps, fingerprint, read_meta, restore_part
 from jppo.config import TrainConfig, load_config, views
 from jppo.data import CharTokenizer, Tokenizer
@@ -125,13 +126,13 @@ def restore_policy(checkpoint: epath.Path, cfg: TrainConfig, tokenizer: Tokenize
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     if cfg.actor.lora.enabled:
         source = f"checkpoint {str(checkpoint)!r}"
-        seed, saved = build.checkpoint_models(cfg, read_meta(checkpoint), source)
+        seed, saved = checkpoint_models(cfg, read_meta(checkpoint), source)
         with jax.default_device(jax.devices("cpu")[0]):
             actor = build.models(cfg, tokenizer, None, seed, roles=("actor",), reference=False).actor
         graphdef, abstract, frozen = actor.graphdef, actor.params, actor.frozen
         if saved is not None:
             checksums = {"actor": fingerprint(frozen)} if cfg.model.path else {}
-            build.check_base_checksums(saved, build.model_record(cfg, seed, checksums), source, roles=("actor",))
+            check_base_checksums(saved, model_record(cfg, seed, checksums), source, roles=("actor",))
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), abstract)
         return nnx.merge(graphdef, frozen, _restore_actor_params(checkpoint, abstract, cpu))
     abstract_model = nnx.eval_shape(lambda: CausalLM(policy_config(cfg, tokenizer), rngs=nnx.Rngs(0)))

@@ -29,7 +29,8 @@ SHUFFLE_STREAMS = {"actor": 0, "critic": 1, "sft": 0}  # sft: python -m jppo.sft
 def mini_batch_rng(seed: int, step: int, role: str) -> np.random.Generator:
     """The generator of ``role``'s mini-batch order in training step ``step`` (1-based): a function of the seed, the
     step and the role alone. Each role draws from its own key, so the actor's batches do not depend on whether a
-    critic exists (nor, as for any draw of the update, on the mesh or the processes: CONTRACT.md section 8)."""
+    critic exists (nor, as for any draw of the update, on the mesh or the processes:
+    docs/contract.md#runs-do-not-depend-on-the-hardware)."""
     return np.random.default_rng([seed, step, SHUFFLE_STREAMS[role]])
 
 
@@ -62,7 +63,7 @@ def learn(
     each over its own mini-batch order (:func:`mini_batch_rng`: the seed, the step and the role; the actor's is the
     same with or without a critic); returns the state one step on."""
     cfg, metrics = learner.cfg, {}
-    step = state.steps_done + 1
+    step = int(state.step) + 1
     critic, actor = state.critic, state.actor
     if learner.critic_step is not None:
         with timer("update_critic"):

@@ -149,9 +149,9 @@ class OffPolicy:
             self._pool.shutdown(wait=True)
 
     def take(self, state: RunState, timer: PhaseTimer) -> tuple:
-        """Step ``state.steps_done + 1``'s batch: the one generated during the last step, or (the run's first step,
+        """Step ``state.step + 1``'s batch: the one generated during the last step, or (the run's first step,
         or the first after a resume) generated now from the queue's head, the training waiting for it."""
-        step = state.steps_done + 1
+        step = int(state.step) + 1
         if self._ready is not None and self._ready[0] == step:
             return self._ready[1].sampled
         started = time.perf_counter()
@@ -165,7 +165,7 @@ class OffPolicy:
         the weights after ``u(t + 1)`` updates, and returns the copy of the weights before step ``t``'s update
         that the queue will hold (:meth:`finish`)."""
         before = copied(state.actor.params)
-        step = state.steps_done + 2
+        step = int(state.step) + 2
         self._ready = self._pending = None
         if step <= self.total_steps:  # no batch past the last step
             behaviour = with_params(state, pushed(state.behind, before)[0])
@@ -184,7 +184,7 @@ class OffPolicy:
         """After step ``t``'s update: waits for step ``t + 1``'s batch, moves the queue on, and step ``t``'s
         ``async/*`` metrics (``train_wait_s``: seconds the training waited for a rollout; ``rollout_wait_s``:
         seconds the finished rollout waited for the training)."""
-        step, rollout_wait = state.steps_done, 0.0
+        step, rollout_wait = int(state.step), 0.0
         if self._pending is not None:
             reached = time.perf_counter()
             batch = self._pending.result()

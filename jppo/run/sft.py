@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jppo.config import ConfigError, TrainConfig, save_config
+from jppo.config import ConfigError, TrainConfig
 from jppo.config.devices import check_experts, check_heads
 from jppo.config.views import engine_view, kl_controller, tokenizer_spec
 from jppo.core.errors import one_line
@@ -44,19 +44,17 @@ from jppo.engine import UpdateStep, init_train_state, run_updates, sft_loss_fn
 from jppo.engine.config import ActorConfig
 from jppo.engine.driver import check_batch_sizes
 from jppo.engine.forward import forward_batch, log_prob_fn
-from jppo.core.paths import run_path
-from jppo.parallel import distributed
 from jppo.parallel.hostlocal import local_rows, sum_over_processes
 from jppo.parallel.mesh import batch_shards, make_mesh, resolve_shape, row_shards_of
-from jppo.run import build
 from jppo.rewards import build_reward_fn
-from jppo.run.checkpoint import CheckpointManager, restore_checkpoint, saved_tree
+from jppo.run import build
 from jppo.run.collect import Collector
+from jppo.run.evaluate import evaluate_and_log
 from jppo.run.learn import mini_batch_rng
-from jppo.run.loop import Hook, Resume, evaluate_and_log, finish, plan_resume, run_logger, run_model_record, save
-from jppo.run.preemption import StopRequest
-from jppo.run.state import RunState, advance, checkpointed, fitted_accumulators, init_run_state, saved_fields, \
-    saved_layout, with_frozen
+from jppo.run.lifecycle import Resume, finish, restored, started, train
+from jppo.run.record import run_model_record
+from jppo.run.state import RunState, advance, init_run_state
+from jppo.runlog import RunLogger
 from jppo.runlog.timing import PhaseTimer
 
 log = logging.getLogger("jppo.run.sft")
@@ -152,22 +150,14 @@ def restore(cfg: TrainConfig, mesh: Mesh, inputs: SFTInputs, resume: Resume, vie
     actor = init_train_state(models.actor.params, view, mesh, frozen=models.actor.frozen)
     state = init_run_state(actor, None, kl_controller(cfg).init(), cfg.trainer.seed, mesh)
     record = run_model_record(cfg, state, resume.seed)
-    if resume.checkpoint is not None:
-        if resume.saved is not None:
-            build.check_base_checksums(resume.saved, record, f"trainer.resume: checkpoint {resume.checkpoint!r}",
-                                       roles=("actor",))
-        saved = saved_tree(resume.checkpoint)
-        target = saved_layout(checkpointed(state), saved)
-        restored = RunState(**restore_checkpoint(resume.checkpoint, saved_fields(target, saved))[0])
-        state = with_frozen(fitted_accumulators(restored, state), state)
-    return state, models, record
+    return restored(state, resume, record, roles=("actor",)), models, record
 
 
 def train_step(update: UpdateStep, state: RunState, data: SFTData, cfg: TrainConfig, view: ActorConfig,
                mesh: Mesh) -> tuple[RunState, dict[str, float]]:
     """One optimizer step on the ``sft.batch_size`` rows after ``state.data_position`` (this process's share of
     them); the state one step and one batch on."""
-    step, size = state.steps_done + 1, cfg.sft.batch_size
+    step, size = int(state.step) + 1, cfg.sft.batch_size
     rows = data.rows_at(int(np.asarray(state.data_position)), size, cfg.trainer.seed)
     batch = data.experience(rows[np.asarray(local_rows(mesh, size))])
     updated = run_updates(update, state.actor, batch, view, mesh, mini_batch_rng(cfg.trainer.seed, step, "sft"))
@@ -203,49 +193,24 @@ def run(
     """Fine-tunes to ``trainer.total_steps`` on ``devices`` (default: all), resuming when a checkpoint exists;
     returns the last step's metrics."""
     cfg = sft_config(cfg)
-    out = run_path(cfg.trainer.output_dir)
-    resume = plan_resume(cfg, out / "checkpoints")
-    main = distributed.is_main_process()
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")  # read as an SFT config beside a checkpoint that says so (SFT_META)
-    mesh = make_mesh(*shape, devices=devices)
-    view = sft_view(cfg)
-    manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep,
-                                async_save=cfg.trainer.async_checkpoint)
-    with manager, StopRequest() as stop:
-        state, models, record = restore(cfg, mesh, inputs, resume, view)
+    with started(cfg) as this_run:
+        mesh = make_mesh(*shape, devices=devices)
+        view = sft_view(cfg)
+        state, models, record = restore(cfg, mesh, inputs, this_run.resume, view)
         graphdef = models.actor.graphdef
-        if resume.checkpoint is not None:
-            log.info("resumed from %s at step %d", resume.checkpoint, state.steps_done)
         update = UpdateStep(graphdef, sft_loss_fn(view), view, mesh, "sft")
         forward = log_prob_fn(graphdef, temperature=1.0, chunk_size=view.log_prob_chunk_size)
-        fresh, total, metrics = state.steps_done == 0, cfg.trainer.total_steps, {}
-
         scorer = None if inputs.scored is None else Collector.create(
             cfg, mesh, inputs.scored, graphdef, None, None, sampling=build.sampling_graphdef(cfg, models.policy))
 
-        def evaluate(s: RunState, step: int) -> dict[str, float]:
+        def evaluate(s: RunState, step: int, logger: RunLogger) -> dict[str, float]:
             metrics = held_out(forward, s.actor.weights, inputs.val, view, mesh)
-            return metrics if scorer is None else metrics | evaluate_and_log(scorer, s, logger, step)
+            return metrics if scorer is None else metrics | evaluate_and_log(scorer, s, step, logger)
 
-        with run_logger(cfg, start_step=0 if fresh else state.steps_done + 1) as logger:
-            has_val = inputs.val is not None
-            hooks = [
-                Hook(cfg.trainer.val_every if has_val else 0, lambda step, s, m: m.update(evaluate(s, step))),
-                Hook(1, lambda step, s, m: logger.log(step, m)),
-                Hook(cfg.trainer.save_every, lambda step, s, m: save(manager, s, cfg, record, sft=True), at_end=True),
-                Hook(1, lambda step, s, m: stop.at_boundary(step, total, lambda: save(manager, s, cfg, record, sft=True),
-                                                            manager.wait)),
-            ]
-            if cfg.trainer.val_before_train and has_val and fresh:
-                logger.log(0, evaluate(state, 0))
-            while state.steps_done < total:
-                timer = PhaseTimer()
-                with timer("update_actor"):
-                    state, metrics = train_step(update, state, inputs.train, cfg, view, mesh)
-                metrics = metrics | timer.report(tokens=metrics["perf/total_num_tokens"])
-                for hook in hooks:
-                    hook(state.steps_done, total, state, metrics)
-    finish(cfg, graphdef, state.actor.weights, inputs.tokenizer, out, main)
+        def step(s: RunState, timer: PhaseTimer) -> tuple[RunState, dict[str, float]]:
+            with timer("update_actor"):
+                return train_step(update, s, inputs.train, cfg, view, mesh)
+
+        state, metrics = train(this_run, state, step, None if inputs.val is None else evaluate, record, sft=True)
+    finish(cfg, graphdef, state.actor.weights, inputs.tokenizer, this_run.out, this_run.main)
     return metrics

@@ -11,7 +11,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -28,7 +27,7 @@ class RunState:
         critic: the value model's, or None without a critic.
         kl: the KL-in-reward controller's coefficient.
         data_position: prompts consumed so far (the data order is a function of the seed and the position).
-        step: training steps done.
+        step: training steps done (``int(state.step)`` on the host).
         rng: the run's root key, as raw key data (what orbax stores).
         behind: with ``trainer.off_policy_steps`` k >= 1, the k copies of the actor's trained parameters that
             sample the next k batches, oldest first (:mod:`jppo.run.offpolicy`); None at k = 0.
@@ -41,10 +40,6 @@ class RunState:
     step: jax.Array
     rng: jax.Array
     behind: Optional[tuple] = None
-
-    @property
-    def steps_done(self) -> int:
-        return int(np.asarray(self.step))
 
     def key(self, step: int) -> jax.Array:
         """The key of training step ``step``'s draws."""
@@ -87,7 +82,7 @@ def advance(state: RunState, **changes) -> RunState:
 
 def checkpointed(state: RunState) -> RunState:
     """What a checkpoint holds: ``state`` without frozen parameters (LoRA's base weights), which a run rebuilds as
-    the checkpoint's meta records them (``model.path`` or the seed, :func:`jppo.run.build.model_record`)."""
+    the checkpoint's meta records them (``model.path`` or the seed, :func:`jppo.run.record.model_record`)."""
     return state.replace(
         actor=state.actor.replace(frozen=None),
         critic=None if state.critic is None else state.critic.replace(frozen=None),

@@ -1,7 +1,7 @@
 """The memory plans of a run with ``rollout.devices: N`` (:mod:`jppo.run.rollout_mesh`): one per mesh.
 
 **The training mesh** (its shape from ``mesh.*`` on the other devices) holds what a colocated run's plan holds
-(:func:`jppo.run.memory.memory_plan`) but the sampler: no KV cache, no rollout weights. In their place, while the
+(:func:`jppo.preflight.memory.memory_plan`) but the sampler: no KV cache, no rollout weights. In their place, while the
 weights move, a phase ``weight move`` holds their copy cast to the rollout dtype on the training devices (each
 device its shards: ``sum_w |w| / shards(w) x c_s``, norms' scales kept in ``p`` and not copied); none when nothing
 is cast (the same dtype, or LoRA, whose weights move as they are).
@@ -9,7 +9,7 @@ is cast (the same dtype, or LoRA, whose weights move as they are).
 **The rollout mesh** (``data`` = N) holds, per device, a whole replica of the weights (``sum_w |w| x c_s``, the
 norms' scales and, with LoRA, every weight in ``p``, the adapters too) and the sampler's caches for its share of
 the rows: the caches, a decoding step's logits and the prefill of the training or the validation batch, whichever
-needs more (:func:`jppo.run.memory.sampler_terms` on that mesh).
+needs more (:func:`jppo.preflight.sampler_memory.sampler_terms` on that mesh).
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ from typing import Optional, Sequence
 from jppo.config import ConfigError, TrainConfig
 from jppo.config.views import sampling_config
 from jppo.parallel.mesh import MESH_AXES
-from jppo.run.footprint import dtype_bytes, shards
-from jppo.run.memory import (
-    MemoryPlan, Term, abstract_params, adapter_params, human, memory_plan, model_config, sampler_terms,
-)
+from jppo.preflight.footprint import Term, abstract_params, adapter_params, dtype_bytes, human, model_config, shards
+from jppo.preflight.memory import MemoryPlan, memory_plan
+from jppo.preflight.sampler_memory import sampler_terms
 
 
 def weight_bytes(cfg: TrainConfig, mesh: dict[str, int]) -> tuple[int, int]:
@@ -32,7 +31,7 @@ def weight_bytes(cfg: TrainConfig, mesh: dict[str, int]) -> tuple[int, int]:
     copy one training device of ``mesh`` makes of its shards before the move (0 when nothing is cast)."""
     from flax import nnx  # noqa: PLC0415 (the shapes only)
 
-    from jppo.models.decoding import NORM_SCALES  # noqa: PLC0415
+    from jppo.models.kv_cache import NORM_SCALES  # noqa: PLC0415
     from jppo.models.sharding import logical_names  # noqa: PLC0415
 
     policy = model_config(cfg)

@@ -1,7 +1,7 @@
 """The memory plan of a supervised fine-tuning run (``python -m jppo.plan`` of an SFT config; :mod:`jppo.run.sft`).
 
 An SFT step is the actor's update alone, on ``sft.batch_size`` rows cut into micro-batches as ``actor`` says: no
-critic, no reference, no training rollout. The terms are those of :mod:`jppo.run.memory`, for the policy
+critic, no reference, no training rollout. The terms are those of :mod:`jppo.preflight.memory`, for the policy
 (symbols as there) and a micro-batch of SFT rows:
 
 =====================  ====================================================================================
@@ -9,7 +9,7 @@ parameters             ``(n + t_lora) p``: the policy, and its adapters with ``a
 optimizer state        ``t a (2 + 1)``: AdamW's moments and the accumulator of ``optax.MultiSteps`` (none when
                        one micro-batch makes the step: K = ``sft.batch_size / (data x fsdp) /
                        actor.ppo_micro_batch_size`` = 1; SGD keeps no moments)
-the update's phases    the RL actor's (:func:`jppo.run.memory.update_phases`: the layers' backward pass, the LM head's,
+the update's phases    the RL actor's (:func:`jppo.preflight.memory.update_phases`: the layers' backward pass, the LM head's,
                        the optimizer step) for a micro-batch of ``r = actor.ppo_micro_batch_size`` rows of
                        ``w = sft.max_length`` tokens (the longest row the data may hold), or one packed row of
                        ``w = actor.ppo_max_token_len`` with ``actor.use_dynamic_bsz``
@@ -32,10 +32,12 @@ from typing import Sequence
 
 from jppo.config import TrainConfig
 from jppo.parallel.mesh import MESH_AXES
-from jppo.run.footprint import (
+from jppo.preflight.footprint import (
     ACCUMULATOR_BYTES, abstract_params, adapter_params, dtype_bytes, local_elements, model_config, trained_elements,
 )
-from jppo.run.memory import MemoryPlan, Term, rollout_weights_term, sampler_terms, update_phases
+from jppo.preflight.footprint import Term
+from jppo.preflight.memory import MemoryPlan, update_phases
+from jppo.preflight.sampler_memory import rollout_weights_term, sampler_terms
 
 
 def sft_micro_batch(cfg: TrainConfig) -> tuple[int, int]:

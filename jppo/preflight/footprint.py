@@ -1,10 +1,11 @@
-"""The bytes of one device's arrays, the formulas of :mod:`jppo.run.memory`'s plan (its docstring has the table of
+"""The bytes of one device's arrays, the formulas of :mod:`jppo.preflight.memory`'s plan (its docstring has the table of
 symbols): how the rule table shards an array, what a layer keeps per token for its backward pass (dense or blocked
 attention, a row split over ``mesh.sequence``), one micro-batch's activations and logits, the weights a step
 casts, the sampler's caches."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -17,6 +18,15 @@ from jppo.parallel.mesh import fitted_spec, sequence_shards
 ACCUMULATOR_BYTES = 4  # float32 moments and accumulator (float64 only for float64 exactness tests)
 LOGIT_COPIES = 3  # one chunk's logits, their softmax, and their gradient
 SAMPLER_LOGIT_COPIES = 4  # a decoding step's logits, log-softmax, random bits and noised logits (compiled: TPU, GPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One line of the plan: bytes per device, and the formula that gave them."""
+
+    name: str
+    bytes: int
+    formula: str
 
 
 def shards(shape: Sequence[int], names: Sequence[Optional[str]], mesh: dict[str, int]) -> int:

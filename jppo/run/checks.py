@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import jppo.data.tasks  # noqa: F401 (registers data.task's check)
 import jppo.rewards.reward_fn  # noqa: F401 (registers reward.kind's check)
-import jppo.run.compile_cache  # noqa: F401 (registers trainer.compilation_cache's check)
-import jppo.run.dynamic_sampling  # noqa: F401 (registers algorithm.filter_groups.metric's check)
+import jppo.parallel.compile_cache  # noqa: F401 (registers trainer.compilation_cache's check)
+import jppo.run.filters  # noqa: F401 (registers algorithm.filter_groups.metric's check)
+import jppo.run.checkpoint  # noqa: F401 (registers trainer.resume's check)
 import jppo.runlog  # noqa: F401 (registers trainer.logger's check)
 from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.config.schema import TrainConfig
 from jppo.config.views import (
-    CONTEXT_KEYS, SAMPLING_KEYS, adapted_model_config, engine_spec, engine_view, kl_controller, random_model_config,
+    CONTEXT_KEYS, SAMPLING_KEYS, adapted_model_config, rollout_engine_spec, engine_view, kl_controller, random_model_config,
     sampling_params,
 )
 from jppo.core.checks import as_key, choice, register_config_check
 from jppo.core.errors import ConfigError, one_line
 from jppo.core.inputs import BUILTIN_PREFIX
-from jppo.core.paths import run_path
 from jppo.engine.config import check_old_log_prob, check_update
 from jppo.engine.optim import check_optim
 from jppo.engine.update import policy_options
@@ -42,13 +42,11 @@ from jppo.rollout.env import BUILTIN_ENVS
 
 @register_config_check("components")
 def check_components(cfg: TrainConfig) -> None:
-    """The model's, the actor's update's (an SFT run's too) and the sampler's checks; the checkpoint to resume
-    from."""
+    """The model's, the actor's update's (an SFT run's too) and the sampler's checks."""
     _check_model(cfg)
     _check_update(cfg, "actor")
     _check_kept_adapters(cfg)
     _check_rollout(cfg)
-    _check_resume(cfg)
 
 
 @register_config_check("components of RL runs", rl_only=True)
@@ -95,17 +93,17 @@ def _check_kept_adapters(cfg: TrainConfig) -> None:
             raise ConfigError(one_line(error)) from None
 
 
-def _check_update(cfg: TrainConfig, section: str) -> None:
+def _check_update(cfg: TrainConfig, role: str) -> None:
     """The engine's own checks of an update's settings (sizes in whatever unit they count) and its optimizer's."""
-    update = getattr(cfg, section)
-    choice(f"{section}.loss_agg_mode", update.loss_agg_mode, AGG_MODES)
-    with as_key({}, prefix=f"{section}."):
+    update = getattr(cfg, role)
+    choice(f"{role}.loss_agg_mode", update.loss_agg_mode, AGG_MODES)
+    with as_key({}, prefix=f"{role}."):
         check_update(update)
-    with as_key({}, prefix=f"{section}.optim."):
+    with as_key({}, prefix=f"{role}.optim."):
         check_optim(update.optim)
-    with as_key({}, prefix=f"{section}.lora."):
+    with as_key({}, prefix=f"{role}.lora."):
         if update.lora.enabled:
-            check_fits(update.lora, adapted_model_config(cfg, section))
+            check_fits(update.lora, adapted_model_config(cfg, role))
 
 
 def _check_actor(cfg: TrainConfig) -> None:
@@ -187,18 +185,7 @@ def _check_rollout(cfg: TrainConfig) -> None:
     if cfg.rollout.engine == "vllm":  # installed, its options, the policy's shape: before anything is built
         shape, keys = ((read_config(cfg.model.path), f"model.path={cfg.model.path!r}") if cfg.model.path
                        else (random_model_config(cfg, None), "model.hidden_size / model.num_heads"))
-        vllm_engine.check_settings(cfg.rollout.vllm, shape, keys, engine_spec(cfg, None).max_model_len, CONTEXT_KEYS)
-
-
-def _check_resume(cfg: TrainConfig) -> None:
-    """``trainer.resume``: ``auto``, ``never`` or a checkpoint that is there
-    (:func:`jppo.run.checkpoint.resolve_resume`)."""
-    from jppo.run.checkpoint import resolve_resume  # noqa: PLC0415 (orbax: loaded when a config is checked)
-
-    try:
-        resolve_resume(cfg.trainer.resume, run_path(cfg.trainer.output_dir) / "checkpoints")
-    except ValueError as error:
-        raise ConfigError(one_line(error)) from None
+        vllm_engine.check_settings(cfg.rollout.vllm, shape, keys, rollout_engine_spec(cfg, None).max_model_len, CONTEXT_KEYS)
 
 
 def _check_batch_sizes(cfg: TrainConfig) -> None:

@@ -36,10 +36,12 @@ from jppo.engine.assemble import assemble_rows
 from jppo.engine.update import loss_inputs
 from jppo.parallel.mesh import ROW_AXES, batch_shards, make_mesh, split_devices
 from jppo.rollout.decode import make_generate_fn
-from jppo.run import build, hlo
+from jppo.preflight import hlo
+from jppo.run import build
 from jppo.run.learn import Learner
-from jppo.run.memory import model_config, prompt_width, sampler_prompt_width
-from jppo.run.targets import Target
+from jppo.preflight.footprint import model_config
+from jppo.preflight.sampler_memory import prompt_width, sampler_prompt_width
+from jppo.preflight.targets import Target
 
 PROGRAMS = ("actor_update", "critic_update", "old_log_prob", "ref_log_prob", "values", "rollout", "validation")
 
@@ -50,7 +52,7 @@ class Compiled:
     (arguments + outputs - donated + temporaries); ``peak_bytes``: that plus what the run keeps on the device
     besides the program's arguments (train states, reference, the others' weights), to check against the device's
     memory; ``flops``: per device, matrix products only, loops multiplied by their trip counts
-    (:func:`jppo.run.hlo.flops`); ``decode_step_collectives``: those of one turn of the decoding loop (one token
+    (:func:`jppo.preflight.hlo.flops`); ``decode_step_collectives``: those of one turn of the decoding loop (one token
     of every row), the rollout's only."""
 
     name: str

@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 
 from jppo.parallel.hostlocal import max_over_processes
 
-log = logging.getLogger("jppo.run.preemption")
+log = logging.getLogger("jppo.parallel.preemption")
 
 # sysexits' EX_TEMPFAIL ("a temporary failure; try again later"): not 0 (done), 1 (a bug) or 2 (a bad input)
 PREEMPTED_EXIT = 75

@@ -1,4 +1,5 @@
-"""DAPO's dynamic sampling: train only on prompt groups whose responses disagree.
+"""What a step trains on of what it sampled: DAPO's dynamic sampling (only prompt groups whose responses
+disagree), its overlong filter and rollout correction's rejection (rows out of the loss).
 
 A group whose ``rollout.n`` responses all get the same reward has zero group-relative advantage everywhere, so it
 adds nothing to the policy gradient but still counts in the normalizers (it dilutes the step). With
@@ -8,6 +9,9 @@ is dropped, as verl does), so the kept batch has the usual fixed shape of ``trai
 
 This module holds the batch arithmetic (which groups vary, selecting and joining groups); the sampling loop is
 :func:`jppo.run.collect.sample_and_score`.
+
+A filtered row stays in the batch with its response mask cleared (:func:`kept_rows_only`), so every loss term skips
+it and the mini-batch's normalizers count the kept rows only, before the batch is cut: the contract holds.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import numpy as np
 
 from jppo.core.checks import choice, register_config_check
 from jppo.core.experience import Experience
+from jppo.losses import REJECTION_MODES, RolloutCorrection, rejected_rows
+from jppo.parallel.hostlocal import sum_over_processes
 
 FILTER_METRICS = ("reward", "score")
 
@@ -114,3 +120,45 @@ def concat(parts: list[Scored], pad_id: int) -> Scored:
         texts=[t for p in parts for t in p.texts], finished=[d for p in parts for d in p.finished],
         scores=np.concatenate([p.scores for p in parts]), rewards=np.concatenate([p.rewards for p in parts]),
     )
+
+
+def kept_rows_only(response_mask: np.ndarray, keep) -> np.ndarray:
+    """The response mask with the rows not in ``keep`` (``[N]`` bool) cleared, so every loss term skips them and
+    the mini-batch normalizers (N tokens, S sequences) count the kept rows only: how the overlong filter and the
+    rollout-correction rejection remove rows, before the batch is cut (so the contract holds)."""
+    return np.where(np.asarray(keep, bool)[:, None], response_mask, False).astype(response_mask.dtype)
+
+
+def overlong_filtered(exp: Experience, ended_eos) -> Experience:
+    """``algorithm.overlong_filter``: ``exp`` with the truncated rows (:func:`truncated_rows`) out of the loss
+    mask (:func:`kept_rows_only`). DAPO masks them because a response cut by the length limit is scored on an
+    answer it never finished: its reward says nothing about its tokens."""
+    kept = ~truncated_rows(exp, ended_eos)
+    return dataclasses.replace(exp, response_mask=kept_rows_only(exp.response_mask, kept))
+
+
+def truncated_rows(batch: Experience, ended_eos) -> np.ndarray:
+    """Which rows ``rollout.max_response_length`` cut before they ended (``[N]`` bool; what the overlong filter
+    masks and validation records report as not ``finished``). A multi-turn batch says so itself
+    (``batch.truncated``: an episode ended by the environment or the turn limit is not truncated, even without
+    EOS); a single-turn response stops only at EOS or at the limit, so it was cut iff it has no EOS
+    (``ended_eos``, :func:`decode_responses`)."""
+    if batch.truncated is not None:
+        return np.asarray(batch.truncated, bool)
+    return ~np.asarray(ended_eos, bool)
+
+
+def rejected_rows_cleared(exp: Experience, correction: RolloutCorrection) -> tuple[Experience, dict[str, float]]:
+    """verl's rejection sampling (``seq_rs`` / ``geo_rs``, :mod:`jppo.losses.rollout_correction`): the batch with
+    the response mask of every rejected row cleared, so every loss term and the normalizers N and S skip those rows
+    (as the overlong filter does), and ``rollout_corr/rejected_fraction``, the fraction of non-empty rows removed
+    (whole batch, combined over processes). Other modes: the batch as it is, no metric."""
+    if correction.mode not in REJECTION_MODES:
+        return exp, {}
+    mask = np.asarray(exp.response_mask)
+    rejected = np.asarray(rejected_rows(exp.old_log_prob, exp.rollout_log_prob, mask, correction))
+    sequences = mask.astype(bool).any(axis=1)
+    removed, total = sum_over_processes(np.array([(rejected & sequences).sum(), sequences.sum()], np.float64))
+    fraction = float(removed / max(total, 1))
+    exp = dataclasses.replace(exp, response_mask=kept_rows_only(mask, ~rejected))
+    return exp, {"rollout_corr/rejected_fraction": fraction}

@@ -44,7 +44,7 @@ MAX_BYTES = 4 * 2**30  # the chosen folder's bound; the least recently used entr
 
 
 @dataclasses.dataclass(frozen=True)
-class CachePlan:
+class CacheChoice:
     """What to do with JAX's cache: ``folder`` None with ``enabled`` False turns it off; ``folder`` None with
     ``enabled`` True leaves JAX's own configuration alone; a folder is jppo's choice (every program cached)."""
 
@@ -87,22 +87,22 @@ def check_setting(cfg) -> None:
     check_local_dir("trainer.compilation_cache", value)
 
 
-def plan(setting: Optional[str], configured: Optional[str], environ: Mapping[str, str]) -> CachePlan:
+def choose(setting: Optional[str], configured: Optional[str], environ: Mapping[str, str]) -> CacheChoice:
     """The cache ``trainer.compilation_cache = setting`` asks for, given JAX's configured folder (``configured``,
     None when there is none) and the environment."""
     setting = normalize(setting)
     if setting == OFF:
-        return CachePlan(enabled=False)
+        return CacheChoice(enabled=False)
     if setting == AUTO:
-        return CachePlan(enabled=True) if configured else CachePlan(True, default_folder(environ))
-    return CachePlan(True, folder(setting))
+        return CacheChoice(enabled=True) if configured else CacheChoice(True, default_folder(environ))
+    return CacheChoice(True, folder(setting))
 
 
 def apply(setting: Optional[str]) -> Optional[str]:
     """Configures JAX's persistent cache for ``setting`` (before the first compilation); returns the folder in use
     (None: off)."""
     configured = jax.config.jax_compilation_cache_dir
-    chosen = plan(setting, configured, os.environ)
+    chosen = choose(setting, configured, os.environ)
     if not chosen.enabled:
         jax.config.update("jax_enable_compilation_cache", False)
         return None

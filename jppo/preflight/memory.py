@@ -117,32 +117,21 @@ import math
 from typing import Sequence
 
 from jppo.config import TrainConfig
-from jppo.parallel.mesh import MESH_AXES, decoding_shards, row_shards_of
 from jppo.models.config import ModelConfig
-from jppo.rollout.multiturn import longest_context
-from jppo.rollout.decode import decode_rows
-from jppo.rollout.sampler import bucket_length
-from jppo.run.footprint import (  # noqa: F401 (model_config, abstract_params, human: read here by their users)
-    abstract_params, adapter_params, model_config, trained_elements, ACCUMULATOR_BYTES, LOGIT_COPIES, activation_bytes,
-    dtype_bytes, forward_layer_bytes_per_token, kv_cache_bytes, layer_weights_bytes, layer_bytes_per_token,
-    sampler_logits_bytes, linear_attention, local_elements, logits_bytes, row_split, shards, weights_in_use_bytes,
-    kept_activation_bytes, table_bytes, layout_copy_bytes, human,
+from jppo.parallel.mesh import MESH_AXES, row_shards_of
+from jppo.preflight.footprint import (
+    ACCUMULATOR_BYTES, LOGIT_COPIES, Term, abstract_params, activation_bytes, adapter_params, dtype_bytes,
+    forward_layer_bytes_per_token, kept_activation_bytes, layer_weights_bytes, table_bytes,
+    layout_copy_bytes, linear_attention, local_elements, logits_bytes, model_config, row_split, trained_elements,
+    weights_in_use_bytes,
 )
+from jppo.preflight.sampler_memory import prompt_width, rollout_weights_term, sampler_terms
 
 OPTIMIZER_STEP_COPIES = 4  # per-parameter float32 temporaries of applying the accumulated gradient (measured)
 DIRECT_STEP_COPIES = 2  # the same with K = 1 and no accumulator: the gradient and the update (measured)
 # XLA:GPU applies it nearly in place: 1.45 copies with an accumulator, 1.01 without (compiled for an H100, the model
 # of tests/test_plan.py's step test, whose parameters dwarf its activations)
 GPU_STEP_COPIES = {True: 1.5, False: 1}
-
-
-@dataclasses.dataclass(frozen=True)
-class Term:
-    """One line of the plan: bytes per device, and the formula that gave them."""
-
-    name: str
-    bytes: int
-    formula: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,70 +172,6 @@ def micro_batch_shape(cfg: TrainConfig, role: str) -> tuple[int, int]:
     if section.use_dynamic_bsz:
         return 1, section.ppo_max_token_len
     return section.ppo_micro_batch_size, prompt_width(cfg) + cfg.rollout.max_response_length
-
-
-def prompt_width(cfg: TrainConfig) -> int:
-    return bucket_length(cfg.data.max_prompt_length, cfg.rollout.prompt_bucket)
-
-
-def sampler_prompt_width(cfg: TrainConfig) -> int:
-    """``P``: the widest prompt batch the sampler prefills; with ``rollout.env``, a turn's context (prompt and
-    response so far)."""
-    if cfg.rollout.env is None:
-        return prompt_width(cfg)
-    longest = longest_context(cfg.data.max_prompt_length, cfg.rollout.max_response_length)
-    return bucket_length(longest, cfg.rollout.prompt_bucket)
-
-
-def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]]:
-    """``(prompts, rows)`` one device samples at once, for the training batch and (when the run validates) the
-    validation batch. The sampler fills a batch up to a multiple of its shards (every batch axis); a multi-turn
-    rollout calls it on every row's own context (``n = 1``), so each row is a prompt."""
-    batch_shards = decoding_shards(mesh)  # the sampler splits its prompts over every batch axis, sequence included
-    batches = [(cfg.data.train_batch_size, cfg.rollout.n)]
-    if cfg.trainer.val_every > 0 or cfg.trainer.val_before_train:
-        batches.append((cfg.data.val_batch_size, cfg.rollout.val_n))
-    if cfg.rollout.env is not None:
-        batches = [(prompts * n, 1) for prompts, n in batches]
-    return [(-(-prompts // batch_shards), -(-prompts // batch_shards) * n) for prompts, n in batches]
-
-
-def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int],
-                  platform: str = "gpu") -> list[tuple[Term, ...]]:
-    """The sampler's caches, a decoding step's logits, the prefill's working set and the table's second layout
-    (the KV cache, sampler logits, prefill and table layout lines of the module docstring) of the training batch
-    and (when the run validates) the validation batch, in that order."""
-    from jppo.config.views import sampling_config  # noqa: PLC0415 (views imports the models; keep `--help` light)
-
-    sampler, width, new = sampling_config(cfg, policy), sampler_prompt_width(cfg), cfg.rollout.max_response_length
-    terms, tied_on_tpu = [], platform == "tpu" and sampler.tie_word_embeddings
-    for prompts, rows in rollout_rows(cfg, mesh):
-        decoded = decode_rows(rows, cfg.rollout.max_num_seqs)
-        terms.append((Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
-                           f"B={prompts} x P={width} + S={decoded} x T={new} x ..., c_s={dtype_bytes(sampler.dtype)}"),
-                      Term("sampler_logits", sampler_logits_bytes(sampler, decoded, mesh), f"4 S={decoded} V' a"),
-                      Term("prefill", prompts * width * forward_layer_bytes_per_token(sampler, width, mesh, platform),
-                           f"B={prompts} x P={width} x y"),
-                      *([Term("table_layout", table_bytes(sampler, mesh), "V' D c_s")] if tied_on_tpu else [])))
-    return terms
-
-
-def rollout_weights_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
-    """The sampler's copy of the policy's weights (the rollout weights line of the module docstring)."""
-    from flax import nnx  # noqa: PLC0415
-
-    from jppo.config.views import sampling_config  # noqa: PLC0415
-    from jppo.models.decoding import NORM_SCALES  # noqa: PLC0415
-    from jppo.models.sharding import logical_names  # noqa: PLC0415
-
-    decoding, sampler, total = {**mesh, "data": 1, "fsdp": 1}, sampling_config(cfg, policy), 0
-    for path, variable in nnx.to_flat_state(abstract_params(policy)):
-        shape, names = variable.shape, logical_names(variable)
-        cast = path[-1] not in NORM_SCALES and sampler.dtype != policy.param_dtype
-        if cast or shards(shape, names, mesh) != shards(shape, names, decoding):
-            size = sampler.dtype if cast else policy.param_dtype
-            total += math.prod(shape) // shards(shape, names, decoding) * dtype_bytes(size)
-    return Term("rollout_weights", total, f"weights / tensor shards x c_s={dtype_bytes(sampler.dtype)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
