@@ -1,6 +1,6 @@
 """The README's table of planned peak memory per device: model size x H200 count x full fine-tuning / LoRA.
 
-    python -m bench.plan_table [--markdown]
+    python -m bench.numbers.plan_table [--markdown]
 
 Each cell is ``python -m jppo.plan``'s peak (:func:`jppo.run.memory.memory_plan`) for
 ``configs/qwen2_5_0_5b_gsm8k_grpo.yaml`` (GRPO, 128 prompts x 5, prompts 512 + responses 512 tokens, token budget
@@ -23,7 +23,7 @@ from jppo.config import check_mesh, load_config
 from jppo.plan import allocator_bytes
 from jppo.run.memory import memory_plan
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "qwen2_5_0_5b_gsm8k_grpo.yaml"
 H200_BYTES = 141 * 10**9  # HBM3e per H200
 DEVICES = (1, 2, 4, 8)
@@ -86,7 +86,7 @@ def markdown(table: dict[str, dict[str, dict[int, int]]]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.plan_table", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.numbers.plan_table", description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print the README's table (default: JSON)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
