@@ -33,7 +33,7 @@ NUMBERS = MEASURED / "numbers.json"
 PAGES = ("README.md", "docs/*.md")
 # ``<!--m:KEY-->VALUE``: an HTML comment (not rendered) naming the key of the number that follows it
 MARKER = re.compile(r"<!--m:([a-z0-9_.]+)-->(-?\d+(?:\.\d+)?%?)")
-GIB = 2**30
+GIB, MIB = 2**30, 2**20
 
 # name: (config, overrides): each run as its page describes it
 RUNS = {
@@ -44,6 +44,11 @@ RUNS = {
     "moe": ("configs/quickstart_moe.yaml", ()),
 }
 GSM8K = {"grpo": "configs/qwen2_5_0_5b_gsm8k_grpo.yaml", "ppo": "configs/qwen2_5_0_5b_gsm8k_ppo.yaml"}
+# docs/lora.md's table: the GRPO config's terms with full fine-tuning (GiB) and with LoRA (rank 16, every
+# projection; in the unit each term's column shows it)
+LORA = ("actor.lora.rank=16", "actor.lora.alpha=32")
+LORA_TERMS = {"parameters/actor": GIB, "parameters/reference": MIB, "optimizer_state/actor": MIB,
+              "gradients/actor": MIB, "optimizer_step/actor": MIB}
 
 
 def two(x: float) -> str:
@@ -167,7 +172,8 @@ def sft_to_rl(runs: pathlib.Path) -> dict:
 
 def plan_numbers() -> dict[str, str]:
     """The GSM8K configs planned on one device with the overrides their pages give for it (``mesh.sequence=1``,
-    4096-token rows): the peak, the sampler's KV caches, and the peak with the reference kept in float32."""
+    4096-token rows): the peak, the sampler's KV caches, and the peak with the reference kept in float32; for GRPO,
+    the terms of :data:`LORA_TERMS` and the peak without and with LoRA (``plan.grpo_1device[_lora]_<term>``)."""
     from bench.numbers.plan_table import MODELS, write_checkpoints  # noqa: PLC0415
     from jppo.config import check_mesh, load_config  # noqa: PLC0415
     from jppo.run.memory import memory_plan  # noqa: PLC0415
@@ -188,6 +194,15 @@ def plan_numbers() -> dict[str, str]:
                 if not suffix:
                     kv = {t.name: t.bytes for t in plan.rollout}["kv_cache"]
                     numbers[f"plan.{name}_1device_kv_cache"] = two(kv / GIB)
+                    full = plan
+            if name == "grpo":
+                cfg = load_config(ROOT / config, [*files, *budgets, *LORA])
+                lora = memory_plan(cfg, check_mesh(cfg, 1))
+                numbers["plan.grpo_1device_lora"] = two(lora.peak_bytes / GIB)
+                for term, unit in LORA_TERMS.items():
+                    key = term.replace("/", "_")
+                    numbers[f"plan.grpo_1device_{key}"] = two(full.term(term) / GIB)
+                    numbers[f"plan.grpo_1device_lora_{key}"] = two(lora.term(term) / unit)
     return numbers
 
 
