@@ -1,4 +1,5 @@
-"""What one decoded token reads per device, beside its lower bound, for the shipped configs' rollouts.
+"""What one decoded token reads per device, beside its lower bound, for the shipped configs' rollouts; and the
+decoding loop of a compiled rollout read from its HLO text (:func:`decode_loop`, what a decoded token communicates).
 
     python -m bench.decode_bound [--target cpu|v5p:2x2x2|...] [--quick] [--json]
 
@@ -15,8 +16,15 @@ Per device: ``read`` = the decoding step's ``cost_analysis()['bytes accessed']``
 the cost model would count once); ``bound`` = the bytes a step cannot avoid reading, the device's shards of the
 sampler's weights and of the live caches (the prompt cache and the response cache up to the current slot, here
 all of it); ``ratio = read / bound`` (the aim: <= 1.5); ``excess / logits``, what the step reads beyond the bound
-in units of the device's float32 logits (the sampling's passes over the vocabulary); ``collectives`` of the step. On XLA:CPU a bfloat16 matmul
-is computed in float32, so its operands are converted and read twice: the CPU ratio over-states a TPU's or GPU's.
+in units of the device's float32 logits (the sampling's passes over the vocabulary); ``collectives`` of the step.
+On XLA:CPU a bfloat16 matmul is computed in float32, so its operands are converted and read twice: the CPU ratio
+over-states a TPU's or GPU's.
+
+:func:`decode_loop` reads a whole compiled rollout (``compiled.as_text()``): XLA's ``cost_analysis()`` counts a loop
+body once, so what one decoded token communicates is read per iteration of the decoding loop, the ``while`` of the
+entry computation whose body runs matrix products (``dot``, or ``convolution`` as the TPU compiler writes some; the
+rollout's other loops are the random-bit generator's). ``tests/test_rollout_layout.py`` asserts with it that a
+decoded token runs no collective on the shipped configs' meshes.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import re
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -36,6 +45,73 @@ def device_bytes(tree) -> int:
     import jax
 
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) ")
+_WHILE = re.compile(r"while\(.*condition=%([\w.\-]+), body=%([\w.\-]+)")
+_CALLED = re.compile(r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """``({computation name: its instruction lines}, the entry computation's name)`` of an HLO module's text."""
+    table, entry, name = {}, "", None
+    for line in hlo.splitlines():
+        header = _HEADER.match(line)
+        if header and line.rstrip().endswith("{"):
+            name = header.group(2)
+            table[name] = []
+            entry = name if header.group(1) else entry
+        elif name is not None and line.strip() == "}":
+            name = None
+        elif name is not None:
+            table[name].append(line)
+    return table, entry
+
+
+def reachable(table: dict[str, list[str]], root: str) -> set[str]:
+    """``root`` and every computation it calls, directly or not (fusions, loops, conditionals' branches)."""
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in table:
+            continue
+        seen.add(name)
+        for line in table[name]:
+            todo += _CALLED.findall(line)
+            for group in _BRANCHES.findall(line):
+                todo += re.findall(r"%([\w.\-]+)", group)
+    return seen
+
+
+def count_collectives(lines: list[str]) -> dict[str, int]:
+    """How many of each collective ``lines`` run (an asynchronous pair counted once, by its start)."""
+    text = "\n".join(lines)
+    return {op: len(re.findall(rf"= [^=]*? {op}(?:-start)?\(", text)) for op in COLLECTIVES}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLoop:
+    """The collectives of one iteration of the decoding loop: its body's and its condition's."""
+
+    body: dict[str, int]
+    condition: dict[str, int]
+
+
+def decode_loop(hlo: str) -> DecodeLoop:
+    """The decoding loop of a compiled rollout's HLO text (module docstring); raises if there is none."""
+    table, entry = computations(hlo)
+    for line in table[entry]:
+        found = _WHILE.search(line)
+        if found is None:
+            continue
+        body = reachable(table, found.group(2))
+        if any(" dot(" in text or " convolution(" in text for name in body for text in table[name]):
+            lines = lambda names: [text for name in sorted(names) for text in table[name]]  # noqa: E731
+            return DecodeLoop(count_collectives(lines(body)),
+                              count_collectives(lines(reachable(table, found.group(1)))))
+    raise ValueError("no while loop with matrix products in the entry computation: not a compiled rollout")
 
 
 def load(path: pathlib.Path, tmp: pathlib.Path, quick: bool):
@@ -71,7 +147,6 @@ def measure(path: pathlib.Path, target: str, quick: bool, tmp: pathlib.Path) -> 
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from bench.hlo_loops import count_collectives
     from jppo.config import check_mesh
     from jppo.config.views import adapted_model_config, sampling_config
     from jppo.models import CausalLM, param_shardings

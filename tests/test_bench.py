@@ -17,8 +17,7 @@ import torch
 from flax import nnx
 
 import bench
-from bench import accelerator, async_rl, end_to_end, hlo_profile, peers, report, run as bench_run, transfers
-from bench import trl_alone, update_profile
+from bench import accelerator, async_rl, end_to_end, peers, report, run as bench_run, transfers, trl_alone
 from bench.trl_side import per_step_seconds
 from jppo.config.views import old_log_prob_source
 from bench.timing import time_side_by_side
@@ -171,17 +170,6 @@ def test_end_to_end_bookkeeping():
 def test_run_rejects_an_unknown_benchmark_naming_the_valid_ones():
     with pytest.raises(SystemExit, match="nope.*valid: memory, accumulation"):
         bench_run.selected(bench_run.parse_args(["--only", "memory,nope"]))
-
-
-def test_row_movement_benchmark_smoke():
-    """``python -m bench.row_movement --quick`` runs and prints its ratios (their values are not checked: times)."""
-    done = subprocess.run([sys.executable, "-m", "bench.row_movement", "--quick", "--repeats", "1", "--devices", "4"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ratios = dict(line.split(" = ") for line in done.stdout.splitlines() if " = " in line)
-    assert set(ratios) == {"global_vs_per_shard_cut", "per_shard_cut_vs_update", "global_cut_vs_update",
-                           "device_row_move_vs_update"}
-    assert all(math.isfinite(float(value)) and float(value) > 0 for value in ratios.values())
 
 
 def test_async_rl_benchmark_smoke():
@@ -337,53 +325,7 @@ def test_peers_refuses_odd_arguments_in_one_line_before_measuring(capsys, args, 
     assert len(lines) == 1 and lines[0].startswith("bench.peers: error: ") and message in lines[0], lines
 
 
-def test_trl_alone_and_update_profile_refuse_odd_arguments_in_one_line(capsys):
+def test_trl_alone_refuses_odd_arguments_in_one_line(capsys):
     assert trl_alone.main([]) == 2
-    assert update_profile.main(["--repeats", "0"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["bench.trl_alone: error: expected one argument, the JSON spec bench.peers writes",
-                     "bench.update_profile: error: --repeats=0 must be >= 1"]
-
-
-def test_update_profile_finds_the_head_products_in_a_compiled_step_and_its_trace():
-    """A head forward + backward (logits, log-softmax, target log-prob; gradients w.r.t. h and W) compiled and
-    run under the profiler: every product is found by its sizes and has a span; torch's ops are named alike."""
-    from jax.profiler import ProfileData
-
-    tokens, hidden, vocab = 96, 40, 320  # all different, so contraction and output sizes tell the products apart
-    rng = np.random.default_rng(0)
-    h, w = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.float32), jnp.asarray(rng.normal(size=(hidden, vocab)))
-    targets = jnp.asarray(rng.integers(0, vocab, tokens))
-
-    def log_prob_sum(h, w):
-        logits = h @ w
-        return jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[:, None], axis=-1))
-
-    compiled = jax.jit(jax.grad(log_prob_sum, argnums=(0, 1))).lower(h, w).compile()
-    jax.block_until_ready(compiled(h, w))
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as folder:
-        with jax.profiler.trace(folder):
-            jax.block_until_ready(compiled(h, w))
-        path = next(pathlib.Path(folder).rglob("*.xplane.pb"))
-        thunks = hlo_profile.spans(hlo_profile.trace_events(ProfileData.from_file(str(path))))
-    seconds = hlo_profile.head_seconds(thunks, compiled.as_text(), tokens, hidden, vocab)
-    assert all(seconds[part] > 0 for part in hlo_profile.HEAD_PARTS), seconds
-    assert seconds["grad_products_overlap"] >= 0
-    dims = (tokens, hidden, vocab)
-    assert update_profile.torch_part("aten::mm", [[tokens, hidden], [hidden, vocab]], *dims) == "forward"
-    assert update_profile.torch_part("aten::mm", [[tokens, vocab], [vocab, hidden]], *dims) == "grad_hidden"
-    assert update_profile.torch_part("aten::mm", [[vocab, tokens], [tokens, hidden]], *dims) == "grad_weight"
-    assert update_profile.torch_part("aten::_log_softmax", [[2, 48, vocab], []], *dims) == "vocab_elementwise"
-    assert update_profile.torch_part("aten::mm", [[tokens, hidden], [hidden, hidden]], *dims) == "rest"
-
-
-def test_thunk_spans_reach_their_end_events_and_overlaps_are_counted_once():
-    events = [("dot", 0.0, 5.0), ("fusion", 5.0, 3.0), ("end: dot", 20.0, 0.0), ("dot", 30.0, 2.0)]
-    got = sorted(hlo_profile.spans(events), key=lambda s: s.start_ns)
-    # the first dot runs until its result is ready (its end event), the second has none: its own event
-    assert [(s.name, s.start_ns, s.end_ns) for s in got] == [("dot", 0.0, 20.0), ("fusion", 5.0, 8.0),
-                                                             ("dot", 30.0, 32.0)]
-    assert hlo_profile.overlap_s([got[0], got[2]], [got[1]]) == pytest.approx(3e-9)
-    assert hlo_profile.covered_s(got) == pytest.approx(22e-9)
+    assert lines == ["bench.trl_alone: error: expected one argument, the JSON spec bench.peers writes"]

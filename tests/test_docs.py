@@ -1,6 +1,6 @@
 """The pages run as written: every command of a fenced ``bash`` block of README.md and docs/ is extracted and
 checked, and every number a page quotes as measured is the generated file's (``docs/measured/numbers.json``,
-written by ``python -m bench.docs_numbers``).
+written by ``python -m bench.numbers.docs_numbers``).
 
 How each command is checked (:data:`HOW`; a command no rule covers fails the test, so a page cannot gain an
 unchecked command):
@@ -37,8 +37,8 @@ import sys
 
 import pytest
 
-from bench import docs_numbers
-from bench.plan_table import MODELS, write_checkpoints
+from bench.numbers import docs_numbers
+from bench.numbers.plan_table import MODELS, write_checkpoints
 from jppo import cli
 from jppo.config import ConfigError, check_mesh
 from jppo.preflight import targets
@@ -131,7 +131,7 @@ def test_pages_are_rewritten_from_the_file_at_their_markers_only():
 
 def test_the_generated_plan_numbers_are_what_the_plan_says_now():
     """The planned numbers cost no run: a change to the plan that moves them must regenerate the file (and so the
-    pages, `python -m bench.docs_numbers --only plan --pages`)."""
+    pages, `python -m bench.numbers.docs_numbers --only plan --pages`)."""
     numbers = json.loads(docs_numbers.NUMBERS.read_text())["numbers"]
     planned = docs_numbers.plan_numbers()
     assert planned == {key: numbers.get(key) for key in planned}

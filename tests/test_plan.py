@@ -388,7 +388,7 @@ def test_the_command_plans_a_real_size_config_from_the_model_s_shape_alone(tmp_p
     """``python -m jppo.plan`` reads shapes, never prompts: the GSM8K config plans with its placeholder data paths
     (no such files here) and a folder holding only Qwen2.5-0.5B's ``config.json``. At least the parameters in
     float32 and AdamW's two moments, 494M x 12 bytes over the 8 devices' fsdp 2 (about 2.8 GiB), are per device."""
-    from bench.plan_table import write_checkpoints
+    from bench.numbers.plan_table import write_checkpoints
 
     model = write_checkpoints(tmp_path)["Qwen2.5-0.5B"]
     argv = ["--config", str(QUICKSTART.parent / "qwen2_5_0_5b_gsm8k_grpo.yaml"), f"model.path={model}"]

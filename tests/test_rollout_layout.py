@@ -24,7 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.models import CausalLM, ModelConfig, create_model, layers, param_shardings
 from jppo.models.kv_cache import write_slot
-from bench.hlo_loops import decode_loop
+from bench import decode_bound
+from bench.decode_bound import decode_loop
 from jppo.parallel.mesh import batch_spec, make_mesh, resolve_shape
 from jppo.rollout import SamplingParams, make_generate_fn
 from jppo.rollout.sampler import Sampler
@@ -228,6 +229,14 @@ def test_continuous_batching_decodes_on_each_device_s_own_slots_with_no_collecti
     # 32 rows, 8 slots: each of the 8 devices refills its one slot from its own 4 rows and stops when they end
     loop = decode_loop(compiled_rollout((8, 1, 1, 1), max_num_seqs=8).as_text())
     assert loop.body == NOTHING and loop.condition == NOTHING
+
+
+def test_decode_bound_reads_a_decoding_step_against_what_it_cannot_avoid_reading(tmp_path):
+    # bench.decode_bound is how the rollout's bytes per decoded token are judged: on the quickstart's mesh its one
+    # compiled step reads at least the device's weights and caches (the bound) and communicates nothing
+    got = decode_bound.measure(QUICKSTART, "cpu", True, tmp_path)
+    assert 0 < got["weights_bytes"] < got["bound_bytes"] <= got["read_bytes"]
+    assert got["ratio"] == got["read_bytes"] / got["bound_bytes"] and got["collectives"] == NOTHING
 
 
 def test_the_sequence_devices_decode_rows_of_their_own_not_each_others():

@@ -78,7 +78,7 @@ def attention_mask(query_segments: Array, query_slots: Array, key_segments: Arra
 
 
 # Where ``auto`` does not pick a kernel of its own: the faster on CPU for a small model's forward and backward pass
-# on short rows (``python -m bench.attention``; README, Performance: a tie with "xla", so the exact-in-float64
+# on short rows (bench/README.md, "Attention implementations on the CPU": a tie with "xla", so the exact-in-float64
 # reference stays).
 AUTO_FALLBACK = "reference"
 HALF_PRECISION_ATTENTION = ("bfloat16", "float16")  # the dtypes cuDNN's fused attention takes

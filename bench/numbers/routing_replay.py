@@ -1,6 +1,6 @@
 """The sampler/trainer mismatch of a model with experts, with and without routing replay.
 
-    python -m bench.routing_replay [--prompts 64] [--dtypes bfloat16,float32] [--json PATH] [key=value ...]
+    python -m bench.numbers.routing_replay [--prompts 64] [--dtypes bfloat16,float32] [--json PATH] [key=value ...]
 
 On ``configs/quickstart_moe.yaml`` (overrides after the flags, e.g. ``model.path=DIR`` for a trained policy; by
 default the config's random initial policy), the sampler draws ``rollout.n`` responses to ``--prompts`` training
@@ -14,9 +14,10 @@ experts (``actor.routing_replay: rollout``). Over the response tokens (the loss 
 - ``outside``: the fraction of tokens whose ratio ``exp(d)`` falls outside [0.9, 1.1];
 
 and ``after flip``: ``mean |d|`` over the response tokens predicted at or after their row's first token whose
-routing differs (where a flip can reach the log-prob); and the routing: the fraction of (token, layer with experts) choices, over every real token the sampler recorded
-(prompt and response), where the trainer's own top-k set differs from the sampler's, and the fraction of response
-tokens with a differing choice in at least one layer. Nothing is timed.
+routing differs (where a flip can reach the log-prob); and the routing: the fraction of (token, layer with experts)
+choices, over every real token the sampler recorded (prompt and response), where the trainer's own top-k set
+differs from the sampler's, and the fraction of response tokens with a differing choice in at least one layer.
+Nothing is timed.
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """The numbers README.md and docs/ quote, measured or planned in one place: ``docs/measured/numbers.json``.
 
-    python -m bench.docs_numbers [--runs DIR] [--only quickstart,dapo,...] [--pages]
+    python -m bench.numbers.docs_numbers [--runs DIR] [--only quickstart,dapo,...] [--pages]
 
 Runs each quickstart config of ``RUNS`` to its end (``python -m jppo.train``, one subprocess each, into
 ``DIR/<name>``; a run already complete there is read, not rerun), the SFT-then-GRPO comparison
-(``python -m bench.sft_to_rl`` into ``DIR/sft_to_rl``, read when its result is there), plans the GSM8K configs on one device
-(``jppo.preflight.memory``, nothing allocated), and writes ``docs/measured/numbers.json`` (each number as the pages quote
-it) and ``docs/measured/README.md`` (the same with where each comes from). A page quotes a number as
-``<!--m:KEY-->VALUE``; ``tests/test_docs.py`` checks that every such VALUE is the file's, and ``--pages`` rewrites
-them from it. Times are recorded with the machine's load: they are not quoted, since a shared machine inflates them,
-but for the SFT run's (seconds for its 100 steps, compilation included; the file records the load it ran under).
+(``python -m bench.numbers.sft_to_rl`` into ``DIR/sft_to_rl``, read when its result is there), plans the GSM8K
+configs on one device (``jppo.preflight.memory``, nothing allocated), and writes ``docs/measured/numbers.json`` (each
+number as the pages quote it) and ``docs/measured/README.md`` (the same with where each comes from). A page quotes
+a number as ``<!--m:KEY-->VALUE``; ``tests/test_docs.py`` checks that every such VALUE is the file's, and
+``--pages`` rewrites them from it. Times are recorded with the machine's load: they are not quoted, since a shared
+machine inflates them, but for the SFT run's (seconds for its 100 steps, compilation included; the file records the
+load it ran under).
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ import tempfile
 import time
 from typing import Callable
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MEASURED = ROOT / "docs" / "measured"
 NUMBERS = MEASURED / "numbers.json"
 PAGES = ("README.md", "docs/*.md")
 # ``<!--m:KEY-->VALUE``: an HTML comment (not rendered) naming the key of the number that follows it
 MARKER = re.compile(r"<!--m:([a-z0-9_.]+)-->(-?\d+(?:\.\d+)?%?)")
-GIB = 2**30
+GIB, MIB = 2**30, 2**20
 
 # name: (config, overrides): each run as its page describes it
 RUNS = {
@@ -43,6 +44,11 @@ RUNS = {
     "moe": ("configs/quickstart_moe.yaml", ()),
 }
 GSM8K = {"grpo": "configs/qwen2_5_0_5b_gsm8k_grpo.yaml", "ppo": "configs/qwen2_5_0_5b_gsm8k_ppo.yaml"}
+# docs/lora.md's table: the GRPO config's terms with full fine-tuning (GiB) and with LoRA (rank 16, every
+# projection; in the unit each term's column shows it)
+LORA = ("actor.lora.rank=16", "actor.lora.alpha=32")
+LORA_TERMS = {"parameters/actor": GIB, "parameters/reference": MIB, "optimizer_state/actor": MIB,
+              "gradients/actor": MIB, "optimizer_step/actor": MIB}
 
 
 def two(x: float) -> str:
@@ -125,14 +131,14 @@ def run(name: str, runs: pathlib.Path) -> dict:
     return {"numbers": numbers, "source": source}
 
 
-# bench.sft_to_rl's defaults: the GRPO runs' validation steps the pages quote
+# bench.numbers.sft_to_rl's defaults: the GRPO runs' validation steps the pages quote
 SFT_TO_RL_STEPS, SFT_TO_RL_VAL_EVERY = 100, 20
 
 
 def sft_to_rl_numbers(result: dict) -> dict[str, str]:
-    """``bench.sft_to_rl``'s result as the pages quote it: the SFT run's steps, seconds and held-out NLL (first and
-    last validation) and greedy score (first and last); each GRPO run's held-out greedy score at every validation step and
-    its training reward over the first and last 10 steps."""
+    """``bench.numbers.sft_to_rl``'s result as the pages quote it: the SFT run's steps, seconds and held-out NLL
+    (first and last validation) and greedy score (first and last); each GRPO run's held-out greedy score at every
+    validation step and its training reward over the first and last 10 steps."""
     sft = result["sft"]
     nll = list(sft["val_sft_nll"].values())
     numbers = {"sft_steps": str(sft["steps"]), "sft_seconds": str(round(sft["seconds"])),
@@ -149,15 +155,16 @@ def sft_to_rl_numbers(result: dict) -> dict[str, str]:
 
 
 def sft_to_rl(runs: pathlib.Path) -> dict:
-    """``python -m bench.sft_to_rl`` into ``runs/sft_to_rl`` unless its result is there; its numbers and source."""
+    """``python -m bench.numbers.sft_to_rl`` into ``runs/sft_to_rl`` unless its result is there; its numbers and
+    source."""
     out = runs / "sft_to_rl"
     path = out / "sft_to_rl.json"
     if not path.is_file():
-        command = [sys.executable, "-m", "bench.sft_to_rl", "--out", str(out), f"--steps={SFT_TO_RL_STEPS}",
+        command = [sys.executable, "-m", "bench.numbers.sft_to_rl", "--out", str(out), f"--steps={SFT_TO_RL_STEPS}",
                    f"--val-every={SFT_TO_RL_VAL_EVERY}"]
         subprocess.run(command, check=True, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
     result = json.loads(path.read_text())
-    source = {"command": "python -m bench.sft_to_rl", "steps": SFT_TO_RL_STEPS,
+    source = {"command": "python -m bench.numbers.sft_to_rl", "steps": SFT_TO_RL_STEPS,
               "training_s": round(result["sft"]["seconds"], 1), "wall_s": None,
               "load_average": round(result.get("load_average", 0.0), 1)}
     return {"numbers": sft_to_rl_numbers(result), "source": source}
@@ -165,8 +172,9 @@ def sft_to_rl(runs: pathlib.Path) -> dict:
 
 def plan_numbers() -> dict[str, str]:
     """The GSM8K configs planned on one device with the overrides their pages give for it (``mesh.sequence=1``,
-    4096-token rows): the peak, the sampler's KV caches, and the peak with the reference kept in float32."""
-    from bench.plan_table import MODELS, write_checkpoints  # noqa: PLC0415
+    4096-token rows): the peak, the sampler's KV caches, and the peak with the reference kept in float32; for GRPO,
+    the terms of :data:`LORA_TERMS` and the peak without and with LoRA (``plan.grpo_1device[_lora]_<term>``)."""
+    from bench.numbers.plan_table import MODELS, write_checkpoints  # noqa: PLC0415
     from jppo.config import check_mesh, load_config  # noqa: PLC0415
     from jppo.preflight.memory import memory_plan  # noqa: PLC0415
 
@@ -186,6 +194,15 @@ def plan_numbers() -> dict[str, str]:
                 if not suffix:
                     kv = {t.name: t.bytes for t in plan.rollout}["kv_cache"]
                     numbers[f"plan.{name}_1device_kv_cache"] = two(kv / GIB)
+                    full = plan
+            if name == "grpo":
+                cfg = load_config(ROOT / config, [*files, *budgets, *LORA])
+                lora = memory_plan(cfg, check_mesh(cfg, 1))
+                numbers["plan.grpo_1device_lora"] = two(lora.peak_bytes / GIB)
+                for term, unit in LORA_TERMS.items():
+                    key = term.replace("/", "_")
+                    numbers[f"plan.grpo_1device_{key}"] = two(full.term(term) / GIB)
+                    numbers[f"plan.grpo_1device_lora_{key}"] = two(lora.term(term) / unit)
     return numbers
 
 
@@ -205,8 +222,8 @@ def rewrite(text: str, numbers: dict[str, str]) -> str:
 
 def markdown(record: dict) -> str:
     lines = ["# Measured and planned numbers", "",
-             "Generated by `python -m bench.docs_numbers` (do not edit): the numbers README.md and docs/ quote, "
-             "each quoted there as `<!--m:KEY-->VALUE` and checked by `tests/test_docs.py`.", "",
+             "Generated by `python -m bench.numbers.docs_numbers` (do not edit): the numbers README.md and docs/ "
+             "quote, each quoted there as `<!--m:KEY-->VALUE` and checked by `tests/test_docs.py`.", "",
              f"Machine: {record['machine']}.", "", "| key | value | from |", "|---|---|---|"]
     for key, value in record["numbers"].items():
         lines.append(f"| `{key}` | {value} | {record['sources'].get(key.split('.')[0], 'jppo.preflight.memory')} |")
@@ -219,7 +236,7 @@ def markdown(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.docs_numbers", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.numbers.docs_numbers", description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default="runs/docs", help="where the runs go, or are read when complete")
     parser.add_argument("--only", help=f"comma-separated: {','.join(RUNS)},sft_to_rl,plan (default: all; the rest "
                                        "kept)")

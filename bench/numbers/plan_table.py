@@ -1,13 +1,13 @@
 """The README's table of planned peak memory per device: model size x H200 count x full fine-tuning / LoRA.
 
-    python -m bench.plan_table [--markdown]
+    python -m bench.numbers.plan_table [--markdown]
 
 Each cell is ``python -m jppo.plan``'s peak (:func:`jppo.preflight.memory.memory_plan`) for
 ``configs/qwen2_5_0_5b_gsm8k_grpo.yaml`` (GRPO, 128 prompts x 5, prompts 512 + responses 512 tokens, token budget
 4096, bfloat16 compute over float32 weights, remat, KL loss: a reference policy, FSDP over every device) with the
 model's shape taken from its Hugging Face ``config.json`` (written here from the numbers below; no weights are
 read or downloaded). LoRA: rank 64 on every projection (``actor.lora.rank=64``). A cell is marked when the peak
-exceeds what JAX's allocator takes of an H200 (0.75 of its 141 GB, :func:`jppo.plan.allocator_bytes`). Nothing is
+exceeds what JAX's allocator takes of an H200 (0.75 of its 141 GB, :func:`jppo.preflight.fit.allocator_bytes`). Nothing is
 measured: the plan's terms and how they compared with a measured run are in ``jppo/preflight/memory.py`` and
 ``bench/real_size.py``.
 """
@@ -20,10 +20,10 @@ import pathlib
 import tempfile
 
 from jppo.config import check_mesh, load_config
-from jppo.plan import allocator_bytes
+from jppo.preflight.fit import allocator_bytes
 from jppo.preflight.memory import memory_plan
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "qwen2_5_0_5b_gsm8k_grpo.yaml"
 H200_BYTES = 141 * 10**9  # HBM3e per H200
 DEVICES = (1, 2, 4, 8)
@@ -86,7 +86,7 @@ def markdown(table: dict[str, dict[str, dict[int, int]]]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.plan_table", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.numbers.plan_table", description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print the README's table (default: JSON)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:

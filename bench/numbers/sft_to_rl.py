@@ -1,4 +1,4 @@
-"""GRPO on the quickstart task from an SFT start against GRPO from scratch (``python -m bench.sft_to_rl``).
+"""GRPO on the quickstart task from an SFT start against GRPO from scratch (``python -m bench.numbers.sft_to_rl``).
 
 Runs, in one process, on all devices:
 
@@ -10,9 +10,8 @@ Runs, in one process, on all devices:
 
 Writes ``OUT/sft_to_rl.json``: each run's held-out greedy score (``val/reward/mean``; the SFT run's last one is
 the GRPO run's first, the same policy on the same prompts) and training reward (``reward/mean``) by step, the SFT
-run's times, and the machine's load when it ended. ``python -m bench.docs_numbers --only sft_to_rl`` runs it for the
-numbers README.md quotes. A measurement, not a test: ``--steps`` and ``--sft-steps`` cut
-it short.
+run's times, and the machine's load when it ended. ``python -m bench.numbers.docs_numbers --only sft_to_rl`` runs
+it for the numbers README.md quotes. A measurement, not a test: ``--steps`` and ``--sft-steps`` cut it short.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from jppo.config import check_mesh, load_config
 from jppo.run import build, sft
 from jppo.run.loop import run as rl_run
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 QUIET = ["trainer.plots=false", "trainer.logger=[jsonl]", "trainer.progress_bar=false", "trainer.save_every=0"]
 
 
@@ -53,7 +52,7 @@ def grpo(out: pathlib.Path, steps: int, val_every: int, *overrides: str) -> dict
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.sft_to_rl", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.numbers.sft_to_rl", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/bench_sft_to_rl")
     parser.add_argument("--sft-steps", type=int, default=100)
     parser.add_argument("--steps", type=int, default=100, help="GRPO steps of each run")
