@@ -153,7 +153,7 @@ def measure(path: pathlib.Path, target: str, quick: bool, tmp: pathlib.Path) -> 
     from jppo.parallel.mesh import batch_spec, decoding_layout, decoding_shards, make_mesh
     from jppo.rollout.decode import draw, prefill
     from jppo.rollout.params import SamplingParams
-    from jppo.preflight.memory import sampler_prompt_width
+    from jppo.preflight.sampler_memory import sampler_prompt_width
 
     cfg = load(path, tmp, quick)
     shape = check_mesh(cfg, 8)
