@@ -96,7 +96,6 @@ def test_flops_are_xlas_own_count_with_loops_multiplied_out(v5p):
     counts the few elementwise flops of the squares, < 1%), and a ``lax.scan`` of 5 products counts 5 of them
     where XLA counts its body once."""
     import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
     from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
 

@@ -29,7 +29,7 @@ SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "actor.ppo_mi
 def test_overlong_penalty_is_zero_then_falls_linearly_to_minus_the_factor():
     limit, buffer, factor = 10, 4, 0.5
     lengths = np.arange(limit + 1)
-    expected = [0.0 if l <= limit - buffer else -factor * (l - (limit - buffer)) / buffer for l in lengths]
+    expected = [0.0 if n <= limit - buffer else -factor * (n - (limit - buffer)) / buffer for n in lengths]
     np.testing.assert_allclose(overlong_penalty(lengths, limit, buffer, factor), expected, rtol=1e-6)
     assert overlong_penalty(np.array([limit]), limit, buffer, factor)[0] == pytest.approx(-factor)
 

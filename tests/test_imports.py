@@ -234,7 +234,7 @@ def test_loading_and_checking_a_config_loads_the_config_layer_and_core_only():
     imported = _loaded_modules("import jppo.config")
     loaded = _loaded_modules("import glob, jppo.config\nfor path in sorted(glob.glob('configs/quickstart*.yaml')):\n"
                              "    jppo.config.load_config(path)")
-    allowed = lambda name: name == "jppo" or name.startswith(("jppo.config.", "jppo.core.")) or name in (
+    allowed = lambda name: name == "jppo" or name.startswith(("jppo.config.", "jppo.core.")) or name in (  # noqa: E731
         "jppo.config", "jppo.core")
     for what, modules in (("import jppo.config", imported), ("load_config", loaded)):
         beyond = sorted(name for name in modules if not allowed(name))

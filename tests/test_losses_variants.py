@@ -133,7 +133,7 @@ class LossVariantsTest(chex.TestCase):
 
         run = self.variant(value_and_grad)  # mode, variant name and options are closed over, not traced
         batch, order = make_batch()
-        as_jax = lambda rows: {name: jnp.asarray(array[rows]) for name, array in batch.items()}
+        as_jax = lambda rows: {name: jnp.asarray(array[rows]) for name, array in batch.items()}  # noqa: E731
         norm = global_norm_stats(jnp.asarray(batch["mask"]), LOSS_SCALE_FACTOR)
         whole = as_jax(np.arange(ROWS))
         (whole_share, whole_metrics), whole_grad = run(whole.pop(wrt), whole, norm)

@@ -86,7 +86,7 @@ def _override_layer(item: str):
         raise ConfigError(f"override {item!r} is not of the form key.sub=value")
     try:
         return OmegaConf.from_dotlist([item])
-    except Exception as error:  # yaml's parser errors are not ValueErrors
+    except Exception as error:  # noqa: BLE001 (yaml's parser errors are not ValueErrors)
         raise ConfigError(f"override {item!r} is not valid YAML ({one_line(error)})") from None
 
 
@@ -111,7 +111,7 @@ def load_config(
             raise ConfigError(f"--config {str(path)!r}: no such file")
         try:
             layer = OmegaConf.load(path)
-        except Exception as error:  # yaml errors come in several classes
+        except Exception as error:  # noqa: BLE001 (yaml errors come in several classes)
             raise ConfigError(f"--config {str(path)!r}: not valid YAML ({one_line(error)})") from None
         _reset_options_of_a_replaced_task(layer, [override for override, _ in layers])
         merged = _merged(merged, layer, f"--config {str(path)!r}")

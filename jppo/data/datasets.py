@@ -153,7 +153,7 @@ def _jsonl_rows(file: pathlib.Path) -> list[tuple[int, dict]]:
 
 def _parquet_rows(file: pathlib.Path) -> list[tuple[int, dict]]:
     try:
-        import pyarrow.parquet
+        import pyarrow.parquet  # noqa: PLC0415 (an optional extra: parquet prompt files only)
     except ImportError:
         raise ValueError(
             f"reading {file} needs pyarrow: pip install pyarrow (or pip install 'jppo[parquet]')"

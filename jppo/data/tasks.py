@@ -336,7 +336,7 @@ class ReasoningGymTask:
 
     def __init__(self, dataset: str, options: Optional[dict[str, Any]] = None):
         try:
-            import reasoning_gym
+            import reasoning_gym  # noqa: PLC0415 (an optional extra: reasoning_gym tasks only)
         except ImportError:
             raise ValueError(
                 f"task {REASONING_GYM_PREFIX}{dataset} needs the optional package reasoning-gym: "

@@ -193,8 +193,8 @@ class HFTokenizer:
                 "chat_template.jinja): set data.apply_chat_template=false"
             )
         if self._compiled_template is None:
-            try:  # jinja2 is needed for chat templates only
-                from jppo.data.chat_template import compile_template
+            try:
+                from jppo.data.chat_template import compile_template  # noqa: PLC0415 (jinja2: chat templates only)
             except ImportError:
                 raise ValueError("rendering a chat template needs jinja2: pip install 'jinja2>=3.1.6'") from None
             self._compiled_template = compile_template(self._chat_template)

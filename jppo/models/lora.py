@@ -74,7 +74,7 @@ def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int, str, str]]:
 
 
 def _lora_param(value: Array, names: tuple) -> nnx.LoRAParam:
-    from jppo.models.sharding import _RULES  # the one rule table
+    from jppo.models.sharding import _RULES  # noqa: PLC0415 (the one rule table; sharding imports this module)
 
     return nnx.LoRAParam(value, out_sharding=names, sharding_rules=_RULES, eager_sharding=False)
 
@@ -192,7 +192,7 @@ def save_peft_adapter(
 ) -> list[str]:
     """Writes ``adapter_config.json`` and ``adapter_model.safetensors`` (what ``peft.PeftModel.from_pretrained``
     loads onto the base model); returns the file names."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save_file  # noqa: PLC0415 (only when a PEFT adapter is written)
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)

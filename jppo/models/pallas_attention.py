@@ -69,7 +69,7 @@ def _gpu_blocks(blocks: tuple[int, int], length: int) -> tuple[int, int, int]:
 def _triton(query: Array, key: Array, value: Array, segments: Array, blocks: tuple[int, int], interpret: bool):
     """The Triton kernel on rows padded to a multiple of its tiles (it pads the head size to a power of two
     itself)."""
-    from jax.experimental.pallas.ops.gpu import attention as triton_attention
+    from jax.experimental.pallas.ops.gpu import attention as triton_attention  # noqa: PLC0415 (GPU builds only)
 
     length, head_dim = query.shape[1], query.shape[-1]
     block_q, block_k, backward = _gpu_blocks(blocks, length)
@@ -82,7 +82,7 @@ def _triton(query: Array, key: Array, value: Array, segments: Array, blocks: tup
 
 
 def _splash(query: Array, key: Array, value: Array, segments: Array, blocks: tuple[int, int], interpret: bool):
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415 (TPU kernels only)
 
     length, heads, head_dim = query.shape[1:]
     padded = -(-length // TPU_BLOCK) * TPU_BLOCK

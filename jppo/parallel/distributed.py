@@ -296,7 +296,7 @@ def initialize(args: argparse.Namespace) -> None:
         return
     if args.distributed == "dry-run":
         raise DistributedError("--distributed dry-run only prints the start-up plan; it does not start processes")
-    import jax
+    import jax  # noqa: PLC0415 (the commands' --help and dry run start no jax)
 
     port = rendezvous_port(args)
     if port is not None:
@@ -306,7 +306,7 @@ def initialize(args: argparse.Namespace) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(initialization_timeout=args.init_timeout, **kwargs)
-    except Exception as error:  # connection failures surface as several exception types
+    except Exception as error:  # noqa: BLE001 (connection failures surface as several exception types)
         where = kwargs.get("coordinator_address", "auto-detected cluster")
         raise DistributedError(
             f"could not start process {kwargs.get('process_id', '?')} of {kwargs.get('num_processes', '?')} with "
@@ -315,6 +315,6 @@ def initialize(args: argparse.Namespace) -> None:
 
 
 def is_main_process() -> bool:
-    import jax
+    import jax  # noqa: PLC0415 (the commands' --help and dry run start no jax)
 
     return jax.process_index() == 0

@@ -76,7 +76,7 @@ def audit_batch(cfg: TrainConfig, inputs: build.RunInputs, rows: int, seed: int 
     attention = np.arange(length)[None, :] < lengths[:, None]
     vocab = inputs.tokenizer.vocab_size
     response_ids = np.where(attention, rng.integers(0, vocab, (rows, length)), 0).astype(np.int32)
-    noise = lambda scale: np.where(attention, rng.normal(scale=scale, size=(rows, length)), 0.0).astype(np.float32)
+    noise = lambda scale: np.where(attention, rng.normal(scale=scale, size=(rows, length)), 0.0).astype(np.float32)  # noqa: E731
     old_log_prob, ref_log_prob, advantages, values, returns = noise(0.3) - 2.5, noise(0.3) - 2.5, *map(noise, [1.0] * 3)
     # the sampler's log-probs: a per-row offset and per-token noise, so that every rollout-correction mode clips
     # or rejects some rows and keeps others at its default threshold

@@ -45,6 +45,8 @@ from jppo.runlog.sinks.wandb import WANDB_FILES_DIR, WANDB_ID_FILE, import_wandb
 
 RESUMED_FILES = (METRICS_FILE, WANDB_ID_FILE)  # what a sink reads back when a run resumes
 DEFAULT_SINKS = ("console", "jsonl", "tensorboard")
+# what a run's readers take from the package: the logger, the sinks' registry and the files a run writes
+__all__ = ["DEFAULT_SINKS", "GENERATIONS_DIR", "METRICS_FILE", "SINKS", "TENSORBOARD_DIR", "RunLogger", "read_metrics"]
 
 
 @register_config_check("trainer.logger")

@@ -15,8 +15,8 @@ class TensorBoardSink:
     ``start_step`` on."""
 
     def __init__(self, run: SinkRun):
-        # Imported here: tensorboardX imports torch and boto3 when they are installed (seconds of start-up).
-        from tensorboardX import SummaryWriter
+        # tensorboardX imports torch and boto3 when they are installed (seconds of start-up): only for this sink
+        from tensorboardX import SummaryWriter  # noqa: PLC0415
 
         # purge_step makes TensorBoard hide an earlier run's events from start_step on (all of them for a fresh
         # run). The suffix keeps two writers started in the same second from truncating each other's file (the
