@@ -17,7 +17,7 @@ from flax import nnx
 from engine_cases import ragged_batch, tiny_config
 from jppo.engine import ActorConfig, CriticConfig, UpdateStep, actor_loss_fn, critic_loss_fn, cut_steps, init_train_state, run_updates
 from jppo.engine.assemble import assemble, device_rows, host_rows
-from jppo.engine.update import loss_inputs
+from jppo.engine.objectives import loss_inputs
 from jppo.core.experience import PER_TOKEN_FIELDS
 from jppo.parallel.mesh import make_mesh
 from jppo.engine.microbatch import make_micro_batches, cut_micro_batches, stack_micro_batches

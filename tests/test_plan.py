@@ -334,7 +334,7 @@ def test_the_plan_of_an_sft_config_is_the_compiled_sft_update_s_bytes(tmp_path, 
     from jppo.engine import UpdateStep, sft_loss_fn
     from jppo.engine.assemble import assemble, device_rows
     from jppo.engine.driver import global_lengths, step_cuts
-    from jppo.engine.update import loss_inputs
+    from jppo.engine.objectives import loss_inputs
     from jppo.run import sft as sft_run
     from jppo.run.learn import mini_batch_rng
     from jppo.run.sft_memory import sft_plan, sft_program_bytes

@@ -21,7 +21,8 @@ from jax.sharding import Mesh
 from jppo.core import metrics as metrics_lib
 from jppo.engine.config import UpdateConfig, require_engine_config
 from jppo.engine.assemble import assemble, device_rows
-from jppo.engine.update import TrainState, UpdateStep, loss_inputs
+from jppo.engine.objectives import loss_inputs
+from jppo.engine.update import TrainState, UpdateStep
 from jppo.parallel.hostlocal import all_rows, local_shards, max_over_processes, replicated_value, take_rows
 from jppo.parallel.mesh import batch_shards
 from jppo.core.experience import Experience
@@ -108,7 +109,7 @@ def cut_steps(batch: Experience, cfg: UpdateConfig, mesh: Mesh, rng: np.random.G
     ``batch`` holds this process's rows (all rows with one process). The mini-batches are drawn over the global
     rows (:func:`mini_batches`), their rows moved to balanced shards (:func:`shard_layout`, :func:`regroup`), and
     each process cuts its own shards of each into micro-batches. Of the per-token arrays, only those the role's
-    loss reads (:func:`~jppo.engine.update.loss_inputs`) are moved and cut.
+    loss reads (:func:`~jppo.engine.objectives.loss_inputs`) are moved and cut.
     """
     shards, owned = batch_shards(mesh), local_shards(mesh)
     num_global = batch.num_sequences * shards // len(owned)
@@ -159,7 +160,7 @@ def run_updates(
     steps (:func:`summarize_steps`). ``cfg`` is ``step``'s config (C included), or one that cuts differently.
 
     The rows cross to the devices once, with only the per-token fields the role's loss reads
-    (:func:`~jppo.engine.update.loss_inputs`); the micro-batches of every step of every epoch are then assembled
+    (:func:`~jppo.engine.objectives.loss_inputs`); the micro-batches of every step of every epoch are then assembled
     on the devices from the host's cut (:func:`step_cuts`, :func:`jppo.engine.assemble.assemble`): the same
     arrays :func:`cut_steps` would build and send, so the update is the same, while an extra epoch sends only its
     cut."""

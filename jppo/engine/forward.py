@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jppo.engine.assemble import assemble, device_rows, place_cut
-from jppo.engine.update import Batch, policy_outputs, value_outputs
+from jppo.engine.objectives import Batch, policy_outputs, value_outputs
 from jppo.parallel.hostlocal import local_rows, local_shards, max_over_processes, to_local
 from jppo.core.experience import Experience
 from jppo.parallel.mesh import ROW_AXES, batch_shards
