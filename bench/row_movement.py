@@ -8,7 +8,7 @@ Measured side by side in this process, on ``--devices`` simulated CPU devices, a
 
 - ``per_shard_cut``: the cut before it (each shard shuffled its own rows, mini-batch m took the m-th block of every
   shard: no row moved, but the mini-batches depended on the number of shards), reproduced here as the baseline;
-- ``global_cut``: :func:`jppo.engine.cut_steps` in one process (the rows are all on the host: one numpy take);
+- ``global_cut``: :func:`jppo.engine.step_micro_batches` in one process (the rows are all on the host: one numpy take);
 - ``device_row_move``: the row movement alone as several processes do it (:func:`jppo.parallel.hostlocal.take_rows` through
   the devices: host -> global arrays -> one jitted gather -> this process's rows back on the host);
 - ``actor_update``: the actor's compiled update of the same batch (every mini-batch of every epoch), for scale.
@@ -50,7 +50,7 @@ def measure(quick: bool, repeats: int) -> dict:
     from flax import nnx
 
     from bench.timing import time_side_by_side
-    from jppo.engine import ActorConfig, UpdateStep, actor_loss_fn, cut_steps, init_train_state
+    from jppo.engine import ActorConfig, UpdateStep, actor_loss_fn, init_train_state, step_micro_batches
     from jppo.engine.driver import micro_batches_for, mini_batches, shard_layout
     from jppo.parallel.hostlocal import take_rows
     from jppo.parallel.mesh import batch_shards, make_mesh
@@ -83,7 +83,7 @@ def measure(quick: bool, repeats: int) -> dict:
         return [micro_batches_for(batch.take(rows), cfg, shards) for rows in steps]
 
     def global_cut():
-        return cut_steps(batch, cfg, mesh, np.random.default_rng([0, 1]))
+        return step_micro_batches(batch, cfg, mesh, np.random.default_rng([0, 1]))
 
     order = shard_layout(mini_batches(n, cfg, np.random.default_rng([0, 1])), shards).reshape(-1)
 

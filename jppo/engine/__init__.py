@@ -12,7 +12,7 @@ from jppo.core.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
     "config": ("ActorConfig", "CriticConfig", "OptimConfig", "UpdateConfig"),
-    "driver": ("Updated", "check_batch_sizes", "cut_steps", "mini_batches", "run_updates"),
+    "driver": ("Updated", "check_batch_sizes", "mini_batches", "run_updates", "step_micro_batches"),
     "forward": ("forward_batch", "log_prob_fn", "reward_model_fn", "value_fn"),
     "objectives": ("actor_loss_fn", "critic_loss_fn", "sft_loss_fn"),
     "state": ("TrainState", "abstract_train_state", "init_train_state"),
