@@ -71,7 +71,7 @@ def check_update(cfg: UpdateFields) -> None:
             raise InvalidSetting(f"{type(cfg).__name__}.", name, getattr(cfg, name), valid)
 
 
-def fixed_micro_batches(cfg: UpdateConfig, num_shards: int) -> Optional[int]:
+def fixed_micro_batch_count(cfg: UpdateConfig, num_shards: int) -> Optional[int]:
     """K, the micro-batches of every optimizer step on each of ``num_shards`` batch shards, when the cut fixes it:
     ``ppo_mini_batch_size / num_shards / ppo_micro_batch_size``; None with ``use_dynamic_bsz`` (K then follows
     each mini-batch's token counts)."""

@@ -18,7 +18,7 @@ layout is optax's ``adamw``/``sgd`` one (checkpoints written before this change 
 ``gradient_step`` already counted every optimizer step).
 
 No accumulator when K = 1: a role whose every optimizer step is one micro-batch (fixed-size micro-batches of the
-whole per-shard mini-batch, :func:`jppo.engine.config.fixed_micro_batches`) keeps its ``MultiStepsState`` with
+whole per-shard mini-batch, :func:`jppo.engine.config.fixed_micro_batch_count`) keeps its ``MultiStepsState`` with
 ``acc_grads=None`` (:func:`without_accumulator`): the accumulator would only ever hold zeros, and costs one float32
 copy of the trained parameters. The gradient of the one micro-batch goes to ``inner`` as it is.
 
