@@ -144,7 +144,8 @@ def whole_steps(repeats: int) -> dict:
     from bench.actor_update import ActorUpdate, synthetic_batch
     from bench.torch_decoder import TorchActorUpdate, TorchCausalLM
     from bench.update_vs_torch import SIZES as UPDATE_SIZES, model_config
-    from jppo.engine import ActorConfig, OptimConfig
+    from jppo.core.settings import OptimConfig
+    from jppo.engine import ActorConfig
 
     size = UPDATE_SIZES["full"]["small"]
     cfg, shape = model_config(size), size["batch"]

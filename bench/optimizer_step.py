@@ -30,7 +30,7 @@ from flax import nnx
 
 from bench.real_size import QWEN2_5_0_5B
 from bench.timing import time_side_by_side
-from jppo.engine import OptimConfig
+from jppo.core.settings import OptimConfig
 from jppo.engine.optim import accumulating_optimizer, apply_accumulated, inner_optimizer
 from jppo.models import CausalLM, ModelConfig
 

@@ -42,7 +42,8 @@ from bench.environment import match_torch_threads
 from bench.timing import time_side_by_side
 from bench.torch_decoder import TorchActorUpdate, TorchCausalLM
 from bench.update_vs_torch import SIZES as UPDATE_SIZES, model_config
-from jppo.engine import ActorConfig, OptimConfig
+from jppo.core.settings import OptimConfig
+from jppo.engine import ActorConfig
 
 # quick: tokens, hidden, vocabulary and the MLP width all different, so every product is told apart by its sizes
 SIZES = {"full": UPDATE_SIZES["full"]["small"],

@@ -18,7 +18,8 @@ import pytest
 from flax import nnx
 
 from engine_cases import ragged_batch, tiny_config
-from jppo.engine import ActorConfig, OptimConfig, UpdateStep, actor_loss_fn, init_train_state, run_updates
+from jppo.core.settings import OptimConfig
+from jppo.engine import ActorConfig, UpdateStep, actor_loss_fn, init_train_state, run_updates
 from jppo.engine.config import fixed_micro_batch_count
 from jppo.models.decoder import CausalLM
 from jppo.models.sharding import create_model

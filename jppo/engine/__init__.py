@@ -11,7 +11,7 @@ composes :mod:`jppo.engine.config`'s fields without loading the jitted programs.
 from jppo.core.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
-    "config": ("ActorConfig", "CriticConfig", "OptimConfig", "UpdateConfig"),
+    "config": ("ActorConfig", "CriticConfig", "UpdateConfig"),
     "driver": ("Updated", "check_batch_sizes", "mini_batches", "run_updates", "step_micro_batches"),
     "forward": ("forward_batch", "log_prob_fn", "reward_model_fn", "value_fn"),
     "objectives": ("actor_loss_fn", "critic_loss_fn", "sft_loss_fn"),

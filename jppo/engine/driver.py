@@ -24,7 +24,8 @@ from jppo.engine.assemble import assemble, device_rows
 from jppo.engine.config import UpdateConfig, require_engine_config
 from jppo.engine.microbatch import MicroBatches, cut_micro_batches, make_micro_batches, pad_cut
 from jppo.engine.objectives import loss_inputs
-from jppo.engine.update import TrainState, UpdateStep
+from jppo.engine.state import TrainState
+from jppo.engine.update import UpdateStep
 from jppo.parallel.hostlocal import all_rows, local_shards, max_over_processes, replicated_value, take_rows
 from jppo.parallel.mesh import batch_shards
 
