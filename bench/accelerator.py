@@ -33,7 +33,8 @@ from flax import nnx
 from bench.actor_update import ActorUpdate, BatchShape, model_summary, synthetic_batch
 from bench.report import section
 from bench.timing import time_side_by_side
-from jppo.engine import ActorConfig, OptimConfig
+from jppo.core.settings import OptimConfig
+from jppo.engine import ActorConfig
 from jppo.models import CausalLM, ModelConfig, create_model
 from jppo.rollout import SamplingParams, make_generate_fn
 

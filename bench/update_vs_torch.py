@@ -22,7 +22,8 @@ from bench.environment import match_torch_threads
 from bench.report import section
 from bench.timing import time_side_by_side
 from bench.torch_decoder import TorchActorUpdate, TorchCausalLM
-from jppo.engine import ActorConfig, OptimConfig
+from jppo.core.settings import OptimConfig
+from jppo.engine import ActorConfig
 from jppo.models import ModelConfig
 
 SIZES = {

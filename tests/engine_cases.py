@@ -15,7 +15,7 @@ from flax import nnx
 
 from jppo.engine import ActorConfig, CriticConfig
 from jppo.engine.optim import inner_optimizer
-from jppo.engine.update import policy_options
+from jppo.engine.objectives import policy_options
 from jppo.losses import actor_loss, value_loss
 from jppo.core.experience import Experience
 from jppo.models.config import ModelConfig

@@ -18,8 +18,9 @@ import pytest
 from flax import nnx
 
 from engine_cases import ragged_batch, tiny_config
-from jppo.engine import ActorConfig, OptimConfig, UpdateStep, actor_loss_fn, init_train_state, run_updates
-from jppo.engine.config import fixed_micro_batches
+from jppo.core.settings import OptimConfig
+from jppo.engine import ActorConfig, UpdateStep, actor_loss_fn, init_train_state, run_updates
+from jppo.engine.config import fixed_micro_batch_count
 from jppo.models.decoder import CausalLM
 from jppo.models.sharding import create_model
 from jppo.parallel.mesh import make_mesh
@@ -58,10 +59,10 @@ def train(setup, state_cfg: ActorConfig, cut_cfg: ActorConfig, steps: int = 2):
 
 
 def test_k_is_fixed_by_the_cut_and_the_shards():
-    assert fixed_micro_batches(cfg_of(8), 1) == 1 and fixed_micro_batches(cfg_of(4), 1) == 2
-    assert fixed_micro_batches(cfg_of(1), 8) == 1  # 8 rows over 8 shards: one row each, one micro-batch
+    assert fixed_micro_batch_count(cfg_of(8), 1) == 1 and fixed_micro_batch_count(cfg_of(4), 1) == 2
+    assert fixed_micro_batch_count(cfg_of(1), 8) == 1  # 8 rows over 8 shards: one row each, one micro-batch
     dynamic = ActorConfig(ppo_mini_batch_size=8, use_dynamic_bsz=True, ppo_max_token_len=10**6)
-    assert fixed_micro_batches(dynamic, 1) is None  # K follows the tokens: the accumulator stays
+    assert fixed_micro_batch_count(dynamic, 1) is None  # K follows the tokens: the accumulator stays
 
 
 def test_without_accumulator_k1_steps_are_bit_for_bit_those_with_one(setup):

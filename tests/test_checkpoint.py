@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jppo.run.checkpoint import CheckpointManager, resolve_resume
-from jppo.engine.update import TrainState
+from jppo.engine.state import TrainState
 from jppo.parallel.mesh import make_mesh
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,9 +15,12 @@ import pytest
 from flax import nnx
 
 from engine_cases import ragged_batch, tiny_config
-from jppo.engine import ActorConfig, CriticConfig, UpdateStep, actor_loss_fn, critic_loss_fn, cut_steps, init_train_state, run_updates
+from jppo.engine import (
+    ActorConfig, CriticConfig, UpdateStep, actor_loss_fn, critic_loss_fn, init_train_state, run_updates,
+    step_micro_batches,
+)
 from jppo.engine.assemble import assemble, device_rows, host_rows
-from jppo.engine.update import loss_inputs
+from jppo.engine.objectives import loss_inputs
 from jppo.core.experience import PER_TOKEN_FIELDS
 from jppo.parallel.mesh import make_mesh
 from jppo.engine.microbatch import make_micro_batches, cut_micro_batches, stack_micro_batches
@@ -78,19 +81,19 @@ def test_forward_pass_rows_carry_the_tokens_alone():
     ("actor", dict(ppo_micro_batch_size=2)), ("actor", dict(use_dynamic_bsz=True, ppo_max_token_len=13)),
     ("critic", dict(use_dynamic_bsz=True, ppo_max_token_len=24)),
 ])
-def test_cut_steps_assemble_to_the_stacked_host_cut_of_every_epoch(shards, role, sizes):
+def test_the_stacked_step_cut_assembles_to_the_host_s_micro_batches_of_every_epoch(shards, role, sizes):
     """Shuffled mini-batches of three epochs: rows move between shards, and each step is the host's cut."""
-    from jppo.engine.driver import global_lengths, step_cuts
+    from jppo.engine.driver import global_lengths, stacked_step_cut
 
     batch = float32_batch(7)
     mesh = mesh_of(shards)
     config = ActorConfig if role == "actor" else CriticConfig
     cfg = config(ppo_mini_batch_size=8, ppo_epochs=3, use_kl_loss=True, **sizes) if role == "actor" else config(
         ppo_mini_batch_size=8, ppo_epochs=3, **sizes)
-    cut = step_cuts(global_lengths(batch, mesh), cfg, mesh, np.random.default_rng(3))
+    cut = stacked_step_cut(global_lengths(batch, mesh), cfg, mesh, np.random.default_rng(3))
     micro = assemble(device_rows(batch, loss_inputs(cfg), mesh), cut, mesh,
                      cfg.ppo_max_token_len if cfg.use_dynamic_bsz else None)
-    assert_same_arrays(micro, stack_micro_batches(cut_steps(batch, cfg, mesh, np.random.default_rng(3))))
+    assert_same_arrays(micro, stack_micro_batches(step_micro_batches(batch, cfg, mesh, np.random.default_rng(3))))
 
 
 @pytest.mark.parametrize("role,use_kl_loss,expected", [

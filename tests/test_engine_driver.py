@@ -94,7 +94,7 @@ def test_take_rows_rejects_an_order_the_shards_do_not_divide():
     ("critic", False, {"values", "returns"}),
 ])
 def test_each_update_receives_only_the_arrays_its_loss_reads(role, use_kl_loss, expected):
-    from jppo.engine import CriticConfig, cut_steps
+    from jppo.engine import CriticConfig, step_micro_batches
 
     rng = np.random.default_rng(4)
     batch = sequence_batch(16)
@@ -103,6 +103,6 @@ def test_each_update_receives_only_the_arrays_its_loss_reads(role, use_kl_loss, 
     batch = dataclasses.replace(batch, **per_token)
     cfg = (ActorConfig(ppo_mini_batch_size=8, use_kl_loss=use_kl_loss) if role == "actor"
            else CriticConfig(ppo_mini_batch_size=8))
-    steps = cut_steps(batch, cfg, make_mesh(2, 1, 1, devices=jax.devices()[:2]), np.random.default_rng(0))
+    steps = step_micro_batches(batch, cfg, make_mesh(2, 1, 1, devices=jax.devices()[:2]), np.random.default_rng(0))
     carried = lambda step: {name for name in PER_TOKEN_FIELDS if getattr(step.slots, name) is not None}  # noqa: E731
     assert all(carried(step) == expected | {"response_mask"} for step in steps)

@@ -21,10 +21,10 @@ import pytest
 from flax import nnx
 
 from engine_cases import mesh_of, ragged_batch, reference_step, tiny_config
+from jppo.core.settings import OptimConfig
 from jppo.engine import (
     ActorConfig,
     CriticConfig,
-    OptimConfig,
     UpdateStep,
     actor_loss_fn,
     check_batch_sizes,

@@ -21,10 +21,11 @@ from jppo.config import ConfigError, check_mesh, load_config, views
 from jppo.engine import (
     ActorConfig, CriticConfig, UpdateStep, actor_loss_fn, critic_loss_fn, init_train_state, run_updates,
 )
-from jppo.engine.config import OptimConfig
+from jppo.core.settings import OptimConfig
 from jppo.parallel.mesh import batch_shards, make_mesh
 from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, token_log_probs
-from jppo.models.lora import LoRAConfig, attach_lora, merged, save_peft_adapter
+from jppo.core.settings import LoRAConfig
+from jppo.models.lora import attach_lora, merged, save_peft_adapter
 from jppo.models.sharding import variable_spec
 from jppo.run.loop import run
 

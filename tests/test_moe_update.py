@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from engine_cases import VOCAB, mesh_of, padded_inputs, ragged_batch
-from jppo.engine import ActorConfig, OptimConfig, UpdateStep, actor_loss_fn, init_train_state, run_updates
+from jppo.core.settings import OptimConfig
+from jppo.engine import ActorConfig, UpdateStep, actor_loss_fn, init_train_state, run_updates
 from jppo.engine.experts import router_aux_coef
 from jppo.models.config import ModelConfig
 from jppo.models.decoder import CausalLM

@@ -17,7 +17,7 @@ from jppo.data.tasks import get_task
 from jppo.data.tokenizer import CharTokenizer
 from jppo.losses import actor_loss
 from jppo.losses.entropy import entropy_from_logits
-from jppo.losses.policy import PolicyLossOptions
+from jppo.core.settings import PolicyLossOptions
 from jppo.core.masked import global_norm_stats
 from jppo.rollout.env import Calculator, evaluate, load_env, stop_token_ids
 from jppo.rollout.multiturn import Trajectory, longest_context, run_turns, to_experience

@@ -22,7 +22,8 @@ from engine_cases import padded_inputs, ragged_batch, tiny_config
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.config.views import engine_view, old_log_prob_source
 from jppo.core.errors import InvalidSetting
-from jppo.engine import ActorConfig, OptimConfig, UpdateStep, actor_loss_fn, init_train_state, run_updates
+from jppo.core.settings import OptimConfig
+from jppo.engine import ActorConfig, UpdateStep, actor_loss_fn, init_train_state, run_updates
 from jppo.engine.config import check_old_log_prob
 from jppo.losses import RolloutCorrection
 from jppo.models.decoder import CausalLM

@@ -333,8 +333,8 @@ def test_the_plan_of_an_sft_config_is_the_compiled_sft_update_s_bytes(tmp_path, 
     the compiled one."""
     from jppo.engine import UpdateStep, sft_loss_fn
     from jppo.engine.assemble import assemble, device_rows
-    from jppo.engine.driver import global_lengths, step_cuts
-    from jppo.engine.update import loss_inputs
+    from jppo.engine.driver import global_lengths, stacked_step_cut
+    from jppo.engine.objectives import loss_inputs
     from jppo.run import sft as sft_run
     from jppo.run.learn import mini_batch_rng
     from jppo.preflight.sft_memory import sft_plan, sft_program_bytes
@@ -353,7 +353,7 @@ def test_the_plan_of_an_sft_config_is_the_compiled_sft_update_s_bytes(tmp_path, 
     assert planned.term("parameters/policy") == device_bytes(state.params)
     assert planned.term("optimizer_state/policy") == device_bytes(state.opt_state, per_parameter_only=True)
     batch = inputs.train.experience(inputs.train.rows_at(0, cfg.sft.batch_size, cfg.trainer.seed))
-    cut = step_cuts(global_lengths(batch, mesh), view, mesh, mini_batch_rng(cfg.trainer.seed, 1, "sft"))
+    cut = stacked_step_cut(global_lengths(batch, mesh), view, mesh, mini_batch_rng(cfg.trainer.seed, 1, "sft"))
     micro = assemble(device_rows(batch, loss_inputs(view), mesh), cut, mesh, None)
     update = UpdateStep(actor.graphdef, sft_loss_fn(view), view, mesh, "sft")
     memory_analysis = update.lower(state, micro).compile().memory_analysis()

@@ -19,8 +19,8 @@ from jppo.core.masked import global_norm_stats
 from jppo.core.registry import Registry
 from jppo.data import BUILTIN_TASKS, Example, get_task
 from jppo.data.tasks import positional_match
-from jppo.engine.config import ActorFields
-from jppo.engine.update import policy_options
+from jppo.core.settings import ActorFields
+from jppo.engine.objectives import policy_options
 from jppo.losses import POLICY_LOSSES, PerToken, PolicyLossOptions, actor_loss, register_policy_loss
 from jppo.losses.policy import OPTION_RULES, REQUIRED_AGG_MODES
 from jppo.models import MODEL_FAMILIES, ModelConfig

@@ -29,7 +29,7 @@ from jppo.core import metrics as metrics_lib
 from jppo.config import ConfigError, load_config
 from jppo.engine import ActorConfig
 from jppo.run.filters import rejected_rows_cleared
-from jppo.engine.update import loss_inputs
+from jppo.engine.objectives import loss_inputs
 from jppo.core.experience import Experience
 from jppo.losses import (
     AGG_MODES, REJECTION_MODES, ROLLOUT_CORRECTION_MODES, PolicyLossOptions, RolloutCorrection, actor_loss,

@@ -22,8 +22,9 @@ from jppo import plan
 from jppo.preflight import footprint, memory
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.core.metrics import finish
+from jppo.core.settings import OptimConfig
 from jppo.engine import (
-    ActorConfig, CriticConfig, OptimConfig, UpdateStep, actor_loss_fn, critic_loss_fn, init_train_state,
+    ActorConfig, CriticConfig, UpdateStep, actor_loss_fn, critic_loss_fn, init_train_state,
     mini_batch_norm_stats, run_updates,
 )
 from jppo.engine.layout import next_token_targets, place

@@ -25,7 +25,8 @@ from jppo import sft as sft_command
 from jppo.config import load_config
 from jppo.data.sft import SFTData, load_sft_data, tokenize_row
 from jppo.data.tokenizer import HFTokenizer
-from jppo.engine import ActorConfig, OptimConfig, UpdateStep, init_train_state, run_updates, sft_loss_fn
+from jppo.core.settings import OptimConfig
+from jppo.engine import ActorConfig, UpdateStep, init_train_state, run_updates, sft_loss_fn
 from jppo.models.decoder import CausalLM
 from jppo.models.sharding import create_model
 from jppo.run import sft as sft_run

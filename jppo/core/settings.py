@@ -2,8 +2,8 @@
 
 The trainer's config sections (:mod:`jppo.config.schema`) compose these records, and so do the engine's configs
 (:mod:`jppo.engine.config`), the policy losses (:mod:`jppo.losses.policy`), the rollout correction
-(:mod:`jppo.losses.rollout_correction`) and LoRA (:mod:`jppo.models.lora`), which re-export them: they live at the
-bottom so that loading and checking a config loads the config layer and ``jppo.core`` only. A record here holds
+(:mod:`jppo.losses.rollout_correction`) and LoRA (:mod:`jppo.models.lora`), which import them from here, their one
+home (the packages ``jppo.losses`` and ``jppo.engine`` export some of them too): they live at the bottom so that loading and checking a config loads the config layer and ``jppo.core`` only. A record here holds
 fields and the checks that need nothing but its own values; what needs a component (a registry's names, a model's
 shape) is that component's check, run on the config by :mod:`jppo.run.checks`.
 """

@@ -11,10 +11,10 @@ composes :mod:`jppo.engine.config`'s fields without loading the jitted programs.
 from jppo.core.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
-    "config": ("ActorConfig", "CriticConfig", "OptimConfig", "UpdateConfig"),
-    "driver": ("Updated", "check_batch_sizes", "cut_steps", "mini_batches", "run_updates"),
+    "config": ("ActorConfig", "CriticConfig", "UpdateConfig"),
+    "driver": ("Updated", "check_batch_sizes", "mini_batches", "run_updates", "step_micro_batches"),
     "forward": ("forward_batch", "log_prob_fn", "reward_model_fn", "value_fn"),
+    "objectives": ("actor_loss_fn", "critic_loss_fn", "sft_loss_fn"),
     "state": ("TrainState", "abstract_train_state", "init_train_state"),
-    "update": ("UpdateStep", "actor_loss_fn", "critic_loss_fn", "make_update_step", "mini_batch_norm_stats",
-               "sft_loss_fn"),
+    "update": ("UpdateStep", "make_update_step", "mini_batch_norm_stats"),
 })

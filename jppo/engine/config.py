@@ -2,8 +2,8 @@
 
 What a user and the engine count alike (micro-batch sizes in sequences per batch shard, as verl's ``*_per_gpu``
 sizes; token budgets; epochs; losses; the optimizer) is declared once, in :class:`UpdateFields`,
-:class:`ActorFields` and :class:`CriticFields` (:mod:`jppo.core.settings`, re-exported here: the trainer's config
-composes them without loading the engine). Two kinds of config add the rest to them:
+:class:`ActorFields` and :class:`CriticFields` (:mod:`jppo.core.settings`, where the trainer's config composes
+them without loading the engine). Two kinds of config add the rest to them:
 
 - the engine's :class:`ActorConfig` and :class:`CriticConfig` (both an :class:`UpdateConfig`):
   ``ppo_mini_batch_size`` counts *sequences* (prompt + one response), and an update needs ``loss_scale_factor``;
@@ -20,10 +20,8 @@ import dataclasses
 from typing import Optional
 
 from jppo.core.errors import InvalidSetting
-# declared in core so that the trainer's config composes them without loading the engine
-from jppo.core.settings import (  # noqa: F401 (re-exported)
-    NORMALIZATIONS, OLD_LOG_PROB_SOURCES, ActorFields, CriticFields, OptimConfig, UpdateFields,
-)
+from jppo.core.settings import NORMALIZATIONS, OLD_LOG_PROB_SOURCES, ActorFields, CriticFields, UpdateFields
+
 
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig(UpdateFields):
@@ -71,7 +69,7 @@ def check_update(cfg: UpdateFields) -> None:
             raise InvalidSetting(f"{type(cfg).__name__}.", name, getattr(cfg, name), valid)
 
 
-def fixed_micro_batches(cfg: UpdateConfig, num_shards: int) -> Optional[int]:
+def fixed_micro_batch_count(cfg: UpdateConfig, num_shards: int) -> Optional[int]:
     """K, the micro-batches of every optimizer step on each of ``num_shards`` batch shards, when the cut fixes it:
     ``ppo_mini_batch_size / num_shards / ppo_micro_batch_size``; None with ``use_dynamic_bsz`` (K then follows
     each mini-batch's token counts)."""

@@ -19,13 +19,15 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jppo.core import metrics as metrics_lib
-from jppo.engine.config import UpdateConfig, require_engine_config
+from jppo.core.experience import Experience
 from jppo.engine.assemble import assemble, device_rows
-from jppo.engine.update import TrainState, UpdateStep, loss_inputs
+from jppo.engine.config import UpdateConfig, require_engine_config
+from jppo.engine.microbatch import MicroBatches, cut_micro_batches, make_micro_batches, pad_cut
+from jppo.engine.objectives import loss_inputs
+from jppo.engine.state import TrainState
+from jppo.engine.update import UpdateStep
 from jppo.parallel.hostlocal import all_rows, local_shards, max_over_processes, replicated_value, take_rows
 from jppo.parallel.mesh import batch_shards
-from jppo.core.experience import Experience
-from jppo.engine.microbatch import MicroBatches, make_micro_batches, pad_cut, cut_micro_batches
 
 
 class Updated(NamedTuple):
@@ -84,8 +86,8 @@ def shard_layout(steps: list[np.ndarray], num_shards: int) -> np.ndarray:
 
     Every step's ``B`` rows are split into ``D`` consecutive blocks of ``B / D``, block d to shard d: every shard
     holds the same number of rows of every step, and no shard pads. Flattened, it is the row order of a global
-    array whose shard d (a contiguous block, as :mod:`jppo.parallel.hostlocal` lays rows out) holds shard d's rows of every
-    step, step after step.
+    array whose shard d (a contiguous block, as :mod:`jppo.parallel.hostlocal` lays rows out) holds shard d's rows
+    of every step, step after step.
     """
     stacked = np.stack(steps)  # [M, B]
     return stacked.reshape(len(steps), num_shards, -1).transpose(1, 0, 2)
@@ -102,13 +104,15 @@ def micro_batches_for(batch: Experience, cfg: UpdateConfig, num_shards: int):
     return make_micro_batches(batch, num_shards, micro_batch_size=cfg.ppo_micro_batch_size)
 
 
-def cut_steps(batch: Experience, cfg: UpdateConfig, mesh: Mesh, rng: np.random.Generator) -> list[MicroBatches]:
+def step_micro_batches(
+    batch: Experience, cfg: UpdateConfig, mesh: Mesh, rng: np.random.Generator
+) -> list[MicroBatches]:
     """This process's micro-batches of every optimizer step of ``ppo_epochs`` passes, in order.
 
     ``batch`` holds this process's rows (all rows with one process). The mini-batches are drawn over the global
     rows (:func:`mini_batches`), their rows moved to balanced shards (:func:`shard_layout`, :func:`regroup`), and
     each process cuts its own shards of each into micro-batches. Of the per-token arrays, only those the role's
-    loss reads (:func:`~jppo.engine.update.loss_inputs`) are moved and cut.
+    loss reads (:func:`~jppo.engine.objectives.loss_inputs`) are moved and cut.
     """
     shards, owned = batch_shards(mesh), local_shards(mesh)
     num_global = batch.num_sequences * shards // len(owned)
@@ -120,13 +124,13 @@ def cut_steps(batch: Experience, cfg: UpdateConfig, mesh: Mesh, rng: np.random.G
     return [micro_batches_for(mine.take(local[:, i].reshape(-1)), cfg, len(owned)) for i in range(len(steps))]
 
 
-def step_cuts(
+def stacked_step_cut(
     lengths: np.ndarray, cfg: UpdateConfig, mesh: Mesh, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The cut of every optimizer step of ``ppo_epochs`` passes, as :func:`cut_steps` makes it, without its arrays:
-    ``row_ids`` and ``offsets`` ``[M, K, D_local, S]`` of this process's shards (see
-    :func:`jppo.engine.microbatch.cut_micro_batches`), whose slots name GLOBAL rows. ``lengths``: every global row's real
-    length (:func:`global_lengths`). K and S are padded to their largest over the steps and the processes."""
+    """The cut of every optimizer step of ``ppo_epochs`` passes, as :func:`step_micro_batches` makes it, without its
+    arrays, stacked: ``row_ids`` and ``offsets`` ``[M, K, D_local, S]`` of this process's shards (see
+    :func:`jppo.engine.microbatch.cut_micro_batches`), whose slots name GLOBAL rows. ``lengths``: every global row's
+    real length (:func:`global_lengths`). K and S are padded to their largest over the steps and the processes."""
     shards, owned = batch_shards(mesh), local_shards(mesh)
     steps = mini_batches(len(lengths), cfg, rng)
     layout = shard_layout(steps, shards)[owned.start : owned.stop]  # [D_local, M, B / D] global rows
@@ -159,13 +163,13 @@ def run_updates(
     steps (:func:`summarize_steps`). ``cfg`` is ``step``'s config (C included), or one that cuts differently.
 
     The rows cross to the devices once, with only the per-token fields the role's loss reads
-    (:func:`~jppo.engine.update.loss_inputs`); the micro-batches of every step of every epoch are then assembled
-    on the devices from the host's cut (:func:`step_cuts`, :func:`jppo.engine.assemble.assemble`): the same
-    arrays :func:`cut_steps` would build and send, so the update is the same, while an extra epoch sends only its
-    cut."""
+    (:func:`~jppo.engine.objectives.loss_inputs`); the micro-batches of every step of every epoch are then
+    assembled on the devices from the host's cut (:func:`stacked_step_cut`, :func:`jppo.engine.assemble.assemble`):
+    the same arrays :func:`step_micro_batches` would build and send, so the update is the same, while an extra epoch
+    sends only its cut."""
     rows = device_rows(batch, loss_inputs(cfg), mesh)
     lengths = global_lengths(batch, mesh)
-    cut = step_cuts(lengths, cfg, mesh, rng)
+    cut = stacked_step_cut(lengths, cfg, mesh, rng)
     if getattr(cfg, "old_log_prob", None) == "update" and cut[0].shape[0] != 1:  # a second step would be off-policy
         raise ValueError(
             f"old_log_prob='update' takes one optimizer step, but the batch of {len(lengths)} sequences makes "

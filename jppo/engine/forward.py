@@ -18,12 +18,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jppo.engine.assemble import assemble, device_rows, place_cut
-from jppo.engine.update import Batch, policy_outputs, value_outputs
-from jppo.parallel.hostlocal import local_rows, local_shards, max_over_processes, to_local
 from jppo.core.experience import Experience
+from jppo.engine.assemble import assemble, device_rows, place_cut
+from jppo.engine.microbatch import cut_micro_batches, pad_cut
+from jppo.engine.objectives import Batch, policy_outputs, value_outputs
+from jppo.parallel.hostlocal import local_rows, local_shards, max_over_processes, to_local
 from jppo.parallel.mesh import ROW_AXES, batch_shards
-from jppo.engine.microbatch import pad_cut, cut_micro_batches
 
 
 def _per_micro_batch(fn: Callable[[nnx.Module, Batch], jax.Array], graphdef: nnx.GraphDef):
@@ -80,8 +80,8 @@ def forward_batch(
 
     ``rows``: ``batch``'s token arrays already on the devices (:func:`jppo.engine.assemble.device_rows` with no
     per-token fields), shared by several passes over the same batch; placed here when not given. Only the cut
-    (row ids and offsets) crosses per pass; the micro-batches are assembled on the devices, and the outputs are put back in
-    row order there, so what comes back is ``[N_local, L]``, not the slots."""
+    (row ids and offsets) crosses per pass; the micro-batches are assembled on the devices, and the outputs are put
+    back in row order there, so what comes back is ``[N_local, L]``, not the slots."""
     if rows is None:
         rows = device_rows(batch, None, mesh)
     num_global = batch.num_sequences * batch_shards(mesh) // len(local_shards(mesh))

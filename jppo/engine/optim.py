@@ -18,7 +18,7 @@ layout is optax's ``adamw``/``sgd`` one (checkpoints written before this change 
 ``gradient_step`` already counted every optimizer step).
 
 No accumulator when K = 1: a role whose every optimizer step is one micro-batch (fixed-size micro-batches of the
-whole per-shard mini-batch, :func:`jppo.engine.config.fixed_micro_batches`) keeps its ``MultiStepsState`` with
+whole per-shard mini-batch, :func:`jppo.engine.config.fixed_micro_batch_count`) keeps its ``MultiStepsState`` with
 ``acc_grads=None`` (:func:`without_accumulator`): the accumulator would only ever hold zeros, and costs one float32
 copy of the trained parameters. The gradient of the one micro-batch goes to ``inner`` as it is.
 
@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from jppo.engine.config import OptimConfig
 from jppo.core.errors import InvalidSetting
+from jppo.core.settings import OptimConfig
 
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine")
@@ -205,8 +205,8 @@ def accumulating_optimizer(
     accumulator (:func:`without_accumulator`).
     """
     return optax.MultiSteps(
-        inner_optimizer(cfg, keep_gradient, optimizer_steps_per_training_step), every_k_schedule=num_micro_batches, use_grad_mean=False,
-        accumulator_dtype=accumulator_dtype,
+        inner_optimizer(cfg, keep_gradient, optimizer_steps_per_training_step), every_k_schedule=num_micro_batches,
+        use_grad_mean=False, accumulator_dtype=accumulator_dtype,
     )
 
 
@@ -228,8 +228,8 @@ def apply_accumulated(
 ) -> tuple[Any, optax.MultiStepsState]:
     """The K-th micro-step of a ``MultiSteps`` state: ``inner`` on the accumulated gradient plus ``grads`` (``grads``
     alone for a state :func:`without_accumulator`), the parameters updated, the accumulator emptied (zeros, not
-    ``0 *`` it, which would keep a NaN) and the micro-step count reset. This is what ``MultiSteps.update`` does on its K-th call, without computing the result of the
-    other calls beside it (see the module docstring).
+    ``0 *`` it, which would keep a NaN) and the micro-step count reset. This is what ``MultiSteps.update`` does on
+    its K-th call, without computing the result of the other calls beside it (see the module docstring).
 
     ``inner`` is given ``optimizer_step=gradient_step`` (the optimizer steps before this one, skipped ones
     included), the counter its learning rate is evaluated at (:func:`scale_by_schedule_at`); ``gradient_step``
@@ -251,7 +251,8 @@ def step_report(opt_state: optax.MultiStepsState) -> dict[str, Any]:
     non-finite, and the accumulated gradient itself (None unless the optimizer keeps it)."""
     record, finite_state = opt_state.inner_opt_state
     return {
-        "grad_norm": record.grad_norm, "skipped": jnp.logical_not(finite_state.last_finite), "gradient": record.gradient,
+        "grad_norm": record.grad_norm, "skipped": jnp.logical_not(finite_state.last_finite),
+        "gradient": record.gradient,
     }
 
 

@@ -12,7 +12,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jppo.engine.config import UpdateConfig, fixed_micro_batches
+from jppo.engine.config import UpdateConfig, fixed_micro_batch_count
 from jppo.engine.optim import accumulating_optimizer, accumulator_dtype, opt_state_shardings, without_accumulator
 from jppo.parallel.hostlocal import placed
 from jppo.parallel.mesh import batch_shards
@@ -48,7 +48,7 @@ def _optimizer_init(
     replicated = NamedSharding(mesh, PartitionSpec())
     init = lambda p: tx.init(jax.tree.map(lambda x: x.astype(dtype), p))  # noqa: E731
     shardings = opt_state_shardings(tx, init, params, replicated)
-    if fixed_micro_batches(cfg, batch_shards(mesh)) == 1:  # every step one micro-batch: nothing to accumulate
+    if fixed_micro_batch_count(cfg, batch_shards(mesh)) == 1:  # every step one micro-batch: nothing to accumulate
         full, shardings = init, without_accumulator(shardings)
         init = lambda p: without_accumulator(full(p))  # noqa: E731 (the accumulator's zeros are never made)
     return init, shardings

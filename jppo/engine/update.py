@@ -1,17 +1,20 @@
 """One optimizer step of the actor or the critic, as one jitted pure function of (state, micro-batches).
 
-Inside the step:
+Read from the top, one call of :class:`UpdateStep` runs :func:`optimizer_steps`: a ``lax.scan`` over its M
+mini-batches, each one :func:`optimizer_step` on K micro-batches:
 
-1. the whole mini-batch's :class:`~jppo.core.masked.NormStats` are computed ONCE, by ``psum`` of shard-local counts over
-   the batch axes in a ``shard_map`` region (:func:`mini_batch_norm_stats`), before any micro-batch is touched;
-   for a model with experts and a load-balancing loss, also the whole mini-batch's expert fractions, by a forward
-   pass over its micro-batches (:func:`jppo.engine.experts.mini_batch_expert_fractions`);
-2. ``lax.scan`` runs the K micro-batches: each differentiates its share of the whole loss (every term through
-   ``agg_loss`` with those same NormStats) and adds the gradient to the accumulator of
-   ``optax.MultiSteps(use_grad_mean=False)``'s state; the K-th runs the optimizer once, on the whole mini-batch
-   gradient (:func:`~jppo.engine.optim.apply_accumulated`), and the first K - 1 skip the optimizer's work entirely;
+1. the whole mini-batch's :class:`~jppo.core.masked.NormStats` are computed ONCE (:func:`mini_batch_norm`), by
+   ``psum`` of shard-local counts over the batch axes in a ``shard_map`` region (:func:`mini_batch_norm_stats`),
+   before any micro-batch is touched; for a model with experts and a load-balancing loss, also the whole
+   mini-batch's expert fractions, by a forward pass over its micro-batches
+   (:func:`jppo.engine.experts.mini_batch_expert_fractions`);
+2. ``lax.scan`` runs the K micro-batches: each differentiates its share of the whole loss
+   (:func:`micro_batch_gradient` of :func:`micro_batch_share`: every term through ``agg_loss`` with those same
+   NormStats) and adds the gradient to the accumulator of ``optax.MultiSteps(use_grad_mean=False)``'s state; the
+   K-th runs the optimizer once, on the whole mini-batch gradient (:func:`add_to_optimizer`), and the first K - 1
+   skip the optimizer's work entirely;
 3. metrics are :class:`~jppo.core.metrics.Metric` pairs summed over the scan (and, being sums over global arrays,
-   over shards), divided once at the end.
+   over shards), divided once at the end (:func:`step_metrics`).
 
 Micro-batches without a single response token (padding to a common K) skip the forward and backward pass: their
 share and gradient are exactly zero anyway (with experts, those without a single token: every token is routed).
@@ -19,357 +22,74 @@ share and gradient are exactly zero anyway (with experts, those without a single
 ``normalization="per_micro_batch"`` reproduces, on purpose and per role, what verl computed before it normalized
 globally: each micro-batch normalized by its own counts (N and S over all shards; C as configured), the critic's
 shares summed, the actor's averaged (:func:`legacy_share_divisor`); loss metrics are means of micro-batch values.
+
+The roles' losses themselves (what a share is) are :mod:`jppo.engine.objectives`; the optimizer that receives the
+summed gradient is :mod:`jppo.engine.optim`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from jppo.core import metrics as metrics_lib
-from jppo.engine.config import ActorConfig, ActorFields, CriticConfig, UpdateConfig, require_engine_config
-from jppo.engine.layout import flatten_shards, gather_slots, next_token_targets
+from jppo.core.masked import NormStats, global_norm_stats
+from jppo.engine.config import ActorConfig, UpdateConfig, require_engine_config
+from jppo.engine.experts import mini_batch_expert_fractions, router_aux_coef, router_z_coef
+from jppo.engine.layout import flatten_shards
+from jppo.engine.objectives import Batch, LossFn
 from jppo.engine.optim import (
-    apply_accumulated, inner_optimizer, learning_rate_schedule, step_report, accumulator_dtype, with_accumulator,
+    accumulator_dtype,
+    apply_accumulated,
+    check_optim,
+    inner_optimizer,
+    learning_rate_schedule,
+    step_report,
+    with_accumulator,
     without_accumulator,
 )
-from jppo.engine.state import TrainState  # noqa: F401 (its home until it moved: jppo.engine.update.TrainState)
-from jppo.core.experience import Experience
-from jppo.losses import actor_loss, sft_loss, value_loss
-from jppo.losses.policy import PolicyLossOptions, check_policy_options
-from jppo.losses.rollout_correction import sampler_mismatch
-from jppo.core.masked import NormStats, global_norm_stats
+from jppo.engine.state import TrainState
 from jppo.parallel.mesh import BATCH_AXES, ROW_AXES, SEQUENCE_AXIS, sequence_shards
-from jppo.engine.microbatch import MicroBatches
-from jppo.models.log_probs import token_log_probs
-from jppo.engine.experts import mini_batch_expert_fractions, replayed, router_aux_coef, router_z_coef
-from jppo.models.moe import collect_router_stats
-from jppo.losses.router import expert_load, load_balancing_share, z_loss_share
 
 log = logging.getLogger(__name__)
 
-Batch = MicroBatches  # one micro-batch [D, ...] or a stack of them [K, D, ...] / [M, K, D, ...], on the devices
-LossFn = Callable[[nnx.Module, Batch, NormStats], tuple[jax.Array, dict[str, metrics_lib.Metric]]]
-
-
-def mini_batch_norm_stats(response_mask: jax.Array, loss_scale_factor: float, mesh: Mesh) -> NormStats:
-    """Whole-mini-batch N and S: each shard counts its own ``[K, 1, S, L / sequence]`` block, ``psum`` over the
-    batch axes (a row's tokens summed over the sequence axis before the row is counted); C is the update's
-    ``loss_scale_factor`` (:func:`micro_batch_gradient` passes its config's). A response width the sequence axis
-    does not divide stays whole on every shard of that axis, counted once."""
-    split = sequence_shards(mesh.shape) > 1 and response_mask.shape[-1] % sequence_shards(mesh.shape) == 0
-    tokens = SEQUENCE_AXIS if split else None
-    axes = BATCH_AXES if split else ROW_AXES
-
-    def local_then_psum(mask):
-        return global_norm_stats(mask.reshape(-1, mask.shape[-1]), loss_scale_factor, axis_name=axes, token_axis=tokens)
-
-    return jax.shard_map(
-        local_then_psum, mesh=mesh, in_specs=PartitionSpec(None, ROW_AXES, None, tokens), out_specs=PartitionSpec()
-    )(response_mask)
-
-
-def loss_inputs(cfg: UpdateConfig) -> tuple[str, ...]:
-    """The per-token fields of the :class:`~jppo.core.experience.Experience` a role's loss reads (besides the response
-    mask): only these travel to its update."""
-    if isinstance(cfg, ActorConfig):
-        # rollout_log_prob: the rollout_corr/* metrics are reported in every mode (None if a batch lacks it)
-        old = ("old_log_prob",) if cfg.old_log_prob == "recompute" else ()  # else the update's own, or the sampler's
-        return old + ("advantages", "rollout_log_prob") + (("ref_log_prob",) if cfg.use_kl_loss else ())
-    return ("values", "returns")
-
-
-def slot_inputs(batch: Batch) -> Experience:
-    """The response-aligned ``[D, S, L]`` slots of a micro-batch as ``[D * S, L]``."""
-    return jax.tree.map(flatten_shards, batch.slots)
-
-
-def policy_outputs(
-    model: nnx.Module, batch: Batch, *, temperature: float, chunk_size: int, with_entropy: bool
-) -> tuple[jax.Array, jax.Array | None]:
-    """Log-probs (and entropy) of the response tokens of one micro-batch, in slots ``[D * S, L]``."""
-    input_ids = flatten_shards(batch.input_ids)
-    with replayed(batch):  # routing replay: the batch's recorded experts, if it has them
-        log_probs, entropy = token_log_probs(
-            model, input_ids, flatten_shards(batch.positions), flatten_shards(batch.segment_ids),
-            next_token_targets(input_ids), temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
-        )
-    log_probs = gather_slots(log_probs, batch.gather_index)
-    return log_probs, None if entropy is None else gather_slots(entropy, batch.gather_index)
-
-
-def value_outputs(model: nnx.Module, batch: Batch) -> jax.Array:
-    """Value predictions for the states before each response token, in slots ``[D * S, L]``."""
-    values = model(flatten_shards(batch.input_ids), flatten_shards(batch.positions), flatten_shards(batch.segment_ids))
-    return gather_slots(values, batch.gather_index)
-
-
-def policy_options(cfg: ActorFields) -> PolicyLossOptions:
-    """The policy loss's options out of the actor's settings (which declare them by embedding
-    :class:`PolicyLossOptions`): just those fields, hashable, as the loss takes them."""
-    return PolicyLossOptions.create(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(PolicyLossOptions)})
-
-
-def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
-    """The actor's micro-batch loss: policy loss, entropy bonus and KL loss, all with the same NormStats.
-
-    ``temperature`` is the rollout's: log-probs are those of ``logits / temperature``, as sampled. Options the
-    policy loss or the rollout correction cannot use are refused here, before anything is traced."""
-    options = policy_options(cfg)
-    check_policy_options(cfg.policy_loss, options)
-    cfg.rollout_correction.check()
-
-    def loss(model, batch, norm):
-        with collect_router_stats() as routed:
-            log_probs, entropy = policy_outputs(
-                model, batch, temperature=temperature, chunk_size=cfg.log_prob_chunk_size, with_entropy=True
-            )
-        if cfg.entropy_coeff == 0:
-            # reported (actor/entropy) whatever the coefficient; without a bonus it needs no backward pass
-            entropy = jax.lax.stop_gradient(entropy)
-        data, current, source = slot_inputs(batch), jax.lax.stop_gradient(log_probs), cfg.old_log_prob
-        old = {"recompute": data.old_log_prob, "update": current, "rollout": data.rollout_log_prob}[source]
-        share, metrics = actor_loss(
-            log_probs, old, data.advantages, data.response_mask, norm=norm,
-            mode=cfg.loss_agg_mode, policy_loss_name=cfg.policy_loss, policy_options=options, entropy=entropy,
-            entropy_coeff=cfg.entropy_coeff, ref_log_prob=data.ref_log_prob,
-            kl_loss_coef=cfg.kl_loss_coef if cfg.use_kl_loss else 0.0, kl_loss_type=cfg.kl_loss_type,
-            rollout_log_prob=None if source == "rollout" else data.rollout_log_prob,
-            rollout_correction=cfg.rollout_correction,
-        )
-        if source != "recompute" and data.rollout_log_prob is not None:  # no pass before the update measured it
-            mask, corr = data.response_mask, source == "rollout"
-            metrics.update(sampler_mismatch(current, data.rollout_log_prob, mask, rollout_corr=corr))
-        if routed:  # a model with experts
-            stats = routed[0]
-            metrics["actor/expert_load"] = expert_load(stats.counts, stats.tokens)
-            coef = router_aux_coef(cfg, model.config)
-            if coef:
-                aux, metrics["actor/router_aux_loss"] = load_balancing_share(stats.counts, stats.probs, stats.tokens,
-                                                                             norm)
-                share = share + coef * aux
-            z_coef = router_z_coef(cfg, model.config)
-            if z_coef:
-                z, metrics["actor/router_z_loss"] = z_loss_share(stats.z, stats.tokens, norm)
-                share = share + z_coef * z
-        return share, metrics
-
-    return loss
-
-
-def critic_loss_fn(cfg: CriticConfig) -> LossFn:
-    """The critic's micro-batch loss: the clipped value loss."""
-
-    def loss(model, batch, norm):
-        vpreds = value_outputs(model, batch)
-        data = slot_inputs(batch)
-        return value_loss(
-            vpreds, data.values, data.returns, data.response_mask, cliprange_value=cfg.cliprange_value,
-            mode=cfg.loss_agg_mode, norm=norm,
-        )
-
-    return loss
-
-
-def sft_loss_fn(cfg: ActorConfig) -> LossFn:
-    """Supervised fine-tuning's micro-batch loss: ``-log p`` of the masked tokens (a completion, every assistant
-    turn) through ``agg_loss`` with the whole mini-batch's NormStats (:func:`jppo.losses.sft.sft_loss`)."""
-
-    def loss(model, batch, norm):
-        log_probs, _ = policy_outputs(model, batch, temperature=1.0, chunk_size=cfg.log_prob_chunk_size,
-                                      with_entropy=False)
-        return sft_loss(log_probs, slot_inputs(batch).response_mask, mode=cfg.loss_agg_mode, norm=norm)
-
-    return loss
-
-
-def legacy_share_divisor(cfg: UpdateConfig, batch: Batch) -> jax.Array:
-    """What each micro-batch's self-normalized loss is divided by in the legacy mode, per role.
-
-    verl's older data-parallel actor divided every micro-batch loss by the number of micro-batches of the
-    mini-batch (gradient accumulation as a mean of micro-batch means); its critic, before PR #6957, did not (the
-    micro-batch losses were summed: K-fold). The number of micro-batches counts those holding any sequence:
-    empty micro-batches that only pad K to a common size are not counted.
-    """
-    if not isinstance(cfg, ActorConfig):
-        return jnp.ones((), jnp.float32)
-    segments = batch.segment_ids
-    holds_tokens = jnp.any(segments.reshape(segments.shape[0], -1) > 0, axis=1)
-    return jnp.maximum(jnp.sum(holds_tokens), 1).astype(jnp.float32)
-
-
-def micro_batch_gradient(
-    graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh
-) -> Callable[[nnx.State, Batch], Callable[[nnx.State, Batch], tuple[nnx.State, dict[str, metrics_lib.Metric]]]]:
-    """``prepare(params, micro_batches, frozen=None) -> differentiate``, where ``differentiate(params, micro)`` is the
-    gradient (w.r.t. ``params`` only; ``frozen`` parameters are read as constants) of one micro-batch's share of the
-    mini-batch loss, with its metric pairs. C is ``cfg.loss_scale_factor``.
-
-    ``prepare`` computes the whole mini-batch's NormStats once (psum over the batch axes), before any
-    micro-batch is touched; every ``differentiate`` call then normalizes by them. A micro-batch without a single
-    response token skips the model: its share and gradient are exactly zero anyway. In the legacy mode each
-    micro-batch is normalized by its own counts instead (N and S of the micro-batch over all shards, C as
-    configured), divided by :func:`legacy_share_divisor`.
-    """
-    require_engine_config(cfg, for_update=True)
-    loss_scale_factor = float(cfg.loss_scale_factor)
-    legacy = cfg.normalization == "per_micro_batch"
-
-    def prepare(params: nnx.State, batch: Batch, frozen: Optional[nnx.State] = None):
-        def model_of(params):  # the frozen parameters enter as constants: no gradient flows to them
-            return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, frozen, params)
-
-        whole = None if legacy else mini_batch_norm_stats(batch.slots.response_mask, loss_scale_factor, mesh)
-        divisor = legacy_share_divisor(cfg, batch) if legacy else None
-        # a load-balancing loss: the expert fractions of the whole mini-batch; and with experts every micro-batch
-        # holding a token (not only a response token) routes it, for its share and the expert load
-        model_config = model_of(params).config
-        balancing = bool(router_aux_coef(cfg, model_config) or router_z_coef(cfg, model_config))
-        routes = isinstance(cfg, ActorConfig) and bool(model_config.sparse_layers)
-        if balancing and not legacy:
-            fractions, pairs = mini_batch_expert_fractions(model_of(params), batch)
-            whole = whole.replace(expert_fractions=fractions, routed_pairs=pairs)
-
-        def share_and_metrics(params, micro):
-            if not legacy:
-                return loss(model_of(params), micro, whole)
-            own = global_norm_stats(flatten_shards(micro.slots.response_mask), loss_scale_factor)
-            share, metrics = loss(model_of(params), micro, own)
-            return share / divisor.astype(share.dtype), metrics
-
-        grad_fn = jax.value_and_grad(share_and_metrics, has_aux=True)
-
-        def compute(params, micro):
-            (_, metrics), grads = grad_fn(params, micro)
-            return grads, metrics
-
-        first = jax.tree.map(lambda x: x[0], batch)
-        shapes = jax.eval_shape(compute, params, first)
-
-        def differentiate(params, micro):
-            holds = jnp.any(micro.slots.response_mask)
-            holds = holds | jnp.any(micro.segment_ids != 0) if routes else holds
-            return jax.lax.cond(holds, compute, lambda p, m: _zeros(shapes), params, micro)
-
-        return differentiate
-
-    return prepare
-
-
-def _zeros(tree):
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
-
-
-def make_update_step(
-    graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh, role: str, keep_gradient: bool = False
-) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array], Any]]:
-    """A pure ``(state, micro_batches) -> (state, metrics, gradient)`` for one mini-batch (C: ``cfg``'s) of
-    ``role`` (``actor``/``critic``, the prefix of its metric names).
-
-    ``micro_batches`` holds ``[K, D, ...]`` arrays (see :mod:`jppo.engine.microbatch`); K is read from their shape. Each
-    micro-batch's gradient goes to ``optax.MultiSteps(every_k_schedule=K, use_grad_mean=False)``, which sums them
-    and applies the optimizer once, on the K-th. ``gradient`` is the accumulated gradient the optimizer received,
-    as recorded by the optimizer itself (``keep_gradient``, with a state from ``init_train_state(...,
-    keep_gradient=True)``), else None.
-    """
-    prepare = micro_batch_gradient(graphdef, loss, cfg, mesh)
-    schedule = learning_rate_schedule(cfg.optim, cfg.optimizer_steps_per_training_step)
-
-    def step(state: TrainState, batch: Batch):
-        k = batch.slots.response_mask.shape[0]
-        inner = inner_optimizer(cfg.optim, keep_gradient, cfg.optimizer_steps_per_training_step)
-        differentiate = prepare(state.params, batch, state.frozen)
-        metrics_shape = jax.eval_shape(differentiate, state.params, jax.tree.map(lambda x: x[0], batch))[1]
-        dtype, held = accumulator_dtype(state.params), state.opt_state.acc_grads is not None
-        # a state without an accumulator given K > 1 micro-batches accumulates in a temporary
-        opt_state = state.opt_state if held or k == 1 else with_accumulator(state.opt_state, state.params, dtype)
-
-        def micro_step(carry, micro):
-            params, opt_state, total = carry
-            grads, metrics = differentiate(params, micro)
-            # in the accumulator's dtype (float32 at least), so the summed gradient reaches the optimizer unrounded
-            grads = jax.tree.map(lambda g: g.astype(dtype), grads)
-            if opt_state.acc_grads is None:  # K = 1 and nothing accumulated: this is the optimizer step
-                params, opt_state = apply_last(params, opt_state, grads)
-            else:
-                params, opt_state = jax.lax.cond(
-                    opt_state.mini_step == k - 1, apply_last, accumulate, params, opt_state, grads
-                )
-            return (params, opt_state, metrics_lib.combine(total, metrics)), None
-
-        def accumulate(params, opt_state, grads):
-            # Micro-steps 1 .. K-1 only add to MultiSteps' accumulator. MultiSteps.update would also run the whole
-            # inner optimizer on every one of them and keep its result only on the K-th.
-            acc_grads = jax.tree.map(jnp.add, opt_state.acc_grads, grads)
-            return params, opt_state._replace(acc_grads=acc_grads, mini_step=opt_state.mini_step + 1)
-
-        def apply_last(params, opt_state, grads):
-            return apply_accumulated(inner, grads, opt_state, params)
-
-        (params, opt_state, total), _ = jax.lax.scan(
-            micro_step, (state.params, opt_state, _zeros(metrics_shape)), batch
-        )
-        opt_state = opt_state if held else without_accumulator(opt_state)
-        report = step_report(opt_state)
-        applied = jnp.logical_not(report["skipped"])
-        values = metrics_lib.finish(total)
-        values[f"{role}/grad_norm"] = report["grad_norm"]
-        # the rate this step was given (apply_accumulated evaluates the schedule at the same counter)
-        values[f"{role}/lr"] = jnp.asarray(schedule(state.opt_state.gradient_step), jnp.float32)
-        values[f"{role}/skipped_updates"] = report["skipped"].astype(jnp.float32)
-        new_state = TrainState(
-            params=params, opt_state=opt_state, step=state.step + applied.astype(jnp.int32), frozen=state.frozen
-        )
-        return new_state, values, report["gradient"]
-
-    return step
+Grads = Any  # a gradient: the trained parameters' tree
+Metrics = dict[str, metrics_lib.Metric]
 
 
 class UpdateStep:
     """The jitted update: ``(state, steps) -> (state, metrics, gradients)`` for M optimizer steps in one call.
 
-    ``steps`` holds ``[M, K, D, ...]`` arrays (:func:`jppo.engine.microbatch.stack_micro_batches`); ``lax.scan`` runs the
-    M mini-batches one after another, so a whole ``ppo_epochs`` x mini-batches update is one dispatch, and the
-    compiled program does not depend on M beyond its loop count. State buffers are donated and come back laid out
-    exactly as they went in (frozen parameters are an input that is not donated: they come back as the same
-    arrays, so a reference policy may read them); metrics come back per step, ``[M]``. ``gradients``: with ``keep_gradient`` (and a
-    state made with ``init_train_state(..., keep_gradient=True)``) the accumulated gradient of each optimizer step,
-    stacked ``[M, ...]`` (what ``jppo.audit`` and the tests compare); otherwise None.
+    ``steps`` holds ``[M, K, D, ...]`` arrays (:func:`jppo.engine.microbatch.stack_micro_batches`); ``lax.scan``
+    runs the M mini-batches one after another (:func:`optimizer_steps`), so a whole ``ppo_epochs`` x mini-batches
+    update is one dispatch, and the compiled program does not depend on M beyond its loop count. State buffers are
+    donated and come back laid out exactly as they went in (frozen parameters are an input that is not donated:
+    they come back as the same arrays, so a reference policy may read them); metrics come back per step, ``[M]``.
+    ``gradients``: with ``keep_gradient`` (and a state made with ``init_train_state(..., keep_gradient=True)``) the
+    accumulated gradient of each optimizer step, stacked ``[M, ...]`` (what ``jppo.audit`` and the tests compare);
+    otherwise None.
     """
 
     def __init__(
         self, graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh, role: str,
         keep_gradient: bool = False,
     ):
-        if cfg.normalization == "per_micro_batch":
-            how = ("each micro-batch loss is divided by the number of micro-batches (verl's older actor: a mean of "
-                   "micro-batch means)" if isinstance(cfg, ActorConfig) else
-                   "the micro-batch losses are summed (verl's critic before PR #6957: K micro-batches give up to K "
-                   "times the gradient)")
-            log.warning(
-                "%s.normalization=per_micro_batch: each micro-batch is normalized by its own token counts and %s; "
-                "gradients then depend on the micro-batch split (legacy behaviour, for comparison with old curves only)",
-                role, how,
-            )
-        one_step = make_update_step(graphdef, loss, cfg, mesh, role, keep_gradient)
-
-        def steps(state: TrainState, frozen: Optional[nnx.State], batches: Batch):
-            def body(carry, batch):
-                carry, metrics, gradient = one_step(carry.replace(frozen=frozen), batch)
-                return carry.replace(frozen=None), (metrics, gradient)
-
-            state, (metrics, gradients) = jax.lax.scan(body, state, batches)
-            return state, metrics, gradients
-
-        self._steps = steps
+        warn_legacy_normalization(cfg, role)
+        self._one_step = make_update_step(graphdef, loss, cfg, mesh, role, keep_gradient)
         self._mesh = mesh
         self._jitted: Any = None
+
+    def _steps(self, state: TrainState, frozen: Optional[nnx.State], batches: Batch):
+        """The program that is jitted: :func:`optimizer_steps` of this role's :func:`optimizer_step`."""
+        return optimizer_steps(self._one_step, state, frozen, batches)
 
     def _program(self, trained: TrainState):
         if self._jitted is None:
@@ -390,3 +110,263 @@ class UpdateStep:
         frozen, trained = state.frozen, state.replace(frozen=None)
         with jax.set_mesh(self._mesh):
             return self._program(trained).lower(trained, frozen, steps)
+
+
+def optimizer_steps(
+    one_step: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array], Any]],
+    state: TrainState, frozen: Optional[nnx.State], batches: Batch,
+) -> tuple[TrainState, dict[str, jax.Array], Any]:
+    """M optimizer steps in one program: ``lax.scan`` of ``one_step`` (:func:`make_update_step`'s) over the
+    mini-batches of ``batches`` (``[M, K, D, ...]``), the train state carried from one to the next; metrics
+    ``[M]`` and gradients ``[M, ...]`` stacked. The ``frozen`` parameters are read by every step but not carried
+    (nor donated): they leave the state between steps."""
+
+    def body(carry: TrainState, batch: Batch):
+        carry, metrics, gradient = one_step(carry.replace(frozen=frozen), batch)
+        return carry.replace(frozen=None), (metrics, gradient)
+
+    state, (metrics, gradients) = jax.lax.scan(body, state, batches)
+    return state, metrics, gradients
+
+
+def make_update_step(
+    graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh, role: str, keep_gradient: bool = False
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array], Any]]:
+    """A pure ``(state, micro_batches) -> (state, metrics, gradient)`` for one mini-batch (C: ``cfg``'s) of
+    ``role`` (``actor``/``critic``, the prefix of its metric names): :func:`optimizer_step` with these settings,
+    which are checked here, before anything is traced.
+
+    ``micro_batches`` holds ``[K, D, ...]`` arrays (see :mod:`jppo.engine.microbatch`); K is read from their shape. Each
+    micro-batch's gradient goes to ``optax.MultiSteps(every_k_schedule=K, use_grad_mean=False)``, which sums them
+    and applies the optimizer once, on the K-th. ``gradient`` is the accumulated gradient the optimizer received,
+    as recorded by the optimizer itself (``keep_gradient``, with a state from ``init_train_state(...,
+    keep_gradient=True)``), else None.
+    """
+    require_engine_config(cfg, for_update=True)
+    check_optim(cfg.optim)
+    return functools.partial(
+        optimizer_step, graphdef=graphdef, loss=loss, cfg=cfg, mesh=mesh, role=role, keep_gradient=keep_gradient
+    )
+
+
+def optimizer_step(
+    state: TrainState, batch: Batch, *, graphdef: nnx.GraphDef, loss: LossFn, cfg: UpdateConfig, mesh: Mesh,
+    role: str, keep_gradient: bool = False,
+) -> tuple[TrainState, dict[str, jax.Array], Any]:
+    """One optimizer step on the K micro-batches ``[K, D, ...]`` of one mini-batch:
+
+    1. ``norm``: the whole mini-batch's N, S and C (and expert fractions), once (:func:`mini_batch_norm`);
+    2. for k = 1 .. K (``lax.scan``): ``g_k = d share_k / d params`` (:func:`micro_batch_gradient`), where
+       ``share_k`` is micro-batch k's share of the loss under ``norm``, so ``sum_k share_k`` is the whole
+       mini-batch's loss; ``g_k`` is added to MultiSteps' accumulator, and on the K-th the optimizer runs once on
+       ``sum_k g_k`` (:func:`add_to_optimizer`), in the accumulator's dtype (float32 at least, so the sum reaches
+       the optimizer unrounded);
+    3. the metric pairs summed over k, divided once (:func:`step_metrics`).
+
+    ``state.step`` counts the step unless the optimizer skipped it as non-finite.
+    """
+    k = batch.slots.response_mask.shape[0]
+    inner = inner_optimizer(cfg.optim, keep_gradient, cfg.optimizer_steps_per_training_step)
+    model = trained_model(graphdef, state.params, state.frozen)  # the step's starting weights
+    norm = mini_batch_norm(model, batch, cfg, mesh)
+    share_gradient_of = functools.partial(share_gradient, frozen=state.frozen, graphdef=graphdef, loss=loss, norm=norm)
+    shapes = jax.eval_shape(share_gradient_of, state.params, jax.tree.map(lambda x: x[0], batch))  # (grads, metrics)
+    # with experts, a micro-batch holding a token (if not a response token) routes it: for its share, the expert load
+    routes = isinstance(cfg, ActorConfig) and bool(model.config.sparse_layers)
+    dtype, held = accumulator_dtype(state.params), state.opt_state.acc_grads is not None
+    # a state without an accumulator given K > 1 micro-batches accumulates in a temporary
+    opt_state = state.opt_state if held or k == 1 else with_accumulator(state.opt_state, state.params, dtype)
+
+    def micro_step(carry, micro: Batch):
+        """Scan's body: micro-batch k's gradient into the optimizer, its metric pairs into the running sums."""
+        params, opt_state, total = carry
+        grads, metrics = micro_batch_gradient(share_gradient_of, params, micro, shapes, routes)
+        grads = jax.tree.map(lambda g: g.astype(dtype), grads)  # summed in the accumulator's dtype, unrounded
+        params, opt_state = add_to_optimizer(inner, k, params, opt_state, grads)
+        return (params, opt_state, metrics_lib.combine(total, metrics)), None
+
+    (params, opt_state, total), _ = jax.lax.scan(micro_step, (state.params, opt_state, _zeros(shapes[1])), batch)
+    opt_state = opt_state if held else without_accumulator(opt_state)
+    report = step_report(opt_state)
+    applied = jnp.logical_not(report["skipped"])
+    schedule = learning_rate_schedule(cfg.optim, cfg.optimizer_steps_per_training_step)
+    values = step_metrics(total, report, schedule, state.opt_state.gradient_step, role)
+    new_state = TrainState(
+        params=params, opt_state=opt_state, step=state.step + applied.astype(jnp.int32), frozen=state.frozen
+    )
+    return new_state, values, report["gradient"]
+
+
+# 1. once per optimizer step: what every micro-batch's share is normalized by
+
+
+@dataclasses.dataclass(frozen=True)
+class MiniBatchNorm:
+    """What each micro-batch's share of the loss is normalized by, fixed once per optimizer step
+    (:func:`mini_batch_norm`): the whole mini-batch's NormStats ``whole``; or, in the legacy mode (``whole`` None),
+    the micro-batch's own counts with C ``loss_scale_factor``, the share then divided by ``divisor``."""
+
+    whole: Optional[NormStats]
+    divisor: Optional[jax.Array]
+    loss_scale_factor: float
+
+
+def mini_batch_norm(model: nnx.Module, batch: Batch, cfg: UpdateConfig, mesh: Mesh) -> MiniBatchNorm:
+    """The normalizers of the mini-batch ``batch`` (``[K, D, ...]``), before any micro-batch is touched: N and S of
+    the whole mini-batch (:func:`mini_batch_norm_stats`) with C = ``cfg.loss_scale_factor``, and, when ``model``
+    has experts and a load-balancing or z-loss, the whole mini-batch's expert fractions ``f`` and routed pairs
+    ``R`` (a forward pass over the micro-batches); in the legacy mode, only :func:`legacy_share_divisor`."""
+    legacy = cfg.normalization == "per_micro_batch"
+    loss_scale_factor = float(cfg.loss_scale_factor)
+    whole = None if legacy else mini_batch_norm_stats(batch.slots.response_mask, loss_scale_factor, mesh)
+    divisor = legacy_share_divisor(cfg, batch) if legacy else None
+    balancing = bool(router_aux_coef(cfg, model.config) or router_z_coef(cfg, model.config))
+    if balancing and not legacy:
+        fractions, pairs = mini_batch_expert_fractions(model, batch)
+        whole = whole.replace(expert_fractions=fractions, routed_pairs=pairs)
+    return MiniBatchNorm(whole, divisor, loss_scale_factor)
+
+
+def mini_batch_norm_stats(response_mask: jax.Array, loss_scale_factor: float, mesh: Mesh) -> NormStats:
+    """Whole-mini-batch N and S: each shard counts its own ``[K, 1, S, L / sequence]`` block, ``psum`` over the
+    batch axes (a row's tokens summed over the sequence axis before the row is counted); C is the update's
+    ``loss_scale_factor`` (:func:`mini_batch_norm` passes its config's). A response width the sequence axis
+    does not divide stays whole on every shard of that axis, counted once."""
+    split = sequence_shards(mesh.shape) > 1 and response_mask.shape[-1] % sequence_shards(mesh.shape) == 0
+    tokens = SEQUENCE_AXIS if split else None
+    axes = BATCH_AXES if split else ROW_AXES
+
+    def local_then_psum(mask):
+        return global_norm_stats(mask.reshape(-1, mask.shape[-1]), loss_scale_factor, axis_name=axes, token_axis=tokens)
+
+    return jax.shard_map(
+        local_then_psum, mesh=mesh, in_specs=PartitionSpec(None, ROW_AXES, None, tokens), out_specs=PartitionSpec()
+    )(response_mask)
+
+
+def legacy_share_divisor(cfg: UpdateConfig, batch: Batch) -> jax.Array:
+    """What each micro-batch's self-normalized loss is divided by in the legacy mode, per role.
+
+    verl's older data-parallel actor divided every micro-batch loss by the number of micro-batches of the
+    mini-batch (gradient accumulation as a mean of micro-batch means); its critic, before PR #6957, did not (the
+    micro-batch losses were summed: K-fold). The number of micro-batches counts those holding any sequence:
+    empty micro-batches that only pad K to a common size are not counted.
+    """
+    if not isinstance(cfg, ActorConfig):
+        return jnp.ones((), jnp.float32)
+    segments = batch.segment_ids
+    holds_tokens = jnp.any(segments.reshape(segments.shape[0], -1) > 0, axis=1)
+    return jnp.maximum(jnp.sum(holds_tokens), 1).astype(jnp.float32)
+
+
+# 2. each micro-batch: the gradient of its share, into the optimizer
+
+
+def micro_batch_gradient(
+    share_gradient_of: Callable[[nnx.State, Batch], tuple[Grads, Metrics]], params: nnx.State, micro: Batch,
+    shapes: Any, routes: bool,
+) -> tuple[Grads, Metrics]:
+    """``share_gradient_of(params, micro)`` (:func:`share_gradient`), or zeros of its ``shapes`` without running the
+    model when ``micro`` holds no response token (with experts, ``routes``: no token at all), where its share and
+    gradient are exactly zero anyway: the micro-batches that pad K to a common size cost nothing."""
+    holds = jnp.any(micro.slots.response_mask)
+    holds = holds | jnp.any(micro.segment_ids != 0) if routes else holds
+    return jax.lax.cond(holds, share_gradient_of, lambda p, m: _zeros(shapes), params, micro)
+
+
+def share_gradient(
+    params: nnx.State, micro: Batch, *, frozen: Optional[nnx.State], graphdef: nnx.GraphDef, loss: LossFn,
+    norm: MiniBatchNorm,
+) -> tuple[Grads, Metrics]:
+    """``(d share / d params, metrics)`` of :func:`micro_batch_share`: the gradient with respect to the trained
+    ``params`` only (``frozen`` parameters are read as constants)."""
+    share_and_metrics = functools.partial(micro_batch_share, frozen=frozen, graphdef=graphdef, loss=loss, norm=norm)
+    (_, metrics), grads = jax.value_and_grad(share_and_metrics, has_aux=True)(params, micro)
+    return grads, metrics
+
+
+def micro_batch_share(
+    params: nnx.State, micro: Batch, *, frozen: Optional[nnx.State], graphdef: nnx.GraphDef, loss: LossFn,
+    norm: MiniBatchNorm,
+) -> tuple[jax.Array, Metrics]:
+    """One micro-batch's share of the mini-batch loss, and its metric pairs: ``loss`` (a role's objective,
+    :mod:`jppo.engine.objectives`) of the model under the whole mini-batch's NormStats, e.g. for ``token-mean``
+    ``sum_{t in micro} l_t / N``, so the shares of all micro-batches and shards sum to the whole loss. Legacy
+    mode: ``loss`` under the micro-batch's own counts (N_k and S_k over all shards), divided by ``norm.divisor``."""
+    if norm.whole is not None:
+        return loss(trained_model(graphdef, params, frozen), micro, norm.whole)
+    own = global_norm_stats(flatten_shards(micro.slots.response_mask), norm.loss_scale_factor)
+    share, metrics = loss(trained_model(graphdef, params, frozen), micro, own)
+    return share / norm.divisor.astype(share.dtype), metrics
+
+
+def trained_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: Optional[nnx.State] = None) -> nnx.Module:
+    """The model of the trained ``params``, with the ``frozen`` ones (LoRA's base weights; None: everything trains)
+    merged in: differentiated with respect to ``params``, the frozen parameters enter as constants and no gradient
+    flows to them."""
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, frozen, params)
+
+
+def add_to_optimizer(
+    inner: optax.GradientTransformation, k: int, params: nnx.State, opt_state: optax.MultiStepsState, grads: Grads
+) -> tuple[nnx.State, optax.MultiStepsState]:
+    """Micro-batch ``grads`` into the ``MultiSteps`` state: on micro-steps 1 .. K-1 only summed into the accumulator
+    (:func:`accumulate`); on the K-th the optimizer ``inner`` runs once, on the whole sum, and updates ``params``
+    (:func:`~jppo.engine.optim.apply_accumulated`). A state without an accumulator (K = 1) holds nothing to add:
+    its one gradient is the step's."""
+    apply = functools.partial(_apply_accumulated, inner)
+    if opt_state.acc_grads is None:
+        return apply(params, opt_state, grads)
+    return jax.lax.cond(opt_state.mini_step == k - 1, apply, accumulate, params, opt_state, grads)
+
+
+def accumulate(
+    params: nnx.State, opt_state: optax.MultiStepsState, grads: Grads
+) -> tuple[nnx.State, optax.MultiStepsState]:
+    """Micro-steps 1 .. K-1: ``grads`` added to MultiSteps' accumulator, the micro-step counted, nothing else.
+    ``MultiSteps.update`` would also run the whole inner optimizer on every one of them and keep its result only
+    on the K-th."""
+    acc_grads = jax.tree.map(jnp.add, opt_state.acc_grads, grads)
+    return params, opt_state._replace(acc_grads=acc_grads, mini_step=opt_state.mini_step + 1)
+
+
+def _apply_accumulated(inner, params, opt_state, grads):
+    """:func:`~jppo.engine.optim.apply_accumulated` with the arguments in the order ``lax.cond`` passes them."""
+    return apply_accumulated(inner, grads, opt_state, params)
+
+
+# 3. the step's metrics
+
+
+def step_metrics(
+    total: Metrics, report: dict[str, Any], schedule: optax.Schedule, optimizer_step: jax.Array, role: str
+) -> dict[str, jax.Array]:
+    """The step's metrics: each pair summed over the micro-batches divided once (:func:`jppo.core.metrics.finish`),
+    the norm of the accumulated gradient, the learning rate the step was given (``schedule`` at the counter of
+    optimizer steps before it, where :func:`~jppo.engine.optim.apply_accumulated` evaluates it) and whether the
+    step was skipped as non-finite."""
+    values = metrics_lib.finish(total)
+    values[f"{role}/grad_norm"] = report["grad_norm"]
+    values[f"{role}/lr"] = jnp.asarray(schedule(optimizer_step), jnp.float32)
+    values[f"{role}/skipped_updates"] = report["skipped"].astype(jnp.float32)
+    return values
+
+
+def warn_legacy_normalization(cfg: UpdateConfig, role: str) -> None:
+    """A warning that ``role``'s gradients depend on the micro-batch split, when its config asks for verl's old
+    per-micro-batch normalization."""
+    if cfg.normalization != "per_micro_batch":
+        return
+    how = ("each micro-batch loss is divided by the number of micro-batches (verl's older actor: a mean of "
+           "micro-batch means)" if isinstance(cfg, ActorConfig) else
+           "the micro-batch losses are summed (verl's critic before PR #6957: K micro-batches give up to K "
+           "times the gradient)")
+    log.warning(
+        "%s.normalization=per_micro_batch: each micro-batch is normalized by its own token counts and %s; "
+        "gradients then depend on the micro-batch split (legacy behaviour, for comparison with old curves only)",
+        role, how,
+    )
+
+
+def _zeros(tree):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)

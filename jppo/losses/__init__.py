@@ -1,7 +1,7 @@
 """Pure, jittable loss terms. Every term builds a per-token matrix that goes through :func:`agg_loss`, normalized
 by the whole mini-batch's :class:`~jppo.core.masked.NormStats` (a required argument of every term)."""
 
-from jppo.core.settings import REJECTION_MODES, ROLLOUT_CORRECTION_MODES, RolloutCorrection
+from jppo.core.settings import REJECTION_MODES, ROLLOUT_CORRECTION_MODES, PolicyLossOptions, RolloutCorrection
 from jppo.losses.actor import actor_loss
 from jppo.losses.aggregate import AGG_MODES, agg_loss, check_mode
 from jppo.losses.entropy import entropy_from_logits, entropy_loss
@@ -13,7 +13,6 @@ from jppo.losses.policy import (
     OptionRule,
     PerToken,
     PolicyLossFn,
-    PolicyLossOptions,
     check_policy_loss_mode,
     check_policy_options,
     get_policy_loss,

@@ -1,7 +1,7 @@
 """Layer 3: the Flax NNX decoder with LM and value heads, KV cache, chunked log-probs and Hugging Face interop.
 
 Each name loads from its submodule when first asked for (:func:`jppo.core.lazy.lazy_exports`): the config schema
-composes :class:`~jppo.models.lora.LoRAConfig` without loading the decoder and the checkpoint readers.
+composes :class:`~jppo.core.settings.LoRAConfig` without loading the decoder and the checkpoint readers.
 """
 
 from jppo.core.lazy import lazy_exports

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jppo.core.errors import InvalidSetting
-from jppo.core.settings import LORA_TARGETS, LoRAConfig  # declared in core: the trainer's config composes them
+from jppo.core.settings import LORA_TARGETS, LoRAConfig
 from jppo.models.config import ModelConfig
 from jppo.models.sharding import param_shardings
 

@@ -40,7 +40,7 @@ from jppo.run import build
 from jppo.run.filters import rejected_rows_cleared
 from jppo.config import TrainConfig
 from jppo.engine import (
-    UpdateStep, actor_loss_fn, check_batch_sizes, critic_loss_fn, cut_steps, init_train_state, run_updates,
+    UpdateStep, actor_loss_fn, check_batch_sizes, critic_loss_fn, step_micro_batches, init_train_state, run_updates,
     sft_loss_fn,
 )
 from jppo.preflight.audit_cuts import ONE_DEVICE, audit_batch, cuts, parse_meshes, role_meshes
@@ -96,7 +96,7 @@ class Role:
         state = init_train_state(params, cfg, mesh, keep_gradient=True, frozen=frozen)
         step = UpdateStep(self.graphdef, self.loss_of(cfg), cfg, mesh, self.name, keep_gradient=True)
         rng = lambda: mini_batch_rng(self.seed, 1, self.name)  # noqa: E731 (the trainer's draw for step 1)
-        k = max(m.num_micro_batches for m in cut_steps(batch, cfg, mesh, rng()))
+        k = max(m.num_micro_batches for m in step_micro_batches(batch, cfg, mesh, rng()))
         updated = run_updates(step, state, batch, cfg, mesh, rng())
         gradients = jax.device_get(updated.gradients)
         per_step = [flat(jax.tree.map(lambda g: g[i], gradients)) for i in range(len(jax.tree.leaves(gradients)[0]))]

@@ -32,7 +32,7 @@ from jppo.core.errors import one_line
 from jppo.core.experience import Experience
 from jppo.engine import abstract_train_state, log_prob_fn, value_fn
 from jppo.engine.assemble import assemble_rows
-from jppo.engine.update import loss_inputs
+from jppo.engine.objectives import loss_inputs
 from jppo.parallel.mesh import ROW_AXES, batch_shards, make_mesh, split_devices
 from jppo.rollout.decode import make_generate_fn
 from jppo.preflight import hlo

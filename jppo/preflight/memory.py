@@ -314,8 +314,8 @@ def reference_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) 
 
 def accumulates_gradients(cfg: TrainConfig, role: str, mesh: dict[str, int]) -> bool:
     """Whether ``role`` keeps a gradient accumulator: unless every optimizer step is one micro-batch
-    (:func:`jppo.engine.config.fixed_micro_batches`)."""
+    (:func:`jppo.engine.config.fixed_micro_batch_count`)."""
     from jppo.config.views import engine_view  # noqa: PLC0415 (views imports the models; keep `--help` light)
-    from jppo.engine.config import fixed_micro_batches  # noqa: PLC0415
+    from jppo.engine.config import fixed_micro_batch_count  # noqa: PLC0415
 
-    return fixed_micro_batches(engine_view(cfg, role), row_shards_of([mesh.get(axis, 1) for axis in MESH_AXES])) != 1
+    return fixed_micro_batch_count(engine_view(cfg, role), row_shards_of([mesh.get(axis, 1) for axis in MESH_AXES])) != 1

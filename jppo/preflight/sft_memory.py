@@ -50,10 +50,10 @@ def sft_micro_batch(cfg: TrainConfig) -> tuple[int, int]:
 
 def sft_accumulates(cfg: TrainConfig, mesh: dict[str, int]) -> bool:
     """Whether the SFT step keeps a gradient accumulator: unless one micro-batch per batch shard makes the step."""
-    from jppo.engine.config import fixed_micro_batches  # noqa: PLC0415
+    from jppo.engine.config import fixed_micro_batch_count  # noqa: PLC0415
     from jppo.run.sft import sft_view  # noqa: PLC0415 (the SFT loop's engine config)
 
-    return fixed_micro_batches(sft_view(cfg), mesh["data"] * mesh["fsdp"]) != 1
+    return fixed_micro_batch_count(sft_view(cfg), mesh["data"] * mesh["fsdp"]) != 1
 
 
 def scores_held_out(cfg: TrainConfig) -> bool:

@@ -25,7 +25,8 @@ from jppo.config.views import (
 from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
 from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pretrained, read_config
 from jppo.models.layers import is_norm_scale
-from jppo.models.lora import LoRAConfig, attach_lora, load_saved_adapters, saved_adapter_config, trainable_filter
+from jppo.core.settings import LoRAConfig
+from jppo.models.lora import attach_lora, load_saved_adapters, saved_adapter_config, trainable_filter
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
 from jppo.rollout import ROLLOUT_ENGINES
 from jppo.rollout.env import EnvFactory, load_env, stop_token_ids

@@ -28,7 +28,7 @@ from jppo.core.errors import ConfigError, one_line
 from jppo.core.inputs import BUILTIN_PREFIX
 from jppo.engine.config import check_old_log_prob, check_update
 from jppo.engine.optim import check_optim
-from jppo.engine.update import policy_options
+from jppo.engine.objectives import policy_options
 from jppo.losses import (AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTION_MODES, check_policy_loss_mode,
                           check_policy_options, required_agg_mode)
 from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, check_attention_blocks

@@ -9,7 +9,7 @@ The loop, as :func:`run` reads::
         for hook in hooks: hook(state, metrics)              # held-out loss and greedy score, log, checkpoint;
                                                              # on a signal: save, stop
 
-The update is the actor's (:class:`~jppo.engine.update.UpdateStep` with :func:`~jppo.engine.update.sft_loss_fn`):
+The update is the actor's (:class:`~jppo.engine.update.UpdateStep` with :func:`~jppo.engine.objectives.sft_loss_fn`):
 the same mesh, micro-batching (``actor.ppo_micro_batch_size``, or ``actor.use_dynamic_bsz`` with its token budget),
 ``optax.MultiSteps`` accumulation, ``actor.loss_agg_mode`` over the whole mini-batch's token count, optimizer,
 LoRA, checkpoints and loggers; a checkpoint is a :class:`~jppo.run.state.RunState` without a critic, so the same
