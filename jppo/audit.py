@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 from jppo import cli
 from jppo.config.applies import sets_sft
 from jppo.parallel import distributed
-from jppo.run import build, sft
 from jppo.preflight.audit import FLOAT64_TOLERANCE, audit, audit_sft, tolerance_of
+from jppo.run import build, sft
 
 
 def options(parser: argparse.ArgumentParser) -> None:

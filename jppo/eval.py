@@ -17,11 +17,11 @@ from jppo import cli
 from jppo.config import ConfigError
 from jppo.core.paths import run_path
 from jppo.parallel import distributed
-from jppo.run.rollout_mesh import run_meshes
 from jppo.run import build
 from jppo.run.evaluate import evaluate_and_write
 from jppo.run.lifecycle import read_resume
 from jppo.run.loop import restore
+from jppo.run.rollout_mesh import run_meshes
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

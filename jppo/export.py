@@ -13,12 +13,22 @@ import sys
 from typing import Optional, Sequence
 
 from jppo import cli
+from jppo.config import views
 from jppo.core.paths import run_path
 from jppo.data import load_tokenizer
-from jppo.config import views
 from jppo.run.export import (
-    DEFAULT_MAX_SHARD_SIZE, EXPORT_DTYPES, ExportError, base_policy, export_adapters, export_kept, export_policy,
-    find_checkpoint, merged_policy, parse_size, restore_policy, run_config,
+    DEFAULT_MAX_SHARD_SIZE,
+    EXPORT_DTYPES,
+    ExportError,
+    base_policy,
+    export_adapters,
+    export_kept,
+    export_policy,
+    find_checkpoint,
+    merged_policy,
+    parse_size,
+    restore_policy,
+    run_config,
 )
 
 

@@ -16,8 +16,8 @@ import jax
 from jppo import cli
 from jppo.config import ConfigError
 from jppo.parallel import distributed
-from jppo.run import sft
 from jppo.parallel.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
+from jppo.run import sft
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

@@ -15,9 +15,9 @@ import jax
 from jppo import cli
 from jppo.config import ConfigError, TrainConfig, check_mesh
 from jppo.parallel import distributed
+from jppo.parallel.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
 from jppo.run import build
 from jppo.run.loop import run
-from jppo.parallel.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

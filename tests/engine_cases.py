@@ -13,11 +13,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jppo.engine import ActorConfig, CriticConfig
-from jppo.engine.optim import inner_optimizer
-from jppo.engine.objectives import policy_options
-from jppo.losses import actor_loss, value_loss
 from jppo.core.experience import Experience
+from jppo.engine import ActorConfig, CriticConfig
+from jppo.engine.objectives import policy_options
+from jppo.engine.optim import inner_optimizer
+from jppo.losses import actor_loss, value_loss
 from jppo.models.config import ModelConfig
 from jppo.parallel.mesh import make_mesh
 

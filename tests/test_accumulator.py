@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_cases import ragged_batch, tiny_config
 from flax import nnx
 
-from engine_cases import ragged_batch, tiny_config
 from jppo.core.settings import OptimConfig
 from jppo.engine import ActorConfig, UpdateStep, actor_loss_fn, init_train_state, run_updates
 from jppo.engine.config import fixed_micro_batch_count

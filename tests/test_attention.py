@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jppo.config.views import random_model_config
+import jppo.run.checks  # noqa: F401 (the components' checks of a config, as every command loads them)
 from jppo.config import ConfigError, load_config
+from jppo.config.views import random_model_config
 from jppo.models import CausalLM, ModelConfig, create_model, token_log_probs
 from jppo.models.layers import AUTO_FALLBACK, attention, attention_mask, resolve_attention
-import jppo.run.checks  # noqa: F401 (the components' checks of a config, as every command loads them)
 
 # float32 throughout; both paths take a float32 softmax of the same scores and differ only in summation order
 # (and in the masked slots' exact zeros), so errors are a few ulps of O(1) values: 1e-5 leaves ~100x headroom

@@ -10,15 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_attention import packed_segments  # rows packed with sequences of given lengths (a 0: an empty segment)
 
+import jppo.run.checks  # noqa: F401 (the components' checks of a config, as every command loads them)
 from jppo.config import ConfigError, load_config
 from jppo.config.views import random_model_config
 from jppo.models import CausalLM, ModelConfig, create_model, token_log_probs
 from jppo.models.attention import AttentionRule, blockwise_attention
 from jppo.models.layers import AUTO_LONG_ROW, attention, reference_attention, resolve_attention
 from jppo.models.pallas_attention import pallas_attention
-import jppo.run.checks  # noqa: F401 (the components' checks of a config, as every command loads them)
-from test_attention import packed_segments  # rows packed with sequences of given lengths (a 0: an empty segment)
 
 # Both sides take float32 softmaxes of the same float32 scores; the blocks only regroup the sums (an online
 # softmax rescales partial sums by exact powers of e^(m - m')), so errors are a few ulps of O(1) values: 1e-5 of

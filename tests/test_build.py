@@ -2,10 +2,10 @@
 
 import pathlib
 
-from jppo.run import build
 from jppo.config import load_config
-from jppo.parallel.mesh import make_mesh
 from jppo.models import CausalLM, ModelConfig, create_model, save_pretrained
+from jppo.parallel.mesh import make_mesh
+from jppo.run import build
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 

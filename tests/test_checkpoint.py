@@ -18,11 +18,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
-from jppo.run.checkpoint import CheckpointManager, resolve_resume
 from jppo.engine.state import TrainState
 from jppo.parallel.mesh import make_mesh
+from jppo.run.checkpoint import CheckpointManager, resolve_resume
 
 REPO = Path(__file__).resolve().parents[1]
 META = {"data_position": 96, "kl_coef": 0.0012, "config": {"actor": {"lr": 1e-2}}, "metrics": {"reward/mean": 0.25}}

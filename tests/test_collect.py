@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import tokenizers
 
-from jppo.config.views import sampling_params
-from jppo.config import load_config
-from jppo.data import CharTokenizer, Example, get_task, load_tokenizer
 from jppo.advantages.estimate import compute_advantages
-from jppo.run.collect import decode_responses
-from jppo.rewards.kl_penalty import kl_in_reward
-from jppo.rewards.placement import last_token_scores, token_credit_rewards
+from jppo.config import load_config
+from jppo.config.views import sampling_params
 from jppo.core.experience import Experience
+from jppo.data import CharTokenizer, Example, get_task, load_tokenizer
 from jppo.parallel.hostlocal import on_mesh
 from jppo.parallel.mesh import make_mesh
+from jppo.rewards.kl_penalty import kl_in_reward
+from jppo.rewards.placement import last_token_scores, token_credit_rewards
+from jppo.run.collect import decode_responses
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 

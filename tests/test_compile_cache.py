@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
+from jppo.config import ConfigError, load_config
 from jppo.parallel import compile_cache
 from jppo.parallel.compile_cache import CacheChoice, choose
-from jppo.config import ConfigError, load_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 JAX_KEYS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",

@@ -11,7 +11,6 @@ import json
 
 import jax
 import jax.numpy as jnp
-
 import pytest
 
 from jppo import plan

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jppo.run.build import build_critic, build_policy, load_inputs
 from jppo.config import RANDOM_MODEL, ActorSection, ConfigError, ModelSection, load_config, save_config
+from jppo.config.devices import check_mesh
+from jppo.config.views import engine_view
 from jppo.engine import ActorConfig, CriticConfig
 from jppo.engine.driver import mini_batches
 from jppo.engine.optim import learning_rate_schedule
-from jppo.parallel.mesh import make_mesh
 from jppo.models import ModelConfig
-from jppo.config.devices import check_mesh
-from jppo.config.views import engine_view
+from jppo.parallel.mesh import make_mesh
+from jppo.run.build import build_critic, build_policy, load_inputs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

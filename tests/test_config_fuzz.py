@@ -28,7 +28,6 @@ import jax
 from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import strategies as st
 
-from jppo.run import build, sft
 from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.config import ConfigError, TrainConfig, check_mesh, load_config
 from jppo.data import BUILTIN_TASKS
@@ -36,6 +35,7 @@ from jppo.losses import AGG_MODES, KL_KINDS, POLICY_LOSSES
 from jppo.models.config import DTYPES
 from jppo.models.families import MODEL_FAMILIES
 from jppo.rewards import REWARD_KINDS
+from jppo.run import build, sft
 from jppo.run.loop import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

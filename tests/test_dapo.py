@@ -9,15 +9,14 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-
 from engine_cases import ragged_batch
-from jppo.run import build
-from jppo.run.filters import kept_rows_only
+
 from jppo.config import ConfigError, check_mesh, load_config
-from jppo.run.filters import DynamicSamplingError, Scored, concat, sampling_metrics, varied_groups
 from jppo.core.experience import Experience
 from jppo.models.decoder import CausalLM
 from jppo.rewards import overlong_penalty
+from jppo.run import build
+from jppo.run.filters import DynamicSamplingError, Scored, concat, kept_rows_only, sampling_metrics, varied_groups
 from jppo.run.loop import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -58,6 +57,7 @@ def test_overlong_filter_trains_as_if_the_truncated_rows_were_not_there(mesh_sha
     """The gradient with truncated rows masked equals the from-scratch gradient of the batch without them, for any
     micro-batch count and mesh: the normalizers count the kept rows' tokens over the whole mini-batch."""
     from test_engine_update import actor_cfg, engine_step, mesh_of, reference_step, tiny_config  # noqa: PLC0415
+
     from jppo.models.sharding import create_model  # noqa: PLC0415
 
     with jax.enable_x64(True):

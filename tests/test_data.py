@@ -10,6 +10,7 @@ import jinja2
 import pytest
 import tokenizers
 
+from jppo.config import ConfigError, load_config
 from jppo.data import (
     CharTokenizer,
     DataConfig,
@@ -18,10 +19,10 @@ from jppo.data import (
     get_task,
     load_dataset,
     load_tokenizer,
+    prepare_gsm8k,
     task_of,
+    tasks,
 )
-from jppo.config import ConfigError, load_config
-from jppo.data import prepare_gsm8k, tasks
 
 # ---------------------------------------------------------------------------------------------------------------
 # Tokenizers

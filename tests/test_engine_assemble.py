@@ -12,21 +12,27 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from engine_cases import ragged_batch, tiny_config
 from flax import nnx
 
-from engine_cases import ragged_batch, tiny_config
+from jppo.core.experience import PER_TOKEN_FIELDS
 from jppo.engine import (
-    ActorConfig, CriticConfig, UpdateStep, actor_loss_fn, critic_loss_fn, init_train_state, run_updates,
+    ActorConfig,
+    CriticConfig,
+    UpdateStep,
+    actor_loss_fn,
+    critic_loss_fn,
+    init_train_state,
+    run_updates,
     step_micro_batches,
 )
 from jppo.engine.assemble import assemble, device_rows, host_rows
+from jppo.engine.microbatch import cut_micro_batches, make_micro_batches, stack_micro_batches
 from jppo.engine.objectives import loss_inputs
-from jppo.core.experience import PER_TOKEN_FIELDS
-from jppo.parallel.mesh import make_mesh
-from jppo.engine.microbatch import make_micro_batches, cut_micro_batches, stack_micro_batches
 from jppo.models.decoder import CausalLM
 from jppo.models.sharding import create_model
 from jppo.models.value import ValueModel
+from jppo.parallel.mesh import make_mesh
 
 FIELDS = ("old_log_prob", "ref_log_prob", "advantages", "values", "returns")
 

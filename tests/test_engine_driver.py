@@ -4,17 +4,17 @@ The whole-run contract: the rows of every mini-batch of every epoch are a functi
 alone, never of the mesh or the number of processes; each step's rows are dealt to the shards in equal blocks.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
+from jppo.core.experience import PER_TOKEN_FIELDS, Experience
 from jppo.engine import ActorConfig
 from jppo.engine.driver import mini_batches, regroup, shard_layout
 from jppo.parallel.hostlocal import take_rows
 from jppo.parallel.mesh import make_mesh
-import dataclasses
-
-from jppo.core.experience import PER_TOKEN_FIELDS, Experience
 
 
 @pytest.mark.parametrize("shuffle", [True, False])

@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from engine_cases import mesh_of, ragged_batch, reference_step, tiny_config
 from flax import nnx
 
-from engine_cases import mesh_of, ragged_batch, reference_step, tiny_config
+from jppo.core.masked import global_norm_stats
 from jppo.core.settings import OptimConfig
 from jppo.engine import (
     ActorConfig,
@@ -34,13 +35,12 @@ from jppo.engine import (
     run_updates,
 )
 from jppo.engine.layout import place
-from jppo.losses import AGG_MODES
-from jppo.core.masked import global_norm_stats
-from jppo.parallel.mesh import batch_shards, make_mesh
 from jppo.engine.microbatch import make_micro_batches
+from jppo.losses import AGG_MODES
 from jppo.models.decoder import CausalLM
 from jppo.models.sharding import create_model
 from jppo.models.value import ValueModel
+from jppo.parallel.mesh import batch_shards, make_mesh
 
 N = 16
 C = 6.0  # loss_scale_factor: the response width
@@ -430,8 +430,8 @@ def test_a_skipped_step_does_not_shift_the_schedule_and_the_counter_survives_a_c
 def test_checkpoints_of_optax_s_own_adamw_chain_restore_with_their_counter(tmp_path):
     """The optimizer state keeps optax's ``adamw`` layout (the one checkpoints written before the schedule read
     ``gradient_step`` hold): such a checkpoint restores into today's state, ``gradient_step`` included."""
-    from jppo.run.checkpoint import CheckpointManager
     from jppo.engine.optim import record_gradient, skip_if_not_finite
+    from jppo.run.checkpoint import CheckpointManager
 
     cfg = actor_cfg(optim=ADAMW_CLIPPED)
     mesh = mesh_of((1, 1, 1))

@@ -11,9 +11,9 @@ import pathlib
 import jax
 import pytest
 
-from jppo.run import build
 from jppo.config import check_mesh, load_config
 from jppo.eval import main
+from jppo.run import build
 from jppo.run.loop import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -14,14 +14,14 @@ import torch
 import transformers
 from flax import nnx
 
-from jppo.run import build
-from jppo.run.checkpoint import CheckpointManager
 from jppo.config import check_mesh, load_config, save_config
 from jppo.data import load_tokenizer
 from jppo.export import main
-from jppo.parallel.mesh import make_mesh
 from jppo.models import load_pretrained
+from jppo.parallel.mesh import make_mesh
 from jppo.rollout import SamplingParams, generate, pad_prompts
+from jppo.run import build
+from jppo.run.checkpoint import CheckpointManager
 from jppo.run.lifecycle import save
 from jppo.run.loop import run, setup
 

@@ -12,21 +12,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_cases import ragged_batch, reference_actor_loss, reference_critic_loss, tiny_config
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from engine_cases import ragged_batch, reference_actor_loss, reference_critic_loss, tiny_config
-from jppo.run import build
 from jppo.config import ConfigError, check_mesh, load_config, views
+from jppo.core.settings import LoRAConfig, OptimConfig
 from jppo.engine import (
-    ActorConfig, CriticConfig, UpdateStep, actor_loss_fn, critic_loss_fn, init_train_state, run_updates,
+    ActorConfig,
+    CriticConfig,
+    UpdateStep,
+    actor_loss_fn,
+    critic_loss_fn,
+    init_train_state,
+    run_updates,
 )
-from jppo.core.settings import OptimConfig
-from jppo.parallel.mesh import batch_shards, make_mesh
 from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, token_log_probs
-from jppo.core.settings import LoRAConfig
 from jppo.models.lora import attach_lora, merged, save_peft_adapter
 from jppo.models.sharding import variable_spec
+from jppo.parallel.mesh import batch_shards, make_mesh
+from jppo.run import build
 from jppo.run.loop import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -192,9 +197,9 @@ def train(out: pathlib.Path, devices: int, *overrides: str) -> list[dict]:
 
 def test_the_reference_is_the_frozen_base_read_in_place(tmp_path):
     from jppo.run.collect import collect
-    from jppo.runlog.timing import PhaseTimer
     from jppo.run.learn import learn
     from jppo.run.loop import setup
+    from jppo.runlog.timing import PhaseTimer
 
     cfg = load_config(QUICKSTART_LORA, [*SMALL, f"trainer.output_dir={tmp_path}", "mesh.data=2"])
     mesh = make_mesh(2, 1, 1, devices=jax.devices()[:2])

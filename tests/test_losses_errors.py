@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jppo.core.masked import global_norm_stats
 from jppo.losses import (
     PolicyLossOptions,
     actor_loss,
@@ -19,7 +20,6 @@ from jppo.losses import (
     register_policy_loss,
     value_loss,
 )
-from jppo.core.masked import global_norm_stats
 from jppo.rewards.kl_penalty import AdaptiveKLController
 
 B, T = 2, 3
@@ -162,8 +162,8 @@ def test_token_sum_norm_needs_the_configured_constant():
 
 def test_the_actor_loss_refuses_its_options_before_tracing():
     """The engine checks the variant's options when it builds the loss, with the rules the config also runs."""
-    from jppo.engine import ActorConfig, actor_loss_fn
     from jppo.core.errors import InvalidSetting
+    from jppo.engine import ActorConfig, actor_loss_fn
     from jppo.losses import OPTION_RULES, check_policy_options
 
     assert {rule.option for rule in OPTION_RULES["vanilla"]} >= {"clip_ratio", "clip_ratio_c"}

@@ -32,6 +32,7 @@ import pytest
 from golden import load_golden
 
 from jppo.core import metrics as metrics_lib
+from jppo.core.masked import NormStats, global_norm_stats
 from jppo.losses import (
     AGG_MODES,
     KL_KINDS,
@@ -48,7 +49,6 @@ from jppo.losses import (
     policy_loss,
     value_loss,
 )
-from jppo.core.masked import NormStats, global_norm_stats
 from jppo.rewards.kl_penalty import AdaptiveKLController, FixedKLController
 
 CASES = ("case0", "case1", "case2", "case3")

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from jppo.core import metrics as metrics_lib
+from jppo.core.masked import global_norm_stats
 from jppo.losses import (
     AGG_MODES,
     POLICY_LOSSES,
@@ -29,7 +30,6 @@ from jppo.losses import (
     policy_loss,
     value_loss,
 )
-from jppo.core.masked import global_norm_stats
 
 ROWS, LENGTH, VOCAB = 8, 6, 4
 SEEDS = (0, 1, 2)

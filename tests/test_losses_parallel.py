@@ -24,11 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jppo.core import metrics as metrics_lib
-from jppo.losses import AGG_MODES, PolicyLossOptions, actor_loss, value_loss
 from jppo.core.masked import global_norm_stats
+from jppo.losses import AGG_MODES, PolicyLossOptions, actor_loss, value_loss
 
 ROWS, LENGTH, FEATURES = 8, 5, 3
 LOSS_SCALE_FACTOR = 7.0

@@ -17,6 +17,7 @@ from test_losses_invariance import LENGTH, ROWS, VARIANT_OPTIONS
 from test_losses_invariance import make_batch as ragged_batch
 
 from jppo.core import metrics as metrics_lib
+from jppo.core.masked import global_norm_stats
 from jppo.losses import (
     AGG_MODES,
     KL_KINDS,
@@ -30,7 +31,6 @@ from jppo.losses import (
     policy_loss,
     value_loss,
 )
-from jppo.core.masked import global_norm_stats
 
 CUT = (3, 0, 1, 4)  # piece sizes; the empty row is placed in the 1-row piece
 LOSS_SCALE_FACTOR = 10.0

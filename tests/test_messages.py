@@ -12,8 +12,8 @@ import pytest
 from jppo import plan
 from jppo.config import ConfigError, load_config
 from jppo.core.errors import InvalidSetting
-from jppo.rollout import vllm_engine
 from jppo.preflight.audit_cuts import parse_meshes
+from jppo.rollout import vllm_engine
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"

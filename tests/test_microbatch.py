@@ -1,9 +1,8 @@
 """Host-side micro-batching: both cuts carry every response token to the right place, and only there."""
 
+import jax
 import numpy as np
 import pytest
-
-import jax
 
 from jppo.core.experience import Experience
 from jppo.engine.microbatch import (

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jppo.models import CausalLM, ModelConfig, ValueModel, create_model
-from jppo.models import layers
+from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, layers
 from jppo.models.config import AUTO_UNROLL_LAYERS
 from jppo.models.layers import attention, response_blocks
 

@@ -13,8 +13,7 @@ import torch
 import transformers
 from flax import nnx
 
-from jppo.models import CausalLM, CheckpointError, ModelConfig, ValueModel, load_pretrained
-from jppo.models import save_pretrained
+from jppo.models import CausalLM, CheckpointError, ModelConfig, ValueModel, load_pretrained, save_pretrained
 
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)

@@ -10,10 +10,19 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jppo.models import (
+    CausalLM,
+    ModelConfig,
+    ValueModel,
+    create_model,
+    load_pretrained,
+    param_shardings,
+    partition_specs,
+    save_pretrained,
+    token_log_probs,
+)
 from jppo.parallel.mesh import batch_spec, make_mesh
 from jppo.preflight import hlo
-from jppo.models import (CausalLM, ModelConfig, ValueModel, create_model, load_pretrained, param_shardings,
-                         partition_specs, save_pretrained, token_log_probs)
 
 CONFIG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                      num_kv_heads=2, model_type="qwen2")

@@ -9,9 +9,9 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from engine_cases import VOCAB, mesh_of, padded_inputs, ragged_batch
 from flax import nnx
 
-from engine_cases import VOCAB, mesh_of, padded_inputs, ragged_batch
 from jppo.core.settings import OptimConfig
 from jppo.engine import ActorConfig, UpdateStep, actor_loss_fn, init_train_state, run_updates
 from jppo.engine.experts import router_aux_coef

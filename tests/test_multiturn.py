@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 
 from jppo.advantages.estimate import compute_advantages
-from jppo.run.collect import decode_responses
-from jppo.run.filters import overlong_filtered, truncated_rows
-from jppo.rewards.placement import place_rewards, token_credit_rewards
 from jppo.config import ConfigError, load_config
+from jppo.core.masked import global_norm_stats
+from jppo.core.settings import PolicyLossOptions
 from jppo.data.tasks import get_task
 from jppo.data.tokenizer import CharTokenizer
 from jppo.losses import actor_loss
 from jppo.losses.entropy import entropy_from_logits
-from jppo.core.settings import PolicyLossOptions
-from jppo.core.masked import global_norm_stats
+from jppo.rewards.placement import place_rewards, token_credit_rewards
 from jppo.rollout.env import Calculator, evaluate, load_env, stop_token_ids
 from jppo.rollout.multiturn import Trajectory, longest_context, run_turns, to_experience
+from jppo.run.collect import decode_responses
+from jppo.run.filters import overlong_filtered, truncated_rows
 
 TOKENIZER = CharTokenizer("0123456789+-*=[];?ab")
 
@@ -396,8 +396,8 @@ def tiny_multi_turn_sampler(env_factory, stops: str, max_prompt_length: int):
     """A 1-layer random policy sampling ``n = 2`` multi-turn responses of up to 12 tokens on one device."""
     from flax import nnx  # noqa: PLC0415
 
-    from jppo.parallel.mesh import make_mesh  # noqa: PLC0415
     from jppo.models import CausalLM, ModelConfig, create_model  # noqa: PLC0415
+    from jppo.parallel.mesh import make_mesh  # noqa: PLC0415
     from jppo.rollout import Sampler, SamplingParams  # noqa: PLC0415
     from jppo.rollout.multiturn import MultiTurnSampler  # noqa: PLC0415
 

@@ -16,9 +16,9 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+from engine_cases import padded_inputs, ragged_batch, tiny_config
 from flax import nnx
 
-from engine_cases import padded_inputs, ragged_batch, tiny_config
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.config.views import engine_view, old_log_prob_source
 from jppo.core.errors import InvalidSetting

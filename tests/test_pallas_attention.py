@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from test_attention import packed_segments
+from test_blockwise_attention import FLOAT32, assert_close, random_qkv, value_and_grads
 
 from jppo.models import CausalLM, ModelConfig, token_log_probs
 from jppo.models.attention import AttentionRule
@@ -16,8 +18,6 @@ from jppo.models.layers import reference_attention
 from jppo.models.pallas_attention import pallas_attention
 from jppo.models.sharding import param_shardings
 from jppo.parallel.mesh import MESH_AXES, make_mesh
-from test_attention import packed_segments
-from test_blockwise_attention import FLOAT32, assert_close, random_qkv, value_and_grads
 
 
 def test_the_kernel_split_over_rows_and_heads_matches_the_reference_on_8_devices():

@@ -11,14 +11,14 @@ import pytest
 from etils import epath
 from etils.epath import testing as epath_testing
 
-from jppo.core import paths
-from jppo.run.checkpoint import committed_steps, resolve_resume
 from jppo.config import ConfigError, load_config, save_config, views
+from jppo.core import paths
 from jppo.data import load_tokenizer
-from jppo.run.export import export_policy
 from jppo.models import CausalLM, ModelConfig, create_model, load_pretrained, save_pretrained
-from jppo.runlog.plot import plot_run
+from jppo.run.checkpoint import committed_steps, resolve_resume
+from jppo.run.export import export_policy
 from jppo.runlog import GENERATIONS_DIR, METRICS_FILE, TENSORBOARD_DIR, RunLogger, read_metrics
+from jppo.runlog.plot import plot_run
 
 URI = "gs://bucket/run"
 

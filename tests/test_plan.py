@@ -9,14 +9,13 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jppo.run import build
 from jppo import plan
-from jppo.preflight import footprint, memory, sampler_memory
-from jppo.config import check_mesh, load_config
+from jppo.config import check_mesh, load_config, views
+from jppo.config.views import engine_view
 from jppo.engine import init_train_state
 from jppo.parallel.mesh import make_mesh
-from jppo.config import views
-from jppo.config.views import engine_view
+from jppo.preflight import footprint, memory, sampler_memory
+from jppo.run import build
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 TOOLS = QUICKSTART.parent / "quickstart_tools.yaml"
@@ -57,9 +56,9 @@ def sampler_cache_bytes(cfg, prompt_tokens: int) -> int:
     prompts it can be given (``prompt_tokens`` tokens each): the sampler the Collector builds, running the policy in
     ``rollout.dtype`` as train.py sets it up, fed the prompts padded as its ``Sampler`` pads them, and the caches of
     the sampler's own prefill and response-cache functions, as shapes (nothing is computed)."""
-    from jppo.run.collect import Collector
     from jppo.rollout import decode as sampling
     from jppo.rollout.sampler import pad_prompts
+    from jppo.run.collect import Collector
 
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     inputs = build.load_inputs(cfg)
@@ -335,9 +334,9 @@ def test_the_plan_of_an_sft_config_is_the_compiled_sft_update_s_bytes(tmp_path, 
     from jppo.engine.assemble import assemble, device_rows
     from jppo.engine.driver import global_lengths, stacked_step_cut
     from jppo.engine.objectives import loss_inputs
+    from jppo.preflight.sft_memory import sft_plan, sft_program_bytes
     from jppo.run import sft as sft_run
     from jppo.run.learn import mini_batch_rng
-    from jppo.preflight.sft_memory import sft_plan, sft_program_bytes
 
     cfg = load_config(SFT, [f"trainer.output_dir={tmp_path / 'run'}", "mesh.data=1", "sft.max_length=13",
                             f"actor.ppo_micro_batch_size={micro_batch}"])

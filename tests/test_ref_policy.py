@@ -21,8 +21,8 @@ from jppo.models.layers import is_norm_scale
 from jppo.models.log_probs import token_log_probs
 from jppo.parallel.mesh import make_mesh
 from jppo.preflight import memory
-
 from jppo.run import build
+
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 MESH = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
 

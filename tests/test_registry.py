@@ -13,13 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jppo.run.checks  # noqa: F401 (the components' checks of a config, as every command loads them)
 from jppo.advantages import ADVANTAGE_ESTIMATORS, register_estimator
+from jppo.advantages.estimate import compute_advantages
 from jppo.config import ConfigError, load_config
 from jppo.core.masked import global_norm_stats
 from jppo.core.registry import Registry
+from jppo.core.settings import ActorFields
 from jppo.data import BUILTIN_TASKS, Example, get_task
 from jppo.data.tasks import positional_match
-from jppo.core.settings import ActorFields
 from jppo.engine.objectives import policy_options
 from jppo.losses import POLICY_LOSSES, PerToken, PolicyLossOptions, actor_loss, register_policy_loss
 from jppo.losses.policy import OPTION_RULES, REQUIRED_AGG_MODES
@@ -27,9 +29,7 @@ from jppo.models import MODEL_FAMILIES, ModelConfig
 from jppo.models.families import Llama
 from jppo.rewards import REWARD_KINDS, RewardConfig, build_credit_fn, build_reward_fn
 from jppo.rollout.env import BUILTIN_ENVS, load_env
-from jppo.advantages.estimate import compute_advantages
 from jppo.runlog import SINKS, RunLogger, sinks
-import jppo.run.checks  # noqa: F401 (the components' checks of a config, as every command loads them)
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 REGISTRIES = (POLICY_LOSSES, ADVANTAGE_ESTIMATORS, BUILTIN_ENVS, BUILTIN_TASKS, REWARD_KINDS, SINKS, MODEL_FAMILIES)

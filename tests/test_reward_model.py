@@ -3,12 +3,12 @@
 import jax.numpy as jnp
 import numpy as np
 
-from jppo.run import build
 from jppo.config import load_config, views
-from jppo.parallel.mesh import make_mesh
 from jppo.core.experience import Experience
-from jppo.rewards.model import RewardModel
 from jppo.models import ValueModel, create_model, save_pretrained
+from jppo.parallel.mesh import make_mesh
+from jppo.rewards.model import RewardModel
+from jppo.run import build
 
 
 def test_reward_model_scores_the_last_response_token(tmp_path):

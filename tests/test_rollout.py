@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from flax import nnx, struct
 
-from jppo.parallel.mesh import batch_spec, make_mesh
 from jppo.models import CausalLM, ModelConfig, create_model, layers, param_shardings
+from jppo.parallel.mesh import batch_spec, make_mesh
 from jppo.rollout import RolloutBatch, SamplingParams, bucket_length, generate, make_generate_fn, pad_prompts
 
 # Cached and full-sequence logits differ only in float32 summation order (~1e-6 relative on O(1) logits); 2e-5

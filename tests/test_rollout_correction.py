@@ -21,23 +21,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from engine_cases import ragged_batch
 from test_engine_update import CUTS, actor_cfg, engine_step, mesh_of, per_shard, reference
 from test_losses_invariance import make_batch, padding_row, random_splits
-from jppo.core import metrics as metrics_lib
+
 from jppo.config import ConfigError, load_config
-from jppo.engine import ActorConfig
-from jppo.run.filters import rejected_rows_cleared
-from jppo.engine.objectives import loss_inputs
+from jppo.config.views import engine_view
+from jppo.core import metrics as metrics_lib
 from jppo.core.experience import Experience
+from jppo.core.masked import global_norm_stats
+from jppo.engine import ActorConfig
+from jppo.engine.objectives import loss_inputs
 from jppo.losses import (
-    AGG_MODES, REJECTION_MODES, ROLLOUT_CORRECTION_MODES, PolicyLossOptions, RolloutCorrection, actor_loss,
+    AGG_MODES,
+    REJECTION_MODES,
+    ROLLOUT_CORRECTION_MODES,
+    PolicyLossOptions,
+    RolloutCorrection,
+    actor_loss,
     rollout_weights,
 )
-from jppo.core.masked import global_norm_stats
 from jppo.models.decoder import CausalLM
-from jppo.config.views import engine_view
+from jppo.run.filters import rejected_rows_cleared
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 C = 7.0
@@ -317,11 +322,11 @@ def test_collection_clears_the_rejected_rows_of_a_bfloat16_sampler(tmp_path):
     """The trainer's own collect() with a bfloat16 sampler beside the float32 trainer (the mismatch verl's
     rejection is for): the rows whose product of ratios, from the batch's own log-probs, leaves [1/tau, tau] have
     their response mask cleared, the others keep theirs, and rollout_corr/rejected_fraction counts them."""
+    from jppo.parallel.mesh import make_mesh
     from jppo.run import build
     from jppo.run.collect import collect
-    from jppo.runlog.timing import PhaseTimer
-    from jppo.parallel.mesh import make_mesh
     from jppo.run.loop import setup
+    from jppo.runlog.timing import PhaseTimer
 
     tau = 1.001  # the mismatch moves a row's log-ratio sum by 1e-4 to 4e-3 here: some rows go, some stay
     cfg = load_config(ROOT / "configs" / "quickstart_grpo.yaml", [

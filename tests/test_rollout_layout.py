@@ -21,17 +21,16 @@ from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jppo.config import ConfigError, check_mesh, load_config
-from jppo.models import CausalLM, ModelConfig, create_model, layers, param_shardings
-from jppo.models.kv_cache import write_slot
+import jppo.run.checks  # noqa: F401 (the components' checks of a config, as every command loads them)
 from bench import decode_bound
 from bench.decode_bound import decode_loop
+from jppo.config import ConfigError, check_mesh, load_config
+from jppo.models import CausalLM, ModelConfig, create_model, layers, param_shardings
+from jppo.models.kv_cache import cache_block_count, write_slot
 from jppo.parallel.mesh import batch_spec, make_mesh, resolve_shape
 from jppo.rollout import SamplingParams, make_generate_fn
-from jppo.rollout.sampler import Sampler
-from jppo.models.kv_cache import cache_block_count
 from jppo.rollout.decode import draw, prefill
-import jppo.run.checks  # noqa: F401 (the components' checks of a config, as every command loads them)
+from jppo.rollout.sampler import Sampler
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")

@@ -14,8 +14,8 @@ import pytest
 
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.parallel.mesh import make_mesh, split_devices
-from jppo.run.rollout_mesh import WeightMove, run_meshes, tree_bytes
 from jppo.preflight.split_memory import check_rollout_fits
+from jppo.run.rollout_mesh import WeightMove, run_meshes, tree_bytes
 
 GRPO = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart_grpo.yaml"
 

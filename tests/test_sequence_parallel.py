@@ -15,17 +15,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_cases import mesh_of, ragged_batch, reference_step, tiny_config
 from flax import nnx
 
-from engine_cases import mesh_of, ragged_batch, reference_step, tiny_config
 from jppo import plan
-from jppo.preflight import footprint, memory
 from jppo.config import ConfigError, check_mesh, load_config
 from jppo.core.metrics import finish
 from jppo.core.settings import OptimConfig
 from jppo.engine import (
-    ActorConfig, CriticConfig, UpdateStep, actor_loss_fn, critic_loss_fn, init_train_state,
-    mini_batch_norm_stats, run_updates,
+    ActorConfig,
+    CriticConfig,
+    UpdateStep,
+    actor_loss_fn,
+    critic_loss_fn,
+    init_train_state,
+    mini_batch_norm_stats,
+    run_updates,
 )
 from jppo.engine.layout import next_token_targets, place
 from jppo.models import context
@@ -33,6 +38,7 @@ from jppo.models.decoder import CausalLM
 from jppo.models.log_probs import token_log_probs
 from jppo.models.sharding import create_model
 from jppo.models.value import ValueModel
+from jppo.preflight import footprint, memory
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 SGD = OptimConfig(name="sgd", lr=0.5, grad_clip=0.0)

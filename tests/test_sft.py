@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tokenizers
+from engine_cases import mesh_of, padded_inputs, tiny_config
 from flax import nnx
 
-from engine_cases import mesh_of, padded_inputs, tiny_config
 from jppo import sft as sft_command
 from jppo.config import load_config
+from jppo.core.settings import OptimConfig
 from jppo.data.sft import SFTData, load_sft_data, tokenize_row
 from jppo.data.tokenizer import HFTokenizer
-from jppo.core.settings import OptimConfig
 from jppo.engine import ActorConfig, UpdateStep, init_train_state, run_updates, sft_loss_fn
 from jppo.models.decoder import CausalLM
 from jppo.models.sharding import create_model
@@ -307,9 +307,9 @@ def test_bad_rows_are_refused_in_one_line_naming_the_file_the_row_and_the_key(tm
 
 
 def test_a_one_step_lora_sft_run_starts_an_rl_run(tmp_path):
+    from jppo.config import check_mesh
     from jppo.run import build
     from jppo.run.loop import run as rl_run
-    from jppo.config import check_mesh
 
     # with LoRA adapters, merged into the exported weights (the full fine-tune's export: the docs' quickstart lines)
     sft_metrics(tmp_path / "sft", 1, "trainer.total_steps=1", "trainer.val_every=0", "trainer.export_hf=true",
@@ -332,10 +332,12 @@ def test_a_lora_sft_run_s_adapters_are_kept_into_rl_unmerged(tmp_path, capsys, m
     parameters are the SFT run's adapters as they were, its policy's log-probs before the first update are the SFT
     policy's (float32: the same weights and program, so 1e-6), and it trains a step. Another ``actor.lora``, or
     none, is refused in one line before anything compiles."""
-    from jppo import export as export_command, train
+    from jppo import export as export_command
+    from jppo import train
     from jppo.config import check_mesh
     from jppo.engine.forward import forward_batch, log_prob_fn
-    from jppo.run import build, export as run_export
+    from jppo.run import build
+    from jppo.run import export as run_export
     from jppo.run.loop import run as rl_run
 
     lora = ["actor.lora.rank=4", "actor.lora.alpha=8"]

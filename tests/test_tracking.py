@@ -13,8 +13,8 @@ import sys
 import jax
 import pytest
 
-from jppo.run import build
 from jppo.config import ConfigError, check_mesh, load_config
+from jppo.run import build
 from jppo.run.loop import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

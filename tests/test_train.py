@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jppo.run import build
 from jppo.config import check_mesh, load_config
-from jppo.run.collect import decode_responses, greedy_baselines
 from jppo.parallel.mesh import make_mesh
+from jppo.run import build
+from jppo.run.collect import decode_responses, greedy_baselines
 from jppo.run.loop import run, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -243,8 +243,8 @@ def test_rollout_dtype_samples_with_the_same_parameters_in_that_dtype(dtype, tmp
 def test_the_sampling_structure_differs_only_in_compute_dtype():
     from flax import nnx
 
-    from jppo.run.build import sampling_graphdef
     from jppo.models import CausalLM, ModelConfig, create_model
+    from jppo.run.build import sampling_graphdef
 
     policy = create_model(CausalLM, ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
                                                 num_heads=2, num_kv_heads=1, model_type="qwen2"))
@@ -266,8 +266,8 @@ def test_the_actor_s_mini_batches_do_not_depend_on_whether_a_critic_exists(tmp_p
     """Same seed, same experience: the actor's update (two epochs of two shuffled mini-batches, so which rows share
     an optimizer step matters) is the same whether or not a critic updates before it in the step."""
     from jppo.run.collect import collect
-    from jppo.runlog.timing import PhaseTimer
     from jppo.run.learn import learn
+    from jppo.runlog.timing import PhaseTimer
 
     cfg = load_config(QUICKSTART, [*SMALL, f"trainer.output_dir={tmp_path}", "mesh.data=1"])
     assert cfg.use_critic and cfg.actor.shuffle
@@ -304,8 +304,8 @@ def test_resume_with_another_vocabulary_or_critic_is_refused_in_one_line(tmp_pat
     another task's vocabulary or a critic of another shape from critic.model_path: one line naming the key and both
     values, from the checkpoint's meta, before any model is built (an orbax traceback at restore before)."""
     from jppo.config import ConfigError
-    from jppo.models import CausalLM, create_model, save_pretrained
     from jppo.config.views import random_model_config
+    from jppo.models import CausalLM, create_model, save_pretrained
     from jppo.run.checkpoint import CheckpointManager
     from jppo.run.lifecycle import read_resume, save
 

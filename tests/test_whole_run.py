@@ -22,15 +22,15 @@ import chex
 import jax
 import numpy as np
 import pytest
-
-from jppo.run import build
-from jppo.config import ConfigError, check_mesh, load_config
-from jppo.run.collect import collect
-from jppo.runlog.timing import PhaseTimer
-from jppo.run.learn import learn
-from jppo.parallel.mesh import make_mesh
-from jppo.run.loop import run, setup
 from signals import SIGNAL_POINTS, signal_at
+
+from jppo.config import ConfigError, check_mesh, load_config
+from jppo.parallel.mesh import make_mesh
+from jppo.run import build
+from jppo.run.collect import collect
+from jppo.run.learn import learn
+from jppo.run.loop import run, setup
+from jppo.runlog.timing import PhaseTimer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = {"ppo": ROOT / "configs" / "quickstart.yaml", "grpo": ROOT / "configs" / "quickstart_grpo.yaml"}
@@ -220,8 +220,8 @@ def test_an_off_policy_run_stopped_by_signals_resumes_bitwise(tmp_path, off_poli
     import random
     import threading
 
-    from jppo.run.checkpoint import committed_steps
     from jppo.parallel.preemption import Preempted
+    from jppo.run.checkpoint import committed_steps
 
     assert threading.current_thread() is threading.main_thread()  # where the run's signal handlers go
     handler, draw = signal.getsignal(signal.SIGTERM), random.Random(20261203)

@@ -31,10 +31,10 @@ function decorated with ``@register_estimator(name)`` in the file that implement
 """
 
 # Importing the estimators registers them, in this order: the token-level ones, then the group ones.
-from jppo.advantages.returns import gae, reinforce_plus_plus, remax
-from jppo.advantages.group import gpg, grpo, grpo_passk, opo, reinforce_plus_plus_baseline, rloo
 from jppo.advantages.estimate import run_estimator
+from jppo.advantages.group import gpg, grpo, grpo_passk, opo, reinforce_plus_plus_baseline, rloo
 from jppo.advantages.registry import ADVANTAGE_ESTIMATORS, Estimator, get_estimator, register_estimator
+from jppo.advantages.returns import gae, reinforce_plus_plus, remax
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

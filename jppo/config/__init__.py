@@ -19,8 +19,19 @@ loads the engine when first asked for.
 
 from jppo.config.load import CONFIG_HELP, load_config, save_config, to_dict
 from jppo.config.schema import (
-    RANDOM_MODEL, ActorSection, AlgorithmSection, CriticSection, FilterGroupsSection, KLControlSection, MeshSection,
-    ModelSection, RefSection, RolloutSection, TrainConfig, TrainerSection, UpdateSectionFields,
+    RANDOM_MODEL,
+    ActorSection,
+    AlgorithmSection,
+    CriticSection,
+    FilterGroupsSection,
+    KLControlSection,
+    MeshSection,
+    ModelSection,
+    RefSection,
+    RolloutSection,
+    TrainConfig,
+    TrainerSection,
+    UpdateSectionFields,
 )
 from jppo.core.errors import ConfigError
 from jppo.core.lazy import lazy_exports

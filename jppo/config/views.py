@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Optional
 
 from jppo.config.schema import TrainConfig
 from jppo.core.errors import ConfigError, InvalidSetting
-from jppo.engine.config import ActorConfig, CriticConfig
 from jppo.core.settings import REJECTION_MODES
-from jppo.rewards.kl_penalty import AdaptiveKLController, FixedKLController
+from jppo.engine.config import ActorConfig, CriticConfig
 from jppo.models.config import ModelConfig
 from jppo.models.hf import read_config
+from jppo.rewards.kl_penalty import AdaptiveKLController, FixedKLController
 from jppo.rollout.decode import SamplingParams
 from jppo.rollout.sampler import RolloutEngineSpec
 

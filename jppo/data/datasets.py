@@ -26,7 +26,9 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from jppo.core.inputs import (
-    FILES_TASK, DataConfig, file_list,
+    FILES_TASK,
+    DataConfig,
+    file_list,
 )
 from jppo.data.tasks import SPLITS, Example, Task, get_task
 from jppo.data.tokenizer import Tokenizer

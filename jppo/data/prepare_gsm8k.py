@@ -21,8 +21,8 @@ import pathlib
 import sys
 from typing import Optional, Sequence
 
-from jppo.data.datasets import read_rows
 from jppo.core.errors import one_line
+from jppo.data.datasets import read_rows
 
 INSTRUCTION = ' Think step by step, then give the final answer on the last line as "#### <number>".'
 

@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jppo.engine.layout import place
 from jppo.core.experience import Experience
-from jppo.parallel.mesh import ROW_AXES
+from jppo.engine.layout import place
 from jppo.engine.microbatch import MicroBatches, fixed_gather_index
+from jppo.parallel.mesh import ROW_AXES
 
 Cut = tuple[np.ndarray, np.ndarray]  # row_ids, offsets: [..., D, S] each
 

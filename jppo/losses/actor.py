@@ -12,14 +12,13 @@ import dataclasses
 import jax
 
 from jppo.core import metrics as metrics_lib
+from jppo.core.masked import NormStats
+from jppo.core.settings import PolicyLossOptions, RolloutCorrection
 from jppo.losses.aggregate import check_mode
 from jppo.losses.entropy import entropy_loss
 from jppo.losses.kl import check_kl_kind, kl_loss
-from jppo.core.settings import PolicyLossOptions
 from jppo.losses.policy import check_policy_loss_mode, policy_loss
-from jppo.core.settings import RolloutCorrection
 from jppo.losses.rollout_correction import rollout_weights
-from jppo.core.masked import NormStats
 
 Array = jax.Array
 

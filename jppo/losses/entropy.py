@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from jppo.core import metrics as metrics_lib
-from jppo.losses.aggregate import agg_loss, check_mode
 from jppo.core.masked import NormStats, select_valid
+from jppo.losses.aggregate import agg_loss, check_mode
 
 Array = jax.Array
 

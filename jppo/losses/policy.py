@@ -61,10 +61,10 @@ import jax.numpy as jnp
 
 from jppo.core import metrics as metrics_lib
 from jppo.core.errors import InvalidSetting
+from jppo.core.masked import NormStats, masked_mean, select_valid
 from jppo.core.registry import Registry
 from jppo.core.settings import PolicyLossOptions
 from jppo.losses.aggregate import agg_loss, check_mode
-from jppo.core.masked import NormStats, masked_mean, select_valid
 
 Array = jax.Array
 

@@ -11,30 +11,7 @@ Attention rule, for packed training rows and cached decoding alike: the query in
 ``positions``), so left-padded prompts (padding segment 0, ``positions = cumsum(mask) - 1``) and packed rows
 (segments 1, 2, ... with positions restarting at 0) are exact. Padding queries output finite values.
 
-Parameter layout (``[in, out]`` kernels; attention projections flattened over heads, the flattened dimension
-carries the heads' logical name, head-major as in Hugging Face checkpoints; ``Ld`` layers with the dense MLP, ``Ls``
-with ``X`` experts of width ``G``, :mod:`jppo.models.moe`):
-
-=====================================  ===================  ========================================
-parameter                              shape                logical names
-=====================================  ===================  ========================================
-``decoder.embed_tokens``               ``[V, D]``           ``vocab, embed``
-``decoder.layers.q_proj``              ``[L, D, H*E]``      ``layers, embed, q_heads``
-``decoder.layers.k_proj`` / ``v_proj`` ``[L, D, K*E]``      ``layers, embed, kv_heads``
-``decoder.layers.o_proj``              ``[L, H*E, D]``      ``layers, q_heads, embed``
-``decoder.layers.{q,k,v}_bias``        ``[L, H*E | K*E]``   ``layers, q_heads | kv_heads``
-``decoder.layers.o_bias``              ``[L, D]``           ``layers, -``
-``decoder.layers.{q,k}_norm``          ``[L, E]``           ``layers, head_dim``
-``decoder.layers.*_norm`` (D-wide)     ``[L, D]``           ``layers, -``
-``decoder.layers.gate_proj``/``up``    ``[Ld, D, F]``       ``layers, embed, mlp``
-``decoder.layers.down_proj``           ``[Ld, F, D]``       ``layers, mlp, embed``
-``decoder.layers.router``              ``[Ls, D, X]``       ``layers, embed, -``
-``decoder.layers.expert_gate``/``up``  ``[Ls, X, D, G]``    ``layers, experts, embed, mlp``
-``decoder.layers.expert_down``         ``[Ls, X, G, D]``    ``layers, experts, mlp, embed``
-``decoder.norm``                       ``[D]``              ``-``
-``lm_head`` (untied only)              ``[D, V]``           ``embed, vocab``
-``value_head.kernel`` / ``bias``       ``[D, 1]`` / ``[1]`` ``embed, value`` / ``value``
-=====================================  ===================  ========================================
+The parameter layout, each tensor's shape and logical axis names: :mod:`jppo.models.sharding`.
 """
 
 from __future__ import annotations
@@ -48,12 +25,21 @@ from flax import nnx
 from jppo.models.attention import AttentionRule
 from jppo.models.config import ModelConfig
 from jppo.models.context import context_parallel, sequence_attention
+from jppo.models.kv_cache import PromptCache, ResponseCache, layer_copier, with_decoding_copies, write_slot
 from jppo.models.layers import (
-    RESPONSE_BLOCKS, apply_rope, attention, check_inputs, decode_attention, dense, response_blocks, rms_norm,
-    rope_tables, swiglu, wide,
+    RESPONSE_BLOCKS,
+    apply_rope,
+    attention,
+    check_inputs,
+    decode_attention,
+    dense,
+    response_blocks,
+    rms_norm,
+    rope_tables,
+    swiglu,
+    wide,
 )
 from jppo.models.moe import expert_params, layer_slices, moe_mlp, record_routing, run_layers
-from jppo.models.kv_cache import PromptCache, ResponseCache, layer_copier, with_decoding_copies, write_slot
 from jppo.models.sharding import constrain, constrain_gradient, logical_names, param
 
 Array = jax.Array

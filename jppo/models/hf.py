@@ -20,13 +20,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from jppo.core.paths import run_path
 from jppo.models.config import DTYPES, ModelConfig
 from jppo.models.decoder import CausalLM
 from jppo.models.moe import stacked_layers
 from jppo.models.safetensors_io import SafetensorsFile, write_sharded_safetensors
 from jppo.models.sharding import variable_spec
 from jppo.models.value import ValueHead, ValueModel
-from jppo.core.paths import run_path
 
 Array = jax.Array
 PathLike = str | pathlib.Path

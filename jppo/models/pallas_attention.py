@@ -23,10 +23,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-
-from jppo.models.attention import AttentionRule
 from jax.sharding import AxisType, PartitionSpec
 
+from jppo.models.attention import AttentionRule
 from jppo.parallel.mesh import fitted_spec, platform
 
 Array = jax.Array

@@ -8,6 +8,31 @@ by :func:`jppo.parallel.mesh.logical_to_spec`. Parameters are never sharded eage
 
 Activation hints (:func:`constrain`) apply only while a mesh is set with ``jax.set_mesh(mesh)`` at trace time;
 without one they are no-ops and jit propagates the shardings of the inputs.
+
+Parameter layout (``[in, out]`` kernels; attention projections flattened over heads, the flattened dimension
+carries the heads' logical name, head-major as in Hugging Face checkpoints; ``Ld`` layers with the dense MLP, ``Ls``
+with ``X`` experts of width ``G``, :mod:`jppo.models.moe`):
+
+=====================================  ===================  ========================================
+parameter                              shape                logical names
+=====================================  ===================  ========================================
+``decoder.embed_tokens``               ``[V, D]``           ``vocab, embed``
+``decoder.layers.q_proj``              ``[L, D, H*E]``      ``layers, embed, q_heads``
+``decoder.layers.k_proj`` / ``v_proj`` ``[L, D, K*E]``      ``layers, embed, kv_heads``
+``decoder.layers.o_proj``              ``[L, H*E, D]``      ``layers, q_heads, embed``
+``decoder.layers.{q,k,v}_bias``        ``[L, H*E | K*E]``   ``layers, q_heads | kv_heads``
+``decoder.layers.o_bias``              ``[L, D]``           ``layers, -``
+``decoder.layers.{q,k}_norm``          ``[L, E]``           ``layers, head_dim``
+``decoder.layers.*_norm`` (D-wide)     ``[L, D]``           ``layers, -``
+``decoder.layers.gate_proj``/``up``    ``[Ld, D, F]``       ``layers, embed, mlp``
+``decoder.layers.down_proj``           ``[Ld, F, D]``       ``layers, mlp, embed``
+``decoder.layers.router``              ``[Ls, D, X]``       ``layers, embed, -``
+``decoder.layers.expert_gate``/``up``  ``[Ls, X, D, G]``    ``layers, experts, embed, mlp``
+``decoder.layers.expert_down``         ``[Ls, X, G, D]``    ``layers, experts, mlp, embed``
+``decoder.norm``                       ``[D]``              ``-``
+``lm_head`` (untied only)              ``[D, V]``           ``embed, vocab``
+``value_head.kernel`` / ``bias``       ``[D, 1]`` / ``[1]`` ``embed, value`` / ``value``
+=====================================  ===================  ========================================
 """
 
 from __future__ import annotations
@@ -19,8 +44,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jppo.parallel.mesh import BATCH_AXES, EXPERT_AXIS, LOGICAL_RULES, fitted_spec, logical_to_spec
 from jppo.models.config import ModelConfig
+from jppo.parallel.mesh import BATCH_AXES, EXPERT_AXIS, LOGICAL_RULES, fitted_spec, logical_to_spec
 
 Array = jax.Array
 Names = tuple[str | None, ...]

@@ -36,19 +36,25 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jppo.config import TrainConfig
+from jppo.config.views import engine_view, optimizer_steps_per_training_step, rollout_sequences
+from jppo.core.experience import Experience
+from jppo.engine import (
+    UpdateStep,
+    actor_loss_fn,
+    check_batch_sizes,
+    critic_loss_fn,
+    init_train_state,
+    run_updates,
+    sft_loss_fn,
+    step_micro_batches,
+)
+from jppo.models import param_shardings
+from jppo.parallel.mesh import batch_shards, make_mesh
+from jppo.preflight.audit_cuts import ONE_DEVICE, audit_batch, cuts, parse_meshes, role_meshes
 from jppo.run import build
 from jppo.run.filters import rejected_rows_cleared
-from jppo.config import TrainConfig
-from jppo.engine import (
-    UpdateStep, actor_loss_fn, check_batch_sizes, critic_loss_fn, step_micro_batches, init_train_state, run_updates,
-    sft_loss_fn,
-)
-from jppo.preflight.audit_cuts import ONE_DEVICE, audit_batch, cuts, parse_meshes, role_meshes
 from jppo.run.learn import mini_batch_rng
-from jppo.parallel.mesh import batch_shards, make_mesh
-from jppo.core.experience import Experience
-from jppo.models import param_shardings
-from jppo.config.views import engine_view, optimizer_steps_per_training_step, rollout_sequences
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3, "float64": 1e-9}
 # float64's rounding is ~1e-15 even after an optimizer amplified it a thousandfold; a dependence on the cut is

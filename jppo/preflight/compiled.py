@@ -34,13 +34,13 @@ from jppo.engine import abstract_train_state, log_prob_fn, value_fn
 from jppo.engine.assemble import assemble_rows
 from jppo.engine.objectives import loss_inputs
 from jppo.parallel.mesh import ROW_AXES, batch_shards, make_mesh, split_devices
-from jppo.rollout.decode import make_generate_fn
 from jppo.preflight import hlo
-from jppo.run import build
-from jppo.run.learn import Learner
 from jppo.preflight.footprint import model_config
 from jppo.preflight.sampler_memory import prompt_width, sampler_prompt_width
 from jppo.preflight.targets import Target
+from jppo.rollout.decode import make_generate_fn
+from jppo.run import build
+from jppo.run.learn import Learner
 
 PROGRAMS = ("actor_update", "critic_update", "old_log_prob", "ref_log_prob", "values", "rollout", "validation")
 

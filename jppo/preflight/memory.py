@@ -120,9 +120,24 @@ from jppo.config import TrainConfig
 from jppo.models.config import ModelConfig
 from jppo.parallel.mesh import MESH_AXES, row_shards_of
 from jppo.preflight.footprint import (
-    ACCUMULATOR_BYTES, LOGIT_COPIES, Term, abstract_params, activation_bytes, adapter_params, dtype_bytes,
-    forward_layer_bytes_per_token, kept_activation_bytes, layer_weights_bytes, table_bytes,
-    layout_copy_bytes, linear_attention, local_elements, logits_bytes, model_config, row_split, trained_elements,
+    ACCUMULATOR_BYTES,
+    LOGIT_COPIES,
+    Term,
+    abstract_params,
+    activation_bytes,
+    adapter_params,
+    dtype_bytes,
+    forward_layer_bytes_per_token,
+    kept_activation_bytes,
+    layer_weights_bytes,
+    layout_copy_bytes,
+    linear_attention,
+    local_elements,
+    logits_bytes,
+    model_config,
+    row_split,
+    table_bytes,
+    trained_elements,
     weights_in_use_bytes,
 )
 from jppo.preflight.sampler_memory import prompt_width, rollout_weights_term, sampler_terms

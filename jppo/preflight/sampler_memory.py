@@ -10,7 +10,13 @@ from jppo.config import TrainConfig
 from jppo.models.config import ModelConfig
 from jppo.parallel.mesh import decoding_shards
 from jppo.preflight.footprint import (
-    Term, abstract_params, dtype_bytes, forward_layer_bytes_per_token, kv_cache_bytes, sampler_logits_bytes, shards,
+    Term,
+    abstract_params,
+    dtype_bytes,
+    forward_layer_bytes_per_token,
+    kv_cache_bytes,
+    sampler_logits_bytes,
+    shards,
     table_bytes,
 )
 from jppo.rollout.decode import decode_rows

@@ -33,9 +33,15 @@ from typing import Sequence
 from jppo.config import TrainConfig
 from jppo.parallel.mesh import MESH_AXES
 from jppo.preflight.footprint import (
-    ACCUMULATOR_BYTES, abstract_params, adapter_params, dtype_bytes, local_elements, model_config, trained_elements,
+    ACCUMULATOR_BYTES,
+    Term,
+    abstract_params,
+    adapter_params,
+    dtype_bytes,
+    local_elements,
+    model_config,
+    trained_elements,
 )
-from jppo.preflight.footprint import Term
 from jppo.preflight.memory import MemoryPlan, update_phases
 from jppo.preflight.sampler_memory import rollout_weights_term, sampler_terms
 

@@ -21,8 +21,8 @@ import logging
 import numbers
 from typing import Any, Callable
 
-from jppo.data.tasks import Example
 from jppo.core.errors import RewardFunctionError
+from jppo.data.tasks import Example
 
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 _LOG = logging.getLogger(__name__)

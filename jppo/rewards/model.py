@@ -6,8 +6,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jppo.engine import forward_batch, reward_model_fn
 from jppo.core.experience import Experience
+from jppo.engine import forward_batch, reward_model_fn
 from jppo.models import load_pretrained
 
 

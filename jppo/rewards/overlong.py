@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 
-
 def overlong_penalty(lengths: np.ndarray, max_length: int, buffer: int, factor: float) -> np.ndarray:
     """``factor * min(0, (max_length - buffer - lengths) / buffer)`` per response (float32 ``[N]``)."""
     lengths = np.asarray(lengths, np.float64)

@@ -52,8 +52,8 @@ from jppo.models.kv_cache import cache_block_count
 from jppo.models.moe import collect_routing
 from jppo.models.sharding import constrain
 from jppo.parallel.mesh import decoding_layout, decoding_loop_axes, on_each_device
-from jppo.rollout.params import SamplingParams
 from jppo.rollout.continuous import continuous_rollout
+from jppo.rollout.params import SamplingParams
 from jppo.rollout.processors import draw, row_keys
 from jppo.rollout.routing import compact, empty_record, prompt_and_response, write_step
 

@@ -23,9 +23,9 @@ import operator
 import re
 from typing import Any, Callable, Protocol
 
-from jppo.core.registry import Registry
 from jppo.core.inputs import BUILTIN_PREFIX  # one spelling of built-in names, for tasks and environments
 from jppo.core.plugins import load_function
+from jppo.core.registry import Registry
 
 KEY = "rollout.env"
 

@@ -17,15 +17,19 @@ from jax.sharding import Mesh, NamedSharding
 
 import jppo.run.checks  # noqa: F401 (every component's check of a config, registered before one is loaded)
 from jppo.config import ConfigError, TrainConfig
-from jppo.core.checks import run_missing_checks
 from jppo.config.views import (
-    checkpoint_overrides, rollout_engine_spec, random_model_config, reference_param_dtype,
-    sampling_config, tokenizer_spec,
+    checkpoint_overrides,
+    random_model_config,
+    reference_param_dtype,
+    rollout_engine_spec,
+    sampling_config,
+    tokenizer_spec,
 )
+from jppo.core.checks import run_missing_checks
+from jppo.core.settings import LoRAConfig
 from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
 from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pretrained, read_config
 from jppo.models.layers import is_norm_scale
-from jppo.core.settings import LoRAConfig
 from jppo.models.lora import attach_lora, load_saved_adapters, saved_adapter_config, trainable_filter
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
 from jppo.rollout import ROLLOUT_ENGINES

@@ -12,25 +12,38 @@ and so does :mod:`jppo.run.build`; :func:`jppo.config.check.check` then runs the
 from __future__ import annotations
 
 import jppo.data.tasks  # noqa: F401 (registers data.task's check)
-import jppo.rewards.reward_fn  # noqa: F401 (registers reward.kind's check)
 import jppo.parallel.compile_cache  # noqa: F401 (registers trainer.compilation_cache's check)
-import jppo.run.filters  # noqa: F401 (registers algorithm.filter_groups.metric's check)
+import jppo.rewards.reward_fn  # noqa: F401 (registers reward.kind's check)
 import jppo.run.checkpoint  # noqa: F401 (registers trainer.resume's check)
+import jppo.run.filters  # noqa: F401 (registers algorithm.filter_groups.metric's check)
 import jppo.runlog  # noqa: F401 (registers trainer.logger's check)
 from jppo.advantages import ADVANTAGE_ESTIMATORS
 from jppo.config.schema import TrainConfig
 from jppo.config.views import (
-    CONTEXT_KEYS, SAMPLING_KEYS, adapted_model_config, rollout_engine_spec, engine_view, kl_controller, random_model_config,
+    CONTEXT_KEYS,
+    SAMPLING_KEYS,
+    adapted_model_config,
+    engine_view,
+    kl_controller,
+    random_model_config,
+    rollout_engine_spec,
     sampling_params,
 )
 from jppo.core.checks import as_key, choice, register_config_check
 from jppo.core.errors import ConfigError, one_line
 from jppo.core.inputs import BUILTIN_PREFIX
 from jppo.engine.config import check_old_log_prob, check_update
-from jppo.engine.optim import check_optim
 from jppo.engine.objectives import policy_options
-from jppo.losses import (AGG_MODES, KL_KINDS, POLICY_LOSSES, ROLLOUT_CORRECTION_MODES, check_policy_loss_mode,
-                          check_policy_options, required_agg_mode)
+from jppo.engine.optim import check_optim
+from jppo.losses import (
+    AGG_MODES,
+    KL_KINDS,
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTION_MODES,
+    check_policy_loss_mode,
+    check_policy_options,
+    required_agg_mode,
+)
 from jppo.models.config import ATTENTION_IMPLEMENTATIONS, DTYPES, check_attention_blocks
 from jppo.models.families import MODEL_FAMILIES
 from jppo.models.hf import read_config

@@ -33,25 +33,30 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jppo.run import build
 from jppo.advantages import get_estimator
 from jppo.advantages.estimate import compute_advantages
 from jppo.config import TrainConfig, views
+from jppo.core.experience import Experience
 from jppo.data import Tokenizer
-from jppo.run.filters import (
-    DynamicSamplingError, Scored, concat, overlong_filtered, rejected_rows_cleared, sampling_metrics, varied_groups,
-)
 from jppo.engine import forward_batch, log_prob_fn, value_fn
 from jppo.engine.assemble import device_rows
-from jppo.core.experience import Experience
 from jppo.parallel.hostlocal import max_over_processes, on_mesh, sum_over_processes
-
 from jppo.rewards.kl_penalty import kl_in_reward
 from jppo.rewards.model import RewardModel
 from jppo.rewards.overlong import overlong_penalty
 from jppo.rewards.placement import env_rewards, place_rewards
 from jppo.rollout import JppoEngine, Sampler
 from jppo.rollout.multiturn import MultiTurnSampler
+from jppo.run import build
+from jppo.run.filters import (
+    DynamicSamplingError,
+    Scored,
+    concat,
+    overlong_filtered,
+    rejected_rows_cleared,
+    sampling_metrics,
+    varied_groups,
+)
 from jppo.run.rollout_mesh import WeightMove, batch_bytes
 from jppo.run.state import RunState, advance
 from jppo.runlog.timing import PhaseTimer

@@ -38,15 +38,15 @@ import jax
 from etils import epath
 from flax import nnx
 
-from jppo.run import build
-from jppo.run.record import check_base_checksums, checkpoint_models, model_record
-from jppo.run.checkpoint import SFT_META, committed_steps, fingerprint, read_meta, restore_part
 from jppo.config import TrainConfig, load_config, views
+from jppo.core.paths import is_remote, run_path
 from jppo.data import CharTokenizer, Tokenizer
 from jppo.models import CausalLM, ModelConfig, read_config, save_pretrained
 from jppo.models.config import DTYPES
 from jppo.models.lora import base_model, merged, save_peft_adapter
-from jppo.core.paths import is_remote, run_path
+from jppo.run import build
+from jppo.run.checkpoint import SFT_META, committed_steps, fingerprint, read_meta, restore_part
+from jppo.run.record import check_base_checksums, checkpoint_models, model_record
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 # transformers' spelling of sizes: decimal KB/MB/GB, binary KiB/MiB/GiB

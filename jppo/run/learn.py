@@ -14,11 +14,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jppo.config import TrainConfig
+from jppo.config.views import engine_view
+from jppo.core.experience import Experience
 from jppo.engine import UpdateStep, actor_loss_fn, critic_loss_fn, run_updates
 from jppo.engine.config import ActorConfig, CriticConfig
-from jppo.core.experience import Experience
 from jppo.run.state import RunState, advance
-from jppo.config.views import engine_view
 
 # Each role's place in its mini-batch key, fixed for good (another number would change every run's batches). The
 # actor's 0 adds nothing to the key: numpy's SeedSequence pads its entropy with zeros, so [seed, step, 0] draws what

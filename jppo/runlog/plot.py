@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+
 import numpy as np
 from etils.epath import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
