@@ -9,7 +9,7 @@ from jppo.core.lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(__name__, {
     "config": ("ModelConfig", "RopeScaling"),
     "decoder": ("CausalLM",),
-    "decoding": ("PromptCache", "ResponseCache"),
+    "kv_cache": ("PromptCache", "ResponseCache"),
     "families": ("MODEL_FAMILIES", "Family"),
     "hf": ("CheckpointError", "load_pretrained", "read_config", "save_pretrained"),
     "log_probs": ("token_log_probs",),
