@@ -75,7 +75,9 @@ def reference_actor_loss(model, batch: Experience, cfg: ActorConfig, loss_scale_
     p, length = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     logits = model(ids, positions, segments)
     # position p - 1 + j predicts response token j
-    window = jax.nn.log_softmax(logits[:, p - 1 : p - 1 + length].astype(jnp.float64 if logits.dtype == jnp.float64 else jnp.float32), axis=-1)
+    window = jax.nn.log_softmax(
+        logits[:, p - 1 : p - 1 + length].astype(jnp.float64 if logits.dtype == jnp.float64 else jnp.float32), axis=-1
+    )
     log_prob = jnp.take_along_axis(window, ids[:, p : p + length, None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(window) * window, axis=-1)
     data = jax.tree.map(lambda v: jnp.asarray(v, log_prob.dtype), batch.per_token())

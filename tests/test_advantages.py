@@ -1,9 +1,9 @@
 """Advantage estimators: parity with verl's golden vectors, plus the rules jppo adds (masked sums, empty rows,
 groups of one, NaN at masked positions, arbitrary group ids).
 
-Tolerances: against verl rtol 1e-6 with atol 1e-8 (docs/contract.md#checked-against-verls-own-functions): verl divides masked means by
-``N + 1e-8``, which moves whitened values by ~1e-10 absolute, so values near 0 need the absolute floor. Between
-two jppo runs that only reorder float64 sums, rtol 1e-12.
+Tolerances: against verl rtol 1e-6 with atol 1e-8 (docs/contract.md#checked-against-verls-own-functions): verl divides
+masked means by ``N + 1e-8``, which moves whitened values by ~1e-10 absolute, so values near 0 need the absolute floor.
+Between two jppo runs that only reorder float64 sums, rtol 1e-12.
 """
 
 from __future__ import annotations

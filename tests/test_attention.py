@@ -139,7 +139,8 @@ def test_model_attention_key_reaches_the_model_config():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.attention=flash"], "model.attention='flash' is not valid; valid: reference, xla, cudnn, blockwise, pallas, auto"),
+    (["model.attention=flash"],
+     "model.attention='flash' is not valid; valid: reference, xla, cudnn, blockwise, pallas, auto"),
     (["model.attention=cudnn"], "model.dtype='float32': model.attention='cudnn' needs bfloat16 or float16"),
     (["model.attention=cudnn", "model.dtype=bfloat16", "rollout.dtype=float32"],
      "rollout.dtype='float32': model.attention='cudnn' needs bfloat16 or float16"),

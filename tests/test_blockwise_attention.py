@@ -217,7 +217,9 @@ def gpu_mesh():
 
     from jppo.parallel.mesh import MESH_AXES
     device_type = type(jax.make_mesh((1,), ("x",)).abstract_mesh.abstract_device)
-    return AbstractMesh((1,) * len(MESH_AXES), MESH_AXES, abstract_device=device_type("NVIDIA H100 80GB HBM3", None, "gpu"))
+    return AbstractMesh(
+        (1,) * len(MESH_AXES), MESH_AXES, abstract_device=device_type("NVIDIA H100 80GB HBM3", None, "gpu")
+    )
 
 
 def test_blockwise_for_a_gpu_has_no_conditionals_and_the_same_numbers():

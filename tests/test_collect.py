@@ -89,7 +89,8 @@ def test_token_credit_of_a_truncated_response_has_no_eos_entry():
     ids = np.array([tokenizer.encode("211")], np.int32)
     mask = np.ones((1, 3), bool)
     credits = [task.credit("211", example, False)]
-    out = token_credit_rewards(ids, mask, credits, [False], np.array([task.score("211", example, False)]), tokenizer.decode)
+    out = token_credit_rewards(ids, mask, credits, [False], np.array([task.score("211", example, False)]),
+                               tokenizer.decode)
     # float32: the (zero) remainder score - sum(credits) on the last token is a rounding error of ~1e-8
     np.testing.assert_allclose(out[0], [0.5, 0.5, 0], rtol=1e-6, atol=1e-7)
 

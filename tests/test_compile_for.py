@@ -142,8 +142,9 @@ def test_the_rollout_compiles_on_the_rollout_devices_of_a_split_host():
     assert devices(sampler) == {d.id for d in target.devices[2:]}
     assert devices(update) == {d.id for d in target.devices[:2]}
     args = jax.tree.leaves(lower["rollout"]().args_info)
-    assert {str(arg.dtype) for arg in args if len(arg.shape) != 2 or "int" not in str(arg.dtype) and arg.dtype != bool} \
-        >= {"bfloat16", "float32"}  # the weights cast, the norms' scales kept
+    assert {
+        str(arg.dtype) for arg in args if len(arg.shape) != 2 or "int" not in str(arg.dtype) and arg.dtype != bool
+    } >= {"bfloat16", "float32"}  # the weights cast, the norms' scales kept
     _, resident_in, resident = compiled.lowerings(cfg, training, rollout)
     assert resident_in["rollout"] == resident  # its peak: the program's own bytes, the run keeps nothing else there
 

@@ -61,7 +61,8 @@ def test_resolved_config_round_trips(tmp_path):
     [
         (["actor.ppo_epoch=2"], "Did you mean: 'ppo_epochs'"),
         (["trainer.total_steps=x"], "trainer.total_steps"),
-        (["actor.loss_agg_mode=token_mean"], "actor.loss_agg_mode='token_mean' is not valid (did you mean 'token-mean'?)"),
+        (["actor.loss_agg_mode=token_mean"],
+         "actor.loss_agg_mode='token_mean' is not valid (did you mean 'token-mean'?)"),
         (["critic.normalization=local"], "critic.normalization='local'"),
         (["algorithm.kl_penalty=k5"], "algorithm.kl_penalty='k5'"),
         (["actor.policy_loss=dro"], "actor.dro_beta=None"),
@@ -76,7 +77,8 @@ def test_resolved_config_round_trips(tmp_path):
         (["rollout.max_num_seqs=-2"], "rollout.max_num_seqs=-2"),
         (["trainer.resume=/no/such/dir"], "trainer.resume='/no/such/dir'"),
         (["data.task=files"], "data.train_files"),
-        (["data.train_batch_size=10", "actor.ppo_mini_batch_size=4"], "actor.ppo_mini_batch_size=4 (prompts) does not divide"),
+        (["data.train_batch_size=10", "actor.ppo_mini_batch_size=4"],
+         "actor.ppo_mini_batch_size=4 (prompts) does not divide"),
         (["reward.kind=exact"], "reward.kind='exact'"),
         (["reward.function_style=torch"], "reward.function_style='torch' is invalid: valid styles are ['jppo', 'verl'"),
         (["reward.function_style=verl"], "reward.function_style='verl' needs reward.function"),
@@ -127,9 +129,9 @@ def test_errors_name_the_key_and_value(overrides, message):
 
 
 def test_mesh_and_batch_shards_are_checked_against_the_devices():
-    cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
-                                                             "critic.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=1",
-                                                             "critic.ppo_micro_batch_size=1"])
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml",
+                      ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
+                       "actor.ppo_micro_batch_size=1", "critic.ppo_micro_batch_size=1"])
     assert check_mesh(cfg, 8) == (8, 1, 1, 1, 1)
     with pytest.raises(ConfigError, match="mesh.data=-1 cannot fill 8 devices"):
         check_mesh(load_config(None, ["mesh.fsdp=3"]), 8)
@@ -190,7 +192,8 @@ def test_what_the_inputs_refuse_is_a_config_error(overrides, message):
 
 def test_validation_without_held_out_prompts_is_refused(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"prompt": "12=", "answer": "21"}\n')
-    files = ["data.task=files", f"data.train_files={tmp_path / 'train.jsonl'}", "model.tokenizer=builtin:reverse_digits"]
+    files = ["data.task=files", f"data.train_files={tmp_path / 'train.jsonl'}",
+             "model.tokenizer=builtin:reverse_digits"]
     for flag in ("trainer.val_every=5", "trainer.val_before_train=true"):
         with pytest.raises(ConfigError, match=f"{flag.split('=')[0]}=.* needs held-out prompts"):
             load_config(None, [*files, flag])
@@ -204,7 +207,8 @@ def test_validation_without_held_out_prompts_is_refused(tmp_path):
 ])
 def test_data_file_lists_and_template_kwargs_are_checked(tmp_path, overrides, message):
     (tmp_path / "train.jsonl").write_text('{"prompt": "12=", "answer": "21"}\n')
-    files = ["data.task=files", f"data.train_files={tmp_path / 'train.jsonl'}", "model.tokenizer=builtin:reverse_digits"]
+    files = ["data.task=files", f"data.train_files={tmp_path / 'train.jsonl'}",
+             "model.tokenizer=builtin:reverse_digits"]
     with pytest.raises(ConfigError) as error:
         load_config(None, [*files, *overrides])
     assert message in str(error.value) and "\n" not in str(error.value)

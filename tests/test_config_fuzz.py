@@ -5,8 +5,9 @@ three per example, with odd values of every type (``""``, ``"abc"``, ``"nan"``, 
 registries' names, ...), and given as ``key=value`` overrides to every shipped config. Two properties:
 
 1. validation (:func:`load_config`, :func:`check_mesh` and :func:`build.load_inputs`, what the CLI runs before
-   anything compiles; for the SFT config, what ``python -m jppo.sft`` runs) either accepts or raises :class:`ConfigError` whose one-line message names a drawn key (or, for
-   a conflict with a value of the config file, the key it conflicts with);
+   anything compiles; for the SFT config, what ``python -m jppo.sft`` runs) either accepts or raises
+   :class:`ConfigError` whose one-line message names a drawn key (or, for a conflict with a value of the config file,
+   the key it conflicts with);
 2. a config that validation accepts trains a step (a tiny model on one device) without an exception.
 
 CI runs a fixed (derandomized) sample within a minute; ``JPPO_FUZZ_EXAMPLES=N`` runs N random examples per test

@@ -21,8 +21,9 @@ from jppo.run.loop import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DAPO = ROOT / "configs" / "quickstart_dapo.yaml"
-SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=1", "trainer.val_every=0", "trainer.plots=false",
-         "trainer.logger=[jsonl]", "trainer.progress_bar=false", "trainer.total_steps=2"]
+SMALL = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=1",
+         "trainer.val_every=0", "trainer.plots=false", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
+         "trainer.total_steps=2"]
 
 
 def test_overlong_penalty_is_zero_then_falls_linearly_to_minus_the_factor():
@@ -69,7 +70,9 @@ def test_overlong_filter_trains_as_if_the_truncated_rows_were_not_there(mesh_sha
         _, metrics, gradient = engine_step(CausalLM, cfg, mesh_of(mesh_shape), filtered)
         kept = batch.take(np.flatnonzero(finished))
         model = create_model(CausalLM, tiny_config(), None, seed=0)
-        _, grads, loss, _ = reference_step(model, kept, dataclasses.replace(cfg, ppo_mini_batch_size=len(kept.response_mask)), 6.0)
+        _, grads, loss, _ = reference_step(
+            model, kept, dataclasses.replace(cfg, ppo_mini_batch_size=len(kept.response_mask)), 6.0
+        )
         jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-9, atol=1e-14),
                      jax.device_get(gradient), jax.device_get(grads))
 

@@ -47,7 +47,8 @@ def write_hf_tokenizer(directory, tokenizer_config, generation_config=None, conf
     tokenizer.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
-    files = {"tokenizer_config.json": tokenizer_config, "generation_config.json": generation_config, "config.json": config}
+    files = {"tokenizer_config.json": tokenizer_config, "generation_config.json": generation_config,
+             "config.json": config}
     for name, content in files.items():
         if content is not None:
             (directory / name).write_text(json.dumps(content))
@@ -83,7 +84,8 @@ def test_char_tokenizer_round_trip_and_specials():
         (lambda: CharTokenizer("0110"), r"repeats the characters \['0', '1'\]"),
         (lambda: CharTokenizer(""), "alphabet is empty"),
         (lambda: CharTokenizer("01").apply_chat_template([{"role": "user", "content": "1"}]), "no chat template"),
-        (lambda: load_tokenizer("builtin:nope"), r"'builtin:nope' \(model.tokenizer\): task 'nope' has no built-in vocabulary"),
+        (lambda: load_tokenizer("builtin:nope"),
+         r"'builtin:nope' \(model.tokenizer\): task 'nope' has no built-in vocabulary"),
         (lambda: load_tokenizer("/no/such/dir"), "neither 'builtin:<task>' nor an existing directory"),
     ],
 )

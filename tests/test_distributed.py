@@ -153,7 +153,8 @@ def test_two_processes_of_one_device_stop_together_on_one_sigterm_and_resume_bit
         flags = ["--coordinator", f"localhost:{free_port()}", "--num-processes", "2"]
         processes = []
         for i in (0, 1):
-            command = ["-c", SIGNALLED, str(ROOT / "tests"), str(step), point] if signalled and i else ["-m", "jppo.train"]
+            command = (["-c", SIGNALLED, str(ROOT / "tests"), str(step), point] if signalled and i
+                       else ["-m", "jppo.train"])
             processes.append(subprocess.Popen(
                 [sys.executable, *command, *flags, "--process-id", str(i), "--config", CONFIG, *SMALL, out, *extra],
                 cwd=ROOT, env=env(1, optimized=False), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -178,7 +179,8 @@ def test_two_processes_of_one_device_stop_together_on_one_sigterm_and_resume_bit
     assert [row["step"] for row in resumed] == [1, 2, 3]
     for a, b in zip(resumed, uninterrupted):
         assert set(a) == set(b)
-        assert {k: v for k, v in a.items() if k.startswith(TRAINED)} == {k: v for k, v in b.items() if k.startswith(TRAINED)}
+        assert ({k: v for k, v in a.items() if k.startswith(TRAINED)}
+                == {k: v for k, v in b.items() if k.startswith(TRAINED)})
         for name, value in b.items():
             # batch means over the rows of both processes are summed per process first: float32 rounding (~1e-7)
             assert a[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
@@ -189,7 +191,8 @@ def test_two_processes_of_one_device_stop_together_on_one_sigterm_and_resume_bit
     [
         (["--num-processes", "2", "--process-id", "5"], "--process-id=5 must be in [0, 2)"),
         (["--process-id", "1", "--num-processes", "2", "--init-timeout", "3"], "could not reach the coordinator"),
-        (["--process-id", "0", "--num-processes", "2", "--init-timeout", "3"], "processes [1] of --num-processes=2 never arrived"),
+        (["--process-id", "0", "--num-processes", "2", "--init-timeout", "3"],
+         "processes [1] of --num-processes=2 never arrived"),
     ],
 )
 def test_bad_start_up_fails_fast_with_one_line(args, message):
@@ -213,7 +216,8 @@ def test_tpu_scripts_dry_run_print_the_gcloud_commands():
     assert "gcloud compute tpus tpu-vm create jppo-pod --zone us-central2-b --accelerator-type v4-32" in created.stdout
     queued = script("create.sh", "--name", "q", "--zone", "z", "--accelerator-type", "v5litepod-16", "--queued",
                     "--spot", "--dry-run")
-    assert "gcloud compute tpus queued-resources create q --node-id q --zone z --accelerator-type v5litepod-16" in queued.stdout
+    assert ("gcloud compute tpus queued-resources create q --node-id q --zone z --accelerator-type v5litepod-16"
+            in queued.stdout)
     assert "--spot" in queued.stdout
     setup = script("setup.sh", "--name", "jppo-pod", "--zone", "z", "--repo", "https://example.org/jppo.git",
                    "--dry-run")
@@ -236,7 +240,8 @@ def test_tpu_scripts_dry_run_print_the_gcloud_commands():
     "name,args,message",
     [
         ("create.sh", ["--zone", "z", "--accelerator-type", "v4-8"], "missing --name"),
-        ("create.sh", ["--name", "n", "--zone", "z", "--accelerator-type", "v4-8", "--bogus"], "unknown argument --bogus"),
+        ("create.sh", ["--name", "n", "--zone", "z", "--accelerator-type", "v4-8", "--bogus"],
+         "unknown argument --bogus"),
         ("setup.sh", ["--name", "n", "--zone", "z"], "give exactly one of --repo URL or --copy DIR"),
         ("launch.sh", ["--name", "n", "--zone", "z"], "missing --config"),
         ("create.sh", ["--name", "n", "--zone", "z", "--accelerator-type", "v4-8"], "gcloud is not installed"),
@@ -265,7 +270,8 @@ def test_tpu_scripts_have_help():
 def slurm_env(tasks_per_node: int, nodes: int = 4, node: int = 2, local: int = 0, gpus: str = "0,1,2,3,4,5,6,7"):
     """What srun sets for a task (one of ``tasks_per_node`` on each of ``nodes``) on a node of 8 GPUs."""
     return {
-        "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": f"gpu[001-{nodes:03d}]", "SLURM_NTASKS": str(nodes * tasks_per_node),
+        "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": f"gpu[001-{nodes:03d}]",
+        "SLURM_NTASKS": str(nodes * tasks_per_node),
         "SLURM_PROCID": str(node * tasks_per_node + local), "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node),
         "SLURM_STEP_NUM_NODES": str(nodes), "SLURM_STEP_TASKS_PER_NODE": f"{tasks_per_node}(x{nodes})",
         "SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": gpus,
@@ -290,10 +296,14 @@ def test_one_slurm_task_per_node_drives_all_eight_gpus(monkeypatch):
 
     detected = clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, None, None, 10)
     assert detected[1:] == (4, 2, [0])
-    detected = clusters.ClusterEnv.auto_detect_unset_distributed_params(None, None, None, kwargs["local_device_ids"], None, 10)
+    detected = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        None, None, None, kwargs["local_device_ids"], None, 10
+    )
     assert detected[1:] == (4, 2, list(range(8)))
     # explicit flags inside SLURM: JAX would still narrow the process to one GPU, so jppo gives the ids there too
-    explicit = distributed.settings(start_args("--coordinator", "gpu001:8476", "--num-processes", "4", "--process-id", "2"))
+    explicit = distributed.settings(
+        start_args("--coordinator", "gpu001:8476", "--num-processes", "4", "--process-id", "2")
+    )
     assert explicit["local_device_ids"] == list(range(8))
     monkeypatch.setenv("JAX_LOCAL_DEVICE_IDS", "2,3")  # the user's own choice stands
     assert distributed.settings(start_args("--distributed", "auto"))["local_device_ids"] == [2, 3]
@@ -313,7 +323,8 @@ def test_one_slurm_task_per_node_drives_all_eight_gpus(monkeypatch):
 def test_dry_run_prints_processes_local_devices_and_mesh():
     clean = {k: v for k, v in env(1).items() if not k.startswith(("SLURM_", "JAX_COORD", "JAX_NUM", "JAX_PROCESS"))}
     result = subprocess.run(
-        [sys.executable, "-m", "jppo.train", "--config", CONFIG, "--distributed", "dry-run", "mesh.data=-1", "mesh.tensor=8"],
+        [sys.executable, "-m", "jppo.train", "--config", CONFIG, "--distributed", "dry-run", "mesh.data=-1",
+         "mesh.tensor=8"],
         cwd=ROOT, env={**clean, **slurm_env(tasks_per_node=1)}, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr

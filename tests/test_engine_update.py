@@ -243,7 +243,8 @@ def test_non_finite_micro_batch_skips_the_whole_update(poisoned_row):
     assert metrics["actor/skipped_updates"] == 1.0
     after = jax.device_get(state)
     chex.assert_trees_all_equal(after.params, before.params)
-    chex.assert_trees_all_equal(after.opt_state.inner_opt_state[1].inner_state, before.opt_state.inner_opt_state[1].inner_state)
+    chex.assert_trees_all_equal(after.opt_state.inner_opt_state[1].inner_state,
+                                before.opt_state.inner_opt_state[1].inner_state)
     assert int(after.step) == 0
     state, metrics, _ = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0))
     assert metrics["actor/skipped_updates"] == 0.0 and int(state.step) == 1
@@ -371,8 +372,8 @@ def test_warm_up_holds_one_learning_rate_over_the_optimizer_steps_of_a_training_
     """``optimizer_steps_per_training_step`` (2 epochs x 2 mini-batches): with ``warmup_steps=2`` every SGD step of
     the first training step moves the parameters by lr/2 times its gradient, and the second by lr."""
     lr = 0.5
-    cfg = actor_cfg(optim=dataclasses.replace(SGD, warmup_steps=2), ppo_mini_batch_size=N // 2, ppo_epochs=2, ppo_micro_batch_size=4,
-                    optimizer_steps_per_training_step=4)
+    cfg = actor_cfg(optim=dataclasses.replace(SGD, warmup_steps=2), ppo_mini_batch_size=N // 2, ppo_epochs=2,
+                    ppo_micro_batch_size=4, optimizer_steps_per_training_step=4)
     mesh = mesh_of((1, 1, 1))
     model = create_model(CausalLM, tiny_config(), mesh, seed=0)
     graphdef, params = nnx.split(model, nnx.Param)

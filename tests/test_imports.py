@@ -187,7 +187,8 @@ FLOORS = (
     ("rewards",),                                         # scoring responses (a reward model runs the engine)
     ("config",),                                          # the typed configuration and its views per component
     ("run",),                                             # the training run, RL and SFT
-    ("preflight",),                                       # before a run: the memory plan, compiling for a target, the audit
+    ("preflight",),                                       # before a run: the memory plan, compiling for a target,
+                                                          # the audit
     ("cli",),                                             # the commands' shared plumbing
     ("train", "sft", "eval", "audit", "export", "plan", "plot"),  # the commands
 )

@@ -288,8 +288,10 @@ def test_the_memory_plan_counts_only_the_adapters_in_the_optimizer_and_no_refere
 
 
 # --- a checkpoint's models are rebuilt as it records them (issue 25, items 1 and 6) ---
+# the CLI sees the 8 test devices
+# greedy validation (rollout.val_temperature 0)
 EVAL = ["data.num_val_examples=8", "data.val_batch_size=8", "mesh.data=-1", "actor.ppo_micro_batch_size=1",
-        "critic.ppo_micro_batch_size=1"]  # the CLI sees the 8 test devices  # greedy validation (rollout.val_temperature 0)
+        "critic.ppo_micro_batch_size=1"]
 
 
 @pytest.fixture(scope="module")
@@ -416,7 +418,8 @@ def test_a_lora_rank_too_large_for_a_model_path_checkpoint_names_the_key(tmp_pat
     for section in ("actor", "critic"):
         with pytest.raises(ConfigError) as error:
             load_config(QUICKSTART_LORA, [f"model.path={tmp_path}", f"{section}.lora.rank=17"])
-        assert str(error.value) == f"{section}.lora.rank=17 is invalid: it must be <= 16 (the narrowest side of a target projection)"
+        assert str(error.value) == (f"{section}.lora.rank=17 is invalid: it must be <= 16 "
+                                    "(the narrowest side of a target projection)")
     load_config(QUICKSTART_LORA, [f"model.path={tmp_path}", "actor.lora.rank=16", "critic.lora.rank=16"])
 
 

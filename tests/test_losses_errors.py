@@ -167,6 +167,7 @@ def test_the_actor_loss_refuses_its_options_before_tracing():
     from jppo.losses import OPTION_RULES, check_policy_options
 
     assert {rule.option for rule in OPTION_RULES["vanilla"]} >= {"clip_ratio", "clip_ratio_c"}
-    with pytest.raises(InvalidSetting, match=r"policy loss 'vanilla' option clip_ratio_c=0.5 is invalid: it must be > 1"):
+    with pytest.raises(InvalidSetting,
+                       match=r"policy loss 'vanilla' option clip_ratio_c=0.5 is invalid: it must be > 1"):
         actor_loss_fn(ActorConfig(clip_ratio_c=0.5))
     check_policy_options("gpg", PolicyLossOptions(clip_ratio_c=0.5))  # gpg has no dual clip: nothing to refuse

@@ -1,8 +1,10 @@
-"""The bottom layer of the numerics (``jppo.core.masked``): its statistics at the edges, and the import layering above it.
+"""The bottom layer of the numerics (``jppo.core.masked``): its statistics at the edges, and the import layering
+above it.
 
 Layering (checked on the source, without importing it): ``jppo.core.masked`` imports nothing from jppo but
-``jppo.core.errors``; ``jppo.core.metrics`` builds on ``jppo.core.masked`` only; ``jppo.losses`` on ``jppo.core.masked`` and
-``jppo.core.metrics``; ``jppo.advantages`` on ``jppo.core.masked`` only; and no import cycle runs through these modules.
+``jppo.core.errors``; ``jppo.core.metrics`` builds on ``jppo.core.masked`` only; ``jppo.losses`` on ``jppo.core.masked``
+and ``jppo.core.metrics``; ``jppo.advantages`` on ``jppo.core.masked`` only; and no import cycle runs through these
+modules.
 """
 
 from __future__ import annotations
@@ -120,14 +122,16 @@ def test_numerics_have_no_import_cycle() -> None:
         ("jppo.core.masked", ("jppo.core.errors",)),
         ("jppo.core.metrics", ("jppo.core.masked",)),
         ("jppo.advantages", ("jppo.core.masked", "jppo.core.registry", "jppo.advantages")),
-        ("jppo.losses", ("jppo.core.masked", "jppo.core.metrics", "jppo.core.errors", "jppo.core.registry", "jppo.core.settings",
-                         "jppo.losses")),
+        ("jppo.losses", ("jppo.core.masked", "jppo.core.metrics", "jppo.core.errors", "jppo.core.registry",
+                         "jppo.core.settings", "jppo.losses")),
     ],
 )
 def test_numerics_import_only_the_layers_below(layer: str, allowed: tuple[str, ...]) -> None:
     graph = import_graph()
     # a package whose __init__ imports nothing (jppo.core) runs no code of another layer: passing through it is free
-    empty = {name for name, targets in graph.items() if not targets and (PACKAGE.parent / name.replace(".", "/")).is_dir()}
+    empty = {
+        name for name, targets in graph.items() if not targets and (PACKAGE.parent / name.replace(".", "/")).is_dir()
+    }
     for name in sorted(graph):
         if name == layer or name.startswith(layer + "."):
             outside = {t for t in graph[name] - empty if not any(t == a or t.startswith(a + ".") for a in allowed)}

@@ -164,7 +164,8 @@ def test_stacked_steps_pad_to_a_common_shape_with_empty_micro_batches_and_slots(
     short = np.argsort(batch.lengths(), kind="stable")
     # the same budget, so rows agree; the short half packs into fewer micro-batches than the long half
     steps = [packed_micro_batches(batch.take(short[:8]), 2, 13), packed_micro_batches(batch.take(short[8:]), 2, 13)]
-    assert steps[0].input_ids.shape[0] != steps[1].input_ids.shape[0] or steps[0].row_ids.shape[2] != steps[1].row_ids.shape[2]
+    assert (steps[0].input_ids.shape[0] != steps[1].input_ids.shape[0]
+            or steps[0].row_ids.shape[2] != steps[1].row_ids.shape[2])
     stacked = stack_micro_batches(steps)
     k = max(s.input_ids.shape[0] for s in steps)
     slots = max(s.row_ids.shape[2] for s in steps)

@@ -288,7 +288,8 @@ def test_calculator_closes_a_call_the_prompt_opened_and_the_hinted_task_pays_onl
     envs = [Calculator() for _ in rows]
     assert all(env.reset(example.prompt, example) == "" for env in envs)
     wrong = str(int(example.answer) + 1)
-    turns = [[ids("]"), ids(example.answer, eos=True), ids("]")], [ids(example.answer, eos=True), [], ids(wrong, eos=True)]]
+    turns = [[ids("]"), ids(example.answer, eos=True), ids("]")],
+             [ids(example.answer, eos=True), [], ids(wrong, eos=True)]]
     run_turns(scripted(turns)[0], rows, envs, tokenizer=TOKENIZER, stop_ids=tuple(ids("]")), max_turns=2,
               max_length=16)
     texts = [TOKENIZER.decode(row.ids) for row in rows]

@@ -46,7 +46,9 @@ def with_rollout_log_prob(seed: int = 0):
     """A ragged batch whose sampler log-probs differ from its old ones by token noise."""
     batch = ragged_batch(seed, n=N)
     noise = np.random.default_rng(seed + 1).normal(0, 0.2, batch.old_log_prob.shape)
-    return dataclasses.replace(batch, rollout_log_prob=np.where(batch.response_attention, batch.old_log_prob + noise, 0.0))
+    return dataclasses.replace(
+        batch, rollout_log_prob=np.where(batch.response_attention, batch.old_log_prob + noise, 0.0)
+    )
 
 
 def actor_cfg(**kw) -> ActorConfig:

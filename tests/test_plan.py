@@ -159,7 +159,9 @@ def test_applying_the_gradient_takes_the_planned_float32_copies_of_the_parameter
     micro = make_micro_batches(synthetic_batch(shape, model_cfg.vocab_size, ragged=False), 1, micro_batch_size=rows)
     step = jax.jit(make_update_step(graphdef, actor_loss_fn(cfg), cfg, mesh, "actor"), donate_argnums=0)
     with jax.set_mesh(mesh):
-        temporaries = step.lower(state, place(micro.device_arrays(), mesh)).compile().memory_analysis().temp_size_in_bytes
+        temporaries = (
+            step.lower(state, place(micro.device_arrays(), mesh)).compile().memory_analysis().temp_size_in_bytes
+        )
     copies = memory.OPTIMIZER_STEP_COPIES if num_micro_batches > 1 else memory.DIRECT_STEP_COPIES
     assert (state.opt_state.acc_grads is None) == (num_micro_batches == 1)
     assert copies * parameter_bytes <= temporaries <= 1.03 * copies * parameter_bytes
@@ -422,6 +424,7 @@ def test_a_tpu_sampler_holds_a_tied_table_in_a_second_layout():
     for phase in sampler_memory.sampler_terms(cfg, policy, mesh, "tpu"):
         assert {t.name: t.bytes for t in phase}["table_layout"] == policy.vocab_size * policy.hidden_size * 2
     untied = load_config(GRPO, ["model.tie_word_embeddings=false"])
-    assert not any(t.name == "table_layout" for phase in sampler_memory.sampler_terms(cfg, policy, mesh, "gpu") for t in phase)
+    assert not any(t.name == "table_layout" for phase in sampler_memory.sampler_terms(
+        cfg, policy, mesh, "gpu") for t in phase)
     assert not any(t.name == "table_layout" for phase in sampler_memory.sampler_terms(
         untied, footprint.model_config(untied), mesh, "tpu") for t in phase)

@@ -37,7 +37,8 @@ def png_size(path: Path) -> tuple[int, int]:
 
 def full_run(steps: int) -> list[dict]:
     records = [
-        {"step": step, **{name: math.sin(step + i) for i, name in enumerate(ALL_METRICS)}} for step in range(1, steps + 1)
+        {"step": step, **{name: math.sin(step + i) for i, name in enumerate(ALL_METRICS)}}
+        for step in range(1, steps + 1)
     ]
     records[len(records) // 2]["actor/pg_loss"] = None  # a NaN at log time
     return records

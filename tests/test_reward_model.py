@@ -21,7 +21,8 @@ def test_reward_model_scores_the_last_response_token(tmp_path):
                              "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
                              "actor.ppo_micro_batch_size=1", "critic.ppo_micro_batch_size=1"])
     mesh = make_mesh(-1, 1, 1)
-    reward_model = RewardModel(cfg.reward.model_path, cfg.model.dtype, mesh, views.forward_micro_batching(cfg, "critic"))
+    reward_model = RewardModel(cfg.reward.model_path, cfg.model.dtype, mesh,
+                               views.forward_micro_batching(cfg, "critic"))
     rng = np.random.default_rng(0)
     prompt_mask = np.arange(4)[None, :] >= rng.integers(0, 3, (8, 1))  # left padding, at least one real token
     lengths = np.array([3, 1, 0, 5, 2, 4, 5, 1])

@@ -298,8 +298,10 @@ def test_plugin_with_format_term_uses_the_kind_rule(plugin_file):
 @pytest.mark.parametrize(
     "function, responses, message",
     [
-        ("fails_on_x", ["a", "b", "x"], r"my_rewards.py:fails_on_x raised ZeroDivisionError: .* on sample 2 \(response 'x'\)"),
-        ("fails_on_batches", ["a", "b"], "raised RuntimeError: batch too big on a batch of 2, though each sample alone"),
+        ("fails_on_x", ["a", "b", "x"],
+         r"my_rewards.py:fails_on_x raised ZeroDivisionError: .* on sample 2 \(response 'x'\)"),
+        ("fails_on_batches", ["a", "b"],
+         "raised RuntimeError: batch too big on a batch of 2, though each sample alone"),
         ("wrong_length", ["a", "b"], "returned 1 rewards for 2 responses"),
         ("strings", ["a", "b"], r"returned list \"\['high', 'high'\]\"; it must return a list or 1-D array of floats"),
         ("scalar", ["a", "b"], "returned float '1.0'; it must return a list or 1-D array"),
@@ -316,9 +318,11 @@ def test_plugin_call_errors_name_the_function(plugin_file, function, responses, 
 def test_plugin_load_errors(plugin_file, tmp_path):
     with pytest.raises(ValueError, match=r"reward.function='/no/such.py:fn': file '/no/such.py' does not exist"):
         build_reward_fn(RewardConfig(function="/no/such.py:fn"), None)
-    with pytest.raises(ValueError, match=r"reward.function='rewards.py' is invalid: expected 'path/to/file.py:function"):
+    with pytest.raises(ValueError,
+                       match=r"reward.function='rewards.py' is invalid: expected 'path/to/file.py:function"):
         build_reward_fn(RewardConfig(function="rewards.py"), None)
-    with pytest.raises(ValueError, match=r"'missing' does not exist in .*; its functions: \['fails_on_batches', 'fails_on_x'"):
+    with pytest.raises(ValueError,
+                       match=r"'missing' does not exist in .*; its functions: \['fails_on_batches', 'fails_on_x'"):
         build_reward_fn(RewardConfig(function=f"{plugin_file}:missing"), None)
     with pytest.raises(ValueError, match="'not_a_function' is not callable"):
         build_reward_fn(RewardConfig(function=f"{plugin_file}:not_a_function"), None)

@@ -385,7 +385,9 @@ def test_the_engine_applies_the_correction_whatever_the_cut():
     base = ragged_batch(3)
     rng = np.random.default_rng(3)
     offsets = rng.normal(0, 0.3, (base.num_sequences, 1))
-    batch = dataclasses.replace(base, rollout_log_prob=np.where(base.response_attention, base.old_log_prob - offsets, 0.0))
+    batch = dataclasses.replace(
+        base, rollout_log_prob=np.where(base.response_attention, base.old_log_prob - offsets, 0.0)
+    )
     correction = RolloutCorrection("geo_mask", 1.2)
     assert "rollout_log_prob" in loss_inputs(actor_cfg(rollout_correction=correction))
     mesh = mesh_of((2, 1, 1))

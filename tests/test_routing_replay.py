@@ -74,7 +74,9 @@ def test_the_sampler_records_every_fed_token_in_one_byte(rollout):
     # every prompt column (the prefill routes padding too) and every response token fed back to the model: all but
     # the last of a response that ran to the limit (no EOS here)
     np.testing.assert_array_equal(recorded[:, :p], True)
-    np.testing.assert_array_equal(recorded[:, p:], np.arange(length)[None, :] < exp.response_attention.sum(1)[:, None] - 1)
+    np.testing.assert_array_equal(
+        recorded[:, p:], np.arange(length)[None, :] < exp.response_attention.sum(1)[:, None] - 1
+    )
 
 
 def test_replay_makes_the_trainers_old_log_probs_the_samplers(rollout):

@@ -176,7 +176,8 @@ def test_norm_stats_count_a_row_split_over_the_sequence_axis_once():
     "overrides,devices,message",
     [
         (["mesh.sequence=3"], 8, "mesh.sequence=3 does not divide the 8 devices"),
-        (["mesh.sequence=2"], 8, "mesh.sequence=2 must divide rollout.prompt_bucket=8 and rollout.max_response_length=5"),
+        (["mesh.sequence=2"], 8,
+         "mesh.sequence=2 must divide rollout.prompt_bucket=8 and rollout.max_response_length=5"),
         (["mesh.sequence=4", "rollout.max_response_length=8", "actor.use_dynamic_bsz=true",
           "actor.ppo_max_token_len=18"], 8, "mesh.sequence=4 must divide actor.ppo_max_token_len=18"),
     ],

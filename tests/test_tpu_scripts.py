@@ -116,7 +116,8 @@ def test_launch_outlives_its_ssh_logs_per_worker_and_expands_home_on_the_worker(
     assert result.returncode == 0, result.stderr
     assert time.monotonic() - started < 3, "launch waited for the run instead of detaching it"
     host = subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip()
-    log, pid = tmp_path / "worker" / "jppo-logs" / f"worker-{host}.log", tmp_path / "worker" / "jppo-logs" / f"worker-{host}.pid"
+    log, pid = (tmp_path / "worker" / "jppo-logs" / f"worker-{host}.log",
+                tmp_path / "worker" / "jppo-logs" / f"worker-{host}.pid")
     assert f"started, pid {pid.read_text().strip()}" in result.stdout
     deadline = time.monotonic() + 30
     while "finished" not in log.read_text() and time.monotonic() < deadline:
@@ -167,7 +168,8 @@ def test_the_gpu_flags_exist_in_the_installed_xla():
     # XLA's GPU flags are in jaxlib's flag table on every platform (the TPU ones are libtpu's, not installed here)
     import jaxlib  # noqa: PLC0415
 
-    names = subprocess.run(["bash", "-c", f"source {SCRIPTS / 'xla_flags.sh'}; printf '%s\\n' \"${{JPPO_GPU_XLA_FLAGS[@]}}\""],
+    names = subprocess.run(["bash", "-c",
+                            f"source {SCRIPTS / 'xla_flags.sh'}; printf '%s\\n' \"${{JPPO_GPU_XLA_FLAGS[@]}}\""],
                            capture_output=True, text=True, check=True).stdout.split()
     assert len(names) >= 4
     libraries = sorted(pathlib.Path(jaxlib.__file__).parent.glob("*.so"), key=lambda p: -p.stat().st_size)
@@ -217,7 +219,8 @@ def test_launch_starts_a_run_stopped_on_a_signal_again_until_told_to_stop(tmp_pa
     loop with it, and a stop file (delete.sh --stop-only) ends it after the stop."""
     count = tmp_path / "count"
     # the run's stand-in: stopped by a signal twice (75), then done (0)
-    stand_in(tmp_path, "run", f'echo x >> {count}; n=$(wc -l < {count}); [[ $n -ge 3 ]] && exit 0; exit {PREEMPTED_EXIT}')
+    stand_in(tmp_path, "run",
+             f'echo x >> {count}; n=$(wc -l < {count}); [[ $n -ge 3 ]] && exit 0; exit {PREEMPTED_EXIT}')
     result = script("resume_loop.sh", str(tmp_path / "stop"), str(tmp_path / "run"))
     assert result.returncode == 0 and count.read_text().count("x") == 3, result.stdout
     assert result.stdout.count("starting again to resume") == 2

@@ -65,7 +65,8 @@ def test_validation_before_training_is_logged_at_step_zero_and_plotted(tmp_path)
     """``trainer.val_before_train`` validates the initial policy and logs it at step 0 (verl's global step 0); the
     plots show it, and a resumed run does not repeat it."""
     val = ["trainer.val_before_train=true", "data.num_val_examples=16", "data.val_batch_size=16"]
-    rows = train(tmp_path, "trainer.total_steps=1", "trainer.plots=true", "trainer.logger=[console,jsonl,tensorboard]", *val)
+    rows = train(tmp_path, "trainer.total_steps=1", "trainer.plots=true",
+                 "trainer.logger=[console,jsonl,tensorboard]", *val)
     assert [row["step"] for row in rows] == [0, 1]
     assert set(rows[0]) == {"step", "val/reward/mean", "val/accuracy"} and 0 <= rows[0]["val/reward/mean"] <= 1
     assert (tmp_path / "plots" / "validation.png").is_file()
@@ -131,7 +132,8 @@ def test_remax_baseline_is_the_reward_of_the_greedy_response(tmp_path):
     greedy_index = greedy.group_ids
     greedy_texts, _ = decode_responses(greedy, collector.inputs.tokenizer)
     reward_of_prompt = {
-        int(p): int(examples[p].answer) % 97 + sum(map(ord, text)) % 10 / 10 for p, text in zip(greedy_index, greedy_texts)
+        int(p): int(examples[p].answer) % 97 + sum(map(ord, text)) % 10 / 10
+        for p, text in zip(greedy_index, greedy_texts)
     }
     assert len(set(reward_of_prompt.values())) > 1  # else the comparison below could not tell prompts apart
     assert len(baselines) == len(prompt_index) == 4 * cfg.rollout.n
@@ -206,7 +208,8 @@ def test_help_says_what_runs_without_a_config(capsys, command):
                                                          "sequences per batch shard of a mini-batch "
                                                          "(actor.ppo_mini_batch_size=2 (prompts) x rollout.n=2"),
         (["actor.ppo_micro_batch_size=3"], "actor.ppo_micro_batch_size=3"),
-        (["data.task=files", "data.train_files=/nonexistent/train.jsonl"], "data.train_files='/nonexistent/train.jsonl'"),
+        (["data.task=files", "data.train_files=/nonexistent/train.jsonl"],
+         "data.train_files='/nonexistent/train.jsonl'"),
         (["model.path=/nonexistent/ckpt"], "model.path='/nonexistent/ckpt'"),
         (["mesh.data=3"], "mesh.data=3"),
         (["actor.policy_loss=gspo"], "actor.policy_loss='gspo' needs actor.loss_agg_mode='seq-mean-token-mean'"),
@@ -321,12 +324,13 @@ def test_resume_with_another_vocabulary_or_critic_is_refused_in_one_line(tmp_pat
     assert str(refused.value) == (f"{source} was trained with model.vocab_size=14, but this config has "
                                   "model.vocab_size=15 (the vocabulary of the tokenizer 'builtin:add_small')")
     narrow = load_config(QUICKSTART, ["model.hidden_size=32"])
-    save_pretrained(create_model(CausalLM, random_model_config(narrow, inputs.tokenizer), None, seed=0), tmp_path / "critic")
+    save_pretrained(create_model(CausalLM, random_model_config(narrow, inputs.tokenizer), None, seed=0),
+                    tmp_path / "critic")
     other = load_config(QUICKSTART, [*SMALL, f"trainer.output_dir={tmp_path / 'run'}",
                                      f"critic.model_path={tmp_path / 'critic'}"])
     with pytest.raises(ConfigError) as refused:
         read_resume(other, checkpoints)
-    assert str(refused.value) == (f"{source} was trained with critic.model_path=None (a critic of critic.hidden_size=64),"
-                                  f" but this config has critic.model_path='{tmp_path / 'critic'}' (a critic of "
-                                  "critic.hidden_size=32)")
+    assert str(refused.value) == (f"{source} was trained with critic.model_path=None (a critic of "
+                                  "critic.hidden_size=64), but this config has "
+                                  f"critic.model_path='{tmp_path / 'critic'}' (a critic of critic.hidden_size=32)")
     assert read_resume(cfg, checkpoints).checkpoint == str(checkpoints / "0")  # the run's own config resumes

@@ -158,7 +158,8 @@ def test_an_off_policy_run_does_not_depend_on_the_mesh_or_the_thread(tmp_path, o
     assert [row["async/staleness"] for row in off_policy_run] == [0.0, 1.0, 1.0]
     assert all(row["async/train_wait_s"] >= 0 and row["async/rollout_wait_s"] >= 0 for row in off_policy_run)
     assert "val/reward/mean" in off_policy_run[1] and "val/reward/mean" not in off_policy_run[2]
-    actual, expected = without_waits(train("grpo", tmp_path, 4, ["mesh.data=4", *OFF_POLICY])), without_waits(off_policy_run)
+    actual, expected = (without_waits(train("grpo", tmp_path, 4, ["mesh.data=4", *OFF_POLICY])),
+                        without_waits(off_policy_run))
     assert [row["step"] for row in actual] == [1, 2, 3]
     for step, (a, b) in enumerate(zip(actual, expected), start=1):
         assert set(a) == set(b), set(a) ^ set(b)
@@ -214,9 +215,9 @@ def test_an_off_policy_run_killed_mid_update_resumes_bitwise(tmp_path, off_polic
 
 
 def test_an_off_policy_run_stopped_by_signals_resumes_bitwise(tmp_path, off_policy_run, monkeypatch):
-    """SIGTERM or SLURM's SIGUSR1 at a seeded random point (tests/signals.py) of step 1, then of step 2 of the resumed run: each time
-    the run saves the step it is in and stops (jppo.parallel.preemption.Preempted; step 1 is not a periodic save); the
-    last resume logs what the uninterrupted run logged, bit for bit: no step lost, none twice."""
+    """SIGTERM or SLURM's SIGUSR1 at a seeded random point (tests/signals.py) of step 1, then of step 2 of the resumed
+    run: each time the run saves the step it is in and stops (jppo.parallel.preemption.Preempted; step 1 is not a
+    periodic save); the last resume logs what the uninterrupted run logged, bit for bit: no step lost, none twice."""
     import random
     import threading
 

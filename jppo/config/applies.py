@@ -213,8 +213,9 @@ def check_engine_keys(cfg: TrainConfig) -> None:
                               "rollout.vllm.kv_cache_memory_bytes or rollout.vllm.gpu_memory_utilization): remove it")
         value = cfg.rollout.devices
         if value != RolloutSection.devices:
-            raise ConfigError(f"rollout.devices={value!r} gives jppo's sampler a mesh of its own; rollout.engine='vllm' "
-                              "does not read it (vLLM takes the devices of its process, rollout.vllm.*): remove it")
+            raise ConfigError(f"rollout.devices={value!r} gives jppo's sampler a mesh of its own; "
+                              "rollout.engine='vllm' does not read it (vLLM takes the devices of its process, "
+                              "rollout.vllm.*): remove it")
     elif engine == "jppo":
         for key, value in _changed(cfg.rollout.vllm, "rollout.vllm."):
             instead = (f"jppo's sampler's is rollout.max_num_seqs={value!r}" if key == "rollout.vllm.max_num_seqs"

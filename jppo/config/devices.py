@@ -41,7 +41,8 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
     forward = cfg.rollout.log_prob_micro_batch_size
     if forward is not None and (forward < 1 or (sequences // shards) % forward):
         raise ConfigError(
-            f"rollout.log_prob_micro_batch_size={forward} must divide the {sequences // shards} sequences per batch shard"
+            f"rollout.log_prob_micro_batch_size={forward} must divide the "
+            f"{sequences // shards} sequences per batch shard"
         )
     bucket, response = cfg.rollout.prompt_bucket, cfg.rollout.max_response_length
     for role in cfg.roles:

@@ -215,7 +215,8 @@ def render(schema: type = TrainConfig) -> str:
         "Every key can be set in the YAML file or on the command line as `section.key=value`.",
         "The last column says where a key is read when not every run reads it (`jppo/config/applies.py`); a key the",
         "chosen `rollout.engine` does not read is refused when set to other than its default, in one line naming what",
-        "to set instead. So is a key of RL runs only in an SFT config (`python -m jppo.sft`'s, or one that sets an `sft`",
+        "to set instead. So is a key of RL runs only in an SFT config (`python -m jppo.sft`'s, "
+        "or one that sets an `sft`",
         "key), and an `sft` key in an RL run's (`python -m jppo.train`).",
     ]
     hints, every = typing.get_type_hints(schema), keys(schema)

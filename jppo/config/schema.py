@@ -20,10 +20,11 @@ from jppo.core.settings import ActorFields, CriticFields, LoRAConfig
 class ModelSection:
     """The policy. ``path``: a local Hugging Face checkpoint directory; without it a model of the shape given by
     the other keys (:data:`RANDOM_MODEL`) is initialised at random (``trainer.seed``); ``dtype`` (compute),
-    ``param_dtype`` (stored weights), ``remat``, ``attention`` (and its block sizes) and ``layer_loop`` apply to a checkpoint too, and to the critic built from it. Mixed precision is
-    ``param_dtype: float32`` with ``dtype: bfloat16``; half-precision weights are refused, as Adam's updates would
-    round away. ``tokenizer``: a directory holding ``tokenizer.json`` (default:
-    ``path``), or ``builtin:<task>`` for a built-in task's character vocabulary (the default without ``path``).
+    ``param_dtype`` (stored weights), ``remat``, ``attention`` (and its block sizes) and ``layer_loop`` apply to a
+    checkpoint too, and to the critic built from it. Mixed precision is ``param_dtype: float32`` with
+    ``dtype: bfloat16``; half-precision weights are refused, as Adam's updates would round away. ``tokenizer``: a
+    directory holding ``tokenizer.json`` (default: ``path``), or ``builtin:<task>`` for a built-in task's character
+    vocabulary (the default without ``path``).
 
     Every key but ``path`` and ``tokenizer`` is the :class:`~jppo.models.config.ModelConfig` field of its name, of
     its type, with the default of a small test model (tests/test_config.py holds them to ModelConfig's fields)."""
@@ -102,7 +103,8 @@ class CriticSection(CriticFields, UpdateSectionFields):
     # a Hugging Face checkpoint of the critic: its decoder, and its value head if it has score.weight (else a new
     # head); None: model.path, or without one a copy of the random policy's decoder
     model_path: Optional[str] = None
-    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # adapters on the critic's backbone, new head trained
+    # adapters on the critic's backbone, new head trained
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +190,8 @@ class RolloutSection:
     max_turns: int = 4  # model turns per response with an env
     max_num_seqs: int = 0  # rows decoded at once; 0: every row of the batch (continuous batching below that)
     cache_blocks: str = "auto"  # response-cache blocks: auto (1 on GPU, 8 on CPU and TPU) | an integer N >= 1
-    engine: str = "jppo"  # what samples: jppo (its own sampler) or vllm (its install: README, Train a Hugging Face model)
+    # what samples: jppo (its own sampler) or vllm (its install: README, Train a Hugging Face model)
+    engine: str = "jppo"
     devices: int = 0  # the rollout's own devices, each process's last N / P; 0: the sampler shares the training mesh
     vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)  # rollout.engine=vllm's start-up options
 

@@ -151,4 +151,6 @@ def _check_host_batch(exp: Experience) -> None:
             "(mask out tokens the loss skips with response_mask instead)"
         )
     if np.any(exp.prompt_mask.sum(-1) == 0):
-        raise ValueError("every sequence needs at least one prompt token (the first response token is predicted from it)")
+        raise ValueError(
+            "every sequence needs at least one prompt token (the first response token is predicted from it)"
+        )

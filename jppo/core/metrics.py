@@ -160,7 +160,9 @@ def _combine_one(name: str, a: Metric, b: Metric) -> Metric:
         return _merge_moments(a, b)
     pick = jnp.maximum if kind == "max" else jnp.minimum
     # A piece without data (denominator 0) must not win the max/min with its sentinel value.
-    numerator = jnp.where(a.denominator == 0, b.numerator, jnp.where(b.denominator == 0, a.numerator, pick(a.numerator, b.numerator)))
+    numerator = jnp.where(
+        a.denominator == 0, b.numerator, jnp.where(b.denominator == 0, a.numerator, pick(a.numerator, b.numerator))
+    )
     return Metric(numerator, a.denominator + b.denominator)
 
 

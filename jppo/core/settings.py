@@ -3,9 +3,10 @@
 The trainer's config sections (:mod:`jppo.config.schema`) compose these records, and so do the engine's configs
 (:mod:`jppo.engine.config`), the policy losses (:mod:`jppo.losses.policy`), the rollout correction
 (:mod:`jppo.losses.rollout_correction`) and LoRA (:mod:`jppo.models.lora`), which import them from here, their one
-home (the packages ``jppo.losses`` and ``jppo.engine`` export some of them too): they live at the bottom so that loading and checking a config loads the config layer and ``jppo.core`` only. A record here holds
-fields and the checks that need nothing but its own values; what needs a component (a registry's names, a model's
-shape) is that component's check, run on the config by :mod:`jppo.run.checks`.
+home (the packages ``jppo.losses`` and ``jppo.engine`` export some of them too): they live at the bottom so that loading
+and checking a config loads the config layer and ``jppo.core`` only. A record here holds fields and the checks that need
+nothing but its own values; what needs a component (a registry's names, a model's shape) is that component's check, run
+on the config by :mod:`jppo.run.checks`.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ class RolloutCorrection:
     def check(self) -> None:
         """:class:`~jppo.core.errors.InvalidSetting` naming the first setting the mode cannot use."""
         if self.mode not in ROLLOUT_CORRECTION_MODES:
-            raise InvalidSetting("rollout_correction.", "mode", self.mode, f"one of {', '.join(ROLLOUT_CORRECTION_MODES)}")
+            raise InvalidSetting(
+                "rollout_correction.", "mode", self.mode, f"one of {', '.join(ROLLOUT_CORRECTION_MODES)}"
+            )
         if self.mode in REJECTION_MODES + ("geo_mask",) and not self.threshold > 1:
             raise InvalidSetting("rollout_correction.", "threshold", self.threshold, f"> 1 for mode {self.mode!r}")
         if self.mode in ("token_tis", "seq_tis", "geo_tis") and not self.threshold > 0:

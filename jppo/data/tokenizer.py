@@ -285,7 +285,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
         if alphabet is None:
             raise ValueError(
                 f"tokenizer {spec!r} (model.tokenizer): task {task_name!r} has no built-in vocabulary (built-in: "
-                f"{', '.join(BUILTIN_PREFIX + name for name in BUILTIN_TASKS)}); give a Hugging Face tokenizer directory"
+                f"{', '.join(BUILTIN_PREFIX + name for name in BUILTIN_TASKS)}); "
+                "give a Hugging Face tokenizer directory"
             )
         return CharTokenizer(alphabet)
     if not pathlib.Path(spec).is_dir():

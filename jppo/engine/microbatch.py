@@ -125,7 +125,9 @@ def fixed_micro_batches(batch: Experience, num_shards: int, micro_batch_size: in
         input_ids=np.where(real, ids, 0)[row_ids].astype(np.int32),
         positions=positions[row_ids].astype(np.int32),
         segment_ids=segments[row_ids],
-        gather_index=np.broadcast_to(fixed_gather_index(micro_batch_size, p, length), (k, num_shards, micro_batch_size, length)).astype(np.int32),
+        gather_index=np.broadcast_to(
+            fixed_gather_index(micro_batch_size, p, length), (k, num_shards, micro_batch_size, length)
+        ).astype(np.int32),
         slots=_slots(batch, row_ids),
         row_ids=row_ids,
     )
@@ -163,7 +165,9 @@ def packed_cut(lengths: np.ndarray, num_shards: int, max_token_len: int) -> tupl
             f"ppo_max_token_len={max_token_len} is smaller than the longest sequence ({longest} tokens)"
         )
     shards = _shard_rows(len(lengths), num_shards)
-    shard_bins = [[shards[d][b] for b in _first_fit_decreasing(lengths[shards[d]], max_token_len)] for d in range(num_shards)]
+    shard_bins = [
+        [shards[d][b] for b in _first_fit_decreasing(lengths[shards[d]], max_token_len)] for d in range(num_shards)
+    ]
     k = next_power_of_two(max(len(bins) for bins in shard_bins))
     s = next_power_of_two(max(len(b) for bins in shard_bins for b in bins))
     row_ids = np.full((k, num_shards, s), -1, np.int32)

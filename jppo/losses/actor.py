@@ -1,8 +1,8 @@
 """The actor's loss for one micro-batch.
 
 ``actor = pg - entropy_coeff * entropy + kl_loss_coef * kl``: every term is aggregated with the SAME mode and
-:class:`~jppo.core.masked.NormStats`, so the sum of the micro-batch shares is the whole-mini-batch objective whatever the
-cut. The critic's loss is :func:`~jppo.losses.value.value_loss`.
+:class:`~jppo.core.masked.NormStats`, so the sum of the micro-batch shares is the whole-mini-batch objective whatever
+the cut. The critic's loss is :func:`~jppo.losses.value.value_loss`.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ from it: ``dv = p^T do``, ``ds = p (do v^T - rowsum(do * out))``, ``dq = ds k / 
 sqrt(E)``; no ``[T, S]`` array is stored, only ``O(T)`` residuals (the inputs, the output and the log-sum-exp).
 A block pair with no visible (query, key) in any row is skipped (``lax.cond``): under causal masking about half of
 them; except on a GPU, where XLA runs a conditional by copying its predicate to the host and waiting for it, once per
-block pair: there every pair is computed, the invisible ones adding exact zeros. Masked scores are replaced before the exponentials and their weights zeroed, as in the reference, so a query
-with nothing visible (padding) gets exactly 0, and so do the gradients through it.
+block pair: there every pair is computed, the invisible ones adding exact zeros. Masked scores are replaced before the
+exponentials and their weights zeroed, as in the reference, so a query with nothing visible (padding) gets exactly 0,
+and so do the gradients through it.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def _visit_if(skip: bool, visible: Array, visit, carry):
 
 def _forward(query, key, value, query_segments, query_slots, key_segments, key_slots, skip=True):
     """Blocked inputs: ``query [n_q, B, K, G, q, E]``, ``key``/``value [n_kv, B, K, s, E]``, segments and slots
-    ``[n, B, q|s]``; ``skip``: see :func:`_visit_if`. Returns the output ``[n_q, B, K, G, q, E]`` (query dtype) and the log-sum-exp
-    ``[n_q, B, K, G, q]`` (float32, 0 where nothing is visible)."""
+    ``[n, B, q|s]``; ``skip``: see :func:`_visit_if`. Returns the output ``[n_q, B, K, G, q, E]`` (query dtype) and the
+    log-sum-exp ``[n_q, B, K, G, q]`` (float32, 0 where nothing is visible)."""
     precision = wide(query.dtype)
     lowest = jnp.finfo(precision).min
 

@@ -219,7 +219,8 @@ def decode_attention(
     once for its ``n`` samples: its scores are one ``[n G, E] x [E, P]`` product per (prompt, kv head) instead of
     ``n`` matrix-vector products over ``n`` copies. The response slots come in blocks (:func:`response_blocks`):
     ``response_keys``/``response_values`` hold ``[R, K, M_b, E]`` per block, ``response_visible [R, M]`` (or ``[1, M]``,
-    the same for every row) the visible slots of all blocks in order. Heads-before-slots layouts make every contraction a plain batched matmul.
+    the same for every row) the visible slots of all blocks in order. Heads-before-slots layouts make every contraction
+    a plain batched matmul.
 
     Each block ``b`` gives its partial softmax: its scores' maximum ``m_b``, ``s_b = sum exp(score - m_b)`` and
     ``o_b = sum exp(score - m_b) v``; a later block no row can see is skipped (``lax.cond``: its ``m_b`` is the

@@ -102,7 +102,9 @@ def tensor_bytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
-def group_into_shards(layout: Iterable[tuple[str, tuple[int, ...], np.dtype]], max_shard_bytes: int | None) -> list[Layout]:
+def group_into_shards(
+    layout: Iterable[tuple[str, tuple[int, ...], np.dtype]], max_shard_bytes: int | None
+) -> list[Layout]:
     """``layout`` cut, in order, into shards of at most ``max_shard_bytes`` each (``None``: one shard). A tensor is
     never split: one larger than the limit is a shard of its own (as transformers does)."""
     shards: list[Layout] = [[]]

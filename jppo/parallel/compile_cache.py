@@ -66,9 +66,9 @@ def normalize(setting: Optional[str]) -> str:
 
 
 def folder(setting: str) -> pathlib.Path:
-    """The folder a setting other than auto / off names, ``~`` expanded. :class:`~jppo.core.errors.InvalidSetting` unless
-    it is an absolute path (an empty value, a relative folder or a URI such as ``gs://...`` is not: JAX bounds its
-    cache only on a local file system)."""
+    """The folder a setting other than auto / off names, ``~`` expanded. :class:`~jppo.core.errors.InvalidSetting`
+    unless it is an absolute path (an empty value, a relative folder or a URI such as ``gs://...`` is not: JAX bounds
+    its cache only on a local file system)."""
     path = pathlib.Path(os.path.expanduser(setting))
     if not setting.strip() or not path.is_absolute():
         raise InvalidSetting("trainer.", "compilation_cache", setting, VALID)

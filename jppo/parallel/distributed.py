@@ -215,11 +215,15 @@ def _process_settings(args: argparse.Namespace) -> Optional[dict]:
         try:
             num_processes, process_id = int(num_processes), int(process_id)
         except ValueError:
-            raise DistributedError(f"--num-processes={num_processes!r} and --process-id={process_id!r} must be integers") from None
+            raise DistributedError(
+                f"--num-processes={num_processes!r} and --process-id={process_id!r} must be integers"
+            ) from None
         if num_processes < 1:
             raise DistributedError(f"--num-processes={num_processes} must be >= 1")
         if not 0 <= process_id < num_processes:
-            raise DistributedError(f"--process-id={process_id} must be in [0, {num_processes}) for --num-processes={num_processes}")
+            raise DistributedError(
+                f"--process-id={process_id} must be in [0, {num_processes}) for --num-processes={num_processes}"
+            )
         host, _, port = coordinator.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise DistributedError(f"--coordinator={coordinator!r} must be HOST:PORT with a port in 1..65535")

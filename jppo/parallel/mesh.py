@@ -7,7 +7,8 @@ parallelism: the tokens of every packed row of a training or log-prob pass, spli
 of the batch as ``data`` splits them, so that no device of the axis idles outside the experts; the tokens meet their
 experts inside :func:`jppo.models.moe.moe_mlp`). The row axes, which split the rows of a batch, are ``data``,
 ``fsdp`` and ``expert`` (:data:`ROW_AXES`); the batch axes, which split rows or tokens and so are the axes every
-global count is summed over, are those and ``sequence`` (:data:`BATCH_AXES`, docs/contract.md#every-new-axis-is-a-batch-axis).
+global count is summed over, are those and ``sequence`` (:data:`BATCH_AXES`,
+docs/contract.md#every-new-axis-is-a-batch-axis).
 
 Parameters and activations are annotated with *logical* axis names; :data:`LOGICAL_RULES` maps each logical
 name to mesh axes. It is the only place that decides how anything is laid out: change it here and the model,

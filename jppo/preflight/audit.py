@@ -151,7 +151,9 @@ def relative(name: str, a: float, b: float) -> float:
 def gradient_diffs(outcome: Outcome, reference: Outcome) -> tuple[float, float]:
     """Relative difference ``||g - g_ref|| / ||g_ref||`` of the first optimizer step's gradient, and of all steps'
     gradients concatenated."""
-    first = np.linalg.norm(outcome.gradients[0] - reference.gradients[0]) / max(np.linalg.norm(reference.gradients[0]), 1e-30)
+    first = np.linalg.norm(outcome.gradients[0] - reference.gradients[0]) / max(
+        np.linalg.norm(reference.gradients[0]), 1e-30
+    )
     whole, whole_ref = np.concatenate(outcome.gradients), np.concatenate(reference.gradients)
     return float(first), float(np.linalg.norm(whole - whole_ref) / max(np.linalg.norm(whole_ref), 1e-30))
 

@@ -6,8 +6,9 @@ and is empty on GPU; here a ``while`` whose trip count is fixed multiplies its b
 XLA recorded (``known_trip_count``), or read off a condition that compares the loop's counter with a constant
 (``counter < N``, from the counter's constant start: every ``lax.scan`` and ``fori_loop``). A loop whose count
 depends on the data (the decoding loop, which stops when every row has ended) counts once for the collectives,
-and ``unknown_trips`` times for the flops (None: no flops). A conditional counts its costliest branch (an update's micro-batch without tokens skips its
-model, the first K - 1 micro-batches skip the optimizer: the figures are those of full micro-batches).
+and ``unknown_trips`` times for the flops (None: no flops). A conditional counts its costliest branch (an update's
+micro-batch without tokens skips its model, the first K - 1 micro-batches skip the optimizer: the figures are those of
+full micro-batches).
 
 Flops are those of matrix products (``dot``, ``convolution``, and the GPU's library GEMMs): ``2 x output
 elements x contracted size``, per device; elementwise work is left out.
@@ -210,7 +211,9 @@ def _callees(instruction: Instruction) -> list[tuple[str, str]]:
     return found
 
 
-def _count(module: Module, computation: str, unknown_trips: Optional[int], memo: dict) -> tuple[Counter, Optional[float]]:
+def _count(
+    module: Module, computation: str, unknown_trips: Optional[int], memo: dict
+) -> tuple[Counter, Optional[float]]:
     """``(collectives, flops)`` of one run of ``computation`` (see the module docstring)."""
     if computation in memo:
         return memo[computation]
@@ -225,7 +228,9 @@ def _count(module: Module, computation: str, unknown_trips: Optional[int], memo:
         if branches:
             most = max(branches, key=lambda b: (sum(b[0].values()), b[1] or 0.0))
             collectives += most[0]
-            flops = None if flops is None or any(b[1] is None for b in branches) else flops + max(b[1] for b in branches)
+            flops = (
+                None if flops is None or any(b[1] is None for b in branches) else flops + max(b[1] for b in branches)
+            )
         for kind, name in callees:
             if kind == "branch":
                 continue

@@ -3,8 +3,9 @@ run needs on each device, computed from the config and the model's shapes before
 
 No weights are read (with ``model.path`` only its ``config.json``) and nothing is compiled: parameter shapes come
 from ``nnx.eval_shape`` of the model, and each array is divided by the number of shards the one rule table
-(:data:`jppo.parallel.mesh.LOGICAL_RULES`, through :func:`jppo.parallel.mesh.fitted_spec`) gives it on the mesh. The mesh is the
-config's ``mesh.*`` on ``--devices`` devices (default: this machine's), so a plan can be made for another machine.
+(:data:`jppo.parallel.mesh.LOGICAL_RULES`, through :func:`jppo.parallel.mesh.fitted_spec`) gives it on the mesh. The
+mesh is the config's ``mesh.*`` on ``--devices`` devices (default: this machine's), so a plan can be made for another
+machine.
 
 Symbols: ``n`` a model's parameters on one device (each tensor divided by its shards: a mixture's experts by
 ``mesh.expert``), ``p`` / ``c`` / ``a`` the
@@ -333,4 +334,6 @@ def accumulates_gradients(cfg: TrainConfig, role: str, mesh: dict[str, int]) -> 
     from jppo.config.views import engine_view  # noqa: PLC0415 (views imports the models; keep `--help` light)
     from jppo.engine.config import fixed_micro_batch_count  # noqa: PLC0415
 
-    return fixed_micro_batch_count(engine_view(cfg, role), row_shards_of([mesh.get(axis, 1) for axis in MESH_AXES])) != 1
+    return (
+        fixed_micro_batch_count(engine_view(cfg, role), row_shards_of([mesh.get(axis, 1) for axis in MESH_AXES])) != 1
+    )

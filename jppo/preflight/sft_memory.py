@@ -9,8 +9,8 @@ parameters             ``(n + t_lora) p``: the policy, and its adapters with ``a
 optimizer state        ``t a (2 + 1)``: AdamW's moments and the accumulator of ``optax.MultiSteps`` (none when
                        one micro-batch makes the step: K = ``sft.batch_size / (data x fsdp) /
                        actor.ppo_micro_batch_size`` = 1; SGD keeps no moments)
-the update's phases    the RL actor's (:func:`jppo.preflight.memory.update_phases`: the layers' backward pass, the LM head's,
-                       the optimizer step) for a micro-batch of ``r = actor.ppo_micro_batch_size`` rows of
+the update's phases    the RL actor's (:func:`jppo.preflight.memory.update_phases`: the layers' backward pass, the LM
+                       head's, the optimizer step) for a micro-batch of ``r = actor.ppo_micro_batch_size`` rows of
                        ``w = sft.max_length`` tokens (the longest row the data may hold), or one packed row of
                        ``w = actor.ppo_max_token_len`` with ``actor.use_dynamic_bsz``
 validation             when the rows are ``data.task``'s demonstrations and the run validates: the sampler's

@@ -169,8 +169,8 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
     Args:
         model: a ``CausalLM`` (``for_decoding``/``prefill``/``decode``/``decoding_layers``/``init_response_cache``/
             ``logits``).
-        prompt_ids: ``[B, P]`` integer, padded (left-padded by :func:`~jppo.rollout.sampler.pad_prompts`; any layout works, since
-            each row continues after its last real token).
+        prompt_ids: ``[B, P]`` integer, padded (left-padded by :func:`~jppo.rollout.sampler.pad_prompts`; any layout
+            works, since each row continues after its last real token).
         prompt_mask: ``[B, P]`` bool (or 0/1), 1 on real prompt tokens.
         key: PRNG key.
         params: static :class:`SamplingParams`.

@@ -99,10 +99,11 @@ def unsupported(config: ModelConfig, shape_keys: str) -> Optional[str]:
 
 
 def check_settings(options, config: ModelConfig, shape_keys: str, context: int, context_keys: str) -> None:
-    """A one-line :class:`ConfigError` for ``rollout.vllm`` options (:class:`jppo.config.schema.VLLMSection`) vLLM refuses or a policy it cannot run
-    (:func:`unsupported`; ``shape_keys``: the keys that give the policy's shape), or a longest request
-    (``context`` tokens, :func:`jppo.config.views.rollout_engine_spec`, given by ``context_keys``) beyond the policy's
-    ``max_position_embeddings``, which vLLM refuses (jppo's sampler does not: its RoPE angles are per position)."""
+    """A one-line :class:`ConfigError` for ``rollout.vllm`` options (:class:`jppo.config.schema.VLLMSection`) vLLM
+    refuses or a policy it cannot run (:func:`unsupported`; ``shape_keys``: the keys that give the policy's shape), or a
+    longest request (``context`` tokens, :func:`jppo.config.views.rollout_engine_spec`, given by ``context_keys``)
+    beyond the policy's ``max_position_embeddings``, which vLLM refuses (jppo's sampler does not: its RoPE angles are
+    per position)."""
     try:
         options.check()
     except InvalidSetting as error:

@@ -198,7 +198,9 @@ def _check_rollout(cfg: TrainConfig) -> None:
     if cfg.rollout.engine == "vllm":  # installed, its options, the policy's shape: before anything is built
         shape, keys = ((read_config(cfg.model.path), f"model.path={cfg.model.path!r}") if cfg.model.path
                        else (random_model_config(cfg, None), "model.hidden_size / model.num_heads"))
-        vllm_engine.check_settings(cfg.rollout.vllm, shape, keys, rollout_engine_spec(cfg, None).max_model_len, CONTEXT_KEYS)
+        vllm_engine.check_settings(
+            cfg.rollout.vllm, shape, keys, rollout_engine_spec(cfg, None).max_model_len, CONTEXT_KEYS
+        )
 
 
 def _check_batch_sizes(cfg: TrainConfig) -> None:

@@ -260,7 +260,8 @@ def collect(
     elif c.ref_params is not None:
         with timer("ref_log_prob"):
             exp = dataclasses.replace(
-                exp, ref_log_prob=forward_batch(c.log_probs_of, c.ref_params, exp, c.mesh, rows=unreplayed(), **actor_cut)
+                exp,
+                ref_log_prob=forward_batch(c.log_probs_of, c.ref_params, exp, c.mesh, rows=unreplayed(), **actor_cut),
             )
     if state.critic is not None:
         with timer("values"):

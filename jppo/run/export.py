@@ -21,8 +21,8 @@ the adapters in PEFT's layout (``adapter_config.json``, ``adapter_model.safetens
 
 Everything is written into a temporary sibling directory that is renamed to ``OUT_DIR`` once complete, so a
 reader never sees half an export. ``OUT_DIR`` may be a ``gs://`` URI (written through ``etils.epath``); an object
-store has no directory rename, so there the files are written in place (see :func:`write_atomically`). The trainer's end-of-run export (``trainer.export_hf``) calls
-:func:`export_policy` too. Errors are one line, exit status 2.
+store has no directory rename, so there the files are written in place (see :func:`write_atomically`). The trainer's
+end-of-run export (``trainer.export_hf``) calls :func:`export_policy` too. Errors are one line, exit status 2.
 """
 
 from __future__ import annotations
@@ -280,4 +280,5 @@ def export_kept(
     if adapters is None:
         raise ExportError("--keep-adapters: the run trained no LoRA adapters (actor.lora.rank is 0)")
     return export_policy(base_policy(model), cfg, tokenizer, out, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                         replace=replace, extra=lambda directory: save_peft_adapter(adapters, cfg.actor.lora, directory))
+                         replace=replace,
+                         extra=lambda directory: save_peft_adapter(adapters, cfg.actor.lora, directory))

@@ -109,7 +109,9 @@ def concat(parts: list[Scored], pad_id: int) -> Scored:
         elif name == "prompt_mask":
             arrays = [left_pad(a, width, False) for a in arrays]
         elif name == "routed_experts":  # the prompt's columns come first: padded like the prompts, not recorded
-            arrays = [left_pad(a, width, np.iinfo(a.dtype).max, p.exp.prompt_ids.shape[1]) for a, p in zip(arrays, parts)]
+            arrays = [
+                left_pad(a, width, np.iinfo(a.dtype).max, p.exp.prompt_ids.shape[1]) for a, p in zip(arrays, parts)
+            ]
         elif name == "group_ids":
             arrays = [a + offset for a, offset in zip(arrays, offsets)]
         return np.concatenate(arrays)
