@@ -14,12 +14,14 @@ SIGNAL_POINTS = ("collect", "rollout", "update", "wait", "log", "save")
 def signal_at(monkeypatch, step: int, point: str, number: int) -> None:
     """Sends ``number`` to this process once, when training step ``step`` enters ``point`` (``monkeypatch``: a
     pytest ``MonkeyPatch``, undone with it)."""
+    import jppo.run.lifecycle as lifecycle
     import jppo.run.loop as loop
     import jppo.run.offpolicy as offpolicy
     from jppo.runlog import RunLogger
 
     owner, name = {"collect": (loop, "collect"), "rollout": (offpolicy, "generate"), "update": (loop, "learn"),
-                   "wait": (offpolicy.OffPolicy, "finish"), "log": (RunLogger, "log"), "save": (loop, "save")}[point]
+                   "wait": (offpolicy.OffPolicy, "finish"), "log": (RunLogger, "log"),
+                   "save": (lifecycle, "save")}[point]
     current, fired, train_step, original = [0], [], loop.train_step, getattr(owner, name)
 
     def counted(collector, learner, state, *args):

@@ -108,7 +108,10 @@ def run(
         state, collector, learner, policy, record = restore(cfg, mesh, inputs, this_run.resume, rollout_mesh)
         evaluate = None if inputs.val_data is None else partial(evaluate_and_log, collector)
         with off_policy(cfg, collector) as rollouts:
-            step = partial(train_step, collector, learner, rollouts=rollouts)
+
+            def step(s: RunState, timer: PhaseTimer) -> tuple[RunState, dict[str, float]]:
+                return train_step(collector, learner, s, timer, rollouts)
+
             state, metrics = train(this_run, state, step, evaluate, record)
     finish(cfg, policy, state.actor.weights, inputs.tokenizer, this_run.out, this_run.main)
     return metrics
