@@ -218,43 +218,6 @@ def peer_phases(result: dict) -> list[str]:
     return lines
 
 
-def _memory(result: dict) -> list[str]:
-    model, batch = result["model"], result["batch"]
-    lines = _table_section(
-        "Memory (one actor update step)",
-        f"{model['layers']} layers d{model['hidden']}, vocabulary {model['vocab']:,}, {batch['rows']} rows x T = "
-        f"{batch['length']}; one [B, T, V] float32 logits array is {result['full_logits_array_bytes'] / MIB:.0f} MiB. "
-        "Each variant in a fresh process.",
-        ["variant", "log-prob chunk", "peak RSS MiB", "RSS increase during the step MiB", "XLA temp MiB"],
-    )
-    for name, v in result["variants"].items():
-        lines.append(
-            f"| {name} | {v['log_prob_chunk_size']} | {v['peak_rss_bytes'] / MIB:,.0f} | "
-            f"{v['step_rss_increase_bytes'] / MIB:,.0f} | {v['xla_temp_bytes'] / MIB:,.0f} |"
-        )
-    return lines + [""]
-
-
-def _long_context(result: dict) -> list[str]:
-    model = result["model"]
-    lines = _table_section(
-        "Long rows: attention in blocks",
-        f"One update step of {model['layers']} layers d{model['hidden']} ({model['heads']} heads) on one packed row "
-        f"of T tokens, reference (dense [T, T] scores) vs blockwise ({result['blocks']['block_q']} x "
-        f"{result['blocks']['block_kv']} blocks); time only up to 4k tokens.",
-        ["T", "reference XLA temp MiB", "blockwise XLA temp MiB", "memory ratio", "reference ms", "blockwise ms",
-         "time ratio"],
-    )
-    for length, row in result["lengths"].items():
-        reference, blockwise = row["reference"], row["blockwise"]
-        ms = lambda r: f"{1e3 * r['median_s']:,.0f}" if "median_s" in r else "n/a"  # noqa: E731
-        lines.append(
-            f"| {length} | {reference['xla_temp_bytes'] / MIB:,.1f} | {blockwise['xla_temp_bytes'] / MIB:,.1f} | "
-            f"{row['memory_ratio']:.3f} | {ms(reference)} | {ms(blockwise)} | {_num(row.get('time_ratio'))} |"
-        )
-    return lines + [""]
-
-
 def _accelerator(result: dict) -> list[str]:
     update, decode, peak = result["update"], result["decode"], result["device_peak_bytes"]
     batch = update["batch"]
@@ -272,36 +235,6 @@ def _accelerator(result: dict) -> list[str]:
         f"- device peak memory: {'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'}",
         "",
     ]
-
-
-def _transfers(result: dict) -> list[str]:
-    size, steps = result["size"], result["steps"]
-    first = next(iter(steps.values()))
-    lines = _table_section(
-        "Host <-> device bytes of one training step",
-        f"GRPO, {first['rows']} rows x ({first['prompt_length']} prompt + {first['response_length']} response) "
-        f"tokens (the GSM8K config's lengths / {size['scale']}), {size['layers']} layers d{size['hidden']}, "
-        f"{result['devices']} devices; one Experience = {first['experience_bytes'] / MIB:.2f} MiB. "
-        "MiB moved in the step after a warm-up, and as multiples of the Experience (x exp).",
-        ["phase"] + [f"{name} {column}" for name in steps for column in ("h2d MiB", "d2h MiB", "h2d x exp", "d2h x exp")],
-    )
-    phases = list(dict.fromkeys(phase for step in steps.values() for phase in step["phases"]))
-    for phase in phases + ["step"]:
-        cells = []
-        for step in steps.values():
-            unit = step["experience_bytes"]
-            moved = (step["h2d_bytes"], step["d2h_bytes"]) if phase == "step" else (
-                step["phases"].get(phase, {}).get("h2d", 0), step["phases"].get(phase, {}).get("d2h", 0))
-            cells += [f"{b / MIB:,.3f}" for b in moved] + [f"{b / unit:.2f}" for b in moved]
-        name = f"**{phase}**" if phase == "step" else phase
-        lines.append(f"| {name} | {' | '.join(cells)} |")
-    lines += ["", f"By field ({next(iter(steps))}):", "", "| phase | direction | field | MiB | crossings |",
-              "|---|---|---|---:|---:|"]
-    for row in first["crossings"]:
-        if row["bytes"] >= 1024:
-            lines.append(f"| {row['phase']} | {row['direction']} | `{row['field']}` ({row['site']}) | "
-                         f"{row['bytes'] / MIB:,.3f} | {row['crossings']} |")
-    return lines + [""]
 
 
 def _batching(result: dict) -> list[str]:
@@ -345,10 +278,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "rollout_shapes": _rollout_shapes,
     "end_to_end": _end_to_end,
     "peers": _peers,
-    "memory": _memory,
     "accelerator": _accelerator,
-    "transfers": _transfers,
-    "long_context": _long_context,
 }
 
 

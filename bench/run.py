@@ -5,14 +5,12 @@
                         [--e2e-set key.sub=value ...]
 
 Benchmarks (each a ratio of candidates measured side by side in this one run; see each module's docstring):
-``memory`` (chunked log-probs vs full logits, in child processes), ``batching`` (continuous batching on a
-long-tailed workload, one prompt block per prompt vs per sample), ``accumulation`` (K = 1..8 micro-batches,
-global vs legacy normalization), ``update_vs_torch`` (jppo vs PyTorch eager, tiny and small), ``sampler`` (KV
-cache vs recomputation vs transformers), ``rollout_shapes`` (the sampler vs transformers at a GSM8K-like shape),
-``end_to_end`` (the quickstart config), ``peers`` (seconds per GRPO step vs TRL's GRPOTrainer, when TRL is
-installed), ``transfers`` (host <-> device
-bytes of one GRPO step at a GSM8K-like shape, by phase and field), and ``accelerator`` (MFU, decode
-roofline, device memory), which runs by default only when JAX's backend is a GPU or TPU.
+``accumulation`` (K = 1..8 micro-batches, global vs legacy normalization), ``update_vs_torch`` (jppo vs PyTorch
+eager, tiny and small), ``sampler`` (KV cache vs recomputation vs transformers), ``rollout_shapes`` (the sampler
+vs transformers at a GSM8K-like shape), ``batching`` (continuous batching on a long-tailed workload, one prompt
+block per prompt vs per sample), ``end_to_end`` (the quickstart config), ``peers`` (seconds per GRPO step vs
+TRL's GRPOTrainer, when TRL is installed), and ``accelerator`` (MFU, decode roofline, device memory), which runs
+by default only when JAX's backend is a GPU or TPU.
 
 ``--quick`` is CI's smoke mode: tiny sizes, two repeats, the quickstart for a few steps, and XLA's backend
 optimisation level 0 (compiles in about half the time; the programs are the same, only slower): its numbers mean
@@ -36,7 +34,7 @@ from typing import Callable
 
 import jax
 
-from bench import accelerator, accumulation, batching, end_to_end, long_context, memory, transfers
+from bench import accelerator, accumulation, batching, end_to_end
 from bench.environment import describe, match_torch_threads
 from bench.report import write_markdown
 from jppo.config import ConfigError
@@ -44,8 +42,7 @@ from jppo.config import ConfigError
 # Smoke mode compiles with LLVM optimisation off: about half the compile time, the same programs.
 QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0"
 ORDER = (
-    "memory", "accumulation", "update_vs_torch", "sampler", "rollout_shapes", "batching", "end_to_end", "peers",
-    "transfers", "long_context", "accelerator",
+    "accumulation", "update_vs_torch", "sampler", "rollout_shapes", "batching", "end_to_end", "peers", "accelerator",
 )
 RATIO_MEANINGS = {
     "accumulation_overhead_k8": "actor update time per token with K=8 micro-batches / with K=1 (goal <= 1.10)",
@@ -67,8 +64,6 @@ RATIO_MEANINGS = {
     "rollout_vs_transformers_gsm8k_shape": "KV-cache sampler tokens/s / transformers generate (KV cache) tokens/s "
     "at a GSM8K-like shape: 4 layers d256, 8 prompts x n=8 of 64 tokens, 128 new tokens, EOS suppressed, sampling "
     "(> 1: jppo faster)",
-    "memory_chunked_vs_full_rss": "peak RSS of the update, chunked log-probs / full logits (< 1: chunking saves)",
-    "memory_chunked_vs_full_xla_temp": "XLA temporary bytes, chunked / full logits (< 1: chunking saves)",
     "e2e_seconds_per_step": "median seconds per quickstart training step after the first (not a ratio)",
     "time_to_target_s": "wall seconds until the quickstart's reward/mean first reaches 0.9 (null: not reached)",
     "e2e_vs_trl_grpo": "= e2e_vs_trl_grpo_gsm8k_shape",
@@ -76,15 +71,6 @@ RATIO_MEANINGS = {
     "prompts x 8, responses <= 5); > 1: jppo faster; null without TRL (reason: e2e_vs_trl_grpo_reason)",
     "e2e_vs_trl_grpo_gsm8k_shape": "TRL GRPOTrainer s/step / jppo s/step, GSM8K-like shape (4 layers d256, 8 "
     "prompts x 8, prompts 64 tokens, responses <= 128); > 1: jppo faster; null without TRL",
-    "transfers_h2d_per_experience": "host->device bytes of one GRPO step (ppo_epochs=1) / bytes of its Experience "
-    "(goal: about 1, the Experience sent once)",
-    "transfers_d2h_per_experience": "device->host bytes of one GRPO step (ppo_epochs=1) / bytes of its Experience",
-    "transfers_h2d_per_extra_epoch": "host->device bytes each further ppo_epoch adds / bytes of the Experience "
-    "(goal: 0)",
-    "attention_memory_ratio_8k": "XLA temporary bytes of one update step (2 layers d256) on a packed row of 8k "
-    "tokens, blockwise / reference attention (goal <= 0.125)",
-    "attention_time_ratio_4k": "seconds of that step at 4k tokens, blockwise / reference attention (goal <= 1.2 on a "
-    "CPU)",
     "accelerator_mfu": "model FLOPs utilisation of the ~0.5B bf16 update step (accelerator mode)",
     "accelerator_decode_vs_roofline": "decode tokens/s / memory-bandwidth roofline (accelerator mode)",
 }
@@ -120,25 +106,11 @@ def _headlines(name: str, result: dict) -> dict:
             "e2e_vs_trl_grpo_gsm8k_shape": result["e2e_vs_trl_grpo_gsm8k_shape"],
             "e2e_vs_trl_grpo_reason": result["trl_missing"],
         }
-    if name == "memory":
-        return {
-            "memory_chunked_vs_full_rss": result["peak_rss_ratio"],
-            "memory_chunked_vs_full_xla_temp": result["xla_temp_ratio"],
-        }
     if name == "end_to_end":
         return {
             "e2e_seconds_per_step": result["seconds_per_step"],
             "time_to_target_s": result["time_to_target"].get("wall_s"),
         }
-    if name == "transfers":
-        unit = next(iter(result["steps"].values()))["experience_bytes"]
-        return {
-            "transfers_h2d_per_experience": result["h2d_per_experience"],
-            "transfers_d2h_per_experience": result["d2h_per_experience"],
-            "transfers_h2d_per_extra_epoch": result["h2d_per_extra_epoch"] / unit,
-        }
-    if name == "long_context":
-        return {key: result[key] for key in ("attention_memory_ratio_8k", "attention_time_ratio_4k")}
     if name == "accelerator":
         return {
             "accelerator_mfu": result["update"]["mfu"],
@@ -168,17 +140,13 @@ def _torch_benchmark(name: str):
 
 
 def benchmarks(args: argparse.Namespace, out: pathlib.Path, names: list[str]) -> dict[str, Callable[[], dict]]:
-    """A function per selected benchmark, in the order to call them. In quick mode the memory children (which
-    measure only memory) are started first and run while the rest runs; they are waited for last."""
+    """A function per selected benchmark, in the order to call them."""
     repeats = args.repeats or (2 if args.quick else 5)
     stand_in = args.accelerator == "stand-in"
     peaks = (
         args.peak_tflops * 1e12 if args.peak_tflops else None, args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else None
     )
-    memory_first = args.quick and "memory" in names
-    finish_memory = memory.launch(args.quick) if memory_first else None
     runners = {
-        "memory": finish_memory or (lambda: memory.measure(args.quick)),
         "accumulation": lambda: accumulation.measure(args.quick, repeats),
         "update_vs_torch": lambda: {
             size: _torch_benchmark("update_vs_torch").measure(size, args.quick, repeats) for size in ("tiny", "small")
@@ -188,12 +156,9 @@ def benchmarks(args: argparse.Namespace, out: pathlib.Path, names: list[str]) ->
         "rollout_shapes": lambda: _torch_benchmark("rollout_shapes").measure(args.quick, repeats),
         "peers": lambda: _torch_benchmark("peers").measure(args.quick),
         "end_to_end": lambda: end_to_end.measure(args.quick, out / "quickstart_run", extra_overrides=args.e2e_set),
-        "transfers": lambda: transfers.measure(args.quick),
-        "long_context": lambda: long_context.measure(args.quick, repeats),
         "accelerator": lambda: accelerator.measure(accelerator.STAND_IN_SIZE if stand_in else accelerator.FULL, *peaks),
     }
-    order = ([name for name in names if name != "memory"] + ["memory"]) if memory_first else names
-    return {name: runners[name] for name in order}
+    return {name: runners[name] for name in names}
 
 
 def selected(args: argparse.Namespace) -> list[str]:
