@@ -1,11 +1,12 @@
 """``results.md``: the results of :mod:`bench.run` as Markdown tables, with the machine and versions on top.
 
-Each benchmark module's ``main`` prints its own section through :func:`section`, so a table looks the same
-whether it comes from one benchmark or from the whole suite.
+A benchmark run by itself prints its own section (:func:`section`, through :func:`command`), so a table looks
+the same whether it comes from one benchmark or from the whole suite.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import math
 import pathlib
@@ -268,6 +269,15 @@ def section(name: str, result: dict) -> str:
     if name not in SECTIONS:
         raise KeyError(f"no report section for benchmark {name!r}; known: {', '.join(SECTIONS)}")
     return "\n".join(SECTIONS[name](result))
+
+
+def command(name: str, doc: str, measure: Callable[[bool, int], dict], repeats: int = 5) -> None:
+    """A benchmark's own command line, ``python -m bench.NAME [--quick] [--repeats N]``: its section, printed."""
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: CI's smoke run (numbers mean nothing)")
+    parser.add_argument("--repeats", type=int, default=repeats, help=f"timed rounds after a warm-up ({repeats})")
+    args = parser.parse_args()
+    print(section(name, measure(args.quick, args.repeats)))
 
 
 def render(results: dict) -> str:

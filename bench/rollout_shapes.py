@@ -18,7 +18,6 @@ over transformers tokens/s (> 1: jppo faster).
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 
 import jax
@@ -29,7 +28,7 @@ import transformers
 from flax import nnx
 
 from bench.environment import match_torch_threads
-from bench.report import section
+from bench.report import command
 from bench.timing import time_side_by_side
 from jppo.models import load_pretrained
 from jppo.rollout import SamplingParams, make_generate_fn
@@ -54,9 +53,9 @@ def build_model(path: str, size: dict) -> transformers.Qwen2ForCausalLM:
     return model
 
 
-def measure(quick: bool, repeats: int, size: dict | None = None) -> dict:
+def measure(quick: bool, repeats: int) -> dict:
     """Tokens/s of jppo's sampler and of ``generate`` on the same model, prompts and lengths, and their ratio."""
-    size = size or (QUICK if quick else GSM8K_SHAPE)
+    size = QUICK if quick else GSM8K_SHAPE
     threads = match_torch_threads()
     prompts, n, new = size["prompts"], size["n"], size["new_tokens"]
     rng = np.random.default_rng(0)
@@ -107,13 +106,5 @@ def measure(quick: bool, repeats: int, size: dict | None = None) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    print(section("rollout_shapes", measure(args.quick, args.repeats)))
-
-
 if __name__ == "__main__":
-    main()
+    command("rollout_shapes", __doc__, measure)

@@ -1,6 +1,6 @@
 """Greedy decoding throughput: jppo's KV-cache sampler vs full recomputation vs ``transformers`` ``generate``.
 
-    python -m bench.sampler [--quick] [--repeats N] [--torch-threads N]
+    python -m bench.sampler [--quick] [--repeats N]
 
 One tiny random Qwen2-shaped model is built with ``transformers`` (fixed torch seed), saved, and loaded into jppo
 with ``jppo.models.load_pretrained``, so all three decode the same weights. The three methods:
@@ -20,7 +20,6 @@ long greedy run, which is then reported rather than hidden).
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from typing import Callable
 
@@ -32,7 +31,7 @@ import transformers
 from flax import nnx
 
 from bench.environment import match_torch_threads
-from bench.report import section
+from bench.report import command
 from bench.timing import time_side_by_side
 from jppo.models import CausalLM, load_pretrained
 from jppo.rollout import SamplingParams, make_generate_fn, pad_prompts
@@ -87,11 +86,10 @@ def full_recompute_fn(model: CausalLM, max_new_tokens: int) -> Callable:
     return decode
 
 
-def measure(quick: bool, repeats: int, torch_threads: int | None = None) -> dict:
+def measure(quick: bool, repeats: int) -> dict:
     """Tokens/s of the three decoders on the same model and prompts, their agreement and the two speed-ups."""
     sizes = QUICK if quick else FULL
-    threads = match_torch_threads() if torch_threads is None else torch_threads
-    torch.set_num_threads(threads)
+    threads = match_torch_threads()
     batch, max_new = sizes["batch"], sizes["max_new_tokens"]
 
     rng = np.random.default_rng(0)
@@ -153,16 +151,5 @@ def measure(quick: bool, repeats: int, torch_threads: int | None = None) -> dict
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--torch-threads", type=int, default=None, help="torch intra-op threads (default: the cores XLA uses)"
-    )
-    args = parser.parse_args()
-    print(section("sampler", measure(args.quick, args.repeats, args.torch_threads)))
-
-
 if __name__ == "__main__":
-    main()
+    command("sampler", __doc__, measure)
