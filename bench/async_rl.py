@@ -38,10 +38,8 @@ from typing import Optional, Sequence
 import jax
 
 from bench import child_environment, peers
-from jppo.config import check_mesh, load_config
+from jppo.config import load_config
 from jppo.rollout import vllm_engine
-from jppo.run import build, loop
-from jppo.runlog import METRICS_FILE, read_metrics
 
 FULL_STEPS, QUICK_STEPS = 7, 4
 # medians over steps MEDIAN_FROM .. the one before the last: steps 1-2 compile (and k = 1 generates its first batch
@@ -86,13 +84,6 @@ def ratios(k0: dict, k1: dict) -> dict:
     return {"async_k1_vs_k0": k0["step_s"] / k1["step_s"], "async_bound_speedup": bound}
 
 
-def run_in_process(overrides: list[str], devices: int = 1) -> list[dict]:
-    """One training run on ``devices`` devices; its ``metrics.jsonl`` records of steps >= 1."""
-    cfg = load_config(peers.QUICKSTART_GRPO, overrides)
-    loop.run(cfg, check_mesh(cfg, devices), build.load_inputs(cfg), devices=jax.devices()[:devices])
-    return [r for r in read_metrics(pathlib.Path(cfg.trainer.output_dir) / METRICS_FILE) if r["step"] >= 1]
-
-
 def measure_engine(overrides: list[str], out: pathlib.Path, fresh: bool, devices: int = 1) -> dict:
     """k = 0 then k = 1 on the same config (``fresh``: each in its own process, :func:`bench.peers.run_side`, with
     ``devices`` simulated CPU devices)."""
@@ -104,7 +95,7 @@ def measure_engine(overrides: list[str], out: pathlib.Path, fresh: bool, devices
         if fresh:
             records = peers.run_side({"side": "jppo", "overrides": run}, out / f"k{k}.json", env)["records"]
         else:
-            records = run_in_process(run, devices)
+            records = peers.run_jppo(load_config(peers.QUICKSTART_GRPO, run), devices)["records"]
         result[f"k{k}"] = summarize(records, MEDIAN_FROM)
     return result | ratios(result["k0"], result["k1"])
 

@@ -80,10 +80,9 @@ from bench import OMP_MODES, child_environment
 from bench.environment import match_torch_threads
 from bench.report import section
 from bench.trl_side import run_trl, trl_arguments
-from jppo.run import build
-from jppo.run import loop
 from jppo.config import TrainConfig, check_mesh, load_config
 from jppo.data import CharTokenizer
+from jppo.run import build, loop
 from jppo.run.export import export_policy
 from jppo.runlog import METRICS_FILE, read_metrics
 
@@ -190,10 +189,11 @@ def shape_config(shape: Shape, steps: int, out: pathlib.Path) -> tuple[TrainConf
     return load_config(QUICKSTART_GRPO, overrides), overrides
 
 
-def run_jppo(cfg: TrainConfig) -> dict:
-    """One in-process training run; its ``metrics.jsonl`` records of steps >= 1."""
-    inputs = build.load_inputs(cfg)
-    loop.run(cfg, check_mesh(cfg, jax.device_count()), inputs)
+def run_jppo(cfg: TrainConfig, devices: Optional[int] = None) -> dict:
+    """One in-process training run on the first ``devices`` devices (default: all); its ``metrics.jsonl`` records
+    of steps >= 1."""
+    count = devices or jax.device_count()
+    loop.run(cfg, check_mesh(cfg, count), build.load_inputs(cfg), devices=jax.devices()[:count])
     return {"records": [r for r in read_metrics(pathlib.Path(cfg.trainer.output_dir) / METRICS_FILE) if r["step"] >= 1]}
 
 

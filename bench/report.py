@@ -1,4 +1,5 @@
-"""``results.md``: the results of :mod:`bench.run` as Markdown tables, with the machine and versions on top.
+"""``results.md``: the results of :mod:`bench.run` as Markdown tables, with the machine and versions on top (and
+``results.json`` beside it).
 
 A benchmark run by itself prints its own section (:func:`section`, through :func:`command`), so a table looks
 the same whether it comes from one benchmark or from the whole suite.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import pathlib
 from typing import Callable
@@ -287,5 +289,19 @@ def render(results: dict) -> str:
     return "\n".join(parts)
 
 
-def write_markdown(results: dict, path: pathlib.Path) -> None:
-    path.write_text(render(results))
+def finite(tree):
+    """``tree`` with NaN and infinities as None (JSON has no such numbers), and every key a string."""
+    if isinstance(tree, dict):
+        return {str(key): finite(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [finite(value) for value in tree]
+    if isinstance(tree, float) and not math.isfinite(tree):
+        return None
+    return tree
+
+
+def write(results: dict, out: pathlib.Path) -> None:
+    """``results.json`` and ``results.md`` in ``out``."""
+    results = finite(results)
+    (out / "results.json").write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+    (out / "results.md").write_text(render(results))

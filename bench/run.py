@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import json
 import math
 import os
 import pathlib
@@ -37,7 +36,7 @@ import jax
 
 from bench import end_to_end
 from bench.environment import describe, match_torch_threads
-from bench.report import write_markdown
+from bench.report import write
 from jppo.config import ConfigError
 
 # Smoke mode compiles with LLVM optimisation off: about half the compile time, the same programs.
@@ -116,17 +115,6 @@ def _headlines(name: str, result: dict) -> dict:
     """The top-level keys a benchmark's result contributes to ``results.json`` (None where its result has none)."""
     return {key: functools.reduce(lambda value, part: (value or {}).get(part), where.split("."), result)
             for key, (where, _) in HEADLINES[name].items()}
-
-
-def finite_or_null(tree):
-    """``results`` with NaN and infinities as ``None`` (JSON has no such numbers)."""
-    if isinstance(tree, dict):
-        return {key: finite_or_null(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return [finite_or_null(value) for value in tree]
-    if isinstance(tree, float) and not math.isfinite(tree):
-        return None
-    return tree
 
 
 # The benchmarks whose peers are PyTorch / transformers models import torch: each benchmark is imported only when
@@ -239,9 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     results["benchmark_wall_s"] = wall
     results["wall_s"] = time.perf_counter() - started
     results["environment"]["load_average_1m_end"] = os.getloadavg()[0]
-    results = finite_or_null(results)
-    (out / "results.json").write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
-    write_markdown(results, out / "results.md")
+    write(results, out)
     print(f"bench.run: wrote {out / 'results.json'} and {out / 'results.md'} in {results['wall_s']:.0f} s")
     return 0
 

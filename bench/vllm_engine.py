@@ -36,14 +36,13 @@ os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.rollout_shapes import GSM8K_SHAPE  # noqa: E402 (the shape of the sampler's comparison with generate)
 from bench.timing import time_side_by_side  # noqa: E402
 from jppo.config.schema import VLLMSection  # noqa: E402
 from jppo.models import CausalLM, ModelConfig, create_model  # noqa: E402
 from jppo.parallel.mesh import make_mesh  # noqa: E402
-from jppo.rollout import RolloutEngineSpec, JppoEngine, SamplingParams, vllm_engine  # noqa: E402
+from jppo.rollout import JppoEngine, RolloutEngineSpec, SamplingParams, vllm_engine  # noqa: E402
 
-GSM8K_SHAPE = dict(prompts=8, n=8, prompt_length=64, new_tokens=128, hidden=256, intermediate=1024, layers=4,
-                   heads=4, vocab=1024)
 QUICK = dict(prompts=2, n=2, prompt_length=8, new_tokens=8, hidden=128, intermediate=256, layers=2, heads=4, vocab=64)
 OPTIONS = VLLMSection(enforce_eager=True, kv_cache_memory_bytes=256 * 2**20)
 E2E = ["model.hidden_size=128", "model.num_heads=4", "model.intermediate_size=256", "trainer.val_every=0",

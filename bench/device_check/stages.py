@@ -11,7 +11,6 @@ import os
 import pathlib
 import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,23 +23,13 @@ LIBRARIES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "libtpu"
              "chex", "numpy", "omegaconf", "tokenizers", "safetensors", "torch", "jppo")
 
 
-def best_seconds(fn, repeats: int) -> float:
-    fn()  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def versions(cpu: bool, out: pathlib.Path) -> dict:
     """The software and devices, and bf16 ``n x n @ n x n`` throughput: ``2 n^3 / t`` over the fastest repeat."""
     n = 256 if cpu else 8192
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     matmul = jax.jit(lambda x, y: x @ y)
-    seconds = best_seconds(lambda: matmul(a, b).block_until_ready(), 3 if cpu else 20)
+    seconds = time_side_by_side({"matmul": lambda: matmul(a, b).block_until_ready()}, 3 if cpu else 20)["matmul"].min_s
     device = jax.devices()[0]
     return {
         "python": platform.python_version(), "executable": sys.executable,
@@ -136,8 +125,8 @@ def decode_blocks(cpu: bool, out: pathlib.Path) -> dict:
     host), and whether both chose the same tokens."""
     from flax import nnx  # noqa: PLC0415
 
-    from bench.accelerator import QWEN2_0_5B, STAND_IN  # noqa: PLC0415
     import jppo.models.layers as layers  # noqa: PLC0415
+    from bench.accelerator import QWEN2_0_5B, STAND_IN  # noqa: PLC0415
     from jppo.models import CausalLM, ModelConfig, create_model  # noqa: PLC0415
     from jppo.rollout import SamplingParams, make_generate_fn  # noqa: PLC0415
 
