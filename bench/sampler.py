@@ -32,31 +32,13 @@ from flax import nnx
 
 from bench.environment import match_torch_threads
 from bench.report import command
+from bench.rollout_shapes import saved_qwen2
 from bench.timing import time_side_by_side
 from jppo.models import CausalLM, load_pretrained
 from jppo.rollout import SamplingParams, make_generate_fn, pad_prompts
 
 FULL = dict(batch=8, max_prompt=48, max_new_tokens=64, hidden=128, layers=4, vocab=2048)
 QUICK = dict(batch=4, max_prompt=16, max_new_tokens=16, hidden=64, layers=2, vocab=512)
-
-
-def build_checkpoint(path: str, hidden: int, layers: int, vocab: int) -> transformers.Qwen2ForCausalLM:
-    """A random Qwen2 model, saved to ``path``. The wide initialisation keeps greedy argmaxes away from ties."""
-    config = transformers.Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    model.save_pretrained(path)
-    return model
 
 
 def full_recompute_fn(model: CausalLM, max_new_tokens: int) -> Callable:
@@ -98,7 +80,11 @@ def measure(quick: bool, repeats: int) -> dict:
     prompt_ids, prompt_mask = pad_prompts(prompts, pad_id=0, multiple=16)
 
     with tempfile.TemporaryDirectory() as path:
-        hf_model = build_checkpoint(path, sizes["hidden"], sizes["layers"], sizes["vocab"])
+        # the wide initialisation keeps greedy argmaxes away from ties
+        hf_model = saved_qwen2(
+            path, vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], intermediate_size=2 * sizes["hidden"],
+            num_hidden_layers=sizes["layers"], num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+            max_position_embeddings=512)
         model = load_pretrained(path)
     graphdef, state = nnx.split(model)
     ids, mask = jnp.asarray(prompt_ids), jnp.asarray(prompt_mask)
