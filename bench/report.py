@@ -184,7 +184,7 @@ def _peers(result: dict) -> list[str]:
         peer_phases(result) + [""])
 
 
-# the peers table's phase columns: jppo's timing/* name and TRL's phase (bench/peers.py's docstring)
+# the peers table's phase columns: jppo's timing/* name and TRL's phase (bench.trl_side.run_trl)
 PEER_PHASES = {"sampling": ("rollout", "generate"), "old log-probs": ("old_log_prob", "old_log_prob"),
                "update": ("update_actor", "update")}
 
