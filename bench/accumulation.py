@@ -12,11 +12,10 @@ K = 1 per token, compile time flat in K, the global step within 2% of the legacy
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 from bench.actor_update import ActorUpdate, BatchShape, model_summary, synthetic_batch
-from bench.report import section
+from bench.report import command
 from bench.timing import time_side_by_side
 from jppo.core.settings import OptimConfig
 from jppo.engine import ActorConfig
@@ -63,13 +62,5 @@ def measure(quick: bool, repeats: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke run)")
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    print(section("accumulation", measure(args.quick, args.repeats)))
-
-
 if __name__ == "__main__":
-    main()
+    command("accumulation", __doc__, measure)

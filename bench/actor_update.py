@@ -13,12 +13,12 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jppo.core.experience import Experience
 from jppo.engine import ActorConfig, UpdateStep, actor_loss_fn, init_train_state
 from jppo.engine.layout import place
-from jppo.parallel.mesh import make_mesh
-from jppo.core.experience import Experience
 from jppo.engine.microbatch import make_micro_batches, stack_micro_batches
 from jppo.models import CausalLM, ModelConfig, create_model
+from jppo.parallel.mesh import make_mesh
 
 
 @dataclasses.dataclass(frozen=True)

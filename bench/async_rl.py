@@ -8,9 +8,9 @@ engine (``rollout.engine``: jppo's sampler, and vLLM when it imports) the two ru
 each in a fresh process on one device, where k = 1 generates the next batch on a thread beside the update.
 ``jppo-own-device`` is jppo's sampler on a device of its own: two simulated CPU devices, ``rollout.devices=1``
 (the update on the first, the sampler on the second, the weights moved to it before every rollout).
-Printed as JSON, per engine and k: the median over steps ``MEDIAN_FROM``.. (but the last) of ``timing/step``, of the rollout
-phase (``timing/rollout`` + ``reward`` + ``weight_push`` + ``weight_move``: what the generation side does), of the
-train phase (every other ``timing/*`` phase: old log-probs, advantages, the update), of the ``async/*`` waits and,
+Printed as JSON, per engine and k: the median over steps ``MEDIAN_FROM``.. (but the last) of ``timing/step``, of the
+rollout phase (``timing/rollout`` + ``reward`` + ``weight_push`` + ``weight_move``: what the generation side does), of
+the train phase (every other ``timing/*`` phase: old log-probs, advantages, the update), of the ``async/*`` waits and,
 with a device of its own, of the weight move (``weight_move_s``, its share of the step ``weight_move_share`` and its
 bytes); and the ratios
 
@@ -38,10 +38,8 @@ from typing import Optional, Sequence
 import jax
 
 from bench import child_environment, peers
-from jppo.config import check_mesh, load_config
+from jppo.config import load_config
 from jppo.rollout import vllm_engine
-from jppo.run import build, loop
-from jppo.runlog import METRICS_FILE, read_metrics
 
 FULL_STEPS, QUICK_STEPS = 7, 4
 # medians over steps MEDIAN_FROM .. the one before the last: steps 1-2 compile (and k = 1 generates its first batch
@@ -86,13 +84,6 @@ def ratios(k0: dict, k1: dict) -> dict:
     return {"async_k1_vs_k0": k0["step_s"] / k1["step_s"], "async_bound_speedup": bound}
 
 
-def run_in_process(overrides: list[str], devices: int = 1) -> list[dict]:
-    """One training run on ``devices`` devices; its ``metrics.jsonl`` records of steps >= 1."""
-    cfg = load_config(peers.QUICKSTART_GRPO, overrides)
-    loop.run(cfg, check_mesh(cfg, devices), build.load_inputs(cfg), devices=jax.devices()[:devices])
-    return [r for r in read_metrics(pathlib.Path(cfg.trainer.output_dir) / METRICS_FILE) if r["step"] >= 1]
-
-
 def measure_engine(overrides: list[str], out: pathlib.Path, fresh: bool, devices: int = 1) -> dict:
     """k = 0 then k = 1 on the same config (``fresh``: each in its own process, :func:`bench.peers.run_side`, with
     ``devices`` simulated CPU devices)."""
@@ -104,7 +95,7 @@ def measure_engine(overrides: list[str], out: pathlib.Path, fresh: bool, devices
         if fresh:
             records = peers.run_side({"side": "jppo", "overrides": run}, out / f"k{k}.json", env)["records"]
         else:
-            records = run_in_process(run, devices)
+            records = peers.run_jppo(load_config(peers.QUICKSTART_GRPO, run), devices)["records"]
         result[f"k{k}"] = summarize(records, MEDIAN_FROM)
     return result | ratios(result["k0"], result["k1"])
 

@@ -20,7 +20,6 @@ XLA's temporary bytes of each compiled program, and seconds per rollout.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.report import section
+from bench.report import command
 from bench.timing import time_side_by_side
 from jppo.models import CausalLM, ModelConfig, create_model
 from jppo.rollout import SamplingParams, make_generate_fn, pad_prompts
@@ -174,13 +173,5 @@ def measure(quick: bool, repeats: int) -> dict:
     return {"continuous_batching": continuous_batching(quick, repeats), "shared_prefix": shared_prefix(quick, repeats)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    print(section("batching", measure(args.quick, args.repeats)))
-
-
 if __name__ == "__main__":
-    main()
+    command("batching", __doc__, measure, repeats=3)

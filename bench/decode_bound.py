@@ -1,5 +1,4 @@
-"""What one decoded token reads per device, beside its lower bound, for the shipped configs' rollouts; and the
-decoding loop of a compiled rollout read from its HLO text (:func:`decode_loop`, what a decoded token communicates).
+"""What one decoded token reads per device, beside its lower bound, for the shipped configs' rollouts.
 
     python -m bench.decode_bound [--target cpu|v5p:2x2x2|...] [--quick] [--json]
 
@@ -18,13 +17,8 @@ sampler's weights and of the live caches (the prompt cache and the response cach
 all of it); ``ratio = read / bound`` (the aim: <= 1.5); ``excess / logits``, what the step reads beyond the bound
 in units of the device's float32 logits (the sampling's passes over the vocabulary); ``collectives`` of the step.
 On XLA:CPU a bfloat16 matmul is computed in float32, so its operands are converted and read twice: the CPU ratio
-over-states a TPU's or GPU's.
-
-:func:`decode_loop` reads a whole compiled rollout (``compiled.as_text()``): XLA's ``cost_analysis()`` counts a loop
-body once, so what one decoded token communicates is read per iteration of the decoding loop, the ``while`` of the
-entry computation whose body runs matrix products (``dot``, or ``convolution`` as the TPU compiler writes some; the
-rollout's other loops are the random-bit generator's). ``tests/test_rollout_layout.py`` asserts with it that a
-decoded token runs no collective on the shipped configs' meshes.
+over-states a TPU's or GPU's. What a whole compiled rollout communicates per decoded token is
+:func:`jppo.preflight.hlo.decode_step_collectives` (``python -m jppo.plan --compile-for``).
 """
 
 from __future__ import annotations
@@ -34,7 +28,6 @@ import dataclasses
 import json
 import math
 import pathlib
-import re
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -45,73 +38,6 @@ def device_bytes(tree) -> int:
     import jax
 
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
-_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) ")
-_WHILE = re.compile(r"while\(.*condition=%([\w.\-]+), body=%([\w.\-]+)")
-_CALLED = re.compile(r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-
-
-def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
-    """``({computation name: its instruction lines}, the entry computation's name)`` of an HLO module's text."""
-    table, entry, name = {}, "", None
-    for line in hlo.splitlines():
-        header = _HEADER.match(line)
-        if header and line.rstrip().endswith("{"):
-            name = header.group(2)
-            table[name] = []
-            entry = name if header.group(1) else entry
-        elif name is not None and line.strip() == "}":
-            name = None
-        elif name is not None:
-            table[name].append(line)
-    return table, entry
-
-
-def reachable(table: dict[str, list[str]], root: str) -> set[str]:
-    """``root`` and every computation it calls, directly or not (fusions, loops, conditionals' branches)."""
-    seen, todo = set(), [root]
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in table:
-            continue
-        seen.add(name)
-        for line in table[name]:
-            todo += _CALLED.findall(line)
-            for group in _BRANCHES.findall(line):
-                todo += re.findall(r"%([\w.\-]+)", group)
-    return seen
-
-
-def count_collectives(lines: list[str]) -> dict[str, int]:
-    """How many of each collective ``lines`` run (an asynchronous pair counted once, by its start)."""
-    text = "\n".join(lines)
-    return {op: len(re.findall(rf"= [^=]*? {op}(?:-start)?\(", text)) for op in COLLECTIVES}
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeLoop:
-    """The collectives of one iteration of the decoding loop: its body's and its condition's."""
-
-    body: dict[str, int]
-    condition: dict[str, int]
-
-
-def decode_loop(hlo: str) -> DecodeLoop:
-    """The decoding loop of a compiled rollout's HLO text (module docstring); raises if there is none."""
-    table, entry = computations(hlo)
-    for line in table[entry]:
-        found = _WHILE.search(line)
-        if found is None:
-            continue
-        body = reachable(table, found.group(2))
-        if any(" dot(" in text or " convolution(" in text for name in body for text in table[name]):
-            lines = lambda names: [text for name in sorted(names) for text in table[name]]  # noqa: E731
-            return DecodeLoop(count_collectives(lines(body)),
-                              count_collectives(lines(reachable(table, found.group(1)))))
-    raise ValueError("no while loop with matrix products in the entry computation: not a compiled rollout")
 
 
 def load(path: pathlib.Path, tmp: pathlib.Path, quick: bool):
@@ -151,9 +77,10 @@ def measure(path: pathlib.Path, target: str, quick: bool, tmp: pathlib.Path) -> 
     from jppo.config.views import adapted_model_config, sampling_config
     from jppo.models import CausalLM, param_shardings
     from jppo.parallel.mesh import batch_spec, decoding_layout, decoding_shards, make_mesh
+    from jppo.preflight import hlo
+    from jppo.preflight.sampler_memory import sampler_prompt_width
     from jppo.rollout.decode import draw, prefill
     from jppo.rollout.params import SamplingParams
-    from jppo.preflight.sampler_memory import sampler_prompt_width
 
     cfg = load(path, tmp, quick)
     shape = check_mesh(cfg, 8)
@@ -210,7 +137,7 @@ def measure(path: pathlib.Path, target: str, quick: bool, tmp: pathlib.Path) -> 
     return {"config": path.name, "target": target, "mesh": dict(zip(("data", "fsdp", "tensor", "sequence"), shape)),
             "layers": config.num_layers, "rows_per_device": rows // shards, "prompt_width": width, "slots": slots,
             "weights_bytes": weights, "cache_bytes": caches, "bound_bytes": weights + caches, "read_bytes": read,
-            "ratio": read / (weights + caches), "collectives": count_collectives(compiled.as_text().splitlines()),
+            "ratio": read / (weights + caches), "collectives": hlo.collectives(hlo.parse(compiled.as_text())),
             # the float32 logits of the device's rows: the excess over the bound in these units is the sampling's
             # passes over the vocabulary (temperature, log-softmax, the Gumbel draw's random bits)
             "logits_bytes": rows // shards * config.vocab_size * 4}

@@ -32,9 +32,8 @@ from unittest import mock
 import jax
 
 from bench.report import section
-from jppo.run import build
-from jppo.run import loop
 from jppo.config import ConfigError, check_mesh, load_config
+from jppo.run import build, lifecycle, loop
 from jppo.runlog import METRICS_FILE, RunLogger, read_metrics
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
@@ -97,7 +96,7 @@ def measure(
         marks: list[tuple[int, float, float]] = []
         started = time.perf_counter()
         inputs = build.load_inputs(cfg)
-        with mock.patch.object(loop, "RunLogger", _timed_logger(marks)):
+        with mock.patch.object(lifecycle, "RunLogger", _timed_logger(marks)):
             loop.run(cfg, mesh_shape, inputs)
         total_s = time.perf_counter() - started
         records = [record for record in read_metrics(out / METRICS_FILE) if record["step"] >= 1]

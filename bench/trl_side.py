@@ -20,7 +20,9 @@ from jppo.run import build
 
 
 def trl_arguments(cfg: TrainConfig) -> dict:
-    """TRL's batch settings for one jppo training step (see :mod:`bench.peers`), in sequences."""
+    """TRL's batch settings for one jppo training step (``ppo_epochs`` x mini-batches optimizer steps of
+    micro-batches after one generation), in sequences. TRL computes old log-probs only when ``num_iterations > 1``
+    or ``steps_per_generation > gradient_accumulation_steps``: where jppo's ``actor.old_log_prob: auto`` does."""
     n = cfg.rollout.n
     batch, mini = cfg.data.train_batch_size * n, cfg.actor.ppo_mini_batch_size * n
     micro = cfg.actor.ppo_micro_batch_size
@@ -92,7 +94,8 @@ def trl_setup(cfg: TrainConfig, steps: int, out: pathlib.Path) -> TrlSetup:
     per_step = batch.pop("optimizer_steps_per_generation")
     examples = build.task_of(cfg.data).examples("train", cfg.data.train_batch_size * steps, cfg.trainer.seed)
     answers = {example.prompt: example for example in examples}
-    dataset = datasets.Dataset.from_dict({"prompt": [e.prompt for e in examples], "answer": [e.answer for e in examples]})
+    dataset = datasets.Dataset.from_dict(
+        {"prompt": [e.prompt for e in examples], "answer": [e.answer for e in examples]})
     eos = set(inputs.tokenizer.eos_ids)
     lengths: list[int] = []
 
@@ -136,7 +139,10 @@ def run_trl(cfg: TrainConfig, steps: int, out: pathlib.Path) -> dict:
     phases: list[dict[str, float]] = []
 
     class TimedGRPOTrainer(GRPOTrainer):
-        """Notes the seconds of the step's parts (see :mod:`bench.peers`)."""
+        """Notes the seconds of the step's parts: ``generate`` (``_generate_single_turn``: tokenization and
+        ``generate``), ``old_log_prob`` (``_get_per_token_logps_and_entropies`` without gradients), then below
+        ``score_and_rest`` (the rest of ``_generate_and_score_completions``: decoding, reward, advantages) and
+        ``update`` (the rest of the step: the optimizer steps with their forward and backward passes)."""
 
         def _generate_and_score_completions(self, *args, **kwargs):
             phases.append({"generate": 0.0, "old_log_prob": 0.0})

@@ -12,14 +12,12 @@ jppo tokens/s over torch tokens/s: above 1, jppo is faster.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import torch
 
 from bench.actor_update import ActorUpdate, BatchShape, model_summary, synthetic_batch
 from bench.environment import match_torch_threads
-from bench.report import section
+from bench.report import command
 from bench.timing import time_side_by_side
 from bench.torch_decoder import TorchActorUpdate, TorchCausalLM
 from jppo.core.settings import OptimConfig
@@ -46,7 +44,12 @@ def model_config(size: dict) -> ModelConfig:
     )
 
 
-def measure(name: str, quick: bool, repeats: int) -> dict:
+def measure(quick: bool, repeats: int) -> dict:
+    """Both sizes, "tiny" and "small" (:func:`measure_size`)."""
+    return {name: measure_size(name, quick, repeats) for name in ("tiny", "small")}
+
+
+def measure_size(name: str, quick: bool, repeats: int) -> dict:
     """Tokens/s of both implementations at size ``name`` ("tiny" or "small") and their ratio."""
     size = SIZES["quick" if quick else "full"][name]
     shape: BatchShape = size["batch"]
@@ -82,14 +85,5 @@ def measure(name: str, quick: bool, repeats: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke run)")
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    results = {name: measure(name, args.quick, args.repeats) for name in ("tiny", "small")}
-    print(section("update_vs_torch", results))
-
-
 if __name__ == "__main__":
-    main()
+    command("update_vs_torch", __doc__, measure)

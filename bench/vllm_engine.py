@@ -36,14 +36,13 @@ os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.rollout_shapes import GSM8K_SHAPE  # noqa: E402 (the shape of the sampler's comparison with generate)
 from bench.timing import time_side_by_side  # noqa: E402
 from jppo.config.schema import VLLMSection  # noqa: E402
 from jppo.models import CausalLM, ModelConfig, create_model  # noqa: E402
 from jppo.parallel.mesh import make_mesh  # noqa: E402
-from jppo.rollout import RolloutEngineSpec, JppoEngine, SamplingParams, vllm_engine  # noqa: E402
+from jppo.rollout import JppoEngine, RolloutEngineSpec, SamplingParams, vllm_engine  # noqa: E402
 
-GSM8K_SHAPE = dict(prompts=8, n=8, prompt_length=64, new_tokens=128, hidden=256, intermediate=1024, layers=4,
-                   heads=4, vocab=1024)
 QUICK = dict(prompts=2, n=2, prompt_length=8, new_tokens=8, hidden=128, intermediate=256, layers=2, heads=4, vocab=64)
 OPTIONS = VLLMSection(enforce_eager=True, kv_cache_memory_bytes=256 * 2**20)
 E2E = ["model.hidden_size=128", "model.num_heads=4", "model.intermediate_size=256", "trainer.val_every=0",
@@ -51,15 +50,16 @@ E2E = ["model.hidden_size=128", "model.num_heads=4", "model.intermediate_size=25
 
 
 def rollout_and_push(shape: dict, repeats: int) -> dict:
-    config = ModelConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-                         num_layers=shape["layers"], num_heads=shape["heads"], tie_word_embeddings=False,
-                         initializer_range=0.3, model_type="qwen2")
+    config = ModelConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+                         intermediate_size=shape["intermediate"], num_layers=shape["layers"], num_heads=shape["heads"],
+                         tie_word_embeddings=False, initializer_range=0.3, model_type="qwen2")
     mesh = make_mesh(1, 1, 1, devices=jax.devices()[:1])
     model = create_model(CausalLM, config, mesh, seed=0)
     from flax import nnx
 
     graphdef, state = nnx.split(model, nnx.Param)
-    engine = vllm_engine.start(RolloutEngineSpec(config, shape["prompt_length"] + shape["new_tokens"], 0, OPTIONS, model))
+    context = shape["prompt_length"] + shape["new_tokens"]
+    engine = vllm_engine.start(RolloutEngineSpec(config, context, 0, OPTIONS, model))
     params = SamplingParams(max_new_tokens=shape["new_tokens"], temperature=1.0, n=shape["n"])  # no EOS
     ours = JppoEngine(None).sampler(graphdef, 0, mesh, params, shape["prompt_length"])
     theirs = engine.sampler(graphdef, 0, mesh, params, shape["prompt_length"])

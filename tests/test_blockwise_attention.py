@@ -154,6 +154,33 @@ def test_whole_model_log_probs_and_gradients_agree_under_reference_and_blockwise
         assert_close(got, want, FLOAT32)
 
 
+def test_a_compiled_update_on_a_long_row_holds_temporaries_linear_in_the_row_under_blockwise():
+    """XLA's temporaries of a gradient step on one packed row (bench/README.md, "Attention in blocks on long
+    rows"): doubling the row doubles blockwise's and quadruples the reference's, its ``[T, T]`` scores. The row is
+    an argument of the compiled step, as in training (a constant would let XLA fold the block skipping away)."""
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                         num_kv_heads=1, model_type="qwen2", max_position_embeddings=1024, attention_block_q=64,
+                         attention_block_kv=64)
+
+    def temporaries(implementation, length):
+        graphdef, state = nnx.split(create_model(CausalLM, dataclasses.replace(config, attention=implementation)))
+        segments = packed_segments([[length // 4, length - length // 4 - 16]], width=length)  # then 16 of padding
+        ids = (np.arange(length) % config.vocab_size * (segments > 0)).astype(np.int32)
+
+        def grad(state, ids, segments):
+            def loss(state):
+                model = nnx.merge(graphdef, state)
+                log_probs = token_log_probs(model, ids, jnp.zeros_like(ids), segments, jnp.roll(ids, -1, axis=1))[0]
+                return jnp.sum(jnp.where(segments > 0, log_probs, 0.0))
+            return jax.grad(loss)(state)
+
+        return jax.jit(grad).lower(state, ids, segments).compile().memory_analysis().temp_size_in_bytes
+
+    growth = {name: temporaries(name, 1024) / temporaries(name, 512) for name in ("reference", "blockwise")}
+    assert growth["reference"] > 3.5, growth  # the measure sees a quadratic term where there is one
+    assert growth["blockwise"] < 2.2, growth
+
+
 def test_auto_takes_blocks_on_long_rows_and_the_kernels_on_their_hardware():
     assert resolve_attention("auto", jnp.float32, "cpu", AUTO_LONG_ROW) == "blockwise"
     assert resolve_attention("auto", jnp.float32, "cpu", AUTO_LONG_ROW - 1) == "reference"

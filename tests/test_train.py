@@ -289,6 +289,26 @@ def test_the_actor_s_mini_batches_do_not_depend_on_whether_a_critic_exists(tmp_p
         np.testing.assert_array_equal(a, b)  # the same compiled update on the same rows: bit for bit
 
 
+def test_the_forward_passes_of_a_step_place_its_tokens_once(tmp_path, monkeypatch):
+    """Old log-probs, reference log-probs and values all read the batch's tokens from one placement on the devices
+    (each update then sends its own rows once: tests/test_engine_assemble.py). Counted where every placement of
+    rows starts, :func:`jppo.engine.assemble.host_rows`; ``None`` asks for the token arrays alone."""
+    from jppo.engine import assemble
+    from jppo.run.collect import collect
+    from jppo.runlog.timing import PhaseTimer
+
+    asked = []
+    host_rows = assemble.host_rows
+    monkeypatch.setattr(assemble, "host_rows", lambda batch, per_token: asked.append(per_token) or host_rows(
+        batch, per_token))
+    cfg = load_config(QUICKSTART, [*SMALL, f"trainer.output_dir={tmp_path}", "mesh.data=1", "actor.use_kl_loss=true"])
+    state, collector, _, _ = setup(cfg, make_mesh(1, 1, 1, devices=jax.devices()[:1]), build.load_inputs(cfg))
+    timer = PhaseTimer()
+    collect(collector, state, timer)
+    assert {"old_log_prob", "ref_log_prob", "values"} <= set(timer.seconds)
+    assert asked == [None]
+
+
 def test_resume_with_other_ppo_epochs_keeps_the_learning_rate_schedule_s_place(tmp_path):
     """Step 2 after a resume with half the epochs: the cosine schedule is at training step 1 (of 4), as in a run
     that never changed (lr_t = lr * (1 + cos(pi t / 4)) / 2); the checkpoint counted 2 x 2 optimizer steps per

@@ -66,21 +66,15 @@ def write_tokenizer(directory: pathlib.Path, vocab_size: int) -> dict[str, int]:
     fillers, as most of a real vocabulary is to a short prompt) and Qwen's chat tokens; returns their ids."""
     import tokenizers  # noqa: PLC0415
 
-    from bench.real_size import CHAT_TOKENS, CHATML  # noqa: PLC0415
+    from bench.real_size import CHAT_TOKENS, save_chat_tokenizer  # noqa: PLC0415
 
     alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
     vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
     vocab |= {f"<unused_{i}>": i for i in range(len(vocab), vocab_size - len(CHAT_TOKENS))}
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    tokenizer.add_special_tokens(list(CHAT_TOKENS))
+    ids = save_chat_tokenizer(tokenizer, directory)
     assert tokenizer.get_vocab_size() == vocab_size, tokenizer.get_vocab_size()
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    config = dict(bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML)
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return {token: tokenizer.token_to_id(token) for token in CHAT_TOKENS}
+    return ids
 
 
 # One GRPO step's shape on a GPU: 16 prompts x 4 responses of up to 256 tokens, token-budget micro-batches.
@@ -96,16 +90,12 @@ def grpo_step(cpu: bool, out: pathlib.Path) -> dict:
     to ``jppo.plan``'s peak for the same config."""
     from bench import real_size  # noqa: PLC0415
     from jppo.config import check_mesh, load_config  # noqa: PLC0415
-    from jppo.models import CausalLM, ModelConfig, create_model, save_pretrained  # noqa: PLC0415
     from jppo.plan import as_json  # noqa: PLC0415
     from jppo.preflight.memory import memory_plan  # noqa: PLC0415
 
     shape = {**real_size.QWEN2_5_0_5B, **(CPU_MODEL if cpu else {})}
     model, data = WORK / "grpo_model", WORK / "grpo_prompts.jsonl"
-    ids = write_tokenizer(model, shape["vocab_size"])
-    config = ModelConfig(**shape, param_dtype="bfloat16", dtype="bfloat16", eos_token_id=ids["<|im_end|>"],
-                         pad_token_id=ids["<|endoftext|>"])
-    save_pretrained(create_model(CausalLM, config, seed=0), model)
+    real_size.write_model(model, write_tokenizer(model, shape["vocab_size"]), shape)
     data.write_text("".join(json.dumps(row) + "\n" for row in real_size.word_problems(64)))
     overrides = (real_size.OVERRIDES if cpu else [*real_size.OVERRIDES, *GPU_SHAPE]) + [
         f"model.path={model}", f"data.train_files={data}", "trainer.total_steps=1"]

@@ -5,23 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import math
 import pathlib
 import sys
 import time
 import traceback
 from typing import Callable, Mapping
 
-
-def finite(tree):
-    """``tree`` with NaN / infinities as None (JSON has no such numbers)."""
-    if isinstance(tree, dict):
-        return {str(key): finite(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return [finite(value) for value in tree]
-    if isinstance(tree, float) and not math.isfinite(tree):
-        return None
-    return tree
+from bench.report import finite
 
 
 def write(out: pathlib.Path, stage: str, record: dict) -> pathlib.Path:

@@ -11,7 +11,6 @@ import os
 import pathlib
 import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,23 +23,13 @@ LIBRARIES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "libtpu"
              "chex", "numpy", "omegaconf", "tokenizers", "safetensors", "torch", "jppo")
 
 
-def best_seconds(fn, repeats: int) -> float:
-    fn()  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def versions(cpu: bool, out: pathlib.Path) -> dict:
     """The software and devices, and bf16 ``n x n @ n x n`` throughput: ``2 n^3 / t`` over the fastest repeat."""
     n = 256 if cpu else 8192
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     matmul = jax.jit(lambda x, y: x @ y)
-    seconds = best_seconds(lambda: matmul(a, b).block_until_ready(), 3 if cpu else 20)
+    seconds = time_side_by_side({"matmul": lambda: matmul(a, b).block_until_ready()}, 3 if cpu else 20)["matmul"].min_s
     device = jax.devices()[0]
     return {
         "python": platform.python_version(), "executable": sys.executable,
@@ -68,8 +57,8 @@ def packed_segments(batch: int, length: int, seed: int = 0) -> np.ndarray:
 def attention(cpu: bool, out: pathlib.Path) -> dict:
     """Forward + backward (``grad`` of ``sum(attention * cotangent)`` in q, k, v) of every implementation of
     ``jppo.models.config.ATTENTION_IMPLEMENTATIONS`` at Qwen2.5-0.5B's heads (14 query, 2 key-value, size 64), bf16
-    (float32 on CPU), on packed rows with padding, and the largest error of its output and gradients against ``reference``'s, relative to the
-    largest magnitude of ``reference``'s."""
+    (float32 on CPU), on packed rows with padding, and the largest error of its output and gradients against
+    ``reference``'s, relative to the largest magnitude of ``reference``'s."""
     from jppo.models.attention import AttentionRule  # noqa: PLC0415
     from jppo.models.config import ATTENTION_IMPLEMENTATIONS  # noqa: PLC0415
     from jppo.models.layers import attention as attend  # noqa: PLC0415
@@ -100,7 +89,8 @@ def attention(cpu: bool, out: pathlib.Path) -> dict:
                 outputs[name] = [np.asarray(x, np.float32) for x in (o, *grads)]
                 timings[name] = lambda fn=fn: jax.block_until_ready(fn(q, k, v))
             except Exception as error:  # noqa: BLE001 (cudnn off a GPU, an implementation this device lacks)
-                results.setdefault(f"B{batch}_T{length}", {})[name] = {"skipped": f"{type(error).__name__}: {error}"[:500]}
+                skipped = f"{type(error).__name__}: {error}"[:500]
+                results.setdefault(f"B{batch}_T{length}", {})[name] = {"skipped": skipped}
         measured = time_side_by_side(timings, repeats=2 if cpu else 10)
         reference = outputs["reference"]
         for name, timing in measured.items():
@@ -136,8 +126,8 @@ def decode_blocks(cpu: bool, out: pathlib.Path) -> dict:
     host), and whether both chose the same tokens."""
     from flax import nnx  # noqa: PLC0415
 
-    from bench.accelerator import QWEN2_0_5B, STAND_IN  # noqa: PLC0415
     import jppo.models.layers as layers  # noqa: PLC0415
+    from bench.accelerator import QWEN2_0_5B, STAND_IN  # noqa: PLC0415
     from jppo.models import CausalLM, ModelConfig, create_model  # noqa: PLC0415
     from jppo.rollout import SamplingParams, make_generate_fn  # noqa: PLC0415
 
@@ -162,7 +152,8 @@ def decode_blocks(cpu: bool, out: pathlib.Path) -> dict:
         finally:
             layers.RESPONSE_BLOCKS = saved
         candidates[f"blocks_{blocks}"] = (
-            lambda g=generate, s=state, i=ids, m=mask: jax.block_until_ready(g(s, i, m, jax.random.key(0)).response_ids))
+            lambda g=generate, s=state, i=ids, m=mask: jax.block_until_ready(
+                g(s, i, m, jax.random.key(0)).response_ids))
     timings = time_side_by_side(candidates, repeats=2 if cpu else 5)
     result = {name: {**t.to_dict(), "tokens_per_s": batch * new / t.median_s} for name, t in timings.items()}
     return {

@@ -7,8 +7,8 @@ Each cell is ``python -m jppo.plan``'s peak (:func:`jppo.preflight.memory.memory
 4096, bfloat16 compute over float32 weights, remat, KL loss: a reference policy, FSDP over every device) with the
 model's shape taken from its Hugging Face ``config.json`` (written here from the numbers below; no weights are
 read or downloaded). LoRA: rank 64 on every projection (``actor.lora.rank=64``). A cell is marked when the peak
-exceeds what JAX's allocator takes of an H200 (0.75 of its 141 GB, :func:`jppo.preflight.fit.allocator_bytes`). Nothing is
-measured: the plan's terms and how they compared with a measured run are in ``jppo/preflight/memory.py`` and
+exceeds what JAX's allocator takes of an H200 (0.75 of its 141 GB, :func:`jppo.preflight.fit.allocator_bytes`).
+Nothing is measured: the plan's terms and how they compared with a measured run are in ``jppo/preflight/memory.py`` and
 ``bench/real_size.py``.
 """
 

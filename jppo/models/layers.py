@@ -84,7 +84,7 @@ AUTO_FALLBACK = "reference"
 HALF_PRECISION_ATTENTION = ("bfloat16", "float16")  # the dtypes cuDNN's fused attention takes
 # Rows of at least this many tokens take blocks in linear memory under ``auto`` (``blockwise`` on CPU, ``pallas`` on
 # a GPU): at 1k tokens the 2-layer d256 update step took 0.76x the reference's time on CPU, 0.41x at 2k, with 0.47x
-# and 0.28x its temporaries (python -m bench.long_context; bench/README.md); below 1k a row is one or two blocks.
+# and 0.28x its temporaries (bench/README.md, "Attention in blocks on long rows"); below 1k a row is one or two blocks.
 AUTO_LONG_ROW = 1024
 # The implementations that need the rule (segments and slots) rather than a dense mask.
 RULE_ONLY = ("blockwise", "pallas")
