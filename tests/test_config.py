@@ -158,6 +158,24 @@ def test_accelerator_configs_load_once_their_paths_exist(tmp_path, name):
         load_config(ROOT / "configs" / name)
 
 
+def test_continuous_batching_slots_must_split_over_the_decoding_shards():
+    """Slots the sampler's shards do not divide would make every device decode all of them (the loop on the
+    global rows): refused with the nearest sizes that divide; where they divide, or where the batch's rows are
+    fewer than the slots (continuous batching off), accepted."""
+    sizes = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=16", "critic.ppo_mini_batch_size=16",
+             "trainer.val_every=0"]
+    with pytest.raises(ConfigError) as error:
+        check_mesh(load_config(ROOT / "configs" / "quickstart_grpo.yaml", [*sizes, "rollout.max_num_seqs=60"]), 8)
+    assert str(error.value) == ("rollout.max_num_seqs=60 slots do not split over the sampler's 8 decoding shards "
+                                "(mesh.data=8): each device decodes its own max_num_seqs / 8; use 56 or 64")
+    with pytest.raises(ConfigError, match=r"\(rollout.devices=4\): .* use 4 or 8$"):
+        check_mesh(load_config(ROOT / "configs" / "quickstart_grpo.yaml",
+                               [*sizes, "rollout.max_num_seqs=6", "rollout.devices=4"]), 8)
+    for slots in (64, 200):  # 64: 8 per device; 200: more than the 16 x 8 rows, every row at once
+        check_mesh(load_config(ROOT / "configs" / "quickstart_grpo.yaml", [*sizes, f"rollout.max_num_seqs={slots}"]),
+                   8)
+
+
 def test_forward_micro_batch_size_must_divide_the_rows_per_shard():
     with pytest.raises(ConfigError, match="rollout.log_prob_micro_batch_size=3 must divide the 8 sequences"):
         check_mesh(load_config(None, ["data.train_batch_size=64", "actor.ppo_mini_batch_size=32",

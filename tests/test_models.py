@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, layers
+from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, kv_cache, layers
 from jppo.models.config import AUTO_UNROLL_LAYERS
 from jppo.models.layers import attention, response_blocks
 
@@ -77,8 +77,13 @@ def left_padded_batch(prompt_lengths, prompt_width, new_tokens, seed=0):
     return ids, positions, mask
 
 
-def test_prefill_then_decode_matches_full_forward(lm):
-    # two samples per prompt share its cache; each continues with tokens of its own (rows prompt-major)
+@pytest.mark.parametrize("heads_per_row, one_slot", [(1, False), (2, True)],
+                         ids=["a slot per row", "one slot for all rows, two heads per cache row"])
+def test_prefill_then_decode_matches_full_forward(lm, monkeypatch, heads_per_row, one_slot):
+    # two samples per prompt share its cache; each continues with tokens of its own (rows prompt-major). The
+    # response cache may hold two heads side by side in a row (as on a TPU, kv_cache.lane_group), and the loop's
+    # one slot for every row is written in place
+    monkeypatch.setitem(kv_cache.LANES, jax.default_backend(), heads_per_row * CONFIG.head_dim)
     prompt_width, new_tokens, slots = 6, 5, 7  # two response slots are never written
     prompt_lengths = [6, 3, 1]
     ids, positions, segments = left_padded_batch(prompt_lengths * 2, prompt_width, new_tokens)
@@ -96,12 +101,14 @@ def test_prefill_then_decode_matches_full_forward(lm):
     cache = lm.model.init_response_cache(6, slots)
     for t in range(new_tokens):
         column = prompt_width + t
-        logits, cache = lm.decode(lm.state, ids[:, column], positions[:, column], prompt, cache, np.full(6, t))
+        logits, cache = lm.decode(lm.state, ids[:, column], positions[:, column], prompt, cache,
+                                  np.int32(t) if one_slot else np.full(6, t))
         assert_close(logits, full[:, column])
         assert np.isfinite(np.asarray(logits)).all()
     assert len(cache.keys) == CONFIG.num_layers
-    assert [block.shape for block in cache.keys[0]] == [(6, CONFIG.num_kv_heads, size, CONFIG.head_dim)
-                                                        for size in response_blocks(slots)]
+    assert [block.shape for block in cache.keys[0]] == [
+        (6, CONFIG.num_kv_heads // heads_per_row, size, heads_per_row * CONFIG.head_dim)
+        for size in response_blocks(slots)]
     assert sum(response_blocks(slots)) == slots
 
 

@@ -118,6 +118,16 @@ def test_half_the_rows_per_device_halves_activations_and_kv_cache(tmp_path, rema
     assert on_four.term("parameters/actor") == on_two.term("parameters/actor")  # data replicates the parameters
 
 
+def test_continuous_batching_slots_are_split_over_the_decoding_shards(tmp_path):
+    # rollout.max_num_seqs counts the slots of the whole sampler, as it splits them: 16 slots on 2 devices are 8
+    # rows decoded at once on each, on 4 devices 4 (so the response cache halves with the prompt cache)
+    common = ["actor.ppo_mini_batch_size=128", "critic.ppo_mini_batch_size=128", "rollout.max_num_seqs=16",
+              "actor.ppo_micro_batch_size=4", "critic.ppo_micro_batch_size=4"]
+    two, four = (quickstart(tmp_path, *common, f"mesh.data={d}") for d in (2, 4))
+    on_two, on_four = memory.memory_plan(two, check_mesh(two, 2)), memory.memory_plan(four, check_mesh(four, 4))
+    assert on_four.term("kv_cache") * 2 == on_two.term("kv_cache")
+
+
 def test_remat_keeps_less_than_all_layers(tmp_path):
     kept, recomputed = (memory.memory_plan(quickstart(tmp_path, f"model.remat={r}", "mesh.data=1"), (1, 1, 1))
                         for r in (False, True))

@@ -11,7 +11,7 @@ from jppo.config.schema import TrainConfig
 from jppo.config.views import adapted_model_config, engine_view, rollout_sequences
 from jppo.core.errors import ConfigError, one_line
 from jppo.engine.driver import check_batch_sizes
-from jppo.parallel.mesh import resolve_shape, row_shards_of
+from jppo.parallel.mesh import MESH_AXES, decoding_shards, expert_shards, resolve_shape, row_shards_of
 
 
 def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tuple[int, int, int, int, int]:
@@ -27,6 +27,7 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
         raise ConfigError(one_line(error) + split + _fitting_sequence(cfg, num_devices)) from None
     check_heads(cfg, shape[2])
     check_experts(cfg, shape[4])
+    check_slots(cfg, shape)
     shards, sequences = row_shards_of(shape), rollout_sequences(cfg)
     if sequences % shards:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n} = "
@@ -112,3 +113,32 @@ def check_heads(cfg: TrainConfig, tensor: int) -> None:
         if m.num_heads % tensor or m.num_kv_heads % tensor:
             raise ConfigError(f"mesh.tensor={tensor} must divide the {role} model's num_heads={m.num_heads} and "
                               f"num_kv_heads={m.num_kv_heads}: use a mesh.tensor dividing both, mesh.fsdp for the rest")
+
+
+def check_slots(cfg: TrainConfig, shape: tuple[int, ...]) -> None:
+    """``rollout.max_num_seqs`` = S slots of continuous batching split over the sampler's decoding shards (the
+    batch axes of the rollout's mesh, but ``mesh.expert`` on a mixture, whose group decodes in step): each device
+    decodes S / shards of its own rows, so S must be a multiple of them. Otherwise the decoding loop would run on
+    the global rows, every device decoding all S slots (shards x the flops, the caches of all S slots on each
+    device, and a sum over the rows at every token), so it is refused, where continuous batching is on (S below a
+    sampled batch's rows)."""
+    slots = cfg.rollout.max_num_seqs
+    if slots <= 0 or cfg.rollout.engine != "jppo":
+        return
+    mesh = dict(zip(MESH_AXES, (cfg.rollout.devices, 1, 1, 1, 1) if cfg.rollout.devices else shape))
+    shards = decoding_shards(mesh)
+    if adapted_model_config(cfg, "actor").sparse_layers:
+        shards //= expert_shards(mesh)
+    batches = [(cfg.data.train_batch_size, cfg.rollout.n)]
+    if cfg.trainer.val_every > 0 or cfg.trainer.val_before_train:
+        batches.append((cfg.data.val_batch_size, cfg.rollout.val_n))
+    continuous = any(slots < -(-prompts // shards) * shards * n for prompts, n in batches)
+    if slots % shards == 0 or not continuous:
+        return
+    below, above = slots // shards * shards, -(-slots // shards) * shards
+    where = (f"rollout.devices={cfg.rollout.devices}" if cfg.rollout.devices else
+             " x ".join(f"mesh.{axis}={mesh[axis]}" for axis in ("data", "fsdp", "sequence", "expert")
+                        if mesh[axis] > 1 and (axis != "expert" or shards == decoding_shards(mesh))))
+    raise ConfigError(f"rollout.max_num_seqs={slots} slots do not split over the sampler's {shards} decoding shards "
+                      f"({where}): each device decodes its own max_num_seqs / {shards}; use "
+                      + (f"{below} or {above}" if below else f"{above}"))

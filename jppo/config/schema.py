@@ -148,10 +148,11 @@ class RolloutSection:
     ``bfloat16`` sampling against float32 training is the rollout/trainer mismatch that
     ``actor.rollout_correction`` corrects and its ``rollout_corr/*`` metrics show.
 
-    ``max_num_seqs``: rows the sampler decodes at once (0: all of a batch). Fewer rows than the batch turns on
-    continuous batching: a row that ends hands its slot to the next waiting row, so no decoding step is spent on
-    finished rows (responses with a long tail of lengths), at a cost in parallelism per step; each row's tokens
-    are the same either way (:mod:`jppo.rollout.decode`).
+    ``max_num_seqs``: rows the sampler decodes at once (0: all of a batch), over all its devices: each decodes
+    ``max_num_seqs / shards`` of its own (a multiple of the shards, ``config.devices.check_slots``). Fewer rows
+    than the batch turns on continuous batching: a row that ends hands its slot to the next waiting row, so no
+    decoding step is spent on finished rows (responses with a long tail of lengths), at a cost in parallelism per
+    step; each row's tokens are the same either way (:mod:`jppo.rollout.decode`).
 
     ``cache_blocks``: the response cache is stored in up to this many blocks, and a decoding step skips the blocks
     no row has reached yet, at the cost of a conditional per block (after the first), layer and token. On GPU a

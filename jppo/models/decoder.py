@@ -25,7 +25,14 @@ from flax import nnx
 from jppo.models.attention import AttentionRule
 from jppo.models.config import ModelConfig
 from jppo.models.context import context_parallel, sequence_attention
-from jppo.models.kv_cache import PromptCache, ResponseCache, layer_copier, with_decoding_copies, write_slot
+from jppo.models.kv_cache import (
+    PromptCache,
+    ResponseCache,
+    lane_group,
+    layer_copier,
+    with_decoding_copies,
+    write_slot,
+)
 from jppo.models.layers import (
     RESPONSE_BLOCKS,
     apply_rope,
@@ -233,21 +240,22 @@ class DecoderLayers(nnx.Module):
         The layers are unrolled, each with its own cache arrays: a scan over stacked caches would copy a layer's
         whole cache out of the stack at every step (the cost then grows with the cache, not the arithmetic).
         """
-        rows, sizes = hidden.shape[0], tuple(block.shape[2] for block in cache.keys[0])
+        sizes = tuple(block.shape[2] for block in cache.keys[0])
         response_visible = jnp.arange(sum(sizes))[None, :] <= jnp.reshape(slots, (-1, 1))  # [R or 1, M]
-        slots = jnp.broadcast_to(slots, (rows,))
         visible = prompt.visible if prompt_rows is None else prompt.visible[prompt_rows]
         rows_of = (lambda x: x) if prompt_rows is None else (lambda x: x[prompt_rows])  # noqa: E731
         starts = [sum(sizes[:b]) for b in range(len(sizes))]
-        # each row's slot within each block; out of range (the write is dropped) outside it
+        # each row's slot within each block (one for all rows when ``slots`` is a scalar: written in place);
+        # out of range (the write is dropped) outside it
         local = [jnp.where((slots >= start) & (slots < start + size), slots - start, size)
                  for start, size in zip(starts, sizes)]
         keys, values, routed = list(cache.keys), list(cache.values), []
         for index, (layer_weights, layer_adapters) in enumerate(layers):
 
             def attend(q, k, v, index=index):
-                for stack, new in ((keys, k), (values, v)):
-                    stack[index] = tuple(write_slot(block, where, new[:, 0].astype(block.dtype))
+                for stack, new in ((keys, k), (values, v)):  # new [R, 1, K, E] -> the blocks' [R, K / h, h E]
+                    stack[index] = tuple(write_slot(block, where, new[:, 0].reshape(block.shape[0], block.shape[1],
+                                                                                    -1).astype(block.dtype))
                                          for block, where in zip(stack[index], local))
                 out = decode_attention(q[:, 0], rows_of(prompt.keys[index]), rows_of(prompt.values[index]), visible,
                                        keys[index], values[index], response_visible)
@@ -312,9 +320,11 @@ class Decoder(nnx.Module):
 
     def init_response_cache(self, rows: int, length: int, blocks: int = RESPONSE_BLOCKS) -> ResponseCache:
         config = self.config
+        group = lane_group(config.num_kv_heads, config.head_dim)  # heads side by side in a row (TPU lanes)
+        shape = lambda size: (rows, config.num_kv_heads // group, size, group * config.head_dim)  # noqa: E731
         zeros = lambda: tuple(  # noqa: E731  (own buffers, one per layer and block)
-            tuple(constrain(jnp.zeros((rows, config.num_kv_heads, size, config.head_dim), config.compute_dtype),
-                            CACHE) for size in response_blocks(length, blocks))
+            tuple(constrain(jnp.zeros(shape(size), config.compute_dtype), CACHE)
+                  for size in response_blocks(length, blocks))
             for _ in range(config.num_layers)
         )
         return ResponseCache(keys=zeros(), values=zeros())

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx, struct
 
 from jppo.models.sharding import decoding_copy, logical_names
@@ -32,8 +33,9 @@ class PromptCache:
 class ResponseCache:
     """Every layer's keys and values of the generated tokens, ``R`` rows of ``M`` slots (slot ``t`` holds the
     ``t``-th generated token of the row): a tuple over layers of tuples over the blocks of
-    :func:`~jppo.models.layers.response_blocks`, ``[R, K, M_b, E]`` each, so that a decoding step reads only the
-    blocks that hold a visible slot."""
+    :func:`~jppo.models.layers.response_blocks`, ``[R, K / h, M_b, h E]`` each (``h`` kv heads side by side in a
+    row, :func:`lane_group`; ``h = 1`` but on a TPU), so that a decoding step reads only the blocks that hold a
+    visible slot."""
 
     keys: tuple[Array, ...]
     values: tuple[Array, ...]
@@ -49,6 +51,28 @@ NORM_SCALES = ("input_norm", "post_attention_norm", "q_norm", "k_norm", "norm") 
 # (the host thread on CPU, the TPU's scalar core), so skipping the empty blocks pays: on CPU a small model's
 # decode step took a quarter less at 128 new tokens (docs/sampling.md); on TPU it is unmeasured.
 CACHE_BLOCKS = {"gpu": 1, "cpu": 8, "tpu": 8}
+
+
+# Heads of the response cache stored side by side, per backend, up to this many entries in a row. XLA:TPU tiles
+# an array's two minor dimensions in 8 x 128 (the vector lanes), and lays a [R, K, M, E] cache of E < 128 with its
+# slots minor so that its lanes fill: a decoding step's write of one slot then rewrites a 128-slot tile column (at
+# E = 64 three quarters of the cache's bytes per step, bench.decode_bound). Two heads of 64 side by side fill the
+# lanes with the slots major, and the write touches one row of tiles. CPUs and GPUs read rows of any width.
+LANES = {"tpu": 128}
+
+
+def lane_group(num_kv_heads: int, head_dim: int, backend: str | None = None) -> int:
+    """``h``: kv heads per row of the response cache, the most (a power of two) whose ``h E`` entries fit
+    :data:`LANES` of ``backend`` (default: the traced program's platform) and that divides each device's kv heads
+    (the mesh's ``tensor`` axis splits the heads), so that no row spans two devices. 1 on a backend not listed."""
+    lanes = LANES.get(backend or platform(), 0)
+    mesh = jax.sharding.get_abstract_mesh()
+    tensor = 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+    per_device = num_kv_heads // tensor if num_kv_heads % tensor == 0 else num_kv_heads
+    group = 1
+    while 2 * group * head_dim <= lanes and per_device % (2 * group) == 0:
+        group *= 2
+    return group
 
 
 def cache_block_count(requested: int, backend: str | None = None) -> int:
@@ -82,10 +106,18 @@ def with_decoding_copies(model: Any, names: tuple[str, ...]) -> Any:
 
 
 def write_slot(block: Array, slots: Array, new: Array) -> Array:
-    """``block [R, K, M, E]`` with ``new [R, K, E]`` written at slot ``slots[r]`` of each row ``r``; a slot
-    outside ``[0, M)`` leaves the row as it was.
+    """``block [R, J, M, C]`` with ``new [R, J, C]`` written at slot ``slots[r]`` of each row ``r`` (or at slot
+    ``slots`` of every row, a scalar); a slot outside ``[0, M)`` leaves the row as it was.
 
-    One write per row (``vmap`` over rows): XLA's partitioner then sees that each row writes only itself, and a
+    One slot for every row (the decoding loop's case) is one ``dynamic_update_slice``: written in place, the step
+    touches ``R K E`` entries. A scatter over the slot axis instead makes XLA:TPU lay the cache out anew for it,
+    copying the whole cache twice per layer and step (``bench.decode_bound``). Per-row slots (continuous batching)
+    are one write per row (``vmap`` over rows): XLA's partitioner then sees that each row writes only itself, and a
     cache sharded by rows stays so with no communication. The same write as one scatter over ``(arange(R),
     slots)`` is not seen as row-local and gathers every block at every decoding step on a batch-sharded mesh."""
+    if jnp.ndim(slots) == 0:
+        inside = (slots >= 0) & (slots < block.shape[2])
+        at = jnp.clip(slots, 0, block.shape[2] - 1)
+        kept = jax.lax.dynamic_slice_in_dim(block, at, 1, axis=2)
+        return jax.lax.dynamic_update_slice_in_dim(block, jnp.where(inside, new[:, :, None], kept), at, axis=2)
     return jax.vmap(lambda rows, slot, value: rows.at[:, slot].set(value, mode="drop"))(block, slots, new)

@@ -218,7 +218,8 @@ def decode_attention(
     the ``n = R / B`` consecutive rows of each prompt (rows prompt-major), so a prompt's keys are stored and read
     once for its ``n`` samples: its scores are one ``[n G, E] x [E, P]`` product per (prompt, kv head) instead of
     ``n`` matrix-vector products over ``n`` copies. The response slots come in blocks (:func:`response_blocks`):
-    ``response_keys``/``response_values`` hold ``[R, K, M_b, E]`` per block, ``response_visible [R, M]`` (or ``[1, M]``,
+    ``response_keys``/``response_values`` hold ``[R, K / h, M_b, h E]`` per block (``h`` heads side by side in
+    a row: :func:`~jppo.models.kv_cache.lane_group`), ``response_visible [R, M]`` (or ``[1, M]``,
     the same for every row) the visible slots of all blocks in order. Heads-before-slots layouts make every contraction
     a plain batched matmul.
 
@@ -246,25 +247,36 @@ def decode_attention(
         return x.transpose(0, 2, 1, 3, 4).reshape(rows, num_kv_heads, group, x.shape[-1])
 
     def block_softmax(scores: Array, visible: Array) -> tuple[Array, Array, Array]:
-        """``(m, exp weights, s)`` of ``scores [R, K, G, S]`` over the ``visible [R, 1, 1, S]`` slots."""
+        """``(m, exp weights, s)`` of ``scores [X, K, Q, S]`` over the ``visible [X, 1, 1, S]`` slots."""
         scores = jnp.where(visible, scores * scale, lowest)
         top = scores.max(axis=-1, keepdims=True)
         weights = jnp.where(visible, jnp.exp(scores - top), 0.0)
         return top, weights, weights.sum(axis=-1, keepdims=True)
 
     grouped = query.reshape(rows, num_kv_heads, group, head_dim)
-    prompt_scores = by_row(jnp.einsum("bkqe,bkpe->bkqp", by_prompt(grouped), prompt_keys,
-                                      preferred_element_type=precision))
-    top, weights, total = block_softmax(prompt_scores, jnp.repeat(prompt_visible, n, axis=0)[:, None, None, :])
-    out = by_row(jnp.einsum("bkqp,bkpe->bkqe", by_prompt(weights.astype(dtype)), prompt_values,
-                            preferred_element_type=precision))
-    parts = [(top, total, out)]
+    # the prompt block's softmax in the prompts' layout ([B, K, n G, P]): only its per-row results move to the
+    # rows' layout, never the scores (moving those costs a write and a read of them per sample of each prompt)
+    prompt_scores = jnp.einsum("bkqe,bkpe->bkqp", by_prompt(grouped), prompt_keys, preferred_element_type=precision)
+    top, weights, total = block_softmax(prompt_scores, prompt_visible[:, None, None, :])
+    out = jnp.einsum("bkqp,bkpe->bkqe", weights.astype(dtype), prompt_values, preferred_element_type=precision)
+    parts = [(by_row(top), by_row(total), by_row(out))]
 
     def block(keys: Array, values: Array, visible: Array) -> tuple[Array, Array, Array]:
-        scores = jnp.einsum("rkge,rkme->rkgm", grouped, keys, preferred_element_type=precision)
-        top, weights, total = block_softmax(scores, visible[:, None, None, :])
-        out = jnp.einsum("rkgm,rkme->rkge", weights.astype(dtype), values, preferred_element_type=precision)
-        return top, total, out
+        # keys/values [R, J, M_b, h E]: h heads side by side in a row (kv_cache.lane_group). Each head's queries
+        # are spread over the row's h E entries, zero outside the head's own E, so one product per row gives every
+        # head's scores; of the values' product each head keeps its own E. h = 1: the plain batched products.
+        slots, lanes = keys.shape[2], keys.shape[3]
+        h = lanes // head_dim
+        own = jnp.eye(h, dtype=grouped.dtype)
+        spread = grouped if h == 1 else (grouped.reshape(rows, num_kv_heads // h, h, group, 1, head_dim)
+                                         * own[:, None, :, None]).reshape(rows, num_kv_heads // h, h * group, lanes)
+        scores = jnp.einsum("rjqc,rjmc->rjqm", spread, keys, preferred_element_type=precision)
+        top, weights, total = block_softmax(scores.reshape(rows, num_kv_heads, group, slots), visible[:, None, None, :])
+        mixed = jnp.einsum("rjqm,rjmc->rjqc", weights.astype(dtype).reshape(rows, num_kv_heads // h, h * group, slots),
+                           values, preferred_element_type=precision)
+        out = jnp.einsum("rjigxe,ix->rjige", mixed.reshape(rows, num_kv_heads // h, h, group, h, head_dim),
+                         own.astype(precision)) if h > 1 else mixed
+        return top, total, out.reshape(rows, num_kv_heads, group, head_dim)
 
     def skipped(keys: Array, values: Array, visible: Array) -> tuple[Array, Array, Array]:
         del keys, values, visible

@@ -50,6 +50,14 @@ def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]
     return [(-(-prompts // batch_shards), -(-prompts // batch_shards) * n) for prompts, n in batches]
 
 
+def device_slots(rows: int, max_num_seqs: int, shards: int) -> int:
+    """The rows one device decodes at once, of its ``rows``: all of them, or under continuous batching
+    (``rollout.max_num_seqs`` below the ``rows x shards`` of the batch) its share of the slots, which the sampler
+    splits over its decoding shards (:func:`jppo.config.devices.check_slots` makes them divide)."""
+    decoded = decode_rows(rows * shards, max_num_seqs)
+    return -(-decoded // shards)
+
+
 def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int],
                   platform: str = "gpu") -> list[tuple[Term, ...]]:
     """The sampler's caches, a decoding step's logits, the prefill's working set and the table's second layout
@@ -60,7 +68,7 @@ def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int],
     sampler, width, new = sampling_config(cfg, policy), sampler_prompt_width(cfg), cfg.rollout.max_response_length
     terms, tied_on_tpu = [], platform == "tpu" and sampler.tie_word_embeddings
     for prompts, rows in rollout_rows(cfg, mesh):
-        decoded = decode_rows(rows, cfg.rollout.max_num_seqs)
+        decoded = device_slots(rows, cfg.rollout.max_num_seqs, decoding_shards(mesh))
         terms.append((Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
                            f"B={prompts} x P={width} + S={decoded} x T={new} x ..., c_s={dtype_bytes(sampler.dtype)}"),
                       Term("sampler_logits", sampler_logits_bytes(sampler, decoded, mesh), f"4 S={decoded} V' a"),
