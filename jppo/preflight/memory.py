@@ -69,8 +69,11 @@ prefill                ``B P y``: the prompts' forward pass that fills the cache
                        pass holds at once per token (hidden states in and out, queries, keys, values, and the larger
                        of attention's float32 scores and the MLP's three intermediates). Beside the caches and the
                        decoding step's logits, not instead of them: XLA's buffer assignment keeps them apart
-table layout           ``V' D c_s`` on a TPU, for a tied embedding: XLA:TPU holds the sampler's table in a second
-                       layout, one for the lookup and one for the LM head's product (compiled: Qwen2.5-0.5B)
+table layout           ``V' D c_s`` on a TPU, for a tied embedding, in the validation batch's phase: XLA:TPU holds
+                       the sampler's table in a second layout there, one for the lookup and one for the LM head's
+                       product (compiled: Qwen2.5-0.5B on v5p:2x2x2), and not at the training rollout's peak since
+                       a decoding step writes its cache slot in place (the rollout 0.47 GiB lower; the rollout's
+                       plan 7% and 3% over XLA without the term at 0.5B and 1.5B, docs/compiling.md)
 rollout weights        ``sum_w |w| / shards'(w) x (c_s, or p for the norms' scales)``: the sampler's copy of each
                        weight it casts to ``c_s`` or lays out anew (:func:`jppo.models.sharding.decoding_copy`):
                        replicated over ``data`` and ``fsdp`` (a decoding step's rows are split over them), split

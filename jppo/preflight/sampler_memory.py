@@ -67,14 +67,15 @@ def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int],
 
     sampler, width, new = sampling_config(cfg, policy), sampler_prompt_width(cfg), cfg.rollout.max_response_length
     terms, tied_on_tpu = [], platform == "tpu" and sampler.tie_word_embeddings
-    for prompts, rows in rollout_rows(cfg, mesh):
+    for phase, (prompts, rows) in enumerate(rollout_rows(cfg, mesh)):
         decoded = device_slots(rows, cfg.rollout.max_num_seqs, decoding_shards(mesh))
         terms.append((Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
                            f"B={prompts} x P={width} + S={decoded} x T={new} x ..., c_s={dtype_bytes(sampler.dtype)}"),
                       Term("sampler_logits", sampler_logits_bytes(sampler, decoded, mesh), f"4 S={decoded} V' a"),
                       Term("prefill", prompts * width * forward_layer_bytes_per_token(sampler, width, mesh, platform),
                            f"B={prompts} x P={width} x y"),
-                      *([Term("table_layout", table_bytes(sampler, mesh), "V' D c_s")] if tied_on_tpu else [])))
+                      *([Term("table_layout", table_bytes(sampler, mesh), "V' D c_s")]
+                        if tied_on_tpu and phase else [])))  # phase 1: the validation batch
     return terms
 
 
