@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from jppo.config.schema import TrainConfig
-from jppo.config.views import adapted_model_config, engine_view, rollout_sequences
+from jppo.config.views import adapted_model_config, engine_view, rollout_sequences, sampled_batches
 from jppo.core.errors import ConfigError, one_line
 from jppo.engine.driver import check_batch_sizes
 from jppo.parallel.mesh import MESH_AXES, decoding_shards, expert_shards, resolve_shape, row_shards_of
@@ -129,10 +129,7 @@ def check_slots(cfg: TrainConfig, shape: tuple[int, ...]) -> None:
     shards = decoding_shards(mesh)
     if adapted_model_config(cfg, "actor").sparse_layers:
         shards //= expert_shards(mesh)
-    batches = [(cfg.data.train_batch_size, cfg.rollout.n)]
-    if cfg.trainer.val_every > 0 or cfg.trainer.val_before_train:
-        batches.append((cfg.data.val_batch_size, cfg.rollout.val_n))
-    continuous = any(slots < -(-prompts // shards) * shards * n for prompts, n in batches)
+    continuous = any(slots < -(-prompts // shards) * shards * n for prompts, n in sampled_batches(cfg))
     if slots % shards == 0 or not continuous:
         return
     below, above = slots // shards * shards, -(-slots // shards) * shards

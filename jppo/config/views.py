@@ -41,6 +41,18 @@ def rollout_sequences(cfg: TrainConfig) -> int:
     return cfg.data.train_batch_size * cfg.rollout.n
 
 
+def sampled_batches(cfg: TrainConfig) -> list[tuple[int, int]]:
+    """``(prompts, samples per prompt)`` of each batch the sampler is called on: the training batch and (when the
+    run validates) the validation batch. A multi-turn rollout calls it on every row's own context (``n = 1``), so
+    each row is a prompt."""
+    batches = [(cfg.data.train_batch_size, cfg.rollout.n)]
+    if cfg.trainer.val_every > 0 or cfg.trainer.val_before_train:
+        batches.append((cfg.data.val_batch_size, cfg.rollout.val_n))
+    if cfg.rollout.env is not None:
+        batches = [(prompts * n, 1) for prompts, n in batches]
+    return batches
+
+
 def optimizer_steps_per_training_step(cfg: TrainConfig, role: str) -> int:
     """Optimizer steps ``role`` (``actor``/``critic``) takes in one training step: ``ppo_epochs`` passes over the
     mini-batches of the rollout batch."""

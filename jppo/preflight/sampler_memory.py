@@ -39,15 +39,12 @@ def sampler_prompt_width(cfg: TrainConfig) -> int:
 
 def rollout_rows(cfg: TrainConfig, mesh: dict[str, int]) -> list[tuple[int, int]]:
     """``(prompts, rows)`` one device samples at once, for the training batch and (when the run validates) the
-    validation batch. The sampler fills a batch up to a multiple of its shards (every batch axis); a multi-turn
-    rollout calls it on every row's own context (``n = 1``), so each row is a prompt."""
+    validation batch (:func:`~jppo.config.views.sampled_batches`). The sampler fills a batch up to a multiple of
+    its shards (every batch axis)."""
+    from jppo.config.views import sampled_batches  # noqa: PLC0415 (views imports the models; keep `--help` light)
+
     batch_shards = decoding_shards(mesh)  # the sampler splits its prompts over every batch axis, sequence included
-    batches = [(cfg.data.train_batch_size, cfg.rollout.n)]
-    if cfg.trainer.val_every > 0 or cfg.trainer.val_before_train:
-        batches.append((cfg.data.val_batch_size, cfg.rollout.val_n))
-    if cfg.rollout.env is not None:
-        batches = [(prompts * n, 1) for prompts, n in batches]
-    return [(-(-prompts // batch_shards), -(-prompts // batch_shards) * n) for prompts, n in batches]
+    return [(-(-prompts // batch_shards), -(-prompts // batch_shards) * n) for prompts, n in sampled_batches(cfg)]
 
 
 def device_slots(rows: int, max_num_seqs: int, shards: int) -> int:
