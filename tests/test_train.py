@@ -144,6 +144,24 @@ def test_remax_baseline_is_the_reward_of_the_greedy_response(tmp_path):
     assert not any(key.startswith("critic/") for key in rows[0])
 
 
+def test_reward_workers_score_a_run_as_the_trainers_process_does(tmp_path):
+    # a plug-in that raises on some rows: under reward.on_error=zero they score 0 and are counted, and every
+    # other row's reward is the one computed in the trainer's process, so the two runs are one run
+    plugin = tmp_path / "reward.py"
+    plugin.write_text(
+        "def reward(responses, examples):\n"
+        "    codes = [sum(map(ord, r)) for r in responses]\n"
+        "    if any(code % 3 == 0 for code in codes):\n"
+        "        raise ValueError('a row this scorer cannot score')\n"
+        "    return [code % 10 / 10 for code in codes]\n"
+    )
+    common = ["trainer.total_steps=1", f"reward.function={plugin}:reward", "reward.on_error=zero"]
+    inside = train(tmp_path / "inside", *common, config=GRPO)
+    workers = train(tmp_path / "workers", *common, "reward.workers=2", "reward.timeout_s=60", config=GRPO)
+    assert inside[0]["reward/errors"] > 0 and inside[0]["reward/timeouts"] == 0
+    assert deterministic(workers[0]) == deterministic(inside[0])
+
+
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> list[dict]:
     """Four steps straight through on the 8 data shards: the run both resume tests are compared with."""

@@ -18,6 +18,7 @@ BUILTIN_PREFIX = "builtin:"
 REASONING_GYM_PREFIX = "reasoning_gym:"
 # How reward.function is called (jppo.rewards.adapters): jppo's fn(responses, examples), verl's, TRL's
 FUNCTION_STYLES = ("jppo", "verl", "trl")
+ON_ERROR = ("raise", "zero")  # reward.on_error
 TRUNCATIONS = ("error", "left")
 FILES_TASK = "files"
 # Variables of the chat template that jppo sets itself (the messages, and the assistant header it always adds).
@@ -134,6 +135,14 @@ class RewardConfig:
     model_path: Optional[str] = None
     # DAPO's soft overlong punishment of training rewards (jppo.rewards.overlong); validation is not shaped.
     overlong_buffer: OverlongBufferConfig = dataclasses.field(default_factory=OverlongBufferConfig)
+    # Processes of their own that score the responses, one row per call (jppo.rewards.workers): a call that hangs,
+    # raises or kills its worker cannot take the run down. 0: the reward is called in the trainer's process.
+    workers: int = 0
+    timeout_s: Optional[float] = None  # the longest a worker's call may take (needs reward.workers >= 1); None: none
+    # What a call that raises, times out or kills its worker scores: raise (stop the run, naming the row, the
+    # function and the error) | zero (score 0, counted in reward/errors and reward/timeouts).
+    on_error: str = "raise"
+    worker_memory_mb: Optional[int] = None  # each worker's address-space limit; a call past it fails (MemoryError)
 
     def __post_init__(self) -> None:  # reward.kind: against its registry, by jppo.rewards.reward_fn
         if self.function_style not in FUNCTION_STYLES:
@@ -146,3 +155,19 @@ class RewardConfig:
             )
         if not math.isfinite(self.format_weight):
             raise ValueError(f"reward.format_weight={self.format_weight!r} is invalid: it must be a finite number")
+        if self.on_error not in ON_ERROR:
+            raise ValueError(f"reward.on_error={self.on_error!r} is invalid: valid values are {list(ON_ERROR)}")
+        if self.workers < 0:
+            raise ValueError(f"reward.workers={self.workers!r} is invalid: it must be >= 0 (0: the trainer's process)")
+        if self.timeout_s is not None and not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"reward.timeout_s={self.timeout_s!r} is invalid: it must be a positive number of seconds")
+        if self.timeout_s is not None and self.workers == 0:
+            raise ValueError(
+                f"reward.timeout_s={self.timeout_s!r} needs reward.workers >= 1: a call in the trainer's process "
+                "cannot be stopped"
+            )
+        if self.worker_memory_mb is not None and (self.worker_memory_mb < 64 or self.workers == 0):
+            raise ValueError(
+                f"reward.worker_memory_mb={self.worker_memory_mb!r} is invalid: it must be >= 64 (MiB), with "
+                "reward.workers >= 1"
+            )

@@ -28,10 +28,12 @@ from jppo.config.views import (
 from jppo.core.checks import run_missing_checks
 from jppo.core.settings import LoRAConfig
 from jppo.data import PromptDataset, Tokenizer, load_dataset, load_tokenizer, task_of
+from jppo.data.tasks import Task
 from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pretrained, read_config
 from jppo.models.layers import is_norm_scale
 from jppo.models.lora import attach_lora, load_saved_adapters, saved_adapter_config, trainable_filter
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
+from jppo.rewards.workers import Guarded, guarded_reward
 from jppo.rollout import ROLLOUT_ENGINES
 from jppo.rollout.env import EnvFactory, load_env, stop_token_ids
 
@@ -63,12 +65,17 @@ def load_inputs(cfg: TrainConfig, evaluation: bool = False) -> RunInputs:
         task = task_of(cfg.data)
         env = load_env(cfg.rollout.env) if cfg.rollout.env is not None else None
         stop_ids = stop_token_ids(env, tokenizer, cfg.rollout.env) if env is not None else ()
-        return RunInputs(
-            tokenizer, train, val, build_reward_fn(cfg.reward, task), build_credit_fn(cfg.reward, task), env, stop_ids
-        )
+        return RunInputs(tokenizer, train, val, reward_of(cfg, task), build_credit_fn(cfg.reward, task), env, stop_ids)
     except (ValueError, KeyError, FileNotFoundError) as error:
         text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)  # KeyError quotes its text
         raise ConfigError(" ".join(str(text).split())) from None
+
+
+def reward_of(cfg: TrainConfig, task: Optional[Task]) -> Guarded:
+    """The run's reward function (checked by building it here), under ``reward.on_error`` and in
+    ``reward.workers`` processes of their own when there are any (:mod:`jppo.rewards.workers`)."""
+    spec = None if task is None else (cfg.data.task, dict(cfg.data.task_options))
+    return guarded_reward(build_reward_fn(cfg.reward, task), cfg.reward, spec)
 
 
 def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh, seed: Optional[int] = None) -> CausalLM:

@@ -154,6 +154,17 @@ class Collector:
             scores = scores + self.reward_model(batch)
         return texts, finished, scores
 
+    def reward_failures(self, prefix: str = "") -> dict[str, float]:
+        """``{prefix}reward/errors`` and ``{prefix}reward/timeouts``: the reward calls scored 0 under
+        ``reward.on_error: zero`` since the last call, summed over processes; nothing under ``raise`` (a failure
+        stops the run there)."""
+        drain = getattr(self.inputs.reward_fn, "drain", None)  # a bare function (tests): nothing is counted
+        if self.cfg.reward.on_error != "zero" or drain is None:
+            return {}
+        tally = drain()
+        errors, timeouts = sum_over_processes(np.array([tally.errors, tally.timeouts], np.float64))
+        return {f"{prefix}reward/errors": float(errors), f"{prefix}reward/timeouts": float(timeouts)}
+
     def score_for_training(self, batch: Experience, examples: list, prompts: list) -> Scored:
         """:meth:`score` of a training batch (``group_ids`` index ``examples``), and the training reward: the
         score plus the overlong penalty when ``reward.overlong_buffer`` is on."""
@@ -301,6 +312,7 @@ def collect(
         exp = overlong_filtered(exp, finished)
     exp, rejection_metrics = rejected_rows_cleared(exp, cfg.actor.rollout_correction)
     metrics.update(rejection_metrics)
+    metrics.update(c.reward_failures())
     return advance(state, data_position=data_position, kl=kl), exp, metrics
 
 

@@ -106,7 +106,7 @@ def evaluate(c: Collector, params: nnx.State) -> Evaluation:
                 "reward": float(scores[row]), "finished": not truncated[row],
             })
         start += len(examples)
-    metrics = evaluation_metrics(reward_sum, np.asarray(correct, np.int64), len(data), n)
+    metrics = evaluation_metrics(reward_sum, np.asarray(correct, np.int64), len(data), n) | c.reward_failures("val/")
     return Evaluation(metrics, records)
 
 

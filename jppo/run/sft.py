@@ -46,7 +46,6 @@ from jppo.engine.driver import check_batch_sizes
 from jppo.engine.forward import forward_batch, log_prob_fn
 from jppo.parallel.hostlocal import local_rows, sum_over_processes
 from jppo.parallel.mesh import batch_shards, make_mesh, resolve_shape, row_shards_of
-from jppo.rewards import build_reward_fn
 from jppo.run import build
 from jppo.run.collect import Collector
 from jppo.run.evaluate import evaluate_and_log
@@ -120,7 +119,7 @@ def task_prompts(cfg: TrainConfig, tokenizer: Tokenizer) -> Optional[build.RunIn
     if not demonstrates_task(cfg):
         return None
     task = task_of(cfg.data)
-    return build.RunInputs(tokenizer, None, load_dataset(cfg.data, tokenizer, "val"), build_reward_fn(cfg.reward, task))
+    return build.RunInputs(tokenizer, None, load_dataset(cfg.data, tokenizer, "val"), build.reward_of(cfg, task))
 
 
 def mesh_shape(cfg: TrainConfig, num_devices: int) -> tuple[int, int, int, int, int]:
