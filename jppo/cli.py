@@ -16,10 +16,13 @@ import argparse
 import logging
 import os
 import sys
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
 
 from jppo.core.errors import one_line
 from jppo.parallel import distributed
+
+if TYPE_CHECKING:
+    from jppo.parallel.preemption import Preempted
 
 # What a user's input raises: a bad setting (ConfigError, CheckpointError, ExportError and InvalidSetting are
 # ValueErrors), a missing key or file.
@@ -106,6 +109,20 @@ def start(command: str, cfg, args: argparse.Namespace) -> tuple[int, int, int, i
         return shape
 
     return start_processes(command, cfg, args, checked)
+
+
+def preempted(command: str, stop: Preempted) -> int:
+    """A run stopped by a signal: later signals ignored on the way out (srun ending the step must not change the
+    status), one line on stderr, and the status the launch scripts re-queue
+    (:data:`~jppo.parallel.preemption.PREEMPTED_EXIT`)."""
+    import signal  # noqa: PLC0415 (only a stopped run's way out)
+
+    from jppo.parallel.preemption import PREEMPTED_EXIT, SIGNALS  # noqa: PLC0415 (JAX: not for --help)
+
+    for number in SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+    print(f"jppo.{command}: {stop}; the same command resumes (exit status {PREEMPTED_EXIT})", file=sys.stderr)
+    return PREEMPTED_EXIT
 
 
 def fail(command: str, error: BaseException) -> int:

@@ -7,7 +7,6 @@ after a checkpoint (run the same command again to continue)."""
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from typing import Optional, Sequence
 
@@ -16,7 +15,7 @@ import jax
 from jppo import cli
 from jppo.config import ConfigError
 from jppo.parallel import distributed
-from jppo.parallel.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
+from jppo.parallel.preemption import Preempted, StopRequest
 from jppo.run import sft
 
 
@@ -30,6 +29,14 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     cli.log_to_stderr()
     args = parse_args(argv)
+    try:  # a signal from here on, start-up and the final export included, ends in the status that means "resume me"
+        with StopRequest(immediate=True):
+            return fine_tune(args)
+    except Preempted as stop:
+        return cli.preempted("sft", stop)
+
+
+def fine_tune(args: argparse.Namespace) -> int:
     try:
         cfg = cli.load_config(args, sft=True)
         inputs = sft.load_inputs(cfg)  # the rows' problems, before anything starts or compiles
@@ -41,14 +48,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         final = sft.run(cfg, shape, inputs)
     except ConfigError as error:  # a checkpoint that does not match the config
         return cli.fail("sft", error)
-    except Preempted as stop:
-        for number in SIGNALS:
-            signal.signal(number, signal.SIG_IGN)
-        print(f"jppo.sft: {stop}; the same command resumes (exit status {PREEMPTED_EXIT})", file=sys.stderr)
-        return PREEMPTED_EXIT
     if distributed.is_main_process():
-        summary = ", ".join(f"{k}={final[k]:.4g}" for k in ("sft/loss", "val/sft_nll") if k in final)
-        print(f"jppo.sft: done: step {cfg.trainer.total_steps}, {summary}, output in {cfg.trainer.output_dir}")
+        summary = "".join(f", {k}={final[k]:.4g}" for k in ("sft/loss", "val/sft_nll") if k in final)
+        print(f"jppo.sft: done: step {cfg.trainer.total_steps}{summary}, output in {cfg.trainer.output_dir}")
     return 0
 
 

@@ -6,7 +6,6 @@ checkpoint (run the same command again to continue)."""
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from typing import Optional, Sequence
 
@@ -15,7 +14,7 @@ import jax
 from jppo import cli
 from jppo.config import ConfigError, TrainConfig, check_mesh
 from jppo.parallel import distributed
-from jppo.parallel.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
+from jppo.parallel.preemption import Preempted, StopRequest
 from jppo.run import build
 from jppo.run.loop import run
 
@@ -47,6 +46,14 @@ def dry_run(cfg: TrainConfig, args: argparse.Namespace) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     cli.log_to_stderr()
     args = parse_args(argv)
+    try:  # a signal from here on, start-up and the final export included, ends in the status that means "resume me"
+        with StopRequest(immediate=True):
+            return train(args)
+    except Preempted as stop:  # the same command resumes from the last checkpoint
+        return cli.preempted("train", stop)
+
+
+def train(args: argparse.Namespace) -> int:
     try:
         cfg = cli.load_config(args, sft=False)
         if args.distributed == "dry-run":
@@ -60,15 +67,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         final = run(cfg, mesh_shape, inputs)
     except ConfigError as error:  # a checkpoint that does not match the config, or a limit only the data can break
         return cli.fail("train", error)
-    except Preempted as stop:  # a signal: the step is checkpointed; the same command resumes from it
-        for number in SIGNALS:  # on the way out: a later SIGTERM (srun ending the step) must not change the status
-            signal.signal(number, signal.SIG_IGN)
-        print(f"jppo.train: {stop}; the same command resumes (exit status {PREEMPTED_EXIT})", file=sys.stderr)
-        return PREEMPTED_EXIT
     if not distributed.is_main_process():
         return 0
-    summary = ", ".join(f"{k}={final[k]:.4g}" for k in ("reward/mean", "actor/pg_loss", "critic/vf_loss") if k in final)
-    print(f"jppo.train: done: step {cfg.trainer.total_steps}, {summary}, output in {cfg.trainer.output_dir}")
+    summary = "".join(f", {k}={final[k]:.4g}" for k in ("reward/mean", "actor/pg_loss", "critic/vf_loss") if k in final)
+    print(f"jppo.train: done: step {cfg.trainer.total_steps}{summary}, output in {cfg.trainer.output_dir}")
     return 0
 
 

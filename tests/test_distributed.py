@@ -141,8 +141,8 @@ def test_two_processes_of_one_device_stop_together_on_one_sigterm_and_resume_bit
     """The layout of a GPU cluster run with a process per GPU: 2 processes of 1 device each (their checkpoints once
     failed in orbax). SIGTERM reaches process 1 alone, at a seeded random point of step 2 of a PPO run one step
     off-policy (step 3's batch, regenerated after the resume, comes from the trained weights the queue holds); both
-    processes save that step (they agree at each step boundary) and exit 75; the same command resumes, and the run
-    trains what one process of 2 devices, the same mesh, trains uninterrupted, bit for bit."""
+    processes save that step without validating it (they agree at each step boundary) and exit 75; the same command
+    resumes, and the run trains what one process of 2 devices, the same mesh, trains uninterrupted, bit for bit."""
     from signals import SIGNAL_POINTS
 
     step, point = 2, random.Random(43).choice(SIGNAL_POINTS[:-1])  # no periodic save: the stop saves
@@ -177,7 +177,10 @@ def test_two_processes_of_one_device_stop_together_on_one_sigterm_and_resume_bit
     assert policy[0] == policy[1]  # the trained weights, bit for bit
     resumed, uninterrupted = metrics(tmp_path / "two"), metrics(tmp_path / "one")
     assert [row["step"] for row in resumed] == [1, 2, 3]
+    assert any(key.startswith("val/") for key in uninterrupted[step - 1])
     for a, b in zip(resumed, uninterrupted):
+        if a["step"] == step:  # a stopping step saves without validating (a validation could outlast the grace)
+            b = {k: v for k, v in b.items() if not k.startswith("val/")}
         assert set(a) == set(b)
         assert ({k: v for k, v in a.items() if k.startswith(TRAINED)}
                 == {k: v for k, v in b.items() if k.startswith(TRAINED)})

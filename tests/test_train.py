@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 
@@ -160,6 +162,49 @@ def test_reward_workers_score_a_run_as_the_trainers_process_does(tmp_path):
     workers = train(tmp_path / "workers", *common, "reward.workers=2", "reward.timeout_s=60", config=GRPO)
     assert inside[0]["reward/errors"] > 0 and inside[0]["reward/timeouts"] == 0
     assert deterministic(workers[0]) == deterministic(inside[0])
+
+
+def test_a_signal_skips_the_steps_validation_and_ends_start_up_or_export_in_the_resume_status(tmp_path, monkeypatch):
+    """SIGTERM during a step that validates: the run saves that step without validating it (a validation could
+    outlast the grace period); during input loading or the final export: exit status 75 all the same, and the
+    same command then finishes the run."""
+    from signals import signal_at
+
+    import jppo.run.lifecycle as lifecycle
+    import jppo.run.loop as loop
+    import jppo.train as command
+    from jppo.parallel.preemption import PREEMPTED_EXIT
+    from jppo.run.checkpoint import committed_steps
+
+    argv = ["--config", str(QUICKSTART), f"trainer.output_dir={tmp_path}", *SMALL, "trainer.total_steps=2",
+            "trainer.val_every=1", "data.num_val_examples=16", "data.val_batch_size=16", "trainer.export_hf=true"]
+    # a stopped command ignores later signals on its way out: the test's handlers are put back at its end
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1)}
+    killer = tmp_path / "killer.py"  # a reward plug-in whose loading is interrupted: the signal lands in start-up
+    killer.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\ndef reward(r, e):\n    return [0.0]\n")
+    assert command.main([*argv, f"reward.function={killer}:reward"]) == PREEMPTED_EXIT
+    assert not (tmp_path / "checkpoints").exists() or committed_steps(tmp_path / "checkpoints") == []
+
+    validated = []
+    evaluate_and_log = loop.evaluate_and_log
+    monkeypatch.setattr(loop, "evaluate_and_log", lambda *a: validated.append(a[2]) or evaluate_and_log(*a))
+    with monkeypatch.context() as patch:
+        signal_at(patch, 1, "update", signal.SIGTERM)
+        assert command.main(argv) == PREEMPTED_EXIT
+    assert validated == [] and committed_steps(tmp_path / "checkpoints") == [1]
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in logged] == [1] and not any(key.startswith("val/") for key in logged[0])
+
+    export = lifecycle.export
+    with monkeypatch.context() as patch:
+        patch.setattr(lifecycle, "export", lambda *a: os.kill(os.getpid(), signal.SIGTERM) or export(*a))
+        assert command.main(argv) == PREEMPTED_EXIT  # step 2 trained, validated and saved; its export stopped
+    assert validated == [2] and committed_steps(tmp_path / "checkpoints") == [1, 2]
+    assert not (tmp_path / "hf" / "config.json").exists()
+    assert command.main(argv) == 0  # nothing left to train: the export
+    assert (tmp_path / "hf" / "config.json").is_file() and validated == [2]
+    for number, handler in handlers.items():
+        signal.signal(number, handler)
 
 
 @pytest.fixture(scope="module")

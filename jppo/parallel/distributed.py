@@ -316,6 +316,10 @@ def initialize(args: argparse.Namespace) -> None:
             f"could not start process {kwargs.get('process_id', '?')} of {kwargs.get('num_processes', '?')} with "
             f"coordinator {where} within {args.init_timeout} s: {' '.join(str(error).split())[:300]}"
         ) from None
+    from jppo.parallel.preemption import StopRequest  # noqa: PLC0415 (imports JAX)
+
+    if StopRequest.active is not None:  # the client's preemption notifier took SIGTERM: the command takes it back
+        StopRequest.active.reinstall()
 
 
 def is_main_process() -> bool:

@@ -9,9 +9,10 @@ Both loops (:mod:`jppo.run.loop`, :mod:`jppo.run.sft`) are this one life around 
     finish(cfg, policy, state.actor.weights, tokenizer, run.out, run.main)
 
 :func:`train` runs ``step`` until ``trainer.total_steps`` and after each step the hooks, in order: the held-out
-evaluation (``trainer.val_every``), the log, the checkpoint (``trainer.save_every`` and the last step) and the stop
-request (on SIGTERM / SIGUSR1 every process saves the step and leaves, :mod:`jppo.parallel.preemption`). Every random
-draw of a step is a function of (seed, step), so a resumed run continues exactly as an uninterrupted one would.
+evaluation (``trainer.val_every``), the log and the checkpoint (``trainer.save_every`` and the last step). Whether to
+stop is decided first: on SIGTERM / SIGUSR1 every process skips the step's evaluation, logs, saves the step and
+leaves (:mod:`jppo.parallel.preemption`). Every random draw of a step is a function of (seed, step), so a resumed
+run continues exactly as an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -137,7 +138,9 @@ def started(cfg: TrainConfig) -> Iterator[Run]:
         save_config(cfg, out / "config.yaml")  # an SFT config is read as one beside a checkpoint that says so
     manager = CheckpointManager(out / "checkpoints", max_to_keep=cfg.trainer.max_checkpoints_to_keep,
                                 async_save=cfg.trainer.async_checkpoint)
-    with manager, StopRequest() as stop:
+    # a command's own stop request (entered at the top of its main()), or the run's
+    request = contextlib.nullcontext(StopRequest.active) if StopRequest.active is not None else StopRequest()
+    with manager, request as stop:
         yield Run(cfg, out, resume, main, manager, stop)
 
 
@@ -164,21 +167,30 @@ def train(run: Run, state: RunState, step: Step, evaluate: Optional[Evaluate], r
     fresh, total, metrics = int(state.step) == 0, cfg.trainer.total_steps, {}
     saving = lambda s: save(run.checkpoints, s, cfg, record, sft)  # noqa: E731
     with run_logger(cfg, start_step=0 if fresh else int(state.step) + 1) as logger:
+        validate = Hook(cfg.trainer.val_every if evaluate else 0, lambda n, s, m: m.update(evaluate(s, n, logger)))
         hooks = [
-            Hook(cfg.trainer.val_every if evaluate else 0, lambda n, s, m: m.update(evaluate(s, n, logger))),
+            validate,
             Hook(1, lambda n, s, m: logger.log(n, m)),
             Hook(cfg.trainer.save_every, lambda n, s, m: saving(s), at_end=True),
-            Hook(1, lambda n, s, m: run.stop.at_boundary(n, total, lambda: saving(s), run.checkpoints.wait)),
         ]
-        if cfg.trainer.val_before_train and evaluate and fresh:
-            # the initial policy's evaluation, at step 0 (verl's global step 0); a resumed run does not repeat it
-            logger.log(0, evaluate(state, 0, logger))
-        while int(state.step) < total:
-            timer = PhaseTimer()
-            state, metrics = step(state, timer)
-            metrics = metrics | timer.report(tokens=metrics["perf/total_num_tokens"])
-            for hook in hooks:
-                hook(int(state.step), total, state, metrics)
+        with run.stop.deferred():
+            if cfg.trainer.val_before_train and evaluate and fresh:
+                # the initial policy's evaluation, at step 0 (verl's global step 0); a resumed run does not repeat it
+                logger.log(0, evaluate(state, 0, logger))
+            while int(state.step) < total:
+                timer = PhaseTimer()
+                state, metrics = step(state, timer)
+                metrics = metrics | timer.report(tokens=metrics["perf/total_num_tokens"])
+                n = int(state.step)
+                # decided before the hooks, at the same step on every process: a stopping step does not validate
+                # (a whole validation could outlast the grace period); asked again after them for a signal that
+                # came during the log or the save
+                stopping = n < total and run.stop.agreed()
+                for hook in hooks:
+                    if not (stopping and hook is validate):
+                        hook(n, total, state, metrics)
+                if n < total and (stopping or run.stop.agreed()):
+                    run.stop.leave(n, lambda: saving(state), run.checkpoints.wait)
     return state, metrics
 
 
