@@ -4,6 +4,8 @@ gets exactly the reward the trainer's process computes."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -63,7 +65,9 @@ def test_failed_calls_score_zero_and_every_other_row_its_in_process_reward(plugi
         values = reward(responses, examples, finished)
         elapsed = time.monotonic() - start
         tally = reward.drain()
-        again = reward(*rows(["abc", "raise"]))  # the pool lives on after failures
+        for worker in reward.pool.workers:  # a preemption notice to the process group is the trainer's to act on
+            os.kill(worker.process.pid, signal.SIGTERM)
+        again = reward(*rows(["abc", "raise"]))  # the pool lives on after failures and signals
     finally:
         reward.close()
     assert values.dtype == np.float32
@@ -77,6 +81,7 @@ def test_failed_calls_score_zero_and_every_other_row_its_in_process_reward(plugi
     assert tally.timeouts == 2 and tally.errors == 2 + len(failed)  # raise, exit, and the leaks' MemoryErrors
     assert elapsed < 30  # two 2 s timeouts, overlapped with the other worker's rows; never the sleep's 10**6 s
     np.testing.assert_array_equal(again, [in_process(*rows(["abc"]))[0], 0.0])
+    assert reward.drain().errors == 1  # the row that raises: no worker died of the signal
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,7 @@ log = logging.getLogger("jppo.rewards.workers")
 
 TaskSpec = Optional[tuple[str, dict]]  # (data.task, data.task_options); None: no task (data.task: files)
 START_TIMEOUT_S = 120.0  # a worker that has not built its reward by then is an error (an import that hangs)
+START_ATTEMPTS = 3  # a worker that dies before it has built its reward is started again, this many times at most
 
 
 def describe(cfg: RewardConfig) -> str:
@@ -120,13 +121,16 @@ class Guarded:
 class Worker:
     """One scoring process and the two pipes to it; ``ready`` once it has built its reward function."""
 
-    def __init__(self, cfg: RewardConfig, task: TaskSpec):
+    def __init__(self, cfg: RewardConfig, task: TaskSpec, attempt: int = 1):
+        self.attempt = attempt  # how many times in a row this worker's start was tried
         to_child, from_parent = os.pipe()
         to_parent, from_child = os.pipe()
         env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "jppo.rewards.workers", str(to_child), str(from_child)],
-            pass_fds=(to_child, from_child), env=env, stdin=subprocess.DEVNULL,
+            # a session of its own: a signal to the trainer's process group (Ctrl-C, a launcher's SIGTERM) is the
+            # trainer's to act on; the worker also ignores those signals once it runs (a job-wide kill reaches it)
+            pass_fds=(to_child, from_child), env=env, stdin=subprocess.DEVNULL, start_new_session=True,
         )
         os.close(to_child)
         os.close(from_child)
@@ -192,10 +196,15 @@ class Pool:
             if message[0] == "fatal":
                 worker.stop(kill=True)
                 raise RewardFunctionError(f"{describe(self.cfg)} could not be built in a reward worker: {message[1]}")
-            if message[0] == "died" and not worker.ready:
+            if message[0] == "died" and not worker.ready:  # a signal in its start-up, or a reward that cannot load
                 code = worker.process.wait()
                 worker.stop(kill=True)
-                raise RewardFunctionError(f"a reward worker exited with status {code} before building its reward")
+                if worker.attempt < START_ATTEMPTS:
+                    return Worker(self.cfg, self.task, worker.attempt + 1)
+                raise RewardFunctionError(
+                    f"a reward worker exited with status {code} before building {describe(self.cfg)}, "
+                    f"{START_ATTEMPTS} times in a row"
+                )
             index, worker.job = worker.job[0], None
             if message[0] == "ok":
                 values[index] = message[1]
@@ -235,6 +244,12 @@ def guarded_reward(reward_fn: Callable, cfg: RewardConfig, task: TaskSpec) -> Gu
 def _serve(receive: Connection, send: Connection) -> None:
     """A worker's life: build the reward from the config the trainer sends, then score one row per message until
     ``None`` or the pipe closes."""
+    import signal  # noqa: PLC0415 (the worker's own)
+
+    # a preemption notice or Ctrl-C reaches the whole process group: the trainer decides what it means (it may be
+    # scoring the step it will checkpoint); a worker ends when the trainer closes its pipe, or kills it
+    for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(number, signal.SIG_IGN)
     cfg, task = receive.recv()
     if cfg.worker_memory_mb is not None:
         import resource  # noqa: PLC0415 (POSIX only)
