@@ -80,6 +80,8 @@ def test_update_and_rollout_compile_for_a_two_host_slice(v5p, mesh, attention, p
 @pytest.mark.parametrize("name, message", [
     ("v9:2x2", "--compile-for 'v9:2x2': not a TPU topology libtpu compiles for"),
     ("h100", "--compile-for 'h100': not a target"),
+    # libtpu's v4 has two devices per chip, a mesh jax.make_mesh refuses (it once died in a traceback, exit 1)
+    ("v4:2x2x1", "--compile-for 'v4:2x2x1': libtpu describes this slice with 8 devices, two per chip (TPU v4)"),
     ("b200x8", "--compile-for 'b200x8': no description of the GPU 'b200'"),
 ])
 def test_a_bad_target_is_one_line_and_exit_2(capsys, name, message):

@@ -62,6 +62,14 @@ def tpu_target(name: str) -> Target:
         hint = "" if "Invalid" in reason else "; the TPU compiler comes with pip install 'jax[tpu]'"
         raise ConfigError(f"--compile-for {name!r}: not a TPU topology libtpu compiles for ({reason}){hint}") from None
     devices = tuple(topology.devices)
+    if any(getattr(d, "core_on_chip", 0) for d in devices):
+        # v4 (and v3) topologies describe each TensorCore as a device; a run on such chips is one device per chip
+        # (megacore), and a mesh over two devices per chip is one jax.make_mesh refuses
+        raise ConfigError(
+            f"--compile-for {name!r}: libtpu describes this slice with {len(devices)} devices, two per chip "
+            f"({devices[0].device_kind}); jppo compiles for one device per chip: a v5e, v5p or v6e topology "
+            "(v5p:2x2x2, v6e:4x4)"
+        )
     return Target(name, "tpu", devices, len({d.process_index for d in devices}),
                   TPU_MEMORY.get(devices[0].device_kind))
 
