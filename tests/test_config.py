@@ -121,6 +121,9 @@ def test_resolved_config_round_trips(tmp_path):
         (["trainer.off_policy_steps=2", "algorithm.filter_groups.enable=true", "rollout.n=2"],
          "algorithm.filter_groups.enable=True with trainer.off_policy_steps=2: dynamic sampling draws"),
         (["data.task_options=[1,2]"], "override 'data.task_options=[1,2]' is invalid"),
+        # OmegaConf's own message about a list element names neither ("Value '$VALUE' of type '$VALUE_TYPE' ...")
+        (["model.mlp_only_layers=[0,a]"],
+         "model.mlp_only_layers=[0, 'a'] is invalid: its element 1, 'a', could not be converted to Integer"),
         (["data.task_options={a: 1"], "override 'data.task_options={a: 1' is not valid YAML"),
     ],
 )

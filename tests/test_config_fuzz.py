@@ -94,6 +94,7 @@ NAMES = sorted({
     *MODEL_FAMILIES, "global", "per_micro_batch", "adamw", "sgd", "constant", "cosine", "fixed", "adaptive",
     "auto", "never", "files", "error", "left", "builtin:reverse_digits", "builtin:abc", "reasoning_gym:abc", ".",
 })
+LIST_ELEMENTS = ["a", "", "nan", "1.5", "null", "[1]", "{a: 1}", "console", "q_proj"]
 TASK_OPTIONS = ["{}", "{min_len: 1, max_len: 2}", "{min_len: 4, max_len: 3}", "{max_len: 40}", "{max_operand: 0}",
                 "{x: 1}"]
 
@@ -114,6 +115,9 @@ def typed_values(kind: type, small: bool) -> st.SearchStrategy[str]:
         return st.one_of(st.sampled_from(odd), st.floats(-10, 10)).map(_number)
     if kind is dict:
         return st.sampled_from(TASK_OPTIONS)
+    if typing.get_origin(kind) in (list, tuple):  # lists of odd elements: an element's refusal names the key too
+        element = st.one_of(st.sampled_from(LIST_ELEMENTS), st.integers(-2, 9).map(str), st.sampled_from(NAMES))
+        return st.lists(element, max_size=3).map(lambda items: "[" + ",".join(items) + "]")
     return st.sampled_from(NAMES)
 
 
@@ -168,6 +172,7 @@ def fuzz_settings(examples: int) -> settings:
 
 @fuzz_settings(examples=200)
 @given(config=st.sampled_from(CONFIGS), drawn=overrides())
+@example(config=QUICKSTART, drawn=["model.mlp_only_layers=[a]"])  # once refused without its key or value
 def test_validation_accepts_or_refuses_in_one_line_naming_the_key(config, drawn):
     try:
         validate_like_the_cli(config, base_overrides(config) + drawn)

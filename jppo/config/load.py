@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from etils import epath
 from omegaconf import DictConfig, OmegaConf
@@ -70,11 +70,47 @@ def _reset_options_of_a_replaced_task(file_layer, command_line: list) -> None:
         del file_layer.data["task_options"]
 
 
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{dotted key: value}`` of a nested mapping; a list is a leaf."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for name, value in tree.items():
+        out.update(_leaves(value, f"{prefix}.{name}" if prefix else str(name)))
+    return out
+
+
+def _nested(key: str, value: Any) -> dict:
+    for name in reversed(key.split(".")):
+        value = {name: value}
+    return value
+
+
+def _culprit(merged, layer) -> Optional[str]:
+    """Which leaf of ``layer`` does not merge, and for a list which element, in one line; None if none alone fails.
+    (OmegaConf's error about a list element names neither the key nor the value: ``Value '$VALUE' ...``.)"""
+    for key, value in _leaves(OmegaConf.to_container(layer, resolve=False)).items():
+        try:
+            OmegaConf.merge(merged, _nested(key, value))
+            continue
+        except OmegaConfBaseException as error:
+            reason = str(error).splitlines()[0].replace("Value '$VALUE' of type '$VALUE_TYPE' ", "")
+        for index, element in enumerate(value if isinstance(value, list) else []):
+            try:
+                OmegaConf.merge(merged, _nested(key, [element]))
+            except OmegaConfBaseException:
+                return f"{key}={value!r} is invalid: its element {index}, {element!r}, {reason}"
+        return f"{key}={value!r} is invalid: {reason}"
+    return None
+
+
 def _merged(merged, layer, where: str):
     """``merged`` with ``layer`` merged on top; a mismatch is a :class:`ConfigError` naming ``where``."""
     try:
         return OmegaConf.merge(merged, layer)
     except OmegaConfBaseException as error:
+        if not getattr(error, "full_key", None):  # a list element's: OmegaConf names neither the key nor the value
+            raise ConfigError(_culprit(merged, layer) or f"{where} is invalid: {_omegaconf_message(error)}") from None
         raise ConfigError(_omegaconf_message(error)) from None
     except (TypeError, ValueError) as error:  # e.g. a list where the schema has a mapping
         raise ConfigError(f"{where} is invalid: {one_line(error)}") from None
