@@ -24,7 +24,7 @@ from flax import nnx
 from jppo import sft as sft_command
 from jppo.config import load_config
 from jppo.core.settings import OptimConfig
-from jppo.data.sft import SFTData, load_sft_data, tokenize_row
+from jppo.data.sft import SFTData, SFTRow, load_sft_data, tokenize_row
 from jppo.data.tokenizer import HFTokenizer
 from jppo.engine import ActorConfig, UpdateStep, init_train_state, run_updates, sft_loss_fn
 from jppo.models.decoder import CausalLM
@@ -102,6 +102,22 @@ def test_chat_rows_mask_what_transformers_marks_as_the_assistant_s(tokenizer_dir
         turns = sum(m["role"] == "assistant" for m in row["messages"])
         assert (not all(ours.mask)) == (turns > 1)  # the user turns between assistant turns are holes in the mask
 
+
+
+def test_a_batch_lays_each_row_out_whole_within_the_longest_row():
+    # 14 + 2 and 2 + 14 tokens: a prompt region as wide as the longest prompt and a response region as wide as the
+    # longest completion would make both rows 28 tokens wide, for 16-token rows (sft.max_length=16)
+    rows = [SFTRow(tuple(range(1, 15)), (20, 21), (True, True)),
+            SFTRow((1, 2), tuple(range(30, 44)), (False,) * 4 + (True,) * 10)]
+    batch = SFTData(rows, pad_id=0).experience([0, 1], pad_rows=1)
+    assert batch.prompt_ids.shape[1] + batch.response_ids.shape[1] == 16
+    for i, row in enumerate(rows):
+        attended = np.concatenate([batch.prompt_ids[i][batch.prompt_mask[i]],
+                                   batch.response_ids[i][batch.response_attention[i]]])
+        assert attended.tolist() == [*row.prompt, *row.response]  # the whole row, in order, nothing else
+        loss = batch.response_ids[i][batch.response_mask[i]].tolist()
+        assert loss == [t for t, m in zip(row.response, row.mask) if m]  # the completion's marked tokens only
+    assert not batch.response_attention[2].any() and not batch.response_mask[2].any()  # the padding row
 
 def test_prompt_completion_rows_are_the_trainer_s_prompt_then_completion_and_eos_from_jsonl_or_parquet(tmp_path):
     import pyarrow

@@ -46,8 +46,8 @@ class SFTRow:
 
 @dataclasses.dataclass(frozen=True)
 class SFTData:
-    """The rows of one split, and the padded widths every batch of them takes (the longest prompt and response,
-    so a run compiles its update once)."""
+    """The rows of one split, and the padded widths every batch of them takes (the longest row, so a run compiles
+    its update once)."""
 
     rows: list[SFTRow]
     pad_id: int
@@ -61,8 +61,10 @@ class SFTData:
 
     @functools.cached_property
     def widths(self) -> tuple[int, int]:
-        """``(P, L)``: the longest prompt and the longest response."""
-        return max(len(r.prompt) for r in self.rows), max(len(r.response) for r in self.rows)
+        """``(1, W - 1)``, ``W`` the longest row's tokens: a batch lays each row out whole, its first token as the
+        prompt and the rest as the response (the prompt's other tokens carry no loss). The longest prompt and the
+        longest response, of different rows, would make rows up to twice ``sft.max_length`` wide."""
+        return 1, max(len(r.prompt) + len(r.response) for r in self.rows) - 1
 
     def rows_at(self, position: int, count: int, seed: int) -> np.ndarray:
         """The indices of the ``count`` rows after the first ``position`` of the training order: one permutation
@@ -77,23 +79,24 @@ class SFTData:
         return np.asarray(out, np.int64)
 
     def experience(self, indices: Sequence[int], pad_rows: int = 0) -> Experience:
-        """The rows ``indices`` as a batch of sequences (prompts left-padded, responses right-padded to
-        :attr:`widths`), then ``pad_rows`` empty rows (one padding prompt token, no loss token)."""
-        p, length = self.widths
+        """The rows ``indices`` as a batch of whole sequences, right-padded to :attr:`widths` (each row's first
+        token in the one-token prompt, the rest in the response, the loss on the completion's tokens), then
+        ``pad_rows`` empty rows (one padding prompt token, no loss token)."""
+        _, length = self.widths
         n = len(indices) + pad_rows
-        prompt_ids = np.full((n, p), self.pad_id, np.int32)
-        prompt_mask = np.zeros((n, p), bool)
+        prompt_ids = np.full((n, 1), self.pad_id, np.int32)
+        prompt_mask = np.ones((n, 1), bool)  # an empty row still has a prompt token; it predicts nothing
         response_ids = np.full((n, length), self.pad_id, np.int32)
         attention = np.zeros((n, length), bool)
         mask = np.zeros((n, length), bool)
         for i, index in enumerate(indices):
             row = self.rows[int(index)]
-            prompt_ids[i, p - len(row.prompt):] = row.prompt
-            prompt_mask[i, p - len(row.prompt):] = True
-            response_ids[i, : len(row.response)] = row.response
-            attention[i, : len(row.response)] = True
-            mask[i, : len(row.response)] = row.mask
-        prompt_mask[len(indices):, -1] = True  # an empty row still has a prompt token; it predicts nothing
+            tokens = (*row.prompt, *row.response)
+            rest = len(tokens) - 1
+            prompt_ids[i, 0] = tokens[0]
+            response_ids[i, :rest] = tokens[1:]
+            attention[i, :rest] = True
+            mask[i, len(row.prompt) - 1 : rest] = row.mask
         return Experience(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                           response_mask=mask, response_attention=attention)
 
