@@ -19,6 +19,7 @@ REASONING_GYM_PREFIX = "reasoning_gym:"
 # How reward.function is called (jppo.rewards.adapters): jppo's fn(responses, examples), verl's, TRL's
 FUNCTION_STYLES = ("jppo", "verl", "trl")
 ON_ERROR = ("raise", "zero")  # reward.on_error
+CODE_SCORES = ("fraction", "all")  # reward.code.score
 TRUNCATIONS = ("error", "left")
 FILES_TASK = "files"
 # Variables of the chat template that jppo sets itself (the messages, and the assistant header it always adds).
@@ -115,6 +116,36 @@ class OverlongBufferConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CodeRewardConfig:
+    """``reward.code``: how ``reward.kind: code`` runs a response's program against its row's tests, each test in a
+    box of its own (jppo.rewards.code, jppo.rewards.sandbox)."""
+
+    score: str = "fraction"  # fraction (of the row's tests passed) | all (1 when every test passes, else 0)
+    # deny: the box has a network namespace of its own, nothing reachable (where the kernel cannot make one, the
+    # run refuses to start) | allow: the program may reach the network
+    network: str = "deny"
+    cpu_s: float = 5.0  # CPU seconds of one test's run
+    wall_s: float = 10.0  # wall-clock seconds of one test's run, after which the box is killed
+    memory_mb: int = 1024  # address space of the program
+    file_mb: int = 16  # the largest file it may write; its /tmp holds 4x this
+    processes: int = 32  # processes and threads it may start
+    output_kb: int = 1024  # stdout and stderr kept, each; more kills the box and fails the test
+
+    def __post_init__(self) -> None:
+        if self.score not in CODE_SCORES:
+            raise ValueError(f"reward.code.score={self.score!r} is invalid: valid values are {list(CODE_SCORES)}")
+        if self.network not in ("deny", "allow"):
+            raise ValueError(f"reward.code.network={self.network!r} is invalid: valid values are ['deny', 'allow']")
+        for name in ("cpu_s", "wall_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"reward.code.{name}={value!r} is invalid: it must be a positive number of seconds")
+        for name, least in (("memory_mb", 16), ("file_mb", 1), ("processes", 1), ("output_kb", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"reward.code.{name}={getattr(self, name)!r} is invalid: it must be >= {least}")
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardConfig:
     """How responses are scored (the ``reward`` section of the trainer's config)."""
 
@@ -143,6 +174,7 @@ class RewardConfig:
     # function and the error) | zero (score 0, counted in reward/errors and reward/timeouts).
     on_error: str = "raise"
     worker_memory_mb: Optional[int] = None  # each worker's address-space limit; a call past it fails (MemoryError)
+    code: CodeRewardConfig = dataclasses.field(default_factory=CodeRewardConfig)  # reward.kind: code's box
 
     def __post_init__(self) -> None:  # reward.kind: against its registry, by jppo.rewards.reward_fn
         if self.function_style not in FUNCTION_STYLES:

@@ -2,6 +2,7 @@
 
 from jppo.core.errors import RewardFunctionError
 from jppo.core.inputs import FUNCTION_STYLES, OverlongBufferConfig, RewardConfig
+from jppo.rewards.code import program_score  # reward.kind: code (registers the kind)
 from jppo.rewards.overlong import overlong_penalty
 from jppo.rewards.plugin import RewardPlugin, load_reward_plugin
 from jppo.rewards.reward_fn import REWARD_KINDS, CreditFn, RewardFn, build_credit_fn, build_reward_fn
@@ -27,4 +28,5 @@ __all__ = [
     "math_equal",
     "math_verify_score",
     "overlong_penalty",
+    "program_score",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jppo.data.tasks  # noqa: F401 (registers data.task's check)
 import jppo.parallel.compile_cache  # noqa: F401 (registers trainer.compilation_cache's check)
+import jppo.rewards.code  # noqa: F401 (registers reward.code's check)
 import jppo.rewards.reward_fn  # noqa: F401 (registers reward.kind's check)
 import jppo.run.checkpoint  # noqa: F401 (registers trainer.resume's check)
 import jppo.run.filters  # noqa: F401 (registers algorithm.filter_groups.metric's check)
