@@ -33,6 +33,16 @@ def test_every_shipped_config_loads():
         load_config(path)
 
 
+def test_the_experts_layers_are_checked_against_the_model():
+    moe = ROOT / "configs" / "quickstart_moe.yaml"
+    assert load_config(moe, ["model.mlp_only_layers=[0]"]).model.mlp_only_layers == (0,)  # layer 1 keeps experts
+    with pytest.raises(ConfigError, match=r"^model.mlp_only_layers=\[0, 1\] applies to a model with experts, and this "
+                                          r"run's model \('qwen3_moe'\) has no layer with experts$"):
+        load_config(moe, ["model.mlp_only_layers=[0,1]"])  # every layer dense: nothing reads the experts' keys
+    with pytest.raises(ConfigError, match=r"model.mlp_only_layers=\[-1\] is invalid: it must be layers in \[0, "):
+        load_config(moe, ["model.mlp_only_layers=[-1]"])
+
+
 def test_overrides_and_derived_values():
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["rollout.n=4", "actor.ppo_mini_batch_size=16"])
     assert cfg.rollout.n == 4 and cfg.use_critic and not cfg.use_reference
@@ -122,6 +132,12 @@ def test_resolved_config_round_trips(tmp_path):
          "algorithm.filter_groups.enable=True with trainer.off_policy_steps=2: dynamic sampling draws"),
         (["data.task_options=[1,2]"], "override 'data.task_options=[1,2]' is invalid"),
         # OmegaConf's own message about a list element names neither ("Value '$VALUE' of type '$VALUE_TYPE' ...")
+        # keys only a model with experts reads, on the quickstart's dense model: refused, not ignored
+        (["model.num_experts_per_tok=2"], "model.num_experts_per_tok=2 applies to a model with experts, and this "
+         "run's model ('qwen2') has no layer with experts"),
+        (["actor.router_z_loss_coef=0.1"], "actor.router_z_loss_coef=0.1 applies to a model with experts"),
+        (["model.mlp_only_layers=[2]"], "model.mlp_only_layers=[2] is invalid: it must be layers in [0, "
+         "num_layers=2) (not [2])"),
         (["model.mlp_only_layers=[0,a]"],
          "model.mlp_only_layers=[0, 'a'] is invalid: its element 1, 'a', could not be converted to Integer"),
         (["data.task_options={a: 1"], "override 'data.task_options={a: 1' is not valid YAML"),

@@ -3,7 +3,9 @@
     python -m bench.numbers.docs_numbers [--runs DIR] [--only quickstart,dapo,...] [--pages]
 
 Runs each quickstart config of ``RUNS`` to its end (``python -m jppo.train``, one subprocess each, into
-``DIR/<name>``; a run already complete there is read, not rerun), the SFT-then-GRPO comparison
+``DIR/<name>``; a run already complete there is read, not rerun) as the README's command runs on a fresh machine
+(no XLA flags: one CPU device, recorded with each run; the quickstart over seeds 0, 1 and 2, quoted as a median
+and a range, since 400 steps of RL amplify float32 rounding into different runs), the SFT-then-GRPO comparison
 (``python -m bench.numbers.sft_to_rl`` into ``DIR/sft_to_rl``, read when its result is there), plans the GSM8K
 configs on one device (``jppo.preflight.memory``, nothing allocated), and writes ``docs/measured/numbers.json`` (each
 number as the pages quote it) and ``docs/measured/README.md`` (the same with where each comes from). A page quotes
@@ -39,6 +41,7 @@ GIB, MIB = 2**30, 2**20
 RUNS = {
     "quickstart": ("configs/quickstart.yaml", ()),
     "quickstart_seed1": ("configs/quickstart.yaml", ("trainer.seed=1",)),
+    "quickstart_seed2": ("configs/quickstart.yaml", ("trainer.seed=2",)),
     "dapo": ("configs/quickstart_dapo.yaml", ()),
     "lora": ("configs/quickstart_lora.yaml", ()),
     "moe": ("configs/quickstart_moe.yaml", ()),
@@ -105,9 +108,36 @@ def moe_numbers(rows: list[dict]) -> dict[str, str]:
 
 
 SUMMARIES: dict[str, Callable[[list[dict]], dict[str, str]]] = {
-    "quickstart": reward_numbers, "quickstart_seed1": reward_numbers, "dapo": dapo_numbers, "lora": reward_numbers,
-    "moe": moe_numbers,
+    "quickstart": reward_numbers, "quickstart_seed1": reward_numbers, "quickstart_seed2": reward_numbers,
+    "dapo": dapo_numbers, "lora": reward_numbers, "moe": moe_numbers,
 }
+SEEDS = ("quickstart", "quickstart_seed1", "quickstart_seed2")  # the README's command, seeds 0, 1 and 2
+
+
+def spread_numbers(numbers: dict[str, str]) -> dict[str, str]:
+    """The quickstart over :data:`SEEDS`: the median, lowest and highest of each of its numbers."""
+    out = {}
+    for key in ("reward_first10", "reward_last10", "greedy", "exact"):
+        values = [numbers[f"{name}.{key}"] for name in SEEDS]
+        as_float = [float(v.rstrip("%")) for v in values]
+        unit = "%" if values[0].endswith("%") else ""
+        show = (lambda x: f"{round(x)}%") if unit else two
+        out |= {f"quickstart_seeds.{key}_median": show(statistics.median(as_float)),
+                f"quickstart_seeds.{key}_min": show(min(as_float)), f"quickstart_seeds.{key}_max": show(max(as_float))}
+    return out
+
+
+def default_machine() -> dict[str, str]:
+    """The environment of the README's command on a fresh machine: no XLA flags (one CPU device), the CPU platform
+    (as there without libtpu)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    return env | {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+
+
+def device_count(env: dict[str, str]) -> int:
+    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.device_count())"], env=env,
+                           capture_output=True, text=True, check=True)
+    return int(probe.stdout.split()[-1])
 
 
 def run(name: str, runs: pathlib.Path) -> dict:
@@ -122,12 +152,13 @@ def run(name: str, runs: pathlib.Path) -> dict:
         command = [sys.executable, "-m", "jppo.train", "--config", str(ROOT / config), *overrides,
                    f"trainer.output_dir={out}", "trainer.progress_bar=false"]
         start = time.perf_counter()
-        subprocess.run(command, check=True, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)})
+        subprocess.run(command, check=True, cwd=ROOT, env=default_machine())
         wall = round(time.perf_counter() - start, 1)
     rows = read_metrics(out)
     numbers = {f"{name}.{key}": value for key, value in SUMMARIES[name](rows).items()}
     source = {"command": f"python -m jppo.train --config {config} {' '.join(overrides)}".strip(), "steps": total,
-              "training_s": round(sum(r.get("timing/step", 0.0) for r in rows), 1), "wall_s": wall}
+              "training_s": round(sum(r.get("timing/step", 0.0) for r in rows), 1), "wall_s": wall,
+              "devices": device_count(default_machine())}
     return {"numbers": numbers, "source": source}
 
 
@@ -231,6 +262,7 @@ def markdown(record: dict) -> str:
     for name, source in record["runs"].items():
         lines.append(f"- `{name}`: `{source['command']}`, {source['steps']} steps, {source['training_s']} s of "
                      f"training" + (f", {source['wall_s']} s wall" if source["wall_s"] else "")
+                     + (f", {source['devices']} device(s)" if "devices" in source else "")
                      + (f", load average {source['load_average']}" if "load_average" in source else ""))
     return "\n".join(lines) + "\n"
 
@@ -250,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run(name, pathlib.Path(args.runs).resolve())
             numbers.update(result["numbers"])
             runs[name] = result["source"]
+    if all(f"{name}.greedy" in numbers for name in SEEDS):
+        numbers.update(spread_numbers(numbers))
     if "sft_to_rl" in only:
         result = sft_to_rl(pathlib.Path(args.runs).resolve())
         numbers.update(result["numbers"])

@@ -50,6 +50,15 @@ _CRITIC = "a run with a critic (`critic.enable`, or an estimator that needs one:
 _VALIDATION = "validation (`trainer.val_every`, `trainer.val_before_train`) and `jppo.eval`"
 _GENERATED = "a generated task (built-in, `reasoning_gym:`), not `files`"
 
+# the keys only a model with experts reads, and their defaults (a run without experts refuses another value,
+# jppo.run.checks); first those that can leave a model of experts without any
+EXPERT_KEYS = {
+    "model.mlp_only_layers": (), "model.decoder_sparse_step": 1, "model.num_experts_per_tok": 1,
+    "model.moe_intermediate_size": 0, "model.norm_topk_prob": False, "model.router_aux_loss_coef": 0.0,
+    "actor.router_aux_loss_coef": None, "actor.router_z_loss_coef": 0.0,
+}
+_EXPERTS = "a model with experts (`model.model_type: qwen3_moe`, or such a checkpoint; refused on a dense one)"
+
 # key (or a section, ending in ".") -> where it is read, when not in every run; a key under a section entry is read
 # where both say
 APPLIES: dict[str, str] = {
@@ -79,6 +88,7 @@ APPLIES: dict[str, str] = {
         "optim.min_lr_ratio": f"`{role}.optim.lr_schedule: cosine`",
         **{f"lora.{name}": f"`{role}.lora.rank` >= 1" for name in ("alpha", "target_modules", "dropout")},
     }.items()},
+    **{key: _EXPERTS for key in EXPERT_KEYS},
     "actor.kl_loss_coef": "`actor.use_kl_loss: true`",
     "actor.kl_loss_type": "`actor.use_kl_loss: true`",
     "actor.rollout_correction.threshold": "`actor.rollout_correction.mode` other than none",

@@ -192,6 +192,10 @@ class ModelConfig:
 
     def _check_experts(self) -> None:
         self._set("mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        outside = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if outside:
+            raise InvalidSetting("", "mlp_only_layers", list(self.mlp_only_layers),
+                                 f"layers in [0, num_layers={self.num_layers}) (not {outside})")
         if bool(self.num_experts) != self.family.has_experts:
             raise InvalidSetting("", "num_experts", self.num_experts, f"{'> 0' if self.family.has_experts else '0'} "
                                  f"for model_type {self.model_type!r}")

@@ -19,6 +19,7 @@ import jppo.run.checkpoint  # noqa: F401 (registers trainer.resume's check)
 import jppo.run.filters  # noqa: F401 (registers algorithm.filter_groups.metric's check)
 import jppo.runlog  # noqa: F401 (registers trainer.logger's check)
 from jppo.advantages import ADVANTAGE_ESTIMATORS
+from jppo.config.applies import EXPERT_KEYS
 from jppo.config.schema import TrainConfig
 from jppo.config.views import (
     CONTEXT_KEYS,
@@ -93,6 +94,23 @@ def _check_model(cfg: TrainConfig) -> None:
         check_attention_blocks(cfg.model.attention_block_q, cfg.model.attention_block_kv)
         if cfg.model.path is None:  # a model built from this section: its own checks
             random_model_config(cfg, None)
+    _check_expert_keys(cfg)
+
+
+def _check_expert_keys(cfg: TrainConfig) -> None:
+    """A key only a model with experts reads is refused, set, on a run none of whose models has a layer with
+    experts (it would do nothing)."""
+    set_keys = {}
+    for key, default in EXPERT_KEYS.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if (tuple(value) if isinstance(value, (list, tuple)) else value) != default:
+            set_keys[key] = list(value) if isinstance(value, (list, tuple)) else value
+    if not set_keys or any(adapted_model_config(cfg, role).sparse_layers for role in cfg.roles):
+        return  # (a checkpoint's config.json is read only when such a key is set)
+    key, value = next(iter(set_keys.items()))
+    raise ConfigError(f"{key}={value!r} applies to a model with experts, and this run's model "
+                      f"({cfg.model.path or cfg.model.model_type!r}) has no layer with experts")
 
 
 def _check_kept_adapters(cfg: TrainConfig) -> None:
