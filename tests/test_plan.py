@@ -13,7 +13,7 @@ from jppo import plan
 from jppo.config import check_mesh, load_config, views
 from jppo.config.views import engine_view
 from jppo.engine import init_train_state
-from jppo.parallel.mesh import make_mesh
+from jppo.parallel.mesh import MESH_AXES, make_mesh
 from jppo.preflight import footprint, memory, sampler_memory
 from jppo.run import build
 
@@ -372,6 +372,21 @@ def test_the_plan_of_an_sft_config_is_the_compiled_sft_update_s_bytes(tmp_path, 
            - memory_analysis.alias_size_in_bytes + memory_analysis.temp_size_in_bytes)
     planned = sft_program_bytes(cfg, (1, 1, 1, 1), platform="cpu")  # compiled here by XLA:CPU
     assert 0.9 * xla <= planned <= 1.1 * xla, (planned, xla)
+
+
+def test_the_sft_plan_cuts_micro_batches_over_every_row_axis_as_the_run(tmp_path):
+    # mesh.expert splits rows as data and fsdp do: 32 rows over 8 expert shards are one micro-batch of 4 rows each,
+    # no accumulator (planned once over data x fsdp alone: 8 micro-batches and an accumulator the run does not have)
+    from jppo.engine.config import fixed_micro_batch_count
+    from jppo.parallel.mesh import batch_shards
+    from jppo.preflight.sft_memory import sft_accumulates
+    from jppo.run import sft as sft_run
+
+    cfg = load_config(SFT, [f"trainer.output_dir={tmp_path}", "sft.batch_size=32", "actor.ppo_micro_batch_size=4",
+                            "mesh.data=1", "mesh.expert=8"])
+    shape = sft_run.mesh_shape(cfg, 8)
+    assert fixed_micro_batch_count(sft_run.sft_view(cfg), batch_shards(make_mesh(*shape))) == 1  # the run's
+    assert not sft_accumulates(cfg, dict(zip(MESH_AXES, shape)))
 
 
 def test_the_command_plans_an_sft_config_as_the_sft_run(tmp_path, capsys):

@@ -7,8 +7,8 @@ critic, no reference, no training rollout. The terms are those of :mod:`jppo.pre
 =====================  ====================================================================================
 parameters             ``(n + t_lora) p``: the policy, and its adapters with ``actor.lora``
 optimizer state        ``t a (2 + 1)``: AdamW's moments and the accumulator of ``optax.MultiSteps`` (none when
-                       one micro-batch makes the step: K = ``sft.batch_size / (data x fsdp) /
-                       actor.ppo_micro_batch_size`` = 1; SGD keeps no moments)
+                       one micro-batch makes the step: K = ``sft.batch_size / (data x fsdp x expert) /
+                       actor.ppo_micro_batch_size`` = 1, the row axes as the run cuts them; SGD keeps no moments)
 the update's phases    the RL actor's (:func:`jppo.preflight.memory.update_phases`: the layers' backward pass, the LM
                        head's, the optimizer step) for a micro-batch of ``r = actor.ppo_micro_batch_size`` rows of
                        ``w = sft.max_length`` tokens (the longest row the data may hold), or one packed row of
@@ -31,7 +31,7 @@ import dataclasses
 from typing import Sequence
 
 from jppo.config import TrainConfig
-from jppo.parallel.mesh import MESH_AXES
+from jppo.parallel.mesh import MESH_AXES, row_shards_of
 from jppo.preflight.footprint import (
     ACCUMULATOR_BYTES,
     Term,
@@ -59,7 +59,7 @@ def sft_accumulates(cfg: TrainConfig, mesh: dict[str, int]) -> bool:
     from jppo.engine.config import fixed_micro_batch_count  # noqa: PLC0415
     from jppo.run.sft import sft_view  # noqa: PLC0415 (the SFT loop's engine config)
 
-    return fixed_micro_batch_count(sft_view(cfg), mesh["data"] * mesh["fsdp"]) != 1
+    return fixed_micro_batch_count(sft_view(cfg), row_shards_of([mesh[axis] for axis in MESH_AXES])) != 1
 
 
 def scores_held_out(cfg: TrainConfig) -> bool:
