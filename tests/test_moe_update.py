@@ -7,11 +7,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_cases import VOCAB, mesh_of, padded_inputs, ragged_batch
 from flax import nnx
 
+import jppo.models.decoder as decoder
 from jppo.core.settings import OptimConfig
 from jppo.engine import ActorConfig, UpdateStep, actor_loss_fn, init_train_state, run_updates
 from jppo.engine.experts import router_aux_coef
@@ -156,3 +158,55 @@ def test_with_routing_replay_the_gradient_does_not_depend_on_the_cut(replayed_wh
     router = lambda g: np.asarray(g["decoder"]["layers"]["router"])  # noqa: E731
     assert np.abs(router(expected) - router(whole[1])).max() > 1e-3 * np.abs(router(whole[1])).max()
     assert expected_metrics["actor/pg_loss"] != pytest.approx(whole[0]["actor/pg_loss"], rel=1e-6)
+
+
+def test_the_update_is_jax_grad_of_its_objective_written_out(whole, monkeypatch):
+    """Every cut above is compared with the engine's own one-micro-batch update; this compares that update with
+    ``jax.grad`` of the objective written out here, so that a mistake all cuts share cannot pass: PPO's dual-clip
+    token-mean loss + 0.3 x transformers' load-balancing loss + 0.05 x the router's z-loss, from the log-probs of
+    one padded forward pass and the router logits of the layer with experts recomputed from that layer's input
+    (float64: 1e-9 relative)."""
+    seen = []
+    moe_mlp = decoder.moe_mlp
+
+    def spied(x, valid, router, *rest, **options):  # the layer's input, as the decoder hands it over
+        seen.append((x, valid, router))
+        return moe_mlp(x, valid, router, *rest, **options)
+
+    monkeypatch.setattr(decoder, "moe_mlp", spied)
+    config, batch = moe_config(), ragged_batch(3)
+    graphdef, params = nnx.split(create_model(CausalLM, config, None, seed=0), nnx.Param)  # the update's weights
+    ids, positions, segments = padded_inputs(batch)
+    p, length = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    mask = jnp.asarray(batch.response_mask)
+    old, advantages = jnp.asarray(batch.old_log_prob), jnp.asarray(batch.advantages)
+
+    def objective(params):
+        seen.clear()
+        logits = nnx.merge(graphdef, params)(ids, positions, segments)
+        log_probs = jax.nn.log_softmax(logits[:, p - 1 : p - 1 + length], axis=-1)
+        log_prob = jnp.take_along_axis(log_probs, ids[:, p : p + length, None], axis=-1)[..., 0]
+        ratio = jnp.exp(log_prob - old)
+        clipped = jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 0.8, 1.2))
+        per_token = jnp.where(advantages < 0, jnp.minimum(clipped, -advantages * 3.0), clipped)
+        policy = jnp.sum(jnp.where(mask, per_token, 0.0)) / jnp.sum(mask)
+        (x, valid, router), = seen  # one layer with experts
+        valid = valid.reshape(-1).astype(bool)
+        router_logits = x.reshape(-1, x.shape[-1]) @ router
+        probs = jax.nn.softmax(router_logits, axis=-1)
+        chosen = jax.lax.top_k(probs, config.num_experts_per_tok)[1]
+        counts = jnp.zeros_like(probs).at[jnp.arange(len(probs))[:, None], chosen].set(1.0)
+        pairs = jnp.sum(valid)  # (token, layer with experts) pairs: one layer
+        fractions = jax.lax.stop_gradient(jnp.sum(jnp.where(valid[:, None], counts, 0.0), axis=0) / pairs)
+        balance = config.num_experts * jnp.sum(fractions * jnp.sum(jnp.where(valid[:, None], probs, 0.0), axis=0)
+                                               / pairs)
+        z = jnp.sum(jnp.where(valid, jax.nn.logsumexp(router_logits, axis=-1) ** 2, 0.0)) / pairs
+        return policy + 0.3 * balance + 0.05 * z
+
+    expected = jax.grad(objective)(params)
+    metrics, gradient = whole
+    assert len(jax.tree.leaves(gradient)) == len(jax.tree.leaves(expected))
+    for (path, leaf), other in zip(jax.tree_util.tree_leaves_with_path(gradient), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(leaf, np.asarray(other), rtol=1e-9, atol=1e-13, err_msg=jax.tree_util.keystr(path))
+    router = np.asarray(gradient["decoder"]["layers"]["router"])
+    assert np.abs(router).max() > 1e-6  # the router's gradient is compared, not two zeros
