@@ -207,12 +207,7 @@ def test_an_off_policy_run_killed_mid_update_resumes_bitwise(tmp_path, off_polic
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert [row["step"] for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == [1]
     resumed = train("grpo", tmp_path, 1, [*OFF_POLICY, *saving])
-    expected = without_waits(off_policy_run)
-    # step 2 validates (trainer.val_every=2) and was stopped: it saved without validating (a whole validation could
-    # outlast the grace period), and logged the rest
-    assert "val/reward/mean" in expected[1]
-    expected[1] = {k: v for k, v in expected[1].items() if not k.startswith("val/")}
-    assert without_waits(resumed) == expected
+    assert without_waits(resumed) == without_waits(off_policy_run)
     other_k = load_config(CONFIGS["grpo"], [*QUIET, f"trainer.output_dir={tmp_path}", "trainer.off_policy_steps=2"])
     with pytest.raises(ConfigError, match=r"^trainer.off_policy_steps=2: checkpoint .* was written with "
                                           r"trainer.off_policy_steps=1 \(resume with that, or trainer.resume=never\)$"):
@@ -333,9 +328,4 @@ def test_a_run_killed_during_the_weight_move_resumes_bitwise(tmp_path, off_polic
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert [row["step"] for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())] == [1]
     resumed = train("grpo", tmp_path, 2, ["rollout.devices=1", *OFF_POLICY, *saving])
-    expected = without_waits(off_policy_run)
-    # step 2 validates (trainer.val_every=2) and was stopped: it saved without validating (a whole validation could
-    # outlast the grace period), and logged the rest
-    assert "val/reward/mean" in expected[1]
-    expected[1] = {k: v for k, v in expected[1].items() if not k.startswith("val/")}
-    assert without_waits(resumed) == expected
+    assert without_waits(resumed) == without_waits(off_policy_run)
