@@ -1,8 +1,8 @@
 """A change that quietly stops a quickstart learning fails here, not in a user's run: each quickstart trains its
 first steps (seed 0, the suite's 8 devices) and every number stays in the corridor ``tests/corridors.json`` keeps,
-set by ``python -m bench.numbers.corridors`` from the same runs over seeds 0-3 with a margin their spread
-justifies (the training reward over the last steps and the held-out greedy reward at least so high, the SFT loss so
-low, the gradient norm and the sampler-trainer KL within their bands)."""
+set by ``python -m bench.numbers.corridors`` from the same runs over seeds 0-2 with a margin their spread
+justifies (the training reward over the last steps at least so high, the SFT run's NLL so low, the gradient norm
+and the sampler-trainer KL within their bands)."""
 
 from __future__ import annotations
 
