@@ -68,7 +68,31 @@ def linear_attention(m: ModelConfig, width: int) -> bool:
     return resolve_attention(m.attention, m.compute_dtype, "cpu", width) in RULE_ONLY
 
 
-def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int], platform: str = "gpu") -> int:
+def expert_group(m: ModelConfig, mesh: dict[str, int]) -> int:
+    """``e``: the devices of the ``expert`` axis whose tokens a layer with experts gathers (1 where the axis does
+    not divide the experts, or is 1)."""
+    e = mesh.get("expert", 1)
+    return e if e > 1 and m.num_experts % e == 0 else 1
+
+
+def mixture_bytes_per_token(m: ModelConfig, mesh: dict[str, int], backward: bool) -> int:
+    """What the mixture of a layer with experts holds per local token (:func:`jppo.models.moe.expert_parallel`):
+    the router's float32 logits and probabilities over the ``E`` experts; the group's gathered tokens, ``e`` per
+    local token, with their weights and experts; and for each of their ``k`` (token, expert) pairs the sorted row,
+    the expert's gate, up and gated intermediates of ``F_e`` (``moe_intermediate_size``) and its output row, which
+    the backward pass keeps unsorted too: ``2 a E + e c (d + 2 k) + e k c (s d + 3 F_e)``, ``s`` = 3 kept for a
+    backward pass, 2 in a forward pass. The exchange's buffers grow with the group, ``e n k`` pairs on each device.
+    Compiled for v5p:2x2x2 (quickstart_moe widened: d 256, F_e 512, every layer with experts; mesh data 8 with
+    k = 2 and 8, expert 8 with k = 8), the update is planned at 0.73, 0.80 and 0.94 of XLA's bytes (~60 MiB of
+    XLA's, the same in all three, not accounted for yet), the old log-probs' forward at 1.39, 1.19 and 1.49 (XLA
+    holds fewer of the gathered pairs at once than ``e n k``)."""
+    c, a, d = dtype_bytes(m.dtype), ACCUMULATOR_BYTES, m.hidden_size
+    e, k, f = expert_group(m, mesh), m.num_experts_per_tok, split(m.moe_intermediate_size, mesh)
+    return 2 * a * m.num_experts + e * c * (d + 2 * k) + e * k * c * ((3 if backward else 2) * d + 3 * f)
+
+
+def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int], platform: str = "gpu",
+                          sparse: bool = False) -> int:
     """``x``: what one layer keeps for its backward pass per token of a row of ``width`` (module docstring). Dense
     attention keeps its float32 scores and probabilities and the probabilities cast back (``2 a + c`` a score); the
     backward pass XLA:GPU compiles also holds the probabilities' float32 gradient beside them and the mask
@@ -83,7 +107,15 @@ def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int], plat
     else:
         attention = (2 * a + c + (a + 1 if platform == "gpu" else 0)) * heads * width
     gathered = 2 * (row_split(width, mesh) - 1) * kv * c  # the row's other keys and values, per local token
-    return c * (4 * d + 3 * q + 3 * kv + 4 * f) + a * (2 * d + q + kv) + attention + gathered
+    mlp = mixture_bytes_per_token(m, mesh, backward=True) if sparse else 4 * c * f
+    return c * (4 * d + 3 * q + 3 * kv) + mlp + a * (2 * d + q + kv) + attention + gathered
+
+
+def layer_kinds(m: ModelConfig) -> tuple[tuple[bool, int], ...]:
+    """``(sparse, count)`` of the model's layers: those with experts and the dense ones (a kind with none left
+    out)."""
+    sparse = len(m.sparse_layers)
+    return tuple((kind, count) for kind, count in ((True, sparse), (False, m.num_layers - sparse)) if count)
 
 
 def forward_layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int], platform: str = "gpu") -> int:
@@ -98,7 +130,10 @@ def forward_layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, in
     heads, d = split(m.num_heads, mesh), m.hidden_size
     q, kv, f = heads * m.head_dim, split(m.num_kv_heads, mesh) * m.head_dim, split(m.intermediate_size, mesh)
     keys = min(m.attention_block_kv, width) if linear_attention(m, width) else width
-    return c * (2 * d + q + 2 * kv) + max(a * heads * keys, 3 * c * f)
+    mlp = 3 * c * f if m.dense_layers else 0
+    if m.sparse_layers:
+        mlp = max(mlp, mixture_bytes_per_token(m, mesh, backward=False))
+    return c * (2 * d + q + 2 * kv) + max(a * heads * keys, mlp)
 
 
 def row_split(width: int, mesh: dict[str, int]) -> int:
@@ -120,17 +155,22 @@ def attention_block_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str,
 
 def activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int], platform: str = "gpu") -> int:
     """Activations one micro-batch of ``rows x width`` tokens keeps on one device for its backward pass."""
-    per_layer = layer_bytes_per_token(m, width, mesh, platform)
-    kept = dtype_bytes(m.dtype) * m.hidden_size if m.remat else per_layer
-    recomputed = per_layer if m.remat else 0
+    per_layer = {kind: layer_bytes_per_token(m, width, mesh, platform, kind) for kind, _ in layer_kinds(m)}
+    if m.remat:
+        kept, recomputed = dtype_bytes(m.dtype) * m.hidden_size * m.num_layers, max(per_layer.values())
+    else:
+        kept, recomputed = sum(count * per_layer[kind] for kind, count in layer_kinds(m)), 0
     local = width // row_split(width, mesh)
-    return rows * local * (m.num_layers * kept + recomputed) + attention_block_bytes(m, rows, width, mesh)
+    return rows * local * (kept + recomputed) + attention_block_bytes(m, rows, width, mesh)
 
 
 def kept_activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int], platform: str = "gpu") -> int:
     """What all layers keep for the backward pass (``r (w / q) L s``) without the layer recomputed at a time."""
-    kept = dtype_bytes(m.dtype) * m.hidden_size if m.remat else layer_bytes_per_token(m, width, mesh, platform)
-    return rows * (width // row_split(width, mesh)) * m.num_layers * kept
+    if m.remat:
+        kept = dtype_bytes(m.dtype) * m.hidden_size * m.num_layers
+    else:
+        kept = sum(count * layer_bytes_per_token(m, width, mesh, platform, kind) for kind, count in layer_kinds(m))
+    return rows * (width // row_split(width, mesh)) * kept
 
 
 def logits_bytes(m: ModelConfig, rows: int, width: int, chunk_size: int, mesh: dict[str, int]) -> int:
