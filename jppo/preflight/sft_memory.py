@@ -59,7 +59,7 @@ def sft_accumulates(cfg: TrainConfig, mesh: dict[str, int]) -> bool:
     from jppo.engine.config import fixed_micro_batch_count  # noqa: PLC0415
     from jppo.run.sft import sft_view  # noqa: PLC0415 (the SFT loop's engine config)
 
-    return fixed_micro_batch_count(sft_view(cfg), row_shards_of([mesh[axis] for axis in MESH_AXES])) != 1
+    return fixed_micro_batch_count(sft_view(cfg), row_shards_of([mesh.get(axis, 1) for axis in MESH_AXES])) != 1
 
 
 def scores_held_out(cfg: TrainConfig) -> bool:
