@@ -28,7 +28,7 @@ from jppo.rewards import sandbox
 from jppo.rewards.code import program_score, row_tests
 from jppo.rewards.reward_fn import build_reward_fn
 from jppo.rewards.sandbox import Limits, run_program
-from jppo.rewards.workers import guarded_reward
+from jppo.rewards.workers import Guarded
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAST = CodeRewardConfig(cpu_s=2, wall_s=4, output_kb=64)
@@ -80,7 +80,7 @@ def test_the_built_in_task_is_scored_by_running_its_programs_in_reward_workers()
     responses = [solutions[k] + "\n```" for k in kinds[:4]] + ["print(1)\n```"] * 4  # the prompt opened the block
     cfg = RewardConfig(kind="code", workers=2, code=FAST)
     in_process = build_reward_fn(dataclasses.replace(cfg, workers=0), task)
-    reward = guarded_reward(build_reward_fn(cfg, task), cfg, ("write_program", {"tests": 2, "open_block": True}))
+    reward = Guarded(build_reward_fn(cfg, task), cfg, ("write_program", {"tests": 2, "open_block": True}))
     try:
         values = reward(responses, examples, [True] * 8)
     finally:

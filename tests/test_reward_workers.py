@@ -15,7 +15,7 @@ from jppo.core.errors import RewardFunctionError
 from jppo.core.inputs import RewardConfig
 from jppo.data.tasks import Example, get_task
 from jppo.rewards.reward_fn import build_reward_fn
-from jppo.rewards.workers import guarded_reward
+from jppo.rewards.workers import Guarded
 
 PLUGIN = '''
 import os, time
@@ -59,7 +59,7 @@ def test_failed_calls_score_zero_and_every_other_row_its_in_process_reward(plugi
     # workers are replaced; the rows after them are scored by fresh workers
     texts = ["abc", "hang", "abcdef", "raise", "exit", "x" * 10, *["leak"] * 10, "ok", "hang", "fine"]
     responses, examples, finished = rows(texts)
-    reward = guarded_reward(in_process, cfg, None)
+    reward = Guarded(in_process, cfg, None)
     try:
         start = time.monotonic()
         values = reward(responses, examples, finished)
@@ -94,7 +94,7 @@ def test_failed_calls_score_zero_and_every_other_row_its_in_process_reward(plugi
 )
 def test_under_raise_a_failed_call_stops_the_run_in_one_line(plugin, texts, message):
     cfg = RewardConfig(function=plugin, workers=1, timeout_s=1.0)
-    reward = guarded_reward(build_reward_fn(cfg, None), cfg, None)
+    reward = Guarded(build_reward_fn(cfg, None), cfg, None)
     try:
         with pytest.raises(RewardFunctionError) as error:
             reward(*rows(texts))
@@ -106,14 +106,14 @@ def test_under_raise_a_failed_call_stops_the_run_in_one_line(plugin, texts, mess
 def test_in_the_trainers_process_on_error_zero_rescores_the_batch_row_by_row(plugin):
     cfg = RewardConfig(function=plugin, on_error="zero")
     in_process = build_reward_fn(cfg, None)
-    reward = guarded_reward(in_process, cfg, None)
+    reward = Guarded(in_process, cfg, None)
     responses, examples, finished = rows(["abc", "raise", "abcdefg"])
     values = reward(responses, examples, finished)
     assert reward.drain().errors == 1 and reward.drain().errors == 0
     alone = [in_process([responses[i]], [examples[i]], [True])[0] for i in (0, 2)]
     np.testing.assert_array_equal(values, [alone[0], 0.0, alone[1]])
     with pytest.raises(RewardFunctionError, match="raised ValueError: this row is bad on sample 1"):
-        guarded_reward(in_process, RewardConfig(function=plugin), None)(responses, examples, finished)
+        Guarded(in_process, RewardConfig(function=plugin), None)(responses, examples, finished)
 
 
 def test_built_in_scorers_run_in_workers_as_in_the_trainer():
@@ -123,7 +123,7 @@ def test_built_in_scorers_run_in_workers_as_in_the_trainer():
     texts = [e.answer for e in examples[:3]] + ["nope", "", examples[5].answer[::-1] + "0"]
     finished = [True, False, True, True, False, True]
     in_process = build_reward_fn(cfg, task)
-    reward = guarded_reward(in_process, cfg, ("reverse_digits", {}))
+    reward = Guarded(in_process, cfg, ("reverse_digits", {}))
     try:
         values = reward(texts, examples, finished)
     finally:

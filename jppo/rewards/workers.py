@@ -75,9 +75,10 @@ class Tally:
 
 
 class Guarded:
-    """``RewardFn`` with ``reward.on_error`` applied: in the trainer's process (``reward.workers = 0``) or in a
-    pool of workers. ``drain()`` gives the failures counted since it was last called; ``close()`` stops the
-    workers (also done when the object is collected and at exit)."""
+    """``reward_fn`` (built in the trainer's process, which checks that the reward loads) with ``reward.on_error``
+    applied: called there (``reward.workers = 0``) or in a pool of workers that build it again. ``drain()``
+    gives the failures counted since it was last called; ``close()`` stops the workers (also done when the object
+    is collected and at exit)."""
 
     def __init__(self, reward_fn: Callable, cfg: RewardConfig, task: TaskSpec):
         self.reward_fn, self.cfg, self.name, self.tally = reward_fn, cfg, describe(cfg), Tally()
@@ -233,12 +234,6 @@ class Pool:
     def close(pool: Optional["Pool"]) -> None:
         for worker in pool.workers if pool is not None else ():
             worker.stop()
-
-
-def guarded_reward(reward_fn: Callable, cfg: RewardConfig, task: TaskSpec) -> Guarded:
-    """``reward_fn`` (built in the trainer's process, which checks the reward loads) under ``reward.on_error``, in
-    ``reward.workers`` processes of their own when there are any."""
-    return Guarded(reward_fn, cfg, task)
 
 
 def _serve(receive: Connection, send: Connection) -> None:

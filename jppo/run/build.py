@@ -33,7 +33,7 @@ from jppo.models import CausalLM, ModelConfig, ValueModel, create_model, load_pr
 from jppo.models.layers import is_norm_scale
 from jppo.models.lora import attach_lora, load_saved_adapters, saved_adapter_config, trainable_filter
 from jppo.rewards import CreditFn, RewardFn, build_credit_fn, build_reward_fn
-from jppo.rewards.workers import Guarded, guarded_reward
+from jppo.rewards.workers import Guarded
 from jppo.rollout import ROLLOUT_ENGINES
 from jppo.rollout.env import EnvFactory, load_env, stop_token_ids
 
@@ -75,7 +75,7 @@ def reward_of(cfg: TrainConfig, task: Optional[Task]) -> Guarded:
     """The run's reward function (checked by building it here), under ``reward.on_error`` and in
     ``reward.workers`` processes of their own when there are any (:mod:`jppo.rewards.workers`)."""
     spec = None if task is None else (cfg.data.task, dict(cfg.data.task_options))
-    return guarded_reward(build_reward_fn(cfg.reward, task), cfg.reward, spec)
+    return Guarded(build_reward_fn(cfg.reward, task), cfg.reward, spec)
 
 
 def build_policy(cfg: TrainConfig, tokenizer: Tokenizer, mesh: Mesh, seed: Optional[int] = None) -> CausalLM:
