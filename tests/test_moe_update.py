@@ -14,6 +14,7 @@ from engine_cases import VOCAB, mesh_of, padded_inputs, ragged_batch
 from flax import nnx
 
 import jppo.models.decoder as decoder
+import jppo.models.moe as moe
 from jppo.core.settings import OptimConfig
 from jppo.engine import (
     ActorConfig,
@@ -47,19 +48,20 @@ MESHES = {"K=2 on data 2 x fsdp 2 x tensor 2": (2, 2, 2), "K=2 on data 2 x fsdp 
           "token budget on fsdp 2 x expert 4": (1, 2, 1, 1, 4)}
 
 
-def moe_config() -> ModelConfig:
+def moe_config(chunk: int = 0) -> ModelConfig:
     # layer 0 dense, layer 1 with 4 experts (top 2); a wide initialization, so that the routing is uneven
     return ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
                        num_kv_heads=2, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=8, mlp_only_layers=(0,), initializer_range=0.5, router_aux_loss_coef=0.3,
-                       dtype="float64", param_dtype="float64")
+                       dtype="float64", param_dtype="float64", expert_chunk_size=chunk)
 
 
-def update(cut: dict, mesh_shape=(1, 1, 1), batch=None, role="actor", **actor):
+def update(cut: dict, mesh_shape=(1, 1, 1), batch=None, role="actor", chunk=0, **actor):
     """The first update of the MoE model's ``role`` (actor, sft: the policy's objectives; critic: a value head on
-    the same decoder) on ``batch`` under the ``cut``: its metrics and gradient."""
+    the same decoder) on ``batch`` under the ``cut``, its exchange in rounds of ``chunk`` tokens: its metrics and
+    gradient."""
     mesh = mesh_of(mesh_shape)
-    model = create_model(ValueModel if role == "critic" else CausalLM, moe_config(), mesh, seed=0)
+    model = create_model(ValueModel if role == "critic" else CausalLM, moe_config(chunk), mesh, seed=0)
     graphdef, params = nnx.split(model, nnx.Param)
     actor = {"router_z_loss_coef": 0.05} | actor  # the z-loss on too, unless a test says otherwise
     settings = dict(ppo_mini_batch_size=N, shuffle=False, optim=SGD, loss_agg_mode="token-mean",
@@ -123,6 +125,18 @@ def test_gradient_and_router_metrics_do_not_depend_on_the_cut(cut, whole):
     metrics, gradient = update(CUTS[cut], MESHES.get(cut, (1, 1, 1)))
     expected_metrics, expected = whole
     assert_same_update(metrics, gradient, expected_metrics, expected)
+
+
+def test_the_exchange_in_rounds_gives_the_same_update(whole, monkeypatch):
+    """model.expert_chunk_size: the experts' exchange over expert 4 in rounds of 3 tokens per device (the last one
+    padded), each recomputed in the backward pass, gives the whole batch's update (float64: 1e-9)."""
+    rounds = []
+    in_rounds = moe.in_rounds
+    monkeypatch.setattr(moe, "in_rounds", lambda *args: rounds.append(args[2].shape) or in_rounds(*args))
+    cut = "token budget on fsdp 2 x expert 4"
+    metrics, gradient = update(CUTS[cut], MESHES[cut], chunk=3)
+    assert rounds and all(shape[0] > 3 and shape[0] % 3 for shape in rounds)  # several rounds, the last padded
+    assert_same_update(metrics, gradient, *whole)
 
 
 def test_the_load_balancing_loss_moves_the_router_and_its_coefficient_is_overridable(whole):

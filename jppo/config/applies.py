@@ -56,7 +56,7 @@ EXPERT_KEYS = {
     "model.mlp_only_layers": (), "model.decoder_sparse_step": 1, "model.num_experts_per_tok": 1,
     "model.moe_intermediate_size": 0, "model.norm_topk_prob": False, "model.router_aux_loss_coef": 0.0,
     "actor.router_aux_loss_coef": None, "actor.router_z_loss_coef": 0.0,
-    "critic.router_aux_loss_coef": None, "critic.router_z_loss_coef": 0.0,
+    "critic.router_aux_loss_coef": None, "critic.router_z_loss_coef": 0.0, "model.expert_chunk_size": 0,
 }
 _EXPERTS = "a model with experts (`model.model_type: qwen3_moe`, or such a checkpoint; refused on a dense one)"
 
