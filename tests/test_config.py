@@ -136,6 +136,8 @@ def test_resolved_config_round_trips(tmp_path):
         (["model.num_experts_per_tok=2"], "model.num_experts_per_tok=2 applies to a model with experts, and this "
          "run's model ('qwen2') has no layer with experts"),
         (["actor.router_z_loss_coef=0.1"], "actor.router_z_loss_coef=0.1 applies to a model with experts"),
+        (["critic.router_aux_loss_coef=0.1"], "critic.router_aux_loss_coef=0.1 applies to a model with experts"),
+        (["critic.router_z_loss_coef=-1"], "critic.router_z_loss_coef=-1"),
         (["model.mlp_only_layers=[2]"], "model.mlp_only_layers=[2] is invalid: it must be layers in [0, "
          "num_layers=2) (not [2])"),
         (["model.mlp_only_layers=[0,a]"],

@@ -104,3 +104,21 @@ def test_bench_run_for_the_accelerator_alone_imports_no_torch():
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_training_stage_stopped_by_its_box_is_out_of_time_not_an_error(tmp_path):
+    """The box ends a stage with SIGTERM; jppo.train, running in the stage's process, turns that signal into its
+    resume status (75) instead of dying of it: the stage reports ``timeout`` (exit 124, as ``timeout`` does), not an
+    error that would fail the check."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    command = [sys.executable, "-m", "bench.device_check.runs", "quickstart", "--cpu", "--out", str(out)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "DEVICE_CHECK_WORK": str(work)}
+    stage = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (work / "quickstart_run").exists() and stage.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)  # jppo.train makes its output folder once its signal handling is in place
+    stage.terminate()
+    _, stderr = stage.communicate(timeout=120)
+    record = json.loads((out / "quickstart.json").read_text())
+    assert (stage.returncode, record["status"]) == (124, "timeout"), (record, stderr[-2000:])
+    assert "SIGTERM" in record["error"]

@@ -14,13 +14,24 @@ from engine_cases import VOCAB, mesh_of, padded_inputs, ragged_batch
 from flax import nnx
 
 import jppo.models.decoder as decoder
+import jppo.models.moe as moe
 from jppo.core.settings import OptimConfig
-from jppo.engine import ActorConfig, UpdateStep, actor_loss_fn, init_train_state, run_updates
+from jppo.engine import (
+    ActorConfig,
+    CriticConfig,
+    UpdateStep,
+    actor_loss_fn,
+    critic_loss_fn,
+    init_train_state,
+    run_updates,
+    sft_loss_fn,
+)
 from jppo.engine.experts import router_aux_coef
 from jppo.models.config import ModelConfig
 from jppo.models.decoder import CausalLM
 from jppo.models.moe import collect_router_stats, load_balancing_loss, not_recorded
 from jppo.models.sharding import create_model
+from jppo.models.value import ValueModel
 
 N = 16
 SGD = OptimConfig(name="sgd", lr=0.5, grad_clip=0.0)
@@ -37,23 +48,28 @@ MESHES = {"K=2 on data 2 x fsdp 2 x tensor 2": (2, 2, 2), "K=2 on data 2 x fsdp 
           "token budget on fsdp 2 x expert 4": (1, 2, 1, 1, 4)}
 
 
-def moe_config() -> ModelConfig:
+def moe_config(chunk: int = 0) -> ModelConfig:
     # layer 0 dense, layer 1 with 4 experts (top 2); a wide initialization, so that the routing is uneven
     return ModelConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
                        num_kv_heads=2, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=8, mlp_only_layers=(0,), initializer_range=0.5, router_aux_loss_coef=0.3,
-                       dtype="float64", param_dtype="float64")
+                       dtype="float64", param_dtype="float64", expert_chunk_size=chunk)
 
 
-def update(cut: dict, mesh_shape=(1, 1, 1), batch=None, **actor):
+def update(cut: dict, mesh_shape=(1, 1, 1), batch=None, role="actor", chunk=0, **actor):
+    """The first update of the MoE model's ``role`` (actor, sft: the policy's objectives; critic: a value head on
+    the same decoder) on ``batch`` under the ``cut``, its exchange in rounds of ``chunk`` tokens: its metrics and
+    gradient."""
     mesh = mesh_of(mesh_shape)
-    model = create_model(CausalLM, moe_config(), mesh, seed=0)
+    model = create_model(ValueModel if role == "critic" else CausalLM, moe_config(chunk), mesh, seed=0)
     graphdef, params = nnx.split(model, nnx.Param)
     actor = {"router_z_loss_coef": 0.05} | actor  # the z-loss on too, unless a test says otherwise
-    cfg = ActorConfig(ppo_mini_batch_size=N, shuffle=False, optim=SGD, loss_agg_mode="token-mean",
-                      loss_scale_factor=6.0, **cut, **actor)
+    settings = dict(ppo_mini_batch_size=N, shuffle=False, optim=SGD, loss_agg_mode="token-mean",
+                    loss_scale_factor=6.0, **cut, **actor)
+    cfg = CriticConfig(cliprange_value=0.2, **settings) if role == "critic" else ActorConfig(**settings)
+    loss = {"actor": actor_loss_fn, "sft": sft_loss_fn, "critic": critic_loss_fn}[role](cfg)
     state = init_train_state(params, cfg, mesh, keep_gradient=True)
-    step = UpdateStep(graphdef, actor_loss_fn(cfg), cfg, mesh, "actor", keep_gradient=True)
+    step = UpdateStep(graphdef, loss, cfg, mesh, role, keep_gradient=True)
     batch = ragged_batch(3) if batch is None else batch
     _, metrics, gradients = run_updates(step, state, batch, cfg, mesh, np.random.default_rng(0))
     return metrics, jax.tree.map(lambda g: np.asarray(g[0]), jax.device_get(gradients))
@@ -111,6 +127,18 @@ def test_gradient_and_router_metrics_do_not_depend_on_the_cut(cut, whole):
     assert_same_update(metrics, gradient, expected_metrics, expected)
 
 
+def test_the_exchange_in_rounds_gives_the_same_update(whole, monkeypatch):
+    """model.expert_chunk_size: the experts' exchange over expert 4 in rounds of 3 tokens per device (the last one
+    padded), each recomputed in the backward pass, gives the whole batch's update (float64: 1e-9)."""
+    rounds = []
+    in_rounds = moe.in_rounds
+    monkeypatch.setattr(moe, "in_rounds", lambda *args: rounds.append(args[2].shape) or in_rounds(*args))
+    cut = "token budget on fsdp 2 x expert 4"
+    metrics, gradient = update(CUTS[cut], MESHES[cut], chunk=3)
+    assert rounds and all(shape[0] > 3 and shape[0] % 3 for shape in rounds)  # several rounds, the last padded
+    assert_same_update(metrics, gradient, *whole)
+
+
 def test_the_load_balancing_loss_moves_the_router_and_its_coefficient_is_overridable(whole):
     expected_metrics, with_aux = whole
     metrics, without = update(CUTS["K=3 uneven (token budget)"], router_aux_loss_coef=0.0)
@@ -160,53 +188,115 @@ def test_with_routing_replay_the_gradient_does_not_depend_on_the_cut(replayed_wh
     assert expected_metrics["actor/pg_loss"] != pytest.approx(whole[0]["actor/pg_loss"], rel=1e-6)
 
 
-def test_the_update_is_jax_grad_of_its_objective_written_out(whole, monkeypatch):
+@pytest.fixture
+def layer_inputs(monkeypatch):
+    """The inputs of each call of the layer with experts (its hidden states, valid tokens and router weights), as
+    the decoder hands them over: the written-out objectives below recompute the router's logits from them."""
+    seen = []
+    moe_mlp = decoder.moe_mlp
+
+    def spied(x, valid, router, *rest, **options):
+        seen.append((x, valid, router))
+        return moe_mlp(x, valid, router, *rest, **options)
+
+    monkeypatch.setattr(decoder, "moe_mlp", spied)
+    return seen
+
+
+def router_losses_written_out(seen: list, aux_coef: float = 0.3, z_coef: float = 0.05):
+    """``aux_coef x`` transformers' load-balancing loss ``+ z_coef x`` the router's z-loss of the one layer with
+    experts the last forward pass went through, over its valid tokens, from that layer's input."""
+    config = moe_config()
+    (x, valid, router), = seen  # one layer with experts
+    valid = valid.reshape(-1).astype(bool)
+    router_logits = x.reshape(-1, x.shape[-1]) @ router
+    probs = jax.nn.softmax(router_logits, axis=-1)
+    chosen = jax.lax.top_k(probs, config.num_experts_per_tok)[1]
+    counts = jnp.zeros_like(probs).at[jnp.arange(len(probs))[:, None], chosen].set(1.0)
+    pairs = jnp.sum(valid)  # (token, layer with experts) pairs: one layer
+    fractions = jax.lax.stop_gradient(jnp.sum(jnp.where(valid[:, None], counts, 0.0), axis=0) / pairs)
+    balance = config.num_experts * jnp.sum(fractions * jnp.sum(jnp.where(valid[:, None], probs, 0.0), axis=0) / pairs)
+    z = jnp.sum(jnp.where(valid, jax.nn.logsumexp(router_logits, axis=-1) ** 2, 0.0)) / pairs
+    return aux_coef * balance + z_coef * z
+
+
+def assert_is_gradient_of(gradient: dict, objective, model_class=CausalLM):
+    """``gradient`` equals ``jax.grad(objective)`` at the updates' initial weights (float64: 1e-9 relative), and
+    the router's gradient is not zero (two zeros would agree)."""
+    graphdef, params = nnx.split(create_model(model_class, moe_config(), None, seed=0), nnx.Param)
+    expected = jax.grad(lambda p: objective(nnx.merge(graphdef, p)))(params)
+    assert len(jax.tree.leaves(gradient)) == len(jax.tree.leaves(expected))
+    for (path, leaf), other in zip(jax.tree_util.tree_leaves_with_path(gradient), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(leaf, np.asarray(other), rtol=1e-9, atol=1e-13, err_msg=jax.tree_util.keystr(path))
+    router = np.asarray(gradient["decoder"]["layers"]["router"])
+    assert np.abs(router).max() > 1e-6
+
+
+def response_log_probs(model, batch):
+    """``log p`` of each response token under ``model``, from one forward pass over the padded rows."""
+    ids, positions, segments = padded_inputs(batch)
+    p, length = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    log_probs = jax.nn.log_softmax(model(ids, positions, segments)[:, p - 1 : p - 1 + length], axis=-1)
+    return jnp.take_along_axis(log_probs, ids[:, p : p + length, None], axis=-1)[..., 0]
+
+
+def test_the_update_is_jax_grad_of_its_objective_written_out(whole, layer_inputs):
     """Every cut above is compared with the engine's own one-micro-batch update; this compares that update with
     ``jax.grad`` of the objective written out here, so that a mistake all cuts share cannot pass: PPO's dual-clip
     token-mean loss + 0.3 x transformers' load-balancing loss + 0.05 x the router's z-loss, from the log-probs of
     one padded forward pass and the router logits of the layer with experts recomputed from that layer's input
     (float64: 1e-9 relative)."""
-    seen = []
-    moe_mlp = decoder.moe_mlp
-
-    def spied(x, valid, router, *rest, **options):  # the layer's input, as the decoder hands it over
-        seen.append((x, valid, router))
-        return moe_mlp(x, valid, router, *rest, **options)
-
-    monkeypatch.setattr(decoder, "moe_mlp", spied)
-    config, batch = moe_config(), ragged_batch(3)
-    graphdef, params = nnx.split(create_model(CausalLM, config, None, seed=0), nnx.Param)  # the update's weights
-    ids, positions, segments = padded_inputs(batch)
-    p, length = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    batch = ragged_batch(3)
     mask = jnp.asarray(batch.response_mask)
     old, advantages = jnp.asarray(batch.old_log_prob), jnp.asarray(batch.advantages)
 
-    def objective(params):
-        seen.clear()
-        logits = nnx.merge(graphdef, params)(ids, positions, segments)
-        log_probs = jax.nn.log_softmax(logits[:, p - 1 : p - 1 + length], axis=-1)
-        log_prob = jnp.take_along_axis(log_probs, ids[:, p : p + length, None], axis=-1)[..., 0]
-        ratio = jnp.exp(log_prob - old)
+    def objective(model):
+        layer_inputs.clear()
+        ratio = jnp.exp(response_log_probs(model, batch) - old)
         clipped = jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 0.8, 1.2))
         per_token = jnp.where(advantages < 0, jnp.minimum(clipped, -advantages * 3.0), clipped)
         policy = jnp.sum(jnp.where(mask, per_token, 0.0)) / jnp.sum(mask)
-        (x, valid, router), = seen  # one layer with experts
-        valid = valid.reshape(-1).astype(bool)
-        router_logits = x.reshape(-1, x.shape[-1]) @ router
-        probs = jax.nn.softmax(router_logits, axis=-1)
-        chosen = jax.lax.top_k(probs, config.num_experts_per_tok)[1]
-        counts = jnp.zeros_like(probs).at[jnp.arange(len(probs))[:, None], chosen].set(1.0)
-        pairs = jnp.sum(valid)  # (token, layer with experts) pairs: one layer
-        fractions = jax.lax.stop_gradient(jnp.sum(jnp.where(valid[:, None], counts, 0.0), axis=0) / pairs)
-        balance = config.num_experts * jnp.sum(fractions * jnp.sum(jnp.where(valid[:, None], probs, 0.0), axis=0)
-                                               / pairs)
-        z = jnp.sum(jnp.where(valid, jax.nn.logsumexp(router_logits, axis=-1) ** 2, 0.0)) / pairs
-        return policy + 0.3 * balance + 0.05 * z
+        return policy + router_losses_written_out(layer_inputs)
 
-    expected = jax.grad(objective)(params)
-    metrics, gradient = whole
-    assert len(jax.tree.leaves(gradient)) == len(jax.tree.leaves(expected))
-    for (path, leaf), other in zip(jax.tree_util.tree_leaves_with_path(gradient), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(leaf, np.asarray(other), rtol=1e-9, atol=1e-13, err_msg=jax.tree_util.keystr(path))
-    router = np.asarray(gradient["decoder"]["layers"]["router"])
-    assert np.abs(router).max() > 1e-6  # the router's gradient is compared, not two zeros
+    assert_is_gradient_of(whole[1], objective)
+
+
+def test_sft_on_a_model_with_experts_adds_the_router_losses_whatever_the_cut(layer_inputs):
+    """SFT's update of a model with experts, cut into 3 uneven micro-batches by a token budget, is ``jax.grad`` of
+    the demonstration's token-mean ``-log p`` + 0.3 x the load-balancing loss + 0.05 x the z-loss of the whole
+    batch, written out (float64: 1e-9), and reports them under sft/."""
+    batch = ragged_batch(3)
+    metrics, gradient = update(CUTS["K=3 uneven (token budget)"], batch=batch, role="sft")
+    mask = jnp.asarray(batch.response_mask)
+
+    def objective(model):
+        layer_inputs.clear()
+        nll = jnp.sum(jnp.where(mask, -response_log_probs(model, batch), 0.0)) / jnp.sum(mask)
+        return nll + router_losses_written_out(layer_inputs)
+
+    assert_is_gradient_of(gradient, objective)
+    assert metrics["sft/router_aux_loss"] > 2.05 and metrics["sft/router_z_loss"] > 0
+    assert 1.0 < metrics["sft/expert_load"] < 2.0
+
+
+def test_a_critic_on_a_decoder_with_experts_adds_its_own_router_losses(layer_inputs):
+    """A critic whose decoder has experts, cut into 3 uneven micro-batches by a token budget: its gradient is
+    ``jax.grad`` of the clipped value loss (0.5 x token-mean of max((v - R)^2, (clip(v, v_old +- 0.2) - R)^2))
+    + 0.1 x the load-balancing loss + 0.05 x the z-loss of its own routing, written out (float64: 1e-9); a
+    critic.router_aux_loss_coef of 0.1 (not the model's 0.3) is the one in force."""
+    batch = ragged_batch(3)
+    metrics, gradient = update(CUTS["K=3 uneven (token budget)"], batch=batch, role="critic",
+                               router_aux_loss_coef=0.1)
+    mask = jnp.asarray(batch.response_mask)
+    old, returns = jnp.asarray(batch.values), jnp.asarray(batch.returns)
+    p, length = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+
+    def objective(model):
+        layer_inputs.clear()
+        values = model(*padded_inputs(batch))[:, p - 1 : p - 1 + length]  # the state before each response token
+        error = jnp.maximum((values - returns) ** 2, (jnp.clip(values, old - 0.2, old + 0.2) - returns) ** 2)
+        return 0.5 * jnp.sum(jnp.where(mask, error, 0.0)) / jnp.sum(mask) + router_losses_written_out(
+            layer_inputs, aux_coef=0.1)
+
+    assert_is_gradient_of(gradient, objective, ValueModel)
+    assert metrics["critic/router_aux_loss"] > 2.0 and metrics["critic/router_z_loss"] > 0

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from bench.device_check.stage import device_peak_bytes, main
+from bench.device_check.stage import OutOfTime, device_peak_bytes, main
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Models, prompts and run folders (checkpoints of a 0.5B model: GBs) go here, never into the JSON folder, which
@@ -32,11 +32,14 @@ COMMON = ["trainer.logger=[console,jsonl]", "trainer.plots=false", "trainer.prog
 def train(config: str, overrides: list[str], output: pathlib.Path) -> tuple[list[dict], float]:
     """``python -m jppo.train --config CONFIG OVERRIDES`` in this process; its metrics.jsonl rows and wall seconds."""
     from jppo import train as command  # noqa: PLC0415
+    from jppo.parallel.preemption import PREEMPTED_EXIT  # noqa: PLC0415
 
     shutil.rmtree(output, ignore_errors=True)
     started = time.perf_counter()
     status = command.main(["--config", str(ROOT / config), *COMMON, *overrides, f"trainer.output_dir={output}"])
     wall = time.perf_counter() - started
+    if status == PREEMPTED_EXIT:  # jppo.train stops on SIGTERM, which is how the stage's box ends it
+        raise OutOfTime(f"jppo.train stopped on SIGTERM (status {status}): the stage ran out of its box")
     if status != 0:
         raise RuntimeError(f"jppo.train exited with status {status}")
     rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]

@@ -36,9 +36,15 @@ def device_peak_bytes() -> int | None:
     return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
+class OutOfTime(Exception):
+    """A stage stopped by its box's SIGTERM in a way that raises rather than dies (``jppo.train`` turns the signal
+    into its resume status): the stage is reported as out of time, as one the signal killed."""
+
+
 def main(stages: Mapping[str, Callable[[bool, pathlib.Path], dict]], argv=None) -> int:
     """Runs one of ``stages`` (``fn(cpu, out) -> result``) and writes ``OUT/STAGE.json``: ``status`` ok with the
-    result and its wall seconds, or ``status`` error with the exception's last line and traceback (exit 1)."""
+    result and its wall seconds, ``status`` timeout when the stage ran out of its box (:class:`OutOfTime`, exit
+    124, as ``timeout`` reports it), or ``status`` error with the exception's last line and traceback (exit 1)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("stage", choices=sorted(stages))
     parser.add_argument("--out", required=True, help="folder of the stage's JSON file")
@@ -48,6 +54,10 @@ def main(stages: Mapping[str, Callable[[bool, pathlib.Path], dict]], argv=None) 
     started = time.perf_counter()
     try:
         result = stages[args.stage](args.cpu, out)
+    except OutOfTime as stopped:
+        write(out, args.stage, {"status": "timeout", "error": str(stopped), "wall_s": time.perf_counter() - started})
+        print(f"device_check: {args.stage}: {stopped}", file=sys.stderr)
+        return 124
     except Exception as error:  # noqa: BLE001 (a stage's failure is its report, and the next stage still runs)
         write(out, args.stage, {"status": "error", "error": f"{type(error).__name__}: {error}"[:2000],
                                 "traceback": traceback.format_exc()[-6000:],

@@ -56,6 +56,7 @@ EXPERT_KEYS = {
     "model.mlp_only_layers": (), "model.decoder_sparse_step": 1, "model.num_experts_per_tok": 1,
     "model.moe_intermediate_size": 0, "model.norm_topk_prob": False, "model.router_aux_loss_coef": 0.0,
     "actor.router_aux_loss_coef": None, "actor.router_z_loss_coef": 0.0,
+    "critic.router_aux_loss_coef": None, "critic.router_z_loss_coef": 0.0, "model.expert_chunk_size": 0,
 }
 _EXPERTS = "a model with experts (`model.model_type: qwen3_moe`, or such a checkpoint; refused on a dense one)"
 
@@ -133,7 +134,7 @@ RL_ONLY: dict[str, str] = {
         "critic.", "ref.", "algorithm.", "data.prompt_key", "data.answer_key",
         "data.shuffle", "actor.ppo_epochs", "actor.shuffle", "actor.policy_loss", *POLICY_OPTIONS,
         "actor.entropy_coeff", "actor.use_kl_loss", "actor.kl_loss_coef", "actor.kl_loss_type", "actor.old_log_prob",
-        "actor.router_aux_loss_coef", "actor.router_z_loss_coef", "actor.routing_replay", "actor.rollout_correction.",
+        "actor.routing_replay", "actor.rollout_correction.",
         "rollout.n", "rollout.temperature",
         "rollout.top_k", "rollout.top_p", "rollout.log_prob_micro_batch_size", "rollout.env", "rollout.max_turns",
         "rollout.engine", "rollout.vllm.", "rollout.devices", "reward.overlong_buffer.", "reward.token_level",

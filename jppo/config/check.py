@@ -107,9 +107,11 @@ def _check_numbers(cfg: TrainConfig) -> None:
     """Ranges only the trainer gives its numbers (the components' own ranges are theirs)."""
     algorithm = cfg.algorithm
     positive("actor.kl_loss_coef", cfg.actor.kl_loss_coef, allow_zero=True)
-    if cfg.actor.router_aux_loss_coef is not None:
-        positive("actor.router_aux_loss_coef", cfg.actor.router_aux_loss_coef, allow_zero=True)
-    positive("actor.router_z_loss_coef", cfg.actor.router_z_loss_coef, allow_zero=True)
+    for role in ("actor", "critic"):
+        update = getattr(cfg, role)
+        if update.router_aux_loss_coef is not None:
+            positive(f"{role}.router_aux_loss_coef", update.router_aux_loss_coef, allow_zero=True)
+        positive(f"{role}.router_z_loss_coef", update.router_z_loss_coef, allow_zero=True)
     positive("critic.cliprange_value", cfg.critic.cliprange_value, allow_zero=True)
     within("algorithm.gamma", algorithm.gamma, 0.0, 1.0)
     within("algorithm.lam", algorithm.lam, 0.0, 1.0)

@@ -58,6 +58,9 @@ class ModelSection:
     mlp_only_layers: tuple[int, ...] = ()  # layers (from 0) with the dense MLP instead of experts
     norm_topk_prob: bool = False  # renormalize a token's top-k router probabilities to sum to 1
     router_aux_loss_coef: float = 0.0  # the model's load-balancing loss weight (actor.router_aux_loss_coef's default)
+    # tokens per device in each round of the experts' exchange over mesh.expert (gather, experts, reduce-scatter),
+    # each round recomputed in the backward pass: memory bounded by one round's, not the whole group's; 0: one round
+    expert_chunk_size: int = 0
 
     def architecture(self) -> dict[str, Any]:
         """The ModelConfig fields this section gives (every key but where the model and its vocabulary come from)."""

@@ -138,7 +138,7 @@ def _eos_token_id(tokenizer: Tokenizer) -> int | tuple[int, ...]:
 
 # The model keys of a config that apply to a checkpoint's architecture too (jppo.config.ModelSection)
 CHECKPOINT_OVERRIDES = ("dtype", "param_dtype", "remat", "attention", "attention_block_q", "attention_block_kv",
-                        "layer_loop")
+                        "layer_loop", "expert_chunk_size")
 
 
 def checkpoint_overrides(cfg: TrainConfig) -> dict:

@@ -215,3 +215,8 @@ class CriticFields(UpdateFields):
     """The value update: clipped value loss."""
 
     cliprange_value: float = 0.5  # the new value may move this far from the rollout's value before its loss clips
+    # the critic's own load-balancing loss weight, when its decoder has experts (as actor.router_aux_loss_coef);
+    # null: the model's config.json router_aux_loss_coef; 0: none
+    router_aux_loss_coef: Optional[float] = None
+    # the critic's router z-loss weight, when its decoder has experts (as actor.router_z_loss_coef); 0: none
+    router_z_loss_coef: float = 0.0

@@ -9,34 +9,34 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jppo.engine.config import ActorConfig, UpdateConfig
+from jppo.engine.config import ActorConfig, CriticConfig, UpdateConfig
 from jppo.engine.layout import flatten_shards
 from jppo.engine.microbatch import MicroBatches
 from jppo.models.moe import collect_router_stats, replay_routing
 
 
 def router_aux_coef(cfg: UpdateConfig, model_config) -> float:
-    """The load-balancing loss's weight: ``actor.router_aux_loss_coef``, by default the model's; 0 for the critic
-    and for a model without a layer with experts."""
-    if not isinstance(cfg, ActorConfig) or not model_config.sparse_layers:
+    """The load-balancing loss's weight: the role's ``router_aux_loss_coef`` (``actor.``, ``critic.``; SFT reads
+    the actor's), by default the model's; 0 for a model without a layer with experts."""
+    if not isinstance(cfg, (ActorConfig, CriticConfig)) or not model_config.sparse_layers:
         return 0.0
     return float(model_config.router_aux_loss_coef if cfg.router_aux_loss_coef is None else cfg.router_aux_loss_coef)
 
 
 def router_z_coef(cfg: UpdateConfig, model_config) -> float:
-    """The router z-loss's weight: ``actor.router_z_loss_coef``; 0 for the critic and for a model without a layer
-    with experts."""
-    if not isinstance(cfg, ActorConfig) or not model_config.sparse_layers:
+    """The router z-loss's weight: the role's ``router_z_loss_coef``; 0 for a model without a layer with experts."""
+    if not isinstance(cfg, (ActorConfig, CriticConfig)) or not model_config.sparse_layers:
         return 0.0
     return float(cfg.router_z_loss_coef)
 
 
-def mini_batch_expert_fractions(model: nnx.Module, batch: MicroBatches) -> tuple[jax.Array, jax.Array]:
+def mini_batch_expert_fractions(model: nnx.Module, batch: MicroBatches, replay: bool) -> tuple[jax.Array, jax.Array]:
     """``(f [E], R)`` of the whole mini-batch (:mod:`jppo.losses.router`): a forward pass over its K
-    micro-batches, one at a time, that keeps only the router's counts (sums over global arrays: global)."""
+    micro-batches, one at a time, that keeps only the router's counts (sums over global arrays: global); routed by
+    the batch's record where ``replay`` (the policy's; a critic routes by its own router)."""
 
     def counts(micro):
-        with collect_router_stats() as routed, replayed(micro):
+        with collect_router_stats() as routed, replayed(micro if replay else None):
             model.hidden_states(flatten_shards(micro.input_ids), flatten_shards(micro.positions),
                                 flatten_shards(micro.segment_ids))
         return jnp.sum(routed[0].counts, axis=0), jnp.sum(routed[0].tokens)
@@ -45,8 +45,8 @@ def mini_batch_expert_fractions(model: nnx.Module, batch: MicroBatches) -> tuple
     return jax.lax.stop_gradient(per_expert / jnp.maximum(pairs, 1)), pairs
 
 
-def replayed(batch: MicroBatches):
+def replayed(batch: MicroBatches | None):
     """:func:`~jppo.models.moe.replay_routing` of one micro-batch's recorded experts (``[D, R, W, Ls, k]``, the
     token rows' layout), or of none: a batch without a record routes by its own router."""
-    routed = batch.routed_experts
+    routed = None if batch is None else batch.routed_experts
     return replay_routing(None if routed is None else flatten_shards(routed))

@@ -30,7 +30,7 @@ from jppo.losses.policy import check_policy_options
 from jppo.losses.rollout_correction import sampler_mismatch
 from jppo.losses.router import expert_load, load_balancing_share, z_loss_share
 from jppo.models.log_probs import token_log_probs
-from jppo.models.moe import collect_router_stats
+from jppo.models.moe import RouterStats, collect_router_stats
 
 Batch = MicroBatches  # one micro-batch [D, ...] or a stack of them [K, D, ...] / [M, K, D, ...], on the devices
 LossFn = Callable[[nnx.Module, Batch, NormStats], tuple[jax.Array, dict[str, metrics_lib.Metric]]]
@@ -108,32 +108,47 @@ def actor_loss_fn(cfg: ActorConfig, temperature: float = 1.0) -> LossFn:
             mask, corr = data.response_mask, source == "rollout"
             metrics.update(sampler_mismatch(current, data.rollout_log_prob, mask, rollout_corr=corr))
         if routed:  # a model with experts
-            stats = routed[0]
-            metrics["actor/expert_load"] = expert_load(stats.counts, stats.tokens)
-            coef = router_aux_coef(cfg, model.config)
-            if coef:
-                aux, metrics["actor/router_aux_loss"] = load_balancing_share(stats.counts, stats.probs, stats.tokens,
-                                                                             norm)
-                share = share + coef * aux
-            z_coef = router_z_coef(cfg, model.config)
-            if z_coef:
-                z, metrics["actor/router_z_loss"] = z_loss_share(stats.z, stats.tokens, norm)
-                share = share + z_coef * z
+            share, metrics = with_router_losses(share, metrics, routed[0], cfg, model.config, norm, "actor")
         return share, metrics
 
     return loss
 
 
+def with_router_losses(share: jax.Array, metrics: dict, stats: RouterStats, cfg: UpdateConfig, model_config,
+                       norm: NormStats, role: str) -> tuple[jax.Array, dict]:
+    """``share`` plus a model with experts' router terms, and ``metrics`` with theirs under ``role/``:
+    ``aux_coef x`` the load-balancing loss's share (from the whole mini-batch's expert fractions in ``norm``) and
+    ``z_coef x`` the z-loss's share (the mean over the mini-batch's (token, layer with experts) pairs of
+    ``logsumexp(router logits)^2``), each reported when its weight is not 0; ``role/expert_load`` (the max over
+    the mean of the tokens per expert) always. ``stats``: this micro-batch's, stacked over the layers with
+    experts."""
+    metrics = dict(metrics, **{f"{role}/expert_load": expert_load(stats.counts, stats.tokens)})
+    coef = router_aux_coef(cfg, model_config)
+    if coef:
+        aux, metrics[f"{role}/router_aux_loss"] = load_balancing_share(stats.counts, stats.probs, stats.tokens, norm)
+        share = share + coef * aux
+    z_coef = router_z_coef(cfg, model_config)
+    if z_coef:
+        z, metrics[f"{role}/router_z_loss"] = z_loss_share(stats.z, stats.tokens, norm)
+        share = share + z_coef * z
+    return share, metrics
+
+
 def critic_loss_fn(cfg: CriticConfig) -> LossFn:
-    """The critic's micro-batch loss: the clipped value loss."""
+    """The critic's micro-batch loss: the clipped value loss, and, on a decoder with experts, the router's losses
+    (the critic routes by its own router: routing replay is the policy's)."""
 
     def loss(model, batch, norm):
-        vpreds = value_outputs(model, batch)
+        with collect_router_stats() as routed:
+            vpreds = value_outputs(model, batch)
         data = slot_inputs(batch)
-        return value_loss(
+        share, metrics = value_loss(
             vpreds, data.values, data.returns, data.response_mask, cliprange_value=cfg.cliprange_value,
             mode=cfg.loss_agg_mode, norm=norm,
         )
+        if routed:
+            share, metrics = with_router_losses(share, metrics, routed[0], cfg, model.config, norm, "critic")
+        return share, metrics
 
     return loss
 
@@ -143,8 +158,12 @@ def sft_loss_fn(cfg: ActorConfig) -> LossFn:
     turn) through ``agg_loss`` with the whole mini-batch's NormStats (:func:`jppo.losses.sft.sft_loss`)."""
 
     def loss(model, batch, norm):
-        log_probs, _ = policy_outputs(model, batch, temperature=1.0, chunk_size=cfg.log_prob_chunk_size,
-                                      with_entropy=False)
-        return sft_loss(log_probs, slot_inputs(batch).response_mask, mode=cfg.loss_agg_mode, norm=norm)
+        with collect_router_stats() as routed:
+            log_probs, _ = policy_outputs(model, batch, temperature=1.0, chunk_size=cfg.log_prob_chunk_size,
+                                          with_entropy=False)
+        share, metrics = sft_loss(log_probs, slot_inputs(batch).response_mask, mode=cfg.loss_agg_mode, norm=norm)
+        if routed:  # a model with experts: the same router losses as in RL, under the sft/ prefix
+            share, metrics = with_router_losses(share, metrics, routed[0], cfg, model.config, norm, "sft")
+        return share, metrics
 
     return loss

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jppo.core import metrics as metrics_lib
 from jppo.core.masked import NormStats, global_norm_stats
-from jppo.engine.config import ActorConfig, UpdateConfig, require_engine_config
+from jppo.engine.config import ActorConfig, CriticConfig, UpdateConfig, require_engine_config
 from jppo.engine.experts import mini_batch_expert_fractions, router_aux_coef, router_z_coef
 from jppo.engine.layout import flatten_shards
 from jppo.engine.objectives import Batch, LossFn
@@ -222,7 +222,7 @@ def mini_batch_norm(model: nnx.Module, batch: Batch, cfg: UpdateConfig, mesh: Me
     divisor = legacy_share_divisor(cfg, batch) if legacy else None
     balancing = bool(router_aux_coef(cfg, model.config) or router_z_coef(cfg, model.config))
     if balancing and not legacy:
-        fractions, pairs = mini_batch_expert_fractions(model, batch)
+        fractions, pairs = mini_batch_expert_fractions(model, batch, replay=not isinstance(cfg, CriticConfig))
         whole = whole.replace(expert_fractions=fractions, routed_pairs=pairs)
     return MiniBatchNorm(whole, divisor, loss_scale_factor)
 

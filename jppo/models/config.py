@@ -150,6 +150,7 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     norm_topk_prob: bool = False
     router_aux_loss_coef: float = 0.0
+    expert_chunk_size: int = 0  # tokens per device per round of the expert exchange (0: all in one round)
 
     def __post_init__(self) -> None:
         MODEL_FAMILIES.lookup(self.model_type)
@@ -159,6 +160,8 @@ class ModelConfig:
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise InvalidSetting("", "attention", self.attention, f"one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         check_attention_blocks(self.attention_block_q, self.attention_block_kv)
+        if not (isinstance(self.expert_chunk_size, int) and self.expert_chunk_size >= 0):
+            raise InvalidSetting("", "expert_chunk_size", self.expert_chunk_size, "an integer >= 0")
         if self.layer_loop not in LAYER_LOOPS:
             raise InvalidSetting("", "layer_loop", self.layer_loop, f"one of {', '.join(LAYER_LOOPS)}")
         if self.num_kv_heads is None:
@@ -280,7 +283,7 @@ class ModelConfig:
     def from_hf(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         """Reads a Hugging Face ``config.json`` dict (transformers 4.x ``rope_theta``/``rope_scaling`` or 5.x
         ``rope_parameters``). ``overrides`` set jppo-only fields such as ``dtype``, ``param_dtype``, ``remat``,
-        ``attention``, ``attention_block_q``, ``attention_block_kv``, ``layer_loop``.
+        ``attention``, ``attention_block_q``, ``attention_block_kv``, ``layer_loop``, ``expert_chunk_size``.
 
         Raises ``ValueError`` for families or features this decoder does not implement (naming them).
         """

@@ -140,7 +140,7 @@ class DecoderLayers(nnx.Module):
             valid = jnp.ones((batch, length), bool) if valid is None else valid
             mlp, stats, experts = moe_mlp(x, valid, weights["router"], weights["expert_gate"], weights["expert_up"],
                                           weights["expert_down"], config.num_experts_per_tok, config.norm_topk_prob,
-                                          replay)
+                                          replay, chunk=config.expert_chunk_size)
             return constrain(h + mlp, HIDDEN), (extra, (stats, experts))
         if adapters.keys() & {"gate_proj", "up_proj", "down_proj"}:
             mlp = linear(jax.nn.silu(linear(x, "gate_proj")) * linear(x, "up_proj"), "down_proj")

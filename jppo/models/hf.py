@@ -149,13 +149,14 @@ def load_pretrained(
     layer_loop: str | None = None,
     attention_block_q: int | None = None,
     attention_block_kv: int | None = None,
+    expert_chunk_size: int | None = None,
 ) -> CausalLM | ValueModel:
     """A :class:`CausalLM` (``head="lm"``) or :class:`ValueModel` (``head="value"``) from a Hugging Face
     checkpoint directory, each parameter placed straight onto its sharding over ``mesh`` when given.
 
     ``dtype``/``param_dtype`` default to float32 (the checkpoint's own dtype is converted); ``remat`` (default
-    off) recomputes each layer in the backward pass; ``attention`` (default ``reference``), its block sizes
-    and ``layer_loop`` (default ``auto``) are ModelConfig's. For ``"value"`` the
+    off) recomputes each layer in the backward pass; ``attention`` (default ``reference``), its block sizes,
+    ``layer_loop`` (default ``auto``) and ``expert_chunk_size`` (default 0) are ModelConfig's. For ``"value"`` the
     decoder comes from the checkpoint and the value head too if it has ``score.weight`` (a critic checkpoint);
     otherwise (a policy checkpoint, as verl initialises critics) the head is new, drawn from ``seed``.
     Raises :class:`CheckpointError` naming the missing file or tensor, the mismatched shape, or the
@@ -166,7 +167,7 @@ def load_pretrained(
     path = pathlib.Path(path)
     given = (("dtype", dtype), ("param_dtype", param_dtype), ("remat", remat), ("attention", attention),
              ("layer_loop", layer_loop), ("attention_block_q", attention_block_q),
-             ("attention_block_kv", attention_block_kv))
+             ("attention_block_kv", attention_block_kv), ("expert_chunk_size", expert_chunk_size))
     overrides = {key: value for key, value in given if value is not None}
     config = read_config(path, **overrides)
     checkpoint = _Checkpoint(path)

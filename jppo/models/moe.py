@@ -92,7 +92,7 @@ def experts_swiglu(x: Array, experts: Array, weights: Array, gate: Array, up: Ar
 
 
 def moe_mlp(x: Array, valid: Array, router: Array, gate: Array, up: Array, down: Array, top_k: int,
-            norm_topk_prob: bool, replay: Array | None = None) -> tuple[Array, RouterStats, Array]:
+            norm_topk_prob: bool, replay: Array | None = None, chunk: int = 0) -> tuple[Array, RouterStats, Array]:
     """The mixture on ``x [B, T, D]`` with ``valid [B, T]`` (the non-padding tokens, for the stats only: padding
     is routed too, its output unused), the :class:`RouterStats` of the valid tokens and each token's experts
     ``[B, T, k]`` int32; ``replay [B, T, k]``: the experts to route by (:func:`route`).
@@ -100,10 +100,11 @@ def moe_mlp(x: Array, valid: Array, router: Array, gate: Array, up: Array, down:
     Under a jppo mesh it is :func:`expert_parallel`, also where ``mesh.expert`` is 1: each device then sorts and
     multiplies its own tokens' pairs, where XLA, partitioning the global sort of every token's pairs, would gather
     the tokens (on a data-parallel TPU mesh: 4 all-reduces per decoded token, the experts' work on every device).
-    The weights are cast before, so that ``fsdp`` gathers them in the compute dtype."""
+    The weights are cast before, so that ``fsdp`` gathers them in the compute dtype. ``chunk``: the exchange's
+    tokens per device per round (:func:`expert_parallel`; 0: one round)."""
     gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
     if EXPERT_AXIS in jax.sharding.get_abstract_mesh().shape:  # a jppo mesh set at trace time
-        return expert_parallel(x, valid, router, gate, up, down, top_k, norm_topk_prob, replay)
+        return expert_parallel(x, valid, router, gate, up, down, top_k, norm_topk_prob, replay, chunk)
     batch, length, width = x.shape
     flat = x.reshape(-1, width)
     probs, weights, experts, lse = route(flat, router, top_k, norm_topk_prob, flat_replay(replay))
@@ -130,7 +131,8 @@ def router_stats(probs: Array, experts: Array, keep: Array, lse: Array) -> Route
 
 
 def expert_parallel(x: Array, valid: Array, router: Array, gate: Array, up: Array, down: Array, top_k: int,
-                    norm_topk_prob: bool, replay: Array | None = None) -> tuple[Array, RouterStats, Array]:
+                    norm_topk_prob: bool, replay: Array | None = None, chunk: int = 0
+                    ) -> tuple[Array, RouterStats, Array]:
     """:func:`moe_mlp` with the experts split over the ``expert`` axis of the mesh set at trace time, ``E / e``
     experts per device (``e`` the axis' size), inside ``shard_map``. Each device routes its own tokens (``n`` of
     them), then, dropless, with no capacity:
@@ -147,6 +149,12 @@ def expert_parallel(x: Array, valid: Array, router: Array, gate: Array, up: Arra
     every row, and a ``psum`` adds the shares. The stats are summed over the axes that split the tokens: global
     (inside an enclosing ``shard_map``, such as the decoding loop's, over the axes it left free: along its manual
     axes each device's rows are its own).
+
+    The gathered exchange holds ``e n k`` pairs per device, growing with the group. With ``0 < chunk < n`` it runs
+    in rounds of ``chunk`` of each device's tokens (the last padded with tokens of weight 0), one after another
+    (``lax.map``), each round recomputed in the backward pass (``jax.checkpoint``): a layer holds ``e chunk k``
+    pairs at a time, and keeps only its tokens, weights and experts for the backward pass. A token's output is its
+    own experts' sum whatever round it is in: the same numbers, up to the rounding of other matmul shapes.
 
     Why not ``ragged_all_to_all`` (the pairs sent to their experts' devices): XLA:CPU has no kernel for it, and a
     dropless exchange needs a worst-case receive buffer of ``e n k`` rows anyway; the gather moves ``(e - 1) n``
@@ -173,14 +181,20 @@ def expert_parallel(x: Array, valid: Array, router: Array, gate: Array, up: Arra
         stats = router_stats(probs, experts, valid.reshape(-1), lse)
         if token_axes:
             stats = jax.tree.map(lambda s: jax.lax.psum(s, token_axes), stats)
-        if gathered:
-            flat, weights, experts = gather_routed(flat, weights, experts, num_experts)
         first = jax.lax.axis_index(EXPERT_AXIS) * local_experts
-        out = experts_swiglu(flat, experts - first, weights, gate, up, down)
-        if gathered:
-            out = jax.lax.psum_scatter(out, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+
+        def exchange(flat, weights, experts):  # one round: the group's tokens to the experts and back
+            if gathered:
+                flat, weights, experts = gather_routed(flat, weights, experts, num_experts)
+            out = experts_swiglu(flat, experts - first, weights, gate, up, down)
+            if gathered:
+                return jax.lax.psum_scatter(out, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+            return jax.lax.psum(out, EXPERT_AXIS)
+
+        if gathered and 0 < chunk < flat.shape[0]:
+            out = in_rounds(jax.checkpoint(exchange), chunk, flat, weights, experts)
         else:
-            out = jax.lax.psum(out, EXPERT_AXIS)
+            out = exchange(flat, weights, experts)
         if width is not None:
             out = jax.lax.psum(out, width)
         return out.reshape(batch, length, hidden), stats, chosen
@@ -193,6 +207,21 @@ def expert_parallel(x: Array, valid: Array, router: Array, gate: Array, up: Arra
         out_specs=(x_spec, PartitionSpec(), PartitionSpec(*x_spec[:2])),
         axis_names=frozenset(shape) - frozenset(manual),
     )(x, valid, router, gate, up, down, replay)
+
+
+def in_rounds(exchange: Callable, chunk: int, flat: Array, weights: Array, experts: Array) -> Array:
+    """``exchange(flat, weights, experts)`` of ``n`` tokens as ``ceil(n / chunk)`` rounds of ``chunk`` tokens in a
+    ``lax.map``, the last round padded with tokens of weight 0 (routed to expert 0, adding nothing), the padding's
+    outputs dropped."""
+    n = flat.shape[0]
+    rounds = -(-n // chunk)
+    pad = rounds * chunk - n
+
+    def cut(a):
+        return jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape(rounds, chunk, *a.shape[1:])
+
+    out = jax.lax.map(lambda args: exchange(*args), (cut(flat), cut(weights), cut(experts)))
+    return out.reshape(rounds * chunk, -1)[:n]
 
 
 def gather_routed(x: Array, weights: Array, experts: Array, num_experts: int) -> tuple[Array, Array, Array]:

@@ -75,7 +75,25 @@ def expert_group(m: ModelConfig, mesh: dict[str, int]) -> int:
     return e if e > 1 and m.num_experts % e == 0 else 1
 
 
-def mixture_bytes_per_token(m: ModelConfig, mesh: dict[str, int], backward: bool) -> int:
+def in_rounds(m: ModelConfig, tokens: int) -> bool:
+    """Whether a layer with experts over ``tokens`` local tokens exchanges them in rounds of
+    ``model.expert_chunk_size`` (:func:`jppo.models.moe.in_rounds`)."""
+    return 0 < m.expert_chunk_size < tokens
+
+
+def exchange_round_bytes(m: ModelConfig, mesh: dict[str, int], tokens: int, backward: bool) -> int:
+    """One round of the experts' exchange when it runs in rounds (else 0), held once whatever the layer count
+    (the rounds run one at a time, each recomputed in the backward pass): the group's ``e C`` gathered tokens of
+    ``C = model.expert_chunk_size`` with their weights and experts, and their ``e C k`` pairs' rows and
+    intermediates, ``e C (c (d + 2 k) + k c (s d + 3 F_e))`` (``s`` as in :func:`mixture_bytes_per_token`)."""
+    if not in_rounds(m, tokens):
+        return 0
+    c, d = dtype_bytes(m.dtype), m.hidden_size
+    e, k, f = expert_group(m, mesh), m.num_experts_per_tok, split(m.moe_intermediate_size, mesh)
+    return e * m.expert_chunk_size * (c * (d + 2 * k) + k * c * ((3 if backward else 2) * d + 3 * f))
+
+
+def mixture_bytes_per_token(m: ModelConfig, mesh: dict[str, int], backward: bool, tokens: int = 0) -> int:
     """What the mixture of a layer with experts holds per local token (:func:`jppo.models.moe.expert_parallel`):
     the router's float32 logits and probabilities over the ``E`` experts; the group's gathered tokens, ``e`` per
     local token, with their weights and experts; and for each of their ``k`` (token, expert) pairs the sorted row,
@@ -85,14 +103,21 @@ def mixture_bytes_per_token(m: ModelConfig, mesh: dict[str, int], backward: bool
     Compiled for v5p:2x2x2 (quickstart_moe widened: d 256, F_e 512, every layer with experts; mesh data 8 with
     k = 2 and 8, expert 8 with k = 8), the update is planned at 0.73, 0.80 and 0.94 of XLA's bytes (~60 MiB of
     XLA's, the same in all three, not accounted for yet), the old log-probs' forward at 1.39, 1.19 and 1.49 (XLA
-    holds fewer of the gathered pairs at once than ``e n k``)."""
+    holds fewer of the gathered pairs at once than ``e n k``).
+
+    Exchanged in rounds (``tokens``, the layer's local tokens, above ``model.expert_chunk_size``), a layer keeps
+    per token only the router's terms and its own token, weights and experts, ``2 a E + c (d + 2 k)``; the round's
+    working set is :func:`exchange_round_bytes`. Compiled as above at k = 8 on expert 8 (832 local tokens, rounds
+    of 128), the update fell from 1.03 GiB to 161.5 MiB, the old log-probs' pass from 292.2 to 66.3 MiB."""
     c, a, d = dtype_bytes(m.dtype), ACCUMULATOR_BYTES, m.hidden_size
     e, k, f = expert_group(m, mesh), m.num_experts_per_tok, split(m.moe_intermediate_size, mesh)
+    if in_rounds(m, tokens):
+        return 2 * a * m.num_experts + c * (d + 2 * k)
     return 2 * a * m.num_experts + e * c * (d + 2 * k) + e * k * c * ((3 if backward else 2) * d + 3 * f)
 
 
 def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int], platform: str = "gpu",
-                          sparse: bool = False) -> int:
+                          sparse: bool = False, tokens: int = 0) -> int:
     """``x``: what one layer keeps for its backward pass per token of a row of ``width`` (module docstring). Dense
     attention keeps its float32 scores and probabilities and the probabilities cast back (``2 a + c`` a score); the
     backward pass XLA:GPU compiles also holds the probabilities' float32 gradient beside them and the mask
@@ -107,7 +132,7 @@ def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int], plat
     else:
         attention = (2 * a + c + (a + 1 if platform == "gpu" else 0)) * heads * width
     gathered = 2 * (row_split(width, mesh) - 1) * kv * c  # the row's other keys and values, per local token
-    mlp = mixture_bytes_per_token(m, mesh, backward=True) if sparse else 4 * c * f
+    mlp = mixture_bytes_per_token(m, mesh, backward=True, tokens=tokens) if sparse else 4 * c * f
     return c * (4 * d + 3 * q + 3 * kv) + mlp + a * (2 * d + q + kv) + attention + gathered
 
 
@@ -118,13 +143,15 @@ def layer_kinds(m: ModelConfig) -> tuple[tuple[bool, int], ...]:
     return tuple((kind, count) for kind, count in ((True, sparse), (False, m.num_layers - sparse)) if count)
 
 
-def forward_layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int], platform: str = "gpu") -> int:
+def forward_layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int], platform: str = "gpu",
+                                  tokens: int = 0) -> int:
     """What one layer of a forward pass that keeps nothing for a backward pass (log-probs, values, the sampler's
     prefill) holds at once per token of a row of ``width``: its input and output hidden states, the queries, keys
     and values, and the larger of attention's float32 scores (over the whole row when dense, over one key block
     when blocked) and the MLP's three intermediates. On a GPU the softmax's probabilities in the compute dtype lie
     beside the scores; XLA:TPU fuses them into their product with the values (compiled: Qwen2.5 shapes, v5p and
-    H100)."""
+    H100). ``tokens``: the pass's local tokens, over which an exchange in rounds spreads its one round's working
+    set."""
     c, a = dtype_bytes(m.dtype), ACCUMULATOR_BYTES
     a += 0 if platform == "tpu" else c
     heads, d = split(m.num_heads, mesh), m.hidden_size
@@ -132,7 +159,8 @@ def forward_layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, in
     keys = min(m.attention_block_kv, width) if linear_attention(m, width) else width
     mlp = 3 * c * f if m.dense_layers else 0
     if m.sparse_layers:
-        mlp = max(mlp, mixture_bytes_per_token(m, mesh, backward=False))
+        mixture = mixture_bytes_per_token(m, mesh, backward=False, tokens=tokens)
+        mlp = max(mlp, mixture + exchange_round_bytes(m, mesh, tokens, backward=False) // max(tokens, 1))
     return c * (2 * d + q + 2 * kv) + max(a * heads * keys, mlp)
 
 
@@ -155,22 +183,26 @@ def attention_block_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str,
 
 def activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int], platform: str = "gpu") -> int:
     """Activations one micro-batch of ``rows x width`` tokens keeps on one device for its backward pass."""
-    per_layer = {kind: layer_bytes_per_token(m, width, mesh, platform, kind) for kind, _ in layer_kinds(m)}
+    local = width // row_split(width, mesh)
+    tokens = rows * local
+    per_layer = {kind: layer_bytes_per_token(m, width, mesh, platform, kind, tokens) for kind, _ in layer_kinds(m)}
     if m.remat:
         kept, recomputed = dtype_bytes(m.dtype) * m.hidden_size * m.num_layers, max(per_layer.values())
     else:
         kept, recomputed = sum(count * per_layer[kind] for kind, count in layer_kinds(m)), 0
-    local = width // row_split(width, mesh)
-    return rows * local * (kept + recomputed) + attention_block_bytes(m, rows, width, mesh)
+    rounds = exchange_round_bytes(m, mesh, tokens, backward=True) if m.sparse_layers else 0
+    return tokens * (kept + recomputed) + attention_block_bytes(m, rows, width, mesh) + rounds
 
 
 def kept_activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int], platform: str = "gpu") -> int:
     """What all layers keep for the backward pass (``r (w / q) L s``) without the layer recomputed at a time."""
+    tokens = rows * (width // row_split(width, mesh))
     if m.remat:
         kept = dtype_bytes(m.dtype) * m.hidden_size * m.num_layers
     else:
-        kept = sum(count * layer_bytes_per_token(m, width, mesh, platform, kind) for kind, count in layer_kinds(m))
-    return rows * (width // row_split(width, mesh)) * kept
+        kept = sum(count * layer_bytes_per_token(m, width, mesh, platform, kind, tokens)
+                   for kind, count in layer_kinds(m))
+    return tokens * kept
 
 
 def logits_bytes(m: ModelConfig, rows: int, width: int, chunk_size: int, mesh: dict[str, int]) -> int:

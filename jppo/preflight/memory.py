@@ -308,7 +308,8 @@ def forward_bytes(cfg: TrainConfig, policy: ModelConfig, role: str, cut: dict, m
     r, w = (1, cut["max_token_len"]) if "max_token_len" in cut else (
         cut["micro_batch_size"], prompt_width(cfg) + cfg.rollout.max_response_length)
     local = w // row_split(w, mesh)
-    total = layer_weights_bytes(policy, mesh) + r * local * forward_layer_bytes_per_token(policy, w, mesh, platform)
+    total = layer_weights_bytes(policy, mesh) + r * local * forward_layer_bytes_per_token(policy, w, mesh, platform,
+                                                                                           r * local)
     if role == "actor":
         total += logits_bytes(policy, r, w, cfg.actor.log_prob_chunk_size, mesh) // LOGIT_COPIES  # fused softmax
     return total

@@ -69,7 +69,8 @@ def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int],
         terms.append((Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
                            f"B={prompts} x P={width} + S={decoded} x T={new} x ..., c_s={dtype_bytes(sampler.dtype)}"),
                       Term("sampler_logits", sampler_logits_bytes(sampler, decoded, mesh), f"4 S={decoded} V' a"),
-                      Term("prefill", prompts * width * forward_layer_bytes_per_token(sampler, width, mesh, platform),
+                      Term("prefill", prompts * width * forward_layer_bytes_per_token(sampler, width, mesh, platform,
+                                                                                        prompts * width),
                            f"B={prompts} x P={width} x y"),
                       *([Term("table_layout", table_bytes(sampler, mesh), "V' D c_s")]
                         if tied_on_tpu and phase else [])))  # phase 1: the validation batch
