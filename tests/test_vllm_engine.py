@@ -198,6 +198,10 @@ def test_bad_vllm_settings_are_one_line_before_anything_starts():
         load_config(GRPO, ["rollout.engine=vllm"])  # the quickstart's 64 wide, 8 heads
     with pytest.raises(ConfigError, match="max_position_embeddings=8, which vLLM refuses"):
         load_config(GRPO, VLLM + ["model.max_position_embeddings=8"])
+    # the CPU build stops computing with pushed expert weights (jppo.rollout.vllm_engine.unsupported says how)
+    with pytest.raises(ConfigError, match=r"^rollout.engine='vllm': vLLM's CPU build does not compute with a model's "
+                                          r"expert weights pushed after start-up, and this policy \('qwen3_moe'\)"):
+        load_config(ROOT / "configs" / "quickstart_moe.yaml", VLLM)
 
 
 def test_without_vllm_installed_the_command_says_how_to_install_it():

@@ -89,9 +89,19 @@ INSTALL = ("pip install -e '.[vllm]' (GPU) or -e '.[vllm-tpu]' (TPU); on the CPU
 
 def unsupported(config: ModelConfig, shape_keys: str) -> Optional[str]:
     """Why vLLM cannot run ``config`` (None when it can), in one line naming ``shape_keys``, the keys that set it:
-    not installed, or a head size the CPU build's attention lacks."""
+    not installed, a head size the CPU build's attention lacks, or a model with experts on the CPU build.
+
+    Why not experts on the CPU build (0.32.0): it starts with a policy's experts float32-exact (the trainer's
+    log-probs to 5e-7), but once their weights are reloaded in place (:meth:`VLLMEngine.push`, even the same
+    values) its fused-experts kernel no longer computes with them: the quickstart MoE policy's sampled log-probs
+    then differ from the trainer's by 0.12 on average (1.1 at most), reloading anything but the experts changes
+    nothing, and repacking the experts after the reload does not help. A run would train on another policy's
+    samples."""
     if not installed():
         return f"rollout.engine='vllm' needs vLLM: {INSTALL}; or rollout.engine=jppo"
+    if cpu_build() and config.sparse_layers:
+        return ("rollout.engine='vllm': vLLM's CPU build does not compute with a model's expert weights pushed after "
+                f"start-up, and this policy ({config.model_type!r}) has experts; use rollout.engine=jppo")
     if cpu_build() and config.head_dim not in CPU_HEAD_SIZES:
         return (f"rollout.engine='vllm': vLLM's CPU build has no attention for head size {config.head_dim} "
                 f"({shape_keys}); it takes {', '.join(map(str, CPU_HEAD_SIZES))}")
