@@ -1,6 +1,7 @@
 """The trainer's config: schema defaults, YAML + overrides, and one-line errors naming key and value."""
 
 import dataclasses
+import json
 import pathlib
 import re
 import sys
@@ -171,7 +172,11 @@ def test_mesh_and_batch_shards_are_checked_against_the_devices():
                                   "qwen3_30b_a3b_gsm8k_grpo.yaml"])
 def test_accelerator_configs_load_once_their_paths_exist(tmp_path, name):
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    # only the model keys the config sets are checked against it: the MoE config's, against a model with experts
+    experts = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "vocab_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 32}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(experts) if "a3b" in name else "{}")
     for split in ("train", "test"):
         (tmp_path / f"{split}.jsonl").write_text('{"prompt": "1+1?", "answer": "#### 2"}\n')
     paths = [f"model.path={tmp_path / 'ckpt'}", f"data.train_files={tmp_path / 'train.jsonl'}",
