@@ -89,19 +89,9 @@ INSTALL = ("pip install -e '.[vllm]' (GPU) or -e '.[vllm-tpu]' (TPU); on the CPU
 
 def unsupported(config: ModelConfig, shape_keys: str) -> Optional[str]:
     """Why vLLM cannot run ``config`` (None when it can), in one line naming ``shape_keys``, the keys that set it:
-    not installed, a head size the CPU build's attention lacks, or a model with experts on the CPU build.
-
-    Why not experts on the CPU build (0.32.0): it starts with a policy's experts float32-exact (the trainer's
-    log-probs to 5e-7), but once their weights are reloaded in place (:meth:`VLLMEngine.push`, even the same
-    values) its fused-experts kernel no longer computes with them: the quickstart MoE policy's sampled log-probs
-    then differ from the trainer's by 0.12 on average (1.1 at most), reloading anything but the experts changes
-    nothing, and repacking the experts after the reload does not help. A run would train on another policy's
-    samples."""
+    not installed, or a head size the CPU build's attention lacks."""
     if not installed():
         return f"rollout.engine='vllm' needs vLLM: {INSTALL}; or rollout.engine=jppo"
-    if cpu_build() and config.sparse_layers:
-        return ("rollout.engine='vllm': vLLM's CPU build does not compute with a model's expert weights pushed after "
-                f"start-up, and this policy ({config.model_type!r}) has experts; use rollout.engine=jppo")
     if cpu_build() and config.head_dim not in CPU_HEAD_SIZES:
         return (f"rollout.engine='vllm': vLLM's CPU build has no attention for head size {config.head_dim} "
                 f"({shape_keys}); it takes {', '.join(map(str, CPU_HEAD_SIZES))}")
@@ -208,6 +198,8 @@ class VLLMEngine:
         tensors = ((name, as_torch(array)) for name, array in hf_tensors(model, gather_to_host))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         self.llm.collective_rpc(refresh_tied_head)
+        if cpu_build():
+            self.llm.collective_rpc(repack_cpu_experts)
         self.llm.reset_prefix_cache()  # cached prompt blocks hold the old weights' keys and values
         self._pushed = [weakref.ref(leaf) for leaf in leaves]
         self.push_seconds = time.perf_counter() - start
@@ -253,6 +245,18 @@ def refresh_tied_head(worker) -> None:
     head = getattr(worker.model_runner.get_model(), "lm_head", None)
     if head is not None and hasattr(head, "cpu_linear") and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
+
+
+def repack_cpu_experts(worker) -> None:
+    """On vLLM's CPU build a layer of experts computes with its weights prepacked for the CPU kernel at load time;
+    an in-place reload writes the new weights into the layer in the checkpoint's layout and rebuilds nothing, so
+    the kernel reads them in the wrong layout (measured on the MoE quickstart: sampled log-probs 0.12 from the
+    trainer's on average after a push of the very same weights, 5e-7 before it). Prepack them again, as the first
+    load did."""
+    for module in worker.model_runner.get_model().modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if hasattr(module, "w13_weight") and hasattr(experts, "process_weights_after_loading"):
+            experts.process_weights_after_loading(module)
 
 
 _LIVE: dict[str, VLLMEngine] = {}  # the process's one engine, by what it was started with
