@@ -11,6 +11,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the process, meant to keep two processes off one TPU: the second xdist worker (or any other process) to compile for
 # a TPU target would fail with "Internal error when accessing libtpu multi-process lockfile". There is no TPU here.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# The two workers, and the runs they start as subprocesses, share one compilation cache folder. JAX writes an entry in
+# place and, unless the cache has a size bound, reads it without a lock: a program compiled by two processes at once can
+# be read half-written, and XLA aborts deserializing it ("Fatal Python error: Aborted" in
+# compilation_cache.get_executable_and_time, seen here), which takes the worker down; xdist then waited forever for
+# that worker's remaining file (the run stalled, as CI's did at 99%). A bound turns on JAX's file lock around every
+# read and write; this one (1 TiB) never evicts. The variable reaches the subprocesses too.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2**40))
 
 import jax  # noqa: E402
 
