@@ -18,7 +18,7 @@ from jppo.config import ConfigError, load_config
 from jppo.config.devices import check_mesh
 from jppo.models.config import ModelConfig
 from jppo.models.decoder import CausalLM
-from jppo.models.moe import gather_routed
+from jppo.models.exchange import gather_routed
 from jppo.models.sharding import create_model
 from jppo.parallel.mesh import make_mesh
 from jppo.preflight import compiled, footprint, memory, targets

@@ -77,7 +77,7 @@ def expert_group(m: ModelConfig, mesh: dict[str, int]) -> int:
 
 def in_rounds(m: ModelConfig, tokens: int) -> bool:
     """Whether a layer with experts over ``tokens`` local tokens exchanges them in rounds of
-    ``model.expert_chunk_size`` (:func:`jppo.models.moe.in_rounds`)."""
+    ``model.expert_chunk_size`` (:func:`jppo.models.exchange.in_rounds`)."""
     return 0 < m.expert_chunk_size < tokens
 
 
