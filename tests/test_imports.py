@@ -190,7 +190,7 @@ FLOORS = (
     ("preflight",),                                       # before a run: the memory plan, compiling for a target,
                                                           # the audit
     ("cli",),                                             # the commands' shared plumbing
-    ("train", "sft", "eval", "audit", "export", "plan", "plot"),  # the commands
+    ("train", "sft", "eval", "audit", "export", "plan", "plot", "serve"),  # the commands
 )
 
 

@@ -108,7 +108,8 @@ APPLIES: dict[str, str] = {
     "rollout.max_num_seqs": "`rollout.engine: jppo` (refused with vllm: its own is `rollout.vllm.max_num_seqs`)",
     "rollout.cache_blocks": "`rollout.engine: jppo` (refused with vllm, which pages its own cache)",
     "rollout.vllm.": "`rollout.engine: vllm` (refused with jppo)",
-    "rollout.devices": "`rollout.engine: jppo` (refused with vllm); with P processes, N / P per process",
+    "rollout.devices": "`rollout.engine: jppo` (refused with vllm: vLLM's own are `rollout.vllm.num_servers`); with P "
+                       "processes, N / P per process",
     "reward.function_style": "`reward.function` (refused without one)",
     "reward.gsm8k_flexible": "`reward.kind: gsm8k`",
     "reward.token_level": "a built-in task whose scorer gives per-position credit",
@@ -225,8 +226,9 @@ def check_engine_keys(cfg: TrainConfig) -> None:
         value = cfg.rollout.devices
         if value != RolloutSection.devices:
             raise ConfigError(f"rollout.devices={value!r} gives jppo's sampler a mesh of its own; "
-                              "rollout.engine='vllm' does not read it (vLLM takes the devices of its process, "
-                              "rollout.vllm.*): remove it")
+                              "rollout.engine='vllm' does not read it: vLLM on devices of its own is "
+                              f"rollout.vllm.num_servers={value!r} (servers this run starts; on a GPU node with "
+                              "rollout.vllm.gpus) or rollout.vllm.servers (started by hand)")
     elif engine == "jppo":
         for key, value in _changed(cfg.rollout.vllm, "rollout.vllm."):
             instead = (f"jppo's sampler's is rollout.max_num_seqs={value!r}" if key == "rollout.vllm.max_num_seqs"

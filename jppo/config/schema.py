@@ -132,6 +132,13 @@ class VLLMSection:
     enforce_eager: bool = False  # no torch.compile / CUDA graphs: starts in seconds, decodes slower on accelerators
     max_num_seqs: int = 0  # sequences vLLM decodes at once; 0: vLLM's default
     enable_prefix_caching: bool = True  # a prompt's KV blocks are computed once for its rollout.n rows
+    # vLLM in servers of its own (jppo.rollout.vllm_remote); neither: vLLM in the training process
+    num_servers: int = 0  # servers this run starts on this host (python -m jppo.serve), each a process of its own
+    servers: tuple[str, ...] = ()  # ["host:port", ...] of servers started by hand (python -m jppo.serve) anywhere
+    gpus: tuple[int, ...] = ()  # a GPU node: the GPUs (CUDA indices) the started servers share out; the trainer's
+    #   own must exclude them (CUDA_VISIBLE_DEVICES); empty: the servers see what this process sees
+    timeout_s: float = 600.0  # a server that does not join, take a weight push or answer a request in this is an error
+    bucket_bytes: int = 256 << 20  # a weight push streams its tensors in buckets of at most this many bytes
 
     def check(self) -> None:
         """:class:`InvalidSetting` naming the first option vLLM would refuse."""
@@ -141,6 +148,22 @@ class VLLMSection:
             raise InvalidSetting("", "kv_cache_memory_bytes", self.kv_cache_memory_bytes, ">= 0 (0: derived)")
         if self.max_num_seqs < 0:
             raise InvalidSetting("", "max_num_seqs", self.max_num_seqs, ">= 0 (0: vLLM's default)")
+        if self.num_servers < 0:
+            raise InvalidSetting("", "num_servers", self.num_servers, ">= 0 (0: vLLM in the training process)")
+        if self.num_servers and self.servers:
+            raise InvalidSetting("", "num_servers", self.num_servers, "0 when rollout.vllm.servers lists servers "
+                                 "(the run starts servers, or reaches those started by hand: not both)")
+        for address in self.servers:
+            host, _, port = str(address).rpartition(":")
+            if not host or not port.isdigit():
+                raise InvalidSetting("", "servers", address, "a list of host:port")
+        if self.gpus and (not self.num_servers or len(self.gpus) % self.num_servers):
+            raise InvalidSetting("", "gpus", list(self.gpus), f"a multiple of rollout.vllm.num_servers="
+                                 f"{self.num_servers} GPUs (each server gets as many)")
+        if self.timeout_s <= 0:
+            raise InvalidSetting("", "timeout_s", self.timeout_s, "> 0")
+        if self.bucket_bytes < 1 << 20:
+            raise InvalidSetting("", "bucket_bytes", self.bucket_bytes, ">= 1048576 (1 MiB)")
 
 
 @dataclasses.dataclass(frozen=True)

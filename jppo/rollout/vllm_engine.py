@@ -36,7 +36,6 @@ import os
 import shutil
 import tempfile
 import time
-import warnings
 import weakref
 from typing import Optional, Sequence
 
@@ -46,6 +45,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+import jppo.rollout.vllm_worker as vllm_worker
 from jppo.core.errors import ConfigError, InvalidSetting, error_line
 from jppo.core.experience import Experience
 from jppo.models.config import ModelConfig
@@ -70,12 +70,7 @@ def installed() -> bool:
         return False
 
 
-def cpu_build() -> bool:
-    try:
-        importlib.metadata.distribution(CPU_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
+cpu_build = vllm_worker.cpu_build
 
 
 # How to install vLLM, as the README says ("Train a Hugging Face model"): on the CPU with uv, whose resolver takes
@@ -125,15 +120,7 @@ def row_seeds(key: jax.Array, rows: Sequence[int]) -> list[int]:
     return [int(b) >> 1 for b in np.asarray(bits)]
 
 
-def as_torch(array: np.ndarray):
-    """A torch tensor sharing ``array``'s memory (bfloat16, which numpy lacks, through its 16 bits)."""
-    import torch  # noqa: PLC0415 (vLLM brings torch)
-
-    with warnings.catch_warnings():  # jax's host arrays are read-only; vLLM only reads them
-        warnings.simplefilter("ignore", UserWarning)
-        if array.dtype.name == "bfloat16":
-            return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
-        return torch.from_numpy(array)
+as_torch = vllm_worker.as_torch
 
 
 def resolve_vllm_platform() -> None:
@@ -147,6 +134,15 @@ def resolve_vllm_platform() -> None:
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
+llm_options = vllm_worker.llm_options
+
+
+def sampling_request(params: SamplingParams) -> dict:
+    """What :func:`jppo.rollout.vllm_worker.generate` reads of jppo's sampling settings."""
+    return {"max_new_tokens": params.max_new_tokens, "greedy": params.greedy, "temperature": params.temperature,
+            "top_k": params.top_k, "top_p": params.top_p, "eos_token_ids": [int(t) for t in params.eos_token_ids]}
+
+
 class VLLMEngine:
     """The process's ``vllm.LLM`` for one architecture, and the weights it holds (see the module docstring)."""
 
@@ -158,22 +154,11 @@ class VLLMEngine:
         self._graphdef: Optional[nnx.GraphDef] = None
         self._pushed: list[weakref.ref] = []
         self.push_seconds = 0.0
-        options = spec.options  # rollout.vllm: jppo.config.schema.VLLMSection (or anything with its fields)
         folder = tempfile.mkdtemp(prefix="jppo-vllm-")
         try:
             save_pretrained(merged(spec.policy), folder, to_host=gather_to_host)  # LoRA: W + s A B
             resolve_vllm_platform()
-            from vllm import LLM  # noqa: PLC0415 (optional; a minute to import on a CPU)
-
-            extra = {"kv_cache_memory_bytes": options.kv_cache_memory_bytes} if options.kv_cache_memory_bytes else {}
-            if options.max_num_seqs:
-                extra["max_num_seqs"] = options.max_num_seqs
-            self.llm = LLM(
-                model=folder, dtype=spec.model.dtype, seed=spec.seed,
-                max_model_len=spec.max_model_len, gpu_memory_utilization=options.gpu_memory_utilization,
-                enforce_eager=options.enforce_eager, enable_prefix_caching=options.enable_prefix_caching,
-                skip_tokenizer_init=True, generation_config="vllm", logprobs_mode="processed_logprobs", **extra,
-            )
+            self.llm = vllm_worker.start_llm(folder, llm_options(spec))
         except Exception as error:  # noqa: BLE001 (whatever vLLM refuses is the user's setting: one line)
             raise ConfigError(f"rollout.engine='vllm' could not start on the policy "
                               f"({spec.model.family.hf_architecture}, head size {spec.model.head_dim}): "
@@ -195,12 +180,7 @@ class VLLMEngine:
             return False
         start = time.perf_counter()
         model = merged(nnx.merge(self._graphdef, state))  # LoRA: W + s A B; a plain model as it is
-        tensors = ((name, as_torch(array)) for name, array in hf_tensors(model, gather_to_host))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
-        self.llm.collective_rpc(refresh_tied_head)
-        if cpu_build():
-            self.llm.collective_rpc(repack_cpu_experts)
-        self.llm.reset_prefix_cache()  # cached prompt blocks hold the old weights' keys and values
+        vllm_worker.reload(self.llm, ((name, as_torch(array)) for name, array in hf_tensors(model, gather_to_host)))
         self._pushed = [weakref.ref(leaf) for leaf in leaves]
         self.push_seconds = time.perf_counter() - start
         return True
@@ -208,73 +188,36 @@ class VLLMEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  seeds: Sequence[Optional[int]]) -> list[tuple[list[int], list[float]]]:
         """``(tokens, log-probs)`` of one response per prompt (``seeds[i]`` for prompt ``i``; None when greedy)."""
-        from vllm import SamplingParams as Request  # noqa: PLC0415
-        from vllm.inputs import TokensPrompt  # noqa: PLC0415
-
-        asked = [i for i, prompt in enumerate(prompts) if len(prompt)]  # an empty prompt gets an empty response
-        requests = [Request(
-            n=1, max_tokens=params.max_new_tokens, temperature=0.0 if params.greedy else params.temperature,
-            top_k=0 if params.greedy else params.top_k, top_p=1.0 if params.greedy else params.top_p,
-            seed=None if params.greedy else seeds[i], stop_token_ids=list(params.eos_token_ids), logprobs=0,
-            detokenize=False, skip_special_tokens=False,
-        ) for i in asked]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in prompts[i]]) for i in asked],
-                                    requests, use_tqdm=False) if asked else []
-        out: list[tuple[list[int], list[float]]] = [([], [])] * len(prompts)
-        for i, output in zip(asked, outputs):
-            sample = output.outputs[0]
-            tokens = list(sample.token_ids)
-            out[i] = (tokens, [step[token].logprob for step, token in zip(sample.logprobs, tokens)])
-        return out
+        rows = vllm_worker.generate(self.llm, prompts, sampling_request(params), seeds)
+        return [(tokens, log_probs) for tokens, log_probs, _ in rows]
 
     def close(self) -> None:
         """Shuts the engine down and frees what it reserved (another engine can start in this process)."""
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel  # noqa
-
-        self.llm.llm_engine.engine_core.shutdown()
+        vllm_worker.shutdown(self.llm)
         del self.llm
-        destroy_model_parallel()
-        destroy_distributed_environment()
 
 
-def refresh_tied_head(worker) -> None:
-    """On vLLM's CPU build each linear layer computes with a copy of its weight repacked at load time; a reload
-    repacks the layers it loads, but the output projection of tied embeddings loads nothing (it is the embedding)
-    and would keep computing with the start-up copy: repack it from the (reloaded) embedding. Elsewhere (no
-    ``cpu_linear``) the head reads the embedding's tensor itself."""
-    head = getattr(worker.model_runner.get_model(), "lm_head", None)
-    if head is not None and hasattr(head, "cpu_linear") and hasattr(head, "quant_method"):
-        head.quant_method.process_weights_after_loading(head)
-
-
-def repack_cpu_experts(worker) -> None:
-    """On vLLM's CPU build a layer of experts computes with its weights prepacked for the CPU kernel at load time;
-    an in-place reload writes the new weights into the layer in the checkpoint's layout and rebuilds nothing, so
-    the kernel reads them in the wrong layout (measured on the MoE quickstart: sampled log-probs 0.12 from the
-    trainer's on average after a push of the very same weights, 5e-7 before it). Prepack them again, as the first
-    load did."""
-    for module in worker.model_runner.get_model().modules():
-        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-        if hasattr(module, "w13_weight") and hasattr(experts, "process_weights_after_loading"):
-            experts.process_weights_after_loading(module)
-
-
-_LIVE: dict[str, VLLMEngine] = {}  # the process's one engine, by what it was started with
+_LIVE: dict[str, object] = {}  # the process's one engine (or its servers), by what it was started with
 
 
 @ROLLOUT_ENGINES.register("vllm")
-def start(spec: RolloutEngineSpec) -> VLLMEngine:
+def start(spec: RolloutEngineSpec):
     """The process's vLLM engine for ``spec``: the running one when it was started with the same architecture,
     lengths, seed and options (a second run in the process, e.g. ``jppo.eval`` after training, pays no start-up;
     its weights are pushed before it samples), else a new one, after the other is shut down (vLLM reserves its
-    memory up front: one engine at a time)."""
+    memory up front: one engine at a time). With ``rollout.vllm.num_servers`` or ``rollout.vllm.servers`` the
+    engine is vLLM in servers of its own (:class:`~jppo.rollout.vllm_remote.VLLMServers`)."""
     key = json.dumps([spec.model.to_hf("lm"), spec.model.dtype, spec.max_model_len, spec.seed,
                       dataclasses.asdict(spec.options)], sort_keys=True, default=str)
     if key in _LIVE:
         return _LIVE[key]  # another run's arrays are other objects: its first sample pushes them
     for old in list(_LIVE):
         _LIVE.pop(old).close()
-    _LIVE[key] = VLLMEngine(spec)
+    remote = spec.options.num_servers or spec.options.servers
+    if remote:
+        from jppo.rollout.vllm_remote import VLLMServers  # noqa: PLC0415
+
+    _LIVE[key] = VLLMServers(spec, VLLMSampler) if remote else VLLMEngine(spec)
     return _LIVE[key]
 
 
@@ -283,7 +226,7 @@ class VLLMSampler:
     the same shapes (prompts left-padded to the bucket of the longest, responses ``max_new_tokens`` wide, padded
     with ``pad_id``), ``rollout_log_prob`` from vLLM."""
 
-    def __init__(self, engine: VLLMEngine, pad_id: int, mesh: Mesh, params: SamplingParams, bucket: int):
+    def __init__(self, engine, pad_id: int, mesh: Mesh, params: SamplingParams, bucket: int):
         self.engine, self._pad, self._mesh, self.params, self._bucket = engine, pad_id, mesh, params, bucket
 
     def __call__(self, state: nnx.State, prompts: list[list[int]], key: jax.Array) -> Experience:

@@ -220,7 +220,7 @@ def sampled_and_scored(
             scored = c.score_for_training(exp, examples, prompts)
         gen += 1
         if not groups.enable:
-            return scored, position, {}
+            return scored, position, engine_metrics(c.engine)
         varied = varied_groups(scored.rewards if groups.metric == "reward" else scored.scores, exp.group_ids)
         num_varied.append(len(varied))
         take = varied[: size - num_kept]
@@ -234,7 +234,16 @@ def sampled_and_scored(
                 f"varied {groups.metric}s (algorithm.filter_groups.max_num_gen_batches={groups.max_num_gen_batches}); "
                 "the data may be too hard or too easy for the policy (0 samples without limit)"
             )
-    return concat(kept, c.inputs.tokenizer.pad_id), position, sampling_metrics(num_varied, size)
+    return concat(kept, c.inputs.tokenizer.pad_id), position, sampling_metrics(num_varied, size) | engine_metrics(
+        c.engine)
+
+
+def engine_metrics(engine) -> dict[str, float]:
+    """What an engine in other processes reports (:class:`~jppo.rollout.vllm_remote.VLLMServers`): the last weight
+    push's bytes, and the run's server restarts and re-requested aborted rows so far."""
+    names = {"push_bytes": "rollout/weight_push_bytes", "restarts": "rollout/server_restarts",
+             "aborted_rows": "rollout/aborted_rows"}
+    return {metric: float(getattr(engine, name)) for name, metric in names.items() if hasattr(engine, name)}
 
 
 def collect(

