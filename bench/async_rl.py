@@ -8,6 +8,8 @@ engine (``rollout.engine``: jppo's sampler, and vLLM when it imports) the two ru
 each in a fresh process on one device, where k = 1 generates the next batch on a thread beside the update.
 ``jppo-own-device`` is jppo's sampler on a device of its own: two simulated CPU devices, ``rollout.devices=1``
 (the update on the first, the sampler on the second, the weights moved to it before every rollout).
+``vllm-server`` is vLLM in a server process of its own (``rollout.vllm.num_servers=1``), the weights streamed to it
+over gloo before every rollout (``weight_push_s``, ``weight_push_bytes``).
 Printed as JSON, per engine and k: the median over steps ``MEDIAN_FROM``.. (but the last) of ``timing/step``, of the
 rollout phase (``timing/rollout`` + ``reward`` + ``weight_push`` + ``weight_move``: what the generation side does), of
 the train phase (every other ``timing/*`` phase: old log-probs, advantages, the update), of the ``async/*`` waits and,
@@ -49,7 +51,8 @@ ROLLOUT_PHASES = ("timing/rollout", "timing/reward", "timing/weight_push", "timi
 # vLLM's CPU build as bench.vllm_engine runs it: eager, a small KV cache
 VLLM = ("rollout.engine=vllm", "rollout.vllm.enforce_eager=true", "rollout.vllm.kv_cache_memory_bytes=268435456")
 # what each measured engine adds to the config, and the devices its runs get
-LAYOUTS = {"jppo": ((), 1), "jppo-own-device": (("rollout.devices=1",), 2), "vllm": (VLLM, 1)}
+LAYOUTS = {"jppo": ((), 1), "jppo-own-device": (("rollout.devices=1",), 2), "vllm": (VLLM, 1),
+           "vllm-server": ((*VLLM, "rollout.vllm.num_servers=1"), 1)}
 
 
 def phases(record: dict) -> tuple[float, float]:
@@ -71,6 +74,9 @@ def summarize(records: list[dict], first: int) -> dict:
     for name in ("async/train_wait_s", "async/rollout_wait_s"):
         if name in kept[0]:
             out[name.split("/")[1]] = median([r[name] for r in kept])
+    if "rollout/weight_push_bytes" in kept[0]:  # vLLM on a server: the weights streamed to it every step
+        out["weight_push_s"] = median([r.get("timing/weight_push", 0.0) for r in kept])
+        out["weight_push_bytes"] = kept[0]["rollout/weight_push_bytes"]
     if "timing/weight_move" in kept[0]:
         out["weight_move_s"] = median([r["timing/weight_move"] for r in kept])
         out["weight_move_share"] = median([r["timing/weight_move"] / r["timing/step"] for r in kept])
@@ -109,7 +115,7 @@ def measure(quick: bool, steps: Optional[int] = None,
     with tempfile.TemporaryDirectory(prefix="jppo-async-") as tmp:
         _, overrides = peers.shape_config(shape, steps, pathlib.Path(tmp))
         for engine in engines:
-            if engine == "vllm" and not vllm_engine.installed():
+            if engine.startswith("vllm") and not vllm_engine.installed():
                 result["engines"][engine] = {"missing": "vLLM is not installed"}
                 continue
             extra, devices = LAYOUTS[engine]

@@ -135,8 +135,8 @@ class VLLMSection:
     # vLLM in servers of its own (jppo.rollout.vllm_remote); neither: vLLM in the training process
     num_servers: int = 0  # servers this run starts on this host (python -m jppo.serve), each a process of its own
     servers: tuple[str, ...] = ()  # ["host:port", ...] of servers started by hand (python -m jppo.serve) anywhere
-    gpus: tuple[int, ...] = ()  # a GPU node: the GPUs (CUDA indices) the started servers share out; the trainer's
-    #   own must exclude them (CUDA_VISIBLE_DEVICES); empty: the servers see what this process sees
+    # the trainer's own GPUs must exclude these (CUDA_VISIBLE_DEVICES); empty: the servers see what this process sees
+    gpus: tuple[int, ...] = ()  # GPUs (CUDA indices) the servers this run starts share out, the same count each
     timeout_s: float = 600.0  # a server that does not join, take a weight push or answer a request in this is an error
     bucket_bytes: int = 256 << 20  # a weight push streams its tensors in buckets of at most this many bytes
 

@@ -28,6 +28,7 @@ import concurrent.futures
 import json
 import logging
 import socket
+import threading
 import time
 import uuid
 import weakref
@@ -66,6 +67,21 @@ def own_address(toward: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))  # no packet is sent: a UDP connect only picks the route
         return s.getsockname()[0]
+
+
+def background(fn, *args) -> concurrent.futures.Future:
+    """``fn(*args)`` on a daemon thread (an executor's threads would hold the process's exit until a request to a
+    stalled server times out)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001 (the caller's .result() raises it)
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="jppo-vllm-call", daemon=True).start()
+    return future
 
 
 def engine_key(spec) -> str:
@@ -157,42 +173,34 @@ class VLLMServers:
         name = f"jppo-{uuid.uuid4().hex[:8]}-{self._groups}"
         host, port, world = own_address(self.addresses[0]), free_port(), len(self.addresses) + 1
         self._group = None
-        pool = concurrent.futures.ThreadPoolExecutor(len(self.addresses))
+        joins = [background(call, address, "/join", {
+            "host": host, "port": port, "rank": rank, "world": world, "backend": self.backend,
+            "timeout_s": self.timeout, "name": name}, self.timeout + 30) for rank, address in
+            enumerate(self.addresses, 1)]
         try:
-            joins = [pool.submit(call, address, "/join", {
-                "host": host, "port": port, "rank": rank, "world": world, "backend": self.backend,
-                "timeout_s": self.timeout, "name": name}, self.timeout + 30) for rank, address in
-                enumerate(self.addresses, 1)]
-            try:
-                self._group = weight_stream.open_group(host, port, 0, world, self.backend, self.timeout, name)
-            except weight_stream.StreamError as error:
-                late = [a for a, j in zip(self.addresses, joins) if not j.done() or j.exception() is not None]
-                raise weight_stream.StreamError(f"server(s) {', '.join(late) or '?'} did not join: {error}") from None
-            for join in joins:
-                join.result()
-        finally:  # a server that never answers its join is not waited for
-            pool.shutdown(wait=False, cancel_futures=True)
+            self._group = weight_stream.open_group(host, port, 0, world, self.backend, self.timeout, name)
+        except weight_stream.StreamError as error:
+            late = [a for a, j in zip(self.addresses, joins) if not j.done() or j.exception() is not None]
+            raise weight_stream.StreamError(f"server(s) {', '.join(late) or '?'} did not join: {error}") from None
+        for join in joins:
+            join.result()
 
     def _stream_all(self, path: str, body, model) -> int:
         """``path`` asked of every server while this process streams ``model``'s weights to them; the bytes sent."""
         tensors = self._tensors(model)
-        pool = concurrent.futures.ThreadPoolExecutor(len(self.addresses))
+        asked = [background(call, address, path, body(), self.timeout * 2 + 600) for address in self.addresses]
         try:
-            asked = [pool.submit(call, address, path, body(), self.timeout * 2 + 600) for address in self.addresses]
-            try:
-                sent = weight_stream.send(self._group, tensors, self.bucket_bytes, self.device)
-            except weight_stream.StreamError as error:
-                for server in self.local:  # a dead local server is what a failed stream usually means
-                    if server is not None and server.process.poll() is not None:
-                        raise ServerError(f"rollout.vllm server {server.address}: exited while taking the weights "
-                                          f"({server.tail()}); {error}") from None
-                raise weight_stream.StreamError(
-                    f"the weight push to {', '.join(self.addresses)} did not finish within {self.timeout:g} s "
-                    f"(rollout.vllm.timeout_s): {error}") from None
-            for answer in asked:
-                answer.result()
-        finally:  # a server that failed is not waited for
-            pool.shutdown(wait=False, cancel_futures=True)
+            sent = weight_stream.send(self._group, tensors, self.bucket_bytes, self.device)
+        except weight_stream.StreamError as error:
+            for server in self.local:  # a dead local server is what a failed stream usually means
+                if server is not None and server.process.poll() is not None:
+                    raise ServerError(f"rollout.vllm server {server.address}: exited while taking the weights "
+                                      f"({server.tail()}); {error}") from None
+            raise weight_stream.StreamError(
+                f"the weight push to {', '.join(self.addresses)} did not finish within {self.timeout:g} s "
+                f"(rollout.vllm.timeout_s): {error}") from None
+        for answer in asked:
+            answer.result()
         return sent
 
     def _tensors(self, model):
@@ -263,12 +271,11 @@ class VLLMServers:
     def _generate_rows(self, prompts, sampling: dict, seeds) -> list:
         for _ in range(RECOVERIES + 1):
             cuts = np.array_split(np.arange(len(prompts)), len(self.addresses))
-            with concurrent.futures.ThreadPoolExecutor(len(self.addresses)) as pool:
-                jobs = [pool.submit(call, address, "/generate", {
-                    "version": self.version, "timeout_s": self.timeout, "sampling": sampling,
-                    "prompts": [list(map(int, prompts[i])) for i in cut], "seeds": [seeds[i] for i in cut],
-                }, self.timeout) for address, cut in zip(self.addresses, cuts)]
-                concurrent.futures.wait(jobs)
+            jobs = [background(call, address, "/generate", {
+                "version": self.version, "timeout_s": self.timeout, "sampling": sampling,
+                "prompts": [list(map(int, prompts[i])) for i in cut], "seeds": [seeds[i] for i in cut],
+            }, self.timeout) for address, cut in zip(self.addresses, cuts)]
+            concurrent.futures.wait(jobs)
             gone = {address for address, job in zip(self.addresses, jobs) if isinstance(job.exception(), ServerError)}
             if not gone:
                 out: list = []
