@@ -10,7 +10,7 @@ import sys
 # the server never computes with JAX (imported with jppo's packages): it must not take an accelerator's memory
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jppo.rollout.vllm_server import main  # noqa: E402
+from jppo.rollout.vllm_server import main, parse_args  # noqa: E402, F401 (parse_args: tests/test_docs.py)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -40,9 +40,9 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # first) started the audit and the two-process runs, few tests but minutes long, near the end.
 LONGEST_FIRST = (
     "test_engine_update.py", "test_audit.py", "test_train.py", "test_lora.py", "test_whole_run.py",
-    "test_distributed.py", "test_bench.py", "test_vllm_engine.py", "test_rollout.py", "test_config_fuzz.py",
-    "test_engine_assemble.py", "test_losses_variants.py", "test_rollout_correction.py", "test_sequence_parallel.py",
-    "test_old_log_prob.py",
+    "test_distributed.py", "test_bench.py", "test_vllm_engine.py", "test_vllm_servers.py", "test_rollout.py",
+    "test_config_fuzz.py", "test_engine_assemble.py", "test_losses_variants.py", "test_rollout_correction.py",
+    "test_sequence_parallel.py", "test_old_log_prob.py",
 )
 
 

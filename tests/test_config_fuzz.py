@@ -173,6 +173,7 @@ def fuzz_settings(examples: int) -> settings:
 @fuzz_settings(examples=200)
 @given(config=st.sampled_from(CONFIGS), drawn=overrides())
 @example(config=QUICKSTART, drawn=["model.mlp_only_layers=[a]"])  # once refused without its key or value
+@example(config=QUICKSTART, drawn=["actor.lora.target_modules=[[1]]"])  # once a TypeError (a list is unhashable)
 def test_validation_accepts_or_refuses_in_one_line_naming_the_key(config, drawn):
     try:
         validate_like_the_cli(config, base_overrides(config) + drawn)

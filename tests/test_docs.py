@@ -58,6 +58,7 @@ HOW = [  # (pattern on the command, how it is checked), first match wins
     (r"^hf download ", "help"),
     (r"^tpu_scripts/\w+\.sh ", "dry-run"),
     (r"^python -m jppo\.\w+ .*\b[A-Z][A-Z0-9]+\b(?!\.)", "parse"),  # a placeholder in capitals
+    (r"^python -m jppo\.serve ", "parse"),  # a server runs until killed (tests/test_vllm_servers.py starts them)
     (r"^python -m jppo\.(train|eval|plan|audit) .*(" + "|".join(GPU_ONLY) + ")", "mesh"),
     (r"^python -m jppo\.audit ", "mesh"),  # minutes of compiling: tests/test_audit.py runs the audit
     (r"^python -m jppo\.export runs/(" + "|".join(GPU_ONLY) + ")", "parse"),  # the run the GPU would have written
@@ -68,7 +69,7 @@ HOW = [  # (pattern on the command, how it is checked), first match wins
 def commands(text: str) -> list[list[str]]:
     """The commands of a page's ``bash`` blocks as argument lists: continuation lines joined, comments dropped,
     ``&&`` splitting two commands, ``NAME=value`` assignments applied to the ``$NAME`` of later lines of the page
-    (and dropped)."""
+    (and dropped), a command's own leading ``NAME=value`` environment dropped."""
     out, variables = [], {}
     for block in FENCE.findall(text):
         for line in block.replace("\\\n", " ").splitlines():
@@ -79,6 +80,8 @@ def commands(text: str) -> list[list[str]]:
             if assignment and len(words) == 1:
                 variables[assignment[1]] = re.sub(r"\$(\w+)", lambda m: variables.get(m[1], m[0]), assignment[2])
                 continue
+            while len(words) > 1 and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # `CUDA_VISIBLE_DEVICES=7 python ...`:
+                words = words[1:]  # the command's own environment, which the checks do not need
             expanded = [[]]
             for word in words:
                 if word == "&&":  # `pip install -e . && python -m jppo.train ...`: two commands

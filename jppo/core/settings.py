@@ -125,7 +125,7 @@ class LoRAConfig:
             raise InvalidSetting("lora.", "rank", self.rank, ">= 1 (0: LoRA off)")
         if not self.alpha > 0:
             raise InvalidSetting("lora.", "alpha", self.alpha, "> 0")
-        unknown = [name for name in self.target_modules if name not in LORA_TARGETS]
+        unknown = [name for name in self.target_modules if not isinstance(name, str) or name not in LORA_TARGETS]
         if unknown or not self.target_modules or len(set(self.target_modules)) != len(self.target_modules):
             raise InvalidSetting(
                 "lora.", "target_modules", list(self.target_modules),

@@ -103,7 +103,11 @@ def check_settings(options, config: ModelConfig, shape_keys: str, context: int, 
         options.check()
     except InvalidSetting as error:
         raise ConfigError(error.renamed(f"rollout.vllm.{error.name}")) from None
-    problem = unsupported(config, shape_keys)
+    # servers started by hand may run on other hosts, in another vLLM build: they say what they cannot run when the
+    # run starts them (one line); this process needs only torch, for the weight stream
+    problem = unsupported(config, shape_keys) if not options.servers else (
+        None if importlib.util.find_spec("torch") else
+        f"rollout.vllm.servers needs torch in the training process (the weight stream): {INSTALL}")
     if problem:
         raise ConfigError(problem)
     if context > config.max_position_embeddings:

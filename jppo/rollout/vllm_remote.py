@@ -93,6 +93,8 @@ def to_torch_on_gpu(array: jax.Array):
     """One parameter, gathered onto this process's first device, as a torch tensor on that GPU (DLPack)."""
     import torch  # noqa: PLC0415
 
+    if not array.is_fully_addressable:  # shards on other hosts: gathered through the host, as the CPU path does
+        return vllm_worker.as_torch(gather_to_host(array)).to("cuda")
     single = jax.device_put(array, jax.local_devices()[0]) if len(array.sharding.device_set) > 1 else array
     return torch.from_dlpack(single)
 
@@ -290,8 +292,9 @@ class VLLMServers:
         """After ``error``: each server that is gone (in ``gone``: it did not answer in time; or dead, or not
         answering ``/info``) restarted (ours) or dropped (one started by hand), the group re-formed and the current
         weights streamed to every server."""
-        if not self.main:
-            raise RuntimeError(f"{error} (a run of several processes does not recover its servers: resume it)")
+        if jax.process_count() > 1:  # every process would have to re-gather the weights at once: resume instead
+            raise RuntimeError(f"{error} (a run of several processes does not recover its servers: run the same "
+                               "command again to resume from the last checkpoint)")
         log.warning("%s: recovering the rollout servers", error)
         alive = []
         for address, server in zip(self.addresses, self.local):

@@ -278,7 +278,7 @@ def serve(host: str, port: int, port_file: Optional[str] = None, device: str = "
     httpd.serve_forever()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jppo.serve", description=(
         "A vLLM rollout server for jppo runs (rollout.vllm.servers: [host:port]): the run sends the policy and "
         "streams its weights; vLLM runs on this process's devices (CUDA_VISIBLE_DEVICES on a GPU node)."))
@@ -290,7 +290,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "sees a GPU")
     parser.add_argument("--exit-with", type=int, default=None, metavar="PID",
                         help="end when process PID ends (a run that starts its servers passes its own)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
     if args.exit_with:
         exit_with(args.exit_with)
     device = args.device
@@ -298,5 +302,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         import torch  # noqa: PLC0415
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    serve(args.host, args.port, args.port_file, device)
+    try:
+        serve(args.host, args.port, args.port_file, device)
+    except OSError as error:  # the port taken, an address not of this host
+        print(f"jppo.serve: error: cannot listen on {args.host}:{args.port}: {error.strerror or error}",
+              file=sys.stderr)
+        return 2
     return 0
