@@ -118,6 +118,8 @@ def test_a_grpo_run_on_a_server_learns_with_the_next_rollout_beside_the_update(s
     assert rewards[-5:].mean() > rewards[:5].mean() + 0.02  # measured: 0.076 -> 0.114
     assert [m["async/staleness"] for m in steps] == [0.0] + [1.0] * 11
     assert all(m["rollout/weight_push_bytes"] > 0 and m["rollout/server_restarts"] == 0 for m in steps)
+    versions = [m["rollout/policy_version"] for m in steps]  # one push per batch: the versions count up by one
+    assert versions == list(range(int(versions[0]), int(versions[0]) + 12))
 
 
 def test_an_async_run_killed_with_a_rollout_in_flight_resumes_as_if_never_stopped(setup, tmp_path, monkeypatch):
@@ -136,7 +138,8 @@ def test_an_async_run_killed_with_a_rollout_in_flight_resumes_as_if_never_stoppe
 
     def logged(out: pathlib.Path) -> list[dict]:
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        timing = ("timing/", "perf/", "async/train_wait_s", "async/rollout_wait_s")
+        # what the run does not decide: timings, and the server's count of pushes (it served the other runs too)
+        timing = ("timing/", "perf/", "async/train_wait_s", "async/rollout_wait_s", "rollout/policy_version")
         return [{k: v for k, v in row.items() if not k.startswith(timing)} for row in rows]
 
     four_steps(tmp_path / "straight")

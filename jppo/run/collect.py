@@ -240,9 +240,10 @@ def sampled_and_scored(
 
 def engine_metrics(engine) -> dict[str, float]:
     """What an engine in other processes reports (:class:`~jppo.rollout.vllm_remote.VLLMServers`): the last weight
-    push's bytes, and the run's server restarts and re-requested aborted rows so far."""
-    names = {"push_bytes": "rollout/weight_push_bytes", "restarts": "rollout/server_restarts",
-             "aborted_rows": "rollout/aborted_rows"}
+    push's bytes, the policy version the step's rows were generated with (the pushes so far: every row of a batch
+    has the same), and the run's server restarts and re-requested aborted rows so far."""
+    names = {"push_bytes": "rollout/weight_push_bytes", "version": "rollout/policy_version",
+             "restarts": "rollout/server_restarts", "aborted_rows": "rollout/aborted_rows"}
     return {metric: float(getattr(engine, name)) for name, metric in names.items() if hasattr(engine, name)}
 
 
