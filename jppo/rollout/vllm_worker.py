@@ -3,7 +3,7 @@
 JAX: a server runs without it.
 
 - :func:`start_llm`: the engine, from a Hugging Face folder and the options the trainer derived
-  (:func:`jppo.rollout.vllm_engine.llm_options`).
+  (:func:`llm_options`).
 - :func:`reload`: new weights into the running engine, in place (``collective_rpc("reload_weights")``), then what
   the CPU build's in-place reload leaves stale repaired (:func:`refresh_tied_head`, :func:`repack_cpu_experts`) and
   the prefix cache emptied.
@@ -78,6 +78,18 @@ def llm_options(spec) -> dict:
     return dict(dtype=str(spec.model.dtype), seed=spec.seed, max_model_len=spec.max_model_len,
                 gpu_memory_utilization=options.gpu_memory_utilization, enforce_eager=options.enforce_eager,
                 enable_prefix_caching=options.enable_prefix_caching, **extra)
+
+
+def sampling_request(params) -> dict:
+    """What :func:`generate` reads of jppo's :class:`~jppo.rollout.params.SamplingParams` (JSON-ready)."""
+    return {"max_new_tokens": params.max_new_tokens, "greedy": params.greedy, "temperature": params.temperature,
+            "top_k": params.top_k, "top_p": params.top_p, "eos_token_ids": [int(t) for t in params.eos_token_ids]}
+
+
+def holds(pushed: list, leaves: list) -> bool:
+    """Whether an engine that last pushed the arrays ``pushed`` (weak references) holds ``leaves`` already: the
+    very same array objects, so a second sampling with unchanged weights pushes nothing."""
+    return len(leaves) == len(pushed) and all(ref() is leaf for ref, leaf in zip(pushed, leaves))
 
 
 def cpu_build() -> bool:
