@@ -1,8 +1,12 @@
 """Test session set-up: 8 simulated CPU devices and a persistent compile cache, before any JAX operation; the
 longest test files first."""
 
+import faulthandler
 import os
 import pathlib
+import tempfile
+
+import pytest
 
 # The suite runs on the CPU. libtpu (the test extra brings it, to compile for TPU targets with compile-only devices)
 # would otherwise try to open a TPU in every process, ours and the subprocesses', and print its warnings.
@@ -54,3 +58,34 @@ def file_rank(name: str) -> int:
 def pytest_collection_modifyitems(items):
     # a stable sort: each file's tests, and the files outside LONGEST_FIRST, keep their collected order
     items.sort(key=lambda item: file_rank(item.path.name))
+
+
+# A test stuck in native code that holds the GIL is beyond pytest-timeout (pyproject's `timeout`): its thread needs the
+# GIL to act, so the worker would wait forever and CI with it (CI once printed 1530 of 1539 dots, then nothing for an
+# hour). faulthandler's watchdog is a C thread: a minute after pytest-timeout's limit it writes every thread's stack
+# and ends the worker, whose test xdist then reports as crashed, and the run ends. The stacks go to a file per worker
+# (pytest captures the worker's stderr, and a process that ends that way loses it), which the summary prints.
+WATCHDOG_S = 960
+HANGS = pathlib.Path(os.environ.setdefault("JPPO_TEST_HANGS", tempfile.mkdtemp(prefix="jppo-test-hangs-")))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    log = HANGS / f"worker-{os.getpid()}.txt"
+    with open(log, "w") as out:
+        out.write(f"{item.nodeid} ran past {WATCHDOG_S} s:\n")
+        out.flush()
+        faulthandler.dump_traceback_later(WATCHDOG_S, exit=True, file=out)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    log.unlink()
+
+
+def pytest_terminal_summary(terminalreporter):
+    for log in sorted(HANGS.glob("worker-*.txt")):
+        text = log.read_text()
+        if "Thread 0x" in text or "Timeout (" in text:  # the watchdog wrote (a test's header alone: nothing)
+            terminalreporter.section(f"a test that hung ({log.name})")
+            terminalreporter.write(text)
