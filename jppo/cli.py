@@ -77,6 +77,23 @@ def log_to_stderr() -> None:
     logging.getLogger("jppo").setLevel(logging.INFO)
 
 
+def keep_trainer_gpus(cfg) -> None:
+    """With vLLM servers this run starts on a GPU node (``rollout.devices`` or ``rollout.vllm.num_servers``), JAX
+    in this process uses only the GPUs the servers do not take (:func:`jppo.rollout.vllm_server.split_gpus`): each
+    allocator takes most of a GPU up front. Called before JAX starts its backend; nothing to do on a CPU."""
+    vllm = cfg.rollout.vllm
+    if cfg.rollout.engine != "vllm" or not vllm.num_servers:
+        return
+    import jax  # noqa: PLC0415
+
+    from jppo.rollout.vllm_server import host_gpus, split_gpus  # noqa: PLC0415
+
+    visible = host_gpus()
+    if visible:
+        _, kept = split_gpus(vllm.num_servers, vllm.gpus, visible)
+        jax.config.update("jax_cuda_visible_devices", ",".join(map(str, kept)))
+
+
 def start_processes(command: str, cfg, args: argparse.Namespace, check: Callable[[], T] = lambda: None) -> T:
     """What a command that runs the models does before anything compiles: the persistent compilation cache
     (``trainer.compilation_cache``); the processes (the multi-process flags); ``check()``, whose value is returned;
@@ -85,6 +102,7 @@ def start_processes(command: str, cfg, args: argparse.Namespace, check: Callable
 
     log = logging.getLogger(f"jppo.{command}")
     cache = compile_cache.apply(cfg.trainer.compilation_cache)  # before anything compiles
+    keep_trainer_gpus(cfg)  # before JAX starts its backend
     distributed.initialize(args)
     checked = check()  # a start-up that fails says so in its one line, and nothing else: logged after
     log.info("compilation cache: %s", cache or "off")

@@ -114,8 +114,12 @@ def test_the_policy_options_apply_to_the_losses_they_change():
      "rollout.vllm.max_num_seqs=4 instead"),
     (["rollout.engine=vllm", "rollout.cache_blocks=2"],
      "rollout.cache_blocks='2' is jppo's sampler's response cache; rollout.engine='vllm' does not read it"),
-    (["rollout.engine=vllm", "rollout.devices=2"],
-     "rollout.devices=2 gives jppo's sampler a mesh of its own; rollout.engine='vllm' does not read it"),
+    (["rollout.engine=vllm", "rollout.devices=2", "rollout.vllm.num_servers=1"],
+     "rollout.devices=2 with rollout.vllm.num_servers=1: with rollout.engine=vllm both give the rollout its servers; "
+     "set one"),
+    (["rollout.engine=vllm", "rollout.devices=1", "rollout.vllm.servers=[h:1]"],
+     "rollout.devices=1 with rollout.vllm.servers=['h:1']: with rollout.engine=vllm both give the rollout its "
+     "servers; set one"),
     (["rollout.vllm.max_num_seqs=8"],
      "rollout.vllm.max_num_seqs=8 is read only with rollout.engine=vllm and this run samples with jppo's sampler "
      "(rollout.engine='jppo'): jppo's sampler's is rollout.max_num_seqs=8"),

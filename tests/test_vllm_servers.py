@@ -25,7 +25,7 @@ from jppo.config import ConfigError, check_mesh, load_config
 from jppo.config.views import rollout_engine_spec, sampling_params
 from jppo.models.hf import hf_tensors
 from jppo.parallel.hostlocal import gather_to_host
-from jppo.rollout import vllm_engine, vllm_worker, weight_stream
+from jppo.rollout import vllm_engine, vllm_server, vllm_worker, weight_stream
 from jppo.rollout.vllm_remote import VLLMServers
 from jppo.run import build
 
@@ -174,6 +174,35 @@ def test_a_server_that_stalls_is_one_line_within_the_timeout_never_a_hang(setup,
                          r"bytes", message)
     else:
         assert "did not join" in message
+
+
+def test_rollout_devices_with_vllm_are_servers_of_their_own_and_the_trainer_keeps_its_devices():
+    """``rollout.devices=1`` with vLLM is one server this run starts; the training mesh keeps all 8 devices (a
+    server is a process, not a JAX device); with ``rollout.vllm.num_servers`` too it is one line."""
+    cfg = load_config(GRPO, VLLM + ["rollout.devices=1"])
+    assert (cfg.rollout.devices, cfg.rollout.vllm.num_servers) == (0, 1)
+    assert check_mesh(cfg, 8) == check_mesh(load_config(GRPO, VLLM), 8)
+
+
+@pytest.mark.parametrize("num_servers,gpus,visible,servers,kept", [
+    (2, [], ["0", "1", "2", "3", "4", "5", "6", "7"], [["6"], ["7"]], [0, 1, 2, 3, 4, 5]),  # the last N, one each
+    (1, [1], ["4", "5", "6", "7"], [["5"]], [0, 2, 3]),  # ordinals of CUDA_VISIBLE_DEVICES, named as it names them
+    (2, [3, 1], ["GPU-a", "GPU-b", "GPU-c", "GPU-d"], [["GPU-d"], ["GPU-b"]], [0, 2]),  # in the order given
+    (2, [], [], [[], []], []),  # a CPU host: server processes, and the trainer keeps its devices
+])
+def test_the_servers_gpus_are_never_the_trainers(num_servers, gpus, visible, servers, kept):
+    assert vllm_server.split_gpus(num_servers, gpus, visible) == (servers, kept)
+
+
+@pytest.mark.parametrize("num_servers,gpus,message", [
+    (2, [], r"^rollout.vllm.num_servers=2 \(rollout.devices\) with gpus \[0, 1\] leaves the trainer none of this "
+            r"host's 2 GPUs"),
+    (1, [2], r"^rollout.vllm.gpus=\[2\]: distinct GPUs among this process's 2 \(CUDA_VISIBLE_DEVICES: 0,1\)$"),
+    (2, [1, 1], r"^rollout.vllm.gpus=\[1, 1\]: distinct GPUs"),
+])
+def test_gpus_the_host_does_not_have_are_one_line(num_servers, gpus, message):
+    with pytest.raises(ConfigError, match=message):
+        vllm_server.split_gpus(num_servers, gpus, ["0", "1"])
 
 
 def test_a_vllm_outside_the_supported_range_is_one_line_naming_it():

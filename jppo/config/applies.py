@@ -108,8 +108,8 @@ APPLIES: dict[str, str] = {
     "rollout.max_num_seqs": "`rollout.engine: jppo` (refused with vllm: its own is `rollout.vllm.max_num_seqs`)",
     "rollout.cache_blocks": "`rollout.engine: jppo` (refused with vllm, which pages its own cache)",
     "rollout.vllm.": "`rollout.engine: vllm` (refused with jppo)",
-    "rollout.devices": "`rollout.engine: jppo` (refused with vllm: vLLM's own are `rollout.vllm.num_servers`); with P "
-                       "processes, N / P per process",
+    "rollout.devices": "the rollout on devices of its own: jppo's sampler on a mesh of its own (with P processes, "
+                       "N / P per process), or with vllm N servers on GPUs of their own (`rollout.vllm.num_servers`)",
     "reward.function_style": "`reward.function` (refused without one)",
     "reward.gsm8k_flexible": "`reward.kind: gsm8k`",
     "reward.token_level": "a built-in task whose scorer gives per-position credit",
@@ -148,8 +148,7 @@ RL_ONLY: dict[str, str] = {
 _RL = "RL runs (`jppo.train`), not SFT (`jppo.sft`)"
 
 # keys that only one rollout engine reads: key (or a section, ending in ".") -> that engine
-ENGINE_KEYS = {"rollout.max_num_seqs": "jppo", "rollout.cache_blocks": "jppo", "rollout.devices": "jppo",
-               "rollout.vllm.": "vllm"}
+ENGINE_KEYS = {"rollout.max_num_seqs": "jppo", "rollout.cache_blocks": "jppo", "rollout.vllm.": "vllm"}
 
 
 def _matches(key: str, entries) -> list[str]:
@@ -223,12 +222,6 @@ def check_engine_keys(cfg: TrainConfig) -> None:
             raise ConfigError(f"rollout.cache_blocks={value!r} is jppo's sampler's response cache; "
                               "rollout.engine='vllm' does not read it (vLLM pages its own: "
                               "rollout.vllm.kv_cache_memory_bytes or rollout.vllm.gpu_memory_utilization): remove it")
-        value = cfg.rollout.devices
-        if value != RolloutSection.devices:
-            raise ConfigError(f"rollout.devices={value!r} gives jppo's sampler a mesh of its own; "
-                              "rollout.engine='vllm' does not read it: vLLM on devices of its own is "
-                              f"rollout.vllm.num_servers={value!r} (servers this run starts; on a GPU node with "
-                              "rollout.vllm.gpus) or rollout.vllm.servers (started by hand)")
     elif engine == "jppo":
         for key, value in _changed(cfg.rollout.vllm, "rollout.vllm."):
             instead = (f"jppo's sampler's is rollout.max_num_seqs={value!r}" if key == "rollout.vllm.max_num_seqs"

@@ -126,6 +126,23 @@ def _override_layer(item: str):
         raise ConfigError(f"override {item!r} is not valid YAML ({one_line(error)})") from None
 
 
+def vllm_on_rollout_devices(cfg: TrainConfig) -> TrainConfig:
+    """``rollout.devices: N`` with ``rollout.engine: vllm`` is the rollout on devices of its own as vLLM runs it:
+    N servers this run starts, ``rollout.vllm.num_servers: N`` (on a GPU node each on a GPU the trainer does not
+    use, :func:`jppo.rollout.vllm_worker.server_gpus`). Resolved here, so the meshes (``rollout.devices`` 0) and
+    the servers read one key each; the saved config shows the servers."""
+    n, vllm = cfg.rollout.devices, cfg.rollout.vllm
+    if cfg.rollout.engine != "vllm" or not isinstance(n, int) or n <= 0:
+        return cfg
+    if vllm.num_servers or vllm.servers:
+        key, value = (("rollout.vllm.num_servers", vllm.num_servers) if vllm.num_servers else
+                      ("rollout.vllm.servers", list(vllm.servers)))
+        raise ConfigError(f"rollout.devices={n} with {key}={value!r}: with rollout.engine=vllm both give the "
+                          "rollout its servers; set one")
+    rollout = dataclasses.replace(cfg.rollout, devices=0, vllm=dataclasses.replace(vllm, num_servers=n))
+    return dataclasses.replace(cfg, rollout=rollout)
+
+
 def load_config(
     path: str | pathlib.Path | None, overrides: Sequence[str] = (), data_files: bool = True,
     sft: bool | None = None,
@@ -162,6 +179,7 @@ def load_config(
     from jppo.config.check import check  # noqa: PLC0415 (loaded with the first config)
 
     cfg = resolve_sources(cfg)  # Hugging Face repo ids -> cached snapshot directories
+    cfg = vllm_on_rollout_devices(cfg)
     check(cfg, data_files, sets_sft(cfg) if sft is None else sft)
     return cfg
 

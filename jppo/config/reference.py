@@ -18,6 +18,7 @@ A class without source (one built by ``dataclasses.make_dataclass``) gives no co
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import functools
@@ -25,7 +26,6 @@ import inspect
 import io
 import pathlib
 import re
-import sys
 import textwrap
 import tokenize
 import types
@@ -239,8 +239,9 @@ def _cell(text: str) -> str:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Write the reference to the path given, by default ``docs/configuration.md`` of the repository."""
-    args = sys.argv[1:] if argv is None else argv
-    path = pathlib.Path(args[0]) if args else DEFAULT_PATH
+    parser = argparse.ArgumentParser(prog="python -m jppo.config.reference", description=main.__doc__)
+    parser.add_argument("path", nargs="?", default=str(DEFAULT_PATH), help="where to write it (a Markdown file)")
+    path = pathlib.Path(parser.parse_args(argv).path)  # --help prints this, and writes nothing
     path.write_text(render())
     print(f"wrote {path}")
 

@@ -135,8 +135,8 @@ class VLLMSection:
     # vLLM in servers of its own (jppo.rollout.vllm_remote); neither: vLLM in the training process
     num_servers: int = 0  # servers this run starts on this host (python -m jppo.serve), each a process of its own
     servers: tuple[str, ...] = ()  # ["host:port", ...] of servers started by hand (python -m jppo.serve) anywhere
-    # the trainer's own GPUs must exclude these (CUDA_VISIBLE_DEVICES); empty: the servers see what this process sees
-    gpus: tuple[int, ...] = ()  # GPUs (CUDA indices) the servers this run starts share out, the same count each
+    # the servers' GPUs are never the trainer's: JAX in the run uses the others (jppo.rollout.vllm_server.split_gpus)
+    gpus: tuple[int, ...] = ()  # each started server's GPU (ordinals of those the run sees); empty: the last ones
     timeout_s: float = 600.0  # a server that does not join, take a weight push or answer a request in this is an error
     bucket_bytes: int = 256 << 20  # a weight push streams its tensors in buckets of at most this many bytes
 
@@ -157,9 +157,10 @@ class VLLMSection:
             host, _, port = str(address).rpartition(":")
             if not host or not port.isdigit():
                 raise InvalidSetting("", "servers", address, "a list of host:port")
-        if self.gpus and (not self.num_servers or len(self.gpus) % self.num_servers):
-            raise InvalidSetting("", "gpus", list(self.gpus), f"a multiple of rollout.vllm.num_servers="
-                                 f"{self.num_servers} GPUs (each server gets as many)")
+        if self.gpus and len(self.gpus) != self.num_servers:  # vLLM's in-place reload reads its own process's
+            # tensors: a server is one process on one GPU (tensor-parallel workers would be other processes)
+            raise InvalidSetting("", "gpus", list(self.gpus), f"one GPU per server: {self.num_servers} "
+                                 "(rollout.vllm.num_servers, or rollout.devices)")
         if self.timeout_s <= 0:
             raise InvalidSetting("", "timeout_s", self.timeout_s, "> 0")
         if self.bucket_bytes < 1 << 20:
@@ -219,7 +220,7 @@ class RolloutSection:
     cache_blocks: str = "auto"  # response-cache blocks: auto (1 on GPU, 8 on CPU and TPU) | an integer N >= 1
     # what samples: jppo (its own sampler) or vllm (its install: README, Train a Hugging Face model)
     engine: str = "jppo"
-    devices: int = 0  # the rollout's own devices, each process's last N / P; 0: the sampler shares the training mesh
+    devices: int = 0  # the rollout's own devices (each process's last N / P; vllm: N servers); 0: the training mesh
     vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)  # rollout.engine=vllm's start-up options
 
 

@@ -45,7 +45,7 @@ from jppo.models.hf import hf_tensors
 from jppo.models.lora import merged
 from jppo.parallel.hostlocal import gather_to_host
 from jppo.rollout.params import SamplingParams
-from jppo.rollout.vllm_server import LocalServer, ServerError, call
+from jppo.rollout.vllm_server import LocalServer, ServerError, call, host_gpus, split_gpus
 
 log = logging.getLogger("jppo.rollout.vllm_remote")
 
@@ -129,10 +129,9 @@ class VLLMServers:
             self.addresses = list(options.servers)
             self.local = [None] * len(self.addresses)
         else:
-            gpus = list(options.gpus)
-            per = len(gpus) // options.num_servers if gpus else 0
-            self.local = [LocalServer(i, gpus[i * per:(i + 1) * per]) for i in range(options.num_servers)]
             try:
+                gpus, _ = split_gpus(options.num_servers, options.gpus, host_gpus())
+                self.local = [LocalServer(i, gpus[i]) for i in range(options.num_servers)]
                 self.addresses = [server.wait_address(deadline) for server in self.local]
             except ServerError as error:
                 self.close()

@@ -41,6 +41,7 @@ from typing import Optional, Sequence
 
 import jppo.rollout.vllm_worker as vllm_worker
 import jppo.rollout.weight_stream as weight_stream
+from jppo.core.errors import ConfigError
 
 
 class Server:
@@ -160,11 +161,44 @@ def call(address: str, path: str, body: Optional[dict], timeout: float) -> dict:
         raise ServerError(f"rollout.vllm server {address}: {path}: {type(error).__name__}: {error}") from None
 
 
+def host_gpus() -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` names them: its entries when it is set, else the
+    indices ``nvidia-smi`` lists; empty on a host without NVIDIA GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return listed.stdout.split() if listed.returncode == 0 else []
+
+
+def split_gpus(num_servers: int, gpus: Sequence[int], visible: Sequence[str]) -> tuple[list[list[str]], list[int]]:
+    """The GPUs of the servers a run starts, and the trainer's: ``(each server's GPUs as CUDA_VISIBLE_DEVICES
+    names them, the ordinals of ``visible`` the trainer keeps)``. Each server has one GPU: ``gpus``
+    (``rollout.vllm.gpus``, ordinals of ``visible``) in order, or one of the last ``num_servers``. The trainer keeps
+    the others: a GPU is vLLM's or JAX's, never both (each allocator takes most of a GPU's memory up front). No
+    GPUs: the servers run on the CPU and the trainer keeps everything."""
+    if not visible:
+        return [[] for _ in range(num_servers)], []
+    taken = list(gpus) or list(range(len(visible) - num_servers, len(visible)))
+    if any(not 0 <= gpu < len(visible) for gpu in taken) or len(set(taken)) != len(taken):
+        raise ConfigError(f"rollout.vllm.gpus={list(gpus)}: distinct GPUs among this process's {len(visible)} "
+                          f"(CUDA_VISIBLE_DEVICES: {','.join(visible)})")
+    kept = [gpu for gpu in range(len(visible)) if gpu not in taken]
+    if not kept:
+        raise ConfigError(f"rollout.vllm.num_servers={num_servers} (rollout.devices) with gpus {taken} leaves the "
+                          f"trainer none of this host's {len(visible)} GPUs: a GPU is the servers' or the trainer's")
+    return [[visible[gpu]] for gpu in taken], kept
+
+
 class LocalServer:
     """A server process this run started (``python -m jppo.serve`` on a free port of 127.0.0.1), its output in a
     log file whose tail a failure quotes."""
 
-    def __init__(self, index: int, gpus: Sequence[int] = ()):
+    def __init__(self, index: int, gpus: Sequence[str] = ()):
         self.index, self.gpus = index, tuple(gpus)
         self.folder = tempfile.mkdtemp(prefix=f"jppo-vllm-server{index}-")
         self.port_file = os.path.join(self.folder, "port")
