@@ -184,6 +184,25 @@ def test_rollout_devices_with_vllm_are_servers_of_their_own_and_the_trainer_keep
     assert check_mesh(cfg, 8) == check_mesh(load_config(GRPO, VLLM), 8)
 
 
+def test_on_a_gpu_node_jax_in_the_run_keeps_the_gpus_the_servers_do_not_take(monkeypatch):
+    """What the commands set before JAX starts its backend (:func:`jppo.cli.keep_trainer_gpus`): with four GPUs
+    visible and two servers, JAX gets the first two; on a host without GPUs nothing is set."""
+    from jppo import cli
+
+    cfg = load_config(GRPO, VLLM + ["rollout.devices=2"])
+    before = jax.config.read("jax_cuda_visible_devices")
+    try:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+        cli.keep_trainer_gpus(cfg)
+        assert jax.config.read("jax_cuda_visible_devices") == "0,1"  # ordinals of CUDA_VISIBLE_DEVICES
+        jax.config.update("jax_cuda_visible_devices", before)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        cli.keep_trainer_gpus(cfg)
+        assert jax.config.read("jax_cuda_visible_devices") == before
+    finally:
+        jax.config.update("jax_cuda_visible_devices", before)
+
+
 @pytest.mark.parametrize("num_servers,gpus,visible,servers,kept", [
     (2, [], ["0", "1", "2", "3", "4", "5", "6", "7"], [["6"], ["7"]], [0, 1, 2, 3, 4, 5]),  # the last N, one each
     (1, [1], ["4", "5", "6", "7"], [["5"]], [0, 2, 3]),  # ordinals of CUDA_VISIBLE_DEVICES, named as it names them
