@@ -4,7 +4,8 @@ over HTTP (JSON), its weights streamed in over a ``torch.distributed`` group (:m
 Started by a run (``rollout.vllm.num_servers``, :mod:`jppo.rollout.vllm_remote`) or by hand on any host
 (``python -m jppo.serve --host 0.0.0.0 --port 8000``, then ``rollout.vllm.servers: [host:8000]``): it starts with no
 model; the run sends the policy's shape and options and streams its weights, and vLLM starts from them. The
-server knows nothing of jppo's configs and never imports JAX (a GPU it shares with nothing stays vLLM's).
+server knows nothing of jppo's configs and runs nothing on JAX (the package's import loads it, unused; a server
+the run starts has ``JAX_PLATFORMS=cpu``), so a GPU it shares with nothing stays vLLM's.
 
 Endpoints (each body and answer a JSON object; an error is status 4xx/5xx with ``{"error": one line}``):
 
