@@ -10,7 +10,8 @@ unchecked command):
   appended (one step, one checkpoint: the pages' ``trainer.total_steps=50``-style override; a training command
   whose config is an earlier one's but for the output folder is loaded and checked, not trained again), an
   evaluation a few held-out prompts;
-- ``mesh``: a command only a GPU or TPU host runs (a GSM8K run of Qwen2.5-0.5B): its arguments parsed, its config
+- ``mesh``: a command only a GPU or TPU host runs (a GSM8K run of Qwen2.5-0.5B), or one that starts vLLM servers
+  (tests/test_vllm_servers.py trains on one): its arguments parsed, its config
   loaded (against a stand-in checkpoint of Qwen2.5-0.5B's shape in a Hugging Face cache) and its mesh checked on 1
   and on 8 devices, the hardware the pages name;
 - ``parse``: a command of placeholders (``CONFIG``, ``NODE0``): its arguments parsed;
@@ -59,6 +60,9 @@ HOW = [  # (pattern on the command, how it is checked), first match wins
     (r"^tpu_scripts/\w+\.sh ", "dry-run"),
     (r"^python -m jppo\.\w+ .*\b[A-Z][A-Z0-9]+\b(?!\.)", "parse"),  # a placeholder in capitals
     (r"^python -m jppo\.serve ", "parse"),  # a server runs until killed (tests/test_vllm_servers.py starts them)
+    # vLLM on servers of its own: a server's start is ~20 s of the suite's budget, and tests/test_vllm_servers.py
+    # trains on one (its config is checked here: rollout.devices resolved to servers, the mesh on 1 and 8 devices)
+    (r"^python -m jppo\.train .*rollout\.engine=vllm .*rollout\.devices=", "mesh"),
     (r"^python -m jppo\.(train|eval|plan|audit) .*(" + "|".join(GPU_ONLY) + ")", "mesh"),
     (r"^python -m jppo\.audit ", "mesh"),  # minutes of compiling: tests/test_audit.py runs the audit
     (r"^python -m jppo\.export runs/(" + "|".join(GPU_ONLY) + ")", "parse"),  # the run the GPU would have written
