@@ -65,17 +65,18 @@ def pytest_collection_modifyitems(items):
 # hour). faulthandler's watchdog is a C thread: a minute after pytest-timeout's limit it writes every thread's stack
 # and ends the worker, whose test xdist then reports as crashed, and the run ends. The stacks go to a file per worker
 # (pytest captures the worker's stderr, and a process that ends that way loses it), which the summary prints.
-WATCHDOG_S = 960
+WATCHDOG_AFTER_S = 60  # past pytest-timeout's `timeout` (900 s in pyproject; `-o timeout=N` moves both)
 HANGS = pathlib.Path(os.environ.setdefault("JPPO_TEST_HANGS", tempfile.mkdtemp(prefix="jppo-test-hangs-")))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     log = HANGS / f"worker-{os.getpid()}.txt"
+    limit = float(item.config.getoption("timeout", None) or item.config.getini("timeout") or 900) + WATCHDOG_AFTER_S
     with open(log, "w") as out:
-        out.write(f"{item.nodeid} ran past {WATCHDOG_S} s:\n")
+        out.write(f"{item.nodeid} ran past {limit:g} s:\n")
         out.flush()
-        faulthandler.dump_traceback_later(WATCHDOG_S, exit=True, file=out)
+        faulthandler.dump_traceback_later(limit, exit=True, file=out)
         try:
             yield
         finally:
