@@ -129,7 +129,7 @@ def _override_layer(item: str):
 def vllm_on_rollout_devices(cfg: TrainConfig) -> TrainConfig:
     """``rollout.devices: N`` with ``rollout.engine: vllm`` is the rollout on devices of its own as vLLM runs it:
     N servers this run starts, ``rollout.vllm.num_servers: N`` (on a GPU node each on a GPU the trainer does not
-    use, :func:`jppo.rollout.vllm_worker.server_gpus`). Resolved here, so the meshes (``rollout.devices`` 0) and
+    use, :func:`jppo.rollout.vllm_server.split_gpus`). Resolved here, so the meshes (``rollout.devices`` 0) and
     the servers read one key each; the saved config shows the servers."""
     n, vllm = cfg.rollout.devices, cfg.rollout.vllm
     if cfg.rollout.engine != "vllm" or not isinstance(n, int) or n <= 0:
