@@ -102,7 +102,7 @@ def mixture_bytes_per_token(m: ModelConfig, mesh: dict[str, int], backward: bool
     backward pass, 2 in a forward pass. The exchange's buffers grow with the group, ``e n k`` pairs on each device.
     Compiled for v5p:2x2x2 (quickstart_moe widened: d 256, F_e 512, every layer with experts; mesh data 8 with
     k = 2 and 8, expert 8 with k = 8), the update is planned at 0.73, 0.80 and 0.94 of XLA's bytes (~60 MiB of
-    XLA's, the same in all three, not accounted for yet), the old log-probs' forward at 1.39, 1.19 and 1.49 (XLA
+    XLA's, the same in all three, not accounted for yet), the old log-probs' forward at 1.08, 1.03 and 1.48 (XLA
     holds fewer of the gathered pairs at once than ``e n k``).
 
     Exchanged in rounds (``tokens``, the layer's local tokens, above ``model.expert_chunk_size``), a layer keeps
