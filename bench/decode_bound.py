@@ -17,7 +17,11 @@ cost model counts a prefetched buffer again at each of its copy's ends; ``prefet
 compiled as a run compiles it); ``bound`` = the bytes a step cannot avoid reading, the device's shards of the
 sampler's weights and of the live caches (the prompt cache and the response cache up to the current slot, here
 all of it); ``ratio = read / bound`` (the aim: <= 1.5); ``excess / logits``, what the step reads beyond the bound
-in units of the device's float32 logits (the sampling's passes over the vocabulary); ``collectives`` of the step.
+in units of the device's float32 logits (the sampling's passes over the vocabulary); ``collectives`` of the step;
+``prefill / model``: the prompt pass's matrix-product flops (:func:`jppo.preflight.hlo.flops`, its cache and first
+logits compiled alone) over the model's on the device's distinct prompt tokens, each prompt once with causal
+attention and the head on its last token (the aim: <= 1.2; a prompt computed for each of its ``rollout.n`` rows
+would give about ``n``; the rest is mostly attention's masked half, which the pass computes too).
 On XLA:CPU a bfloat16 matmul is computed in float32, so its operands are converted and read twice: the CPU ratio
 over-states a TPU's or GPU's. What a whole compiled rollout communicates per decoded token is
 :func:`jppo.preflight.hlo.decode_step_collectives` (``python -m jppo.plan --compile-for``).
@@ -125,7 +129,13 @@ def measure(path: pathlib.Path, target: str, quick: bool, tmp: pathlib.Path) -> 
             hidden, cache = model.decode(tokens, counts + slot, prompt, cache, slot, layers)
             return draw(keys, jnp.broadcast_to(slot, tokens.shape), model.logits(hidden), params), cache
 
+    def prefill_pass(state, ids, mask):  # the prompt pass as the rollout runs it: its cache and first logits
+        with decoding_layout():
+            model = nnx.merge(graphdef, state).for_decoding()
+            return prefill(model, ids, mask, model.decoding_layers())
+
     with jax.set_mesh(mesh):
+        prefill_flops = hlo.flops(hlo.parse(jax.jit(prefill_pass).lower(abstract, ids, mask).compile().as_text()))
         prepared = jax.jit(prepare).lower(abstract, ids, mask).compile()
         outputs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                jax.eval_shape(prepare, abstract, ids, mask), prepared.output_shardings)
@@ -143,12 +153,21 @@ def measure(path: pathlib.Path, target: str, quick: bool, tmp: pathlib.Path) -> 
     weights = device_bytes(layers) + device_bytes(read_whole)
     caches = device_bytes(prompt) + device_bytes(cache)
     read = float(compiled.cost_analysis()["bytes accessed"])
+    # the prefill against the model's flops on the device's distinct prompt tokens: each prompt once (its rollout.n
+    # rows share its cache), every layer's products, causal attention (its scores and their product with values)
+    # and the LM head on each prompt's last token
+    d, f, q, kv = config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim, \
+        config.num_kv_heads * config.head_dim
+    local_prompts = prompts // shards
+    model_flops = local_prompts * (config.num_layers * (
+        2 * width * (d * (q + 2 * kv) + q * d + 3 * d * f) + 2 * q * width * width) + 2 * d * config.vocab_size)
     counted = float(prefetching.cost_analysis()["bytes accessed"])
     return {"config": path.name, "target": target, "mesh": dict(zip(("data", "fsdp", "tensor", "sequence"), shape)),
             "layers": config.num_layers, "rows_per_device": rows // shards, "prompt_width": width, "slots": slots,
             "weights_bytes": weights, "cache_bytes": caches, "bound_bytes": weights + caches, "read_bytes": read,
             "ratio": read / (weights + caches), "prefetch_counted_bytes": counted,
             "collectives": hlo.collectives(hlo.parse(compiled.as_text())),
+            "prefill_flops": prefill_flops, "prefill_model_flops": model_flops,
             # the float32 logits of the device's rows: the excess over the bound in these units is the sampling's
             # passes over the vocabulary (temperature, log-softmax, the Gumbel draw's random bits)
             "logits_bytes": rows // shards * config.vocab_size * 4}
@@ -184,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results + skipped, indent=1))
         return 0
     print(f"{'config':<30}{'mesh d,f,t,s':>14}{'L':>4}{'rows':>6}{'P+T':>10}{'weights MiB':>13}{'caches MiB':>12}"
-          f"{'read MiB':>10}{'read/bound':>12}{'excess/logits':>15}{'prefetched/bound':>18}  collectives")
+          f"{'read MiB':>10}{'read/bound':>12}{'excess/logits':>15}{'prefetched/bound':>18}{'prefill/model':>15}"
+          "  collectives")
     for r in results:
         mesh = ",".join(str(v) for v in r["mesh"].values())
         ops = {k: v for k, v in r["collectives"].items() if v} or "none"
@@ -192,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{str(r['prompt_width']) + '+' + str(r['slots']):>10}{r['weights_bytes'] / 2**20:>13.2f}"
               f"{r['cache_bytes'] / 2**20:>12.2f}{r['read_bytes'] / 2**20:>10.2f}{r['ratio']:>12.2f}"
               f"{(r['read_bytes'] - r['bound_bytes']) / r['logits_bytes']:>15.1f}"
-              f"{r['prefetch_counted_bytes'] / r['bound_bytes']:>18.2f}  {ops}")
+              f"{r['prefetch_counted_bytes'] / r['bound_bytes']:>18.2f}"
+              f"{r['prefill_flops'] / r['prefill_model_flops']:>15.2f}  {ops}")
     for r in skipped:
         print(f"{r['config']:<30}  not on 8 devices: {r['skipped']}")
     return 0

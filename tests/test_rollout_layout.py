@@ -267,6 +267,11 @@ def test_decode_bound_reads_a_decoding_step_against_what_it_cannot_avoid_reading
     got = decode_bound.measure(QUICKSTART, "cpu", True, tmp_path)
     assert 0 < got["weights_bytes"] < got["bound_bytes"] <= got["read_bytes"]
     assert got["ratio"] == got["read_bytes"] / got["bound_bytes"] and got["collectives"] == {}
+    # the prompt pass computes each prompt once for its rollout.n = 8 rows (2 prompts, 16 rows a device): its flops
+    # are the model's on the distinct prompt tokens (measured 1.012: attention's masked half), not 8 times them
+    grpo = decode_bound.measure(QUICKSTART.with_name("quickstart_grpo.yaml"), "cpu", True, tmp_path)
+    assert grpo["rows_per_device"] == 16
+    assert 1.0 <= grpo["prefill_flops"] / grpo["prefill_model_flops"] <= 1.2
 
 
 def test_the_sequence_devices_decode_rows_of_their_own_not_each_others():
