@@ -77,7 +77,9 @@ def pytest_collection_modifyitems(items):
 # and ends the worker, whose test xdist then reports as crashed, and the run ends. The stacks go to a file per worker
 # (pytest captures the worker's stderr, and a process that ends that way loses it), which the summary prints.
 WATCHDOG_AFTER_S = 60  # past pytest-timeout's `timeout` (900 s in pyproject; `-o timeout=N` moves both)
-HANGS = pathlib.Path(os.environ.setdefault("JPPO_TEST_HANGS", tempfile.mkdtemp(prefix="jppo-test-hangs-")))
+if "JPPO_TEST_HANGS" not in os.environ:  # the session's process makes it; its workers inherit the variable
+    os.environ["JPPO_TEST_HANGS"] = tempfile.mkdtemp(prefix="jppo-test-hangs-")
+HANGS = pathlib.Path(os.environ["JPPO_TEST_HANGS"])
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -101,3 +103,11 @@ def pytest_terminal_summary(terminalreporter):
         if "Thread 0x" in text or "Timeout (" in text:  # the watchdog wrote (a test's header alone: nothing)
             terminalreporter.section(f"a test that hung ({log.name})")
             terminalreporter.write(text)
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):  # the session's own process, after its workers have ended
+        try:
+            HANGS.rmdir()  # only when empty: a hung test's stacks stay for whoever reads them
+        except OSError:
+            pass
