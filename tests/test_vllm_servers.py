@@ -216,6 +216,7 @@ def test_the_servers_gpus_are_never_the_trainers(num_servers, gpus, visible, ser
 @pytest.mark.parametrize("num_servers,gpus,message", [
     (2, [], r"^rollout.vllm.num_servers=2 \(rollout.devices\) with gpus \[0, 1\] leaves the trainer none of this "
             r"host's 2 GPUs"),
+    (3, [], r"^rollout.vllm.num_servers=3 \(rollout.devices\) with gpus \[0, 1\] leaves the trainer none"),
     (1, [2], r"^rollout.vllm.gpus=\[2\]: distinct GPUs among this process's 2 \(CUDA_VISIBLE_DEVICES: 0,1\)$"),
     (2, [1, 1], r"^rollout.vllm.gpus=\[1, 1\]: distinct GPUs"),
 ])

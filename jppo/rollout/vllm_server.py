@@ -184,7 +184,7 @@ def split_gpus(num_servers: int, gpus: Sequence[int], visible: Sequence[str]) ->
     GPUs: the servers run on the CPU and the trainer keeps everything."""
     if not visible:
         return [[] for _ in range(num_servers)], []
-    taken = list(gpus) or list(range(len(visible) - num_servers, len(visible)))
+    taken = list(gpus) or list(range(max(len(visible) - num_servers, 0), len(visible)))
     if any(not 0 <= gpu < len(visible) for gpu in taken) or len(set(taken)) != len(taken):
         raise ConfigError(f"rollout.vllm.gpus={list(gpus)}: distinct GPUs among this process's {len(visible)} "
                           f"(CUDA_VISIBLE_DEVICES: {','.join(visible)})")
