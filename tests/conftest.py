@@ -15,13 +15,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the process, meant to keep two processes off one TPU: the second xdist worker (or any other process) to compile for
 # a TPU target would fail with "Internal error when accessing libtpu multi-process lockfile". There is no TPU here.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-# The two workers, and the runs they start as subprocesses, share one compilation cache folder. JAX writes an entry in
-# place and, unless the cache has a size bound, reads it without a lock: a program compiled by two processes at once can
-# be read half-written, and XLA aborts deserializing it ("Fatal Python error: Aborted" in
-# compilation_cache.get_executable_and_time, seen here), which takes the worker down; xdist then waited forever for
-# that worker's remaining file (the run stalled, as CI's did at 99%). A bound turns on JAX's file lock around every
-# read and write; this one (1 TiB) never evicts. The variable reaches the subprocesses too.
+# The runs the tests start as subprocesses share one compilation cache folder (JAX_COMPILATION_CACHE_DIR, exported
+# below): a resumed run, or the second process of a two-process run, reads what the first compiled. JAX writes an entry
+# in place and, unless the cache has a size bound, reads it without a lock: a program compiled by two processes at
+# once can be read half-written, and XLA aborts deserializing it ("Fatal Python error: Aborted" in
+# compilation_cache.get_executable_and_time, seen here). A bound turns on JAX's file lock around every read and
+# write; this one (1 TiB) never evicts.
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2**40))
+_CACHE = pathlib.Path(
+    os.environ.get("JAX_COMPILATION_CACHE_DIR", pathlib.Path(__file__).resolve().parents[1] / ".jax_cache")
+)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = str(_CACHE)
 
 import jax  # noqa: E402
 
@@ -32,10 +36,15 @@ jax.config.update("jax_num_cpu_devices", 8)
 # JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the whole suite optimized.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 jax.config.update("jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] not in ("0", "false"))
-_CACHE = pathlib.Path(
-    os.environ.get("JAX_COMPILATION_CACHE_DIR", pathlib.Path(__file__).resolve().parents[1] / ".jax_cache")
-)
+# The test workers themselves (long-lived processes, hundreds of programs each) keep the folder configured but never
+# read or write it. Serializing an executable for the cache is where CI's workers died, three times, always late in
+# the run and never in a short one: XLA's serializer failed, raised a C++ exception, and the C++ unwinder faulted on
+# its way (py-spy: __cxa_throw -> _Unwind_Find_FDE -> SIGSEGV; once a hang, tvm_ffi's SIGSEGV handler waiting on the
+# unwinder's lock; last a crash, 'worker gw0 crashed' in tests/test_moe_update.py). A cold test file compiles as
+# fast without the cache: its programs are new to the process (tests/test_moe_update.py: 65.8 s either way).
+# JPPO_TEST_WORKER_CACHE=1 turns the workers' own use back on (a warm local rerun compiles nothing twice).
 jax.config.update("jax_compilation_cache_dir", str(_CACHE))
+jax.config.update("jax_enable_compilation_cache", os.environ.get("JPPO_TEST_WORKER_CACHE", "0") == "1")
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 # The files that take longest on the 2-core CI machine (minutes each, from its --durations), longest first. With

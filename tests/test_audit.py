@@ -65,7 +65,7 @@ def test_the_readme_audit_of_the_quickstart_passes_compiled_as_a_user_runs_it():
     amplify the critic's float32 rounding after its first step to ~1e-4 between cuts (the old verdict failed this
     audit); the rows beyond float32's tolerance are decided in float64, where they agree to ~1e-13. The 8-device
     meshes are the other audits' here (the same programs, sharded)."""
-    env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "0", "JAX_COMPILATION_CACHE_DIR": str(ROOT / ".jax_cache")}
+    env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}  # the suite's cache folder: conftest.py
     done = subprocess.run([sys.executable, "-m", "jppo.audit", "--config", CONFIG, "--meshes", "1x1x1x1"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
