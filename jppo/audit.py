@@ -62,9 +62,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return cli.fail("audit", error)
     tolerance = tolerance_of(cfg, args.float64)
     passed = worst.passes()
-    print(f"jppo.audit: {'within' if passed else 'OUTSIDE'} tolerance ({tolerance:g}"
-          + ("" if args.float64 else f"; in float64 {FLOAT64_TOLERANCE:g}") + f"), {worst.outside} rows outside "
-          f"({time.perf_counter() - started:.0f} s)")
+    if cfg.trainer.deterministic == "bitwise" and not args.sft:
+        print(f"jppo.audit: {'exact' if passed else 'NOT EXACT'} (trainer.deterministic=bitwise: every row bit for "
+              f"bit), {worst.outside} rows not exact ({time.perf_counter() - started:.0f} s)")
+    else:
+        print(f"jppo.audit: {'within' if passed else 'OUTSIDE'} tolerance ({tolerance:g}"
+              + ("" if args.float64 else f"; in float64 {FLOAT64_TOLERANCE:g}") + f"), {worst.outside} rows outside "
+              f"({time.perf_counter() - started:.0f} s)")
     if worst.rechecked:
         print(f"decided in float64: {worst.rechecked} rows, largest difference there {worst.float64:.3e}")
     print(f"max_rel_first_step_grad_diff={worst.first_step:.3e}")

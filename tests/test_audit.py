@@ -34,6 +34,19 @@ def test_a_row_beyond_rounding_after_the_first_step_is_decided_in_float64():
     assert row_verdict(3e-7, 1.1e-4, 1e-5) == "float64" and row_verdict(0.0, 2e-9, 1e-9) == "float64"
 
 
+def test_the_bitwise_audit_demands_every_row_exact(capsys):
+    """trainer.deterministic=bitwise: the mode's cuts (fixed micro-batches) and meshes (data x fsdp), every row 0 on
+    every column; a token budget or a tensor axis is not one of its rows."""
+    meshes = "1x1x1x1,2x2x1x1"
+    assert main(["--config", CONFIG, "--meshes", meshes, *SMALL, "trainer.deterministic=bitwise"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("actor ", "critic "))]
+    assert len(rows) == 2 * (3 + 1) and not any("tokens<=" in row for row in rows)
+    assert all(float(value) == 0 for row in rows for value in re.findall(NUMBER, row)[:3]), rows
+    assert "jppo.audit: exact (trainer.deterministic=bitwise: every row bit for bit), 0 rows not exact" in out
+    assert set(last_values(out).values()) == {0.0}
+
+
 def last_values(out: str) -> dict[str, float]:
     lines = [line for line in out.strip().splitlines() if line.startswith("max_rel_")]
     return {line.split("=")[0]: float(line.split("=")[1]) for line in lines}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
-from jppo.parallel.tree_sum import chunk_tree_sum, tree_psum
+from jppo.parallel.tree_sum import TreeCounter, chunk_tree_sum, tree_combine, tree_psum
 
 CHUNKS = 64
 
@@ -80,3 +80,49 @@ def test_the_tree_needs_a_power_of_two():
     with pytest.raises(ValueError, match=r"devices on data=6: a fixed summation tree needs a power of two"):
         jax.shard_map(lambda v: tree_psum(v, "data"), mesh=mesh, in_specs=PartitionSpec("data"),
                       out_specs=PartitionSpec("data"))(np.zeros((6, 2), np.float32))
+
+
+def counted(chunks: np.ndarray, pieces: int) -> np.ndarray:
+    """The counter's root over ``chunks`` pushed one by one through ``lax.scan``, the run cut into ``pieces``
+    consecutive pieces each summed as its own counter and pushed at its level (as micro-batches would be)."""
+    per_piece = len(chunks) // pieces
+
+    def piece_sum(piece):
+        counter = TreeCounter(per_piece)
+        levels, _ = jax.lax.scan(lambda lv, item: (counter.push(lv, *item), None),
+                                 counter.init(piece[0]), (jnp.arange(per_piece), piece))
+        return counter.root(levels)
+
+    sums = jax.jit(jax.vmap(piece_sum))(chunks.reshape(pieces, per_piece, *chunks.shape[1:]))
+    return np.asarray(jax.jit(lambda s: chunk_tree_sum(s))(sums))
+
+
+def test_the_counter_builds_the_same_tree_one_chunk_at_a_time_however_the_run_is_cut():
+    x = terms(1)
+    expected = numpy_tree(x)
+    for pieces in (1, 2, 8, 64):
+        assert np.array_equal(counted(x, pieces), expected), pieces
+
+
+def test_tree_combine_keeps_the_lower_block_on_the_left():
+    """A combine that is not symmetric (left * 3 + right) gives the tree's value, left to right, on every device
+    count: each level's lower block is the left operand on both partners."""
+    x = terms(2)[:8, 0, 0]
+
+    def lopsided(left, right):
+        return jax.tree.map(lambda a, b: a * 3 + b, left, right)
+
+    expected = x.astype(np.float64)
+    while len(expected) > 1:
+        expected = expected[0::2] * 3 + expected[1::2]
+    for n in (1, 2, 4, 8):
+        mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
+
+        def local(chunks):
+            while chunks.shape[0] > 1:  # the device's own run, the same lopsided tree
+                chunks = lopsided(chunks[0::2], chunks[1::2])
+            return tree_combine(chunks[0], "data", lopsided)[None]
+
+        out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec("data"), out_specs=PartitionSpec("data"),
+                                    check_vma=False))(x)
+        np.testing.assert_allclose(np.asarray(out), expected[0], rtol=1e-5)  # float32; swapped sides: far off

@@ -41,10 +41,10 @@ ROLES = ("actor", "critic")
 BUDGET_16 = [f"{role}.{key}" for role in ROLES for key in ("use_dynamic_bsz=true", "ppo_max_token_len=16")]
 
 # name -> (devices, overrides). No fixed-cut variant on the 2x2x1 mesh: a fixed cut sees the mesh only through its
-# number of batch shards, 4 as on 4x1x1, and that mesh's sampling, row placement and fsdp-sharded update run in
-# dynamic-mesh2x2x1 (fsdp with a fixed cut runs in mesh1x2x2).
+# number of batch shards, and that mesh's sampling, row placement and fsdp-sharded update run in dynamic-mesh2x2x1
+# (fsdp with a fixed cut runs in mesh1x2x2). Pure data parallelism with a fixed cut: the default run on 8 devices of
+# test_bitwise_runs_log_and_save_the_same_bits_on_any_mesh_and_cut.
 VARIANTS = {
-    "mesh4x1x1": (4, ["mesh.data=4"]),
     "mesh1x2x2": (4, ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]),
     "micro1": (1, [f"{role}.ppo_micro_batch_size=1" for role in ROLES]),
     "dynamic-mesh2x2x1": (4, ["mesh.data=2", "mesh.fsdp=2", *BUDGET_16]),
@@ -103,6 +103,38 @@ def test_two_moe_steps_with_the_experts_split_over_four_devices_log_the_one_devi
     expected = reference("moe")
     assert {"actor/router_aux_loss", "actor/expert_load"} <= set(expected[0])
     assert_same_run(train("moe", tmp_path, 4, ["mesh.data=2", "mesh.expert=2"]), expected)
+
+
+BITWISE = ["trainer.deterministic=bitwise", "trainer.save_every=2", "trainer.async_checkpoint=false"]
+
+
+def saved_arrays(out: pathlib.Path) -> list[np.ndarray]:
+    """Every array of the run's last checkpoint (the state of both roles: weights, Adam's moments, counters)."""
+    import orbax.checkpoint as ocp
+
+    state = ocp.PyTreeCheckpointer().restore(out / "checkpoints" / "2" / "state")
+    return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def test_bitwise_runs_log_and_save_the_same_bits_on_any_mesh_and_cut(tmp_path, reference):
+    """trainer.deterministic=bitwise (the PPO quickstart, two steps of four optimizer steps per role): one device, 8
+    devices, and 4 (data 2 x fsdp 2) with one sequence per micro-batch log the same metrics and save the same
+    checkpoint, bit for bit; the default run on 8 devices does not log the one-device run's bits (the comparison
+    can fail) but agrees with it to float32 rounding."""
+    runs = {name: (devices, [*BITWISE, *overrides]) for name, (devices, overrides) in {
+        "one": (1, []), "eight": (8, ["mesh.data=8"]),
+        "fsdp-micro1": (4, ["mesh.data=2", "mesh.fsdp=2", *(f"{role}.ppo_micro_batch_size=1" for role in ROLES)]),
+    }.items()}
+    logged = {name: train("ppo", tmp_path / name, *spec) for name, spec in runs.items()}
+    saved = {name: saved_arrays(tmp_path / name) for name in runs}
+    for name in ("eight", "fsdp-micro1"):
+        assert logged[name] == logged["one"], name
+        assert len(saved[name]) == len(saved["one"]) > 100
+        assert all(np.array_equal(a, b) for a, b in zip(saved[name], saved["one"])), name
+    default = train("ppo", tmp_path / "default", 8, ["mesh.data=8"])
+    assert default != reference("ppo")
+    assert_same_run(default, reference("ppo"))
+    assert_same_run(logged["one"], reference("ppo"))  # the same training, to float32 rounding
 
 
 def counted(traces: collections.Counter, name: str, fn):

@@ -139,7 +139,7 @@ RL_ONLY: dict[str, str] = {
         "rollout.n", "rollout.temperature",
         "rollout.top_k", "rollout.top_p", "rollout.log_prob_micro_batch_size", "rollout.env", "rollout.max_turns",
         "rollout.engine", "rollout.vllm.", "rollout.devices", "reward.overlong_buffer.", "reward.token_level",
-        "trainer.critic_warmup", "trainer.off_policy_steps")},
+        "trainer.critic_warmup", "trainer.off_policy_steps", "trainer.deterministic")},
     "data.train_batch_size": "SFT's rows per step are sft.batch_size",
     "actor.ppo_mini_batch_size": "SFT's rows per step are sft.batch_size",
     "data.train_files": "SFT's rows are sft.train_files (or data.task's demonstrations)",

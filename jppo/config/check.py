@@ -20,7 +20,8 @@ from typing import Any
 
 from jppo.config.applies import check_engine_keys, check_rl_keys, check_sft_keys
 from jppo.config.schema import MAX_OFF_POLICY_STEPS, TrainConfig
-from jppo.core.checks import as_key, check_local_dir, positive, run_config_checks, within
+from jppo.config.views import adapted_model_config
+from jppo.core.checks import as_key, check_local_dir, choice, positive, run_config_checks, within
 from jppo.core.errors import ConfigError
 from jppo.core.inputs import file_list
 from jppo.core.paths import is_remote, missing_backend
@@ -146,6 +147,35 @@ def _check_trainer(cfg: TrainConfig) -> None:
         raise ConfigError(f"trainer.seed={trainer.seed!r} must be in [0, 2**32)")
     _check_output_dir(trainer.output_dir)
     positive("trainer.log_val_generations", trainer.log_val_generations, allow_zero=True)
+    _check_bitwise(cfg)
+
+
+DETERMINISTIC = ("off", "bitwise")
+
+
+def _check_bitwise(cfg: TrainConfig) -> None:
+    """``trainer.deterministic``: off or bitwise; bitwise needs one sequence per row in every role's update (no
+    token budget), the global normalization, and models without experts (what it needs of the mesh:
+    :func:`jppo.config.devices.check_bitwise_mesh`)."""
+    choice("trainer.deterministic", cfg.trainer.deterministic, DETERMINISTIC)
+    if cfg.trainer.deterministic != "bitwise":
+        return
+    if cfg.rollout.engine != "jppo" or cfg.rollout.max_num_seqs:
+        key, value = ("rollout.engine", cfg.rollout.engine) if cfg.rollout.engine != "jppo" else (
+            "rollout.max_num_seqs", cfg.rollout.max_num_seqs)
+        raise ConfigError(f"{key}={value!r} with trainer.deterministic='bitwise': the mode samples with jppo's "
+                          "sampler, each prompt alone (rollout.engine: jppo, rollout.max_num_seqs: 0)")
+    for role in cfg.roles:
+        section = getattr(cfg, role)
+        if section.use_dynamic_bsz:
+            raise ConfigError(f"{role}.use_dynamic_bsz=True with trainer.deterministic='bitwise': its sums run one "
+                              "sequence per row in a fixed order (use ppo_micro_batch_size)")
+        if section.normalization != "global":
+            raise ConfigError(f"{role}.normalization={section.normalization!r} with trainer.deterministic='bitwise' "
+                              "(global only)")
+        if adapted_model_config(cfg, role).sparse_layers:
+            raise ConfigError(f"trainer.deterministic='bitwise' with the {role} model's experts: a model with experts "
+                              "is not bitwise yet (its router's statistics are sums of their own)")
 
 
 def _check_sft(cfg: TrainConfig, data_files: bool = True) -> None:

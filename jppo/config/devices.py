@@ -28,6 +28,7 @@ def check_mesh(cfg: TrainConfig, num_devices: int, num_processes: int = 1) -> tu
     check_heads(cfg, shape[2])
     check_experts(cfg, shape[4])
     check_slots(cfg, shape)
+    check_bitwise_mesh(cfg, shape)
     shards, sequences = row_shards_of(shape), rollout_sequences(cfg)
     if sequences % shards:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n} = "
@@ -93,6 +94,28 @@ def _fitting_sequence(cfg: TrainConfig, num_devices: int) -> str:
     overrides = [f"mesh.sequence={fitting}"] + [f"{key}={size * fitting // sequence}" for key, size in budgets.items()]
     kept = f" (the same {min(budgets.values()) // sequence} tokens per device)" if budgets else ""
     return f"; on {num_devices} device(s) set {' '.join(overrides)}{kept}"
+
+
+def check_bitwise_mesh(cfg: TrainConfig, shape: tuple[int, ...]) -> None:
+    """``trainer.deterministic: bitwise`` on the mesh ``shape``: no tensor, sequence or expert axis (each splits a
+    sum the mode keeps in one order), a power-of-two number of batch shards, and each role's mini-batch a
+    power-of-two number of sequences per shard (the fixed summation tree's leaves: jppo.engine.bitwise)."""
+    if cfg.trainer.deterministic != "bitwise":
+        return
+    for name, size in zip(MESH_AXES, shape):
+        if name in ("tensor", "sequence", "expert") and size > 1:
+            raise ConfigError(f"mesh.{name}={size} with trainer.deterministic='bitwise': it splits a sum the mode "
+                              "keeps in one order (use mesh.data and mesh.fsdp)")
+    shards = row_shards_of(shape)
+    if shards & (shards - 1):
+        raise ConfigError(f"mesh.data x mesh.fsdp = {shards} batch shards with trainer.deterministic='bitwise': a "
+                          "power of two (the devices' sums meet in a binary tree)")
+    for role in cfg.roles:
+        per_shard = engine_view(cfg, role).ppo_mini_batch_size // shards
+        if per_shard & (per_shard - 1):
+            raise ConfigError(f"{role}.ppo_mini_batch_size={getattr(cfg, role).ppo_mini_batch_size} (prompts) x "
+                              f"rollout.n={cfg.rollout.n} gives {per_shard} sequences per batch shard with "
+                              "trainer.deterministic='bitwise': a power of two (the leaves of one binary tree)")
 
 
 def check_experts(cfg: TrainConfig, expert: int) -> None:

@@ -74,7 +74,8 @@ def engine_view(cfg: TrainConfig, role: str) -> ActorConfig | CriticConfig:
     sides and are passed on as they are."""
     section = getattr(cfg, role)
     engine_config = ENGINE_CONFIGS[role]
-    derived = {"ppo_mini_batch_size", "loss_scale_factor", "optim", "optimizer_steps_per_training_step", "old_log_prob"}
+    derived = {"ppo_mini_batch_size", "loss_scale_factor", "optim", "optimizer_steps_per_training_step", "old_log_prob",
+               "bitwise"}
     same = {f.name: getattr(section, f.name) for f in dataclasses.fields(engine_config) if f.name not in derived}
     optim = section.optim
     if optim.lr_schedule == "cosine" and optim.decay_steps == 0:
@@ -88,6 +89,7 @@ def engine_view(cfg: TrainConfig, role: str) -> ActorConfig | CriticConfig:
         loss_scale_factor=float(section.loss_scale_factor or cfg.rollout.max_response_length),
         optimizer_steps_per_training_step=optimizer_steps_per_training_step(cfg, role),
         optim=optim,
+        bitwise=cfg.trainer.deterministic == "bitwise",
     )
 
 
@@ -207,7 +209,9 @@ def sampling_params(
     the vocabulary is loaded) there is no EOS and padding is token 0."""
     eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()  # every id that ends a response
     tokens = dict(eos_token_ids=eos, pad_token_id=0 if tokenizer is None else tokenizer.pad_id,
-                  max_num_seqs=cfg.rollout.max_num_seqs, cache_blocks=cache_blocks(cfg.rollout.cache_blocks))
+                  max_num_seqs=cfg.rollout.max_num_seqs, cache_blocks=cache_blocks(cfg.rollout.cache_blocks),
+                  # bitwise: each prompt (and its n rows) sampled alone, the same shapes on any mesh
+                  prompt_chunk=int(cfg.trainer.deterministic == "bitwise"))
     if greedy_baseline:
         return SamplingParams(max_new_tokens=cfg.rollout.max_response_length, greedy=True, n=1, **tokens)
     if evaluation:
@@ -224,8 +228,11 @@ def sampling_params(
 
 def forward_micro_batching(cfg: TrainConfig, role: str) -> dict:
     """How forward passes (log-probs, values, reward scores) cut the rollout batch: like ``role``'s updates,
-    or ``rollout.log_prob_micro_batch_size`` sequences per shard when set."""
+    or ``rollout.log_prob_micro_batch_size`` sequences per shard when set; one sequence per shard with
+    ``trainer.deterministic: bitwise``."""
     update = getattr(cfg, role)
+    if cfg.trainer.deterministic == "bitwise":  # a row's outputs then have the same bits in any cut (one row a pass)
+        return {"micro_batch_size": 1}
     if update.use_dynamic_bsz:
         return {"max_token_len": update.ppo_max_token_len}
     return {"micro_batch_size": cfg.rollout.log_prob_micro_batch_size or update.ppo_micro_batch_size}

@@ -31,6 +31,9 @@ class UpdateConfig(UpdateFields):
 
     ppo_mini_batch_size: int = 8
     optimizer_steps_per_training_step: int = 1
+    # the gradient and metrics summed over rows in one fixed order: the same bits on any power-of-two mesh and
+    # fixed cut (jppo.engine.bitwise)
+    bitwise: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

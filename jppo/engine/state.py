@@ -42,13 +42,14 @@ def _optimizer_init(
 ) -> tuple[Callable, object]:
     """``(init, shardings)``: the optimizer state's initialiser of ``params`` and the sharding of each of its leaves
     (moments and accumulator like their parameter, counters replicated), without the accumulator when every
-    optimizer step of ``cfg`` on ``mesh`` is one micro-batch."""
+    optimizer step of ``cfg`` on ``mesh`` is one micro-batch or ``cfg.bitwise``."""
     dtype = accumulator_dtype(params)
     tx = accumulating_optimizer(cfg.optim, 1, dtype, keep_gradient)
     replicated = NamedSharding(mesh, PartitionSpec())
     init = lambda p: tx.init(jax.tree.map(lambda x: x.astype(dtype), p))  # noqa: E731
     shardings = opt_state_shardings(tx, init, params, replicated)
-    if fixed_micro_batch_count(cfg, batch_shards(mesh)) == 1:  # every step one micro-batch: nothing to accumulate
+    # every step one micro-batch, or the bitwise step's own tree (jppo.engine.bitwise): nothing to accumulate
+    if fixed_micro_batch_count(cfg, batch_shards(mesh)) == 1 or cfg.bitwise:
         full, shardings = init, without_accumulator(shardings)
         init = lambda p: without_accumulator(full(p))  # noqa: E731 (the accumulator's zeros are never made)
     return init, shardings

@@ -42,6 +42,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jppo.core import metrics as metrics_lib
 from jppo.core.masked import NormStats, global_norm_stats
+from jppo.engine.bitwise import bitwise_gradient, check_bitwise
 from jppo.engine.config import ActorConfig, CriticConfig, UpdateConfig, require_engine_config
 from jppo.engine.experts import mini_batch_expert_fractions, router_aux_coef, router_z_coef
 from jppo.engine.layout import flatten_shards
@@ -144,6 +145,7 @@ def make_update_step(
     """
     require_engine_config(cfg, for_update=True)
     check_optim(cfg.optim)
+    check_bitwise(cfg, mesh)
     return functools.partial(
         optimizer_step, graphdef=graphdef, loss=loss, cfg=cfg, mesh=mesh, role=role, keep_gradient=keep_gradient
     )
@@ -185,8 +187,14 @@ def optimizer_step(
         params, opt_state = add_to_optimizer(inner, k, params, opt_state, grads)
         return (params, opt_state, metrics_lib.combine(total, metrics)), None
 
-    (params, opt_state, total), _ = jax.lax.scan(micro_step, (state.params, opt_state, _zeros(shapes[1])), batch)
-    opt_state = opt_state if held else without_accumulator(opt_state)
+    if cfg.bitwise:  # the rows' gradients summed in one fixed tree, then the optimizer (jppo.engine.bitwise)
+        check_bitwise(cfg, mesh, sparse=bool(model.config.sparse_layers))
+        grads, total = bitwise_gradient(share_gradient_of, state.params, batch, mesh, dtype)
+        params, opt_state = apply_accumulated(inner, grads, without_accumulator(state.opt_state), state.params)
+        opt_state = opt_state._replace(acc_grads=state.opt_state.acc_grads)  # a state made elsewhere keeps its own
+    else:
+        (params, opt_state, total), _ = jax.lax.scan(micro_step, (state.params, opt_state, _zeros(shapes[1])), batch)
+        opt_state = opt_state if held else without_accumulator(opt_state)
     report = step_report(opt_state)
     applied = jnp.logical_not(report["skipped"])
     schedule = learning_rate_schedule(cfg.optim, cfg.optimizer_steps_per_training_step)

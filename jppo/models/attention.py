@@ -69,6 +69,16 @@ def wide(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def softmax(scores: Array, axis: int = -1) -> Array:
+    """``exp(x - max) * (1 / sum exp(x - max))``: the softmax with its normalization written as a product by the
+    reciprocal. XLA rewrites a division by a broadcast sum into that product in some of its pipelines and not in
+    others (a one-device program against one partitioned over several, measured on XLA:CPU), and the two differ in
+    the last bit; written this way every program computes the same bits (the bitwise update, jppo.engine.bitwise)."""
+    top = jax.lax.stop_gradient(jnp.max(scores, axis=axis, keepdims=True))
+    weights = jnp.exp(scores - top)
+    return weights * (1.0 / jnp.sum(weights, axis=axis, keepdims=True))
+
+
 def _visible(query_segments: Array, query_slots: Array, key_segments: Array, key_slots: Array) -> Array:
     """``[B, 1, 1, q, s]``: the attention rule for one query block ``[B, q]`` and one key block ``[B, s]``."""
     same = key_segments[:, None, :] == query_segments[:, :, None]
@@ -144,7 +154,7 @@ def _forward(query, key, value, query_segments, query_slots, key_segments, key_s
         init = _varying(init, q, key, value, q_segments, q_slots, k_segments, k_slots)
         top, total, out = jax.lax.fori_loop(0, key.shape[0], key_block, init)
         seen = total > 0
-        out = out / jnp.where(seen, total, 1.0)[..., None]
+        out = out * (1.0 / jnp.where(seen, total, 1.0))[..., None]  # a product: see softmax()
         return None, (out.astype(query.dtype), jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), 0.0))
 
     _, (out, lse) = jax.lax.scan(query_block, None, (query, query_segments, query_slots))

@@ -13,7 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jppo.models.attention import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, AttentionRule, blockwise_attention, wide
+from jppo.models.attention import (
+    DEFAULT_BLOCK_KV,
+    DEFAULT_BLOCK_Q,
+    AttentionRule,
+    blockwise_attention,
+    softmax,
+    wide,
+)
 from jppo.models.config import ModelConfig, RopeScaling
 from jppo.models.pallas_attention import pallas_attention
 from jppo.parallel.mesh import platform
@@ -160,7 +167,7 @@ def reference_attention(query: Array, key: Array, value: Array, mask: Array) -> 
     scores = scores * (head_dim**-0.5)
     visible = mask[:, None, None, :, :]
     scores = jnp.where(visible, scores, jnp.finfo(precision).min)
-    probs = jnp.where(visible, jax.nn.softmax(scores, axis=-1), 0.0)
+    probs = jnp.where(visible, softmax(scores, axis=-1), 0.0)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(value.dtype), value)
     return out.reshape(batch, length, num_heads, head_dim)
 

@@ -81,6 +81,20 @@ def on_mesh(arrays: list[np.ndarray], mesh: Mesh | None):
     return [to_global(np.asarray(a), mesh) for a in arrays], lambda x: to_local(x, rows=rows)
 
 
+def on_one_device(arrays: list[np.ndarray], mesh: Mesh | None):
+    """The whole batch (every process's rows, gathered) on this process's first device, and the function taking
+    results back to this process's rows: a batch-wide statistic (advantage whitening, group baselines) then runs as
+    one device's program on the whole batch, the same program and so the same bits on any mesh
+    (``trainer.deterministic: bitwise``); :func:`on_mesh` spreads it over the mesh instead, whose reductions
+    follow the device count."""
+    device = jax.local_devices()[0]
+    if mesh is None or jax.process_count() == 1:
+        return [jax.device_put(np.asarray(a), device) for a in arrays], np.asarray
+    whole = [multihost_utils.process_allgather(np.asarray(a), tiled=True) for a in arrays]
+    rows = local_rows(mesh, len(whole[0]))
+    return [jax.device_put(a, device) for a in whole], lambda x: np.asarray(x)[rows.start:rows.stop]
+
+
 def take_rows(rows: T, order: np.ndarray, mesh: Mesh, through_devices: bool | None = None) -> T:
     """This process's rows of ``whole[order]`` for every array of the pytree ``rows``, where ``whole`` is the global
     batch of which each array holds this process's rows; the result is split over the batch shards like any batch

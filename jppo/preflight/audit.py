@@ -21,7 +21,9 @@ first step is within the configured dtype's tolerance (1e-5 in float32) but whos
 run again, with its reference, in float64 (the same parameters and batch, ``jax_enable_x64``), where rounding is
 ~1e-15 and the row must be within :data:`FLOAT64_TOLERANCE`. ``float64=True`` (``--float64``) runs every row so.
 The exit status is 0 when every row is within tolerance (see :func:`row_verdict`), 1 otherwise, 2 for a bad
-setting (one line on stderr, found before or while the audit runs).
+setting (one line on stderr, found before or while the audit runs). With ``trainer.deterministic: bitwise`` every row
+must be exact (0 on every column), on the cuts and meshes the mode runs on: fixed micro-batches, ``data`` x ``fsdp``
+meshes of a power-of-two size.
 A legacy ``normalization=per_micro_batch`` config shows its split-dependence here instead of hiding it.
 """
 
@@ -267,15 +269,16 @@ def compare_cuts(cfg: TrainConfig, build_fn, batch: Experience, quick: bool, out
             roles = widen(roles)
         batch = wide_batch
     for index, role in enumerate(roles):
-        mini = role.cfg.ppo_mini_batch_size
+        mini, bitwise = role.cfg.ppo_mini_batch_size, role.cfg.bitwise
         whole = {"use_dynamic_bsz": False, "ppo_micro_batch_size": mini}
         with in_precision(float64):
             reference = role.run(reference_mesh, batch, whole)
         wide_reference = None
         print(f"compared ({role.name}): {', '.join(sorted(reference.metrics))}", file=out)
-        for shape in chosen_meshes or role_meshes(devices, mini, quick):
+        for shape in chosen_meshes or role_meshes(devices, mini, quick, bitwise):
             mesh = make_mesh(*shape, devices=jax.devices()[: int(np.prod(shape))])
-            chosen = cuts(mini, batch_shards(mesh), longest, every=shape == ONE_DEVICE, sequence=shape[3])
+            chosen = cuts(mini, batch_shards(mesh), longest, every=shape == ONE_DEVICE, sequence=shape[3],
+                          bitwise=bitwise)
             # quick: the context-parallel mesh runs the tight budget alone (packed rows, each split over the axis)
             for label, cut in chosen[1:] if quick and shape[3] > 1 else chosen:
                 if shape == ONE_DEVICE and cut == whole:  # the reference's own cut: its program, on its batch
@@ -288,7 +291,9 @@ def compare_cuts(cfg: TrainConfig, build_fn, batch: Experience, quick: bool, out
                 worst.metric = max(worst.metric, metric_diff)
                 print(f"{role.name:<7} {str(shape):<14} {label:<16} {outcome.micro_batches:>3} {first:>12.3e} "
                       f"{diff:>14.3e} {metric_diff:>10.3e}  {name}", file=out)
-                verdict = row_verdict(first, max(diff, metric_diff), tolerance)
+                verdict = row_verdict(first, max(diff, metric_diff), 0.0 if bitwise else tolerance)
+                if bitwise:  # trainer.deterministic: bitwise: every row exact, nothing to decide in float64
+                    verdict = "within" if max(first, diff, metric_diff) == 0 else "outside"
                 if verdict == "float64" and not float64:  # rounding amplified, or the cut's: float64 tells
                     with jax.enable_x64(True):
                         if wide_reference is None:

@@ -94,10 +94,14 @@ def audit_batch(cfg: TrainConfig, inputs: build.RunInputs, rows: int, seed: int 
     )
 
 
-def cuts(mini_batch: int, shards: int, longest: int, every: bool, sequence: int = 1) -> list[tuple[str, dict]]:
+def cuts(mini_batch: int, shards: int, longest: int, every: bool, sequence: int = 1,
+         bitwise: bool = False) -> list[tuple[str, dict]]:
     """Fixed micro-batches and token budgets, as overrides of the update config. ``every``: all of them (a whole
     shard, halves, single sequences; a tight and a loose budget); otherwise the two that cut finest (single
-    sequences, the tight budget). Budgets are rounded up to a multiple of ``sequence``, so rows split over it."""
+    sequences, the tight budget). Budgets are rounded up to a multiple of ``sequence``, so rows split over it.
+    ``bitwise`` (``trainer.deterministic``): the fixed cuts alone, the mode's only ones."""
+    if bitwise:
+        return [cut for cut in cuts(mini_batch, shards, longest, every, sequence) if not cut[1]["use_dynamic_bsz"]]
     longest += (-longest) % sequence
     fixed = lambda m: (f"fixed micro={m}", {"use_dynamic_bsz": False, "ppo_micro_batch_size": m})  # noqa: E731
     budget = lambda t: (f"tokens<={t}", {"use_dynamic_bsz": True, "ppo_max_token_len": t})  # noqa: E731
@@ -108,10 +112,15 @@ def cuts(mini_batch: int, shards: int, longest: int, every: bool, sequence: int 
     return [fixed(m) for m in sizes] + [budget(t) for t in sorted({longest, 2 * longest})]
 
 
-def role_meshes(devices: int, mini: int, quick: bool) -> list[tuple[int, int, int, int]]:
+def role_meshes(devices: int, mini: int, quick: bool, bitwise: bool = False) -> list[tuple[int, int, int, int]]:
     """The meshes a role is audited on: one device first, then every mesh of all devices (:func:`mesh_shapes`);
-    ``quick``: of those, the pure data-parallel one, a 3-D one and the widest context-parallel one."""
+    ``quick``: of those, the pure data-parallel one, a 3-D one and the widest context-parallel one. ``bitwise``
+    (``trainer.deterministic``): the ``data`` x ``fsdp`` meshes of a power-of-two size, the mode's only ones."""
     meshes = [ONE_DEVICE] + [shape for shape in mesh_shapes(devices, mini) if shape != ONE_DEVICE]
+    if bitwise:
+        shards = lambda shape: shape[0] * shape[1]  # noqa: E731
+        pure = [shape for shape in meshes if shape[2] == shape[3] == 1 and not shards(shape) & (shards(shape) - 1)]
+        return pure[:2] + pure[-1:] if quick and len(pure) > 3 else pure
     if quick:
         sequence = {shape for shape in meshes if shape[3] > 1}
         quick_ones = {ONE_DEVICE, (devices, 1, 1, 1), (2, 2, devices // 4, 1), max(sequence, default=ONE_DEVICE)}

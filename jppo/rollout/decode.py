@@ -178,12 +178,45 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
     _check_inputs(model.config.vocab_size, prompt_ids, prompt_mask, params)
     with decoding_layout():
         by_row = lambda x: constrain(x, ("batch", None))  # noqa: E731
-        out = _sample(model, by_row(prompt_ids), by_row(prompt_mask), key, params)
+        sample = _in_chunks if params.prompt_chunk else _sample
+        out = sample(model, by_row(prompt_ids), by_row(prompt_mask), key, params)
     return jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1)) if x.ndim >= 2 else x, out)
 
 
-def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
-    """:func:`rollout`'s program, traced in the sampler's layout."""
+def _in_chunks(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
+    """:func:`_sample` of each chunk of ``params.prompt_chunk`` prompts alone, one chunk after another on each
+    device (``lax.map``), its rows drawing with their global indices: every product has one chunk's shapes on any
+    mesh, so a row's tokens and log-probs are the same bits on any device count."""
+    batch, chunk, n = prompt_ids.shape[0], params.prompt_chunk, params.n
+    axes = decoding_loop_axes(batch, batch, bool(getattr(model.config, "num_experts", 0)))
+    shards = int(np.prod([jax.sharding.get_abstract_mesh().shape[axis] for axis in axes]))
+    if (batch // shards) % chunk:
+        raise ValueError(f"SamplingParams.prompt_chunk={chunk} must divide the {batch // shards} prompts of each of "
+                         f"{shards} devices")
+    if decode_rows(chunk * n, params.max_num_seqs) < chunk * n:
+        raise ValueError(f"SamplingParams.prompt_chunk={chunk} decodes each chunk's {chunk * n} rows together: "
+                         f"max_num_seqs={params.max_num_seqs} would refill them (use 0)")
+
+    def per_device(ids: Array, mask: Array) -> RolloutBatch:
+        first = (jax.lax.axis_index(axes) if axes else 0) * ids.shape[0]  # this device's first global prompt
+
+        def one(args) -> RolloutBatch:
+            chunk_ids, chunk_mask, index = args
+            return _sample(model, chunk_ids, chunk_mask, key, params, (first + index * chunk) * n)
+
+        chunks = ids.shape[0] // chunk
+        out = jax.lax.map(one, (ids.reshape(chunks, chunk, -1), mask.reshape(chunks, chunk, -1), jnp.arange(chunks)))
+        rows_first = jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), out)
+        return rows_first.replace(decode_slots=out.decode_slots.sum()[None])
+
+    return on_each_device(per_device, axes, (prompt_ids, prompt_mask), ())
+
+
+def _sample(
+    model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams, first_row: Any = 0,
+) -> RolloutBatch:
+    """:func:`rollout`'s program, traced in the sampler's layout; its rows are the global rows ``first_row`` on
+    (their keys: :func:`~jppo.rollout.processors.row_keys`)."""
     batch = prompt_ids.shape[0]
     n, max_new = params.n, params.max_new_tokens
     prompt_ids = prompt_ids.astype(jnp.int32)
@@ -205,7 +238,7 @@ def _sample(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
 
     rows = batch * n
     axes = loop_axes(model, rows, params)
-    keys = row_keys(key, jnp.arange(rows))
+    keys = row_keys(key, first_row + jnp.arange(rows))
     prompt_tokens = jnp.repeat(prompt_counts, n)
     state = _DecodeState(
         step=jnp.zeros((), jnp.int32),

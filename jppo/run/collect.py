@@ -40,7 +40,7 @@ from jppo.core.experience import Experience
 from jppo.data import Tokenizer
 from jppo.engine import forward_batch, log_prob_fn, value_fn
 from jppo.engine.assemble import device_rows
-from jppo.parallel.hostlocal import max_over_processes, on_mesh, sum_over_processes
+from jppo.parallel.hostlocal import max_over_processes, on_mesh, on_one_device, sum_over_processes
 from jppo.rewards.kl_penalty import kl_in_reward
 from jppo.rewards.model import RewardModel
 from jppo.rewards.overlong import overlong_penalty
@@ -308,7 +308,8 @@ def collect(
             cfg.algorithm.adv_estimator, token_level_rewards=rewards, response_mask=mask, values=exp.values,
             group_ids=exp.group_ids, reward_baselines=reward_baselines, gamma=cfg.algorithm.gamma,
             lam=cfg.algorithm.lam, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-            place=functools.partial(on_mesh, mesh=c.mesh),
+            # bitwise: the whole batch on one device, the same program on any mesh
+            place=functools.partial(on_one_device if cfg.trainer.deterministic == "bitwise" else on_mesh, mesh=c.mesh),
         )
     exp = dataclasses.replace(
         exp, token_rewards=np.asarray(rewards, np.float32), advantages=np.asarray(advantages, np.float32),
