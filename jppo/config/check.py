@@ -20,7 +20,6 @@ from typing import Any
 
 from jppo.config.applies import check_engine_keys, check_rl_keys, check_sft_keys
 from jppo.config.schema import MAX_OFF_POLICY_STEPS, TrainConfig
-from jppo.config.views import adapted_model_config
 from jppo.core.checks import as_key, check_local_dir, choice, positive, run_config_checks, within
 from jppo.core.errors import ConfigError
 from jppo.core.inputs import file_list
@@ -155,8 +154,8 @@ DETERMINISTIC = ("off", "bitwise")
 
 def _check_bitwise(cfg: TrainConfig) -> None:
     """``trainer.deterministic``: off or bitwise; bitwise needs one sequence per row in every role's update (no
-    token budget), the global normalization, and models without experts (what it needs of the mesh:
-    :func:`jppo.config.devices.check_bitwise_mesh`)."""
+    token budget), the global normalization and jppo's sampler without continuous batching (what it needs of the
+    mesh and the models: :func:`jppo.config.devices.check_bitwise_mesh`)."""
     choice("trainer.deterministic", cfg.trainer.deterministic, DETERMINISTIC)
     if cfg.trainer.deterministic != "bitwise":
         return
@@ -173,9 +172,6 @@ def _check_bitwise(cfg: TrainConfig) -> None:
         if section.normalization != "global":
             raise ConfigError(f"{role}.normalization={section.normalization!r} with trainer.deterministic='bitwise' "
                               "(global only)")
-        if adapted_model_config(cfg, role).sparse_layers:
-            raise ConfigError(f"trainer.deterministic='bitwise' with the {role} model's experts: a model with experts "
-                              "is not bitwise yet (its router's statistics are sums of their own)")
 
 
 def _check_sft(cfg: TrainConfig, data_files: bool = True) -> None:

@@ -232,7 +232,7 @@ def forward_micro_batching(cfg: TrainConfig, role: str) -> dict:
     ``trainer.deterministic: bitwise``."""
     update = getattr(cfg, role)
     if cfg.trainer.deterministic == "bitwise":  # a row's outputs then have the same bits in any cut (one row a pass)
-        return {"micro_batch_size": 1}
+        return {"micro_batch_size": 1, "bitwise": True}
     if update.use_dynamic_bsz:
         return {"max_token_len": update.ppo_max_token_len}
     return {"micro_batch_size": cfg.rollout.log_prob_micro_batch_size or update.ppo_micro_batch_size}

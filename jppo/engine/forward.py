@@ -8,6 +8,7 @@ outputs are put back in the batch's row order there: they come back response-ali
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Callable
@@ -22,6 +23,7 @@ from jppo.core.experience import Experience
 from jppo.engine.assemble import assemble, device_rows, place_cut
 from jppo.engine.microbatch import cut_micro_batches, pad_cut
 from jppo.engine.objectives import Batch, policy_outputs, value_outputs
+from jppo.models.attention import normalized_by_product
 from jppo.parallel.hostlocal import local_rows, local_shards, max_over_processes, to_local
 from jppo.parallel.mesh import ROW_AXES, batch_shards
 
@@ -74,6 +76,7 @@ def forward_batch(
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
     rows: Experience | None = None,
+    bitwise: bool = False,
 ) -> np.ndarray:
     """Runs a forward pass from :func:`log_prob_fn` / :func:`value_fn` over ``batch`` (this process's rows);
     returns ``[N_local, L]`` float32, 0 outside the response mask.
@@ -81,13 +84,15 @@ def forward_batch(
     ``rows``: ``batch``'s token arrays already on the devices (:func:`jppo.engine.assemble.device_rows` with no
     per-token fields), shared by several passes over the same batch; placed here when not given. Only the cut
     (row ids and offsets) crosses per pass; the micro-batches are assembled on the devices, and the outputs are put
-    back in row order there, so what comes back is ``[N_local, L]``, not the slots."""
+    back in row order there, so what comes back is ``[N_local, L]``, not the slots. ``bitwise``
+    (``trainer.deterministic``, with one sequence per shard per pass): traced with attention normalized by products
+    (:func:`jppo.models.attention.normalized_by_product`), so a row's outputs have the same bits on any mesh."""
     if rows is None:
         rows = device_rows(batch, None, mesh)
     num_global = batch.num_sequences * batch_shards(mesh) // len(local_shards(mesh))
     cut = local_cut(batch.lengths(), mesh, micro_batch_size=micro_batch_size, max_token_len=max_token_len)
     cut = place_cut(cut, mesh)
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), normalized_by_product() if bitwise else contextlib.nullcontext():
         slots = fn(params, assemble(rows, cut, mesh, max_token_len))
         out = _in_row_order(mesh, num_global)(slots, cut["row_ids"])
     out = to_local(out, rows=local_rows(mesh, num_global))

@@ -58,6 +58,7 @@ from jppo.engine.optim import (
     without_accumulator,
 )
 from jppo.engine.state import TrainState
+from jppo.models.attention import normalized_by_product
 from jppo.parallel.mesh import BATCH_AXES, ROW_AXES, SEQUENCE_AXIS, sequence_shards
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,8 @@ def optimizer_step(
 
     if cfg.bitwise:  # the rows' gradients summed in one fixed tree, then the optimizer (jppo.engine.bitwise)
         check_bitwise(cfg, mesh, sparse=bool(model.config.sparse_layers))
-        grads, total = bitwise_gradient(share_gradient_of, state.params, batch, mesh, dtype)
+        with normalized_by_product():
+            grads, total = bitwise_gradient(share_gradient_of, state.params, batch, mesh, dtype)
         params, opt_state = apply_accumulated(inner, grads, without_accumulator(state.opt_state), state.params)
         opt_state = opt_state._replace(acc_grads=state.opt_state.acc_grads)  # a state made elsewhere keeps its own
     else:

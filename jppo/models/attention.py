@@ -28,6 +28,8 @@ and so do the gradients through it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from typing import NamedTuple
 
@@ -69,14 +71,40 @@ def wide(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+_NORMALIZE_BY_PRODUCT = contextvars.ContextVar("jppo_normalize_by_product", default=False)
+
+
+@contextlib.contextmanager
+def normalized_by_product():
+    """While a program is traced inside it, attention normalizes by a product with the reciprocal of its sum
+    (:func:`softmax`, :func:`normalize`) instead of a division: what ``trainer.deterministic: bitwise`` traces
+    with (:mod:`jppo.engine.bitwise`, the sampler's ``prompt_chunk``, the run's forward passes)."""
+    token = _NORMALIZE_BY_PRODUCT.set(True)
+    try:
+        yield
+    finally:
+        _NORMALIZE_BY_PRODUCT.reset(token)
+
+
+def normalize(values: Array, total: Array) -> Array:
+    """``values / total`` (``total`` broadcast over ``values``' trailing axis). Under :func:`normalized_by_product`
+    it is ``values * (1 / total)``: XLA rewrites a division by a broadcast into that product in some of its
+    pipelines and not in others (a one-device program against one partitioned over several, measured on XLA:CPU),
+    and the two differ in the last bit, so a bitwise run writes the product itself and every program computes the
+    same bits. Outside it the division stays (the default run's numerics, which the learning corridors hold)."""
+    if _NORMALIZE_BY_PRODUCT.get():
+        return values * (1.0 / total)
+    return values / total
+
+
 def softmax(scores: Array, axis: int = -1) -> Array:
-    """``exp(x - max) * (1 / sum exp(x - max))``: the softmax with its normalization written as a product by the
-    reciprocal. XLA rewrites a division by a broadcast sum into that product in some of its pipelines and not in
-    others (a one-device program against one partitioned over several, measured on XLA:CPU), and the two differ in
-    the last bit; written this way every program computes the same bits (the bitwise update, jppo.engine.bitwise)."""
+    """``jax.nn.softmax``, or under :func:`normalized_by_product` ``exp(x - max) * (1 / sum exp(x - max))``
+    (:func:`normalize`)."""
+    if not _NORMALIZE_BY_PRODUCT.get():
+        return jax.nn.softmax(scores, axis=axis)
     top = jax.lax.stop_gradient(jnp.max(scores, axis=axis, keepdims=True))
     weights = jnp.exp(scores - top)
-    return weights * (1.0 / jnp.sum(weights, axis=axis, keepdims=True))
+    return normalize(weights, jnp.sum(weights, axis=axis, keepdims=True))
 
 
 def _visible(query_segments: Array, query_slots: Array, key_segments: Array, key_slots: Array) -> Array:
@@ -154,7 +182,7 @@ def _forward(query, key, value, query_segments, query_slots, key_segments, key_s
         init = _varying(init, q, key, value, q_segments, q_slots, k_segments, k_slots)
         top, total, out = jax.lax.fori_loop(0, key.shape[0], key_block, init)
         seen = total > 0
-        out = out * (1.0 / jnp.where(seen, total, 1.0))[..., None]  # a product: see softmax()
+        out = normalize(out, jnp.where(seen, total, 1.0)[..., None])
         return None, (out.astype(query.dtype), jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), 0.0))
 
     _, (out, lse) = jax.lax.scan(query_block, None, (query, query_segments, query_slots))

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jppo.models.attention import normalized_by_product
 from jppo.models.kv_cache import cache_block_count
 from jppo.models.moe import collect_routing
 from jppo.models.sharding import constrain
@@ -178,8 +179,11 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
     _check_inputs(model.config.vocab_size, prompt_ids, prompt_mask, params)
     with decoding_layout():
         by_row = lambda x: constrain(x, ("batch", None))  # noqa: E731
-        sample = _in_chunks if params.prompt_chunk else _sample
-        out = sample(model, by_row(prompt_ids), by_row(prompt_mask), key, params)
+        if params.prompt_chunk:  # bitwise: each chunk alone, normalized by products (jppo.models.attention)
+            with normalized_by_product():
+                out = _in_chunks(model, by_row(prompt_ids), by_row(prompt_mask), key, params)
+        else:
+            out = _sample(model, by_row(prompt_ids), by_row(prompt_mask), key, params)
     return jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1)) if x.ndim >= 2 else x, out)
 
 
