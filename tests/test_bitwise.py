@@ -11,6 +11,7 @@ from engine_cases import mesh_of, ragged_batch, tiny_config
 from flax import nnx
 
 from jppo.config import ConfigError, check_mesh, load_config
+from jppo.config.views import engine_view, forward_micro_batching
 from jppo.core.settings import OptimConfig
 from jppo.engine import (
     ActorConfig,
@@ -89,3 +90,9 @@ def test_what_the_bitwise_mode_cannot_run_on_is_one_line_at_load(overrides, devi
         cfg = load_config(QUICKSTART, ["trainer.deterministic=bitwise", *overrides])
         check_mesh(cfg, devices)
     assert str(error.value) == message
+
+
+def test_off_however_yaml_spells_it_is_the_default_run():
+    for written in ("off", "false", "no", "'off'"):
+        cfg = load_config(QUICKSTART, [f"trainer.deterministic={written}"])
+        assert engine_view(cfg, "actor").bitwise is False and "bitwise" not in forward_micro_batching(cfg, "actor")

@@ -150,14 +150,18 @@ def _check_trainer(cfg: TrainConfig) -> None:
 
 
 DETERMINISTIC = ("off", "bitwise")
+OFF_SPELLINGS = ("off", "false", "no", "none", "null")
 
 
 def _check_bitwise(cfg: TrainConfig) -> None:
     """``trainer.deterministic``: off or bitwise; bitwise needs one sequence per row in every role's update (no
     token budget), the global normalization and jppo's sampler without continuous batching (what it needs of the
     mesh and the models: :func:`jppo.config.devices.check_bitwise_mesh`)."""
-    choice("trainer.deterministic", cfg.trainer.deterministic, DETERMINISTIC)
-    if cfg.trainer.deterministic != "bitwise":
+    value = str(cfg.trainer.deterministic)
+    if value.strip().lower() in OFF_SPELLINGS:  # YAML reads an unquoted off / no / false as a boolean
+        return
+    choice("trainer.deterministic", value, DETERMINISTIC)
+    if value != "bitwise":
         return
     if cfg.rollout.engine != "jppo" or cfg.rollout.max_num_seqs:
         key, value = ("rollout.engine", cfg.rollout.engine) if cfg.rollout.engine != "jppo" else (
