@@ -4,6 +4,8 @@ longest test files first."""
 import faulthandler
 import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -36,15 +38,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 # JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the whole suite optimized.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 jax.config.update("jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] not in ("0", "false"))
-# The test workers themselves (long-lived processes, hundreds of programs each) keep the folder configured but never
-# read or write it. Serializing an executable for the cache is where CI's workers died, three times, always late in
-# the run and never in a short one: XLA's serializer failed, raised a C++ exception, and the C++ unwinder faulted on
-# its way (py-spy: __cxa_throw -> _Unwind_Find_FDE -> SIGSEGV; once a hang, tvm_ffi's SIGSEGV handler waiting on the
-# unwinder's lock; last a crash, 'worker gw0 crashed' in tests/test_moe_update.py). A cold test file compiles as
-# fast without the cache: its programs are new to the process (tests/test_moe_update.py: 65.8 s either way).
-# JPPO_TEST_WORKER_CACHE=1 turns the workers' own use back on (a warm local rerun compiles nothing twice).
+# The workers share the folder too (JPPO_TEST_WORKER_CACHE=0: they leave it alone). The quickstart's programs recur
+# across many files, and without it a cold run took 1800 s here against CI's ~1400 s with it.
 jax.config.update("jax_compilation_cache_dir", str(_CACHE))
-jax.config.update("jax_enable_compilation_cache", os.environ.get("JPPO_TEST_WORKER_CACHE", "0") == "1")
+jax.config.update("jax_enable_compilation_cache", os.environ.get("JPPO_TEST_WORKER_CACHE", "1") == "1")
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 # The files that take longest on the 2-core CI machine (minutes each, from its --durations), longest first. With
@@ -83,7 +80,8 @@ def pytest_collection_modifyitems(items):
 # A test stuck in native code that holds the GIL is beyond pytest-timeout (pyproject's `timeout`): its thread needs the
 # GIL to act, so the worker would wait forever and CI with it (CI once printed 1530 of 1539 dots, then nothing for an
 # hour). faulthandler's watchdog is a C thread: a minute after pytest-timeout's limit it writes every thread's stack
-# and ends the worker, whose test xdist then reports as crashed, and the run ends. The stacks go to a file per worker
+# and ends the worker, whose test xdist then reports as crashed (the worker restarts, the run goes on, and the test
+# runs again alone at the end: below). The stacks go to a file per worker
 # (pytest captures the worker's stderr, and a process that ends that way loses it), which the summary prints.
 WATCHDOG_AFTER_S = 60  # past pytest-timeout's `timeout` (900 s in pyproject; `-o timeout=N` moves both)
 if "JPPO_TEST_HANGS" not in os.environ:  # the session's process makes it; its workers inherit the variable
@@ -107,6 +105,10 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_terminal_summary(terminalreporter):
+    for nodeid, done in getattr(terminalreporter.config, "_jppo_reruns", {}).items():
+        verdict = "passed" if done.returncode == 0 else f"FAILED (exit {done.returncode})"
+        terminalreporter.section(f"a worker that crashed: {nodeid}, rerun alone in a fresh process: {verdict}")
+        terminalreporter.write((done.stdout + done.stderr)[-3000:] + "\n")
     for log in sorted(HANGS.glob("worker-*.txt")):
         text = log.read_text()
         if "Thread 0x" in text or "Timeout (" in text:  # the watchdog wrote (a test's header alone: nothing)
@@ -120,3 +122,44 @@ def pytest_unconfigure(config):
             HANGS.rmdir()  # only when empty: a hung test's stacks stay for whoever reads them
         except OSError:
             pass
+
+
+# A worker that dies in native code. XLA:CPU has segfaulted in long-lived workers late in a run, never in a fresh
+# process: serializing an executable for the cache (a C++ exception the unwinder faulted on: CI, three runs in
+# tests/test_moe_update.py, once hung under tvm_ffi's SIGSEGV handler) and compiling one with the workers' cache off
+# (tests/test_tracking.py, "Fatal Python error: Segmentation fault" in backend_compile_and_load). xdist restarts the
+# worker (pyproject's --max-worker-restart), the files it had left run on, and the crashed test is reported failed;
+# here, at the end, each crashed test runs again alone in a fresh process. The run passes only if every failure was
+# such a crash and every rerun passed; the summary names them under "a worker that crashed", with the crash's output.
+CRASHED = "crashed while running"
+
+
+def crashed_tests(stats: dict) -> tuple[list[str], bool]:
+    """The node ids of the tests whose worker crashed, and whether every failure or error was one of those."""
+    failures = stats.get("failed", []) + stats.get("error", [])
+    crashed = [report.nodeid for report in failures if CRASHED in str(report.longrepr)]
+    return crashed, len(crashed) == len(failures)
+
+
+def rerun_alone(nodeid: str) -> subprocess.CompletedProcess:
+    """``nodeid`` run again in a fresh process (pytest-timeout and the watchdog still bound it)."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", nodeid]
+    try:
+        return subprocess.run(command, cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True,
+                              text=True, timeout=1800)
+    except subprocess.TimeoutExpired as error:
+        return subprocess.CompletedProcess(command, 124, str(error.stdout or ""), "rerun timed out after 1800 s")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if hasattr(session.config, "workerinput") or reporter is None or exitstatus != pytest.ExitCode.TESTS_FAILED:
+        return
+    crashed, only_crashes = crashed_tests(reporter.stats)
+    if not crashed:
+        return
+    reruns = {nodeid: rerun_alone(nodeid) for nodeid in crashed}
+    session.config._jppo_reruns = reruns
+    if only_crashes and all(done.returncode == 0 for done in reruns.values()):
+        session.exitstatus = pytest.ExitCode.OK
