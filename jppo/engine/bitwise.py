@@ -30,7 +30,6 @@ parameters are whole on every row shard during the step (gathered once), and the
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable
 
 import jax
@@ -39,7 +38,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jppo.core import metrics as metrics_lib
 from jppo.core.errors import InvalidSetting
-from jppo.parallel.mesh import ROW_AXES
+from jppo.parallel.mesh import ROW_AXES, batch_shards
 from jppo.parallel.tree_sum import TreeCounter, tree_combine
 
 SPLITTING_AXES = ("tensor", "sequence", "expert")  # axes that split a product's reduction or the router's sums
@@ -59,16 +58,11 @@ def check_bitwise(cfg, mesh: Mesh, sparse: bool = False) -> None:
     for axis in SPLITTING_AXES:
         if dict(mesh.shape).get(axis, 1) > 1:
             raise InvalidSetting("mesh.", axis, dict(mesh.shape)[axis], "1 with bitwise (it splits a sum)")
-    shards = row_shards(mesh)
+    shards = batch_shards(mesh)
     if shards & (shards - 1):
         raise InvalidSetting("mesh.", "data x fsdp", shards, "a power of two with bitwise")
     if sparse:
         raise InvalidSetting(name, "bitwise", True, "false for a model with experts (not bitwise yet)")
-
-
-def row_shards(mesh: Mesh) -> int:
-    sizes = dict(mesh.shape)
-    return math.prod(sizes.get(axis, 1) for axis in ROW_AXES)
 
 
 def pair_combine(left, right):
