@@ -1,14 +1,8 @@
 """Test session set-up: 8 simulated CPU devices and a persistent compile cache, before any JAX operation; the
-longest test files first."""
+longest test files first; a hung test or a crashed worker ends the run all the same (tests/worker_crashes.py)."""
 
-import faulthandler
 import os
 import pathlib
-import subprocess
-import sys
-import tempfile
-
-import pytest
 
 # The suite runs on the CPU. libtpu (the test extra brings it, to compile for TPU targets with compile-only devices)
 # would otherwise try to open a TPU in every process, ours and the subprocesses', and print its warnings.
@@ -77,89 +71,11 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: file_rank(item.path.name))
 
 
-# A test stuck in native code that holds the GIL is beyond pytest-timeout (pyproject's `timeout`): its thread needs the
-# GIL to act, so the worker would wait forever and CI with it (CI once printed 1530 of 1539 dots, then nothing for an
-# hour). faulthandler's watchdog is a C thread: a minute after pytest-timeout's limit it writes every thread's stack
-# and ends the worker, whose test xdist then reports as crashed (the worker restarts, the run goes on, and the test
-# runs again alone at the end: below). The stacks go to a file per worker
-# (pytest captures the worker's stderr, and a process that ends that way loses it), which the summary prints.
-WATCHDOG_AFTER_S = 60  # past pytest-timeout's `timeout` (900 s in pyproject; `-o timeout=N` moves both)
-if "JPPO_TEST_HANGS" not in os.environ:  # the session's process makes it; its workers inherit the variable
-    os.environ["JPPO_TEST_HANGS"] = tempfile.mkdtemp(prefix="jppo-test-hangs-")
-HANGS = pathlib.Path(os.environ["JPPO_TEST_HANGS"])
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    log = HANGS / f"worker-{os.getpid()}.txt"
-    limit = float(item.config.getoption("timeout", None) or item.config.getini("timeout") or 900) + WATCHDOG_AFTER_S
-    with open(log, "w") as out:
-        out.write(f"{item.nodeid} ran past {limit:g} s:\n")
-        out.flush()
-        faulthandler.dump_traceback_later(limit, exit=True, file=out)
-        try:
-            yield
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-    log.unlink()
-
-
-def pytest_terminal_summary(terminalreporter):
-    for nodeid, done in getattr(terminalreporter.config, "_jppo_reruns", {}).items():
-        verdict = "passed" if done.returncode == 0 else f"FAILED (exit {done.returncode})"
-        terminalreporter.section(f"a worker that crashed: {nodeid}, rerun alone in a fresh process: {verdict}")
-        terminalreporter.write((done.stdout + done.stderr)[-3000:] + "\n")
-    for log in sorted(HANGS.glob("worker-*.txt")):
-        text = log.read_text()
-        if "Thread 0x" in text or "Timeout (" in text:  # the watchdog wrote (a test's header alone: nothing)
-            terminalreporter.section(f"a test that hung ({log.name})")
-            terminalreporter.write(text)
-
-
-def pytest_unconfigure(config):
-    if not hasattr(config, "workerinput"):  # the session's own process, after its workers have ended
-        try:
-            HANGS.rmdir()  # only when empty: a hung test's stacks stay for whoever reads them
-        except OSError:
-            pass
-
-
-# A worker that dies in native code. XLA:CPU has segfaulted in long-lived workers late in a run, never in a fresh
-# process: serializing an executable for the cache (a C++ exception the unwinder faulted on: CI, three runs in
-# tests/test_moe_update.py, once hung under tvm_ffi's SIGSEGV handler) and compiling one with the workers' cache off
-# (tests/test_tracking.py, "Fatal Python error: Segmentation fault" in backend_compile_and_load). xdist restarts the
-# worker (pyproject's --max-worker-restart), the files it had left run on, and the crashed test is reported failed;
-# here, at the end, each crashed test runs again alone in a fresh process. The run passes only if every failure was
-# such a crash and every rerun passed; the summary names them under "a worker that crashed", with the crash's output.
-CRASHED = "crashed while running"
-
-
-def crashed_tests(stats: dict) -> tuple[list[str], bool]:
-    """The node ids of the tests whose worker crashed, and whether every failure or error was one of those."""
-    failures = stats.get("failed", []) + stats.get("error", [])
-    crashed = [report.nodeid for report in failures if CRASHED in str(report.longrepr)]
-    return crashed, len(crashed) == len(failures)
-
-
-def rerun_alone(nodeid: str) -> subprocess.CompletedProcess:
-    """``nodeid`` run again in a fresh process (pytest-timeout and the watchdog still bound it)."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", nodeid]
-    try:
-        return subprocess.run(command, cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True,
-                              text=True, timeout=1800)
-    except subprocess.TimeoutExpired as error:
-        return subprocess.CompletedProcess(command, 124, str(error.stdout or ""), "rerun timed out after 1800 s")
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session, exitstatus):
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if hasattr(session.config, "workerinput") or reporter is None or exitstatus != pytest.ExitCode.TESTS_FAILED:
-        return
-    crashed, only_crashes = crashed_tests(reporter.stats)
-    if not crashed:
-        return
-    reruns = {nodeid: rerun_alone(nodeid) for nodeid in crashed}
-    session.config._jppo_reruns = reruns
-    if only_crashes and all(done.returncode == 0 for done in reruns.values()):
-        session.exitstatus = pytest.ExitCode.OK
+# What the run does about a test that hangs or a worker that crashes: tests/worker_crashes.py.
+from worker_crashes import (  # noqa: E402,F401  (pytest reads the hooks from this module's names)
+    pytest_runtest_protocol,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+    pytest_unconfigure,
+    pytest_xdist_make_scheduler,
+)
