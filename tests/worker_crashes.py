@@ -75,6 +75,7 @@ HANGS = pathlib.Path(os.environ["JPPO_TEST_HANGS"])
 def pytest_runtest_protocol(item, nextitem):
     log = HANGS / f"worker-{os.getpid()}.txt"
     limit = float(item.config.getoption("timeout", None) or item.config.getini("timeout") or 900) + WATCHDOG_AFTER_S
+    HANGS.mkdir(exist_ok=True)  # (a /tmp cleaner may have taken it: a test's bookkeeping never fails the run)
     with open(log, "w") as out:
         out.write(f"{item.nodeid} ran past {limit:g} s:\n")
         out.flush()
@@ -83,7 +84,7 @@ def pytest_runtest_protocol(item, nextitem):
             yield
         finally:
             faulthandler.cancel_dump_traceback_later()
-    log.unlink()
+    log.unlink(missing_ok=True)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -92,14 +93,22 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section(f"a worker that crashed: {nodeid}, rerun alone in a fresh process: {verdict}")
         terminalreporter.write((done.stdout + done.stderr)[-3000:] + "\n")
     for log in sorted(HANGS.glob("worker-*.txt")):
-        text = log.read_text()
-        if "Thread 0x" in text or "Timeout (" in text:  # the watchdog wrote (a test's header alone: nothing)
+        if hung(log):
             terminalreporter.section(f"a test that hung ({log.name})")
-            terminalreporter.write(text)
+            terminalreporter.write(log.read_text())
+
+
+def hung(log: pathlib.Path) -> bool:
+    """Whether the watchdog wrote stacks in ``log`` (a test's header alone: its worker crashed, or was killed)."""
+    text = log.read_text()
+    return "Thread 0x" in text or "Timeout (" in text
 
 
 def pytest_unconfigure(config):
     if not hasattr(config, "workerinput"):  # the session's own process, after its workers have ended
+        for log in HANGS.glob("worker-*.txt"):
+            if not hung(log):
+                log.unlink()
         try:
             HANGS.rmdir()  # only when empty: a hung test's stacks stay for whoever reads them
         except OSError:
