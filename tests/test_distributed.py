@@ -121,6 +121,38 @@ def test_two_processes_of_two_devices_match_one_device_and_resume_on_it(tmp_path
         assert resumed[2][name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
 
 
+def test_bitwise_runs_on_two_processes_log_and_save_the_bits_of_one_device(tmp_path):
+    """trainer.deterministic=bitwise across hosts: 2 processes x 2 devices (4 batch shards, the gradients' tree met
+    across the processes, each process sampling and scoring its own rows) log every metric of two PPO steps,
+    validation included, and save every checkpoint array with the bits of 1 process of 1 device. Before, each
+    process's share of the rollout's and validation's float sums was added in process order."""
+    import jax
+    import numpy as np
+
+    from jppo.run.checkpoint import restore_part, saved_tree
+
+    def saved(run: str) -> list[np.ndarray]:
+        """Every array of the run's step-2 checkpoint, read onto this process's first device."""
+        path, device = tmp_path / run / "checkpoints" / "2", jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
+                              saved_tree(path), is_leaf=lambda leaf: hasattr(leaf, "shape"))
+        return [np.asarray(x) for x in jax.tree.leaves(restore_part(path, target))]
+
+    extra = ["trainer.total_steps=2", "trainer.deterministic=bitwise", "trainer.save_every=2",
+             "trainer.async_checkpoint=false"]
+    flags = ["--coordinator", f"localhost:{free_port()}", "--num-processes", "2"]
+    two = [train(f"trainer.output_dir={tmp_path / 'two'}", *extra, *flags, "--process-id", str(i), devices=2)
+           for i in (1, 0)]
+    one = train(f"trainer.output_dir={tmp_path / 'one'}", *extra, devices=1)
+    for process in [*two, one]:
+        finish(process)
+    assert metrics(tmp_path / "two") == metrics(tmp_path / "one")
+    assert "val/reward/mean" in metrics(tmp_path / "one")[1]
+    arrays = {name: saved(name) for name in ("one", "two")}
+    assert len(arrays["two"]) == len(arrays["one"]) > 100
+    assert all(np.array_equal(a, b) for a, b in zip(arrays["two"], arrays["one"]))
+
+
 TRAINED = ("actor/", "critic/")  # what the updates compute, the same sums on the same mesh in any process layout
 # A process of `python -m jppo.train` that sends itself SIGTERM at a point of a step (tests/signals.py); arguments:
 # the tests folder, the step, the point, then the command's own.

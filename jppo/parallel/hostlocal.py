@@ -129,9 +129,8 @@ def all_rows(local: np.ndarray, mesh: Mesh) -> np.ndarray:
     if jax.process_count() == 1:
         return np.asarray(local)
     start = local_rows(mesh, len(local) * batch_shards(mesh) // len(local_shards(mesh))).start
-    starts = multihost_utils.process_allgather(np.asarray(start))
-    parts = multihost_utils.process_allgather(np.asarray(local))
-    return np.concatenate([parts[i] for i in np.argsort(np.asarray(starts).reshape(-1), kind="stable")])
+    starts, parts = gathered(np.asarray(start)), gathered(local)
+    return np.concatenate([parts[i] for i in np.argsort(starts.reshape(-1), kind="stable")])
 
 
 def replicated_value(array: jax.Array) -> np.ndarray:
@@ -139,18 +138,37 @@ def replicated_value(array: jax.Array) -> np.ndarray:
     return np.asarray(array.addressable_data(0)) if not array.is_fully_addressable else np.asarray(array)
 
 
+def gathered(values, tiled: bool = False) -> np.ndarray:
+    """``values`` of every process, stacked along a new first axis in process order (``tiled``: concatenated along
+    the first axis), every bit kept: JAX without x64 would round 8-byte values (float64, int64) to 32 bits on the
+    way, so those travel as pairs of uint32 words."""
+    values = np.ascontiguousarray(values)
+    if jax.process_count() == 1:
+        return values if tiled else values[None]
+    if values.dtype.itemsize != 8:
+        return np.asarray(multihost_utils.process_allgather(values, tiled=tiled))
+    words = np.asarray(multihost_utils.process_allgather(values[..., None].view(np.uint32), tiled=tiled))
+    return np.ascontiguousarray(words).view(values.dtype)[..., 0]
+
+
 def max_over_processes(values) -> np.ndarray:
     """Element-wise maximum of ``values`` over all processes (every process passes the same shape)."""
-    if jax.process_count() == 1:
-        return np.asarray(values)
-    return np.max(multihost_utils.process_allgather(np.asarray(values)), axis=0)
+    return np.max(gathered(values), axis=0)
 
 
 def sum_over_processes(values) -> np.ndarray:
-    """Element-wise sum of ``values`` over all processes."""
-    if jax.process_count() == 1:
-        return np.asarray(values)
-    return np.sum(multihost_utils.process_allgather(np.asarray(values)), axis=0)
+    """Element-wise sum of ``values`` over all processes, in process order (exact for counts; a float total can
+    differ in its last bit from one process's, where :func:`sum_over_rows` does not)."""
+    return np.sum(gathered(values), axis=0)
+
+
+def sum_over_rows(per_row) -> np.ndarray:
+    """``sum_r per_row[r]`` in float64 over the global rows, this process holding its own (rows x quantities): one
+    array, every process's rows in process order, which is the global rows' order (a process's rows are one
+    contiguous range of them: module docstring), summed alike on every process. So the sums have the same bits
+    whatever the number of processes; adding each process's own total would reassociate them
+    (trainer.deterministic=bitwise logs these)."""
+    return gathered(np.asarray(per_row, np.float64), tiled=True).sum(axis=0)
 
 
 def placed(tree: T, shardings) -> T:

@@ -40,7 +40,7 @@ from jppo.core.experience import Experience
 from jppo.data import Tokenizer
 from jppo.engine import forward_batch, log_prob_fn, value_fn
 from jppo.engine.assemble import device_rows
-from jppo.parallel.hostlocal import max_over_processes, on_mesh, on_one_device, sum_over_processes
+from jppo.parallel.hostlocal import max_over_processes, on_mesh, on_one_device, sum_over_processes, sum_over_rows
 from jppo.rewards.kl_penalty import kl_in_reward
 from jppo.rewards.model import RewardModel
 from jppo.rewards.overlong import overlong_penalty
@@ -365,15 +365,17 @@ def rollout_metrics(exp: Experience, scores: np.ndarray, max_length: int) -> dic
     ``perf/total_num_tokens`` counts prompt and response tokens (the loop also reports them per second)."""
     mask = exp.response_mask.astype(bool)
     lengths = exp.response_attention.sum(axis=1)
-    token_sum = lambda x: np.where(mask, x, 0).sum()  # noqa: E731
+    token_sum = lambda x: np.where(mask, x, 0).sum(axis=1, dtype=np.float64)  # noqa: E731 (per row)
     # without an old-log-prob pass (actor.old_log_prob update or rollout) the update reports the gap itself
     measured = exp.old_log_prob is not None
     log_prob_gap = np.abs(exp.rollout_log_prob - exp.old_log_prob) if measured else np.zeros_like(exp.advantages)
-    sums = sum_over_processes(np.array([
-        len(scores), mask.sum(), scores.sum(), lengths.sum(), (lengths >= max_length).sum(),
+    # per row, then over the global rows in order: the same bits on any number of processes
+    sums = sum_over_rows(np.stack([
+        np.ones(len(scores)), mask.sum(axis=1), scores, lengths, lengths >= max_length,
         token_sum(exp.advantages), token_sum(exp.returns), token_sum(log_prob_gap),
-        0.0 if exp.values is None else token_sum(exp.values), exp.prompt_mask.sum() + exp.response_attention.sum(),
-    ], np.float64))
+        np.zeros(len(scores)) if exp.values is None else token_sum(exp.values),
+        exp.prompt_mask.sum(axis=1) + exp.response_attention.sum(axis=1),
+    ], axis=1))
     rows, tokens = sums[0], max(sums[1], 1)
     reward_max, reward_min_negated, length_max = max_over_processes([scores.max(), -scores.min(), lengths.max()])
     out = {

@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 
 from jppo.config import to_dict
 from jppo.parallel import distributed
-from jppo.parallel.hostlocal import sum_over_processes
+from jppo.parallel.hostlocal import gathered, sum_over_rows
 from jppo.run.collect import Collector, sample
 from jppo.run.filters import truncated_rows
 from jppo.run.state import RunState
@@ -74,13 +74,11 @@ def pass_at_k(n: int, c: np.ndarray, k: int) -> np.ndarray:
 
 def evaluation_metrics(reward_sum: float, correct: np.ndarray, prompts: int, n: int) -> dict[str, float]:
     """``val/reward/mean`` (over all ``prompts x n`` responses), ``val/accuracy`` (the fraction solved, which is
-    pass@1) and ``val/pass@k`` for the other ``k`` of :func:`pass_at_k_sizes`, from this process's per-prompt
-    counts of solved samples ``correct`` (summed over processes here)."""
+    pass@1) and ``val/pass@k`` for the other ``k`` of :func:`pass_at_k_sizes`, from the whole evaluation's reward
+    sum and per-prompt counts of solved samples ``correct`` (every process passes the same, in prompt order)."""
     sizes = [k for k in pass_at_k_sizes(n) if k > 1]
-    local = [reward_sum, correct.sum(), *(pass_at_k(n, correct, k).sum() for k in sizes)]
-    totals = sum_over_processes(np.asarray(local, np.float64))
-    out = {"val/reward/mean": totals[0] / (prompts * n), "val/accuracy": totals[1] / (prompts * n)}
-    out.update({f"val/pass@{k}": total / prompts for k, total in zip(sizes, totals[2:])})
+    out = {"val/reward/mean": reward_sum / (prompts * n), "val/accuracy": float(correct.sum()) / (prompts * n)}
+    out.update({f"val/pass@{k}": float(pass_at_k(n, correct, k).sum()) / prompts for k in sizes})
     return {k: float(v) for k, v in out.items()}
 
 
@@ -98,8 +96,9 @@ def evaluate(c: Collector, params: nnx.State) -> Evaluation:
         texts, finished, scores = c.score(batch, [examples[i] for i in batch.group_ids])
         truncated = truncated_rows(batch, finished).tolist()
         solved = (scores >= 1.0 - 1e-6).reshape(-1, n)  # rows of one prompt are adjacent and on one process
-        reward_sum += float(scores.sum())
-        correct.extend(solved.sum(axis=1).tolist())
+        # each batch's global sums, added in batch order: the same bits on any number of processes
+        reward_sum += float(sum_over_rows(scores[:, None])[0])
+        correct.extend(gathered(solved.sum(axis=1), tiled=True).tolist())
         for row, group in enumerate(batch.group_ids.tolist()):
             records.append({
                 "index": start + group, "sample": row % n, "prompt": examples[group].prompt, "response": texts[row],
