@@ -38,29 +38,25 @@ jax.config.update("jax_compilation_cache_dir", str(_CACHE))
 jax.config.update("jax_enable_compilation_cache", os.environ.get("JPPO_TEST_WORKER_CACHE", "1") == "1")
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-# The files that take longest (seconds of test time each in a cold full run here, 2 cores: whole_run 441, audit 280,
-# distributed 280, engine_update 251, train 189, lora 168, docs 103, bench 85, learning 77, rollout 64, device_check
-# 59, config_fuzz 58, ...), longest first. With ``--dist loadfile --no-loadscope-reorder`` the workers take files in
-# collection order, so these start first and the last files to start are the short ones: the two workers end close
-# together. xdist's own order (most tests first) started the audit and the two-process runs, few tests but minutes
-# long, near the end.
+# The files that take longest (seconds of test time each in a cold full run here, 2 cores: whole_run 380-441, audit
+# 280, distributed 280, engine_update 251-315, train 189-209, lora 168, docs 75-103, bench 85-97, vllm_servers 84,
+# learning 65-77, rollout 64, device_check 58, config_fuzz 58, ...), longest first. With ``--dist loadfile
+# --no-loadscope-reorder`` the workers take files in collection order, so these start first and the last files to
+# start are the short ones: the two workers end close together. xdist's own order (most tests first) started the
+# audit and the two-process runs, few tests but minutes long, near the end.
 LONGEST_FIRST = (
     "test_whole_run.py", "test_audit.py", "test_distributed.py", "test_engine_update.py", "test_train.py",
-    "test_lora.py", "test_docs.py", "test_bench.py", "test_learning.py", "test_rollout.py", "test_device_check.py",
-    "test_config_fuzz.py", "test_rollout_correction.py", "test_sequence_parallel.py", "test_engine_assemble.py",
-    "test_old_log_prob.py",
+    "test_lora.py", "test_docs.py", "test_bench.py", "test_vllm_servers.py", "test_learning.py", "test_rollout.py",
+    "test_device_check.py", "test_config_fuzz.py", "test_rollout_correction.py", "test_sequence_parallel.py",
+    "test_engine_assemble.py", "test_old_log_prob.py",
 )
 
 
-# ... and the files that run vLLM, last, so that nothing of the suite follows them in their worker:
-# - tests/test_vllm_servers.py: its trainer side joins gloo weight groups in the worker's process (one with a stub
-#   server that stalls mid-push, by design). The last three native crashes of a worker, two in CI and one here
-#   (XLA:CPU segfaulting while serializing an executable for the cache, in tests/test_moe_update.py), were each in
-#   a worker that had run it; neither file crashes after the other in a process of its own, so the cause is unproven.
-# - tests/test_vllm_engine.py: its engine loads xgrammar's tvm_ffi, which installs a SIGSEGV handler that prints a
-#   backtrace with the C++ unwinder; a later fault then waited forever on the unwinder's own lock, holding the GIL
-#   (py-spy: __cxa_throw -> _Unwind_Find_FDE -> SIGSEGV -> TVMFFIBacktrace -> pthread_mutex_lock).
-LAST = ("test_vllm_servers.py", "test_vllm_engine.py")
+# ... and the file that starts vLLM in the worker's own process, last, so that nothing of the suite follows it in its
+# worker: its engine loads xgrammar's tvm_ffi, which installs a SIGSEGV handler that prints a backtrace with the C++
+# unwinder; a later fault in that worker then waited forever on the unwinder's own lock, holding the GIL (py-spy:
+# __cxa_throw -> _Unwind_Find_FDE -> SIGSEGV -> TVMFFIBacktrace -> pthread_mutex_lock).
+LAST = ("test_vllm_engine.py",)
 
 
 def file_rank(name: str) -> int:
