@@ -32,7 +32,6 @@ from jppo.models.decoder import CausalLM
 from jppo.models.moe import collect_router_stats, load_balancing_loss, not_recorded
 from jppo.models.sharding import create_model
 from jppo.models.value import ValueModel
-from jppo.preflight.compiled import without_persistent_cache
 
 N = 16
 SGD = OptimConfig(name="sgd", lr=0.5, grad_clip=0.0)
@@ -78,10 +77,7 @@ def update(cut: dict, mesh_shape=(1, 1, 1), batch=None, role="actor", chunk=0, *
 
 @pytest.fixture(scope="module", autouse=True)
 def x64():
-    # Off the persistent compilation cache: every native crash of a test worker so far but one (five, in CI and in
-    # full runs here) was XLA:CPU segfaulting while serializing one of this module's float64 programs for the cache,
-    # in a long-lived worker (never in a process of its own). In one run each program compiles once anyway.
-    with jax.enable_x64(True), without_persistent_cache():
+    with jax.enable_x64(True):
         yield
 
 
