@@ -79,11 +79,15 @@ def left_padded_batch(prompt_lengths, prompt_width, new_tokens, seed=0):
 
 @pytest.mark.parametrize("heads_per_row, one_slot", [(1, False), (2, True)],
                          ids=["a slot per row", "one slot for all rows, two heads per cache row"])
-def test_prefill_then_decode_matches_full_forward(lm, monkeypatch, heads_per_row, one_slot):
+def test_prefill_then_decode_matches_full_forward(lm, monkeypatch, request, heads_per_row, one_slot):
     # two samples per prompt share its cache; each continues with tokens of its own (rows prompt-major). The
     # response cache may hold two heads side by side in a row (as on a TPU, kv_cache.lane_group), and the loop's
     # one slot for every row is written in place
     monkeypatch.setitem(kv_cache.LANES, jax.default_backend(), heads_per_row * CONFIG.head_dim)
+    # the caches' rows are laid out while tracing: traced anew here, and again by the tests after this one
+    for clear in (lm.prefill.clear_cache, lm.decode.clear_cache):
+        clear()
+        request.addfinalizer(clear)
     prompt_width, new_tokens, slots = 6, 5, 7  # two response slots are never written
     prompt_lengths = [6, 3, 1]
     ids, positions, segments = left_padded_batch(prompt_lengths * 2, prompt_width, new_tokens)
@@ -97,7 +101,9 @@ def test_prefill_then_decode_matches_full_forward(lm, monkeypatch, heads_per_row
     logits, prompt = lm.prefill(lm.state, ids[first, :prompt_width], positions[first, :prompt_width],
                                 segments[first, :prompt_width])
     assert_close(logits, full[first, :prompt_width], where=valid[first, :prompt_width])
-    assert prompt.keys[0].shape == (3, CONFIG.num_kv_heads, prompt_width, CONFIG.head_dim)  # one copy per prompt
+    # one copy per prompt, its heads side by side in rows as the response cache's
+    assert prompt.keys[0].shape == (3, CONFIG.num_kv_heads // heads_per_row, prompt_width,
+                                    heads_per_row * CONFIG.head_dim)
     cache = lm.model.init_response_cache(6, slots)
     for t in range(new_tokens):
         column = prompt_width + t

@@ -180,3 +180,33 @@ def test_compiled_for_a_tpu_the_draw_never_writes_the_logits():
     print("MiB accessed: one pass", one_pass / 2**20, "two passes", accessed(two_pass) / 2**20)
     assert weights < one_pass < weights + logits / 2  # measured: 55.4 MiB, the weights 54.7
     assert accessed(two_pass) > weights + 2 * logits  # the logits written and read back
+
+
+@pytest.mark.parametrize("temperature, filters, survivors", [
+    (1.0, dict(), [0, 1, 2, 3, 4]),
+    (0.6, dict(), [0, 1, 2, 3, 4]),
+    (1.7, dict(top_k=3), [1, 3, 4]),
+    (1.0, dict(top_p=0.6), [1, 3]),
+])
+def test_the_decoding_draw_over_row_keys_follows_the_tempered_filtered_softmax(temperature, filters, survivors):
+    """The decoding loop's draw as it runs (jppo.rollout.processors.draw: each row its own key, folded with its
+    step; without filters the one-pass Gumbel-max reduction, with them each row's sample_tokens) over 4096 rows
+    of one five-token distribution: softmax(z / T) renormalized over the filter's survivors. Power: the counts
+    reject the untempered distribution (T != 1) or the uniform one (T = 1) at 1e-6."""
+    from jppo.rollout.processors import draw, row_keys
+
+    keys = row_keys(jax.random.key(11), jnp.arange(DRAWS))
+    steps = jnp.arange(DRAWS) % 7
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS, jnp.float32), (DRAWS, len(PROBS)))
+    params = SamplingParams(max_new_tokens=1, temperature=temperature, **filters)
+    tokens, _ = jax.jit(lambda k, s, z: draw(k, s, z, params))(keys, steps, logits)
+    counts = np.bincount(np.asarray(tokens), minlength=len(PROBS))
+
+    def tempered(t: float) -> np.ndarray:
+        weights = np.zeros_like(PROBS)
+        weights[survivors] = PROBS[survivors] ** (1 / t)
+        return weights / weights.sum()
+
+    assert chi_square_pvalue(counts, tempered(temperature)) > SIGNIFICANCE
+    other = tempered(1.0) if temperature != 1.0 else np.full(len(PROBS), 1 / len(PROBS))
+    assert chi_square_pvalue(counts, other) < 1e-6

@@ -183,9 +183,9 @@ class RolloutSection:
 
     ``cache_blocks``: the response cache is stored in up to this many blocks, and a decoding step skips the blocks
     no row has reached yet, at the cost of a conditional per block (after the first), layer and token. On GPU a
-    conditional waits for its predicate on the host, so ``auto`` takes one block there and 8 on CPU and TPU
-    (:data:`jppo.models.kv_cache.CACHE_BLOCKS`). The same block count gives the same samples bit for bit; another
-    changes log-probs by float rounding only.
+    conditional waits for its predicate on the host, so ``auto`` takes one block there; on a TPU one too (its
+    decoding kernel skips the tiles no row sees by itself); 8 on CPU (:data:`jppo.models.kv_cache.CACHE_BLOCKS`).
+    The same block count gives the same samples bit for bit; another changes log-probs by float rounding only.
 
     ``env``: a multi-turn environment (``builtin:calculator``, ``path/to/file.py:make_env`` or
     ``package.module:make_env``, see :mod:`jppo.rollout.env`); each response then alternates up to ``max_turns``
@@ -217,7 +217,7 @@ class RolloutSection:
     env: Optional[str] = None  # multi-turn environment factory; None: single-turn
     max_turns: int = 4  # model turns per response with an env
     max_num_seqs: int = 0  # rows decoded at once; 0: every row of the batch (continuous batching below that)
-    cache_blocks: str = "auto"  # response-cache blocks: auto (1 on GPU, 8 on CPU and TPU) | an integer N >= 1
+    cache_blocks: str = "auto"  # response-cache blocks: auto (1 on GPU and TPU, 8 on CPU) | an integer N >= 1
     # what samples: jppo (its own sampler) or vllm (its install: README, Train a Hugging Face model)
     engine: str = "jppo"
     devices: int = 0  # the rollout's own devices (each process's last N / P; vllm: N servers); 0: the training mesh

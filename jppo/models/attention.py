@@ -86,6 +86,11 @@ def normalized_by_product():
         _NORMALIZE_BY_PRODUCT.reset(token)
 
 
+def by_product() -> bool:
+    """Whether the program being traced is inside :func:`normalized_by_product`."""
+    return _NORMALIZE_BY_PRODUCT.get()
+
+
 def normalize(values: Array, total: Array) -> Array:
     """``values / total`` (``total`` broadcast over ``values``' trailing axis). Under :func:`normalized_by_product`
     it is ``values * (1 / total)``: XLA rewrites a division by a broadcast into that product in some of its

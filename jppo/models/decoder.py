@@ -28,6 +28,7 @@ from jppo.models.context import context_parallel, sequence_attention
 from jppo.models.kv_cache import (
     PromptCache,
     ResponseCache,
+    cache_rows,
     lane_group,
     layer_copier,
     with_decoding_copies,
@@ -191,13 +192,16 @@ class DecoderLayers(nnx.Module):
 
     def prefill(self, hidden: Array, rope: tuple[Array, Array], rule: AttentionRule,
                 layers: tuple | None = None) -> tuple[Array, tuple[Array, Array]]:
-        """:meth:`__call__` that also returns every layer's keys and values, ``[L, B, K, T, E]`` each (heads
-        before slots, the layout :func:`decode_attention` contracts without a transpose). With ``layers``
+        """:meth:`__call__` that also returns every layer's keys and values, ``[L, B, K / h, T, h E]`` each (heads
+        before slots, ``h`` of them side by side in a row: :func:`~jppo.models.kv_cache.cache_rows`, the layout
+        :func:`decode_attention` contracts without a transpose). With ``layers``
         (:meth:`unstacked`) the layers run one after the other on the weights decoding then reads (the scan
         would gather each layer of batch-sharded stacks a second time)."""
 
+        group = lane_group(self.config.num_kv_heads, self.config.head_dim)
+
         def attend(q, k, v):
-            keep = tuple(x.transpose(0, 2, 1, 3) for x in (k, v))
+            keep = tuple(cache_rows(x.transpose(0, 2, 1, 3), group) for x in (k, v))
             return self._attention(q, k, v, rule), keep
 
         if layers is None:
@@ -241,6 +245,7 @@ class DecoderLayers(nnx.Module):
         whole cache out of the stack at every step (the cost then grows with the cache, not the arithmetic).
         """
         sizes = tuple(block.shape[2] for block in cache.keys[0])
+        known = slots + 1 if isinstance(slots, int) else None  # a slot fixed at trace time: the slots every row sees
         response_visible = jnp.arange(sum(sizes))[None, :] <= jnp.reshape(slots, (-1, 1))  # [R or 1, M]
         visible = prompt.visible if prompt_rows is None else prompt.visible[prompt_rows]
         rows_of = (lambda x: x) if prompt_rows is None else (lambda x: x[prompt_rows])  # noqa: E731
@@ -258,7 +263,7 @@ class DecoderLayers(nnx.Module):
                                                                                     -1).astype(block.dtype))
                                          for block, where in zip(stack[index], local))
                 out = decode_attention(q[:, 0], rows_of(prompt.keys[index]), rows_of(prompt.values[index]), visible,
-                                       keys[index], values[index], response_visible)
+                                       keys[index], values[index], response_visible, known)
                 return out[:, None], None
 
             hidden, out = self._block(hidden, layer_weights, layer_adapters, rope, attend)

@@ -20,8 +20,9 @@ Array = jax.Array
 class PromptCache:
     """Every layer's keys and values of a batch of prompts, stored once however many samples each prompt gets.
 
-    ``keys``/``values``: a tuple over layers of ``[B, K, P, E]`` arrays (compute dtype, after RoPE); ``visible``:
-    ``[B, P]`` bool, the real prompt tokens (padding is never attended).
+    ``keys``/``values``: a tuple over layers of ``[B, K / h, P, h E]`` arrays (compute dtype, after RoPE; ``h`` kv
+    heads side by side in a row, :func:`lane_group`, as in the response cache); ``visible``: ``[B, P]`` bool, the
+    real prompt tokens (padding is never attended).
     """
 
     keys: tuple[Array, ...]
@@ -47,10 +48,12 @@ NORM_SCALES = ("input_norm", "post_attention_norm", "q_norm", "k_norm", "norm") 
 
 # Response-cache blocks per backend when SamplingParams.cache_blocks is 0. Each block after the first is a
 # ``lax.cond`` per layer and token. XLA:GPU runs a conditional by copying its predicate to the host and waiting,
-# so on GPU blocks would make decoding host-latency bound: one block there. XLA:CPU and TPUs branch on the device
-# (the host thread on CPU, the TPU's scalar core), so skipping the empty blocks pays: on CPU a small model's
-# decode step took a quarter less at 128 new tokens (docs/sampling.md); on TPU it is unmeasured.
-CACHE_BLOCKS = {"gpu": 1, "cpu": 8, "tpu": 8}
+# so on GPU blocks would make decoding host-latency bound: one block there. On CPU skipping the empty blocks pays:
+# a small model's decode step took a quarter less at 128 new tokens (docs/sampling.md). On a TPU one block: the
+# decoding kernel (models/decode_kernel.py) reads only the tiles a row sees, and the blocks' partial softmaxes
+# cost more than they save there (compiled at the GSM8K GRPO shape, a layer's attention at the last slot read
+# 107.7 MiB in 8 blocks against 54.5 in one, bench.decode_bound).
+CACHE_BLOCKS = {"gpu": 1, "cpu": 8, "tpu": 1}
 
 
 # Heads of the response cache stored side by side, per backend, up to this many entries in a row. XLA:TPU tiles
@@ -73,6 +76,16 @@ def lane_group(num_kv_heads: int, head_dim: int, backend: str | None = None) -> 
     while 2 * group * head_dim <= lanes and per_device % (2 * group) == 0:
         group *= 2
     return group
+
+
+def cache_rows(x: Array, group: int) -> Array:
+    """Keys or values ``[B, K, T, E]`` as a cache stores them, ``[B, K / h, T, h E]``: kv heads ``j h .. j h + h - 1``
+    side by side in row ``j`` (``h = group``, :func:`lane_group`)."""
+    if group == 1:
+        return x
+    batch, heads, slots, dim = x.shape
+    return x.reshape(batch, heads // group, group, slots, dim).transpose(0, 1, 3, 2, 4).reshape(
+        batch, heads // group, slots, group * dim)
 
 
 def cache_block_count(requested: int, backend: str | None = None) -> int:

@@ -22,6 +22,8 @@ from jppo.models.attention import (
     wide,
 )
 from jppo.models.config import ModelConfig, RopeScaling
+from jppo.models.decode_kernel import decode_attention as kernel_attention
+from jppo.models.decode_kernel import in_kernel
 from jppo.models.pallas_attention import pallas_attention
 from jppo.parallel.mesh import platform
 
@@ -217,33 +219,43 @@ def decode_attention(
     response_keys: tuple[Array, ...],
     response_values: tuple[Array, ...],
     response_visible: Array,
+    known_length: int | None = None,
 ) -> Array:
     """One new token per row attending to its prompt's block and to its own response slots: the softmax of
     :func:`reference_attention` taken over the concatenation ``[prompt slots, response slots]``.
 
-    ``query [R, H, E]``; ``prompt_keys``/``prompt_values [B, K, P, E]`` with ``prompt_visible [B, P]``, shared by
-    the ``n = R / B`` consecutive rows of each prompt (rows prompt-major), so a prompt's keys are stored and read
-    once for its ``n`` samples: its scores are one ``[n G, E] x [E, P]`` product per (prompt, kv head) instead of
-    ``n`` matrix-vector products over ``n`` copies. The response slots come in blocks (:func:`response_blocks`):
-    ``response_keys``/``response_values`` hold ``[R, K / h, M_b, h E]`` per block (``h`` heads side by side in
-    a row: :func:`~jppo.models.kv_cache.lane_group`), ``response_visible [R, M]`` (or ``[1, M]``,
-    the same for every row) the visible slots of all blocks in order. Heads-before-slots layouts make every contraction
-    a plain batched matmul.
+    ``query [R, H, E]``; ``prompt_keys``/``prompt_values [B, K / h, P, h E]`` (``h`` kv heads side by side in a
+    row: :func:`~jppo.models.kv_cache.lane_group`) with ``prompt_visible [B, P]``, shared by the ``n = R / B``
+    consecutive rows of each prompt (rows prompt-major), so a prompt's keys are stored and read once for its ``n``
+    samples: its scores are one ``[n G, E] x [E, P]`` product per (prompt, kv head) instead of ``n``
+    matrix-vector products over ``n`` copies. The response slots come in blocks (:func:`response_blocks`):
+    ``response_keys``/``response_values`` hold ``[R, K / h, M_b, h E]`` per block, ``response_visible [R, M]``
+    (or ``[1, M]``, the same for every row) the visible slots of all blocks in order. Heads-before-slots layouts
+    make every contraction a plain batched matmul.
 
     Each block ``b`` gives its partial softmax: its scores' maximum ``m_b``, ``s_b = sum exp(score - m_b)`` and
     ``o_b = sum exp(score - m_b) v``; a later block no row can see is skipped (``lax.cond``: its ``m_b`` is the
     lowest float, ``s_b = o_b = 0``, what computing it would give); the first block is always computed. With
     ``m = max_b m_b`` the output is ``sum_b e^(m_b - m) o_b / sum_b e^(m_b - m)
     s_b``, the single softmax up to rounding. Masked scores are replaced before the float32 exponentials and
-    their weights zeroed, as in the reference, so a row with nothing visible gets 0.
+    their weights zeroed, as in the reference, so a row with nothing visible gets 0. ``known_length``: the slots
+    every row sees when that is fixed at trace time (a step compiled at one slot, ``bench.decode_bound``): the
+    blocks past them are left out of the program rather than skipped by a conditional.
+
+    On a TPU, with one response block, it is one kernel (:func:`jppo.models.decode_kernel.decode_attention`): the
+    same softmax, summed in another order, whose scores never leave the core and which reads no response tile no
+    row of its program sees yet.
     """
     rows, num_heads, head_dim = query.shape
-    prompts, num_kv_heads, prompt_len, _ = prompt_keys.shape
+    prompts, _, prompt_len, lanes = prompt_keys.shape
+    h = lanes // head_dim  # kv heads side by side in a cache row
+    num_kv_heads = prompt_keys.shape[1] * h
     n, group = rows // prompts, num_heads // num_kv_heads
     precision = wide(query.dtype)
     scale = head_dim**-0.5
     lowest = jnp.finfo(precision).min
     dtype = prompt_values.dtype
+    own = jnp.eye(h, dtype=precision)
 
     def by_prompt(x: Array) -> Array:  # [R, K, G, X] -> [B, K, n G, X]
         x = x.reshape(prompts, n, num_kv_heads, group, x.shape[-1])
@@ -253,6 +265,23 @@ def decode_attention(
         x = x.reshape(prompts, num_kv_heads, n, group, x.shape[-1])
         return x.transpose(0, 2, 1, 3, 4).reshape(rows, num_kv_heads, group, x.shape[-1])
 
+    # The caches' rows hold h heads side by side ([.., K / h, slots, h E], kv_cache.lane_group). Each head's
+    # queries are spread over the row's h E entries, zero outside the head's own E, so one product per row gives
+    # every head's scores; of the values' product each head keeps its own E. h = 1: the plain batched products.
+    def spread(x: Array) -> Array:  # [X, K, Q, E] -> [X, K / h, h Q, h E]
+        if h == 1:
+            return x
+        mask = own[:, None, :, None].astype(x.dtype)
+        return (x.reshape(x.shape[0], num_kv_heads // h, h, x.shape[2], 1, head_dim) * mask).reshape(
+            x.shape[0], num_kv_heads // h, h * x.shape[2], lanes)
+
+    def own_lanes(mixed: Array) -> Array:  # [X, K / h, h Q, h E] -> [X, K, Q, E]
+        if h == 1:
+            return mixed
+        queries = mixed.shape[2] // h
+        mixed = mixed.reshape(mixed.shape[0], num_kv_heads // h, h, queries, h, head_dim)
+        return jnp.einsum("xjiqye,iy->xjiqe", mixed, own).reshape(mixed.shape[0], num_kv_heads, queries, head_dim)
+
     def block_softmax(scores: Array, visible: Array) -> tuple[Array, Array, Array]:
         """``(m, exp weights, s)`` of ``scores [X, K, Q, S]`` over the ``visible [X, 1, 1, S]`` slots."""
         scores = jnp.where(visible, scores * scale, lowest)
@@ -261,29 +290,29 @@ def decode_attention(
         return top, weights, weights.sum(axis=-1, keepdims=True)
 
     grouped = query.reshape(rows, num_kv_heads, group, head_dim)
+    if len(response_keys) == 1 and in_kernel(prompts, prompt_len, rows, response_keys[0].shape[2], lanes, precision):
+        # on a TPU one kernel reads the prompt's and the response's caches once (models/decode_kernel)
+        lengths = jnp.broadcast_to(response_visible.sum(axis=1), (rows,))
+        out = kernel_attention(spread(grouped), prompt_keys, prompt_values, prompt_visible, response_keys[0],
+                               response_values[0], lengths, scale, known_length)
+        return own_lanes(out).astype(query.dtype).reshape(rows, num_heads, head_dim)
+
     # the prompt block's softmax in the prompts' layout ([B, K, n G, P]): only its per-row results move to the
     # rows' layout, never the scores (moving those costs a write and a read of them per sample of each prompt)
-    prompt_scores = jnp.einsum("bkqe,bkpe->bkqp", by_prompt(grouped), prompt_keys, preferred_element_type=precision)
-    top, weights, total = block_softmax(prompt_scores, prompt_visible[:, None, None, :])
-    out = jnp.einsum("bkqp,bkpe->bkqe", weights.astype(dtype), prompt_values, preferred_element_type=precision)
+    scores = jnp.einsum("bjqc,bjpc->bjqp", spread(by_prompt(grouped)), prompt_keys, preferred_element_type=precision)
+    top, weights, total = block_softmax(scores.reshape(prompts, num_kv_heads, n * group, prompt_len),
+                                        prompt_visible[:, None, None, :])
+    weights = weights.astype(dtype).reshape(prompts, num_kv_heads // h, h * n * group, prompt_len)
+    out = own_lanes(jnp.einsum("bjqp,bjpc->bjqc", weights, prompt_values, preferred_element_type=precision))
     parts = [(by_row(top), by_row(total), by_row(out))]
 
     def block(keys: Array, values: Array, visible: Array) -> tuple[Array, Array, Array]:
-        # keys/values [R, J, M_b, h E]: h heads side by side in a row (kv_cache.lane_group). Each head's queries
-        # are spread over the row's h E entries, zero outside the head's own E, so one product per row gives every
-        # head's scores; of the values' product each head keeps its own E. h = 1: the plain batched products.
-        slots, lanes = keys.shape[2], keys.shape[3]
-        h = lanes // head_dim
-        own = jnp.eye(h, dtype=grouped.dtype)
-        spread = grouped if h == 1 else (grouped.reshape(rows, num_kv_heads // h, h, group, 1, head_dim)
-                                         * own[:, None, :, None]).reshape(rows, num_kv_heads // h, h * group, lanes)
-        scores = jnp.einsum("rjqc,rjmc->rjqm", spread, keys, preferred_element_type=precision)
+        slots = keys.shape[2]
+        scores = jnp.einsum("rjqc,rjmc->rjqm", spread(grouped), keys, preferred_element_type=precision)
         top, weights, total = block_softmax(scores.reshape(rows, num_kv_heads, group, slots), visible[:, None, None, :])
         mixed = jnp.einsum("rjqm,rjmc->rjqc", weights.astype(dtype).reshape(rows, num_kv_heads // h, h * group, slots),
                            values, preferred_element_type=precision)
-        out = jnp.einsum("rjigxe,ix->rjige", mixed.reshape(rows, num_kv_heads // h, h, group, h, head_dim),
-                         own.astype(precision)) if h > 1 else mixed
-        return top, total, out.reshape(rows, num_kv_heads, group, head_dim)
+        return top, total, own_lanes(mixed)
 
     def skipped(keys: Array, values: Array, visible: Array) -> tuple[Array, Array, Array]:
         del keys, values, visible
@@ -295,7 +324,10 @@ def decode_attention(
     for index, (keys, values) in enumerate(zip(response_keys, response_values)):
         visible = response_visible[:, start:start + keys.shape[2]]
         start += keys.shape[2]
-        if index == 0:  # slot 0 is visible from the first decoding step on: a conditional would only cost a sync
+        if known_length is not None:  # a slot fixed at trace time: the blocks no row sees are not in the program
+            if start - keys.shape[2] < known_length:
+                parts.append(block(keys, values, visible))
+        elif index == 0:  # slot 0 is visible from the first decoding step on: a conditional would only cost a sync
             parts.append(block(keys, values, visible))
         else:
             parts.append(jax.lax.cond(jnp.any(visible), block, skipped, keys, values, visible))
