@@ -244,10 +244,14 @@ def kv_cache_bytes(m: ModelConfig, prompts: int, prompt_len: int, rows: int, len
     return prompts * prompt_len * (keys_and_values + 1) + rows * length * keys_and_values
 
 
-def sampler_logits_bytes(m: ModelConfig, rows: int, mesh: dict[str, int]) -> int:
+def sampler_logits_bytes(m: ModelConfig, rows: int, mesh: dict[str, int], prompts: Optional[int] = None) -> int:
     """A decoding step's working set over the vocabulary for ``rows`` rows decoded at once: the float32 logits,
-    their log-softmax (the drawn token's log-prob), the random bits and the noised logits of the categorical draw."""
-    return SAMPLER_LOGIT_COPIES * rows * split(m.vocab_size, mesh) * ACCUMULATOR_BYTES
+    their log-softmax (the drawn token's log-prob), the random bits and the noised logits of the categorical draw.
+    With ``prompts``, a draw XLA fuses into the LM head's product (a TPU's unfiltered sampling,
+    :func:`jppo.rollout.processors.one_pass_draw`): no decoding step holds the logits, only the first token's draw
+    does, the ``prompts``' logits and their rows."""
+    copies = SAMPLER_LOGIT_COPIES * rows if prompts is None else rows + prompts
+    return copies * split(m.vocab_size, mesh) * ACCUMULATOR_BYTES
 
 
 def model_config(cfg: TrainConfig, path: Optional[str] = None) -> ModelConfig:

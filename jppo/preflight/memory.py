@@ -64,7 +64,9 @@ KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sample
                        sequence)``, ``P = bucket(max_prompt_length + T - 1)``
 sampler logits         ``4 S V' a``: a decoding step's float32 logits of the ``S`` rows, their log-softmax (the
                        drawn token's log-prob), the categorical draw's random bits and noised logits (the four
-                       ``[S, V']`` arrays of the compiled decoding step on TPU and GPU)
+                       ``[S, V']`` arrays of the compiled decoding step on GPU); ``(S + B) V' a`` on a TPU where the
+                       draw is one pass (no filter, not greedy): XLA fuses it into the LM head, and only the first
+                       token's draw holds the prompts' logits and their rows
 prefill                ``B P y``: the prompts' forward pass that fills the caches, ``y`` what one layer of a forward
                        pass holds at once per token (hidden states in and out, queries, keys, values, and the larger
                        of attention's float32 scores and the MLP's three intermediates). Beside the caches and the

@@ -64,11 +64,15 @@ def sampler_terms(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int],
 
     sampler, width, new = sampling_config(cfg, policy), sampler_prompt_width(cfg), cfg.rollout.max_response_length
     terms, tied_on_tpu = [], platform == "tpu" and sampler.tie_word_embeddings
+    # the draws in one pass over the vocabulary (no filter, not greedy), which XLA:TPU fuses into the LM head
+    one_pass = (cfg.rollout.top_k <= 0 and cfg.rollout.top_p >= 1.0, cfg.rollout.val_temperature > 0)
     for phase, (prompts, rows) in enumerate(rollout_rows(cfg, mesh)):
         decoded = device_slots(rows, cfg.rollout.max_num_seqs, decoding_shards(mesh))
+        fused = platform == "tpu" and one_pass[phase]
+        logits = sampler_logits_bytes(sampler, decoded, mesh, prompts if fused else None)
         terms.append((Term("kv_cache", kv_cache_bytes(sampler, prompts, width, decoded, new, mesh),
                            f"B={prompts} x P={width} + S={decoded} x T={new} x ..., c_s={dtype_bytes(sampler.dtype)}"),
-                      Term("sampler_logits", sampler_logits_bytes(sampler, decoded, mesh), f"4 S={decoded} V' a"),
+                      Term("sampler_logits", logits, f"4 (a TPU's fused draw: 1) S={decoded} V' a"),
                       Term("prefill", prompts * width * forward_layer_bytes_per_token(sampler, width, mesh, platform,
                                                                                         prompts * width),
                            f"B={prompts} x P={width} x y"),
