@@ -290,7 +290,8 @@ def decode_attention(
         return top, weights, weights.sum(axis=-1, keepdims=True)
 
     grouped = query.reshape(rows, num_kv_heads, group, head_dim)
-    if len(response_keys) == 1 and in_kernel(prompts, prompt_len, rows, response_keys[0].shape[2], lanes, precision):
+    if len(response_keys) == 1 and in_kernel(prompts, prompt_len, rows, response_keys[0].shape[2], lanes, precision,
+                                             response_visible.shape[0] > 1):
         # on a TPU one kernel reads the prompt's and the response's caches once (models/decode_kernel)
         lengths = jnp.broadcast_to(response_visible.sum(axis=1), (rows,))
         out = kernel_attention(spread(grouped), prompt_keys, prompt_values, prompt_visible, response_keys[0],
