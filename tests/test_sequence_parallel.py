@@ -193,13 +193,15 @@ def test_a_sequence_axis_that_does_not_split_the_devices_or_the_rows_is_one_line
 @pytest.mark.parametrize("devices,sequence,budget", [(1, 1, 4096), (2, 2, 8192)])
 def test_a_sequence_axis_too_large_for_the_devices_says_what_to_set_and_that_runs(
         tmp_path, name, roles, devices, sequence, budget):
-    """The GSM8K configs split rows over mesh.sequence=4: on 1 or 2 devices the one-line error names the overrides
-    that keep each device's 4096 tokens, and the config with them passes the same check."""
+    """The GSM8K configs with their rows split over mesh.sequence=4 (16384 tokens, 4096 a device): on 1 or 2 devices
+    the one-line error names the overrides that keep each device's 4096 tokens, and the config with them passes the
+    same check."""
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{}")
     (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1?", "answer": "#### 2"}\n')
     paths = [f"model.path={tmp_path / 'ckpt'}", f"data.train_files={tmp_path / 'rows.jsonl'}",
-             f"data.val_files={tmp_path / 'rows.jsonl'}"]
+             f"data.val_files={tmp_path / 'rows.jsonl'}", "mesh.sequence=4",
+             *(f"{role}.ppo_max_token_len=16384" for role in roles)]
     config = QUICKSTART.parent / name
     with pytest.raises(ConfigError) as error:
         check_mesh(load_config(config, paths), devices)

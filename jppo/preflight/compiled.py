@@ -48,7 +48,8 @@ PROGRAMS = ("actor_update", "critic_update", "old_log_prob", "ref_log_prob", "va
 @dataclasses.dataclass(frozen=True)
 class Compiled:
     """One program compiled for a target (or the first line of why not). ``xla_bytes``: XLA's bytes per device
-    (arguments + outputs - donated + temporaries); ``peak_bytes``: that plus what the run keeps on the device
+    (arguments + outputs - donated + temporaries), ``temp_bytes`` the temporaries alone (a step's activations and
+    scratch); ``peak_bytes``: that plus what the run keeps on the device
     besides the program's arguments (train states, reference, the others' weights), to check against the device's
     memory; ``flops``: per device, matrix products only, loops multiplied by their trip counts
     (:func:`jppo.preflight.hlo.flops`); ``decode_step_collectives``: those of one turn of the decoding loop (one token
@@ -58,6 +59,7 @@ class Compiled:
     compiled: bool
     error: Optional[str] = None
     xla_bytes: Optional[int] = None
+    temp_bytes: Optional[int] = None
     peak_bytes: Optional[int] = None
     collectives: dict = dataclasses.field(default_factory=dict)
     decode_step_collectives: Optional[dict] = None
@@ -258,7 +260,8 @@ def analyse(name: str, executable, elsewhere: int, decode_steps: Optional[int] =
     module = hlo.parse(executable.as_text())
     decoding = name in ("rollout", "validation")
     return Compiled(
-        name, True, xla_bytes=int(xla), peak_bytes=int(xla + elsewhere), collectives=hlo.collectives(module),
+        name, True, xla_bytes=int(xla), temp_bytes=int(memory.temp_size_in_bytes), peak_bytes=int(xla + elsewhere),
+        collectives=hlo.collectives(module),
         decode_step_collectives=hlo.decode_step_collectives(module) if decoding else None,
         flops=hlo.flops(module, decode_steps),
     )

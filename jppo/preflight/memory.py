@@ -103,11 +103,14 @@ micro-batch, ``y`` as in the prefill line) and (log-probs) ``r k V' a`` of logit
 into that one array); the rollout and the validation the policy's parameters plus their sampling phase.
 
 Against the compiled programs (``python -m jppo.plan --compile-for``, which prints both), with
-``configs/qwen2_5_0_5b_gsm8k_grpo.yaml`` (reference attention, 16384-token rows over ``sequence: 4``), plan / XLA
-GiB per device. Qwen2.5-0.5B's shape on v5p:2x2x2: actor update 13.79 / 14.33, old log-probs 5.08 / 5.16,
-reference log-probs 4.16 / 4.06, rollout 2.85 / 3.11, validation 3.81 / 4.23; on h100x8: 18.17 / 18.08, 6.83 /
-6.70, 5.91 / 6.00, 2.96 / 3.14, 4.23 / 4.04. Qwen2.5-7B's on v5p:4x4x4: 28.55 / 26.98, 10.33 / 11.02, 8.56 / 8.07,
-16.44 / 17.00, 16.94 / 17.46. A forward pass's peak is one layer's float32 attention scores (3.5 GiB at 0.5B);
+``configs/qwen2_5_0_5b_gsm8k_grpo.yaml`` as shipped before 2026-12-07 (reference attention, 16384-token rows over
+``sequence: 4``), plan / XLA GiB per device. Qwen2.5-0.5B's shape on v5p:2x2x2: actor update 13.79 / 14.33, old
+log-probs 5.08 / 5.16, reference log-probs 4.16 / 4.06, rollout 2.85 / 3.11, validation 3.81 / 4.23; on h100x8: 18.17 /
+18.08, 6.83 / 6.70, 5.91 / 6.00, 2.96 / 3.14, 4.23 / 4.04. Qwen2.5-7B's on v5p:4x4x4: 28.55 / 26.98, 10.33 / 11.02, 8.56
+/ 8.07, 16.44 / 17.00, 16.94 / 17.46. As shipped since (``auto`` attention, whole 4096-token rows, fsdp 8) the plan is
+no longer within 10%: the actor update 2.00 / 3.66 on v5p:2x2x2 (its peak the LM head's phase, where XLA:TPU holds the
+tied table in more layouts and its gradient in float32 and bfloat16, not planned yet), 2.00 / 2.52 on h100x8.
+A forward pass's peak is one layer's float32 attention scores (3.5 GiB at 0.5B);
 the prefill and the decoding step's logits are apart in XLA's buffer assignment, so both are counted. An update's
 peak is one layer's attention backward pass (the optimizer step's temporaries are less). XLA:TPU pads each array's
 two minor dimensions to its (8, 128) tiles, which dominates at toy sizes (the quickstart's 64-wide model). The
