@@ -11,9 +11,10 @@ jppo (and TRL) from the same jppo config:
   jppo's before training (``logits_max_abs_diff``, the same bound as TRL's).
 - **task and reward**: the task's training prompts, ``train_batch_size`` a step in jppo's order, and jppo's own
   reward function on Tunix's decoded completions (a completion ended by EOS is finished).
-- **the step**: ``rollout.n`` generations a prompt at temperature 1 (no top-k / top-p), prompts left-padded to jppo's
-  ``data.max_prompt_length``, responses up to ``rollout.max_response_length`` tokens (lengths are matched as on the other sides:
-  EOS is not suppressed; the shapes' wide vocabulary makes it rare, so responses run to the limit); GRPO's
+- **the step**: ``rollout.n`` generations a prompt at temperature 1 (no top-k / top-p), prompts left-padded to
+  jppo's ``data.max_prompt_length``, responses up to ``rollout.max_response_length`` tokens (lengths are matched as
+  on the other sides: EOS is not suppressed; the shapes' wide vocabulary makes it rare, so responses run to the
+  limit); GRPO's
   std-normalized group advantages, clip ``actor.clip_ratio``, no KL (``beta=0``, so no reference model is built),
   token-mean loss, AdamW at the constant learning rate after the actor's global-norm clipping, ``ppo_epochs`` as
   ``num_iterations``, and the same optimizer steps over the same micro-batches (:func:`tunix_batches`).
