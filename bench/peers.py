@@ -276,7 +276,10 @@ def measure_shape(name: str, shape: Shape, steps: int, rounds: int, omp: str = "
     """``rounds`` alternated runs of jppo and each peer of ``sides`` (and, with ``alone`` and TRL,
     :mod:`bench.trl_alone`) at ``shape``, ``steps`` training steps each, in OpenMP's ``omp`` environment
     (:func:`child_environment`), summarized."""
+    # TRL imports vLLM where it is installed, and vLLM refuses to start when it finds libtpu (jax's TPU compiler, in
+    # the test extra) beside its CPU build: the trainers run on this CPU (as jppo.rollout.vllm_engine tells vLLM)
     env = child_environment(omp)
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     with tempfile.TemporaryDirectory() as scratch:
         out = pathlib.Path(scratch)
         cfg, overrides = shape_config(shape, steps, out)
