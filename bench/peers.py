@@ -1,13 +1,15 @@
-"""End to end against a peer trainer: seconds per GRPO training step of jppo vs TRL's ``GRPOTrainer``.
+"""End to end against peer trainers: seconds per GRPO training step of jppo vs TRL's ``GRPOTrainer`` and vs
+Google's Tunix ``GRPOLearner`` (JAX, on the same XLA).
 
     python -m bench.peers [--quick] [--shapes quickstart,gsm8k_shape] [--steps N] [--rounds R]
                           [--omp user|passive] [--alone]
 
-Both trainers run on this CPU in float32, on the same model, task, prompts, reward, batch, group size and lengths,
-alternated for ``--rounds``, never concurrently, each run in a fresh process of its own (:func:`run_side`: a
-trainer run after the other in one process ran up to 2x slower); the parent process only exports the weights,
-checks the logits and reads the children's results. Every child runs with ``OMP_WAIT_POLICY`` as the user's shell
-has it (``--omp user``, the default; why: :mod:`bench`) or ``PASSIVE`` (``--omp passive``), recorded per child.
+The trainers run on this CPU in float32, on the same model, task, prompts, reward, batch, group size and lengths,
+alternated for ``--rounds`` (jppo, TRL, Tunix), never concurrently, each run in a fresh process of its own
+(:func:`run_side`: a trainer run after another in one process ran up to 2x slower); the parent process only exports
+the weights, checks the logits and reads the children's results. Every child runs with ``OMP_WAIT_POLICY`` as the
+user's shell has it (``--omp user``, the default; why: :mod:`bench`) or ``PASSIVE`` (``--omp passive``), recorded per
+child.
 ``--alone`` adds :mod:`bench.trl_alone` after TRL's run in every round: TRL's own ``GRPOTrainer`` with nothing
 wrapped, in a process that imports nothing of this harness (``trl_alone_s_per_step``).
 
@@ -18,6 +20,9 @@ wrapped, in a process that imports nothing of this harness (``trl_alone_s_per_st
 - **task and reward**: TRL's dataset holds the task's training prompts and answers and its reward function calls
   jppo's own with the decoded completions; the prompt ids are the same on both sides (the export's tokenizer
   files, BOS first).
+- **Tunix**: :mod:`bench.tunix_side` (its own Qwen2 loader on the same export, its vanilla sampler, the same
+  reward, batch and optimizer; how each setting is matched, and the one ordering difference, is said there). Its
+  logits are checked against jppo's in its own process (``tunix_logits_max_abs_diff``, the same bound).
 - **the step**: ``rollout.n`` samples per prompt at temperature 1 (no top-k / top-p); no KL, no entropy bonus,
   clip 0.2, AdamW at a constant learning rate, the actor's gradient clipping, token-mean loss (TRL's ``dapo``),
   advantages normalized by the group's std, no activation recomputation on either side. One jppo training step is
@@ -31,10 +36,12 @@ sides run the old-log-prob pass) and ``gsm8k_shape`` (4 layers d256, 8 prompts x
 long, as GSM8K's do.
 
 Seconds per step: jppo's ``timing/step``; TRL's the wall time between the ends of the last optimizer steps of two
-successive generations (:class:`bench.trl_side.TrlSetup`). Medians over steps ``MEDIAN_FROM``.. of every round, per
+successive generations (:class:`bench.trl_side.TrlSetup`); Tunix's between the ends of two successive global steps
+(:func:`bench.tunix_side.run_tunix`). Medians over steps ``MEDIAN_FROM``.. of every round, per
 phase too: jppo's ``timing/*``, TRL's from wrappers around its methods (:func:`bench.trl_side.run_trl`). TRL is a
-benchmark-only tool, never a dependency of jppo: without it (or with ``JPPO_BENCH_NO_TRL=1``) the ratios are
-``None`` with the reason, and nothing runs.
+benchmark-only tool, never a dependency of jppo: without it (or with ``JPPO_BENCH_NO_TRL=1``) its ratios are
+``None`` with the reason; so are Tunix's without Tunix (or with ``JPPO_BENCH_NO_TUNIX=1``), and with neither peer
+nothing runs.
 """
 from __future__ import annotations
 
@@ -58,6 +65,7 @@ from bench import OMP_MODES, child_environment
 from bench.environment import match_torch_threads
 from bench.report import section
 from bench.trl_side import run_trl, trl_arguments
+from bench.tunix_side import run_tunix, tunix_batches, tunix_missing, tunix_version
 from jppo.config import TrainConfig, check_mesh, load_config
 from jppo.data import CharTokenizer
 from jppo.run import build, loop
@@ -112,7 +120,8 @@ QUICK_SHAPES = {
     ),
 }
 FULL_STEPS, QUICK_STEPS = 12, 3
-FULL_ROUNDS = 3  # alternated jppo/TRL runs per shape in full mode (quick: 1)
+FULL_ROUNDS = 3  # alternated jppo/TRL/Tunix runs per shape in full mode (quick: 1)
+PEERS = ("trl", "tunix")  # the peer sides, in the order each round runs them after jppo
 
 
 def trl_missing() -> Optional[str]:
@@ -179,40 +188,55 @@ def _median(values: list[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def _trl_step_median(run: dict, first: int) -> Optional[float]:
+def _peer_step_median(run: dict, first: int) -> Optional[float]:
     return _median([s["step"] for s in run["steps"][first - 1:]])
 
 
-def summarize(jppo_runs: list[dict], trl_runs: list[dict], first: int, alone_runs: Sequence[dict] = ()) -> dict:
-    """Medians over steps ``first``.. of every run, per phase and for the whole step, and the ratio; with
-    ``alone_runs`` (:mod:`bench.trl_alone`, one per round) TRL's own step beside its in-harness one."""
+def _peer_summary(side: str, runs: Sequence[dict], first: int, ours: dict) -> dict:
+    """One peer's medians (``side``: ``trl`` or ``tunix``, runs holding ``steps`` as :func:`bench.trl_side.run_trl`
+    returns them) over steps ``first``.., per phase and for the whole step, and its s/step over jppo's."""
+    steps = [s for run in runs for s in run["steps"][first - 1:]]
+    theirs = {k: _median([s[k] for s in steps]) for k in (steps[0] if steps else {})}
+    ratio = theirs["step"] / ours["step"] if theirs.get("step") and ours.get("step") else None
+    return {
+        f"{side}_s_per_step": theirs.get("step"), f"{side}_over_jppo": ratio, f"{side}_phases_s": theirs,
+        f"{side}_first_step_s": [run["steps"][0]["step"] for run in runs if run["steps"]],
+        f"{side}_mean_response_length": _median([run["mean_response_length"] for run in runs
+                                                 if run["mean_response_length"] is not None]),
+    }
+
+
+def summarize(jppo_runs: list[dict], trl_runs: list[dict], first: int, alone_runs: Sequence[dict] = (),
+              tunix_runs: Sequence[dict] = ()) -> dict:
+    """Medians over steps ``first``.. of every run, per phase and for the whole step, and each peer's ratio; with
+    ``alone_runs`` (:mod:`bench.trl_alone`, one per round) TRL's own step beside its in-harness one. A peer not
+    run (no runs) has ``None`` for its step and ratio."""
     jppo_steps = [r for run in jppo_runs for r in run["records"] if r["step"] >= first]
-    trl_steps = [s for run in trl_runs for s in run["steps"][first - 1:]]
     jppo_phases = sorted({k for r in jppo_steps for k in r if k.startswith("timing/")})
     ours = {k.removeprefix("timing/"): _median([r[k] for r in jppo_steps if r.get(k) is not None]) for k in jppo_phases}
-    theirs = {k: _median([s[k] for s in trl_steps]) for k in (trl_steps[0] if trl_steps else {})}
-    ratio = theirs["step"] / ours["step"] if theirs.get("step") and ours.get("step") else None
-    rounds = [{"jppo": _median([r["timing/step"] for r in j["records"] if r["step"] >= first]),
-               "trl": _trl_step_median(t, first)} for j, t in zip(jppo_runs, trl_runs)]
-    for entry, alone in zip(rounds, alone_runs):
-        entry["trl_alone"] = _trl_step_median(alone, first)
-    runs = {"jppo": jppo_runs, "trl": trl_runs, "trl_alone": list(alone_runs)}
-    return {
+    peers = {"trl": trl_runs, "tunix": list(tunix_runs)}
+    rounds = [{"jppo": _median([r["timing/step"] for r in j["records"] if r["step"] >= first])} for j in jppo_runs]
+    for side, side_runs in {**peers, "trl_alone": alone_runs}.items():
+        for entry, run in zip(rounds, side_runs):
+            entry[side] = _peer_step_median(run, first)
+    runs = {"jppo": jppo_runs, **peers, "trl_alone": list(alone_runs)}
+    summary = {
         "rounds_s_per_step": rounds, "trl_torch_threads": [run.get("torch_threads") for run in trl_runs],
-        "jppo_s_per_step": ours.get("step"), "trl_s_per_step": theirs.get("step"), "trl_over_jppo": ratio,
+        "jppo_s_per_step": ours.get("step"),
         "trl_alone_s_per_step": _median([s["step"] for run in alone_runs for s in run["steps"][first - 1:]]),
         "trl_alone_train_s": [run["train_s"] for run in alone_runs],
         "omp_wait_policy": {side: [run.get("omp_wait_policy") for run in side_runs]
                             for side, side_runs in runs.items() if side_runs},
-        "jppo_phases_s": ours, "trl_phases_s": theirs,
+        "jppo_phases_s": ours,
         "jppo_first_step_s": [run["records"][0]["timing/step"] for run in jppo_runs if run["records"]],
-        "trl_first_step_s": [run["steps"][0]["step"] for run in trl_runs if run["steps"]],
-        "steps_in_medians": {"jppo": len(jppo_steps), "trl": len(trl_steps)},
+        "steps_in_medians": {"jppo": len(jppo_steps)} | {
+            side: sum(len(run["steps"][first - 1:]) for run in side_runs) for side, side_runs in peers.items()},
         "jppo_mean_response_length": _median([r["response_length/mean"] for r in jppo_steps
                                               if r.get("response_length/mean") is not None]),
-        "trl_mean_response_length": _median([run["mean_response_length"] for run in trl_runs
-                                             if run["mean_response_length"] is not None]),
     }
+    for side, side_runs in peers.items():
+        summary |= _peer_summary(side, side_runs, first, ours)
+    return summary
 
 
 def prompt_ids(cfg: TrainConfig, count: int) -> list[list[int]]:
@@ -233,8 +257,8 @@ def check_logits(name: str, cfg: TrainConfig) -> float:
     return diff
 
 
-def describe(cfg: TrainConfig, overrides: Sequence[str]) -> dict:
-    """The shape of one comparison, for the report."""
+def describe(cfg: TrainConfig, overrides: Sequence[str], tunix: bool = False) -> dict:
+    """The shape of one comparison, for the report (with ``tunix``, Tunix's batch settings too)."""
     batch = trl_arguments(cfg)
     lengths = [len(row) for row in prompt_ids(cfg, 64)]
     return {
@@ -244,31 +268,41 @@ def describe(cfg: TrainConfig, overrides: Sequence[str]) -> dict:
         "prompt_tokens": f"{min(lengths)}-{max(lengths)}", "vocab_size": build.load_inputs(cfg).tokenizer.vocab_size,
         "optimizer_steps_per_training_step": batch.pop("optimizer_steps_per_generation"),
         "ppo_epochs": cfg.actor.ppo_epochs, "trl_settings": batch,
-    }
+    } | ({"tunix_settings": tunix_batches(cfg)} if tunix else {})
 
 
-def measure_shape(name: str, shape: Shape, steps: int, rounds: int, omp: str = "user", alone: bool = False) -> dict:
-    """``rounds`` alternated runs of jppo and TRL (and, with ``alone``, :mod:`bench.trl_alone`) at ``shape``,
-    ``steps`` training steps each, in OpenMP's ``omp`` environment (:func:`child_environment`), summarized."""
+def measure_shape(name: str, shape: Shape, steps: int, rounds: int, omp: str = "user", alone: bool = False,
+                  sides: Sequence[str] = PEERS) -> dict:
+    """``rounds`` alternated runs of jppo and each peer of ``sides`` (and, with ``alone`` and TRL,
+    :mod:`bench.trl_alone`) at ``shape``, ``steps`` training steps each, in OpenMP's ``omp`` environment
+    (:func:`child_environment`), summarized."""
+    # TRL imports vLLM where it is installed, and vLLM refuses to start when it finds libtpu (jax's TPU compiler, in
+    # the test extra) beside its CPU build: the trainers run on this CPU (as jppo.rollout.vllm_engine tells vLLM)
     env = child_environment(omp)
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     with tempfile.TemporaryDirectory() as scratch:
         out = pathlib.Path(scratch)
         cfg, overrides = shape_config(shape, steps, out)
         diff = check_logits(name, cfg)
-        jppo_runs, trl_runs, alone_runs = [], [], []
+        runs: dict[str, list[dict]] = {"jppo": [], "trl": [], "trl_alone": [], "tunix": []}
         for index in range(rounds):  # alternated, one fresh process per run
             run_dir = out / f"jppo_{index}"
-            jppo_runs.append(run_side({"side": "jppo", "overrides": overrides + [f"trainer.output_dir={run_dir}"]},
-                                      out / f"jppo_{index}.json", env))
-            trl_spec = {"overrides": overrides, "steps": steps, "out": str(out / f"trl_{index}")}
-            trl_runs.append(run_side(trl_spec | {"side": "trl"}, out / f"trl_{index}.json", env))
-            if alone:
-                alone_runs.append(run_side(trl_spec | {"side": "trl_alone", "config": str(QUICKSTART_GRPO)},
-                                           out / f"trl_alone_{index}.json", env))
-        shape_info = describe(cfg, overrides)
+            runs["jppo"].append(run_side({"side": "jppo", "overrides": overrides + [f"trainer.output_dir={run_dir}"]},
+                                         out / f"jppo_{index}.json", env))
+            for side in sides:
+                spec = {"overrides": overrides, "steps": steps, "out": str(out / f"{side}_{index}")}
+                runs[side].append(run_side(spec | {"side": side}, out / f"{side}_{index}.json", env))
+                if side == "trl" and alone:
+                    runs["trl_alone"].append(run_side(spec | {"side": "trl_alone", "config": str(QUICKSTART_GRPO)},
+                                                      out / f"trl_alone_{index}.json", env))
+        shape_info = describe(cfg, overrides, tunix="tunix" in sides)
+    tunix_diffs = [run["logits_max_abs_diff"] for run in runs["tunix"]]
+    if any(d > LOGITS_ATOL for d in tunix_diffs):
+        raise RuntimeError(f"{name}: jppo and Tunix logits differ by {max(tunix_diffs):.2e} > {LOGITS_ATOL}")
     first = MEDIAN_FROM if steps > MEDIAN_FROM else 2
-    return summarize(jppo_runs, trl_runs, first, alone_runs) | {
+    return summarize(runs["jppo"], runs["trl"], first, runs["trl_alone"], runs["tunix"]) | {
         "shape": shape_info, "logits_max_abs_diff": diff, "steps": steps, "rounds": rounds, "median_from_step": first,
+        "tunix_logits_max_abs_diff": max(tunix_diffs) if tunix_diffs else None,
     }
 
 
@@ -281,7 +315,8 @@ def side_command(spec: dict, path: pathlib.Path) -> list[str]:
 
 def run_side(spec: dict, path: pathlib.Path, env: dict[str, str]) -> dict:
     """One run of ``spec["side"]`` (``jppo``: :func:`run_jppo`; ``trl``: :func:`bench.trl_side.run_trl` with
-    torch's threads set to XLA's cores; ``trl_alone``: :mod:`bench.trl_alone`) in a fresh Python process with
+    torch's threads set to XLA's cores; ``trl_alone``: :mod:`bench.trl_alone`; ``tunix``:
+    :func:`bench.tunix_side.run_tunix`) in a fresh Python process with
     environment ``env``, its result read back from ``SPEC.result``. Nothing of the other trainer (threads, heap,
     caches, allocations) is in that process. Its output goes to this process's stderr."""
     path.write_text(json.dumps(spec))
@@ -290,11 +325,15 @@ def run_side(spec: dict, path: pathlib.Path, env: dict[str, str]) -> dict:
 
 
 def child(path: pathlib.Path) -> None:
-    """The body of :func:`run_side`'s process for ``jppo`` and ``trl``."""
+    """The body of :func:`run_side`'s process for ``jppo``, ``trl`` and ``tunix``."""
     spec = json.loads(path.read_text())
     cfg = load_config(QUICKSTART_GRPO, spec["overrides"])
     if spec["side"] == "jppo":
         result = run_jppo(cfg)
+    elif spec["side"] == "tunix":
+        rows = prompt_ids(cfg, 4)  # check_logits's prompts
+        width = min(len(row) for row in rows)
+        result = run_tunix(cfg, spec["steps"], pathlib.Path(spec["out"]), np.array([row[:width] for row in rows]))
     else:
         match_torch_threads()
         result = run_trl(cfg, spec["steps"], pathlib.Path(spec["out"]))
@@ -304,23 +343,30 @@ def child(path: pathlib.Path) -> None:
 
 def measure(quick: bool, shapes: Sequence[str] = tuple(SHAPES), steps: Optional[int] = None,
             rounds: Optional[int] = None, omp: str = "user", alone: bool = False) -> dict:
-    """Every shape's comparison (see the module docstring); ``None`` ratios and the reason without TRL."""
-    missing = trl_missing()
+    """Every shape's comparison (see the module docstring); a peer's ``None`` ratios and the reason without it."""
+    missing = {"trl": trl_missing(), "tunix": tunix_missing()}
+    sides = [side for side in PEERS if missing[side] is None]
     table = QUICK_SHAPES if quick else SHAPES
-    result: dict = {"trl_missing": missing, "shapes": {}, "omp": omp}
-    if missing is None:
-        import trl
+    result: dict = {"trl_missing": missing["trl"], "tunix_missing": missing["tunix"], "shapes": {}, "omp": omp}
+    if sides:
+        result["versions"] = {"torch": torch.__version__, "jax": jax.__version__}
+        if "trl" in sides:
+            import trl
 
-        result["versions"] = {"trl": trl.__version__, "torch": torch.__version__}
+            result["versions"]["trl"] = trl.__version__
+        if "tunix" in sides:
+            result["versions"]["tunix"] = tunix_version()
         result["torch_threads"] = match_torch_threads()
         for name in shapes:
             result["shapes"][name] = measure_shape(
                 name, table[name], steps or (QUICK_STEPS if quick else FULL_STEPS),
-                rounds or (1 if quick else FULL_ROUNDS), omp, alone,
+                rounds or (1 if quick else FULL_ROUNDS), omp, alone, sides,
             )
-    ratios = {name: result["shapes"].get(name, {}).get("trl_over_jppo") for name in SHAPES}
-    return result | {"e2e_vs_trl_grpo_quickstart": ratios["quickstart"],
-                     "e2e_vs_trl_grpo_gsm8k_shape": ratios["gsm8k_shape"]}
+    keys = {}
+    for side in PEERS:
+        for name in SHAPES:
+            keys[f"e2e_vs_{side}_grpo_{name}"] = result["shapes"].get(name, {}).get(f"{side}_over_jppo")
+    return result | keys
 
 
 def argument_problem(args: argparse.Namespace, shapes: Sequence[str]) -> Optional[str]:
@@ -343,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
     parser.add_argument("--steps", type=int, help=f"training steps per run (default {FULL_STEPS}, quick {QUICK_STEPS})")
     parser.add_argument(
-        "--rounds", type=int, help=f"alternated jppo/TRL runs per shape (default {FULL_ROUNDS}, quick 1)"
+        "--rounds", type=int, help=f"alternated jppo/TRL/Tunix runs per shape (default {FULL_ROUNDS}, quick 1)"
     )
     parser.add_argument("--omp", default="user", help="OMP_WAIT_POLICY of the trainer processes: user (as this "
                         "shell has it; default) or passive (bench's default for its in-process comparisons)")

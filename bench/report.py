@@ -158,54 +158,68 @@ def _end_to_end(result: dict) -> list[str]:
     ) + [f"Time to target: reward/mean >= {target['target_reward']} {outcome}.", ""]
 
 
+PEER_SIDES = ("jppo", "trl", "tunix")  # the sides of bench.peers, jppo first
+
+
 def _peers(result: dict) -> list[str]:
-    if result["trl_missing"] is not None:
-        return ["## End to end vs TRL GRPOTrainer", "", f"Not measured: {result['trl_missing']}.", ""]
+    title = "End to end vs TRL GRPOTrainer and Tunix GRPOLearner"
+    missing = [f"Not measured: {reason}." for reason in (result["trl_missing"], result.get("tunix_missing")) if reason]
+    if not result["shapes"]:
+        return [f"## {title}", "", *missing, ""]
     rows = []
     for name, shape in result["shapes"].items():
         s = shape["shape"]
-        lengths = f"{_num(shape['jppo_mean_response_length'], 1)}, {_num(shape['trl_mean_response_length'], 1)}"
-        firsts = "; ".join(", ".join(f"{x:.1f}" for x in shape[f"{side}_first_step_s"]) for side in ("jppo", "trl"))
+        lengths = ", ".join(_num(shape.get(f"{side}_mean_response_length"), 1) for side in PEER_SIDES)
+        firsts = "; ".join(", ".join(f"{x:.1f}" for x in shape.get(f"{side}_first_step_s", [])) for side in PEER_SIDES)
+        diffs = "; ".join(f"{d:.1e}" for d in (shape["logits_max_abs_diff"], shape.get("tunix_logits_max_abs_diff"))
+                          if d is not None)
         rows.append([name, f"{s['layers']}L d{s['hidden']} V{s['vocab_size']}", f"{s['prompts']} x {s['n']}",
                      f"{s['prompt_tokens']} / {s['max_response_length']} ({lengths})",
-                     s["optimizer_steps_per_training_step"], f"{shape['logits_max_abs_diff']:.1e}",
-                     *(_num(shape[key], 3) for key in ("jppo_s_per_step", "trl_s_per_step", "trl_alone_s_per_step")),
-                     _num(shape["trl_over_jppo"], 2), firsts])
+                     s["optimizer_steps_per_training_step"], diffs,
+                     *(_num(shape.get(key), 3) for key in ("jppo_s_per_step", "trl_s_per_step", "trl_alone_s_per_step",
+                                                           "tunix_s_per_step")),
+                     _num(shape.get("trl_over_jppo"), 2), _num(shape.get("tunix_over_jppo"), 2), firsts])
+    versions = result["versions"]
     return _table(
-        "End to end vs TRL GRPOTrainer",
-        f"Seconds per GRPO training step, jppo vs TRL {result['versions']['trl']} on the same exported weights, "
-        f"prompts, reward, batch and lengths, float32 on CPU (torch with {result['torch_threads']} threads, "
-        f"OMP_WAIT_POLICY {result.get('omp', 'user')}); medians of the steps after the warm-up, runs alternated; "
-        "TRL alone: bench.trl_alone, TRL's own trainer class in a process of its own (`--alone`).",
-        ["shape", "model", "prompts x n", "prompt / max response (mean jppo, TRL)", "optimizer steps",
-         "logits max diff", "jppo s/step", "TRL s/step", "TRL alone s/step", "TRL / jppo", "first step jppo, TRL s"],
+        title,
+        f"Seconds per GRPO training step, jppo vs TRL {versions.get('trl', '(not run)')} and Tunix "
+        f"{versions.get('tunix', '(not run)')} on the same exported weights, prompts, reward, batch and lengths, "
+        f"float32 on CPU (torch with {result['torch_threads']} threads, OMP_WAIT_POLICY {result.get('omp', 'user')}); "
+        "medians of the steps after the warm-up, runs alternated; TRL alone: bench.trl_alone, TRL's own trainer class "
+        "in a process of its own (`--alone`). " + " ".join(missing),
+        ["shape", "model", "prompts x n", "prompt / max response (mean jppo, TRL, Tunix)", "optimizer steps",
+         "logits max diff (transformers; Tunix)", "jppo s/step", "TRL s/step", "TRL alone s/step", "Tunix s/step",
+         "TRL / jppo", "Tunix / jppo", "first step jppo; TRL; Tunix s"],
         rows,
     ) + ["Phases, medians (s); rest: reward, advantages, logging, ...; each run in its own process:", ""] + (
         peer_phases(result) + [""])
 
 
-# the peers table's phase columns: jppo's timing/* name and TRL's phase (bench.trl_side.run_trl)
+# the peers table's phase columns: jppo's timing/* name and the peers' phase (bench.trl_side.run_trl and
+# bench.tunix_side.run_tunix name them alike)
 PEER_PHASES = {"sampling": ("rollout", "generate"), "old log-probs": ("old_log_prob", "old_log_prob"),
                "update": ("update_actor", "update")}
 
 
 def peer_phases(result: dict) -> list[str]:
-    """Seconds per step and per phase of each side at each shape (medians over all rounds' steps; 0 for a phase
-    a side did not run), the rest of the step, each round's median step (TRL's own run beside TRL's, where
-    measured), and TRL s / jppo s."""
+    """Seconds per step and per phase of each side run at each shape (medians over all rounds' steps; 0 for a
+    phase a side did not run), the rest of the step, each round's median step (TRL's own run beside TRL's, where
+    measured), and on each peer's row its s / jppo s."""
     rows = []
     for name, shape in result["shapes"].items():
-        for index, side in enumerate(("jppo", "trl")):
+        for side in PEER_SIDES:
+            if side != "jppo" and shape.get(f"{side}_s_per_step") is None:
+                continue  # not run (not installed, hidden)
             phases, step = shape[f"{side}_phases_s"], shape[f"{side}_s_per_step"] or 0.0
-            values = [phases.get(keys[index]) or 0.0 for keys in PEER_PHASES.values()]
-            rounds = ", ".join(_num(r[side], 3) for r in shape.get("rounds_s_per_step", []))
+            values = [phases.get(keys[side != "jppo"]) or 0.0 for keys in PEER_PHASES.values()]
+            rounds = ", ".join(_num(r.get(side), 3) for r in shape.get("rounds_s_per_step", []))
             alone = [r["trl_alone"] for r in shape.get("rounds_s_per_step", []) if "trl_alone" in r]
             if side == "trl" and alone:
                 rounds += " (alone: " + ", ".join(_num(x, 3) for x in alone) + ")"
-            ratio = _num(shape["trl_over_jppo"], 2) if index == 0 else ""
+            ratio = "" if side == "jppo" else _num(shape[f"{side}_over_jppo"], 2)
             rows.append([name, side, f"{step:.3f}", *(f"{v:.3f}" for v in values), f"{step - sum(values):.3f}", rounds,
                          ratio])
-    columns = ["shape", "side", "step", *PEER_PHASES, "rest", "rounds (s/step)", "TRL / jppo"]
+    columns = ["shape", "side", "step", *PEER_PHASES, "rest", "rounds (s/step)", "peer / jppo"]
     return _grid(columns, rows, align="llr" + "r" * len(PEER_PHASES) + "rlr")
 
 

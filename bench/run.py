@@ -9,8 +9,8 @@ Benchmarks (each a ratio of candidates measured side by side in this one run; se
 eager, tiny and small), ``sampler`` (KV cache vs recomputation vs transformers), ``rollout_shapes`` (the sampler
 vs transformers at a GSM8K-like shape), ``batching`` (continuous batching on a long-tailed workload, one prompt
 block per prompt vs per sample), ``end_to_end`` (the quickstart config), ``peers`` (seconds per GRPO step vs
-TRL's GRPOTrainer, when TRL is installed), and ``accelerator`` (MFU, decode roofline, device memory), which runs
-by default only when JAX's backend is a GPU or TPU.
+TRL's GRPOTrainer and Tunix's GRPOLearner, each when installed), and ``accelerator`` (MFU, decode roofline, device
+memory), which runs by default only when JAX's backend is a GPU or TPU.
 
 ``--quick`` is CI's smoke mode: tiny sizes, two repeats, the quickstart for a few steps, and XLA's backend
 optimisation level 0 (compiles in about half the time; the programs are the same, only slower): its numbers mean
@@ -99,6 +99,13 @@ HEADLINES: dict[str, dict[str, tuple[str, str | None]]] = {
                                         "GSM8K-like shape (4 layers d256, 8 prompts x 8, prompts 64 tokens, "
                                         "responses <= 128); > 1: jppo faster; null without TRL"),
         "e2e_vs_trl_grpo_reason": ("trl_missing", None),
+        "e2e_vs_tunix_grpo_quickstart": ("e2e_vs_tunix_grpo_quickstart", "Tunix GRPOLearner s/step / jppo s/step, "
+                                         "quickstart GRPO shape, both JAX on the same XLA; > 1: jppo faster; null "
+                                         "without Tunix (reason: e2e_vs_tunix_grpo_reason)"),
+        "e2e_vs_tunix_grpo_gsm8k_shape": ("e2e_vs_tunix_grpo_gsm8k_shape", "Tunix GRPOLearner s/step / jppo s/step, "
+                                          "GSM8K-like shape, both JAX on the same XLA; > 1: jppo faster; null "
+                                          "without Tunix"),
+        "e2e_vs_tunix_grpo_reason": ("tunix_missing", None),
     },
     "accelerator": {
         "accelerator_mfu": ("update.mfu", "model FLOPs utilisation of the ~0.5B bf16 update step (accelerator "

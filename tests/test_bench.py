@@ -17,7 +17,7 @@ import torch
 from flax import nnx
 
 import bench
-from bench import accelerator, async_rl, end_to_end, peers, report, trl_alone
+from bench import accelerator, async_rl, end_to_end, peers, report, trl_alone, tunix_side
 from bench import run as bench_run
 from bench.timing import time_side_by_side
 from bench.torch_decoder import TorchCausalLM
@@ -33,6 +33,7 @@ REQUIRED = (
     "rollout_useful_slot_fraction", "rollout_continuous_vs_all_rows", "rollout_shared_prefix_memory_ratio",
 )
 TRL_KEYS = ("e2e_vs_trl_grpo", "e2e_vs_trl_grpo_quickstart", "e2e_vs_trl_grpo_gsm8k_shape")
+TUNIX_KEYS = ("e2e_vs_tunix_grpo_quickstart", "e2e_vs_tunix_grpo_gsm8k_shape")
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,8 @@ def quick_run(tmp_path_factory):
         sys.executable, "-m", "bench.run", "--quick", "--out", str(out), "--accelerator", "stand-in",
         "--peak-tflops", "1", "--bandwidth-gbs", "100",
     ]
-    # CI does not install TRL: the run must pass without it (hidden here, whether or not this venv has it)
-    env = os.environ | {peers.HIDE_TRL_ENV: "1"}
+    # CI does not install TRL or Tunix: the run must pass without them (hidden here, whether or not this venv has them)
+    env = os.environ | {peers.HIDE_TRL_ENV: "1", tunix_side.HIDE_TUNIX_ENV: "1"}
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
@@ -57,9 +58,10 @@ def test_quick_run_reports_every_headline_ratio_finite(quick_run):
         assert isinstance(results[key], float) and math.isfinite(results[key]) and results[key] > 0, key
         assert key in results["ratio_meanings"]
     assert "time_to_target_s" in results  # null in quick mode: three steps never reach the target
-    for key in TRL_KEYS:  # null without TRL, with the reason
+    for key in TRL_KEYS + TUNIX_KEYS:  # null without TRL and Tunix, with the reasons
         assert key in results["ratio_meanings"] and results[key] is None, key
     assert peers.HIDE_TRL_ENV in results["e2e_vs_trl_grpo_reason"]
+    assert tunix_side.HIDE_TUNIX_ENV in results["e2e_vs_tunix_grpo_reason"]
     assert results["mode"] == "quick"
     assert set(results["benchmarks"]) == set(bench_run.ORDER)
 
@@ -245,24 +247,36 @@ def test_peer_step_bookkeeping():
     trl = [{"steps": [{"step": t, "generate": 1.0} for t in (7.0, 6.0, 2.0, 4.0)], "mean_response_length": 4.0,
             "omp_wait_policy": None}]
     alone = [{"steps": [{"step": t} for t in (8.0, 6.0, 3.0, 5.0)], "train_s": 22.0, "omp_wait_policy": None}]
-    result = peers.summarize(jppo, trl, first=3, alone_runs=alone)
+    tunix = [{"steps": [{"step": t, "generate": 2.0, "update": t - 2.0} for t in (5.0, 4.0, 6.0, 8.0)],
+              "mean_response_length": 5.0}]
+    result = peers.summarize(jppo, trl, first=3, alone_runs=alone, tunix_runs=tunix)
     assert result["trl_alone_s_per_step"] == 4.0 and result["trl_alone_train_s"] == [22.0]
-    assert result["omp_wait_policy"] == {"jppo": [None], "trl": [None], "trl_alone": [None]}
+    assert result["omp_wait_policy"] == {"jppo": [None], "trl": [None], "tunix": [None], "trl_alone": [None]}
     assert result["jppo_s_per_step"] == 2.0 and result["trl_s_per_step"] == 3.0  # medians of steps 3 and 4
     assert result["trl_over_jppo"] == 1.5 and result["jppo_phases_s"]["rollout"] == 1.0
+    assert result["tunix_s_per_step"] == 7.0 and result["tunix_over_jppo"] == 3.5
     assert result["jppo_first_step_s"] == [9.0] and result["trl_first_step_s"] == [7.0]
-    assert result["rounds_s_per_step"] == [{"jppo": 2.0, "trl": 3.0, "trl_alone": 4.0}]
-    # the report's phase table: the step, its phases (0 for one a side did not run) and the rest
+    assert result["rounds_s_per_step"] == [{"jppo": 2.0, "trl": 3.0, "tunix": 7.0, "trl_alone": 4.0}]
+    assert result["steps_in_medians"] == {"jppo": 2, "trl": 2, "tunix": 2}
+    # the report's phase table: the step, its phases (0 for one a side did not run), the rest, each peer's ratio
     table = report.peer_phases({"shapes": {"quickstart": result}})
-    assert table[2] == "| quickstart | jppo | 2.000 | 1.000 | 0.000 | 0.000 | 1.000 | 2.000 | 1.50 |"
-    assert table[3] == "| quickstart | trl | 3.000 | 1.000 | 0.000 | 0.000 | 2.000 | 3.000 (alone: 4.000) |  |"
+    assert table[2] == "| quickstart | jppo | 2.000 | 1.000 | 0.000 | 0.000 | 1.000 | 2.000 |  |"
+    assert table[3] == "| quickstart | trl | 3.000 | 1.000 | 0.000 | 0.000 | 2.000 | 3.000 (alone: 4.000) | 1.50 |"
+    assert table[4] == "| quickstart | tunix | 7.000 | 2.000 | 0.000 | 5.000 | 0.000 | 7.000 | 3.50 |"
+    # a peer not run has no row and no ratio
+    without = peers.summarize(jppo, trl, first=3)
+    assert without["tunix_s_per_step"] is None and without["tunix_over_jppo"] is None
+    assert len(report.peer_phases({"shapes": {"quickstart": without}})) == 4
 
 
-def test_peers_without_trl_reports_null_with_the_reason(monkeypatch):
+def test_peers_without_trl_or_tunix_reports_null_with_the_reasons(monkeypatch):
     monkeypatch.setenv(peers.HIDE_TRL_ENV, "1")
+    monkeypatch.setenv(tunix_side.HIDE_TUNIX_ENV, "1")
     result = peers.measure(quick=True)
-    assert result["e2e_vs_trl_grpo_quickstart"] is None and result["e2e_vs_trl_grpo_gsm8k_shape"] is None
+    for key in TRL_KEYS[1:] + TUNIX_KEYS:
+        assert result[key] is None, key
     assert peers.HIDE_TRL_ENV in result["trl_missing"] and result["shapes"] == {}
+    assert tunix_side.HIDE_TUNIX_ENV in result["tunix_missing"]
 
 
 @pytest.mark.parametrize("omp", ["user", "passive"])
