@@ -196,7 +196,7 @@ def test_the_plan_counts_the_samplers_copy_of_the_weights(tmp_path, overrides, b
     assert plan.term("rollout_weights") == weights * bytes_per_weight
 
 
-# The shipped configs' meshes on 8 devices (quickstart*: data 8; the 0.5B configs: fsdp 2 x sequence 4; the 30B-A3B
+# The shipped configs' meshes on 8 devices (quickstart*: data 8; the 0.5B configs: fsdp 8; the 30B-A3B
 # one: fsdp 2 x expert 4), read from their mesh sections (the GSM8K configs name data files this machine does not
 # have).
 SHIPPED_MESHES = sorted({resolve_shape(**{axis: yaml.safe_load(path.read_text())["mesh"].get(axis, 1)
