@@ -223,6 +223,25 @@ def layer_weights_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
     return layer // mesh["tensor"] * dtype_bytes(m.dtype)
 
 
+# Bytes per table element the LM head's backward pass holds beyond the gathered table, where fsdp splits the table
+# (compiled: Qwen2.5-0.5B's update, 4096-token rows, fsdp 8). On a GPU a chunk's gradient of the whole table in
+# float32 before its reduce-scatter and the table in a second layout (XLA:GPU's memory-usage report: f32[896,151936]
+# and bf16[896,151936] beside the gathered bf16[151936,896]); on a TPU also a third layout, the head gradient's
+# bfloat16 all-reduce and a tied lookup's gradient scatter-added over the whole table (its HLO). In compute-dtype
+# copies beside the float32 one: a + HEAD_TABLE_COPIES[platform] c.
+HEAD_TABLE_COPIES = {"gpu": 1, "tpu": 4}
+
+
+def head_copies_bytes(m: ModelConfig, mesh: dict[str, int], platform: str) -> int:
+    """What the LM head's backward pass holds of the table beside its gathered copy (:data:`HEAD_TABLE_COPIES`):
+    ``V' D (a + h c)`` on a GPU or TPU with ``mesh.fsdp > 1``, else 0 (unmeasured: the CPU's compiles and an
+    unsplit table)."""
+    if platform not in HEAD_TABLE_COPIES or mesh.get("fsdp", 1) == 1:
+        return 0
+    copies = ACCUMULATOR_BYTES + HEAD_TABLE_COPIES[platform] * dtype_bytes(m.dtype)
+    return split(m.vocab_size, mesh) * m.hidden_size * copies
+
+
 def table_bytes(m: ModelConfig, mesh: dict[str, int]) -> int:
     """The embedding table (or untied LM head: its vocabulary share) gathered in the compute dtype."""
     return split(m.vocab_size, mesh) * m.hidden_size * dtype_bytes(m.dtype)

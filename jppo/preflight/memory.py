@@ -46,6 +46,10 @@ log-prob logits        ``3 r k V' a`` (actor only): the float32 logits of one ch
                        log_prob_chunk_size, w / q)`` positions, their softmax and their gradient, in the actor's
                        head phase: the LM head's backward pass, before the layers', beside the gradients, the kept
                        activations ``r (w / q) L s`` and the table ``V' D c`` (not a layer's working set)
+head copies            ``V' D (a + h c)`` in the head phase on a GPU (``h = 1``) or TPU (``h = 4``) with ``mesh.fsdp >
+                       1``: a chunk's float32 gradient of the whole table before its reduce-scatter and the table in
+                       more layouts (:data:`~jppo.preflight.footprint.HEAD_TABLE_COPIES`; Qwen2.5-0.5B's update at
+                       fsdp 8: 3.53 / 3.66 GiB plan / XLA on v5p:2x2x2 with them, 2.00 without)
 optimizer step         ``4 t a``: the temporaries of applying the accumulated gradient (the last micro-batch's
                        gradient, the accumulated sum, the update, the new moments one after the other): XLA's
                        ``memory_analysis()`` of the update reports exactly ``4 n a`` of temporaries when the
@@ -107,9 +111,9 @@ Against the compiled programs (``python -m jppo.plan --compile-for``, which prin
 ``sequence: 4``), plan / XLA GiB per device. Qwen2.5-0.5B's shape on v5p:2x2x2: actor update 13.79 / 14.33, old
 log-probs 5.08 / 5.16, reference log-probs 4.16 / 4.06, rollout 2.85 / 3.11, validation 3.81 / 4.23; on h100x8: 18.17 /
 18.08, 6.83 / 6.70, 5.91 / 6.00, 2.96 / 3.14, 4.23 / 4.04. Qwen2.5-7B's on v5p:4x4x4: 28.55 / 26.98, 10.33 / 11.02, 8.56
-/ 8.07, 16.44 / 17.00, 16.94 / 17.46. As shipped since (``auto`` attention, whole 4096-token rows, fsdp 8) the plan is
-no longer within 10%: the actor update 2.00 / 3.66 on v5p:2x2x2 (its peak the LM head's phase, where XLA:TPU holds the
-tied table in more layouts and its gradient in float32 and bfloat16, not planned yet), 2.00 / 2.52 on h100x8.
+/ 8.07, 16.44 / 17.00, 16.94 / 17.46. As shipped since (``auto`` attention, whole 4096-token rows, fsdp 8): the actor
+update 3.53 / 3.66 on v5p:2x2x2 and 2.76 / 2.52 on h100x8 (its peak the LM head's phase: ``head copies`` below),
+the forward passes and the validation 0.67-0.86 and 1.21-1.32 of XLA (not modelled closer yet).
 A forward pass's peak is one layer's float32 attention scores (3.5 GiB at 0.5B);
 the prefill and the decoding step's logits are apart in XLA's buffer assignment, so both are counted. An update's
 peak is one layer's attention backward pass (the optimizer step's temporaries are less). XLA:TPU pads each array's
@@ -130,6 +134,7 @@ from jppo.models.config import ModelConfig
 from jppo.parallel.mesh import MESH_AXES, row_shards_of
 from jppo.preflight.footprint import (
     ACCUMULATOR_BYTES,
+    HEAD_TABLE_COPIES,
     LOGIT_COPIES,
     Term,
     abstract_params,
@@ -137,6 +142,7 @@ from jppo.preflight.footprint import (
     adapter_params,
     dtype_bytes,
     forward_layer_bytes_per_token,
+    head_copies_bytes,
     kept_activation_bytes,
     layer_weights_bytes,
     layout_copy_bytes,
@@ -262,6 +268,10 @@ def update_phases(policy: ModelConfig, role: str, title: str, n: int, cut: tuple
                             f"{split} x L s"),
             Term(f"head_weights/{role}", table_bytes(policy, mesh), "V'D x c"),
             Term(f"logits/{role}", logits_bytes(policy, r, w, chunk, mesh), f"3 r k={k} V' a"))
+        copies = head_copies_bytes(policy, mesh, platform)
+        if copies:
+            phases[f"{title} head"] += (Term(f"head_copies/{role}", copies,
+                                             f"V'D x (a + {HEAD_TABLE_COPIES[platform]} c)"),)
     copies = GPU_STEP_COPIES[accumulates] if platform == "gpu" else (
         OPTIMIZER_STEP_COPIES if accumulates else DIRECT_STEP_COPIES)
     phases[f"{title} optimizer step"] = (Term(f"optimizer_step/{role}", int(n * a * copies), f"t x a x {copies}"),)
