@@ -1,5 +1,6 @@
 """``jppo.plan``: the memory plan agrees with what the trainer builds, and scales with the rows per device."""
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -426,13 +427,19 @@ def test_the_command_plans_a_real_size_config_from_the_model_s_shape_alone(tmp_p
 
 def test_a_gpu_forward_pass_counts_the_layout_copy_of_the_largest_layer_stack_not_a_cast_copy():
     # XLA:GPU's buffer assignment of a log-prob pass (7B, fsdp 8) holds f32[448, 28, 18944]: one MLP stack, split
-    # over fsdp, in the stored float32, and no bfloat16 copy of all the weights (docs/compiling.md). The quickstart's
-    # largest stack is an MLP one, [2 layers, 64, 128] (or its transpose), split over fsdp 2.
+    # over fsdp, in the stored float32, and no bfloat16 copy of all the weights (docs/compiling.md); and, for a tied
+    # embedding, the table's shard in the LM head's layout (f32[112, 151936] at 0.5B on fsdp 8). The quickstart's
+    # largest stack is an MLP one, [2 layers, 64, 128] (or its transpose), split over fsdp 2; its tied table is
+    # [vocabulary, 64], split over fsdp 2 along the 64.
     cfg = load_config(GRPO, ["actor.use_kl_loss=true"])
     mesh = {"data": 1, "fsdp": 2, "tensor": 1, "sequence": 1, "expert": 1}
-    stack = 2 * 64 * 128 // 2
-    assert footprint.layout_copy_bytes(footprint.model_config(cfg), mesh, "float32") == stack * 4
-    assert footprint.layout_copy_bytes(footprint.model_config(cfg), mesh, "bfloat16") == stack * 2
+    model = footprint.model_config(cfg)
+    assert model.tie_word_embeddings and model.hidden_size == 64
+    stack = 2 * 64 * 128 // 2 + model.vocab_size * 64 // 2
+    assert footprint.layout_copy_bytes(model, mesh, "float32") == stack * 4
+    assert footprint.layout_copy_bytes(model, mesh, "bfloat16") == stack * 2
+    untied = dataclasses.replace(model, tie_word_embeddings=False)
+    assert footprint.layout_copy_bytes(untied, mesh, "float32") == 2 * 64 * 128 // 2 * 4
     gpu, tpu = (memory.program_bytes(cfg, (1, 2, 1, 1, 1), platform) for platform in ("gpu", "tpu"))
     forward = lambda platform: memory.forward_bytes(  # noqa: E731
         cfg, footprint.model_config(cfg), "actor", views.forward_micro_batching(cfg, "actor"), mesh, platform)

@@ -337,14 +337,18 @@ def layout_copy_bytes(config: ModelConfig, mesh: dict[str, int], stored: str) ->
     """One device's shard of the model's largest stacked layer weight (``[layers, ...]``) in its ``stored`` dtype:
     in a forward pass XLA:GPU copies that stack into the layout the layer loop's products read, where XLA:TPU and a
     cast copy of the weights do not appear (compiled: Qwen2.5-0.5B and 7B log-prob passes on H100 and H200, the
-    copy ``f32[3584/8, 28, 18944]`` at 7B on fsdp 8)."""
+    copy ``f32[3584/8, 28, 18944]`` at 7B on fsdp 8). A tied embedding's shard is copied too, into the LM head's
+    layout (``f32[112, 151936]`` beside the stack's copy in Qwen2.5-0.5B's old-log-prob pass on fsdp 8: XLA:GPU's
+    memory-usage report); an untied head is stored in its product's layout (the 7B's pass holds no such copy)."""
     from flax import nnx  # noqa: PLC0415
 
     from jppo.models.sharding import logical_names  # noqa: PLC0415
 
-    stacks = [math.prod(v.shape) // shards(v.shape, logical_names(v), mesh)
-              for path, v in nnx.to_flat_state(abstract_params(config)) if "layers" in map(str, path)]
-    return max(stacks, default=0) * dtype_bytes(stored)
+    local = {path: math.prod(v.shape) // shards(v.shape, logical_names(v), mesh)
+             for path, v in nnx.to_flat_state(abstract_params(config))}
+    stacks = [size for path, size in local.items() if "layers" in map(str, path)]
+    table = sum(size for path, size in local.items() if "embed_tokens" in map(str, path)) * config.tie_word_embeddings
+    return (max(stacks, default=0) + table) * dtype_bytes(stored)
 
 
 def human(size: int) -> str:
