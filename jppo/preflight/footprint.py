@@ -59,13 +59,17 @@ def dtype_bytes(name: str) -> int:
     return DTYPES[name].itemsize
 
 
-def linear_attention(m: ModelConfig, width: int) -> bool:
-    """Whether attention over rows of ``width`` tokens runs in blocks (``blockwise`` or ``pallas``, linear in the
-    row) rather than over dense ``[w, w]`` scores. ``auto`` is planned by its rule off a TPU (blocks from
-    :data:`~jppo.models.layers.AUTO_LONG_ROW` tokens on; a TPU takes splash attention at every length)."""
+def linear_attention(m: ModelConfig, width: int, platform: str = "cpu") -> bool:
+    """Whether attention over rows of ``width`` tokens keeps no dense ``[w, w]`` scores: it runs in blocks
+    (``blockwise`` or ``pallas``) or in cuDNN's fused kernel. ``auto`` is planned as it resolves on ``platform``
+    (:func:`~jppo.models.layers.resolve_attention`): splash attention on a TPU at every length, on a GPU cuDNN below
+    :data:`~jppo.models.layers.AUTO_LONG_ROW` tokens and Triton's kernel from there, elsewhere blocks from that
+    length on. Before, ``auto`` was planned by the CPU's rule everywhere: the sampler's 512-token prefill of the GSM8K
+    configs was planned with dense scores a GPU and a TPU never hold (the validation 1.21 and 1.32 of XLA)."""
     from jppo.models.layers import RULE_ONLY, resolve_attention  # noqa: PLC0415
 
-    return resolve_attention(m.attention, m.compute_dtype, "cpu", width) in RULE_ONLY
+    chosen = resolve_attention(m.attention, m.compute_dtype, platform, width)
+    return chosen in RULE_ONLY or chosen == "cudnn"
 
 
 def expert_group(m: ModelConfig, mesh: dict[str, int]) -> int:
@@ -127,7 +131,7 @@ def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int], plat
     c, a = dtype_bytes(m.dtype), ACCUMULATOR_BYTES
     heads, d = split(m.num_heads, mesh), m.hidden_size
     q, kv, f = heads * m.head_dim, split(m.num_kv_heads, mesh) * m.head_dim, split(m.intermediate_size, mesh)
-    if linear_attention(m, width):
+    if linear_attention(m, width, platform):
         attention = a * heads  # the log-sum-exp of each query head, all the blocked backward pass keeps
     else:
         attention = (2 * a + c + (a + 1 if platform == "gpu" else 0)) * heads * width
@@ -156,7 +160,10 @@ def forward_layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, in
     a += 0 if platform == "tpu" else c
     heads, d = split(m.num_heads, mesh), m.hidden_size
     q, kv, f = heads * m.head_dim, split(m.num_kv_heads, mesh) * m.head_dim, split(m.intermediate_size, mesh)
-    keys = min(m.attention_block_kv, width) if linear_attention(m, width) else width
+    # scores over the whole row when dense, one key block when in blocks, none in memory in a kernel's (splash,
+    # Triton, cuDNN: they stay on the chip)
+    keys = (0 if attention_kernel(m, width, platform) else min(m.attention_block_kv, width)
+            if linear_attention(m, width, platform) else width)
     mlp = 3 * c * f if m.dense_layers else 0
     if m.sparse_layers:
         mixture = mixture_bytes_per_token(m, mesh, backward=False, tokens=tokens)
@@ -171,10 +178,19 @@ def row_split(width: int, mesh: dict[str, int]) -> int:
     return shards if width % shards == 0 else 1
 
 
-def attention_block_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int]) -> int:
+def attention_kernel(m: ModelConfig, width: int, platform: str) -> bool:
+    """Whether attention over rows of ``width`` tokens runs in a fused kernel on ``platform`` (``pallas``: splash
+    on a TPU, Triton on a GPU; ``cudnn``), whose scores never reach the device's memory."""
+    from jppo.models.layers import resolve_attention  # noqa: PLC0415
+
+    return platform in ("tpu", "gpu") and resolve_attention(m.attention, m.compute_dtype, platform, width) in (
+        "pallas", "cudnn")
+
+
+def attention_block_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int], platform: str = "cpu") -> int:
     """``b``: blocked attention's working set, one block pair's scores and probabilities at a time (0 for dense
     attention, whose scores are in ``x``)."""
-    if not linear_attention(m, width):
+    if not linear_attention(m, width, platform):
         return 0
     c, a, heads = dtype_bytes(m.dtype), ACCUMULATOR_BYTES, split(m.num_heads, mesh)
     local = width // row_split(width, mesh)
@@ -191,7 +207,7 @@ def activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int]
     else:
         kept, recomputed = sum(count * per_layer[kind] for kind, count in layer_kinds(m)), 0
     rounds = exchange_round_bytes(m, mesh, tokens, backward=True) if m.sparse_layers else 0
-    return tokens * (kept + recomputed) + attention_block_bytes(m, rows, width, mesh) + rounds
+    return tokens * (kept + recomputed) + attention_block_bytes(m, rows, width, mesh, platform) + rounds
 
 
 def kept_activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int], platform: str = "gpu") -> int:

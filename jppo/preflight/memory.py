@@ -113,8 +113,8 @@ log-probs 5.08 / 5.16, reference log-probs 4.16 / 4.06, rollout 2.85 / 3.11, val
 18.08, 6.83 / 6.70, 5.91 / 6.00, 2.96 / 3.14, 4.23 / 4.04. Qwen2.5-7B's on v5p:4x4x4: 28.55 / 26.98, 10.33 / 11.02, 8.56
 / 8.07, 16.44 / 17.00, 16.94 / 17.46. As shipped since (``auto`` attention, whole 4096-token rows, fsdp 8): the actor
 update 3.53 / 3.66 on v5p:2x2x2 and 2.76 / 2.52 on h100x8 (its peak the LM head's phase: ``head copies`` below),
-the forward passes 0.81 / 0.67 of XLA on the TPU (0.92 / 0.91 on the GPU) and the validation 1.32 / 1.21 (not modelled
-closer yet).
+the forward passes 0.81 / 0.67 of XLA on the TPU (0.85 / 0.82 on the GPU) and the TPU's validation 1.32 (not
+modelled closer yet).
 A forward pass's peak is one layer's float32 attention scores (3.5 GiB at 0.5B);
 the prefill and the decoding step's logits are apart in XLA's buffer assignment, so both are counted. An update's
 peak is one layer's attention backward pass (the optimizer step's temporaries are less). XLA:TPU pads each array's
@@ -261,7 +261,8 @@ def update_phases(policy: ModelConfig, role: str, title: str, n: int, cut: tuple
               Term(f"weights_in_use/{role}", weights_in_use_bytes(policy, mesh), "(V'D + layer/tensor) x c"))
     phases = {f"{title} backward": (gradients, in_use, Term(
         f"activations/{role}", activation_bytes(policy, r, w, mesh, platform),
-        f"{split} x (L s + x){' + b' if linear_attention(policy, w) else ''}{' remat' if policy.remat else ''}"))}
+        f"{split} x (L s + x){' + b' if linear_attention(policy, w, platform) else ''}"
+        f"{' remat' if policy.remat else ''}"))}
     if lm:  # the LM head's backward pass, a chunk's logits at a time, before the layers'
         k = min(chunk, w // row_split(w, mesh))
         phases[f"{title} head"] = (
