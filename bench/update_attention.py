@@ -61,8 +61,6 @@ def attention_flops_per_pair(m) -> int:
 
 
 def measure(path: pathlib.Path, target_name: str, attention: str, length: int, tmp: pathlib.Path) -> dict:
-    import jax
-
     from bench.decode_bound import load
     from jppo.config import check_mesh
     from jppo.parallel.mesh import make_mesh
@@ -93,7 +91,6 @@ def measure(path: pathlib.Path, target_name: str, attention: str, length: int, t
     computed = rows * (length * length if chosen in ("reference", "xla", "blockwise") else length * (length + 1) // 2)
     plan = memory_plan(cfg, shape, target.platform).term("activations/actor")
     planned = program_bytes(cfg, shape, target.platform)["actor_update"]
-    del jax
     return {"config": path.name, "target": target.name, "attention": attention, "runs": chosen, "length": length,
             "rows_per_device": rows, "sequences_per_row": per_row, "temp_bytes": program.temp_bytes,
                         "plan_activations_bytes": plan, "xla_bytes": program.xla_bytes, "plan_bytes": planned,

@@ -59,17 +59,29 @@ def dtype_bytes(name: str) -> int:
     return DTYPES[name].itemsize
 
 
+def planned_attention(m: ModelConfig, width: int, platform: str) -> str:
+    """The implementation attention over rows of ``width`` tokens runs on ``platform``: ``auto`` as
+    :func:`~jppo.models.layers.resolve_attention` resolves it there (splash attention on a TPU at every length; on a
+    GPU cuDNN below :data:`~jppo.models.layers.AUTO_LONG_ROW` tokens and Triton's kernel from there; elsewhere blocks
+    from that length on), any other name as it is."""
+    from jppo.models.layers import resolve_attention  # noqa: PLC0415
+
+    return resolve_attention(m.attention, m.compute_dtype, platform, width)
+
+
 def linear_attention(m: ModelConfig, width: int, platform: str = "cpu") -> bool:
     """Whether attention over rows of ``width`` tokens keeps no dense ``[w, w]`` scores: it runs in blocks
-    (``blockwise`` or ``pallas``) or in cuDNN's fused kernel. ``auto`` is planned as it resolves on ``platform``
-    (:func:`~jppo.models.layers.resolve_attention`): splash attention on a TPU at every length, on a GPU cuDNN below
-    :data:`~jppo.models.layers.AUTO_LONG_ROW` tokens and Triton's kernel from there, elsewhere blocks from that
-    length on. Before, ``auto`` was planned by the CPU's rule everywhere: the sampler's 512-token prefill of the GSM8K
-    configs was planned with dense scores a GPU and a TPU never hold (the validation 1.21 and 1.32 of XLA)."""
-    from jppo.models.layers import RULE_ONLY, resolve_attention  # noqa: PLC0415
+    (``blockwise`` or ``pallas``) or in cuDNN's fused kernel (:func:`planned_attention`)."""
+    from jppo.models.layers import RULE_ONLY  # noqa: PLC0415
 
-    chosen = resolve_attention(m.attention, m.compute_dtype, platform, width)
-    return chosen in RULE_ONLY or chosen == "cudnn"
+    return planned_attention(m, width, platform) in (*RULE_ONLY, "cudnn")
+
+
+def attention_kernel(m: ModelConfig, width: int, platform: str) -> bool:
+    """Whether attention over rows of ``width`` tokens runs in a fused kernel on ``platform`` (``pallas``: splash
+    on a TPU, Triton on a GPU; ``cudnn``), whose scores never reach the device's memory (off an accelerator Pallas
+    runs in interpret mode, in memory)."""
+    return platform in ("tpu", "gpu") and planned_attention(m, width, platform) in ("pallas", "cudnn")
 
 
 def expert_group(m: ModelConfig, mesh: dict[str, int]) -> int:
@@ -160,10 +172,13 @@ def forward_layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, in
     a += 0 if platform == "tpu" else c
     heads, d = split(m.num_heads, mesh), m.hidden_size
     q, kv, f = heads * m.head_dim, split(m.num_kv_heads, mesh) * m.head_dim, split(m.intermediate_size, mesh)
-    # scores over the whole row when dense, one key block when in blocks, none in memory in a kernel's (splash,
-    # Triton, cuDNN: they stay on the chip)
-    keys = (0 if attention_kernel(m, width, platform) else min(m.attention_block_kv, width)
-            if linear_attention(m, width, platform) else width)
+    # scores over the whole row when dense, over one key block in blocks, none in memory in a kernel (on the chip)
+    if attention_kernel(m, width, platform):
+        keys = 0
+    elif linear_attention(m, width, platform):
+        keys = min(m.attention_block_kv, width)
+    else:
+        keys = width
     mlp = 3 * c * f if m.dense_layers else 0
     if m.sparse_layers:
         mixture = mixture_bytes_per_token(m, mesh, backward=False, tokens=tokens)
@@ -176,15 +191,6 @@ def row_split(width: int, mesh: dict[str, int]) -> int:
     the rule table then leaves the row whole)."""
     shards = sequence_shards(mesh)
     return shards if width % shards == 0 else 1
-
-
-def attention_kernel(m: ModelConfig, width: int, platform: str) -> bool:
-    """Whether attention over rows of ``width`` tokens runs in a fused kernel on ``platform`` (``pallas``: splash
-    on a TPU, Triton on a GPU; ``cudnn``), whose scores never reach the device's memory."""
-    from jppo.models.layers import resolve_attention  # noqa: PLC0415
-
-    return platform in ("tpu", "gpu") and resolve_attention(m.attention, m.compute_dtype, platform, width) in (
-        "pallas", "cudnn")
 
 
 def attention_block_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int], platform: str = "cpu") -> int:
