@@ -156,6 +156,8 @@ def compiled_table(report: dict) -> str:
         fit = "" if p["fits"] else "  DOES NOT FIT"
         lines.append(f"{p['name']:<14} {'yes':<9} {human(p['xla_bytes']):>11} {plan:>11} {human(p['peak_bytes']):>11}"
                      f"  {flops:>9}  {ops(p['collectives'])}{fit}")
+        if p["hbm_bytes"] is not None:
+            lines.append(f"{'':<14} in HBM by XLA's buffer assignment: {human(p['hbm_bytes'])}")
         if p["decode_step_collectives"] is not None:
             lines.append(f"{'':<14} per decoded token: {ops(p['decode_step_collectives'])}")
     lines.append("XLA: arguments + outputs - donated + temporaries per device; plan: python -m jppo.plan's figure for "

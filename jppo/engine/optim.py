@@ -217,12 +217,6 @@ def without_accumulator(opt_state: optax.MultiStepsState) -> optax.MultiStepsSta
     return opt_state._replace(acc_grads=None)
 
 
-def with_accumulator(opt_state: optax.MultiStepsState, params: Any, dtype) -> optax.MultiStepsState:
-    """``opt_state`` with an empty accumulator of ``params``' shapes in ``dtype`` (one :func:`without_accumulator`
-    lacks), for an update step of K > 1 micro-batches; it lives as long as that step."""
-    return opt_state._replace(acc_grads=jax.tree.map(lambda p: jnp.zeros_like(p, dtype), params))
-
-
 def apply_accumulated(
     inner: optax.GradientTransformation, grads: Any, opt_state: optax.MultiStepsState, params: Any
 ) -> tuple[Any, optax.MultiStepsState]:

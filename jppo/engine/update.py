@@ -10,9 +10,9 @@ mini-batches, each one :func:`optimizer_step` on K micro-batches:
    (:func:`jppo.engine.experts.mini_batch_expert_fractions`);
 2. ``lax.scan`` runs the K micro-batches: each differentiates its share of the whole loss
    (:func:`micro_batch_gradient` of :func:`micro_batch_share`: every term through ``agg_loss`` with those same
-   NormStats) and adds the gradient to the accumulator of ``optax.MultiSteps(use_grad_mean=False)``'s state; the
-   K-th runs the optimizer once, on the whole mini-batch gradient (:func:`add_to_optimizer`), and the first K - 1
-   skip the optimizer's work entirely;
+   NormStats) and adds the gradient to the running sum (:func:`summed_gradient`), the accumulator of
+   ``optax.MultiSteps(use_grad_mean=False)``; after the K-th the optimizer runs once, on the whole mini-batch
+   gradient (:func:`~jppo.engine.optim.apply_accumulated`), and no micro-batch does the optimizer's work;
 3. metrics are :class:`~jppo.core.metrics.Metric` pairs summed over the scan (and, being sums over global arrays,
    over shards), divided once at the end (:func:`step_metrics`).
 
@@ -54,7 +54,6 @@ from jppo.engine.optim import (
     inner_optimizer,
     learning_rate_schedule,
     step_report,
-    with_accumulator,
     without_accumulator,
 )
 from jppo.engine.state import TrainState
@@ -161,14 +160,13 @@ def optimizer_step(
     1. ``norm``: the whole mini-batch's N, S and C (and expert fractions), once (:func:`mini_batch_norm`);
     2. for k = 1 .. K (``lax.scan``): ``g_k = d share_k / d params`` (:func:`micro_batch_gradient`), where
        ``share_k`` is micro-batch k's share of the loss under ``norm``, so ``sum_k share_k`` is the whole
-       mini-batch's loss; ``g_k`` is added to MultiSteps' accumulator, and on the K-th the optimizer runs once on
-       ``sum_k g_k`` (:func:`add_to_optimizer`), in the accumulator's dtype (float32 at least, so the sum reaches
-       the optimizer unrounded);
+       mini-batch's loss; ``g_k`` is added to MultiSteps' accumulator (:func:`summed_gradient`), in its dtype
+       (float32 at least, so the sum reaches the optimizer unrounded), and then the optimizer runs once on
+       ``sum_k g_k`` (:func:`~jppo.engine.optim.apply_accumulated`);
     3. the metric pairs summed over k, divided once (:func:`step_metrics`).
 
     ``state.step`` counts the step unless the optimizer skipped it as non-finite.
     """
-    k = batch.slots.response_mask.shape[0]
     inner = inner_optimizer(cfg.optim, keep_gradient, cfg.optimizer_steps_per_training_step)
     model = trained_model(graphdef, state.params, state.frozen)  # the step's starting weights
     norm = mini_batch_norm(model, batch, cfg, mesh)
@@ -177,26 +175,16 @@ def optimizer_step(
     # with experts, a micro-batch holding a token (if not a response token) routes it: for its share, the expert load
     routes = isinstance(cfg, ActorConfig) and bool(model.config.sparse_layers)
     dtype, held = accumulator_dtype(state.params), state.opt_state.acc_grads is not None
-    # a state without an accumulator given K > 1 micro-batches accumulates in a temporary
-    opt_state = state.opt_state if held or k == 1 else with_accumulator(state.opt_state, state.params, dtype)
-
-    def micro_step(carry, micro: Batch):
-        """Scan's body: micro-batch k's gradient into the optimizer, its metric pairs into the running sums."""
-        params, opt_state, total = carry
-        grads, metrics = micro_batch_gradient(share_gradient_of, params, micro, shapes, routes)
-        grads = jax.tree.map(lambda g: g.astype(dtype), grads)  # summed in the accumulator's dtype, unrounded
-        params, opt_state = add_to_optimizer(inner, k, params, opt_state, grads)
-        return (params, opt_state, metrics_lib.combine(total, metrics)), None
-
     if cfg.bitwise:  # the rows' gradients summed in one fixed tree, then the optimizer (jppo.engine.bitwise)
         check_bitwise(cfg, mesh, sparse=bool(model.config.sparse_layers))
         with normalized_by_product():
             grads, total = bitwise_gradient(share_gradient_of, state.params, batch, mesh, dtype)
-        params, opt_state = apply_accumulated(inner, grads, without_accumulator(state.opt_state), state.params)
-        opt_state = opt_state._replace(acc_grads=state.opt_state.acc_grads)  # a state made elsewhere keeps its own
     else:
-        (params, opt_state, total), _ = jax.lax.scan(micro_step, (state.params, opt_state, _zeros(shapes[1])), batch)
-        opt_state = opt_state if held else without_accumulator(opt_state)
+        grads, total = summed_gradient(share_gradient_of, state.params, batch, shapes, routes, dtype,
+                                       state.opt_state.acc_grads)
+    params, opt_state = apply_accumulated(inner, grads, without_accumulator(state.opt_state), state.params)
+    if held:  # the accumulator the state holds comes back empty (zeros), as MultiSteps leaves it after its K-th
+        opt_state = opt_state._replace(acc_grads=jax.tree.map(jnp.zeros_like, state.opt_state.acc_grads))
     report = step_report(opt_state)
     applied = jnp.logical_not(report["skipped"])
     schedule = learning_rate_schedule(cfg.optim, cfg.optimizer_steps_per_training_step)
@@ -205,6 +193,35 @@ def optimizer_step(
         params=params, opt_state=opt_state, step=state.step + applied.astype(jnp.int32), frozen=state.frozen
     )
     return new_state, values, report["gradient"]
+
+
+def summed_gradient(
+    share_gradient_of: Callable[[nnx.State, Batch], tuple[Grads, Metrics]], params: nnx.State, batch: Batch,
+    shapes: Any, routes: bool, dtype, start: Optional[Grads] = None,
+) -> tuple[Grads, Metrics]:
+    """``start + g_1 + ... + g_K`` in the accumulator's ``dtype`` (float32 at least, so the sum reaches the optimizer
+    unrounded), added in micro-batch order, and the metric pairs summed over k: a ``lax.scan`` over the micro-batches
+    of ``batch`` (``[K, D, ...]``) carrying only the running sums. The parameters are read by every micro-batch and
+    carried by none, so XLA keeps one copy of them and of the optimizer state: a loop carrying the whole state, as
+    applying the optimizer on the K-th micro-step inside it would, holds a second copy of both on a GPU (compiled
+    for h200x8, Qwen3-30B-A3B's update: 12 stacks of its experts' float32 state, 54 GiB a device). ``start``: the
+    state's accumulator (zeros between steps), or None: a sum of its own from zeros (none for one micro-batch)."""
+    cast = lambda grads: jax.tree.map(lambda g: g.astype(dtype), grads)  # noqa: E731
+    if batch.slots.response_mask.shape[0] == 1 and start is None:  # one micro-batch: its gradient is the sum
+        grads, total = micro_batch_gradient(share_gradient_of, params, jax.tree.map(lambda x: x[0], batch), shapes,
+                                            routes)
+        return cast(grads), total
+
+    def micro_step(carry, micro: Batch):
+        """Scan's body: micro-batch k's gradient and metric pairs into the running sums."""
+        acc, total = carry
+        grads, metrics = micro_batch_gradient(share_gradient_of, params, micro, shapes, routes)
+        return (jax.tree.map(jnp.add, acc, cast(grads)), metrics_lib.combine(total, metrics)), None
+
+    if start is None:
+        start = jax.tree.map(lambda p: jnp.zeros_like(p, dtype), params)
+    (acc, total), _ = jax.lax.scan(micro_step, (start, _zeros(shapes[1])), batch)
+    return acc, total
 
 
 # 1. once per optimizer step: what every micro-batch's share is normalized by
@@ -315,34 +332,6 @@ def trained_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: Optional[nn
     merged in: differentiated with respect to ``params``, the frozen parameters enter as constants and no gradient
     flows to them."""
     return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, frozen, params)
-
-
-def add_to_optimizer(
-    inner: optax.GradientTransformation, k: int, params: nnx.State, opt_state: optax.MultiStepsState, grads: Grads
-) -> tuple[nnx.State, optax.MultiStepsState]:
-    """Micro-batch ``grads`` into the ``MultiSteps`` state: on micro-steps 1 .. K-1 only summed into the accumulator
-    (:func:`accumulate`); on the K-th the optimizer ``inner`` runs once, on the whole sum, and updates ``params``
-    (:func:`~jppo.engine.optim.apply_accumulated`). A state without an accumulator (K = 1) holds nothing to add:
-    its one gradient is the step's."""
-    apply = functools.partial(_apply_accumulated, inner)
-    if opt_state.acc_grads is None:
-        return apply(params, opt_state, grads)
-    return jax.lax.cond(opt_state.mini_step == k - 1, apply, accumulate, params, opt_state, grads)
-
-
-def accumulate(
-    params: nnx.State, opt_state: optax.MultiStepsState, grads: Grads
-) -> tuple[nnx.State, optax.MultiStepsState]:
-    """Micro-steps 1 .. K-1: ``grads`` added to MultiSteps' accumulator, the micro-step counted, nothing else.
-    ``MultiSteps.update`` would also run the whole inner optimizer on every one of them and keep its result only
-    on the K-th."""
-    acc_grads = jax.tree.map(jnp.add, opt_state.acc_grads, grads)
-    return params, opt_state._replace(acc_grads=acc_grads, mini_step=opt_state.mini_step + 1)
-
-
-def _apply_accumulated(inner, params, opt_state, grads):
-    """:func:`~jppo.engine.optim.apply_accumulated` with the arguments in the order ``lax.cond`` passes them."""
-    return apply_accumulated(inner, grads, opt_state, params)
 
 
 # 3. the step's metrics

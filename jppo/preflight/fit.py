@@ -82,7 +82,8 @@ def compiled_report(cfg: TrainConfig, target_name: str, environ: Mapping[str, st
     for p in compiled.compile_run(cfg, target):
         fits = p.compiled and (limit is None or p.peak_bytes <= limit)
         rows.append({"name": p.name, "compiled": p.compiled, "error": p.error, "xla_bytes": p.xla_bytes,
-                     "plan_bytes": planned.get(p.name), "peak_bytes": p.peak_bytes, "fits": fits,
+                     "hbm_bytes": p.hbm_bytes, "plan_bytes": planned.get(p.name), "peak_bytes": p.peak_bytes,
+                     "fits": fits,
                      "collectives": p.collectives, "decode_step_collectives": p.decode_step_collectives,
                      "flops": p.flops})
     report = {"target": target.name, "devices": len(target.devices), "hosts": target.hosts,

@@ -101,35 +101,46 @@ def exchange_round_bytes(m: ModelConfig, mesh: dict[str, int], tokens: int, back
     """One round of the experts' exchange when it runs in rounds (else 0), held once whatever the layer count
     (the rounds run one at a time, each recomputed in the backward pass): the group's ``e C`` gathered tokens of
     ``C = model.expert_chunk_size`` with their weights and experts, and their ``e C k`` pairs' rows and
-    intermediates, ``e C (c (d + 2 k) + k c (s d + 3 F_e))`` (``s`` as in :func:`mixture_bytes_per_token`)."""
+    intermediates, ``e C (c (d + 2 k) + k P)`` (``P``: :func:`pair_bytes`)."""
     if not in_rounds(m, tokens):
         return 0
     c, d = dtype_bytes(m.dtype), m.hidden_size
-    e, k, f = expert_group(m, mesh), m.num_experts_per_tok, split(m.moe_intermediate_size, mesh)
-    return e * m.expert_chunk_size * (c * (d + 2 * k) + k * c * ((3 if backward else 2) * d + 3 * f))
+    e, k = expert_group(m, mesh), m.num_experts_per_tok
+    return e * m.expert_chunk_size * (c * (d + 2 * k) + k * pair_bytes(m, mesh, backward))
+
+
+def pair_bytes(m: ModelConfig, mesh: dict[str, int], backward: bool) -> int:
+    """What a layer with experts holds for one (token, expert) pair of its exchange. A backward pass keeps the
+    sorted row, the expert's gate, up and gated intermediates of ``F_e`` (``moe_intermediate_size``) and its
+    output row, sorted and unsorted: ``c (3 D + 3 F_e)``. A forward pass holds at most the sorted row and the gate
+    and up products together, ``c (D + 2 F_e)`` (XLA:TPU's buffer assignment of the old log-probs' pass and the
+    prefill at d 256, F_e 512: the gated product then takes the gate's place, and the output row the rows')."""
+    c, d, f = dtype_bytes(m.dtype), m.hidden_size, split(m.moe_intermediate_size, mesh)
+    return c * (3 * d + 3 * f) if backward else c * (d + 2 * f)
 
 
 def mixture_bytes_per_token(m: ModelConfig, mesh: dict[str, int], backward: bool, tokens: int = 0) -> int:
     """What the mixture of a layer with experts holds per local token (:func:`jppo.models.moe.expert_parallel`):
     the router's float32 logits and probabilities over the ``E`` experts; the group's gathered tokens, ``e`` per
-    local token, with their weights and experts; and for each of their ``k`` (token, expert) pairs the sorted row,
-    the expert's gate, up and gated intermediates of ``F_e`` (``moe_intermediate_size``) and its output row, which
-    the backward pass keeps unsorted too: ``2 a E + e c (d + 2 k) + e k c (s d + 3 F_e)``, ``s`` = 3 kept for a
-    backward pass, 2 in a forward pass. The exchange's buffers grow with the group, ``e n k`` pairs on each device.
+    local token, with their weights and experts; and what each of their ``k`` (token, expert) pairs holds,
+    ``P`` (:func:`pair_bytes`): ``2 a E + e c (d + 2 k) + e k P``. The exchange's buffers grow with the group,
+    ``e n k`` pairs on each device.
     Compiled for v5p:2x2x2 (quickstart_moe widened: d 256, F_e 512, every layer with experts; mesh data 8 with
-    k = 2 and 8, expert 8 with k = 8), the update is planned at 0.73, 0.80 and 0.94 of XLA's bytes (~60 MiB of
-    XLA's, the same in all three, not accounted for yet), the old log-probs' forward at 1.08, 1.03 and 1.48 (XLA
-    holds fewer of the gathered pairs at once than ``e n k``).
+    k = 2 and 8, expert 8 with k = 8; ``tests/test_compile_for.py``), every program is planned within 10% of the HBM
+    of XLA's buffer assignment on rows of 256 tokens with splash attention. On the quickstart's 13-token rows
+    (reference attention) the updates are at 0.93, 0.98 and 1.00 of it, the old log-probs at 1.40, 1.08 and 0.99
+    (at k = 2 XLA holds a layer's sliced experts in the core's VMEM), the rollouts at 0.89, 0.85 and 0.78 (the
+    caches' 5 slots padded to the TPU's 8, and held twice at the decoding loop's start).
 
     Exchanged in rounds (``tokens``, the layer's local tokens, above ``model.expert_chunk_size``), a layer keeps
     per token only the router's terms and its own token, weights and experts, ``2 a E + c (d + 2 k)``; the round's
     working set is :func:`exchange_round_bytes`. Compiled as above at k = 8 on expert 8 (832 local tokens, rounds
     of 128), the update fell from 1.03 GiB to 161.5 MiB, the old log-probs' pass from 292.2 to 66.3 MiB."""
     c, a, d = dtype_bytes(m.dtype), ACCUMULATOR_BYTES, m.hidden_size
-    e, k, f = expert_group(m, mesh), m.num_experts_per_tok, split(m.moe_intermediate_size, mesh)
+    e, k = expert_group(m, mesh), m.num_experts_per_tok
     if in_rounds(m, tokens):
         return 2 * a * m.num_experts + c * (d + 2 * k)
-    return 2 * a * m.num_experts + e * c * (d + 2 * k) + e * k * c * ((3 if backward else 2) * d + 3 * f)
+    return 2 * a * m.num_experts + e * c * (d + 2 * k) + e * k * pair_bytes(m, mesh, backward)
 
 
 def layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, int], platform: str = "gpu",

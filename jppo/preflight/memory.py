@@ -28,6 +28,9 @@ gradients              ``t p``: the gradient of one micro-batch, before it is ad
 weights in use         ``(V' D + one layer's weights / mesh.tensor) c``: the table (the actor's: in the head phase)
                        and the largest layer's weights (with experts: the router and ``num_experts / mesh.expert``
                        experts) cast to the compute dtype (and gathered over ``fsdp``) while they are used
+layer gradient         ``one layer's weights / mesh.tensor x p``: in the backward pass, a layer's weight gradient
+                       before it joins the stacked gradient (XLA:TPU's buffer assignment of a model with experts,
+                       whose layers' weights outweigh their activations: quickstart_moe at d 256)
 activations            ``r (w / q) (L s + x) + b`` for ``r`` rows of ``w`` tokens in one micro-batch, ``w / q`` of
                        them on each device (fixed: ``r = ppo_micro_batch_size``, ``w = bucket(max_prompt_length) +
                        max_response_length``; token budget: ``r = 1``, ``w = ppo_max_token_len``; ``q`` =
@@ -50,13 +53,14 @@ head copies            ``V' D (a + h c)`` in the head phase on a GPU (``h = 1``)
                        1``: a chunk's float32 gradient of the whole table before its reduce-scatter and the table in
                        more layouts (:data:`~jppo.preflight.footprint.HEAD_TABLE_COPIES`; Qwen2.5-0.5B's update at
                        fsdp 8: 3.53 / 3.66 GiB plan / XLA on v5p:2x2x2 with them, 2.00 without)
-optimizer step         ``4 t a``: the temporaries of applying the accumulated gradient (the last micro-batch's
-                       gradient, the accumulated sum, the update, the new moments one after the other): XLA's
-                       ``memory_analysis()`` of the update reports exactly ``4 n a`` of temporaries when the
-                       activations are small (Qwen2-shaped models on CPU, float32; ``tests/test_plan.py``). optax's
+optimizer step         ``2 t a``: the temporaries of applying the accumulated gradient (the summed gradient and
+                       the update; the new moments take the old ones' place): XLA's ``memory_analysis()`` of
+                       the update reports ``2 n a`` of temporaries when the activations are small, with or
+                       without an accumulator (Qwen2-shaped models on CPU, float32; ``tests/test_plan.py``).
+                       Applied inside the micro-batch loop on its K-th turn it was ``4 n a``, and optax's
                        where-based ``apply_if_finite`` and ``MultiSteps.update`` made it 6-7 (see
-                       :mod:`jppo.engine.optim`). ``2 t a`` with K = 1 (no accumulator: the gradient and the
-                       update). On a GPU ``1.5 t a`` and ``t a``: XLA:GPU applies it nearly in place
+                       :mod:`jppo.engine.optim`). On a GPU ``1.5 t a`` with an accumulator and ``t a``
+                       without: XLA:GPU applies it nearly in place
 KV cache               ``B P (2 L K' E c_s + 1) + S T 2 L K' E c_s``: the sampler's prompt cache (each prompt's
                        keys and values held once for its ``n`` samples, and a bool mask of its real tokens) and
                        response cache for ``B`` prompts and ``R = B n`` rows per device (``B = train_batch_size /
@@ -158,8 +162,7 @@ from jppo.preflight.footprint import (
 )
 from jppo.preflight.sampler_memory import prompt_width, rollout_weights_term, sampler_terms
 
-OPTIMIZER_STEP_COPIES = 4  # per-parameter float32 temporaries of applying the accumulated gradient (measured)
-DIRECT_STEP_COPIES = 2  # the same with K = 1 and no accumulator: the gradient and the update (measured)
+STEP_COPIES = 2  # per-parameter float32 temporaries of applying the summed gradient: it and the update (measured)
 # XLA:GPU applies it nearly in place: 1.45 copies with an accumulator, 1.01 without (compiled for an H100, the model
 # of tests/test_plan.py's step test, whose parameters dwarf its activations)
 GPU_STEP_COPIES = {True: 1.5, False: 1}
@@ -259,7 +262,11 @@ def update_phases(policy: ModelConfig, role: str, title: str, n: int, cut: tuple
     lm = role != "critic"
     in_use = (Term(f"weights_in_use/{role}", layer_weights_bytes(policy, mesh), "layer/tensor x c") if lm else
               Term(f"weights_in_use/{role}", weights_in_use_bytes(policy, mesh), "(V'D + layer/tensor) x c"))
-    phases = {f"{title} backward": (gradients, in_use, Term(
+    # a layer's weight gradient, before it joins the stacked gradient (XLA:TPU's buffer assignment at d 256 with
+    # experts, whose layers' weights outweigh their activations)
+    layer_gradient = Term(f"layer_gradient/{role}", layer_weights_bytes(policy, mesh) * p // dtype_bytes(policy.dtype),
+                          "layer/tensor x p")
+    phases = {f"{title} backward": (gradients, in_use, layer_gradient, Term(
         f"activations/{role}", activation_bytes(policy, r, w, mesh, platform),
         f"{split} x (L s + x){' + b' if linear_attention(policy, w, platform) else ''}"
         f"{' remat' if policy.remat else ''}"))}
@@ -274,8 +281,7 @@ def update_phases(policy: ModelConfig, role: str, title: str, n: int, cut: tuple
         if copies:
             phases[f"{title} head"] += (Term(f"head_copies/{role}", copies,
                                              f"V'D x (a + {HEAD_TABLE_COPIES[platform]} c)"),)
-    copies = GPU_STEP_COPIES[accumulates] if platform == "gpu" else (
-        OPTIMIZER_STEP_COPIES if accumulates else DIRECT_STEP_COPIES)
+    copies = GPU_STEP_COPIES[accumulates] if platform == "gpu" else STEP_COPIES
     phases[f"{title} optimizer step"] = (Term(f"optimizer_step/{role}", int(n * a * copies), f"t x a x {copies}"),)
     return phases
 
@@ -322,14 +328,14 @@ def forward_bytes(cfg: TrainConfig, policy: ModelConfig, role: str, cut: dict, m
                   platform: str = "gpu") -> int:
     """What a forward pass keeps live besides the weights it reads: one layer's weights in use and its working set
     over a micro-batch (nothing is kept for a backward pass) and, for log-probs, a chunk's float32 logits. On a TPU
-    a layer's weights are a buffer of their own only when ``mesh.fsdp`` gathers them: otherwise the layer scan reads
-    its slice of the stacked weights (or of their cast copy) in place. Compiled for v5p:2x2x2, quickstart_moe at d
-    256 on data 8 (F_e 256, 512, 1024): the old log-probs' plan fell from 1.17, 1.39 and 1.50 of XLA's bytes to
-    0.93, 1.08 and 1.14."""
+    a dense layer's weights are a buffer of their own only when ``mesh.fsdp`` gathers them: otherwise the layer scan
+    reads its slice of the stacked weights (or of their cast copy) in place; a layer's experts are sliced into a
+    buffer of their own for the grouped products (XLA:TPU's buffer assignment, quickstart_moe at d 256 on data 8)."""
     r, w = (1, cut["max_token_len"]) if "max_token_len" in cut else (
         cut["micro_batch_size"], prompt_width(cfg) + cfg.rollout.max_response_length)
     local = w // row_split(w, mesh)
-    in_use = 0 if platform == "tpu" and mesh["fsdp"] == 1 else layer_weights_bytes(policy, mesh)
+    in_place = platform == "tpu" and mesh["fsdp"] == 1 and not policy.sparse_layers
+    in_use = 0 if in_place else layer_weights_bytes(policy, mesh)
     total = in_use + r * local * forward_layer_bytes_per_token(policy, w, mesh, platform, r * local)
     if role == "actor":
         total += logits_bytes(policy, r, w, cfg.actor.log_prob_chunk_size, mesh) // LOGIT_COPIES  # fused softmax
