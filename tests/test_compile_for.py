@@ -11,6 +11,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jppo import plan
@@ -157,6 +158,23 @@ def test_flops_are_xlas_own_count_with_loops_multiplied_out(v5p):
 
     ours, xla = compiled(scanned, arg(512, 512), arg(256, 512))
     assert ours == 5 * xla == 5 * 2 * 256 * 512 * 512
+
+
+def test_the_tpu_grouped_product_counts_every_row_of_its_buffer(v5p):
+    """``jax.lax.ragged_dot`` compiles to a Mosaic kernel on a TPU, a custom call XLA's ``cost_analysis()`` does not
+    count: the reader counts ``2 M K N`` for its ``[M, K]`` rows by ``[G, K, N]`` groups, as for one product of
+    the whole buffer (the kernel runs the tiles its groups fill: an upper bound)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
+
+    from jppo.preflight import hlo  # noqa: PLC0415
+
+    mesh = Mesh(np.array(v5p.devices), ("a",))
+    arg = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+    executable = jax.jit(jax.lax.ragged_dot).lower(arg(512, 256), arg(4, 256, 384), arg(4, dtype=jnp.int32)).compile()
+    module = hlo.parse(executable.as_text())
+    assert any("ragged_dot_tiling=" in i.attributes for c in module.computations.values() for i in c)
+    assert hlo.flops(module) == 2 * 512 * 256 * 384
 
 
 def test_the_rollout_compiles_on_the_rollout_devices_of_a_split_host():

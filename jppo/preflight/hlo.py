@@ -10,8 +10,9 @@ and ``unknown_trips`` times for the flops (None: no flops). A conditional counts
 micro-batch without tokens skips its model, the first K - 1 micro-batches skip the optimizer: the figures are those of
 full micro-batches).
 
-Flops are those of matrix products (``dot``, ``convolution``, and the GPU's library GEMMs): ``2 x output
-elements x contracted size``, per device; elementwise work is left out.
+Flops are those of matrix products (``dot``, ``convolution``, the GPU's library GEMMs and the TPU's grouped
+product of ``jax.lax.ragged_dot``, counted for every row of its buffer): ``2 x output elements x contracted size``,
+per device; elementwise work is left out.
 """
 
 from __future__ import annotations
@@ -148,6 +149,14 @@ def _own_flops(module: Module, instruction: Instruction) -> float:
         return 2.0 * math.prod(out) * math.prod(contracted)
     if instruction.opcode == "convolution":
         return _convolution_flops(module, instruction, out)
+    if instruction.opcode == "custom-call" and "ragged_dot_tiling=" in instruction.attributes:
+        # XLA:TPU's grouped product (jax.lax.ragged_dot): a Mosaic kernel of [M, K] rows by [G, K, N] groups, its
+        # operands the tile schedule's metadata and then those two: every row against its group's [K, N]
+        start = instruction.attributes.find("operand_layout_constraints={")
+        operands = instruction.attributes[start:instruction.attributes.find("}}", start)] if start >= 0 else ""
+        shapes = re.findall(r"\w+\[[\d,]*\]", operands)
+        lhs = dims(shapes[-2]) if len(shapes) >= 2 else []
+        return 2.0 * math.prod(out) * lhs[-1] if len(lhs) == 2 else 0.0
     if instruction.opcode == "custom-call" and any(f'"{t}"' in instruction.attributes for t in GEMM_TARGETS):
         lhs = dims(module.shapes.get(instruction.operands[0], ""))
         found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instruction.attributes)
