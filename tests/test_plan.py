@@ -448,6 +448,30 @@ def test_a_gpu_forward_pass_counts_the_layout_copy_of_the_largest_layer_stack_no
     assert tpu["old_log_prob"] == params + forward("tpu")  # the quickstart computes in float32: no cast copy
 
 
+def test_on_a_gpu_every_stack_of_the_experts_is_laid_out_anew_and_their_rows_expanded_over_the_experts():
+    # XLA:GPU's buffer assignment of Qwen3-30B-A3B (h200x8, fsdp 2 x expert 4): its old log-probs' pass holds each
+    # of the three expert stacks in another layout, f32[1024, 48, 32, 768], and a round's 32768 (token, expert) pairs
+    # expanded over the device's 32 experts, bf16[32768, 32, 2048]; the update the stacks too (docs/algorithms.md).
+    # quickstart_moe's one layer with experts: 8 experts of [64, 32] three times and its router [64, 8], split over
+    # expert 4 (the experts) and fsdp 2 (the 64), float32; rounds of 16 tokens, k = 2, on the 4 devices' group.
+    cfg = load_config("configs/quickstart_moe.yaml", ["model.expert_chunk_size=16"])
+    mesh = {"data": 1, "fsdp": 2, "tensor": 1, "sequence": 1, "expert": 4}
+    model = footprint.model_config(cfg)
+    assert (model.num_experts, model.num_experts_per_tok, len(model.sparse_layers)) == (8, 2, 1)
+    experts = 3 * (8 // 4) * (64 // 2) * 32 + (64 // 2) * 8
+    assert footprint.expert_layout_bytes(model, mesh, "float32") == experts * 4
+    dense = load_config(GRPO, [])
+    assert footprint.expert_layout_bytes(footprint.model_config(dense), mesh, "float32") == 0
+    pairs, width = 4 * 16 * 2, 64  # the round's pairs of the group; max(D 64, F_e 32)
+    for backward, copies in ((False, 1), (True, 3)):
+        assert footprint.expanded_rows_bytes(model, mesh, 100, backward, "gpu") == copies * pairs * 2 * width * 4
+        assert footprint.expanded_rows_bytes(model, mesh, 100, backward, "tpu") == 0
+    update = memory.memory_plan(cfg, (1, 2, 1, 1, 4), "gpu").updates["actor backward"]
+    assert {t.name: t.bytes for t in update}["expert_layout/actor"] == experts * 4
+    assert "expert_layout/actor" not in {t.name for t in memory.memory_plan(cfg, (1, 2, 1, 1, 4), "tpu").updates[
+        "actor backward"]}
+
+
 def test_a_tpu_sampler_holds_a_tied_table_in_a_second_layout():
     # XLA:TPU's buffer assignment of Qwen2.5-0.5B's validation (tied embeddings) holds the sampler's bfloat16 table
     # [151936, 896] twice at its peak (the gathered table and a copy in another layout), an untied or GPU one once;

@@ -109,6 +109,24 @@ def exchange_round_bytes(m: ModelConfig, mesh: dict[str, int], tokens: int, back
     return e * m.expert_chunk_size * (c * (d + 2 * k) + k * pair_bytes(m, mesh, backward))
 
 
+# Copies of a layer's rows expanded over its experts that XLA:GPU holds at once in a forward and a backward pass
+# (Qwen3-30B-A3B compiled for h200x8: one bf16[32768, 32, 2048] slot in the old log-probs' pass, three in the update)
+GPU_EXPANDED_COPIES = {False: 1, True: 3}
+
+
+def expanded_rows_bytes(m: ModelConfig, mesh: dict[str, int], tokens: int, backward: bool, platform: str) -> int:
+    """XLA:GPU's grouped product (``jax.lax.ragged_dot``): it computes every (token, expert) pair of a layer's
+    exchange (a round's ``e C k``, else ``e n k`` of the pass's ``n`` = ``tokens``) against each of the device's
+    ``E / e`` experts, the rows masked to their expert's group, in buffers of ``[pairs, E / e, max(D, F_e)]`` in the
+    compute dtype (:data:`GPU_EXPANDED_COPIES` of them); 0 elsewhere (XLA:TPU's kernel reads the sorted rows)."""
+    if platform != "gpu" or not m.sparse_layers:
+        return 0
+    e, k = expert_group(m, mesh), m.num_experts_per_tok
+    pairs = e * k * (m.expert_chunk_size if in_rounds(m, tokens) else tokens)
+    width = max(m.hidden_size, split(m.moe_intermediate_size, mesh))
+    return GPU_EXPANDED_COPIES[backward] * pairs * m.num_experts // e * width * dtype_bytes(m.dtype)
+
+
 def pair_bytes(m: ModelConfig, mesh: dict[str, int], backward: bool) -> int:
     """What a layer with experts holds for one (token, expert) pair of its exchange. A backward pass keeps the
     sorted row, the expert's gate, up and gated intermediates of ``F_e`` (``moe_intermediate_size``) and its
@@ -193,7 +211,8 @@ def forward_layer_bytes_per_token(m: ModelConfig, width: int, mesh: dict[str, in
     mlp = 3 * c * f if m.dense_layers else 0
     if m.sparse_layers:
         mixture = mixture_bytes_per_token(m, mesh, backward=False, tokens=tokens)
-        mlp = max(mlp, mixture + exchange_round_bytes(m, mesh, tokens, backward=False) // max(tokens, 1))
+        once = exchange_round_bytes(m, mesh, tokens, False) + expanded_rows_bytes(m, mesh, tokens, False, platform)
+        mlp = max(mlp, mixture + once // max(tokens, 1))
     return c * (2 * d + q + 2 * kv) + max(a * heads * keys, mlp)
 
 
@@ -224,6 +243,7 @@ def activation_bytes(m: ModelConfig, rows: int, width: int, mesh: dict[str, int]
     else:
         kept, recomputed = sum(count * per_layer[kind] for kind, count in layer_kinds(m)), 0
     rounds = exchange_round_bytes(m, mesh, tokens, backward=True) if m.sparse_layers else 0
+    rounds += expanded_rows_bytes(m, mesh, tokens, True, platform)
     return tokens * (kept + recomputed) + attention_block_bytes(m, rows, width, mesh, platform) + rounds
 
 
@@ -372,16 +392,38 @@ def layout_copy_bytes(config: ModelConfig, mesh: dict[str, int], stored: str) ->
     cast copy of the weights do not appear (compiled: Qwen2.5-0.5B and 7B log-prob passes on H100 and H200, the
     copy ``f32[3584/8, 28, 18944]`` at 7B on fsdp 8). A tied embedding's shard is copied too, into the LM head's
     layout (``f32[112, 151936]`` beside the stack's copy in Qwen2.5-0.5B's old-log-prob pass on fsdp 8: XLA:GPU's
-    memory-usage report); an untied head is stored in its product's layout (the 7B's pass holds no such copy)."""
+    memory-usage report); an untied head is stored in its product's layout (the 7B's pass holds no such copy). A
+    model with experts has every stack of its experts copied so, beside the largest other stack (Qwen3-30B-A3B's
+    old log-probs on h200x8, fsdp 2 x expert 4: three ``f32[1024, 48, 32, 768]`` and ``f32[1024, 48, 4096]``)."""
     from flax import nnx  # noqa: PLC0415
 
     from jppo.models.sharding import logical_names  # noqa: PLC0415
 
     local = {path: math.prod(v.shape) // shards(v.shape, logical_names(v), mesh)
              for path, v in nnx.to_flat_state(abstract_params(config))}
-    stacks = [size for path, size in local.items() if "layers" in map(str, path)]
+    from jppo.models.moe import EXPERTS  # noqa: PLC0415
+
+    stacks = [size for path, size in local.items() if "layers" in map(str, path) and str(path[-1]) not in EXPERTS]
     table = sum(size for path, size in local.items() if "embed_tokens" in map(str, path)) * config.tie_word_embeddings
-    return (max(stacks, default=0) + table) * dtype_bytes(stored)
+    return (max(stacks, default=0) + table) * dtype_bytes(stored) + expert_layout_bytes(config, mesh, stored)
+
+
+def expert_layout_bytes(config: ModelConfig, mesh: dict[str, int], stored: str) -> int:
+    """One device's shard of every stack of the model's experts (and routers) in its ``stored`` dtype: what XLA:GPU
+    copies into the layout the layer loop's gathers read, in a forward pass (:func:`layout_copy_bytes`) and in the
+    update, whose optimizer loop carries the experts' float32 stacks so laid out (Qwen3-30B-A3B on h200x8: five
+    ``f32[1024, 48, 32, 768]`` copies of its parameters' and moments' stacks beside the arguments); 0 without
+    experts."""
+    from flax import nnx  # noqa: PLC0415
+
+    from jppo.models.moe import EXPERTS  # noqa: PLC0415
+    from jppo.models.sharding import logical_names  # noqa: PLC0415
+
+    if not config.sparse_layers:
+        return 0
+    local = sum(math.prod(v.shape) // shards(v.shape, logical_names(v), mesh)
+                for path, v in nnx.to_flat_state(abstract_params(config)) if str(path[-1]) in EXPERTS)
+    return local * dtype_bytes(stored)
 
 
 def human(size: int) -> str:

@@ -146,6 +146,7 @@ from jppo.preflight.footprint import (
     activation_bytes,
     adapter_params,
     dtype_bytes,
+    expert_layout_bytes,
     forward_layer_bytes_per_token,
     head_copies_bytes,
     kept_activation_bytes,
@@ -266,7 +267,9 @@ def update_phases(policy: ModelConfig, role: str, title: str, n: int, cut: tuple
     # experts, whose layers' weights outweigh their activations)
     layer_gradient = Term(f"layer_gradient/{role}", layer_weights_bytes(policy, mesh) * p // dtype_bytes(policy.dtype),
                           "layer/tensor x p")
-    phases = {f"{title} backward": (gradients, in_use, layer_gradient, Term(
+    layout = expert_layout_bytes(policy, mesh, policy.param_dtype) if platform == "gpu" else 0
+    layouts = (Term(f"expert_layout/{role}", layout, "experts' stacks x p"),) if layout else ()
+    phases = {f"{title} backward": (gradients, in_use, layer_gradient, *layouts, Term(
         f"activations/{role}", activation_bytes(policy, r, w, mesh, platform),
         f"{split} x (L s + x){' + b' if linear_attention(policy, w, platform) else ''}"
         f"{' remat' if policy.remat else ''}"))}
