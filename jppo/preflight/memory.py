@@ -323,26 +323,37 @@ def program_bytes(cfg: TrainConfig, mesh_shape: Sequence[int], platform: str = "
         cast = (layout_copy_bytes(policy, mesh, stored_in[params]) if platform == "gpu"  # not a cast: a layout's
                 else stored * c // p if p > c else 0)  # the weights in the compute dtype, one copy for the pass
         out[name] = stored + cast + forward_bytes(cfg, policy, role, forward_micro_batching(cfg, role), mesh,
-                                                    platform)
+                                                    platform, widened=p > c)
     return out
 
 
 def forward_bytes(cfg: TrainConfig, policy: ModelConfig, role: str, cut: dict, mesh: dict[str, int],
-                  platform: str = "gpu") -> int:
+                  platform: str = "gpu", widened: bool = False) -> int:
     """What a forward pass keeps live besides the weights it reads: one layer's weights in use and its working set
     over a micro-batch (nothing is kept for a backward pass) and, for log-probs, a chunk's float32 logits. On a TPU
     a dense layer's weights are a buffer of their own only when ``mesh.fsdp`` gathers them: otherwise the layer scan
     reads its slice of the stacked weights (or of their cast copy) in place; a layer's experts are sliced into a
-    buffer of their own for the grouped products (XLA:TPU's buffer assignment, quickstart_moe at d 256 on data 8)."""
+    buffer of their own for the grouped products (XLA:TPU's buffer assignment, quickstart_moe at d 256 on data 8).
+
+    On a TPU with ``mesh.fsdp`` > 1 and weights stored wider than they compute (``widened``), log-probs' layers and
+    LM head are phases apart, the head's holding the logits and an untied head gathered whole, and the embedding
+    table, cast and gathered whole for the lookup, lives through both (Qwen3-30B-A3B's old log-probs on
+    v5p:4x4x4: ``bf16[151936, 2048]`` twice beside a chunk's logits at the pass's peak; 4.36 GiB compiled, planned
+    4.37, 3.86 without; Qwen2.5-0.5B's, tied, 0.80 and 0.76, 0.65 without). A reference stored in the compute dtype
+    looks its tokens up in the sharded table."""
     r, w = (1, cut["max_token_len"]) if "max_token_len" in cut else (
         cut["micro_batch_size"], prompt_width(cfg) + cfg.rollout.max_response_length)
     local = w // row_split(w, mesh)
     in_place = platform == "tpu" and mesh["fsdp"] == 1 and not policy.sparse_layers
     in_use = 0 if in_place else layer_weights_bytes(policy, mesh)
-    total = in_use + r * local * forward_layer_bytes_per_token(policy, w, mesh, platform, r * local)
-    if role == "actor":
-        total += logits_bytes(policy, r, w, cfg.actor.log_prob_chunk_size, mesh) // LOGIT_COPIES  # fused softmax
-    return total
+    layers = in_use + r * local * forward_layer_bytes_per_token(policy, w, mesh, platform, r * local)
+    if role != "actor":
+        return layers
+    logits = logits_bytes(policy, r, w, cfg.actor.log_prob_chunk_size, mesh) // LOGIT_COPIES  # fused softmax
+    if platform != "tpu" or mesh["fsdp"] == 1 or not widened:
+        return layers + logits
+    table = table_bytes(policy, mesh)
+    return table + max(layers, logits + (0 if policy.tie_word_embeddings else table))
 
 
 def reference_term(cfg: TrainConfig, policy: ModelConfig, mesh: dict[str, int]) -> Term:
