@@ -15,7 +15,7 @@ from jppo.config import check_mesh, load_config, views
 from jppo.config.views import engine_view
 from jppo.engine import init_train_state
 from jppo.parallel.mesh import MESH_AXES, make_mesh
-from jppo.preflight import footprint, memory, sampler_memory
+from jppo.preflight import footprint, layout_copies, memory, sampler_memory
 from jppo.run import build
 
 QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
@@ -436,10 +436,10 @@ def test_a_gpu_forward_pass_counts_the_layout_copy_of_the_largest_layer_stack_no
     model = footprint.model_config(cfg)
     assert model.tie_word_embeddings and model.hidden_size == 64
     stack = 2 * 64 * 128 // 2 + model.vocab_size * 64 // 2
-    assert footprint.layout_copy_bytes(model, mesh, "float32") == stack * 4
-    assert footprint.layout_copy_bytes(model, mesh, "bfloat16") == stack * 2
+    assert layout_copies.layout_copy_bytes(model, mesh, "float32") == stack * 4
+    assert layout_copies.layout_copy_bytes(model, mesh, "bfloat16") == stack * 2
     untied = dataclasses.replace(model, tie_word_embeddings=False)
-    assert footprint.layout_copy_bytes(untied, mesh, "float32") == 2 * 64 * 128 // 2 * 4
+    assert layout_copies.layout_copy_bytes(untied, mesh, "float32") == 2 * 64 * 128 // 2 * 4
     gpu, tpu = (memory.program_bytes(cfg, (1, 2, 1, 1, 1), platform) for platform in ("gpu", "tpu"))
     forward = lambda platform: memory.forward_bytes(  # noqa: E731
         cfg, footprint.model_config(cfg), "actor", views.forward_micro_batching(cfg, "actor"), mesh, platform)
@@ -459,9 +459,9 @@ def test_on_a_gpu_every_stack_of_the_experts_is_laid_out_anew_and_their_rows_exp
     model = footprint.model_config(cfg)
     assert (model.num_experts, model.num_experts_per_tok, len(model.sparse_layers)) == (8, 2, 1)
     experts = 3 * (8 // 4) * (64 // 2) * 32 + (64 // 2) * 8
-    assert footprint.expert_layout_bytes(model, mesh, "float32") == experts * 4
+    assert layout_copies.expert_layout_bytes(model, mesh, "float32") == experts * 4
     dense = load_config(GRPO, [])
-    assert footprint.expert_layout_bytes(footprint.model_config(dense), mesh, "float32") == 0
+    assert layout_copies.expert_layout_bytes(footprint.model_config(dense), mesh, "float32") == 0
     pairs, width = 4 * 16 * 2, 64  # the round's pairs of the group; max(D 64, F_e 32)
     for backward, copies in ((False, 1), (True, 3)):
         assert footprint.expanded_rows_bytes(model, mesh, 100, backward, "gpu") == copies * pairs * 2 * width * 4

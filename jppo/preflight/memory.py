@@ -146,12 +146,10 @@ from jppo.preflight.footprint import (
     activation_bytes,
     adapter_params,
     dtype_bytes,
-    expert_layout_bytes,
     forward_layer_bytes_per_token,
     head_copies_bytes,
     kept_activation_bytes,
     layer_weights_bytes,
-    layout_copy_bytes,
     linear_attention,
     local_elements,
     logits_bytes,
@@ -161,6 +159,7 @@ from jppo.preflight.footprint import (
     trained_elements,
     weights_in_use_bytes,
 )
+from jppo.preflight.layout_copies import expert_layout_bytes, layout_copy_bytes
 from jppo.preflight.sampler_memory import prompt_width, rollout_weights_term, sampler_terms
 
 STEP_COPIES = 2  # per-parameter float32 temporaries of applying the summed gradient: it and the update (measured)
