@@ -52,7 +52,8 @@ log-prob logits        ``3 r k V' a`` (actor only): the float32 logits of one ch
 head copies            ``V' D (a + h c)`` in the head phase on a GPU (``h = 1``) or TPU (``h = 4``) with ``mesh.fsdp >
                        1``: a chunk's float32 gradient of the whole table before its reduce-scatter and the table in
                        more layouts (:data:`~jppo.preflight.footprint.HEAD_TABLE_COPIES`; Qwen2.5-0.5B's update at
-                       fsdp 8: 3.53 / 3.66 GiB plan / XLA on v5p:2x2x2 with them, 2.00 without)
+                       fsdp 8: 3.53 / 3.66 GiB plan / XLA on v5p:2x2x2 with them, 2.00 without; 3.41 XLA since
+                       the optimizer left the micro-batch loop)
 optimizer step         ``2 t a``: the temporaries of applying the accumulated gradient (the summed gradient and
                        the update; the new moments take the old ones' place): XLA's ``memory_analysis()`` of
                        the update reports ``2 n a`` of temporaries when the activations are small, with or
@@ -116,8 +117,8 @@ Against the compiled programs (``python -m jppo.plan --compile-for``, which prin
 log-probs 5.08 / 5.16, reference log-probs 4.16 / 4.06, rollout 2.85 / 3.11, validation 3.81 / 4.23; on h100x8: 18.17 /
 18.08, 6.83 / 6.70, 5.91 / 6.00, 2.96 / 3.14, 4.23 / 4.04. Qwen2.5-7B's on v5p:4x4x4: 28.55 / 26.98, 10.33 / 11.02, 8.56
 / 8.07, 16.44 / 17.00, 16.94 / 17.46. As shipped since (``auto`` attention, whole 4096-token rows, fsdp 8): the actor
-update 3.53 / 3.66 on v5p:2x2x2 and 2.76 / 2.52 on h100x8 (its peak the LM head's phase: ``head copies`` below),
-the forward passes 0.81 / 0.67 of XLA on the TPU (0.85 / 0.82 on the GPU) and the TPU's validation 1.32 (not
+update 3.53 / 3.41 on v5p:2x2x2 and 2.76 / 2.64 on h100x8 (its peak the LM head's phase: ``head copies`` below),
+the forward passes 0.95 / 0.67 of XLA on the TPU (0.86 / 0.82 on the GPU) and the TPU's validation 1.32 (not
 modelled closer yet).
 A forward pass's peak is one layer's float32 attention scores (3.5 GiB at 0.5B);
 the prefill and the decoding step's logits are apart in XLA's buffer assignment, so both are counted. An update's
