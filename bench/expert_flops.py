@@ -25,11 +25,11 @@ import argparse
 import json
 import os
 
+# quickstart_moe widened so that the experts outweigh the rest (tests/test_compile_for.py plans these rows too)
 EXPERTS = ["model.mlp_only_layers=[]", "model.hidden_size=256", "model.intermediate_size=8",
-           "model.moe_intermediate_size=512", "model.num_experts_per_tok=8", "model.attention=auto",
-           "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=8",
-           "data.max_prompt_length=128", "rollout.prompt_bucket=128", "rollout.max_response_length=128",
-           "trainer.val_every=0"]
+           "model.moe_intermediate_size=512", "model.attention=auto", "data.train_batch_size=8",
+           "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=8", "data.max_prompt_length=128",
+           "rollout.prompt_bucket=128", "rollout.max_response_length=128", "trainer.val_every=0"]
 
 
 def measure(target_name: str, e: int) -> dict:
@@ -39,7 +39,8 @@ def measure(target_name: str, e: int) -> dict:
 
     target = targets.target(target_name)
     devices = len(target.devices)
-    cfg = load_config("configs/quickstart_moe.yaml", [*EXPERTS, f"mesh.data={devices // e}", f"mesh.expert={e}"],
+    cfg = load_config("configs/quickstart_moe.yaml", [*EXPERTS, "model.num_experts_per_tok=8",
+                                                      f"mesh.data={devices // e}", f"mesh.expert={e}"],
                       data_files=False)
     mesh = make_mesh(*check_mesh(cfg, devices, target.hosts), devices=target.devices)
     lower, _, _ = compiled.lowerings(cfg, mesh)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bench.expert_flops import EXPERTS
 from jppo import plan
 from jppo.config import check_mesh, load_config
 from jppo.preflight import compiled, targets
@@ -80,10 +81,7 @@ def test_update_and_rollout_compile_for_a_two_host_slice(v5p, mesh, attention, p
 
 # quickstart_moe widened (the experts outweigh the rest): every layer with experts, d 256, F_e 512; rows of 256
 # tokens (the TPU's tiles) with splash attention, whose scores take no memory: what is left to plan is the experts'.
-EXPERTS = ["model.mlp_only_layers=[]", "model.hidden_size=256", "model.intermediate_size=8",
-           "model.moe_intermediate_size=512", "model.attention=auto", "data.train_batch_size=8",
-           "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size=8", "data.max_prompt_length=128",
-           "rollout.prompt_bucket=128", "rollout.max_response_length=128", "trainer.val_every=0"]
+# (EXPERTS, from bench.expert_flops, which reads the same rows' experts' flops)
 
 
 @pytest.mark.parametrize("mesh", [

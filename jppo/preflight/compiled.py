@@ -53,11 +53,11 @@ class Compiled:
     """One program compiled for a target (or the first line of why not). ``xla_bytes``: XLA's bytes per device
     (``memory_analysis()``: arguments + outputs - donated + temporaries), ``temp_bytes`` the temporaries alone (a
     step's activations and scratch); ``hbm_bytes``: on a TPU, the program's HBM by XLA's buffer assignment
-    (:func:`device_memory_bytes`, less than ``xla_bytes``);
-    ``peak_bytes``: that plus what the run keeps on the device besides the program's arguments (train states,
-    reference, the others' weights), to check against the device's memory; ``flops``: per device, matrix products
-    only, loops multiplied by their trip counts (:func:`jppo.preflight.hlo.flops`); ``decode_step_collectives``:
-    those of one turn of the decoding loop (one token of every row), the rollout's only."""
+    (:func:`device_memory_bytes`, less than ``xla_bytes``); ``peak_bytes``: ``xla_bytes`` plus what the run keeps
+    on the device besides the program's arguments (train states, reference, the others' weights), to check against
+    the device's memory; ``flops``: per device, matrix products only, loops multiplied by their trip counts
+    (:func:`jppo.preflight.hlo.flops`); ``decode_step_collectives``: those of one turn of the decoding loop (one
+    token of every row), the rollout's only."""
 
     name: str
     compiled: bool
@@ -240,7 +240,7 @@ def report_options(target: Target, folder: str) -> dict:
     GPU, whose ``memory_analysis()`` counts device memory alone)."""
     if target.platform != "tpu":
         return {}
-    return {"compiler_options": {"xla_dump_to": folder, "xla_dump_hlo_as_text": True}}
+    return {"compiler_options": {"xla_dump_to": folder}}  # ~11 MB of text for a small update, no time measured
 
 
 def device_memory_bytes(folder: str) -> Optional[int]:

@@ -152,10 +152,7 @@ def _own_flops(module: Module, instruction: Instruction) -> float:
     if instruction.opcode == "custom-call" and "ragged_dot_tiling=" in instruction.attributes:
         # XLA:TPU's grouped product (jax.lax.ragged_dot): a Mosaic kernel of [M, K] rows by [G, K, N] groups, its
         # operands the tile schedule's metadata and then those two: every row against its group's [K, N]
-        start = instruction.attributes.find("operand_layout_constraints={")
-        operands = instruction.attributes[start:instruction.attributes.find("}}", start)] if start >= 0 else ""
-        shapes = re.findall(r"\w+\[[\d,]*\]", operands)
-        lhs = dims(shapes[-2]) if len(shapes) >= 2 else []
+        lhs = dims(module.shapes.get(instruction.operands[-2], "")) if len(instruction.operands) >= 2 else []
         return 2.0 * math.prod(out) * lhs[-1] if len(lhs) == 2 else 0.0
     if instruction.opcode == "custom-call" and any(f'"{t}"' in instruction.attributes for t in GEMM_TARGETS):
         lhs = dims(module.shapes.get(instruction.operands[0], ""))
