@@ -168,6 +168,9 @@ def _check_bitwise(cfg: TrainConfig) -> None:
             "rollout.max_num_seqs", cfg.rollout.max_num_seqs)
         raise ConfigError(f"{key}={value!r} with trainer.deterministic='bitwise': the mode samples with jppo's "
                           "sampler, each prompt alone (rollout.engine: jppo, rollout.max_num_seqs: 0)")
+    if cfg.actor.routing_replay != "none":  # the bitwise sampler routes each token as the trainer does
+        raise ConfigError(f"actor.routing_replay={cfg.actor.routing_replay!r} with trainer.deterministic='bitwise': "
+                          "the mode's sampler routes every token as the trainer does, nothing to replay (use none)")
     for role in cfg.roles:
         section = getattr(cfg, role)
         if section.use_dynamic_bsz:

@@ -98,9 +98,8 @@ def _fitting_sequence(cfg: TrainConfig, num_devices: int) -> str:
 
 def check_bitwise_mesh(cfg: TrainConfig, shape: tuple[int, ...]) -> None:
     """``trainer.deterministic: bitwise`` on the mesh ``shape``: no tensor, sequence or expert axis (each splits a
-    sum the mode keeps in one order), a power-of-two number of batch shards, models without experts, and each
-    role's mini-batch a power-of-two number of sequences per shard (the fixed summation tree's leaves:
-    jppo.engine.bitwise)."""
+    sum the mode keeps in one order), a power-of-two number of batch shards, and each role's mini-batch a
+    power-of-two number of sequences per shard (the fixed summation tree's leaves: jppo.engine.bitwise)."""
     if cfg.trainer.deterministic != "bitwise":
         return
     for name, size in zip(MESH_AXES, shape):
@@ -112,9 +111,6 @@ def check_bitwise_mesh(cfg: TrainConfig, shape: tuple[int, ...]) -> None:
         raise ConfigError(f"mesh.data x mesh.fsdp = {shards} batch shards with trainer.deterministic='bitwise': a "
                           "power of two (the devices' sums meet in a binary tree)")
     for role in cfg.roles:
-        if adapted_model_config(cfg, role).sparse_layers:
-            raise ConfigError(f"trainer.deterministic='bitwise' with the {role} model's experts: a model with experts "
-                              "is not bitwise yet (its router's statistics are sums of their own)")
         per_shard = engine_view(cfg, role).ppo_mini_batch_size // shards
         if per_shard & (per_shard - 1):
             raise ConfigError(f"{role}.ppo_mini_batch_size={getattr(cfg, role).ppo_mini_batch_size} (prompts) x "

@@ -18,9 +18,10 @@ order, fixed by the rows' global indices:
 
 The optimizer then runs once on that gradient (no accumulator: ``0 + g`` would turn a ``-0.0`` into ``0.0``), on
 every device whole. What it needs: the mini-batch's rows per batch shard a power of two, the row shards a power of
-two, no token-budget packing, no tensor, sequence or expert axis (each would split a product's reduction), no
-experts (their router statistics are whole-mini-batch sums of their own). :func:`check_bitwise` says which is not
-so, in one line, before anything is traced.
+two, no token-budget packing, no tensor, sequence or expert axis (each would split a product's reduction).
+:func:`check_bitwise` says which is not so, in one line, before anything is traced. A model with experts: the
+mini-batch's expert fractions are counts (exact in any order), and each row's share of the router losses is summed
+in the tree like the rest.
 
 The price: the rows run one after another (no batching over rows: products of ``W`` tokens instead of ``K W``), the
 parameters are whole on every row shard during the step (gathered once), and the gradient crosses the devices in
@@ -44,10 +45,10 @@ from jppo.parallel.tree_sum import TreeCounter, tree_combine
 SPLITTING_AXES = ("tensor", "sequence", "expert")  # axes that split a product's reduction or the router's sums
 
 
-def check_bitwise(cfg, mesh: Mesh, sparse: bool = False) -> None:
+def check_bitwise(cfg, mesh: Mesh) -> None:
     """:class:`~jppo.core.errors.InvalidSetting` naming the first thing a bitwise update (``cfg.bitwise``) cannot
     run on: token-budget packing, legacy normalization, a mesh axis other than data and fsdp of size > 1, a row-shard
-    count that is not a power of two, a model with experts (``sparse``)."""
+    count that is not a power of two."""
     if not getattr(cfg, "bitwise", False):
         return
     name = type(cfg).__name__ + "."
@@ -61,8 +62,6 @@ def check_bitwise(cfg, mesh: Mesh, sparse: bool = False) -> None:
     shards = batch_shards(mesh)
     if shards & (shards - 1):
         raise InvalidSetting("mesh.", "data x fsdp", shards, "a power of two with bitwise")
-    if sparse:
-        raise InvalidSetting(name, "bitwise", True, "false for a model with experts (not bitwise yet)")
 
 
 def pair_combine(left, right):
@@ -71,11 +70,12 @@ def pair_combine(left, right):
 
 
 def bitwise_gradient(
-    share_gradient_of: Callable[[Any, Any], tuple[Any, dict]], params, batch, mesh: Mesh, dtype,
+    share_gradient_of: Callable[[Any, Any], tuple[Any, dict]], params, batch, mesh: Mesh, dtype, routes: bool = False,
 ) -> tuple[Any, dict]:
     """The mini-batch's gradient (in ``dtype``) and metric pairs, summed over its rows in the fixed tree (module
     docstring): ``share_gradient_of(params, row)`` is one row's ``(gradient, metric pairs)`` (a row without a
-    response token gives zeros without running it), ``batch`` the mini-batch's micro-batches ``[K, D, R, W]``
+    response token gives zeros without running it; with ``routes``, an actor with experts, a row without any
+    token), ``batch`` the mini-batch's micro-batches ``[K, D, R, W]``
     (fixed cut: R = S, one sequence per row) with D over the row axes. The result is the same on every device."""
     k, _, rows, width = batch.input_ids.shape
     if rows != batch.slots.response_mask.shape[2]:
@@ -92,6 +92,7 @@ def bitwise_gradient(
 
     def row_gradient(params, row):
         holds = jnp.any(row.slots.response_mask)
+        holds = holds | jnp.any(row.segment_ids != 0) if routes else holds  # its tokens' share of the router loss
         return jax.lax.cond(holds, share_gradient_of, lambda p, r: zeros(), params, row)
 
     def local(params, batch):

@@ -92,6 +92,8 @@ def forward_batch(
     num_global = batch.num_sequences * batch_shards(mesh) // len(local_shards(mesh))
     cut = local_cut(batch.lengths(), mesh, micro_batch_size=micro_batch_size, max_token_len=max_token_len)
     cut = place_cut(cut, mesh)
+    if bitwise:  # whole weights on every device, as in the bitwise update: no product's sum split over fsdp
+        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
     with jax.set_mesh(mesh), normalized_by_product() if bitwise else contextlib.nullcontext():
         slots = fn(params, assemble(rows, cut, mesh, max_token_len))
         out = _in_row_order(mesh, num_global)(slots, cut["row_ids"])

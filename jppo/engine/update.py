@@ -29,6 +29,7 @@ summed gradient is :mod:`jppo.engine.optim`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -169,16 +170,16 @@ def optimizer_step(
     """
     inner = inner_optimizer(cfg.optim, keep_gradient, cfg.optimizer_steps_per_training_step)
     model = trained_model(graphdef, state.params, state.frozen)  # the step's starting weights
-    norm = mini_batch_norm(model, batch, cfg, mesh)
+    with normalized_by_product() if cfg.bitwise else contextlib.nullcontext():  # bitwise: the counts route as the rows
+        norm = mini_batch_norm(model, batch, cfg, mesh)
     share_gradient_of = functools.partial(share_gradient, frozen=state.frozen, graphdef=graphdef, loss=loss, norm=norm)
     shapes = jax.eval_shape(share_gradient_of, state.params, jax.tree.map(lambda x: x[0], batch))  # (grads, metrics)
     # with experts, a micro-batch holding a token (if not a response token) routes it: for its share, the expert load
     routes = isinstance(cfg, ActorConfig) and bool(model.config.sparse_layers)
     dtype, held = accumulator_dtype(state.params), state.opt_state.acc_grads is not None
     if cfg.bitwise:  # the rows' gradients summed in one fixed tree, then the optimizer (jppo.engine.bitwise)
-        check_bitwise(cfg, mesh, sparse=bool(model.config.sparse_layers))
         with normalized_by_product():
-            grads, total = bitwise_gradient(share_gradient_of, state.params, batch, mesh, dtype)
+            grads, total = bitwise_gradient(share_gradient_of, state.params, batch, mesh, dtype, routes)
     else:
         grads, total = summed_gradient(share_gradient_of, state.params, batch, shapes, routes, dtype,
                                        state.opt_state.acc_grads)

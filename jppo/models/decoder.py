@@ -2,9 +2,9 @@
 head on the same decoder: :mod:`jppo.models.value`).
 
 One layer, pre-norm: ``h += o(attention(rope(q(n1(h))), rope(k(n1(h))), v(n1(h))))``, then
-``h += swiglu(n2(h))``. The ``num_layers`` layers are stored stacked (leading ``layers`` axis) and run by one
-``lax.scan``, so compile time does not grow with depth; decoding one token per row unrolls them instead, over
-per-layer caches (:meth:`DecoderLayers.decode` says why).
+``h += down(silu(gate(n2(h))) * up(n2(h)))``. The ``num_layers`` layers are stored stacked (leading ``layers``
+axis) and run by one ``lax.scan``, so compile time does not grow with depth; decoding one token per row unrolls
+them instead, over per-layer caches (:meth:`DecoderLayers.decode` says why); bitwise: :mod:`jppo.models.bitwise`.
 
 Attention rule, for packed training rows and cached decoding alike: the query in slot ``i`` attends key slot
 ``j`` iff ``j <= i`` and ``segment_ids[j] == segment_ids[i] != 0``. Positions are explicit (RoPE reads
@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jppo.models.attention import AttentionRule
+from jppo.models import bitwise
+from jppo.models.attention import AttentionRule, by_product
 from jppo.models.config import ModelConfig
 from jppo.models.context import context_parallel, sequence_attention
 from jppo.models.kv_cache import (
@@ -44,7 +45,6 @@ from jppo.models.layers import (
     response_blocks,
     rms_norm,
     rope_tables,
-    swiglu,
     wide,
 )
 from jppo.models.moe import expert_params, layer_slices, moe_mlp, record_routing, run_layers
@@ -98,67 +98,70 @@ class DecoderLayers(nnx.Module):
     def _stacked_adapters(self) -> dict[str, tuple[Array, Array]]:
         return {} if self.lora is None else self.lora.stacked()
 
-    def _block(self, h: Array, weights: dict, adapters: dict, rope: tuple[Array, Array], attend,
-               valid: Array | None = None, replay: Array | None = None) -> tuple[Array, Any]:
-        """One layer on ``h [B, T, D]`` with that layer's ``weights`` and LoRA ``adapters``; ``attend(q, k, v)``
-        (``[B, T, heads, E]`` each, after RoPE) returns the attended values ``[B, T, H, E]`` and anything the
-        caller wants back from the layer (its keys and values, an updated cache). A layer with experts also
-        returns its :class:`~jppo.models.moe.RouterStats` over the ``valid [B, T]`` tokens and its experts
-        ``[B, T, k]``, routing by ``replay [B, T, k]`` if given: ``(extra, (stats, experts))``."""
-        config = self.config
-        dtype = config.compute_dtype
-        batch, length, _ = h.shape
-        cos, sin = rope
-        scale = None if self.lora is None else self.lora.scale
+    def _linear(self, x: Array, weights: dict, adapters: dict, name: str) -> Array:
+        """``x @ W_name`` in the compute dtype, plus its LoRA adapter's ``s (x A) B`` if it has one."""
+        dtype = self.config.compute_dtype
+        y = dense(x, weights[name].astype(dtype))
+        if name in adapters:
+            a, b = adapters[name]
+            y = y + (self.lora.scale * ((x @ a.astype(dtype)) @ b.astype(dtype))).astype(y.dtype)
+        return y
 
-        def linear(x: Array, name: str) -> Array:
-            y = dense(x, weights[name].astype(dtype))
-            if name in adapters:
-                a, b = adapters[name]
-                y = y + (scale * ((x @ a.astype(dtype)) @ b.astype(dtype))).astype(y.dtype)
-            return y
+    def _qkv(self, h: Array, weights: dict, adapters: dict, rope: tuple[Array, Array]) -> tuple[Array, Array, Array]:
+        """A layer's queries, keys and values ``[B, T, heads, E]`` of ``h [B, T, D]`` (normed, projected, RoPE)."""
+        config = self.config
+        batch, length, _ = h.shape
 
         def project(x: Array, name: str, heads: int, logical: str) -> Array:
-            y = linear(x, f"{name}_proj")
+            y = self._linear(x, weights, adapters, f"{name}_proj")
             if weights.get(f"{name}_bias") is not None:
-                y = y + weights[f"{name}_bias"].astype(dtype)
+                y = y + weights[f"{name}_bias"].astype(config.compute_dtype)
             y = constrain(y.reshape(batch, length, heads, config.head_dim), ("batch", "length", logical, None))
             if config.qk_norm and name in ("q", "k"):
                 y = rms_norm(y, weights[f"{name}_norm"], config.rms_norm_eps)
             return y
 
         x = rms_norm(h, weights["input_norm"], config.rms_norm_eps)
-        q = apply_rope(project(x, "q", config.num_heads, "q_heads"), cos, sin)
-        k = apply_rope(project(x, "k", config.num_kv_heads, "kv_heads"), cos, sin)
-        v = project(x, "v", config.num_kv_heads, "kv_heads")
-        attended, extra = attend(q, k, v)
-        out = linear(attended.reshape(batch, length, config.q_size), "o_proj")
+        q = apply_rope(project(x, "q", config.num_heads, "q_heads"), *rope)
+        k = apply_rope(project(x, "k", config.num_kv_heads, "kv_heads"), *rope)
+        return q, k, project(x, "v", config.num_kv_heads, "kv_heads")
+
+    def _after_attention(self, h: Array, attended: Array, weights: dict, adapters: dict, valid: Array | None = None,
+                         replay: Array | None = None) -> tuple[Array, Any]:
+        """The rest of a layer from the attended values ``[B, T, H, E]``: output projection and residual, then the
+        MLP (or experts: their stats and experts come back, else None) and residual."""
+        config = self.config
+        batch, length, _ = h.shape
+        out = self._linear(attended.reshape(batch, length, config.q_size), weights, adapters, "o_proj")
         if weights.get("o_bias") is not None:
-            out = out + weights["o_bias"].astype(dtype)
+            out = out + weights["o_bias"].astype(config.compute_dtype)
         h = h + out
         x = rms_norm(h, weights["post_attention_norm"], config.rms_norm_eps)
         if "router" in weights:
             valid = jnp.ones((batch, length), bool) if valid is None else valid
-            mlp, stats, experts = moe_mlp(x, valid, weights["router"], weights["expert_gate"], weights["expert_up"],
+            mixture = bitwise.experts_each if by_product() else moe_mlp  # bitwise: every expert on every token
+            mlp, stats, experts = mixture(x, valid, weights["router"], weights["expert_gate"], weights["expert_up"],
                                           weights["expert_down"], config.num_experts_per_tok, config.norm_topk_prob,
                                           replay, chunk=config.expert_chunk_size)
-            return constrain(h + mlp, HIDDEN), (extra, (stats, experts))
-        if adapters.keys() & {"gate_proj", "up_proj", "down_proj"}:
-            mlp = linear(jax.nn.silu(linear(x, "gate_proj")) * linear(x, "up_proj"), "down_proj")
-        else:
-            up, gate, down = (weights[name].astype(dtype) for name in ("up_proj", "gate_proj", "down_proj"))
-            mlp = swiglu(x, gate, up, down)
-        return constrain(h + mlp, HIDDEN), extra
+            return constrain(h + mlp, HIDDEN), (stats, experts)
+        linear = lambda x, name: self._linear(x, weights, adapters, name)  # noqa: E731
+        mlp = linear(jax.nn.silu(linear(x, "gate_proj")) * linear(x, "up_proj"), "down_proj")  # SwiGLU
+        return constrain(h + mlp, HIDDEN), None
+
+    def _block(self, h: Array, weights: dict, adapters: dict, rope: tuple[Array, Array], attend,
+               valid: Array | None = None, replay: Array | None = None) -> tuple[Array, Any]:
+        """One layer on ``h [B, T, D]`` (its ``weights``, LoRA ``adapters``); ``attend(q, k, v)`` returns the
+        attended values and anything the caller wants back (keys and values, a cache). A layer with experts also
+        returns its :class:`~jppo.models.moe.RouterStats` over the ``valid [B, T]`` tokens and its experts
+        ``[B, T, k]`` (routing by ``replay`` if given): ``(extra, (stats, experts))``."""
+        attended, extra = attend(*self._qkv(h, weights, adapters, rope))
+        h, routed = self._after_attention(h, attended, weights, adapters, valid, replay)
+        return (h, extra) if routed is None else (h, (extra, routed))
 
     def _scan(self, hidden: Array, rope: tuple[Array, Array], attend, valid: Array | None = None
               ) -> tuple[Array, Any]:
-        """All layers by one ``lax.scan``, rolled (compile time independent of depth) or unrolled (``layer_loop``:
-        no stacked activations to zero-fill and copy for the backward pass); the ``extra`` of every layer's
-        ``attend`` comes back stacked over layers. Layers with and without experts side by side differ in their
-        weights: they run one after the other instead. The router stats and experts of the layers with experts
-        (stacked) go to :func:`~jppo.models.moe.record_router_stats` and ``record_routing``; they route by the
-        experts of :func:`~jppo.models.moe.replay_routing` when one is in force."""
-
+        """All layers by :func:`~jppo.models.moe.run_layers` (one ``lax.scan``, rolled or unrolled by
+        ``layer_loop``; layers with and without experts one after the other), every layer's ``extra`` stacked."""
         names = {name: logical_names(value)[1:] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
 
         def layer(h, inputs):  # each layer's weight gradient split over fsdp as it is made (constrain_gradient)
@@ -192,12 +195,9 @@ class DecoderLayers(nnx.Module):
 
     def prefill(self, hidden: Array, rope: tuple[Array, Array], rule: AttentionRule,
                 layers: tuple | None = None) -> tuple[Array, tuple[Array, Array]]:
-        """:meth:`__call__` that also returns every layer's keys and values, ``[L, B, K / h, T, h E]`` each (heads
-        before slots, ``h`` of them side by side in a row: :func:`~jppo.models.kv_cache.cache_rows`, the layout
-        :func:`decode_attention` contracts without a transpose). With ``layers``
-        (:meth:`unstacked`) the layers run one after the other on the weights decoding then reads (the scan
-        would gather each layer of batch-sharded stacks a second time)."""
-
+        """:meth:`__call__` that also returns every layer's keys and values, ``[L, B, K / h, T, h E]`` each (the
+        layout of :func:`~jppo.models.kv_cache.cache_rows`). With ``layers`` (:meth:`unstacked`) the layers run
+        one after the other on the weights decoding reads (a scan would gather batch-sharded stacks again)."""
         group = lane_group(self.config.num_kv_heads, self.config.head_dim)
 
         def attend(q, k, v):
@@ -295,6 +295,8 @@ class Decoder(nnx.Module):
 
     def __call__(self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
         positions, segment_ids = check_inputs(input_ids, positions, segment_ids)
+        if by_product():  # trainer.deterministic: bitwise, the sampler's numbers (jppo.models.bitwise)
+            return bitwise.forward(self, input_ids, positions, segment_ids)[0]
         hidden, rope = self._embed(input_ids, positions)
         if context_parallel(input_ids.shape[1]):
             return self._norm(self.layers.context_parallel(hidden, rope, segment_ids))

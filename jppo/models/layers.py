@@ -354,11 +354,6 @@ def dense(x: Array, kernel: Array, preferred_element_type=None) -> Array:
     return out.reshape(*x.shape[:-1], kernel.shape[-1])
 
 
-def swiglu(x: Array, gate: Array, up: Array, down: Array) -> Array:
-    """``(silu(x W_gate) * (x W_up)) W_down`` with ``W_gate``, ``W_up [D, F]`` and ``W_down [F, D]``."""
-    return dense(jax.nn.silu(dense(x, gate)) * dense(x, up), down)
-
-
 def check_inputs(input_ids: Array, positions: Array | None, segment_ids: Array | None) -> tuple[Array, Array]:
     """``(positions, segment_ids)`` of ``input_ids [B, T]``, defaulted (``arange(T)``, one segment) and checked."""
     if input_ids.ndim != 2:

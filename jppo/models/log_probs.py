@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from jppo.losses.entropy import entropy_from_logits
+from jppo.models.attention import by_product
+from jppo.models.bitwise import over_tokens
 from jppo.models.context import sequence_shards_of
 from jppo.models.decoder import CausalLM
 from jppo.models.sharding import constrain
@@ -57,6 +59,8 @@ def token_log_probs(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     hidden = model.hidden_states(input_ids, positions, segment_ids)
     targets = jnp.clip(targets, 0, model.config.vocab_size - 1)
+    if by_product():  # trainer.deterministic: bitwise, the sampler's numbers (jppo.models.bitwise)
+        return bitwise_log_probs(model, hidden, targets, temperature, with_entropy)
     shards = sequence_shards_of(hidden.shape[1])
     if shards > 1:
         return _split_token_log_probs(model, hidden, targets, shards, temperature, chunk_size, with_entropy)
@@ -133,3 +137,19 @@ def select_target(values: Array, targets: Array) -> Array:
     """
     index = jax.lax.broadcasted_iota(targets.dtype, values.shape, values.ndim - 1)
     return jnp.sum(jnp.where(index == targets[..., None], values, jnp.zeros((), values.dtype)), axis=-1)
+
+
+def bitwise_log_probs(model: CausalLM, hidden: Array, targets: Array, temperature, with_entropy: bool = False
+                      ) -> tuple[Array, Array | None]:
+    """:func:`token_log_probs` of final hidden states ``hidden [B, T, D]`` over :data:`~jppo.models.bitwise.CHUNK`
+    tokens at a time (:func:`~jppo.models.bitwise.over_tokens`): each token's log-prob has the same bits as the
+    sampler's in ``trainer.deterministic: bitwise``, which calls this on its rows' new tokens. The entropy, when
+    asked for, is a pass of its own (the log-prob's program stays the sampler's)."""
+    def log_prob(h: Array, target: Array) -> Array:
+        scaled = model.logits(h) / temperature
+        return select_target(scaled, target) - jax.nn.logsumexp(scaled, axis=-1)
+
+    log_probs = over_tokens(log_prob, hidden, targets)
+    if not with_entropy:
+        return log_probs, None
+    return log_probs, over_tokens(lambda h: entropy_from_logits(model.logits(h) / temperature), hidden)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jppo.models.attention import wide
+from jppo.models.attention import normalize, softmax, wide
 from jppo.models.exchange import gather_routed, in_rounds
 from jppo.parallel.mesh import EXPERT_AXIS, expert_shards, fitted_spec
 
@@ -62,14 +62,15 @@ def route(x: Array, router: Array, top_k: int, norm_topk_prob: bool, replay: Arr
     recorded experts instead, weighted by this router's probabilities of them (renormalized the same way), so the
     router still gets a gradient; a token whose recorded ids are ``>= E`` (:func:`not_recorded`) keeps its own."""
     logits = (x @ router.astype(x.dtype)).astype(wide(x.dtype))
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = softmax(logits, axis=-1)  # (a product by 1 / sum in the bitwise mode: jppo.models.attention)
     weights, experts = jax.lax.top_k(probs, top_k)
     if replay is not None:
         recorded = jnp.all(replay < probs.shape[-1], axis=-1, keepdims=True)
         experts = jnp.where(recorded, replay.astype(experts.dtype), experts)
         weights = jnp.take_along_axis(probs, experts, axis=-1)  # the same numbers as top_k's where not replayed
     if norm_topk_prob:  # (replayed experts' probabilities may all underflow to 0: no 0/0 then)
-        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), jnp.finfo(weights.dtype).tiny)
+        total = jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), jnp.finfo(weights.dtype).tiny)
+        weights = normalize(weights, total)
     return probs, weights.astype(x.dtype), experts.astype(jnp.int32), jax.nn.logsumexp(logits, axis=-1)
 
 

@@ -53,6 +53,7 @@ from jppo.models.kv_cache import cache_block_count
 from jppo.models.moe import collect_routing
 from jppo.models.sharding import constrain
 from jppo.parallel.mesh import decoding_layout, decoding_loop_axes, on_each_device
+from jppo.rollout.bitwise import sample_rows
 from jppo.rollout.continuous import continuous_rollout
 from jppo.rollout.params import SamplingParams
 from jppo.rollout.processors import draw, row_keys
@@ -188,9 +189,10 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
 
 
 def _in_chunks(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
-    """:func:`_sample` of each chunk of ``params.prompt_chunk`` prompts alone, one chunk after another on each
-    device (``lax.map``), its rows drawing with their global indices: every product has one chunk's shapes on any
-    mesh, so a row's tokens and log-probs are the same bits on any device count."""
+    """Each chunk of ``params.prompt_chunk`` prompts sampled alone by the bitwise sampler
+    (:func:`jppo.rollout.bitwise.sample_rows`), one chunk after another on each device (``lax.map``), its rows
+    drawing with their global indices: a row's tokens and log-probs are the same bits on any device count, and its
+    log-probs the trainer's."""
     batch, chunk, n = prompt_ids.shape[0], params.prompt_chunk, params.n
     axes = decoding_loop_axes(batch, batch, bool(getattr(model.config, "num_experts", 0)))
     shards = int(np.prod([jax.sharding.get_abstract_mesh().shape[axis] for axis in axes]))
@@ -206,7 +208,11 @@ def _in_chunks(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, pa
 
         def one(args) -> RolloutBatch:
             chunk_ids, chunk_mask, index = args
-            return _sample(model, chunk_ids, chunk_mask, key, params, (first + index * chunk) * n)
+            chunk_ids, chunk_mask = chunk_ids.astype(jnp.int32), chunk_mask.astype(bool)
+            out = sample_rows(model, chunk_ids, chunk_mask, key, params, (first + index * chunk) * n)
+            return RolloutBatch(prompt_ids=jnp.repeat(chunk_ids, n, axis=0), prompt_mask=jnp.repeat(chunk_mask, n, 0),
+                                response_ids=out["response_ids"], response_mask=out["response_mask"],
+                                log_probs=out["log_probs"], decode_slots=((out["steps"] - 1) * chunk * n)[None])
 
         chunks = ids.shape[0] // chunk
         out = jax.lax.map(one, (ids.reshape(chunks, chunk, -1), mask.reshape(chunks, chunk, -1), jnp.arange(chunks)))
