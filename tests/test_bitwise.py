@@ -2,9 +2,12 @@
 bits on 1, 2, 4 and 8 devices, with the parameters whole or split over fsdp, and under every fixed micro-batch cut;
 the default step's are not (so the equality can fail), and both are the same update to float32 rounding."""
 
+import contextlib
+import dataclasses
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_cases import mesh_of, ragged_batch, tiny_config
@@ -22,9 +25,14 @@ from jppo.engine import (
     init_train_state,
     run_updates,
 )
+from jppo.models.attention import normalized_by_product
+from jppo.models.config import ModelConfig
 from jppo.models.decoder import CausalLM
+from jppo.models.log_probs import token_log_probs
 from jppo.models.sharding import create_model
 from jppo.models.value import ValueModel
+from jppo.rollout.decode import generate
+from jppo.rollout.params import SamplingParams
 
 N = 16
 # (data, fsdp, tensor) and the sequences per shard in one micro-batch: K = N / shards / m micro-batches. One device
@@ -96,3 +104,61 @@ def test_off_however_yaml_spells_it_is_the_default_run():
     for written in ("off", "false", "no", "'off'"):
         cfg = load_config(QUICKSTART, [f"trainer.deterministic={written}"])
         assert engine_view(cfg, "actor").bitwise is False and "bitwise" not in forward_micro_batching(cfg, "actor")
+
+
+def sampled_and_scored(config: ModelConfig, bitwise: bool):
+    """Three responses to each of 5 ragged left-padded prompts (and an empty one) sampled by jppo's sampler (each
+    prompt alone with ``bitwise``), then each row's log-probs of its own tokens by the trainer: its forward pass
+    and the update's (under ``value_and_grad``, an entropy term beside it, as the actor's loss takes them), one row
+    per pass as the bitwise forward passes and update run. Returns the response mask, the sampler's log-probs and
+    the two trainer's."""
+    model = CausalLM(config, rngs=nnx.Rngs(3))
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(1)
+    width, n, new = 7, 3, 6
+    lengths = np.array([7, 2, 5, 0, 1, 4])
+    mask = np.arange(width)[None, :] >= (width - lengths)[:, None]
+    ids = np.where(mask, rng.integers(1, config.vocab_size, (6, width)), 0).astype(np.int32)
+    params = SamplingParams(max_new_tokens=new, n=n, temperature=0.9, eos_token_ids=(3,), pad_token_id=0,
+                            prompt_chunk=int(bitwise))
+    out = generate(model, ids, mask, jax.random.key(5), params)
+    response, sampled = np.asarray(out.response_mask), np.asarray(out.log_probs)
+    real = np.concatenate([np.repeat(mask, n, axis=0), response], axis=1)
+    tokens = np.where(real, np.concatenate([np.repeat(ids, n, axis=0), np.asarray(out.response_ids)], 1), 0)
+    rows = (tokens, np.maximum(np.cumsum(real, axis=1) - 1, 0), real.astype(np.int32),
+            np.concatenate([tokens[:, 1:], np.zeros((len(tokens), 1), np.int32)], axis=1))
+    context = normalized_by_product if bitwise else contextlib.nullcontext
+
+    def log_probs(state, *row, with_entropy=False):
+        with context():
+            return token_log_probs(nnx.merge(graphdef, state), *row, temperature=0.9, with_entropy=with_entropy)
+
+    def loss(state, *row):
+        values, entropy = log_probs(state, *row, with_entropy=True)
+        return jnp.sum(values * row[2]) + 0.1 * jnp.sum(entropy), values
+
+    forward, grad = jax.jit(lambda *a: log_probs(*a)[0]), jax.jit(jax.value_and_grad(loss, has_aux=True))
+    one = lambda i: tuple(x[i:i + 1] for x in rows)  # noqa: E731
+    passes = [np.concatenate([np.asarray(fn(state, *one(i))) for i in range(len(tokens))])[:, width - 1:-1]
+              for fn in (forward, lambda *a: grad(*a)[0][1])]
+    return response, sampled, *passes
+
+
+MOE = dataclasses.replace(tiny_config("float32"), model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=8, mlp_only_layers=(0,), qk_norm=True)
+
+
+@pytest.mark.parametrize("config", [tiny_config("float32"), MOE], ids=["dense", "experts"])
+def test_the_samplers_log_probs_are_the_trainers_bits(config):
+    """trainer.deterministic=bitwise: every sampled token's log-prob (temperature 0.9, rows ending at an EOS or at
+    6 tokens, an empty prompt among them) is the trainer's forward pass's and its update's, bit for bit
+    (``rollout_corr/kl`` exactly 0, the first micro-step's ratio exactly 1); with experts, the rows route alike
+    without a record to replay. The default sampler's are not the default forward pass's bits (the equality can
+    fail), only equal to float32 rounding."""
+    response, sampled, forward, update = sampled_and_scored(config, bitwise=True)
+    assert response.sum() > 40 and not response.all()  # rows of several lengths
+    for trainer in (forward, update):
+        assert np.array_equal(np.where(response, trainer, 0.0), sampled)
+    response, sampled, forward, _ = sampled_and_scored(config, bitwise=False)
+    assert not np.array_equal(np.where(response, forward, 0.0), sampled)
+    np.testing.assert_allclose(np.where(response, forward, 0.0), sampled, rtol=0, atol=2e-6)

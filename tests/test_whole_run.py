@@ -127,6 +127,8 @@ def test_bitwise_runs_log_and_save_the_same_bits_on_any_mesh_and_cut(tmp_path, r
     }.items()}
     logged = {name: train("ppo", tmp_path / name, *spec) for name, spec in runs.items()}
     saved = {name: saved_arrays(tmp_path / name) for name in runs}
+    for row in logged["one"]:  # the sampler's log-probs are the trainer's, bit for bit
+        assert row["rollout/log_prob_abs_diff"] == row["rollout_corr/kl"] == 0.0
     for name in ("eight", "fsdp-micro1"):
         assert logged[name] == logged["one"], name
         assert len(saved[name]) == len(saved["one"]) > 100
@@ -135,6 +137,20 @@ def test_bitwise_runs_log_and_save_the_same_bits_on_any_mesh_and_cut(tmp_path, r
     assert default != reference("ppo")
     assert_same_run(default, reference("ppo"))
     assert_same_run(logged["one"], reference("ppo"))  # the same training, to float32 rounding
+
+
+def test_bitwise_moe_runs_log_and_save_the_same_bits_on_one_and_four_devices(tmp_path):
+    """quickstart_moe (8 experts, top 2, the load-balancing loss on) in trainer.deterministic=bitwise: one device and
+    four log the same metrics, router metrics included, and save the same checkpoint; the sampler's log-probs are
+    the trainer's, bit for bit, with no routing replay (the sampler routes every token as the trainer does)."""
+    logged = {devices: train("moe", tmp_path / str(devices), devices, [*BITWISE, f"mesh.data={devices}"])
+              for devices in (1, 4)}
+    assert logged[4] == logged[1]
+    assert {"actor/router_aux_loss", "actor/expert_load"} <= set(logged[1][0])
+    for row in logged[1]:
+        assert row["rollout/log_prob_abs_diff"] == row["rollout_corr/kl"] == 0.0
+    one, four = saved_arrays(tmp_path / "1"), saved_arrays(tmp_path / "4")
+    assert len(one) == len(four) > 20 and all(np.array_equal(a, b) for a, b in zip(one, four))
 
 
 def counted(traces: collections.Counter, name: str, fn):
