@@ -83,8 +83,12 @@ QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quicksta
 @pytest.mark.parametrize("overrides,devices,message", [
     (["trainer.deterministic=bitwse"], 1, "trainer.deterministic='bitwse' is not valid (did you mean 'bitwise'?); "
                                           "valid: off, bitwise"),
-    (["actor.use_dynamic_bsz=true"], 1, "actor.use_dynamic_bsz=True with trainer.deterministic='bitwise': its sums "
-                                        "run one sequence per row in a fixed order (use ppo_micro_batch_size)"),
+    (["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len=12"], 1,
+     "actor.ppo_max_token_len=12 with trainer.deterministic='bitwise': the mode's passes hold one sequence, of up to "
+     "13 tokens (data.max_prompt_length + rollout.max_response_length)"),
+    (["actor.routing_replay=rollout"], 1, "actor.routing_replay='rollout' with trainer.deterministic='bitwise': the "
+                                          "mode's sampler routes every token as the trainer does, nothing to replay "
+                                          "(use none)"),
     (["rollout.max_num_seqs=32"], 1, "rollout.max_num_seqs=32 with trainer.deterministic='bitwise': the mode samples "
                                      "with jppo's sampler, each prompt alone (rollout.engine: jppo, "
                                      "rollout.max_num_seqs: 0)"),
@@ -120,7 +124,7 @@ def sampled_and_scored(config: ModelConfig, bitwise: bool):
     mask = np.arange(width)[None, :] >= (width - lengths)[:, None]
     ids = np.where(mask, rng.integers(1, config.vocab_size, (6, width)), 0).astype(np.int32)
     params = SamplingParams(max_new_tokens=new, n=n, temperature=0.9, eos_token_ids=(3,), pad_token_id=0,
-                            prompt_chunk=int(bitwise))
+                            bitwise=bitwise)
     out = generate(model, ids, mask, jax.random.key(5), params)
     response, sampled = np.asarray(out.response_mask), np.asarray(out.log_probs)
     real = np.concatenate([np.repeat(mask, n, axis=0), response], axis=1)

@@ -117,19 +117,20 @@ def saved_arrays(out: pathlib.Path) -> list[np.ndarray]:
 
 
 def test_bitwise_runs_log_and_save_the_same_bits_on_any_mesh_and_cut(tmp_path, reference):
-    """trainer.deterministic=bitwise (the PPO quickstart, two steps of four optimizer steps per role): one device, 8
-    devices, and 4 (data 2 x fsdp 2) with one sequence per micro-batch log the same metrics and save the same
-    checkpoint, bit for bit; the default run on 8 devices does not log the one-device run's bits (the comparison
+    """trainer.deterministic=bitwise (the PPO quickstart, two steps of four optimizer steps per role): one device (8
+    micro-batches of 8 sequences per optimizer step), 8 devices (one micro-batch each), and 4 (data 2 x fsdp 2) with
+    token budgets log the same metrics and save the same checkpoint, bit for bit, and the sampler's log-probs are
+    the trainer's; the default run on 8 devices does not log the one-device run's bits (the comparison
     can fail) but agrees with it to float32 rounding."""
     runs = {name: (devices, [*BITWISE, *overrides]) for name, (devices, overrides) in {
         "one": (1, []), "eight": (8, ["mesh.data=8"]),
-        "fsdp-micro1": (4, ["mesh.data=2", "mesh.fsdp=2", *(f"{role}.ppo_micro_batch_size=1" for role in ROLES)]),
+        "fsdp-dynamic": (4, ["mesh.data=2", "mesh.fsdp=2", *BUDGET_16]),
     }.items()}
     logged = {name: train("ppo", tmp_path / name, *spec) for name, spec in runs.items()}
     saved = {name: saved_arrays(tmp_path / name) for name in runs}
     for row in logged["one"]:  # the sampler's log-probs are the trainer's, bit for bit
         assert row["rollout/log_prob_abs_diff"] == row["rollout_corr/kl"] == 0.0
-    for name in ("eight", "fsdp-micro1"):
+    for name in ("eight", "fsdp-dynamic"):
         assert logged[name] == logged["one"], name
         assert len(saved[name]) == len(saved["one"]) > 100
         assert all(np.array_equal(a, b) for a, b in zip(saved[name], saved["one"])), name

@@ -154,9 +154,9 @@ OFF_SPELLINGS = ("off", "false", "no", "none", "null")
 
 
 def _check_bitwise(cfg: TrainConfig) -> None:
-    """``trainer.deterministic``: off or bitwise; bitwise needs one sequence per row in every role's update (no
-    token budget), the global normalization and jppo's sampler without continuous batching (what it needs of the
-    mesh and the models: :func:`jppo.config.devices.check_bitwise_mesh`)."""
+    """``trainer.deterministic``: off or bitwise; bitwise runs one sequence per pass (a token budget must admit the
+    longest), and needs the global normalization, jppo's sampler without continuous batching and no routing replay
+    (what it needs of the mesh: :func:`jppo.config.devices.check_bitwise_mesh`)."""
     value = str(cfg.trainer.deterministic)
     if value.strip().lower() in OFF_SPELLINGS:  # YAML reads an unquoted off / no / false as a boolean
         return
@@ -173,9 +173,11 @@ def _check_bitwise(cfg: TrainConfig) -> None:
                           "the mode's sampler routes every token as the trainer does, nothing to replay (use none)")
     for role in cfg.roles:
         section = getattr(cfg, role)
-        if section.use_dynamic_bsz:
-            raise ConfigError(f"{role}.use_dynamic_bsz=True with trainer.deterministic='bitwise': its sums run one "
-                              "sequence per row in a fixed order (use ppo_micro_batch_size)")
+        longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        if section.use_dynamic_bsz and section.ppo_max_token_len < longest:
+            raise ConfigError(f"{role}.ppo_max_token_len={section.ppo_max_token_len} with trainer.deterministic="
+                              f"'bitwise': the mode's passes hold one sequence, of up to {longest} tokens "
+                              "(data.max_prompt_length + rollout.max_response_length)")
         if section.normalization != "global":
             raise ConfigError(f"{role}.normalization={section.normalization!r} with trainer.deterministic='bitwise' "
                               "(global only)")

@@ -71,7 +71,8 @@ def engine_view(cfg: TrainConfig, role: str) -> ActorConfig | CriticConfig:
     given), the optimizer steps of one training step (the learning-rate schedule's unit), and a cosine decay
     without ``optim.decay_steps`` spread over the role's training steps after warm-up, reaching its floor on the
     last one. Micro-batch sizes (sequences per batch shard), token budgets, epochs and normalization count alike on both
-    sides and are passed on as they are."""
+    sides and are passed on as they are; with ``trainer.deterministic: bitwise`` a token budget becomes one sequence
+    per micro-batch (the mode's passes hold one sequence, which the budget admits: ``_check_bitwise``)."""
     section = getattr(cfg, role)
     engine_config = ENGINE_CONFIGS[role]
     derived = {"ppo_mini_batch_size", "loss_scale_factor", "optim", "optimizer_steps_per_training_step", "old_log_prob",
@@ -83,13 +84,16 @@ def engine_view(cfg: TrainConfig, role: str) -> ActorConfig | CriticConfig:
         optim = dataclasses.replace(optim, decay_steps=max(training_steps(cfg, role) - optim.warmup_steps - 1, 1))
     if role == "actor":
         same["old_log_prob"] = old_log_prob_source(cfg)
+    bitwise = cfg.trainer.deterministic == "bitwise"
+    if bitwise and section.use_dynamic_bsz:  # one sequence per pass: within the budget, which every sequence fits
+        same.update(use_dynamic_bsz=False, ppo_micro_batch_size=1)
     return engine_config(
         **same,
         ppo_mini_batch_size=section.ppo_mini_batch_size * cfg.rollout.n,
         loss_scale_factor=float(section.loss_scale_factor or cfg.rollout.max_response_length),
         optimizer_steps_per_training_step=optimizer_steps_per_training_step(cfg, role),
         optim=optim,
-        bitwise=cfg.trainer.deterministic == "bitwise",
+        bitwise=bitwise,
     )
 
 
@@ -210,8 +214,7 @@ def sampling_params(
     eos = tuple(tokenizer.eos_ids) if tokenizer is not None else ()  # every id that ends a response
     tokens = dict(eos_token_ids=eos, pad_token_id=0 if tokenizer is None else tokenizer.pad_id,
                   max_num_seqs=cfg.rollout.max_num_seqs, cache_blocks=cache_blocks(cfg.rollout.cache_blocks),
-                  # bitwise: each prompt (and its n rows) sampled alone, the same shapes on any mesh
-                  prompt_chunk=int(cfg.trainer.deterministic == "bitwise"))
+                  bitwise=cfg.trainer.deterministic == "bitwise")
     if greedy_baseline:
         return SamplingParams(max_new_tokens=cfg.rollout.max_response_length, greedy=True, n=1, **tokens)
     if evaluation:

@@ -5,6 +5,8 @@ forward pass."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -12,6 +14,7 @@ from flax import nnx
 from jppo.engine.config import ActorConfig, CriticConfig, UpdateConfig
 from jppo.engine.layout import flatten_shards
 from jppo.engine.microbatch import MicroBatches
+from jppo.models.attention import by_product
 from jppo.models.moe import collect_router_stats, replay_routing
 
 
@@ -41,6 +44,10 @@ def mini_batch_expert_fractions(model: nnx.Module, batch: MicroBatches, replay: 
                                 flatten_shards(micro.segment_ids))
         return jnp.sum(routed[0].counts, axis=0), jnp.sum(routed[0].tokens)
 
+    if by_product():  # bitwise (no replay): one row per shard a pass, routed as the update's rows route them
+        rows = lambda x: jnp.swapaxes(x, 1, 2).reshape(-1, x.shape[1], 1, *x.shape[3:])  # noqa: E731 [K R, D, 1, W]
+        batch = dataclasses.replace(batch, input_ids=rows(batch.input_ids), positions=rows(batch.positions),
+                                    segment_ids=rows(batch.segment_ids), gather_index=None, slots=None)
     per_expert, pairs = jax.tree.map(lambda x: jnp.sum(x, axis=0), jax.lax.map(counts, batch))
     return jax.lax.stop_gradient(per_expert / jnp.maximum(pairs, 1)), pairs
 

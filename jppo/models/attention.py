@@ -78,7 +78,7 @@ _NORMALIZE_BY_PRODUCT = contextvars.ContextVar("jppo_normalize_by_product", defa
 def normalized_by_product():
     """While a program is traced inside it, attention normalizes by a product with the reciprocal of its sum
     (:func:`softmax`, :func:`normalize`) instead of a division: what ``trainer.deterministic: bitwise`` traces
-    with (:mod:`jppo.engine.bitwise`, the sampler's ``prompt_chunk``, the run's forward passes)."""
+    with (:mod:`jppo.engine.bitwise`, the bitwise sampler, the run's forward passes)."""
     token = _NORMALIZE_BY_PRODUCT.set(True)
     try:
         yield

@@ -55,7 +55,8 @@ def over_tokens(fn: Callable, *arrays: Array, summed: bool = False):
     Each chunk runs under ``jax.checkpoint``: differentiated (the update), the forward pass then computes the
     primal operations alone and the backward pass recomputes them, so the update's log-probs are the forward
     pass's bits (first micro-step's ratio exactly 1). Without it XLA fused the saved intermediates differently and
-    2 of 760 log-probs moved by 1e-6 (the GSM8K-like shape)."""
+    2 of 760 log-probs moved by 1e-6 (the GSM8K-like shape). A loop, not unrolled: unrolled, XLA merged the chunks'
+    products and 309 of the 760 moved."""
     length = arrays[0].shape[1]
     chunks = -(-length // CHUNK)
 
@@ -93,18 +94,18 @@ def attend_each(query: Array, keys: Array, values: Array, visible: Array) -> Arr
 
 def _layer(layers: Any, h: Array, weights: dict, adapters: dict, rope: tuple[Array, Array], valid: Array,
            keep: Callable[[Array, Array], tuple[Array, Array, Array, Any]]) -> tuple[Array, Any, Any]:
-    """One layer on ``h [B, T, D]``: queries, keys and values over chunks; ``keep(k, v)`` gives each query's key and
-    value rows ``[B, T, S, K, E]``, its visible columns ``[B, T, S]`` and what the layer returns besides ``h``; with
+    """One layer on ``h [B, T, D]``: queries, keys and values over chunks, then attention and the rest of the layer
+    over chunks; ``keep(k, v)`` gives each query's key and value rows ``[B, T, S, K, E]``, its visible columns
+    ``[B, T, S]`` and what the layer returns besides ``h``; with
     experts, their router statistics over the ``valid [B, T]`` tokens and each token's experts, else ``None``."""
     q, k, v = over_tokens(lambda x, cos, sin: layers._qkv(x, weights, adapters, (cos, sin)), h, *rope)
     key_rows, value_rows, visible, extra = keep(k, v)
-    attended = over_tokens(attend_each, q, key_rows, value_rows, visible)
 
-    def rest(x: Array, a: Array, ok: Array):
-        x, routed = layers._after_attention(x, a, weights, adapters, ok)
+    def rest(x: Array, query: Array, key: Array, value: Array, seen: Array, ok: Array):
+        x, routed = layers._after_attention(x, attend_each(query, key, value, seen), weights, adapters, ok)
         return (x, None if routed is None else routed[1]), None if routed is None else routed[0]
 
-    (h, experts), stats = over_tokens(rest, h, attended, valid, summed=True)
+    (h, experts), stats = over_tokens(rest, h, q, key_rows, value_rows, visible, valid, summed=True)
     return h, extra, None if stats is None else (stats, experts)
 
 
@@ -153,31 +154,39 @@ def _rope(positions: Array, config) -> tuple[Array, Array]:
     return over_tokens(lambda p: rope_tables(p, config), positions)
 
 
-def forward(decoder: Any, input_ids: Array, positions: Array, segment_ids: Array, width: int | None = None
-            ) -> tuple[Array, tuple[Array, Array]]:
+def forward(decoder: Any, input_ids: Array, positions: Array, segment_ids: Array, width: int | None = None,
+            one_row: bool = False) -> tuple[Array, tuple[Array, Array]]:
     """The final-norm hidden states ``[B, T, D]`` of rows ``input_ids [B, T]`` (a :class:`~jppo.models.decoder
     .Decoder`'s, on its stacked weights) and every layer's keys and values ``[L, B, S, K, E]``: ``S = width``
     columns (default ``T``), those past ``T`` zero and seen by no query (the sampler's prefill of its prompts,
     ``width`` its rows' prompt and response columns). The rule is the decoder's: column ``s`` is visible to token
-    ``t`` iff ``s <= t`` and their segments are equal and not 0."""
+    ``t`` iff ``s <= t`` and their segments are equal and not 0.
+
+    Each product takes :data:`CHUNK` tokens of a row: ``CHUNK`` rows of ``B``, ``B CHUNK`` in all, which is
+    ``CHUNK`` on a device holding one row (the trainer's passes). ``one_row``: the ``B T`` tokens as one row of
+    chunks instead, for a device holding several rows (the sampler's prefill; not under a partitioned ``B``)."""
     config = decoder.config
     batch, length = input_ids.shape
     width = length if width is None else width
+    shape = (1, batch * length) if one_row else (batch, length)
     embedding = decoder.embed_tokens[...].astype(config.compute_dtype)
-    hidden = jnp.take(embedding, input_ids, axis=0, mode="clip")
+    hidden = jnp.take(embedding, input_ids, axis=0, mode="clip").reshape(*shape, -1)
     columns = jnp.pad(segment_ids, ((0, 0), (0, width - length)))  # past T: segment 0, seen by nothing
     slots = jnp.arange(width)
     visible = ((columns[:, None, :] == segment_ids[:, :, None]) & (segment_ids[:, :, None] != 0)
                & (slots[None, None, :] <= jnp.arange(length)[None, :, None]))  # [B, T, S]
 
     def keep(k: Array, v: Array):
-        padded = tuple(jnp.pad(x, ((0, 0), (0, width - length), (0, 0), (0, 0))) for x in (k, v))
-        rows = tuple(jnp.broadcast_to(x[:, None], (batch, length, *x.shape[1:])) for x in padded)
-        return (*rows, visible, padded)
+        padded = tuple(jnp.pad(x.reshape(batch, length, *x.shape[2:]), ((0, 0), (0, width - length), (0, 0), (0, 0)))
+                       for x in (k, v))  # [B, S, K, E]
+        rows = tuple(jnp.broadcast_to(x[:, None], (batch, length, *x.shape[1:])).reshape(*shape, *x.shape[1:])
+                     for x in padded)
+        return (*rows, visible.reshape(*shape, width), padded)
 
-    hidden, kept = _layers(decoder, hidden, _rope(positions, config), segment_ids != 0, keep, config.remat)
+    rope = _rope(positions.reshape(shape), config)
+    hidden, kept = _layers(decoder, hidden, rope, (segment_ids != 0).reshape(shape), keep, config.remat)
     cache = tuple(jnp.stack(x) for x in zip(*kept))
-    return final_norm(decoder, hidden), cache
+    return final_norm(decoder, hidden).reshape(batch, length, -1), cache
 
 
 def final_norm(decoder: Any, hidden: Array) -> Array:

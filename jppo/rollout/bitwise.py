@@ -35,7 +35,8 @@ def sample_rows(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, p
     rows, width = batch * n, prompt_len + max_new
     counts = jnp.cumsum(prompt_mask, axis=1, dtype=jnp.int32)
     positions = jnp.where(prompt_mask, counts - 1, 0)
-    hidden, cache = bitwise.forward(model.decoder, prompt_ids, positions, prompt_mask.astype(jnp.int32), width)
+    hidden, cache = bitwise.forward(model.decoder, prompt_ids, positions, prompt_mask.astype(jnp.int32), width,
+                                    one_row=True)
     cache = tuple(jnp.repeat(x, n, axis=1) for x in cache)  # [L, R, S, K, E]: each row its prompt's columns
     last_real = prompt_len - 1 - jnp.argmax(prompt_mask[:, ::-1], axis=1)
     first_hidden = jnp.repeat(jnp.take_along_axis(hidden, last_real[:, None, None], axis=1)[:, 0], n, axis=0)

@@ -180,44 +180,28 @@ def rollout(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, param
     _check_inputs(model.config.vocab_size, prompt_ids, prompt_mask, params)
     with decoding_layout():
         by_row = lambda x: constrain(x, ("batch", None))  # noqa: E731
-        if params.prompt_chunk:  # bitwise: each chunk alone, normalized by products (jppo.models.attention)
+        if params.bitwise:  # the decoder's bitwise path (jppo.rollout.bitwise), normalized by products
             with normalized_by_product():
-                out = _in_chunks(model, by_row(prompt_ids), by_row(prompt_mask), key, params)
+                out = _bitwise(model, by_row(prompt_ids), by_row(prompt_mask), key, params)
         else:
             out = _sample(model, by_row(prompt_ids), by_row(prompt_mask), key, params)
     return jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1)) if x.ndim >= 2 else x, out)
 
 
-def _in_chunks(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
-    """Each chunk of ``params.prompt_chunk`` prompts sampled alone by the bitwise sampler
-    (:func:`jppo.rollout.bitwise.sample_rows`), one chunk after another on each device (``lax.map``), its rows
-    drawing with their global indices: a row's tokens and log-probs are the same bits on any device count, and its
-    log-probs the trainer's."""
-    batch, chunk, n = prompt_ids.shape[0], params.prompt_chunk, params.n
+def _bitwise(model: Any, prompt_ids: Array, prompt_mask: Array, key: Array, params: SamplingParams) -> RolloutBatch:
+    """Each device samples its own prompts by :func:`jppo.rollout.bitwise.sample_rows`, its rows drawing with their
+    global indices: a row's tokens and log-probs are the same bits on any device count, and its log-probs the
+    trainer's."""
+    batch, n = prompt_ids.shape[0], params.n
     axes = decoding_loop_axes(batch, batch, bool(getattr(model.config, "num_experts", 0)))
-    shards = int(np.prod([jax.sharding.get_abstract_mesh().shape[axis] for axis in axes]))
-    if (batch // shards) % chunk:
-        raise ValueError(f"SamplingParams.prompt_chunk={chunk} must divide the {batch // shards} prompts of each of "
-                         f"{shards} devices")
-    if decode_rows(chunk * n, params.max_num_seqs) < chunk * n:
-        raise ValueError(f"SamplingParams.prompt_chunk={chunk} decodes each chunk's {chunk * n} rows together: "
-                         f"max_num_seqs={params.max_num_seqs} would refill them (use 0)")
 
     def per_device(ids: Array, mask: Array) -> RolloutBatch:
         first = (jax.lax.axis_index(axes) if axes else 0) * ids.shape[0]  # this device's first global prompt
-
-        def one(args) -> RolloutBatch:
-            chunk_ids, chunk_mask, index = args
-            chunk_ids, chunk_mask = chunk_ids.astype(jnp.int32), chunk_mask.astype(bool)
-            out = sample_rows(model, chunk_ids, chunk_mask, key, params, (first + index * chunk) * n)
-            return RolloutBatch(prompt_ids=jnp.repeat(chunk_ids, n, axis=0), prompt_mask=jnp.repeat(chunk_mask, n, 0),
-                                response_ids=out["response_ids"], response_mask=out["response_mask"],
-                                log_probs=out["log_probs"], decode_slots=((out["steps"] - 1) * chunk * n)[None])
-
-        chunks = ids.shape[0] // chunk
-        out = jax.lax.map(one, (ids.reshape(chunks, chunk, -1), mask.reshape(chunks, chunk, -1), jnp.arange(chunks)))
-        rows_first = jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), out)
-        return rows_first.replace(decode_slots=out.decode_slots.sum()[None])
+        ids, mask = ids.astype(jnp.int32), mask.astype(bool)
+        out = sample_rows(model, ids, mask, key, params, first * n)
+        return RolloutBatch(prompt_ids=jnp.repeat(ids, n, axis=0), prompt_mask=jnp.repeat(mask, n, axis=0),
+                            response_ids=out["response_ids"], response_mask=out["response_mask"],
+                            log_probs=out["log_probs"], decode_slots=((out["steps"] - 1) * ids.shape[0] * n)[None])
 
     return on_each_device(per_device, axes, (prompt_ids, prompt_mask), ())
 

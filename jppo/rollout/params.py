@@ -29,10 +29,9 @@ class SamplingParams:
             differ by the rounding of combining per-block softmax sums.
         record_routing: a model with experts also returns each token's experts (routing replay,
             :mod:`jppo.rollout.routing`).
-        prompt_chunk: ``> 0``: each device samples its prompts in chunks of this many, one chunk after another,
-            each alone (prefill and decoding loop), so every product has the chunk's shapes whatever the mesh and
-            a row's tokens and log-probs have the same bits on any device count (``trainer.deterministic:
-            bitwise``); it must divide every device's prompts. ``0``: a device's prompts together.
+        bitwise: sample on the decoder's bitwise path (:mod:`jppo.rollout.bitwise`, ``trainer.deterministic:
+            bitwise``): a row's tokens and log-probs have the same bits on any device count, and its log-probs are
+            the trainer's.
     """
 
     max_new_tokens: int
@@ -46,12 +45,12 @@ class SamplingParams:
     max_num_seqs: int = 0
     cache_blocks: int = 0
     record_routing: bool = False
-    prompt_chunk: int = 0
+    bitwise: bool = False
 
     def __post_init__(self) -> None:
         # A list would make the params unhashable and so unusable as a static argument.
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        for name in ("max_new_tokens", "top_k", "n", "pad_token_id", "max_num_seqs", "cache_blocks", "prompt_chunk"):
+        for name in ("max_new_tokens", "top_k", "n", "pad_token_id", "max_num_seqs", "cache_blocks"):
             if not isinstance(getattr(self, name), (int, np.integer)):
                 raise InvalidSetting("SamplingParams.", name, getattr(self, name), "an integer")
         problems = {
@@ -63,9 +62,11 @@ class SamplingParams:
             "pad_token_id": (self.pad_token_id, self.pad_token_id >= 0, "a token id >= 0"),
             "max_num_seqs": (self.max_num_seqs, self.max_num_seqs >= 0, "an integer >= 0 (0 = every row at once)"),
             "cache_blocks": (self.cache_blocks, self.cache_blocks >= 0, "an integer >= 0 (0 = by backend)"),
-            "prompt_chunk": (self.prompt_chunk, self.prompt_chunk >= 0, "an integer >= 0 (0 = all at once)"),
             "eos_token_ids": (self.eos_token_ids, all(t >= 0 for t in self.eos_token_ids), "token ids >= 0"),
         }
         for name, (value, ok, valid) in problems.items():
             if not ok:
                 raise InvalidSetting("SamplingParams.", name, value, valid)
+        for name in ("max_num_seqs", "record_routing"):  # the bitwise sampler decodes every row, routing as trained
+            if self.bitwise and getattr(self, name):
+                raise InvalidSetting("SamplingParams.", name, getattr(self, name), "0 / False with bitwise=True")
