@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jppo.models import bitwise
 from jppo.models.attention import AttentionRule, by_product
+from jppo.models.bitwise import experts_each  # noqa: I001
+from jppo.models.bitwise import forward as bitwise_forward
 from jppo.models.config import ModelConfig
 from jppo.models.context import context_parallel, sequence_attention
 from jppo.models.kv_cache import (
@@ -139,7 +140,7 @@ class DecoderLayers(nnx.Module):
         x = rms_norm(h, weights["post_attention_norm"], config.rms_norm_eps)
         if "router" in weights:
             valid = jnp.ones((batch, length), bool) if valid is None else valid
-            mixture = bitwise.experts_each if by_product() else moe_mlp  # bitwise: every expert on every token
+            mixture = experts_each if by_product() else moe_mlp  # bitwise: every expert on every token
             mlp, stats, experts = mixture(x, valid, weights["router"], weights["expert_gate"], weights["expert_up"],
                                           weights["expert_down"], config.num_experts_per_tok, config.norm_topk_prob,
                                           replay, chunk=config.expert_chunk_size)
@@ -177,8 +178,7 @@ class DecoderLayers(nnx.Module):
         return attention(q, k, v, rule, config.attention, (config.attention_block_q, config.attention_block_kv))
 
     def __call__(self, hidden: Array, rope: tuple[Array, Array], rule: AttentionRule) -> Array:
-        """Runs all layers on ``hidden [B, T, D]``, each query attending the keys its ``rule`` shows it (segments
-        and slots: the dense ``[B, T, T]`` mask is built only by the implementations that take one)."""
+        """Runs all layers on ``hidden [B, T, D]``, each query attending the keys its ``rule`` shows it."""
         attend = lambda q, k, v: (self._attention(q, k, v, rule), None)  # noqa: E731
         return self._scan(hidden, rope, attend, rule.query_segments != 0)[0]
 
@@ -296,7 +296,7 @@ class Decoder(nnx.Module):
     def __call__(self, input_ids: Array, positions: Array | None = None, segment_ids: Array | None = None) -> Array:
         positions, segment_ids = check_inputs(input_ids, positions, segment_ids)
         if by_product():  # trainer.deterministic: bitwise, the sampler's numbers (jppo.models.bitwise)
-            return bitwise.forward(self, input_ids, positions, segment_ids)[0]
+            return bitwise_forward(self, input_ids, positions, segment_ids)[0]
         hidden, rope = self._embed(input_ids, positions)
         if context_parallel(input_ids.shape[1]):
             return self._norm(self.layers.context_parallel(hidden, rope, segment_ids))
