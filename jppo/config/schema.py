@@ -337,8 +337,8 @@ class TrainerSection:
     # k in [0, 4]: each step's batch sampled by the weights of min(step - 1, k) updates before, the next batch
     # generated while this step trains (jppo.run.offpolicy, docs/scale-out.md); 0: on-policy, collect then learn
     off_policy_steps: int = 0
-    # off | bitwise: the run's metrics and checkpoints the same bits on 1, 2, 4 or 8 devices and under any fixed
-    # micro-batch cut, every sum over rows in one fixed order, at a price in speed (docs/contract.md, "Bit for bit")
+    # off | bitwise: the run's metrics and checkpoints the same bits on 1, 2, 4 or 8 devices and under any cut, and
+    # the sampler's log-probs the trainer's, at a price in speed (docs/contract.md, "Bit for bit")
     deterministic: str = "off"
 
 
